@@ -1,0 +1,32 @@
+"""paramserver: a sharded parameter server for PyTorch on torch.distributed.rpc.
+
+Servers hold the parameters (dense tensors placed whole, embedding tables split by row) and
+apply updates with torch.optim's math; trainers pull the rows their batch touches, run forward
+and backward, and push gradients back, one fused round trip per server per step.
+"""
+
+from paramserver.api import TrainResult, train
+from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.errors import (
+    ConfigError,
+    InvalidBatchError,
+    InvalidPushError,
+    JobFailedError,
+    ModelError,
+    ParamServerError,
+    TrainerDepartedError,
+)
+
+__all__ = [
+    "ConfigError",
+    "InvalidBatchError",
+    "InvalidPushError",
+    "JobFailedError",
+    "ModelError",
+    "OptimizerConfig",
+    "ParamServerError",
+    "TrainConfig",
+    "TrainResult",
+    "TrainerDepartedError",
+    "train",
+]

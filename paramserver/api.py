@@ -1,0 +1,78 @@
+"""The Python API: ``paramserver.train(model_fn, data_fn, loss_fn, config)``."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from paramserver.config import TrainConfig
+from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, seeded_model
+
+
+@dataclass
+class TrainResult:
+    """``model`` is a plain ``nn.Module`` (built by ``model_fn()``) holding the final parameters
+    gathered from the servers; ``summary`` is the job summary (the ``--summary-json`` object)."""
+
+    model: nn.Module
+    summary: dict[str, Any]
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or (
+        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+    )
+
+
+def train(model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
+          config: TrainConfig | None = None,
+          on_progress: Callable[[Progress], None] | None = None) -> TrainResult | None:
+    """Train ``model_fn()``'s model on ``config.servers`` servers and ``config.trainers`` trainers.
+
+    ``data_fn(trainer, num_trainers)`` yields ``(inputs, target)`` batches for one trainer
+    (``inputs`` a tensor or a tuple of tensors passed as ``model(*inputs)``); ``loss_fn(output,
+    target)`` returns a scalar. The three may be lambdas or closures: they are shipped to worker
+    processes with cloudpickle. Every parameter starts from one ``model_fn()`` call under
+    ``config.seed``.
+
+    Returns the result on the process that launched the job (or, under torchrun, on the chief
+    trainer); other torchrun ranks get ``None``.
+    """
+    config = config or TrainConfig()
+    launcher = config.launcher
+    if launcher == "auto":
+        launcher = "torchrun" if under_torchrun() else "processes"
+    started = time.perf_counter()
+    if launcher == "threads":
+        from paramserver.launch.roles import summarize
+        from paramserver.launch.threads import run_threads
+
+        chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress)
+        assert chief.state is not None
+        summary = summarize(chief, config, time.perf_counter() - started)
+        return TrainResult(_materialize(model_fn, config, chief.state), summary)
+    if launcher == "torchrun":
+        from paramserver.launch.torchrun import run_torchrun_rank
+
+        outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress)
+        if outcome is None:
+            return None
+        state, summary = outcome
+        summary["wall_s"] = time.perf_counter() - started
+        return TrainResult(_materialize(model_fn, config, state), summary)
+    from paramserver.launch.processes import run_processes
+
+    state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress)
+    summary["wall_s"] = time.perf_counter() - started
+    return TrainResult(_materialize(model_fn, config, state), summary)
+
+
+def _materialize(model_fn: ModelFn, config: TrainConfig, state: dict[str, Any]) -> nn.Module:
+    model = seeded_model(model_fn, config.seed)
+    model.load_state_dict(state)
+    return model

@@ -1,0 +1,220 @@
+"""Job configuration: frozen dataclasses, validated once, whose field docs become ``--help``.
+
+:class:`TrainConfig` mirrors the ``paramserver train`` flags one to one (``lr`` is ``--lr``,
+``rpc_threads`` is ``--rpc-threads``); a TOML file given with ``--config`` supplies the same
+keys, and flags override it. Errors name the flag to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paramserver.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+MODES = ("async", "sync")
+LAUNCHERS = ("auto", "processes", "torchrun", "threads")
+
+
+def _doc(text: str, **extra: Any) -> dict[str, Any]:
+    return {"help": text, **extra}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """A server-side update rule and its hyper-parameters (torch.optim's names and defaults)."""
+
+    name: str = "adagrad"
+    lr: float = 0.01
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float | None = None
+    lr_decay: float = 0.0
+    initial_accumulator_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer: unknown optimizer {self.name!r}; choose from {OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ConfigError(f"--lr must be > 0, got {self.lr}")
+        if self.momentum < 0 or self.weight_decay < 0:
+            raise ConfigError("--momentum and --weight-decay must be >= 0")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ConfigError("nesterov needs momentum > 0 and dampening 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"betas must lie in [0, 1), got {self.betas}")
+        if self.eps is not None and self.eps <= 0:
+            raise ConfigError(f"eps must be > 0, got {self.eps}")
+
+    @property
+    def resolved_eps(self) -> float:
+        if self.eps is not None:
+            return self.eps
+        return 1e-8 if self.name == "adam" else 1e-10
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any], where: str) -> OptimizerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ConfigError(f"{where}: unknown optimizer keys {sorted(unknown)}; known: {sorted(known)}")
+        values = dict(values)
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a job needs besides the model, the data and the loss."""
+
+    servers: int = field(default=2, metadata=_doc("number of server processes (shards)"))
+    trainers: int = field(default=2, metadata=_doc("number of trainer processes"))
+    mode: str = field(default="async", metadata=_doc("consistency: async | sync", choices=MODES))
+    steps: int | None = field(
+        default=None, metadata=_doc("optimizer steps per trainer at most (default: until data ends)")
+    )
+    epochs: int = field(default=1, metadata=_doc("passes over each trainer's data"))
+    batch_size: int = field(default=512, metadata=_doc("batch size of the built-in datasets"))
+    optimizer: str = field(
+        default="adagrad", metadata=_doc("update rule for dense parameters", choices=OPTIMIZERS)
+    )
+    lr: float = field(default=0.05, metadata=_doc("learning rate for dense parameters"))
+    momentum: float = field(default=0.0, metadata=_doc("SGD momentum"))
+    weight_decay: float = field(default=0.0, metadata=_doc("weight decay (L2), all optimizers"))
+    table_optimizer: str | None = field(
+        default=None,
+        metadata=_doc("update rule for embedding tables (default: --optimizer)", choices=OPTIMIZERS),
+    )
+    table_lr: float | None = field(
+        default=None, metadata=_doc("learning rate for embedding tables (default: --lr)")
+    )
+    table_optimizers: Mapping[str, OptimizerConfig] = field(
+        default_factory=dict,
+        metadata=_doc("per-table optimizers by table name (TOML [tables.NAME] sections)", cli=False),
+    )
+    seed: int = field(default=0, metadata=_doc("seed of model init, data and every process's RNG"))
+    clip_grad_norm: float | None = field(
+        default=None, metadata=_doc("clip each push's gradients to this global L2 norm")
+    )
+    accumulate: int = field(
+        default=1, metadata=_doc("local batches whose gradients are averaged into one push")
+    )
+    rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
+    rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
+    threads_per_process: int = field(
+        default=1, metadata=_doc("torch intra-op threads in each server and trainer process")
+    )
+    launcher: str = field(
+        default="auto",
+        metadata=_doc(
+            "auto (torchrun if its environment is set, else processes) | processes | torchrun"
+            " | threads (all roles in this process, for tests and notebooks)",
+            choices=LAUNCHERS,
+        ),
+    )
+    progress: bool = field(default=True, metadata=_doc("show a progress bar or periodic log lines"))
+    log_every: float = field(
+        default=10.0, metadata=_doc("seconds between progress log lines when not on a terminal")
+    )
+
+    def __post_init__(self) -> None:
+        positive = ("servers", "trainers", "epochs", "batch_size", "accumulate", "rpc_threads",
+                    "threads_per_process")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{_flag(name)} must be an integer >= 1, got {value!r}")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode: unknown mode {self.mode!r}; choose from {MODES}")
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}")
+        if self.rpc_timeout <= 0:
+            raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+        if self.optimizer == "rowwise_adagrad":
+            raise ConfigError(
+                "--optimizer: rowwise_adagrad applies to embedding tables only; "
+                "use --table-optimizer rowwise_adagrad"
+            )
+        # Building the optimizer configs validates their values with flag-named errors.
+        self.dense_optimizer()
+        self.table_optimizer_for("")
+
+    def dense_optimizer(self) -> OptimizerConfig:
+        return OptimizerConfig(
+            name=self.optimizer, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
+
+    def table_optimizer_for(self, table: str) -> OptimizerConfig:
+        if table in self.table_optimizers:
+            return self.table_optimizers[table]
+        return OptimizerConfig(
+            name=self.table_optimizer or self.optimizer,
+            lr=self.table_lr if self.table_lr is not None else self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.servers + self.trainers
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _flag(field_name: str) -> str:
+    return field_name.replace("_", "-")
+
+
+def config_fields() -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(TrainConfig))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML job file into TrainConfig keyword arguments (flags are applied on top).
+
+    Keys are TrainConfig field names with ``_`` or ``-``; ``[tables.NAME]`` sections set
+    per-table optimizers. Unknown keys are errors, so a typo never silently does nothing.
+    """
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config: {path} is not valid TOML: {e}") from None
+    known = {f.name for f in config_fields()}
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name == "tables":
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config: [tables] in {path} must be a table of tables")
+            values["table_optimizers"] = {
+                table: OptimizerConfig.from_mapping(spec, f"--config [tables.{table}]")
+                for table, spec in value.items()
+            }
+        elif name in known:
+            values[name] = value
+        else:
+            raise ConfigError(f"--config: unknown key {key!r} in {path}; known: {sorted(known)}")
+    return values
+

@@ -1,0 +1,47 @@
+"""The typed errors paramserver raises.
+
+Every error is constructible from its message alone: torch.distributed.rpc re-raises a remote
+exception on the caller as ``type(message)``, so the message must carry everything a user needs
+(the parameter, the server, what was wrong) and the structured fields are a local convenience.
+"""
+
+from __future__ import annotations
+
+
+class ParamServerError(Exception):
+    """Base class of every error paramserver raises on purpose."""
+
+
+class ConfigError(ParamServerError, ValueError):
+    """A configuration value is invalid; the message names the flag or field to change."""
+
+
+class InvalidPushError(ParamServerError, ValueError):
+    """A server rejected a whole push; none of it was applied.
+
+    Raised for gradients of the wrong shape or dtype, unknown parameter or table names, row ids
+    out of range or routed to the wrong server, and NaN or Inf values.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None, server: int | None = None):
+        if param is not None or server is not None:
+            message = f"server {server}: parameter {param!r}: {message}"
+        super().__init__(message)
+        self.param = param
+        self.server = server
+
+
+class TrainerDepartedError(ParamServerError):
+    """A server refused a call from a trainer that already left (or was declared departed)."""
+
+
+class ModelError(ParamServerError, ValueError):
+    """The user's model cannot be served as given (for example an embedding with ``max_norm``)."""
+
+
+class JobFailedError(ParamServerError, RuntimeError):
+    """A job process failed; the message names the process and how it ended."""
+
+
+class InvalidBatchError(ParamServerError, IndexError):
+    """A batch holds ids a table cannot serve (for example out of its row range)."""

@@ -1,0 +1,1 @@
+"""Starting a job: roles, and the launchers that run them (threads, local processes, torchrun)."""

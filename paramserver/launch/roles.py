@@ -1,0 +1,63 @@
+"""What each role does, independent of how it was launched, and the job summary."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from paramserver.config import TrainConfig
+from paramserver.server.consistency import Coordinator
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.server.shard import ServerShard
+from paramserver.trainer.loop import ModelFn, TrainerOutcome, seeded_model
+from paramserver.trainer.replica import describe
+
+
+def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
+    """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``."""
+    model = seeded_model(model_fn, config.seed)
+    plan = describe(model, config.servers)
+    initial = dict(model.named_parameters())
+    shard = ServerShard(server, plan, initial, config)
+    del model, initial
+    return ServerEndpoint(Coordinator(shard, config.trainers, config.mode))
+
+
+def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:
+    """The job summary (the ``--summary-json`` object) from the chief's gathered statistics."""
+    assert chief.server_stats is not None
+    reports = {}
+    for stats in chief.server_stats:
+        reports.update(stats["reports"])
+    ordered = [reports[t] for t in sorted(reports)]
+    train_seconds = max((r.train_seconds for r in ordered), default=0.0)
+    samples = sum(r.samples for r in ordered)
+    losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
+    servers = [
+        {k: v for k, v in stats.items() if k not in ("reports", "left")}
+        for stats in chief.server_stats
+    ]
+    total_steps = sum(r.steps for r in ordered)
+    return {
+        "mode": config.mode,
+        "servers": config.servers,
+        "trainers": config.trainers,
+        "steps": total_steps,
+        "trainer_steps": [r.steps for r in ordered],
+        "samples": samples,
+        "samples_per_s": samples / train_seconds if train_seconds > 0 else 0.0,
+        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "train_seconds": train_seconds,
+        "wall_s": wall_s,
+        "bytes": {
+            "trainers": {"sent": sum(r.bytes_sent for r in ordered),
+                         "received": sum(r.bytes_received for r in ordered)},
+            "servers": {"sent": sum(s["bytes_sent"] for s in servers),
+                        "received": sum(s["bytes_received"] for s in servers)},
+        },
+        "bytes_per_step": {
+            "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
+            "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
+        },
+        "server_stats": servers,
+    }

@@ -1,0 +1,116 @@
+"""Messages between trainers and servers.
+
+A trainer sends each server one :class:`PushPullRequest` per step: the gradients of its last
+step go up and the values it needs for the next step come back in the same round trip
+(:class:`PushPullReply`). Row ids on the wire are *global* row ids of a table; each server owns
+the rows the routing rule gives it (see :mod:`paramserver.sharding`).
+
+Ownership: once a message is handed to a transport the sender must not modify its tensors; the
+receiver owns what it receives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RowBlock:
+    """Rows of one table: ``ids`` is a 1-D int64 tensor of unique global row ids and ``values``
+    the matching ``[len(ids), dim]`` rows (gradients in a request, parameters in a reply)."""
+
+    ids: Tensor
+    values: Tensor
+
+
+@dataclass
+class TrainerReport:
+    """What a trainer tells the servers when it leaves, for the job summary."""
+
+    trainer: int
+    steps: int
+    samples: int
+    train_loss: float
+    train_seconds: float
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass
+class PushPullRequest:
+    """One fused push+pull from a trainer to one server.
+
+    ``(trainer, step)`` plus the destination server is the idempotency key: a server applies the
+    gradients of a key at most once and answers a duplicate without applying it again. ``step`` is
+    the trainer's call counter (0 is the initial pull and carries no gradients).
+    """
+
+    trainer: int
+    step: int
+    dense_grads: dict[str, Tensor] = field(default_factory=dict)
+    row_grads: dict[str, RowBlock] = field(default_factory=dict)
+    pull_dense: bool = True
+    pull_rows: dict[str, Tensor] = field(default_factory=dict)
+    final: bool = False
+    report: TrainerReport | None = None
+
+    @property
+    def has_grads(self) -> bool:
+        return bool(self.dense_grads) or bool(self.row_grads)
+
+
+@dataclass
+class PushPullReply:
+    """A server's answer: current dense values and the requested rows, after the push applied.
+
+    ``version`` counts the updates this server has applied so far.
+    """
+
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    rows: dict[str, Tensor] = field(default_factory=dict)
+    version: int = 0
+
+
+def payload_nbytes(message: Any) -> int:
+    """Bytes of tensor data in a message (dataclasses, mappings and sequences are walked).
+
+    This is what dominates the wire: TensorPipe ships tensor storage as separate buffers; the
+    pickled skeleton around them is a few hundred bytes per call and is not counted.
+    """
+    if isinstance(message, Tensor):
+        return message.numel() * message.element_size()
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return sum(payload_nbytes(getattr(message, f.name)) for f in dataclasses.fields(message))
+    if isinstance(message, Mapping):
+        return sum(payload_nbytes(v) for v in message.values())
+    if isinstance(message, list | tuple):
+        return sum(payload_nbytes(v) for v in message)
+    return 0
+
+
+def clone_message(message: Any) -> Any:
+    """A deep copy whose tensors share nothing with the original (an in-process 'wire')."""
+    if isinstance(message, Tensor):
+        return message.clone()
+    if dataclasses.is_dataclass(message) and not isinstance(message, type):
+        return dataclasses.replace(
+            message,
+            **{f.name: clone_message(getattr(message, f.name)) for f in dataclasses.fields(message)},
+        )
+    if isinstance(message, dict):
+        return {k: clone_message(v) for k, v in message.items()}
+    if isinstance(message, list):
+        return [clone_message(v) for v in message]
+    if isinstance(message, tuple):
+        return tuple(clone_message(v) for v in message)
+    return message
+
+
+def empty_rows(dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    return torch.empty((0, dim), dtype=dtype)

@@ -1,0 +1,1 @@
+"""Server side: shards of parameters, their update rules and the consistency policies."""

@@ -1,0 +1,231 @@
+"""Consistency policies, membership and idempotency for one server.
+
+``async``: a push is applied on arrival (per-parameter locks make concurrent pushes to the same
+rows safe: each is applied whole, none is lost) and answered at once.
+
+``sync``: the pushes of step ``t`` from every trainer still in the round set form round ``t``.
+When the last one arrives the round's gradients are averaged (summed in trainer order, so the
+result does not depend on arrival order), applied once, and every trainer of the round is
+answered with the new values. Waiting is a :class:`torch.futures.Future` per trainer completed
+by the call that closes the round: no RPC thread blocks.
+
+Membership: all trainers start in the round set. A push marked ``final`` (the trainer's data has
+ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
+
+Idempotency: ``(trainer, step)`` on this server is applied at most once. A duplicate of a push
+still waiting in a round gets that round's answer; a duplicate of an applied push is answered
+with current values and not applied again.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch.futures import Future
+
+from paramserver.errors import ParamServerError, TrainerDepartedError
+from paramserver.protocol import (
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    TrainerReport,
+    payload_nbytes,
+)
+from paramserver.server.shard import ServerShard
+
+
+def completed(value: object) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
+
+
+def failed(error: BaseException) -> Future:
+    future: Future = Future()
+    future.set_exception(error)
+    return future
+
+
+@dataclass
+class _Round:
+    requests: dict[int, PushPullRequest] = field(default_factory=dict)
+    waiters: dict[int, Future] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Entry point of a server: routes each request through membership, dedup and the policy."""
+
+    def __init__(self, shard: ServerShard, num_trainers: int, mode: str):
+        self.shard = shard
+        self.mode = mode
+        self.num_trainers = num_trainers
+        self.members: set[int] = set(range(num_trainers))
+        self.left: set[int] = set()
+        self.last_step: dict[int, int] = {}
+        self.reports: dict[int, TrainerReport] = {}
+        self._rounds: dict[int, _Round] = {}
+        self._all_left: list[Future] = []
+        self._lock = threading.Lock()
+
+    # ---- the calls a trainer makes ----
+
+    def push_pull(self, request: PushPullRequest) -> Future:
+        """Validate, apply per the consistency mode and answer; never blocks on other calls."""
+        try:
+            self._check_header(request)
+            with self.shard.stats.lock:
+                self.shard.stats.bytes_received += payload_nbytes(request)
+            self.shard.validate(request)
+        except ParamServerError as error:
+            return failed(error)
+        with self._lock:
+            previous = self.last_step.get(request.trainer, -1)
+            if request.step <= previous:
+                return self._answer_duplicate(request)
+            if request.trainer not in self.members:
+                return failed(TrainerDepartedError(
+                    f"server {self.shard.server}: trainer {request.trainer} already left the job"))
+            self.last_step[request.trainer] = request.step
+            if request.report is not None:
+                self.reports[request.trainer] = request.report
+            joins_round = self.mode == "sync" and request.has_grads
+            if joins_round:
+                waiter, ready = self._join_round(request)
+        if joins_round:
+            for step, closing in ready:
+                self._close_round(step, closing)
+            return waiter
+        # async, or a sync call with nothing to aggregate (the initial pull, or a bare leave)
+        if request.has_grads:
+            self.shard.apply(request.dense_grads, request.row_grads)
+        if request.final:
+            self._leave([request.trainer])
+        return completed(self._answer(request))
+
+    def pull(self, request: PushPullRequest) -> Future:
+        """Answer a read-only request (no gradients); it changes nothing and needs no key."""
+        try:
+            self._check_header(request)
+            if request.has_grads or request.final:
+                raise ParamServerError(f"server {self.shard.server}: a pull must carry no "
+                                       "gradients; use push_pull")
+            self.shard.validate(request)
+        except ParamServerError as error:
+            return failed(error)
+        return completed(self._answer(request))
+
+    def wait_all_left(self) -> Future:
+        """A future completed once every trainer has left."""
+        with self._lock:
+            if not self.members:
+                return completed(None)
+            future: Future = Future()
+            self._all_left.append(future)
+            return future
+
+    def remove_trainer(self, trainer: int) -> None:
+        """Take ``trainer`` out of the round set (it failed); its later pushes are refused."""
+        self._leave([trainer])
+
+    # ---- internals ----
+
+    def _check_header(self, request: object) -> None:
+        if not isinstance(request, PushPullRequest):
+            raise ParamServerError(f"server {self.shard.server}: malformed request "
+                                   f"{type(request).__name__}")
+        if not isinstance(request.trainer, int) or not 0 <= request.trainer < self.num_trainers:
+            raise ParamServerError(f"server {self.shard.server}: unknown trainer {request.trainer!r}")
+        if not isinstance(request.step, int) or request.step < 0:
+            raise ParamServerError(f"server {self.shard.server}: bad step {request.step!r}")
+
+    def _answer(self, request: PushPullRequest) -> PushPullReply:
+        reply = self.shard.read(request)
+        with self.shard.stats.lock:
+            self.shard.stats.bytes_sent += payload_nbytes(reply)
+        return reply
+
+    def _answer_duplicate(self, request: PushPullRequest) -> Future:
+        """Called with the lock held."""
+        pending = self._rounds.get(request.step)
+        if pending is not None and request.trainer in pending.waiters:
+            original = pending.waiters[request.trainer]
+            return original.then(lambda done: done.value())
+        return completed(self._answer(request))
+
+    def _join_round(self, request: PushPullRequest) -> tuple[Future, list[tuple[int, _Round]]]:
+        """Add ``request`` to its round; returns its waiter and the rounds now complete.
+        Called with the lock held; the caller closes the returned rounds after releasing it."""
+        round_ = self._rounds.setdefault(request.step, _Round())
+        round_.requests[request.trainer] = request
+        waiter: Future = Future()
+        round_.waiters[request.trainer] = waiter
+        return waiter, self._pop_ready_rounds()
+
+    def _pop_ready_rounds(self) -> list[tuple[int, _Round]]:
+        """Rounds whose every member has pushed. Called with the lock held."""
+        ready = [(s, r) for s, r in self._rounds.items() if self.members <= r.requests.keys()]
+        for step, _ in ready:
+            del self._rounds[step]
+        return sorted(ready, key=lambda item: item[0])
+
+    def _close_round(self, step: int, round_: _Round) -> None:
+        trainers = sorted(round_.requests)
+        requests = [round_.requests[t] for t in trainers]
+        try:
+            dense, rows = aggregate_mean(requests)
+            self.shard.apply(dense, rows)
+        except Exception as error:  # a failure here must reach every waiter, not hang them
+            for waiter in round_.waiters.values():
+                waiter.set_exception(error)
+            return
+        leaving = [r.trainer for r in requests if r.final]
+        if leaving:
+            self._leave(leaving)
+        for trainer in trainers:
+            round_.waiters[trainer].set_result(self._answer(round_.requests[trainer]))
+
+    def _leave(self, trainers: list[int]) -> None:
+        with self._lock:
+            for trainer in trainers:
+                self.members.discard(trainer)
+                self.left.add(trainer)
+            ready = self._pop_ready_rounds()
+            done = [] if self.members else self._all_left
+            if not self.members:
+                self._all_left = []
+        for step, round_ in ready:
+            self._close_round(step, round_)
+        for future in done:
+            future.set_result(None)
+
+
+def aggregate_mean(requests: list[PushPullRequest]) -> tuple[dict[str, torch.Tensor],
+                                                             dict[str, RowBlock]]:
+    """The mean of the requests' gradients, summed in the order given.
+
+    Every request counts in the denominator, including those that did not touch a parameter or a
+    row: the mean gradient of the global batch, where the others contributed zero.
+    """
+    count = len(requests)
+    dense: dict[str, torch.Tensor] = {}
+    for request in requests:
+        for name, grad in request.dense_grads.items():
+            if name in dense:
+                dense[name] += grad
+            else:
+                dense[name] = grad.clone()
+    for total in dense.values():
+        total.div_(count)
+    rows: dict[str, RowBlock] = {}
+    tables = sorted({name for r in requests for name in r.row_grads})
+    for name in tables:
+        blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
+        ids = torch.cat([b.ids for b in blocks])
+        values = torch.cat([b.values for b in blocks])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
+        summed.index_add_(0, inverse, values)
+        rows[name] = RowBlock(unique, summed.div_(count))
+    return dense, rows

@@ -1,0 +1,55 @@
+"""The operations a server exposes to trainers: the whole remote surface of a server.
+
+Transports deliver ``(op, args)`` here and nothing else; an op that is not listed in
+:data:`OPERATIONS` is refused. Every op returns a :class:`torch.futures.Future` and none blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.futures import Future
+
+from paramserver.errors import ParamServerError
+from paramserver.server.consistency import Coordinator, completed, failed
+
+OPERATIONS = ("push_pull", "pull", "wait_all_left", "export_state", "stats", "fingerprint")
+
+
+class ServerEndpoint:
+    def __init__(self, coordinator: Coordinator):
+        self.coordinator = coordinator
+        self.shard = coordinator.shard
+
+    def handle(self, op: object, args: object) -> Future:
+        if op not in OPERATIONS:
+            return failed(ParamServerError(f"server {self.shard.server}: unknown operation {op!r}"))
+        if not isinstance(args, tuple):
+            return failed(ParamServerError(f"server {self.shard.server}: malformed arguments"))
+        try:
+            return getattr(self, f"_op_{op}")(*args)
+        except TypeError as error:
+            return failed(ParamServerError(f"server {self.shard.server}: bad arguments to {op}: "
+                                           f"{error}"))
+
+    def _op_push_pull(self, request: Any) -> Future:
+        return self.coordinator.push_pull(request)
+
+    def _op_pull(self, request: Any) -> Future:
+        return self.coordinator.pull(request)
+
+    def _op_wait_all_left(self) -> Future:
+        return self.coordinator.wait_all_left()
+
+    def _op_export_state(self, with_optimizer: bool = False) -> Future:
+        return completed(self.shard.export_state(with_optimizer=bool(with_optimizer)))
+
+    def _op_stats(self) -> Future:
+        stats: dict[str, Any] = dict(self.shard.stats.as_dict())
+        stats["version"] = self.shard.version
+        stats["reports"] = dict(self.coordinator.reports)
+        stats["left"] = sorted(self.coordinator.left)
+        return completed(stats)
+
+    def _op_fingerprint(self) -> Future:
+        return completed(self.shard.plan.fingerprint)

@@ -1,0 +1,163 @@
+"""Update rules applied on servers, with torch.optim's functional implementations doing the math.
+
+A rule updates one *block*: a tensor of parameters (a whole dense parameter, or rows gathered
+from a table) with its gradient, its state slots (tensors shaped like the block, or ``[rows, 1]``
+for row-wise Adagrad) and one step count shared by the whole block. Tables keep a step count per
+row; :func:`apply_rows` groups the touched rows by the part of their step count that changes the
+math (see :meth:`UpdateRule.step_group`) and runs one fused step per group, so lazy Adam's bias
+correction uses each row's own count.
+
+Row-wise Adagrad is the one rule written here: torch.optim has no row-wise variant (it is
+FBGEMM's rule for embedding tables: one accumulator per row, the mean of the squared gradient).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import Tensor
+from torch.optim.adagrad import adagrad
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
+
+from paramserver.config import OptimizerConfig
+
+State = dict[str, Tensor]
+
+
+class UpdateRule(ABC):
+    """One optimizer's update, applied in place to a block of parameters."""
+
+    slots: tuple[str, ...] = ()
+
+    def __init__(self, config: OptimizerConfig):
+        self.config = config
+
+    def init_state(self, param: Tensor) -> State:
+        """Zeroed state slots for ``param`` (a dense parameter or a table's local rows)."""
+        return {slot: torch.zeros_like(param) for slot in self.slots}
+
+    def step_group(self, steps: Tensor) -> Tensor:
+        """Keys under which rows with these step counts can share one fused step."""
+        return steps
+
+    @abstractmethod
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+        """Update ``param`` and ``state`` in place; ``step`` is the block's 0-d float32 count
+        *before* this update, and it is incremented in place."""
+
+
+class SGD(UpdateRule):
+    slots = ("momentum_buffer",)
+
+    def init_state(self, param: Tensor) -> State:
+        return super().init_state(param) if self.config.momentum else {}
+
+    def step_group(self, steps: Tensor) -> Tensor:
+        # Only the first step differs (torch starts the momentum buffer from the gradient).
+        return (steps > 0).to(steps.dtype) if self.config.momentum else torch.zeros_like(steps)
+
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+        c = self.config
+        buffers: list[Tensor | None] = [None]
+        if c.momentum and step.item() > 0:
+            buffers = [state["momentum_buffer"]]
+        sgd([param], [grad], buffers, weight_decay=c.weight_decay, momentum=c.momentum, lr=c.lr,
+            dampening=c.dampening, nesterov=c.nesterov, maximize=False)
+        if c.momentum:
+            first = buffers[0]
+            assert first is not None
+            if first is not state["momentum_buffer"]:
+                state["momentum_buffer"].copy_(first)
+        step.add_(1)
+
+
+class Adagrad(UpdateRule):
+    slots = ("sum",)
+
+    def init_state(self, param: Tensor) -> State:
+        return {"sum": torch.full_like(param, self.config.initial_accumulator_value)}
+
+    def step_group(self, steps: Tensor) -> Tensor:
+        # The step count enters the math only through lr_decay.
+        return steps if self.config.lr_decay else torch.zeros_like(steps)
+
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+        c = self.config
+        adagrad([param], [grad], [state["sum"]], [step], lr=c.lr, weight_decay=c.weight_decay,
+                lr_decay=c.lr_decay, eps=c.resolved_eps, maximize=False)
+
+
+class Adam(UpdateRule):
+    slots = ("exp_avg", "exp_avg_sq")
+
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+        c = self.config
+        beta1, beta2 = c.betas
+        adam([param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step],
+             amsgrad=False, beta1=beta1, beta2=beta2, lr=c.lr, weight_decay=c.weight_decay,
+             eps=c.resolved_eps, maximize=False)
+
+
+class RowWiseAdagrad(UpdateRule):
+    """Adagrad with one accumulator per row: ``s += mean(g**2)``, ``p -= lr * g / (sqrt(s) + eps)``."""
+
+    slots = ("sum",)
+
+    def init_state(self, param: Tensor) -> State:
+        rows = param.shape[0] if param.dim() else 1
+        return {"sum": torch.full((rows, 1), self.config.initial_accumulator_value,
+                                  dtype=param.dtype)}
+
+    def step_group(self, steps: Tensor) -> Tensor:
+        return torch.zeros_like(steps)
+
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+        c = self.config
+        if c.weight_decay:
+            grad = grad.add(param, alpha=c.weight_decay)
+        accumulator = state["sum"]
+        accumulator.add_(grad.square().mean(dim=1, keepdim=True))
+        param.addcdiv_(grad, accumulator.sqrt().add_(c.resolved_eps), value=-c.lr)
+        step.add_(1)
+
+
+RULES: dict[str, type[UpdateRule]] = {
+    "sgd": SGD,
+    "adagrad": Adagrad,
+    "rowwise_adagrad": RowWiseAdagrad,
+    "adam": Adam,
+}
+
+
+def make_rule(config: OptimizerConfig) -> UpdateRule:
+    return RULES[config.name](config)
+
+
+def apply_rows(rule: UpdateRule, weight: Tensor, state: State, steps: Tensor, rows: Tensor,
+               grads: Tensor) -> None:
+    """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) and the rows' state and step counts.
+
+    Gathers the rows and their state, runs one fused step per step-count group, scatters back.
+    Not thread-safe: the caller holds the table's lock.
+    """
+    if rows.numel() == 0:
+        return
+    row_steps = steps.index_select(0, rows)
+    keys = rule.step_group(row_steps)
+    order = torch.argsort(keys, stable=True)
+    rows, grads, row_steps, keys = rows[order], grads[order], row_steps[order], keys[order]
+    block = weight.index_select(0, rows)
+    block_state = {slot: value.index_select(0, rows) for slot, value in state.items()}
+    _, counts = torch.unique_consecutive(keys, return_counts=True)
+    start = 0
+    for count in counts.tolist():
+        end = start + count
+        group_state = {slot: value[start:end] for slot, value in block_state.items()}
+        rule.step(block[start:end], grads[start:end], group_state, row_steps[start].clone())
+        start = end
+    weight.index_copy_(0, rows, block)
+    for slot, value in block_state.items():
+        state[slot].index_copy_(0, rows, value)
+    steps.index_add_(0, rows, torch.ones_like(row_steps))

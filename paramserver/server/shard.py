@@ -1,0 +1,227 @@
+"""A server's shard: the dense parameters placed on it and its rows of every table.
+
+Each dense parameter and each table shard carries its own update rule, state slots and lock;
+optimizer state lives beside the rows it belongs to (row ``i`` of a slot is the state of local
+row ``i``), so a checkpoint or export of rows carries their state with them.
+
+Thread-safety: every method may be called from many RPC threads at once. Each parameter and
+table has a lock held while its values or state are read or written; no method holds two locks
+at once, and none blocks waiting for another call (waiting is done by the consistency policy's
+Futures).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from paramserver.config import TrainConfig
+from paramserver.errors import InvalidPushError
+from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
+from paramserver.server.optim import State, UpdateRule, apply_rows, make_rule
+from paramserver.sharding import ShardPlan, TableSpec
+
+
+@dataclass
+class DenseSlot:
+    value: Tensor
+    rule: UpdateRule
+    state: State
+    step: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class TableShard:
+    spec: TableSpec
+    weight: Tensor  # [local rows, dim]: local row i is global row i * num_servers + server
+    rule: UpdateRule
+    state: State
+    steps: Tensor  # [local rows] float32: updates applied to each row
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class ServerStats:
+    pushes: int = 0
+    rows_updated: int = 0
+    rows_pulled: int = 0
+    update_seconds: float = 0.0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def as_dict(self) -> dict[str, float]:
+        with self.lock:
+            return {
+                "pushes": self.pushes,
+                "rows_updated": self.rows_updated,
+                "rows_pulled": self.rows_pulled,
+                "update_seconds": self.update_seconds,
+                "bytes_received": self.bytes_received,
+                "bytes_sent": self.bytes_sent,
+            }
+
+
+class ServerShard:
+    """Holds server ``server``'s parameters; validates, applies and answers pushes and pulls."""
+
+    def __init__(self, server: int, plan: ShardPlan, initial: Mapping[str, Tensor],
+                 config: TrainConfig):
+        self.server = server
+        self.plan = plan
+        self.stats = ServerStats()
+        self.dense: dict[str, DenseSlot] = {}
+        for name in plan.dense_on(server):
+            value = initial[name].detach().clone().contiguous()
+            rule = make_rule(config.dense_optimizer())
+            self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
+        self.tables: dict[str, TableShard] = {}
+        for name, spec in plan.tables.items():
+            local = initial[name].detach()[server :: plan.num_servers].clone().contiguous()
+            rule = make_rule(config.table_optimizer_for(name))
+            self.tables[name] = TableShard(
+                spec, local, rule, rule.init_state(local),
+                torch.zeros(local.shape[0], dtype=torch.float32),
+            )
+        self.version = 0
+        self._version_lock = threading.Lock()
+
+    # ---- validation: a push is checked whole before anything is applied ----
+
+    def _reject(self, param: str | None, reason: str) -> InvalidPushError:
+        return InvalidPushError(reason, param=param, server=self.server)
+
+    def validate(self, request: PushPullRequest) -> None:
+        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed."""
+        if not isinstance(request.dense_grads, dict) or not isinstance(request.row_grads, dict):
+            raise self._reject(None, "malformed request: gradients must be dicts")
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if slot is None:
+                raise self._reject(name, self._not_here(name))
+            self._check_tensor(name, grad, slot.value.shape, slot.value.dtype)
+        for name, block in request.row_grads.items():
+            table = self.tables.get(name)
+            if table is None:
+                raise self._reject(name, self._not_here(name))
+            if not isinstance(block, RowBlock):
+                raise self._reject(name, "malformed row gradients: expected a RowBlock")
+            self._check_ids(name, table, block.ids, unique=True)
+            self._check_tensor(name, block.values, (block.ids.numel(), table.spec.dim),
+                               table.weight.dtype)
+        if not isinstance(request.pull_rows, dict):
+            raise self._reject(None, "malformed request: pull_rows must be a dict")
+        for name, ids in request.pull_rows.items():
+            table = self.tables.get(name)
+            if table is None:
+                raise self._reject(name, self._not_here(name))
+            self._check_ids(name, table, ids, unique=False)
+
+    def _not_here(self, name: str) -> str:
+        if name in self.plan.dense:
+            return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
+        return "unknown parameter or table name"
+
+    def _check_tensor(self, name: str, value: object, shape: tuple[int, ...] | torch.Size,
+                      dtype: torch.dtype) -> None:
+        if not isinstance(value, Tensor):
+            raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
+        if value.dtype != dtype:
+            raise self._reject(name, f"gradient dtype {value.dtype} != parameter dtype {dtype}")
+        if tuple(value.shape) != tuple(shape):
+            raise self._reject(name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}")
+        if value.is_sparse or not bool(torch.isfinite(value).all()):
+            raise self._reject(name, "gradient contains NaN or Inf" if not value.is_sparse
+                               else "sparse tensors are not accepted")
+
+    def _check_ids(self, name: str, table: TableShard, ids: object, *, unique: bool) -> None:
+        if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
+            raise self._reject(name, "row ids must be a 1-D int64 tensor")
+        if ids.numel() == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= table.spec.num_rows:
+            bad = low if low < 0 else high
+            raise self._reject(name, f"row id {bad} out of range [0, {table.spec.num_rows})")
+        if bool((self.plan.server_of_rows(ids) != self.server).any()):
+            raise self._reject(name, "row ids routed to the wrong server")
+        if unique and torch.unique(ids).numel() != ids.numel():
+            raise self._reject(name, "row ids of a push must be unique")
+
+    # ---- applying and reading ----
+
+    def apply(self, dense_grads: Mapping[str, Tensor], row_grads: Mapping[str, RowBlock]) -> None:
+        """Apply already-validated gradients. Each parameter is updated under its own lock."""
+        start = time.perf_counter()
+        rows = 0
+        for name, grad in dense_grads.items():
+            slot = self.dense[name]
+            with slot.lock:
+                slot.rule.step(slot.value, grad, slot.state, slot.step)
+        for name, block in row_grads.items():
+            table = self.tables[name]
+            local = self.plan.local_rows(block.ids)
+            with table.lock:
+                apply_rows(table.rule, table.weight, table.state, table.steps, local, block.values)
+            rows += block.ids.numel()
+        with self._version_lock:
+            self.version += 1
+        with self.stats.lock:
+            self.stats.pushes += 1
+            self.stats.rows_updated += rows
+            self.stats.update_seconds += time.perf_counter() - start
+
+    def read(self, request: PushPullRequest) -> PushPullReply:
+        """Snapshot the values ``request`` asks for (copies, owned by the caller)."""
+        reply = PushPullReply(version=self.version)
+        if request.pull_dense:
+            for name, slot in self.dense.items():
+                with slot.lock:
+                    reply.dense[name] = slot.value.clone()
+        rows = 0
+        for name, ids in request.pull_rows.items():
+            table = self.tables[name]
+            local = self.plan.local_rows(ids)
+            with table.lock:
+                reply.rows[name] = table.weight.index_select(0, local)
+            rows += ids.numel()
+        with self.stats.lock:
+            self.stats.rows_pulled += rows
+        return reply
+
+    # ---- whole-shard views, for export, tests and checkpoints ----
+
+    def export_state(self, with_optimizer: bool = False) -> dict[str, dict[str, Tensor]]:
+        """Copies of this shard's values (and optionally optimizer state and step counts)."""
+        out: dict[str, dict[str, Tensor]] = {}
+        for name, slot in self.dense.items():
+            with slot.lock:
+                entry = {"value": slot.value.clone()}
+                if with_optimizer:
+                    entry.update({f"state.{k}": v.clone() for k, v in slot.state.items()})
+                    entry["steps"] = slot.step.clone()
+            out[name] = entry
+        for name, table in self.tables.items():
+            with table.lock:
+                entry = {"value": table.weight.clone()}
+                if with_optimizer:
+                    entry.update({f"state.{k}": v.clone() for k, v in table.state.items()})
+                    entry["steps"] = table.steps.clone()
+            out[name] = entry
+        return out
+
+    def state_hash(self) -> str:
+        """A digest of every value, state slot and step count on this shard."""
+        digest = hashlib.sha256()
+        for name, entry in sorted(self.export_state(with_optimizer=True).items()):
+            for key, tensor in sorted(entry.items()):
+                digest.update(f"{name}/{key}".encode())
+                digest.update(tensor.contiguous().numpy().tobytes())
+        return digest.hexdigest()

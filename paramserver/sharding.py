@@ -1,0 +1,111 @@
+"""Where each parameter lives.
+
+Dense parameters: each lives whole on one server. They are placed largest first, each on the
+server holding the fewest bytes so far (ties go to the lower server index, names break ties
+between equal sizes), which balances bytes across servers to within the largest parameter.
+
+Embedding tables: every table is split by row across all servers, cyclically. Global row ``r``
+lives on server ``r % num_servers`` at local index ``r // num_servers``. Cyclic (not contiguous)
+ranges matter for recommendation data: ids are Zipf-distributed and the hot ids are often the
+small ones, so contiguous ranges would put most of the traffic on server 0.
+
+The plan is a pure function of the model's structure and ``num_servers``; trainers and servers
+compute it independently and compare :attr:`ShardPlan.fingerprint` at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    num_rows: int
+    dim: int
+    dtype: torch.dtype
+
+    def rows_on(self, server: int, num_servers: int) -> int:
+        """How many rows of this table the cyclic rule puts on ``server``."""
+        return max(0, (self.num_rows - server + num_servers - 1) // num_servers)
+
+
+class ShardPlan:
+    """Placement of dense parameters and routing of table rows over ``num_servers`` servers."""
+
+    def __init__(self, dense: list[DenseSpec], tables: list[TableSpec], num_servers: int):
+        if num_servers < 1:
+            raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+        self.num_servers = num_servers
+        self.dense = {spec.name: spec for spec in dense}
+        self.tables = {spec.name: spec for spec in tables}
+        self.dense_server = self._place_dense(dense, num_servers)
+
+    @staticmethod
+    def _place_dense(dense: list[DenseSpec], num_servers: int) -> dict[str, int]:
+        load = [0] * num_servers
+        placement: dict[str, int] = {}
+        for spec in sorted(dense, key=lambda s: (-s.nbytes, s.name)):
+            server = min(range(num_servers), key=lambda s: (load[s], s))
+            placement[spec.name] = server
+            load[server] += spec.nbytes
+        return placement
+
+    def dense_on(self, server: int) -> list[str]:
+        return [name for name, s in self.dense_server.items() if s == server]
+
+    def dense_bytes_per_server(self) -> list[int]:
+        load = [0] * self.num_servers
+        for name, server in self.dense_server.items():
+            load[server] += self.dense[name].nbytes
+        return load
+
+    def server_of_rows(self, ids: Tensor) -> Tensor:
+        return torch.remainder(ids, self.num_servers)
+
+    def local_rows(self, ids: Tensor) -> Tensor:
+        return torch.div(ids, self.num_servers, rounding_mode="floor")
+
+    def global_rows(self, local: Tensor, server: int) -> Tensor:
+        return local * self.num_servers + server
+
+    def split_by_server(self, ids: Tensor) -> tuple[Tensor, list[int]]:
+        """A stable permutation that groups ``ids`` by server, and the group sizes.
+
+        ``ids[order]`` lists server 0's ids first, then server 1's, and so on, each group keeping
+        the order it had in ``ids``.
+        """
+        servers = self.server_of_rows(ids)
+        order = torch.argsort(servers, stable=True)
+        counts = torch.bincount(servers, minlength=self.num_servers).tolist()
+        return order, counts
+
+    @property
+    def fingerprint(self) -> str:
+        described = {
+            "num_servers": self.num_servers,
+            "dense": [[n, list(s.shape), str(s.dtype)] for n, s in sorted(self.dense.items())],
+            "tables": [
+                [n, s.num_rows, s.dim, str(s.dtype)] for n, s in sorted(self.tables.items())
+            ],
+        }
+        return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]

@@ -1,0 +1,149 @@
+"""The trainer's client: routes rows to their servers and makes one fused call per server.
+
+:meth:`PSClient.push_pull` sends every server, in parallel, the gradients it owns from the last
+step and the ids it owns for the next one, then reassembles the answers in the caller's order.
+Every server is contacted each step, even one owning nothing the batch touched: it holds dense
+parameters to return and, in sync mode, counts this trainer in its round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from paramserver.errors import ParamServerError
+from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock, TrainerReport, payload_nbytes
+from paramserver.sharding import ShardPlan
+from paramserver.transport.base import Transport
+
+RowsById = dict[str, tuple[Tensor, Tensor]]
+
+
+@dataclass
+class Traffic:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    calls: int = 0
+
+
+@dataclass
+class Pulled:
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    rows: RowsById = field(default_factory=dict)
+
+
+class PSClient:
+    """Not thread-safe: one client per trainer, one call in flight at a time."""
+
+    def __init__(self, transport: Transport, plan: ShardPlan, trainer: int):
+        if transport.num_servers != plan.num_servers:
+            raise ParamServerError(f"transport reaches {transport.num_servers} servers but the "
+                                   f"plan has {plan.num_servers}")
+        self.transport = transport
+        self.plan = plan
+        self.trainer = trainer
+        self.step = 0
+        self.traffic = Traffic()
+
+    def check_servers(self) -> None:
+        """Fail fast if any server was started with a different model or server count."""
+        futures = [self.transport.call(s, "fingerprint") for s in range(self.plan.num_servers)]
+        for server, future in enumerate(futures):
+            theirs = future.wait()
+            if theirs != self.plan.fingerprint:
+                raise ParamServerError(f"server {server} serves a different model or shard plan "
+                                       f"({theirs} != {self.plan.fingerprint})")
+
+    def push_pull(self, dense_grads: dict[str, Tensor], row_grads: RowsById,
+                  pull_ids: dict[str, Tensor], *, pull_dense: bool = True, final: bool = False,
+                  report: TrainerReport | None = None) -> Pulled:
+        """One step's fused call to every server; ``pull_ids`` are sorted unique ids per table.
+
+        Returns the dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``.
+        """
+        num_servers = self.plan.num_servers
+        requests = [PushPullRequest(self.trainer, self.step, pull_dense=pull_dense, final=final,
+                                    report=report) for _ in range(num_servers)]
+        for name, grad in dense_grads.items():
+            requests[self.plan.dense_server[name]].dense_grads[name] = grad
+        for name, (ids, grads) in row_grads.items():
+            order, counts = self.plan.split_by_server(ids)
+            for server, (part_ids, part_grads) in enumerate(
+                zip(ids[order].split(counts), grads[order].split(counts), strict=True)
+            ):
+                if part_ids.numel():
+                    requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
+        splits = {}
+        for name, ids in pull_ids.items():
+            order, counts = self.plan.split_by_server(ids)
+            splits[name] = (order, counts)
+            for server, part in enumerate(ids[order].split(counts)):
+                requests[server].pull_rows[name] = part
+        self.step += 1
+        replies = self._call_all("push_pull", requests, report)
+        return self._merge(replies, pull_ids, splits)
+
+    def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
+        """Read rows outside the step (no gradients, no effect on servers' state)."""
+        num_servers = self.plan.num_servers
+        requests = [PushPullRequest(self.trainer, 0, pull_dense=False) for _ in range(num_servers)]
+        splits = {}
+        for name, ids in pull_ids.items():
+            order, counts = self.plan.split_by_server(ids)
+            splits[name] = (order, counts)
+            for server, part in enumerate(ids[order].split(counts)):
+                requests[server].pull_rows[name] = part
+        replies = self._call_all("pull", requests)
+        return self._merge(replies, pull_ids, splits).rows
+
+    def _call_all(self, op: str, requests: list[PushPullRequest],
+                  report: TrainerReport | None = None) -> list[PushPullReply]:
+        self.traffic.bytes_sent += sum(payload_nbytes(r) for r in requests)
+        if report is not None:
+            # A leaving call pulls nothing, so these totals are final once it is sent.
+            report.bytes_sent = self.traffic.bytes_sent
+            report.bytes_received = self.traffic.bytes_received
+        futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
+        replies = [future.wait() for future in futures]
+        self.traffic.calls += len(requests)
+        self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
+        return replies
+
+    @staticmethod
+    def _merge(replies: list[PushPullReply], pull_ids: dict[str, Tensor],
+               splits: dict[str, tuple[Tensor, list[int]]]) -> Pulled:
+        pulled = Pulled()
+        for reply in replies:
+            pulled.dense.update(reply.dense)
+        for name, ids in pull_ids.items():
+            order, _ = splits[name]
+            parts = torch.cat([reply.rows[name] for reply in replies])
+            rows = torch.empty_like(parts)
+            rows[order] = parts
+            pulled.rows[name] = (ids, rows)
+        return pulled
+
+
+def gather_state(transport: Transport, plan: ShardPlan, with_optimizer: bool = False
+                 ) -> dict[str, dict[str, Tensor]]:
+    """Every parameter (and optionally its optimizer state) assembled from all servers.
+
+    Tables are reassembled from the cyclic rule: server ``s`` holds global rows ``s::S``.
+    """
+    num_servers = plan.num_servers
+    shards = [f.wait() for f in [transport.call(s, "export_state", with_optimizer)
+                                 for s in range(num_servers)]]
+    state: dict[str, dict[str, Tensor]] = {}
+    for name, server in plan.dense_server.items():
+        state[name] = shards[server][name]
+    for name, spec in plan.tables.items():
+        entry: dict[str, Tensor] = {}
+        for key, local in shards[0][name].items():
+            full = torch.empty((spec.num_rows, *local.shape[1:]), dtype=local.dtype)
+            for server in range(num_servers):
+                full[server::num_servers] = shards[server][name][key]
+            entry[key] = full
+        state[name] = entry
+    return state

@@ -1,0 +1,150 @@
+"""A trainer's training loop.
+
+One step: take ``accumulate`` batches; record the ids they touch; one fused call per server
+pushes the previous step's gradients and pulls the rows and dense values this step needs; run
+forward and backward on each batch (the loss divided by the batch count, so the push carries
+the mean gradient); clip by global norm if asked. After the data ends, a last call pushes the
+final gradients and leaves the job.
+
+The chief (trainer 0) then waits for every trainer to leave and gathers the final parameters
+and every server's statistics, so the job's result is complete under any launcher.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paramserver.config import TrainConfig
+from paramserver.protocol import TrainerReport
+from paramserver.trainer.client import PSClient, gather_state
+from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
+from paramserver.transport.base import Transport
+
+ModelFn = Callable[[], nn.Module]
+Batch = tuple[Inputs, Tensor]
+DataFn = Callable[[int, int], Iterable[Batch]]
+LossFn = Callable[[Any, Tensor], Tensor]
+
+
+@dataclass
+class Progress:
+    trainer: int
+    steps: int
+    samples: int
+    loss: float
+
+
+@dataclass
+class TrainerOutcome:
+    report: TrainerReport
+    state: dict[str, Tensor] | None = None  # chief only: final parameters and its buffers
+    server_stats: list[dict[str, Any]] | None = None  # chief only
+
+
+def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
+    """``model_fn()`` under fixed seeds: every process that calls this gets the same values."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    return model
+
+
+def step_groups(data_fn: DataFn, trainer: int, num_trainers: int, config: TrainConfig
+                ) -> Iterator[list[Batch]]:
+    """This trainer's batches, ``accumulate`` at a time, over ``epochs``, at most ``steps``."""
+    group: list[Batch] = []
+    produced = 0
+    for _ in range(config.epochs):
+        for batch in data_fn(trainer, num_trainers):
+            group.append(batch)
+            if len(group) == config.accumulate:
+                yield group
+                group = []
+                produced += 1
+                if config.steps is not None and produced >= config.steps:
+                    return
+    if group:
+        yield group
+
+
+def run_trainer(trainer: int, config: TrainConfig, model_fn: ModelFn, data_fn: DataFn,
+                loss_fn: LossFn, transport: Transport,
+                on_progress: Callable[[Progress], None] | None = None) -> TrainerOutcome:
+    model = seeded_model(model_fn, config.seed)
+    plan = describe(model, config.servers)
+    replica = Replica(model)
+    replica.model.train()
+    torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
+    client = PSClient(transport, plan, trainer)
+    client.check_servers()
+
+    losses: deque[float] = deque(maxlen=100)
+    steps = samples = 0
+    dense_grads: dict[str, Tensor] = {}
+    row_grads: dict[str, tuple[Tensor, Tensor]] = {}
+    started = time.perf_counter()
+    for group in step_groups(data_fn, trainer, config.trainers, config):
+        inputs = [batch[0] for batch in group]
+        pulled = client.push_pull(dense_grads, row_grads, replica.record_ids(inputs))
+        replica.load(pulled.dense, pulled.rows)
+        step_loss = 0.0
+        for batch_inputs, target in group:
+            loss = _forward_backward(replica, client, batch_inputs, target, loss_fn, len(group))
+            step_loss += loss
+            samples += int(target.shape[0]) if target.dim() else 1
+        if config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
+        dense_grads, row_grads = replica.gradients()
+        steps += 1
+        losses.append(step_loss)
+        if on_progress is not None:
+            on_progress(Progress(trainer, steps, samples, step_loss))
+    train_seconds = time.perf_counter() - started
+    report = TrainerReport(
+        trainer=trainer, steps=steps, samples=samples,
+        train_loss=sum(losses) / len(losses) if losses else float("nan"),
+        train_seconds=train_seconds, bytes_sent=0, bytes_received=0,
+    )
+    client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report)
+    if trainer != 0:
+        return TrainerOutcome(report)
+    for future in [transport.call(s, "wait_all_left") for s in range(config.servers)]:
+        future.wait()
+    state = {name: entry["value"] for name, entry in gather_state(transport, plan).items()}
+    state.update(dict(replica.model.named_buffers()))
+    stats = [f.wait() for f in [transport.call(s, "stats") for s in range(config.servers)]]
+    return TrainerOutcome(report, state, stats)
+
+
+def _forward_backward(replica: Replica, client: PSClient, inputs: Inputs, target: Tensor,
+                      loss_fn: LossFn, batches_in_step: int) -> float:
+    while True:
+        try:
+            output = replica.forward(inputs)
+            break
+        except MissingRows as missing:
+            # The record pass missed a lookup (the model's lookups vary): fetch and run again.
+            ids = missing.ids
+            pulled = client.pull({missing.table: ids})
+            replica.add_rows(missing.table, *pulled[missing.table])
+    loss = loss_fn(output, target)
+    if loss.dim() != 0:
+        raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+    (loss / batches_in_step).backward()
+    return float(loss.detach()) / batches_in_step

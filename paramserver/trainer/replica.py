@@ -1,0 +1,268 @@
+"""A trainer's working copy of the user's model, with embedding layers made remote.
+
+Every ``nn.Embedding`` and ``nn.EmbeddingBag`` (any mode) is replaced by a
+:class:`RemoteEmbedding` that looks ids up in the rows pulled for the current step: a leaf
+tensor ``rows`` (requires grad) holding the unique ids the step touches, sorted. After backward,
+``rows.grad`` is exactly the gradient of those rows, so a push carries only touched rows.
+
+To know which ids a step touches before the forward pass, the replica runs a *record pass*:
+the model's forward in eval mode without autograd, where remote embeddings only record their
+ids and return zeros. Once the first pass has shown how many lookups each table makes per
+forward, later record passes stop as soon as they have them all. If a real forward ever meets an
+id the record pass missed, it raises :class:`MissingRows`; the training loop pulls those rows and
+runs the forward again, so a model whose lookups vary never trains on wrong rows.
+
+Table names are the state_dict names of the embedding weights (``emb.0.weight``), dense
+parameter names are their state_dict names: an export loads into the user's model as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from paramserver.errors import InvalidBatchError, ModelError
+from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
+
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+Inputs = Tensor | tuple[Tensor, ...] | list[Tensor]
+
+
+class MissingRows(Exception):
+    """A lookup met ids whose rows were not pulled for this step."""
+
+    def __init__(self, table: str, ids: Tensor):
+        super().__init__(f"table {table}: {ids.numel()} ids not pulled")
+        self.table = table
+        self.ids = ids
+
+
+class _RecordingDone(Exception):
+    """Raised inside a record pass once every expected lookup has been recorded."""
+
+
+class _Recorder:
+    def __init__(self, expected: dict[str, int] | None):
+        self.ids: dict[str, list[Tensor]] = {}
+        self.expected = expected
+
+    def add(self, table: str, ids: Tensor) -> None:
+        self.ids.setdefault(table, []).append(ids.reshape(-1))
+        if self.expected is not None and all(
+            len(self.ids.get(name, ())) >= count for name, count in self.expected.items()
+        ):
+            raise _RecordingDone
+
+
+class RemoteEmbedding(nn.Module):
+    """Drop-in for an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose weight lives on servers."""
+
+    def __init__(self, table: str, source: nn.Embedding | nn.EmbeddingBag):
+        super().__init__()
+        if source.max_norm is not None:
+            raise ModelError(f"table {table}: max_norm rewrites the weight inside forward, "
+                             "which a sharded table cannot do; remove max_norm")
+        self.table = table
+        self.is_bag = isinstance(source, nn.EmbeddingBag)
+        self.num_embeddings = source.num_embeddings
+        self.embedding_dim = source.embedding_dim
+        self.padding_idx = source.padding_idx
+        self.scale_grad_by_freq = source.scale_grad_by_freq
+        self.mode = getattr(source, "mode", "mean")
+        self.include_last_offset = getattr(source, "include_last_offset", False)
+        self.ids = torch.empty(0, dtype=torch.int64)
+        self.rows = torch.empty(0, self.embedding_dim)
+        self.recorder: _Recorder | None = None
+
+    def extra_repr(self) -> str:
+        kind = f"EmbeddingBag(mode={self.mode})" if self.is_bag else "Embedding"
+        return f"table={self.table!r}, {kind}, {self.num_embeddings}x{self.embedding_dim}"
+
+    def set_rows(self, ids: Tensor, rows: Tensor) -> None:
+        """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call."""
+        self.ids = ids
+        self.rows = rows
+
+    def forward(self, input: Tensor, offsets: Tensor | None = None,
+                per_sample_weights: Tensor | None = None) -> Tensor:
+        self._check_range(input)
+        if self.recorder is not None:
+            self.recorder.add(self.table, input)
+            return torch.zeros(self._output_shape(input, offsets), dtype=self.rows.dtype)
+        local = self._local_ids(input)
+        padding = self._local_padding()
+        if not self.is_bag:
+            return F.embedding(local, self.rows, padding_idx=padding,
+                               scale_grad_by_freq=self.scale_grad_by_freq)
+        return F.embedding_bag(local, self.rows, offsets, mode=self.mode,
+                               scale_grad_by_freq=self.scale_grad_by_freq,
+                               per_sample_weights=per_sample_weights,
+                               include_last_offset=self.include_last_offset, padding_idx=padding)
+
+    def _check_range(self, ids: Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidBatchError(f"table {self.table}: ids must be int64 or int32, got {ids.dtype}")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise InvalidBatchError(
+                f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})")
+
+    def _output_shape(self, input: Tensor, offsets: Tensor | None) -> tuple[int, ...]:
+        if not self.is_bag:
+            return (*input.shape, self.embedding_dim)
+        if input.dim() == 2:
+            return (input.shape[0], self.embedding_dim)
+        assert offsets is not None, "EmbeddingBag with 1-D input needs offsets"
+        bags = offsets.numel() - (1 if self.include_last_offset else 0)
+        return (bags, self.embedding_dim)
+
+    def _local_ids(self, ids: Tensor) -> Tensor:
+        ids = ids.to(torch.int64)
+        if self.ids.numel() == 0:
+            if ids.numel():
+                raise MissingRows(self.table, torch.unique(ids))
+            return ids
+        positions = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
+        found = self.ids[positions] == ids
+        if not bool(found.all()):
+            raise MissingRows(self.table, torch.unique(ids[~found]))
+        return positions
+
+    def _local_padding(self) -> int | None:
+        if self.padding_idx is None or self.ids.numel() == 0:
+            return None
+        position = int(torch.searchsorted(self.ids, torch.tensor(self.padding_idx)))
+        if position < self.ids.numel() and int(self.ids[position]) == self.padding_idx:
+            return position
+        return None
+
+
+def describe(model: nn.Module, num_servers: int) -> ShardPlan:
+    """The shard plan of ``model``: its embedding weights become tables, the rest dense."""
+    tables = _find_embeddings(model)
+    table_weights = {id(module.weight) for module in tables.values()}
+    dense = [DenseSpec(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()
+             if id(p) not in table_weights]
+    specs = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
+             for name, m in tables.items()]
+    return ShardPlan(dense, specs, num_servers)
+
+
+def _find_embeddings(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    found: dict[str, nn.Embedding | nn.EmbeddingBag] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, EMBEDDINGS):
+            found[f"{name}.weight" if name else "weight"] = module
+    return found
+
+
+class Replica:
+    """The trainer's model with remote tables, and the moves of one step: record ids, load
+    pulled values, run forward, collect gradients."""
+
+    def __init__(self, model: nn.Module):
+        embeddings = _find_embeddings(model)
+        remotes = {id(m): RemoteEmbedding(name, m) for name, m in embeddings.items()}
+        if id(model) in remotes:
+            model = remotes[id(model)]
+        for module in model.modules():
+            for child_name, child in list(module._modules.items()):
+                if child is not None and id(child) in remotes:
+                    module._modules[child_name] = remotes[id(child)]
+        tied = {id(m.weight) for m in embeddings.values()} & {id(p) for p in model.parameters()}
+        if tied:
+            raise ModelError("an embedding weight is shared with another module (tied weights); "
+                             "a sharded table cannot also be a dense parameter")
+        self.model = model
+        self.tables = {r.table: r for r in remotes.values()}
+        self.dense = dict(model.named_parameters())
+        self._lookups_per_forward: dict[str, int] | None = None
+
+    # ---- before the step: which rows ----
+
+    def record_ids(self, batches: Sequence[Inputs]) -> dict[str, Tensor]:
+        """The sorted unique ids each table will look up for ``batches``."""
+        recorded: dict[str, list[Tensor]] = {}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for inputs in batches:
+                recorder = _Recorder(self._lookups_per_forward)
+                with self._recording(recorder), torch.no_grad():
+                    try:
+                        self.model(*as_tuple(inputs))
+                    except _RecordingDone:
+                        pass
+                if self._lookups_per_forward is None:
+                    self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
+                for table, ids in recorder.ids.items():
+                    recorded.setdefault(table, []).extend(ids)
+        finally:
+            self.model.train(was_training)
+        return {t: torch.unique(torch.cat(v).to(torch.int64)) for t, v in recorded.items()}
+
+    @contextmanager
+    def _recording(self, recorder: _Recorder) -> Iterator[None]:
+        for remote in self.tables.values():
+            remote.recorder = recorder
+        try:
+            yield
+        finally:
+            for remote in self.tables.values():
+                remote.recorder = None
+
+    # ---- the step ----
+
+    def load(self, dense: dict[str, Tensor], rows: dict[str, tuple[Tensor, Tensor]]) -> None:
+        """Copy pulled dense values in and install fresh leaves for the pulled rows."""
+        with torch.no_grad():
+            for name, value in dense.items():
+                self.dense[name].copy_(value)
+        for param in self.dense.values():
+            param.grad = None
+        for name, remote in self.tables.items():
+            ids, values = rows.get(name, (torch.empty(0, dtype=torch.int64),
+                                          torch.empty(0, remote.embedding_dim)))
+            remote.set_rows(ids, values.requires_grad_(True))
+
+    def add_rows(self, table: str, ids: Tensor, values: Tensor) -> None:
+        """Merge extra pulled rows into ``table``'s leaf, keeping gradients already accumulated."""
+        remote = self.tables[table]
+        merged_ids, inverse = torch.unique(torch.cat([remote.ids, ids]), return_inverse=True)
+        old_positions = inverse[: remote.ids.numel()]
+        merged = torch.empty(merged_ids.numel(), remote.embedding_dim, dtype=values.dtype)
+        merged[old_positions] = remote.rows.detach()
+        merged[inverse[remote.ids.numel():]] = values
+        old_grad = remote.rows.grad
+        merged.requires_grad_(True)
+        if old_grad is not None:
+            merged.grad = torch.zeros_like(merged)
+            merged.grad[old_positions] = old_grad
+        remote.set_rows(merged_ids, merged)
+
+    def forward(self, inputs: Inputs) -> Tensor:
+        return self.model(*as_tuple(inputs))
+
+    def gradients(self) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, Tensor]]]:
+        """Dense gradients (parameters without a gradient are left out) and, per table, the
+        touched ids with their gradient rows."""
+        dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
+        rows = {}
+        for name, remote in self.tables.items():
+            if remote.ids.numel() and remote.rows.grad is not None:
+                rows[name] = (remote.ids, remote.rows.grad)
+        return dense, rows
+
+    def grad_tensors(self) -> list[Tensor]:
+        """Every tensor holding a gradient of this step (for clipping by global norm)."""
+        leaves: list[Tensor] = [p for p in self.dense.values() if p.grad is not None]
+        leaves += [r.rows for r in self.tables.values() if r.rows.grad is not None]
+        return leaves
+
+
+def as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
+    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)

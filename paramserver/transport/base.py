@@ -1,0 +1,29 @@
+"""The transport interface: the only way a trainer talks to a server.
+
+Calls return :class:`torch.futures.Future` at once; ``wait()`` on one returns the server's answer
+or raises the server's error (a :class:`~paramserver.errors.ParamServerError` subclass keeps its
+type). Implementations: :class:`~paramserver.transport.local.LocalTransport` (servers in this
+process, for tests and notebooks) and :class:`~paramserver.transport.rpc.RpcTransport`
+(torch.distributed.rpc over TensorPipe, the only code that calls torch.distributed.rpc).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from torch.futures import Future
+
+from paramserver.protocol import PushPullRequest
+
+
+class Transport(ABC):
+    num_servers: int
+
+    @abstractmethod
+    def call(self, server: int, op: str, *args: Any) -> Future:
+        """Invoke ``op`` (one of the server's registered operations) on ``server``."""
+
+    def push_pull(self, server: int, request: PushPullRequest) -> Future:
+        """Push gradients and pull values in one round trip; the future holds a PushPullReply."""
+        return self.call(server, "push_pull", request)

@@ -1,0 +1,25 @@
+"""In-process transport: servers are objects in this process, called directly.
+
+Requests and replies are deep-copied on the way, as a wire would, so a trainer and a server
+never share a tensor. Used by the ``threads`` launcher and by most tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.futures import Future
+
+from paramserver.protocol import clone_message
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.transport.base import Transport
+
+
+class LocalTransport(Transport):
+    def __init__(self, endpoints: list[ServerEndpoint]):
+        self.endpoints = endpoints
+        self.num_servers = len(endpoints)
+
+    def call(self, server: int, op: str, *args: Any) -> Future:
+        answer = self.endpoints[server].handle(op, clone_message(args))
+        return answer.then(lambda done: clone_message(done.value()))

@@ -1,0 +1,83 @@
+"""RPC transport: the only module that calls ``torch.distributed.rpc`` (TensorPipe).
+
+Worker names: servers are ``server0..server{S-1}`` (ranks ``0..S-1``), trainers are
+``trainer0..trainer{T-1}`` (ranks ``S..S+T-1``).
+
+A server process installs its :class:`~paramserver.server.endpoint.ServerEndpoint` and then
+serves; the one function exposed to peers is :func:`_serve`, which hands ``(op, args)`` to the
+endpoint's registered operations and returns its Future (``async_execution``), so a waiting
+sync round never holds an RPC thread.
+
+Local jobs rendezvous through a file (no TCPStore, which would listen on every interface) and
+bind TensorPipe to the loopback interface; see :func:`start`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from paramserver.errors import ParamServerError
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.transport.base import Transport
+
+_ENDPOINT: ServerEndpoint | None = None
+
+
+def server_name(index: int) -> str:
+    return f"server{index}"
+
+
+def trainer_name(index: int) -> str:
+    return f"trainer{index}"
+
+
+@rpc.functions.async_execution
+def _serve(op: str, args: tuple[Any, ...]) -> Future:
+    endpoint = _ENDPOINT
+    if endpoint is None:
+        failed: Future = Future()
+        failed.set_exception(ParamServerError("this process serves no shard"))
+        return failed
+    return endpoint.handle(op, args)
+
+
+def start(name: str, rank: int, world_size: int, *, init_method: str, num_threads: int,
+          timeout_s: float, loopback_only: bool) -> None:
+    """Join the RPC world. ``init_method`` is ``file://PATH`` for local jobs or ``env://``."""
+    if loopback_only:
+        os.environ["TP_SOCKET_IFNAME"] = "lo"
+    options = rpc.TensorPipeRpcBackendOptions(
+        num_worker_threads=num_threads, rpc_timeout=timeout_s, init_method=init_method
+    )
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def serve(endpoint: ServerEndpoint) -> None:
+    """Expose ``endpoint`` and serve until every worker has called :func:`stop`."""
+    global _ENDPOINT
+    _ENDPOINT = endpoint
+    try:
+        rpc.shutdown(graceful=True)
+    finally:
+        _ENDPOINT = None
+
+
+def stop(graceful: bool = True) -> None:
+    """Leave the RPC world; graceful waits for every other worker to leave too."""
+    rpc.shutdown(graceful=graceful)
+
+
+class RpcTransport(Transport):
+    """Calls servers over RPC; ``timeout_s`` bounds each call (0 means no timeout)."""
+
+    def __init__(self, num_servers: int, timeout_s: float):
+        self.num_servers = num_servers
+        self.timeout_s = timeout_s
+        self._names = [server_name(i) for i in range(num_servers)]
+
+    def call(self, server: int, op: str, *args: Any) -> Future:
+        return rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=self.timeout_s)
