@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from collections.abc import Callable
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.server.consistency import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
-from paramserver.trainer.loop import ModelFn, TrainerOutcome, seeded_model
+from paramserver.trainer.loop import (
+    DataFn,
+    LossFn,
+    ModelFn,
+    Progress,
+    TrainerOutcome,
+    run_trainer,
+    seeded_model,
+)
 from paramserver.trainer.replica import describe
+
+log = logging.getLogger(__name__)
 
 
 def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
@@ -61,3 +77,42 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         },
         "server_stats": servers,
     }
+
+
+def run_rank(rank: int, config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
+             *, init_method: str, loopback_only: bool,
+             on_progress: Callable[[Progress], None] | None = None,
+             ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+    """Play rank ``rank``'s role in an RPC job: ranks ``0..S-1`` serve, the rest train.
+
+    Returns the final state and the summary on the chief trainer, ``None`` elsewhere. Returns
+    only once every rank is done (the RPC world shuts down together).
+    """
+    from paramserver.transport import rpc as rpc_transport
+
+    torch.set_num_threads(config.threads_per_process)
+    started = time.perf_counter()
+    if rank < config.servers:
+        name = rpc_transport.server_name(rank)
+    else:
+        name = rpc_transport.trainer_name(rank - config.servers)
+    log.info("%s joining the job (%d servers, %d trainers)", name, config.servers,
+             config.trainers)
+    rpc_transport.start(name, rank, config.world_size, init_method=init_method,
+                        num_threads=config.rpc_threads, timeout_s=config.rpc_timeout,
+                        loopback_only=loopback_only)
+    if rank < config.servers:
+        endpoint = build_server(rank, config, model_fn)
+        rpc_transport.serve(endpoint)
+        return None
+    transport = rpc_transport.RpcTransport(config.servers, config.rpc_timeout)
+    try:
+        outcome = run_trainer(rank - config.servers, config, model_fn, data_fn, loss_fn,
+                              transport, on_progress)
+    except BaseException:
+        rpc_transport.stop(graceful=False)
+        raise
+    rpc_transport.stop(graceful=True)
+    if outcome.state is None:
+        return None
+    return outcome.state, summarize(outcome, config, time.perf_counter() - started)

@@ -126,6 +126,7 @@ class RemoteEmbedding(nn.Module):
             if ids.numel():
                 raise MissingRows(self.table, torch.unique(ids))
             return ids
+        ids = ids.contiguous()
         positions = torch.searchsorted(self.ids, ids).clamp_(max=self.ids.numel() - 1)
         found = self.ids[positions] == ids
         if not bool(found.all()):

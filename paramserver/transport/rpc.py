@@ -15,6 +15,7 @@ bind TensorPipe to the loopback interface; see :func:`start`.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch.distributed.rpc as rpc
@@ -48,6 +49,8 @@ def _serve(op: str, args: tuple[Any, ...]) -> Future:
 def start(name: str, rank: int, world_size: int, *, init_method: str, num_threads: int,
           timeout_s: float, loopback_only: bool) -> None:
     """Join the RPC world. ``init_method`` is ``file://PATH`` for local jobs or ``env://``."""
+    # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
     if loopback_only:
         os.environ["TP_SOCKET_IFNAME"] = "lo"
     options = rpc.TensorPipeRpcBackendOptions(

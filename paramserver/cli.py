@@ -1,0 +1,177 @@
+"""``paramserver``: the command line.
+
+    paramserver train                       # default job: synthetic click logs, DLRM, 2+2
+    paramserver train --mode sync --trainers 3 --summary-json out.json
+    paramserver train --config job.toml --lr 0.1
+    torchrun --nnodes 2 --nproc-per-node 2 ... -m paramserver train --servers 2 --trainers 2
+
+Every TrainConfig field is a flag (``rpc_threads`` is ``--rpc-threads``); a TOML file given with
+``--config`` sets the same keys, and flags given on the command line override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import MISSING, fields
+from pathlib import Path
+from typing import Any
+
+from paramserver.api import TrainResult, train
+from paramserver.config import TrainConfig, read_toml
+from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.errors import ParamServerError
+from paramserver.metrics import auc_of_scores, evaluate_binary
+from paramserver.models.dlrm import DLRM
+from paramserver.progress import ProgressDisplay
+
+log = logging.getLogger("paramserver")
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per TrainConfig field; unset flags stay out of the namespace."""
+    group = parser.add_argument_group("job (TrainConfig)")
+    for f in fields(TrainConfig):
+        if not f.metadata.get("cli", True):
+            continue
+        default = f.default if f.default is not MISSING else None
+        kind = str(f.type)
+        if "bool" in kind:
+            parse: Any = _parse_bool
+        elif "int" in kind:
+            parse = int
+        elif "float" in kind:
+            parse = float
+        else:
+            parse = str
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=parse,
+                           choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
+                           help=f"{f.metadata.get('help', '')} (default: {default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paramserver", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("train", help="train the built-in job (synthetic click logs)")
+    run.add_argument("--config", type=Path, help="TOML file of TrainConfig keys")
+    run.add_argument("--summary-json", type=Path, help="write the job summary here as JSON")
+    data = run.add_argument_group("synthetic data")
+    spec = SyntheticSpec()
+    data.add_argument("--rows-per-table", type=int, default=spec.rows_per_table,
+                      help="rows of each of the 8 embedding tables")
+    data.add_argument("--train-batches", type=int, default=spec.train_batches,
+                      help="training batches in one epoch, over all trainers")
+    data.add_argument("--eval-samples", type=int, default=spec.eval_samples,
+                      help="held-out samples")
+    add_config_flags(run)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    values: dict[str, Any] = read_toml(args.config) if args.config else {}
+    values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig)
+                   if hasattr(args, f.name)})
+    return TrainConfig(**values)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    spec = SyntheticSpec(rows_per_table=args.rows_per_table, batch_size=config.batch_size,
+                         train_batches=args.train_batches, eval_samples=args.eval_samples,
+                         seed=config.seed)
+    data = SyntheticClickLogs(spec)
+    steps_per_trainer = -(-spec.train_batches // config.trainers) * config.epochs
+    steps_per_trainer = -(-steps_per_trainer // config.accumulate)
+    if config.steps is not None:
+        steps_per_trainer = min(steps_per_trainer, config.steps)
+    display = ProgressDisplay(steps_per_trainer * config.trainers if config.progress else 0,
+                              interactive=None if config.progress else False,
+                              log_every_s=config.log_every)
+    rows = spec.rows_per_table
+
+    def model_fn() -> DLRM:
+        return DLRM(table_rows=[rows] * spec.num_tables)
+
+    def loss_fn(logits: Any, target: Any) -> Any:
+        import torch.nn.functional as F
+
+        return F.binary_cross_entropy_with_logits(logits, target)
+
+    log.info("training: %d servers, %d trainers, mode %s, %s lr %g", config.servers,
+             config.trainers, config.mode, config.optimizer, config.lr)
+    try:
+        result = train(model_fn, data.train_batches, loss_fn, config,
+                       on_progress=display if config.progress else None)
+    finally:
+        display.close()
+    if result is None:  # a torchrun rank other than the chief
+        return 0
+    add_evaluation(result, data)
+    print_summary(result.summary)
+    if args.summary_json:
+        args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
+    return 0
+
+
+def add_evaluation(result: TrainResult, data: SyntheticClickLogs) -> None:
+    held_out = list(data.eval_batches())
+    metrics = evaluate_binary(result.model, [batch for batch, _ in held_out])
+    truth_logits = [logits for _, logits in held_out]
+    labels = [batch[1] for batch, _ in held_out]
+    import torch
+
+    ceiling = auc_of_scores(torch.cat(truth_logits).sigmoid(), torch.cat(labels))
+    result.summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"],
+                          eval_auc_ceiling=ceiling)
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    traffic = summary["bytes"]
+    lines = [
+        f"steps          {summary['steps']} ({summary['trainers']} trainers, "
+        f"{summary['servers']} servers, {summary['mode']})",
+        f"samples        {summary['samples']:,}  ({summary['samples_per_s']:,.0f} samples/s)",
+        f"train loss     {summary['train_loss']:.4f}",
+    ]
+    if "eval_auc" in summary:
+        lines += [f"held-out AUC   {summary['eval_auc']:.4f}  (ground truth's own: "
+                  f"{summary['eval_auc_ceiling']:.4f})",
+                  f"held-out loss  {summary['eval_logloss']:.4f}"]
+    lines += [
+        f"trainer bytes  sent {traffic['trainers']['sent'] / 1e6:,.1f} MB, received "
+        f"{traffic['trainers']['received'] / 1e6:,.1f} MB",
+        f"wall time      {summary['wall_s']:.1f} s",
+    ]
+    print("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[launcher] %(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+    except ParamServerError as error:
+        print(f"paramserver: error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    except KeyboardInterrupt:
+        print("paramserver: interrupted; every job process was stopped", file=sys.stderr)
+        return 130
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Entry point of one local job process: ``python -m paramserver.launch.worker SPEC RANK FD``.
+
+``SPEC`` is the job file the launcher wrote (config and cloudpickled user functions), ``RANK``
+this process's rank and ``FD`` a pipe to the launcher for progress lines (-1 for none). The
+process dies with its launcher (``PR_SET_PDEATHSIG``), so a killed launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import cloudpickle
+import torch
+
+from paramserver.trainer.loop import Progress
+
+PR_SET_PDEATHSIG = 1
+PROGRESS_INTERVAL_S = 0.2
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux: the launcher still kills its children by pid
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class ProgressWriter:
+    """Sends throttled progress lines to the launcher; the last step is always sent."""
+
+    def __init__(self, pipe: IO[str]):
+        self.pipe = pipe
+        self.last_sent = 0.0
+
+    def __call__(self, progress: Progress) -> None:
+        now = time.monotonic()
+        if now - self.last_sent < PROGRESS_INTERVAL_S:
+            return
+        self.last_sent = now
+        self.send(progress)
+
+    def send(self, progress: Progress) -> None:
+        line = json.dumps({"trainer": progress.trainer, "steps": progress.steps,
+                           "samples": progress.samples, "loss": progress.loss})
+        self.pipe.write(line + "\n")
+        self.pipe.flush()
+
+
+def main(argv: list[str]) -> int:
+    spec_path, rank, fd = Path(argv[0]), int(argv[1]), int(argv[2])
+    die_with_parent(int(os.environ["PARAMSERVER_LAUNCHER_PID"]))
+    spec = cloudpickle.loads(spec_path.read_bytes())
+    config = spec["config"]
+    role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
+    logging.basicConfig(level=logging.INFO, format=f"[{role}] %(asctime)s %(message)s",
+                        datefmt="%H:%M:%S")
+    progress = ProgressWriter(os.fdopen(fd, "w")) if fd >= 0 else None
+    from paramserver.launch.roles import run_rank
+
+    result = run_rank(rank, config, spec["model_fn"], spec["data_fn"], spec["loss_fn"],
+                      init_method=f"file://{spec_path.parent / 'rendezvous'}",
+                      loopback_only=True, on_progress=progress)
+    if result is not None:
+        state, summary = result
+        torch.save(state, spec_path.parent / "state.pt")
+        (spec_path.parent / "summary.json").write_text(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

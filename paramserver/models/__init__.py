@@ -1,0 +1,5 @@
+"""Built-in models."""
+
+from paramserver.models.dlrm import DLRM
+
+__all__ = ["DLRM"]

@@ -1,0 +1,41 @@
+"""A DLRM-style click model (Naumov et al., 2019): dense features through a bottom MLP, one
+embedding per categorical feature, pairwise dot-product interactions, then a top MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+def mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+        layers.append(nn.Linear(fan_in, fan_out))
+        if i < len(sizes) - 2 or final_activation:
+            layers.append(nn.ReLU())
+    return nn.Sequential(*layers)
+
+
+class DLRM(nn.Module):
+    """``forward(dense [B, num_dense] float, sparse [B, num_tables] int64) -> logits [B]``."""
+
+    def __init__(self, num_dense: int = 13, table_rows: list[int] | None = None,
+                 embedding_dim: int = 16, bottom: tuple[int, ...] = (64,),
+                 top: tuple[int, ...] = (64,)):
+        super().__init__()
+        table_rows = table_rows if table_rows is not None else [100_000] * 8
+        self.bottom = mlp([num_dense, *bottom, embedding_dim], final_activation=True)
+        self.embeddings = nn.ModuleList(nn.Embedding(rows, embedding_dim) for rows in table_rows)
+        for table in self.embeddings:
+            nn.init.uniform_(table.weight, -0.05, 0.05)
+        num_vectors = len(table_rows) + 1
+        self.pairs = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        interactions = num_vectors * (num_vectors - 1) // 2
+        self.top = mlp([embedding_dim + interactions, *top, 1], final_activation=False)
+
+    def forward(self, dense: Tensor, sparse: Tensor) -> Tensor:
+        bottom = self.bottom(dense)
+        vectors = [bottom] + [table(sparse[:, i]) for i, table in enumerate(self.embeddings)]
+        stacked = torch.stack(vectors, dim=1)  # [B, tables + 1, dim]
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
