@@ -20,7 +20,9 @@ with current values and not applied again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.futures import Future
@@ -46,6 +48,23 @@ def failed(error: BaseException) -> Future:
     future: Future = Future()
     future.set_exception(error)
     return future
+
+
+def chain(source: Future, transform: Callable[[Any], Any]) -> Future:
+    """A future of ``transform(source's value)``; an error passes through with its type kept
+    (``Future.then`` would wrap it in a RuntimeError)."""
+    result: Future = Future()
+
+    def forward(done: Future) -> None:
+        try:
+            value = transform(done.value())
+        except BaseException as error:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+    source.add_done_callback(forward)
+    return result
 
 
 @dataclass
@@ -151,7 +170,7 @@ class Coordinator:
         pending = self._rounds.get(request.step)
         if pending is not None and request.trainer in pending.waiters:
             original = pending.waiters[request.trainer]
-            return original.then(lambda done: done.value())
+            return chain(original, lambda reply: reply)
         return completed(self._answer(request))
 
     def _join_round(self, request: PushPullRequest) -> tuple[Future, list[tuple[int, _Round]]]:

@@ -11,6 +11,7 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.protocol import clone_message
+from paramserver.server.consistency import chain
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.base import Transport
 
@@ -22,4 +23,4 @@ class LocalTransport(Transport):
 
     def call(self, server: int, op: str, *args: Any) -> Future:
         answer = self.endpoints[server].handle(op, clone_message(args))
-        return answer.then(lambda done: clone_message(done.value()))
+        return chain(answer, clone_message)

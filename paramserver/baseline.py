@@ -1,0 +1,76 @@
+"""Single-process training in plain PyTorch: the reference paramserver is measured against.
+
+The fastest plain-PyTorch way for models with large tables: embeddings produce sparse
+gradients (``sparse=True``) and the optimizer updates only touched rows (SGD and Adagrad take
+sparse gradients; Adam's tables use SparseAdam). Batches of all trainers are interleaved in
+the order a sync job would see them.
+"""
+
+from __future__ import annotations
+
+import time
+from itertools import zip_longest
+from typing import Any
+
+import torch
+from torch import nn
+
+from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.trainer.loop import DataFn, LossFn, ModelFn, seeded_model
+from paramserver.trainer.replica import EMBEDDINGS, as_tuple
+
+
+def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
+    tables = [m for m in model.modules() if isinstance(m, EMBEDDINGS)]
+    table_ids = {id(m.weight) for m in tables}
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    for module in tables:
+        module.sparse = True
+    optimizers = [_optimizer(dense, config.dense_optimizer(), sparse=False)]
+    table_config = config.table_optimizer_for("")
+    optimizers.append(_optimizer([m.weight for m in tables], table_config, sparse=True))
+    return optimizers
+
+
+def _optimizer(params: list[nn.Parameter], c: OptimizerConfig, sparse: bool
+               ) -> torch.optim.Optimizer:
+    if c.name == "sgd":
+        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+    if c.name in ("adagrad", "rowwise_adagrad"):
+        return torch.optim.Adagrad(params, lr=c.lr, eps=c.resolved_eps)
+    if sparse:
+        return torch.optim.SparseAdam(params, lr=c.lr, betas=c.betas, eps=c.resolved_eps)
+    return torch.optim.Adam(params, lr=c.lr, betas=c.betas, eps=c.resolved_eps)
+
+
+def train_single_process(model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
+                         config: TrainConfig) -> tuple[nn.Module, dict[str, Any]]:
+    """Train on every trainer's batches in one process; returns the model and throughput."""
+    torch.set_num_threads(config.threads_per_process)
+    model = seeded_model(model_fn, config.seed)
+    model.train()
+    optimizers = make_optimizers(model, config)
+    samples = steps = 0
+    started = time.perf_counter()
+    for _ in range(config.epochs):
+        streams = [data_fn(t, config.trainers) for t in range(config.trainers)]
+        for batches in zip_longest(*streams):
+            for batch in batches:
+                if batch is None:
+                    continue
+                inputs, target = batch
+                for optimizer in optimizers:
+                    optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(*as_tuple(inputs)), target).backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                samples += int(target.shape[0])
+                steps += 1
+            if config.steps is not None and steps >= config.steps * config.trainers:
+                break
+    seconds = time.perf_counter() - started
+    for module in model.modules():
+        if isinstance(module, EMBEDDINGS):
+            module.sparse = False
+    return model, {"samples": samples, "steps": steps, "seconds": seconds,
+                   "samples_per_s": samples / seconds if seconds else 0.0}

@@ -1,0 +1,204 @@
+"""Server shard and coordinator: bad input, concurrency, idempotency, sync rounds."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
+from paramserver.launch.roles import build_server
+from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.transport.local import LocalTransport
+from tests.helpers import TinyRecModel
+
+
+def make_server(server: int = 0, servers: int = 2, trainers: int = 2, mode: str = "async",
+                **overrides: object) -> ServerEndpoint:
+    config = ps.TrainConfig(servers=servers, trainers=trainers, mode=mode, optimizer="sgd",
+                            lr=1.0, **overrides)  # type: ignore[arg-type]
+    return build_server(server, config, TinyRecModel)
+
+
+def own_ids(endpoint: ServerEndpoint, *ids: int) -> torch.Tensor:
+    servers = endpoint.shard.plan.num_servers
+    return torch.tensor([i * servers + endpoint.shard.server for i in ids], dtype=torch.int64)
+
+
+def a_dense_name(endpoint: ServerEndpoint) -> str:
+    return sorted(endpoint.shard.dense)[0]
+
+
+def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
+    """One request per class of bad input, each mixed with a valid part that must not apply."""
+    dense = a_dense_name(endpoint)
+    shape = endpoint.shard.dense[dense].value.shape
+    good_rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 4))}
+
+    def request(**fields: object) -> PushPullRequest:
+        base: dict[str, object] = {"row_grads": dict(good_rows)}
+        base.update(fields)
+        return PushPullRequest(trainer=0, step=1, **base)  # type: ignore[arg-type]
+
+    other_dense = next(n for n, s in endpoint.shard.plan.dense_server.items()
+                       if s != endpoint.shard.server)
+    nan = torch.ones(shape)
+    nan.view(-1)[0] = float("nan")
+    inf = torch.ones(shape)
+    inf.view(-1)[-1] = float("inf")
+    return {
+        "wrong shape": request(dense_grads={dense: torch.ones(*shape, 2)}),
+        "wrong dtype": request(dense_grads={dense: torch.ones(shape, dtype=torch.float64)}),
+        "unknown parameter": request(dense_grads={"no.such.weight": torch.ones(3)}),
+        "parameter on another server": request(dense_grads={other_dense: torch.ones(1)}),
+        "unknown table": request(row_grads={"no.such.table": RowBlock(own_ids(endpoint, 0),
+                                                                      torch.ones(1, 4))}),
+        "row id out of range": request(row_grads={"user.weight": RowBlock(
+            torch.tensor([10_000 * 2 + endpoint.shard.server]), torch.ones(1, 4))}),
+        "negative row id": request(row_grads={"user.weight": RowBlock(
+            torch.tensor([-2 + endpoint.shard.server]), torch.ones(1, 4))}),
+        "row routed to another server": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 0) + 1, torch.ones(1, 4))}),
+        "duplicate row ids": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 3, 3), torch.ones(2, 4))}),
+        "row gradient shape": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 0, 1), torch.ones(2, 5))}),
+        "row gradient dtype": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 0, 1), torch.ones(2, 4, dtype=torch.float16))}),
+        "NaN": request(dense_grads={dense: nan}),
+        "Inf": request(dense_grads={dense: inf}),
+        "NaN in rows": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 0), torch.full((1, 4), float("nan")))}),
+        "ids not int64": request(row_grads={"user.weight": RowBlock(
+            own_ids(endpoint, 0).int(), torch.ones(1, 4))}),
+        "pull out of range": request(pull_rows={"items.weight": torch.tensor([10**9])}),
+        "not a tensor": request(dense_grads={dense: [1.0, 2.0]}),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(bad_requests(make_server())))
+def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
+    endpoint = make_server()
+    request = bad_requests(endpoint)[case]
+    before = endpoint.shard.state_hash()
+    transport = LocalTransport([endpoint])
+    with pytest.raises(InvalidPushError) as caught:
+        transport.push_pull(0, request).wait()
+    assert "server 0" in str(caught.value)
+    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.version == 0
+    # The server still works: the same trainer's valid push applies afterwards.
+    good = PushPullRequest(trainer=0, step=2, row_grads={
+        "user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))})
+    transport.push_pull(0, good).wait()
+    assert endpoint.shard.state_hash() != before
+
+
+def test_error_names_the_parameter() -> None:
+    endpoint = make_server()
+    dense = a_dense_name(endpoint)
+    request = PushPullRequest(trainer=0, step=1, dense_grads={dense: torch.ones(99)})
+    with pytest.raises(InvalidPushError, match=f"parameter '{dense}'.*shape"):
+        endpoint.handle("push_pull", (request,)).wait()
+
+
+def test_malformed_calls_are_refused() -> None:
+    endpoint = make_server()
+    before = endpoint.shard.state_hash()
+    for op, args in [("drop_tables", ()), ("push_pull", "not a tuple"), ("push_pull", (42,)),
+                     ("push_pull", (PushPullRequest(trainer=7, step=1),)),
+                     ("push_pull", (PushPullRequest(trainer=0, step=-1),)),
+                     ("export_state", (1, 2, 3))]:
+        with pytest.raises(ParamServerError):
+            endpoint.handle(op, args).wait()
+    assert endpoint.shard.state_hash() == before
+
+
+def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
+    endpoint = make_server(server=0, servers=1, trainers=8)
+    ids = torch.tensor([0, 3, 5, 7], dtype=torch.int64)
+    start = endpoint.shard.tables["user.weight"].weight[ids].clone()
+    pushes_per_trainer = 50
+    barrier = threading.Barrier(8)
+
+    def pusher(trainer: int) -> None:
+        barrier.wait()
+        for step in range(1, pushes_per_trainer + 1):
+            grad = torch.full((4, 4), 0.001 * (trainer + 1))
+            request = PushPullRequest(trainer=trainer, step=step, pull_dense=False,
+                                      row_grads={"user.weight": RowBlock(ids, grad)})
+            endpoint.handle("push_pull", (request,)).wait()
+
+    threads = [threading.Thread(target=pusher, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    total = sum(0.001 * (t + 1) for t in range(8)) * pushes_per_trainer
+    expected = start - total  # SGD, lr 1: every push subtracts its gradient
+    torch.testing.assert_close(endpoint.shard.tables["user.weight"].weight[ids], expected)
+    assert endpoint.shard.stats.pushes == 8 * pushes_per_trainer
+
+
+def test_duplicate_push_is_answered_not_applied_twice() -> None:
+    endpoint = make_server()
+    ids = own_ids(endpoint, 2)
+    request = PushPullRequest(trainer=1, step=1, row_grads={"user.weight": RowBlock(
+        ids, torch.ones(1, 4))}, pull_rows={"user.weight": ids})
+    first = endpoint.handle("push_pull", (request,)).wait()
+    again = endpoint.handle("push_pull", (request,)).wait()
+    assert endpoint.shard.version == 1
+    assert isinstance(again, PushPullReply)
+    torch.testing.assert_close(first.rows["user.weight"], again.rows["user.weight"])
+
+
+def sync_push(endpoint: ServerEndpoint, trainer: int, step: int, value: float,
+              final: bool = False) -> torch.futures.Future:
+    ids = own_ids(endpoint, 0)
+    request = PushPullRequest(trainer=trainer, step=step, final=final, pull_dense=False,
+                              row_grads={"user.weight": RowBlock(ids, torch.full((1, 4), value))},
+                              pull_rows={"user.weight": ids})
+    return endpoint.handle("push_pull", (request,))
+
+
+def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None:
+    endpoint = make_server(mode="sync", trainers=3)
+    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    first = sync_push(endpoint, 0, 1, 1.0)
+    second = sync_push(endpoint, 2, 1, 2.0)
+    assert not first.done() and not second.done()
+    assert endpoint.shard.version == 0
+    duplicate = sync_push(endpoint, 0, 1, 1.0)  # a retry while waiting joins the same answer
+    third = sync_push(endpoint, 1, 1, 6.0)
+    for future in (first, second, third, duplicate):
+        torch.testing.assert_close(future.wait().rows["user.weight"][0], start - 3.0)
+    assert endpoint.shard.version == 1
+
+
+def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
+    endpoint = make_server(mode="sync", trainers=2)
+    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    a = sync_push(endpoint, 0, 1, 1.0)
+    b = sync_push(endpoint, 1, 1, 3.0, final=True)  # trainer 1's data ended
+    torch.testing.assert_close(b.wait().rows["user.weight"][0], start - 2.0)
+    a.wait()
+    # Round 2 has only trainer 0 and completes at once with its gradient alone.
+    torch.testing.assert_close(sync_push(endpoint, 0, 2, 4.0).wait().rows["user.weight"][0],
+                               start - 6.0)
+    with pytest.raises(TrainerDepartedError):
+        sync_push(endpoint, 1, 2, 1.0).wait()
+    assert not endpoint.handle("wait_all_left", ()).done()
+    sync_push(endpoint, 0, 3, 0.0, final=True).wait()
+    assert endpoint.handle("wait_all_left", ()).done()
+
+
+def test_a_trainer_leaving_without_gradients_completes_a_waiting_round() -> None:
+    endpoint = make_server(mode="sync", trainers=2)
+    waiting = sync_push(endpoint, 0, 1, 1.0)
+    leave = PushPullRequest(trainer=1, step=0, final=True, pull_dense=False)
+    endpoint.handle("push_pull", (leave,)).wait()
+    waiting.wait()
+    assert endpoint.shard.version == 1

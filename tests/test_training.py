@@ -1,0 +1,164 @@
+"""End-to-end training through the Python API (threads launcher): learning, clipping,
+accumulation, traffic, and errors reaching the user."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import paramserver as ps
+from paramserver.baseline import train_single_process
+from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.launch.roles import build_server
+from paramserver.metrics import evaluate_binary
+from paramserver.models.dlrm import DLRM
+from paramserver.protocol import payload_nbytes
+from paramserver.trainer.loop import run_trainer, seeded_model
+from paramserver.transport.local import LocalTransport
+from tests.helpers import TinyRecModel, mse, tiny_batches
+
+
+def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, target)
+
+
+def test_async_two_trainers_learn_as_well_as_single_process() -> None:
+    data = SyntheticClickLogs(SyntheticSpec(train_batches=240, eval_samples=16_384))
+    config = ps.TrainConfig(servers=2, trainers=2, mode="async", launcher="threads",
+                            optimizer="adagrad", lr=0.05, progress=False)
+    result = ps.train(DLRM, data.train_batches, bce, config)
+    assert result is not None
+    held_out = [batch for batch, _ in data.eval_batches()]
+    distributed = evaluate_binary(result.model, held_out)["auc"]
+    reference, _ = train_single_process(DLRM, data.train_batches, bce, config)
+    single = evaluate_binary(reference, held_out)["auc"]
+    untrained = evaluate_binary(seeded_model(DLRM, 0), held_out)["auc"]
+    assert single > untrained + 0.1, "the reference did not learn: the comparison is vacuous"
+    assert abs(distributed - single) <= 0.01, (distributed, single)
+
+
+def reference_sgd(batches_per_step: int, clip: float | None, steps: int) -> dict[str, Any]:
+    """Single process, plain SGD (lazy and dense updates agree for SGD without momentum)."""
+    model = seeded_model(TinyRecModel, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    stream = tiny_batches(0, num_batches=steps * batches_per_step)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for _ in range(batches_per_step):
+            inputs, target = next(stream)
+            (mse(model(*inputs), target) / batches_per_step).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize(("accumulate", "clip"), [(1, 0.05), (3, None), (2, 0.1)])
+def test_clipping_and_accumulation_match_single_process(accumulate: int, clip: float | None
+                                                        ) -> None:
+    steps = 5
+    config = ps.TrainConfig(servers=2, trainers=1, mode="sync", optimizer="sgd", lr=0.5,
+                            accumulate=accumulate, clip_grad_norm=clip, launcher="threads",
+                            progress=False)
+    data = lambda t, n: tiny_batches(t, num_batches=steps * accumulate)  # noqa: E731
+    result = ps.train(TinyRecModel, data, mse, config)
+    assert result is not None
+    assert result.summary["trainer_steps"] == [steps]
+    expected = reference_sgd(accumulate, clip, steps)
+    unclipped = reference_sgd(accumulate, None, steps)
+    for name, value in expected.items():
+        torch.testing.assert_close(result.model.state_dict()[name], value, msg=name)
+    if clip is not None:
+        assert any(not torch.allclose(expected[n], unclipped[n]) for n in expected), \
+            "clipping never engaged: the test is vacuous"
+
+
+class RecordingTransport(LocalTransport):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.pulled_per_call: list[int] = []
+
+    def call(self, server: int, op: str, *args: Any) -> torch.futures.Future:
+        future = super().call(server, op, *args)
+        if op == "push_pull":
+            self.pulled_per_call.append(payload_nbytes(future.wait()))
+        return future
+
+
+def test_pulls_only_the_rows_a_step_touches() -> None:
+    servers, steps = 2, 6
+    config = ps.TrainConfig(servers=servers, trainers=1, launcher="threads", progress=False)
+    transport = RecordingTransport([build_server(s, config, TinyRecModel)
+                                    for s in range(servers)])
+    run_trainer(0, config, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=steps), mse,
+                transport)
+    model = TinyRecModel()
+    dense_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" in n)
+    row_bytes = 4 * 4
+    per_step = [sum(transport.pulled_per_call[i * servers:(i + 1) * servers])
+                for i in range(steps)]
+    for step, (inputs, _) in enumerate(tiny_batches(0, num_batches=steps)):
+        unique_rows = inputs[0].unique().numel() + inputs[1].unique().numel()
+        needed = unique_rows * row_bytes + dense_bytes
+        assert per_step[step] <= 1.1 * unique_rows * row_bytes + dense_bytes
+        assert per_step[step] >= needed  # and nothing is missing
+    whole_tables = (40 + 30) * row_bytes
+    assert max(per_step) < dense_bytes + whole_tables
+
+
+def test_uneven_data_in_sync_mode_finishes_and_counts_every_step() -> None:
+    config = ps.TrainConfig(servers=2, trainers=3, mode="sync", launcher="threads",
+                            progress=False)
+    lengths = {0: 7, 1: 3, 2: 0}
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=lengths[t]), mse,
+                      config)
+    assert result is not None
+    assert result.summary["trainer_steps"] == [7, 3, 0]
+    assert result.summary["samples"] == 10 * 6
+
+
+def test_steps_and_epochs_bound_the_job() -> None:
+    config = ps.TrainConfig(servers=1, trainers=2, launcher="threads", epochs=3, steps=8,
+                            progress=False)
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), mse, config)
+    assert result is not None
+    assert result.summary["trainer_steps"] == [8, 8]
+
+
+def test_bad_data_reaches_the_user_as_a_typed_error() -> None:
+    def data(trainer: int, num_trainers: int) -> Any:
+        for i, ((user, items, dense), target) in enumerate(tiny_batches(trainer)):
+            if trainer == 1 and i == 2:
+                user = user + 1000
+            yield (user, items, dense), target
+
+    config = ps.TrainConfig(servers=2, trainers=2, launcher="threads", progress=False)
+    with pytest.raises(ps.JobFailedError, match=r"trainer 1 failed: InvalidBatchError: table "
+                                                r"user\.weight: id 10\d\d out of range"):
+        ps.train(TinyRecModel, data, mse, config)
+
+
+def test_nan_gradients_are_rejected_and_reach_the_user() -> None:
+    def nan_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output * float("nan")).mean()
+
+    config = ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False)
+    with pytest.raises(ps.JobFailedError, match="InvalidPushError.*NaN or Inf"):
+        ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), nan_loss, config)
+
+
+def test_result_model_is_a_plain_module_that_loads_without_paramserver() -> None:
+    config = ps.TrainConfig(servers=2, trainers=2, launcher="threads", progress=False)
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=4), mse, config)
+    assert result is not None
+    assert isinstance(result.model.user, nn.Embedding)
+    fresh = TinyRecModel()
+    fresh.load_state_dict(result.model.state_dict())
+    keys = {"steps", "samples", "samples_per_s", "train_loss", "wall_s", "bytes"}
+    assert keys <= set(result.summary)
+    assert result.summary["bytes"]["trainers"]["sent"] == result.summary["bytes"]["servers"][
+        "received"]
