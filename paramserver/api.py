@@ -29,9 +29,13 @@ def under_torchrun() -> bool:
     )
 
 
-def train(model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-          config: TrainConfig | None = None,
-          on_progress: Callable[[Progress], None] | None = None) -> TrainResult | None:
+def train(
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    config: TrainConfig | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> TrainResult | None:
     """Train ``model_fn()``'s model on ``config.servers`` servers and ``config.trainers`` trainers.
 
     ``data_fn(trainer, num_trainers)`` yields ``(inputs, target)`` batches for one trainer

@@ -9,11 +9,12 @@ the order a sync job would see them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from itertools import zip_longest
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from paramserver.config import OptimizerConfig, TrainConfig
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, seeded_model
@@ -32,8 +33,7 @@ def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
     return optimizers
 
 
-def _optimizer(params: list[nn.Parameter], c: OptimizerConfig, sparse: bool
-               ) -> torch.optim.Optimizer:
+def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> torch.optim.Optimizer:
     if c.name == "sgd":
         return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
     if c.name in ("adagrad", "rowwise_adagrad"):
@@ -43,8 +43,9 @@ def _optimizer(params: list[nn.Parameter], c: OptimizerConfig, sparse: bool
     return torch.optim.Adam(params, lr=c.lr, betas=c.betas, eps=c.resolved_eps)
 
 
-def train_single_process(model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-                         config: TrainConfig) -> tuple[nn.Module, dict[str, Any]]:
+def train_single_process(
+    model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn, config: TrainConfig
+) -> tuple[nn.Module, dict[str, Any]]:
     """Train on every trainer's batches in one process; returns the model and throughput."""
     torch.set_num_threads(config.threads_per_process)
     model = seeded_model(model_fn, config.seed)
@@ -72,5 +73,9 @@ def train_single_process(model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
     for module in model.modules():
         if isinstance(module, EMBEDDINGS):
             module.sparse = False
-    return model, {"samples": samples, "steps": steps, "seconds": seconds,
-                   "samples_per_s": samples / seconds if seconds else 0.0}
+    return model, {
+        "samples": samples,
+        "steps": steps,
+        "seconds": seconds,
+        "samples_per_s": samples / seconds if seconds else 0.0,
+    }

@@ -55,50 +55,74 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             parse = float
         else:
             parse = str
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=parse,
-                           choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
-                           help=f"{f.metadata.get('help', '')} (default: {default})")
+        group.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            dest=f.name,
+            type=parse,
+            choices=f.metadata.get("choices"),
+            default=argparse.SUPPRESS,
+            help=f"{f.metadata.get('help', '')} (default: {default})",
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paramserver", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="paramserver",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("train", help="train the built-in job (synthetic click logs)")
     run.add_argument("--config", type=Path, help="TOML file of TrainConfig keys")
     run.add_argument("--summary-json", type=Path, help="write the job summary here as JSON")
     data = run.add_argument_group("synthetic data")
     spec = SyntheticSpec()
-    data.add_argument("--rows-per-table", type=int, default=spec.rows_per_table,
-                      help="rows of each of the 8 embedding tables")
-    data.add_argument("--train-batches", type=int, default=spec.train_batches,
-                      help="training batches in one epoch, over all trainers")
-    data.add_argument("--eval-samples", type=int, default=spec.eval_samples,
-                      help="held-out samples")
+    data.add_argument(
+        "--rows-per-table",
+        type=int,
+        default=spec.rows_per_table,
+        help="rows of each of the 8 embedding tables",
+    )
+    data.add_argument(
+        "--train-batches",
+        type=int,
+        default=spec.train_batches,
+        help="training batches in one epoch, over all trainers",
+    )
+    data.add_argument(
+        "--eval-samples", type=int, default=spec.eval_samples, help="held-out samples"
+    )
     add_config_flags(run)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     values: dict[str, Any] = read_toml(args.config) if args.config else {}
-    values.update({f.name: getattr(args, f.name) for f in fields(TrainConfig)
-                   if hasattr(args, f.name)})
+    values.update(
+        {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
+    )
     return TrainConfig(**values)
 
 
 def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    spec = SyntheticSpec(rows_per_table=args.rows_per_table, batch_size=config.batch_size,
-                         train_batches=args.train_batches, eval_samples=args.eval_samples,
-                         seed=config.seed)
+    spec = SyntheticSpec(
+        rows_per_table=args.rows_per_table,
+        batch_size=config.batch_size,
+        train_batches=args.train_batches,
+        eval_samples=args.eval_samples,
+        seed=config.seed,
+    )
     data = SyntheticClickLogs(spec)
     steps_per_trainer = -(-spec.train_batches // config.trainers) * config.epochs
     steps_per_trainer = -(-steps_per_trainer // config.accumulate)
     if config.steps is not None:
         steps_per_trainer = min(steps_per_trainer, config.steps)
-    display = ProgressDisplay(steps_per_trainer * config.trainers if config.progress else 0,
-                              interactive=None if config.progress else False,
-                              log_every_s=config.log_every)
+    display = ProgressDisplay(
+        steps_per_trainer * config.trainers if config.progress else 0,
+        interactive=None if config.progress else False,
+        log_every_s=config.log_every,
+    )
     rows = spec.rows_per_table
 
     def model_fn() -> DLRM:
@@ -109,11 +133,22 @@ def run_train(args: argparse.Namespace) -> int:
 
         return F.binary_cross_entropy_with_logits(logits, target)
 
-    log.info("training: %d servers, %d trainers, mode %s, %s lr %g", config.servers,
-             config.trainers, config.mode, config.optimizer, config.lr)
+    log.info(
+        "training: %d servers, %d trainers, mode %s, %s lr %g",
+        config.servers,
+        config.trainers,
+        config.mode,
+        config.optimizer,
+        config.lr,
+    )
     try:
-        result = train(model_fn, data.train_batches, loss_fn, config,
-                       on_progress=display if config.progress else None)
+        result = train(
+            model_fn,
+            data.train_batches,
+            loss_fn,
+            config,
+            on_progress=display if config.progress else None,
+        )
     finally:
         display.close()
     if result is None:  # a torchrun rank other than the chief
@@ -133,8 +168,9 @@ def add_evaluation(result: TrainResult, data: SyntheticClickLogs) -> None:
     import torch
 
     ceiling = auc_of_scores(torch.cat(truth_logits).sigmoid(), torch.cat(labels))
-    result.summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"],
-                          eval_auc_ceiling=ceiling)
+    result.summary.update(
+        eval_auc=metrics["auc"], eval_logloss=metrics["logloss"], eval_auc_ceiling=ceiling
+    )
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -146,9 +182,11 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"train loss     {summary['train_loss']:.4f}",
     ]
     if "eval_auc" in summary:
-        lines += [f"held-out AUC   {summary['eval_auc']:.4f}  (ground truth's own: "
-                  f"{summary['eval_auc_ceiling']:.4f})",
-                  f"held-out loss  {summary['eval_logloss']:.4f}"]
+        lines += [
+            f"held-out AUC   {summary['eval_auc']:.4f}  (ground truth's own: "
+            f"{summary['eval_auc_ceiling']:.4f})",
+            f"held-out loss  {summary['eval_logloss']:.4f}",
+        ]
     lines += [
         f"trainer bytes  sent {traffic['trainers']['sent'] / 1e6:,.1f} MB, received "
         f"{traffic['trainers']['received'] / 1e6:,.1f} MB",
@@ -158,8 +196,9 @@ def print_summary(summary: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="[launcher] %(asctime)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="[launcher] %(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":

@@ -47,7 +47,9 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
-            raise ConfigError(f"--optimizer: unknown optimizer {self.name!r}; choose from {OPTIMIZERS}")
+            raise ConfigError(
+                f"--optimizer: unknown optimizer {self.name!r}; choose from {OPTIMIZERS}"
+            )
         if not self.lr > 0:
             raise ConfigError(f"--lr must be > 0, got {self.lr}")
         if self.momentum < 0 or self.weight_decay < 0:
@@ -70,7 +72,9 @@ class OptimizerConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(values) - known
         if unknown:
-            raise ConfigError(f"{where}: unknown optimizer keys {sorted(unknown)}; known: {sorted(known)}")
+            raise ConfigError(
+                f"{where}: unknown optimizer keys {sorted(unknown)}; known: {sorted(known)}"
+            )
         values = dict(values)
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
@@ -85,7 +89,8 @@ class TrainConfig:
     trainers: int = field(default=2, metadata=_doc("number of trainer processes"))
     mode: str = field(default="async", metadata=_doc("consistency: async | sync", choices=MODES))
     steps: int | None = field(
-        default=None, metadata=_doc("optimizer steps per trainer at most (default: until data ends)")
+        default=None,
+        metadata=_doc("optimizer steps per trainer at most (default: until data ends)"),
     )
     epochs: int = field(default=1, metadata=_doc("passes over each trainer's data"))
     batch_size: int = field(default=512, metadata=_doc("batch size of the built-in datasets"))
@@ -97,14 +102,18 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata=_doc("weight decay (L2), all optimizers"))
     table_optimizer: str | None = field(
         default=None,
-        metadata=_doc("update rule for embedding tables (default: --optimizer)", choices=OPTIMIZERS),
+        metadata=_doc(
+            "update rule for embedding tables (default: --optimizer)", choices=OPTIMIZERS
+        ),
     )
     table_lr: float | None = field(
         default=None, metadata=_doc("learning rate for embedding tables (default: --lr)")
     )
     table_optimizers: Mapping[str, OptimizerConfig] = field(
         default_factory=dict,
-        metadata=_doc("per-table optimizers by table name (TOML [tables.NAME] sections)", cli=False),
+        metadata=_doc(
+            "per-table optimizers by table name (TOML [tables.NAME] sections)", cli=False
+        ),
     )
     seed: int = field(default=0, metadata=_doc("seed of model init, data and every process's RNG"))
     clip_grad_norm: float | None = field(
@@ -132,8 +141,15 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = ("servers", "trainers", "epochs", "batch_size", "accumulate", "rpc_threads",
-                    "threads_per_process")
+        positive = (
+            "servers",
+            "trainers",
+            "epochs",
+            "batch_size",
+            "accumulate",
+            "rpc_threads",
+            "threads_per_process",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -143,7 +159,9 @@ class TrainConfig:
         if self.mode not in MODES:
             raise ConfigError(f"--mode: unknown mode {self.mode!r}; choose from {MODES}")
         if self.launcher not in LAUNCHERS:
-            raise ConfigError(f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}")
+            raise ConfigError(
+                f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}"
+            )
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
@@ -217,4 +235,3 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         else:
             raise ConfigError(f"--config: unknown key {key!r} in {path}; known: {sorted(known)}")
     return values
-

@@ -16,15 +16,19 @@ log = logging.getLogger("paramserver")
 class ProgressDisplay:
     """Aggregates trainers' progress events: steps (all trainers), samples/s, recent loss."""
 
-    def __init__(self, total_steps: int | None, interactive: bool | None = None,
-                 log_every_s: float = 10.0):
+    def __init__(
+        self, total_steps: int | None, interactive: bool | None = None, log_every_s: float = 10.0
+    ):
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.log_every_s = log_every_s
         self.latest: dict[int, Progress] = {}
         self.started = time.monotonic()
         self.last_log = self.started
-        self.bar = (tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
-                    if self.interactive else None)
+        self.bar = (
+            tqdm(total=total_steps, unit="step", dynamic_ncols=True, file=sys.stderr)
+            if self.interactive
+            else None
+        )
 
     def __call__(self, progress: Progress) -> None:
         self.latest[progress.trainer] = progress

@@ -101,7 +101,9 @@ def clone_message(message: Any) -> Any:
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         return dataclasses.replace(
             message,
-            **{f.name: clone_message(getattr(message, f.name)) for f in dataclasses.fields(message)},
+            **{
+                f.name: clone_message(getattr(message, f.name)) for f in dataclasses.fields(message)
+            },
         )
     if isinstance(message, dict):
         return {k: clone_message(v) for k, v in message.items()}

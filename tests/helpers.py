@@ -25,8 +25,9 @@ class TinyRecModel(nn.Module):
         return self.mlp(x).squeeze(1)
 
 
-def tiny_batches(trainer: int, num_batches: int = 20, batch: int = 6, seed: int = 0
-                 ) -> Iterator[tuple[tuple[Tensor, Tensor, Tensor], Tensor]]:
+def tiny_batches(
+    trainer: int, num_batches: int = 20, batch: int = 6, seed: int = 0
+) -> Iterator[tuple[tuple[Tensor, Tensor, Tensor], Tensor]]:
     g = torch.Generator().manual_seed(seed * 1000 + trainer)
     for _ in range(num_batches):
         user = torch.randint(0, NUM_ROWS_A, (batch,), generator=g)

@@ -26,8 +26,10 @@ def single_process_reference(name: str) -> dict[str, torch.Tensor]:
     the lazy per-row semantics a parameter server has (per-row Adam step counts included)."""
     model = seeded_model(TinyRecModel, seed=0)
     tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
-    rows = {t: [nn.Parameter(w.detach()[i].clone()) for i in range(w.shape[0])]
-            for t, w in tables.items()}
+    rows = {
+        t: [nn.Parameter(w.detach()[i].clone()) for i in range(w.shape[0])]
+        for t, w in tables.items()
+    }
     dense = [p for n, p in model.named_parameters() if n not in tables]
     optimizer_class, kwargs = OPTIMIZERS[name]
     optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
@@ -55,8 +57,14 @@ def single_process_reference(name: str) -> dict[str, torch.Tensor]:
 def test_sync_equals_single_process(optimizer: str) -> None:
     _, kwargs = OPTIMIZERS[optimizer]
     config = ps.TrainConfig(
-        servers=2, trainers=NUM_TRAINERS, mode="sync", optimizer=optimizer, lr=kwargs["lr"],
-        momentum=kwargs.get("momentum", 0.0), launcher="threads", progress=False,
+        servers=2,
+        trainers=NUM_TRAINERS,
+        mode="sync",
+        optimizer=optimizer,
+        lr=kwargs["lr"],
+        momentum=kwargs.get("momentum", 0.0),
+        launcher="threads",
+        progress=False,
     )
     result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t), mse, config)
     assert result is not None

@@ -24,23 +24,38 @@ def run_remote(module: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Tens
 
 CASES = {
     "embedding": (lambda: nn.Embedding(20, 3), lambda: (torch.tensor([[1, 5], [5, 19]]),)),
-    "embedding padding": (lambda: nn.Embedding(20, 3, padding_idx=5),
-                          lambda: (torch.tensor([1, 5, 5, 7]),)),
-    "embedding grad by freq": (lambda: nn.Embedding(20, 3, scale_grad_by_freq=True),
-                               lambda: (torch.tensor([1, 1, 1, 7]),)),
-    "bag sum 2d": (lambda: nn.EmbeddingBag(20, 3, mode="sum"),
-                   lambda: (torch.tensor([[1, 2, 2], [4, 19, 0]]),)),
-    "bag mean offsets": (lambda: nn.EmbeddingBag(20, 3, mode="mean"),
-                         lambda: (torch.tensor([3, 4, 4, 9, 11]), torch.tensor([0, 2, 2]))),
-    "bag max": (lambda: nn.EmbeddingBag(20, 3, mode="max"),
-                lambda: (torch.tensor([[3, 8], [8, 1]]),)),
-    "bag weights": (lambda: nn.EmbeddingBag(20, 3, mode="sum"),
-                    lambda: (torch.tensor([3, 4, 9]), torch.tensor([0, 1]),
-                             torch.tensor([0.5, 2.0, -1.0]))),
-    "bag last offset": (lambda: nn.EmbeddingBag(20, 3, mode="sum", include_last_offset=True),
-                        lambda: (torch.tensor([3, 4, 9]), torch.tensor([0, 1, 3]))),
-    "bag padding": (lambda: nn.EmbeddingBag(20, 3, mode="mean", padding_idx=0),
-                    lambda: (torch.tensor([[0, 2, 3], [0, 0, 5]]),)),
+    "embedding padding": (
+        lambda: nn.Embedding(20, 3, padding_idx=5),
+        lambda: (torch.tensor([1, 5, 5, 7]),),
+    ),
+    "embedding grad by freq": (
+        lambda: nn.Embedding(20, 3, scale_grad_by_freq=True),
+        lambda: (torch.tensor([1, 1, 1, 7]),),
+    ),
+    "bag sum 2d": (
+        lambda: nn.EmbeddingBag(20, 3, mode="sum"),
+        lambda: (torch.tensor([[1, 2, 2], [4, 19, 0]]),),
+    ),
+    "bag mean offsets": (
+        lambda: nn.EmbeddingBag(20, 3, mode="mean"),
+        lambda: (torch.tensor([3, 4, 4, 9, 11]), torch.tensor([0, 2, 2])),
+    ),
+    "bag max": (
+        lambda: nn.EmbeddingBag(20, 3, mode="max"),
+        lambda: (torch.tensor([[3, 8], [8, 1]]),),
+    ),
+    "bag weights": (
+        lambda: nn.EmbeddingBag(20, 3, mode="sum"),
+        lambda: (torch.tensor([3, 4, 9]), torch.tensor([0, 1]), torch.tensor([0.5, 2.0, -1.0])),
+    ),
+    "bag last offset": (
+        lambda: nn.EmbeddingBag(20, 3, mode="sum", include_last_offset=True),
+        lambda: (torch.tensor([3, 4, 9]), torch.tensor([0, 1, 3])),
+    ),
+    "bag padding": (
+        lambda: nn.EmbeddingBag(20, 3, mode="mean", padding_idx=0),
+        lambda: (torch.tensor([[0, 2, 3], [0, 0, 5]]),),
+    ),
 }
 
 
@@ -98,8 +113,10 @@ class SharedLookups(nn.Module):
 
 def test_lookups_the_record_pass_skipped_are_fetched_not_wrong() -> None:
     model = SharedLookups()
-    weights = {"first.weight": model.first.weight.detach().clone(),
-               "second.weight": model.second.weight.detach().clone()}
+    weights = {
+        "first.weight": model.first.weight.detach().clone(),
+        "second.weight": model.second.weight.detach().clone(),
+    }
     replica = Replica(model)
     batch = (torch.tensor([1, 2]), torch.tensor([3, 4]))
     replica.record_ids([batch])  # learns: first twice, second once
@@ -115,14 +132,18 @@ def test_lookups_the_record_pass_skipped_are_fetched_not_wrong() -> None:
     assert missing.value.ids.tolist() == [3, 4]
     extra = missing.value.ids
     replica.add_rows("first.weight", extra, weights["first.weight"][extra].clone())
-    torch.testing.assert_close(replica.forward(batch),
-                               weights["first.weight"][[1, 2]] + weights["second.weight"][[1, 2]]
-                               + weights["first.weight"][[3, 4]])
+    torch.testing.assert_close(
+        replica.forward(batch),
+        weights["first.weight"][[1, 2]]
+        + weights["second.weight"][[1, 2]]
+        + weights["first.weight"][[3, 4]],
+    )
 
 
 def test_plan_names_tables_and_dense_parameters_by_state_dict_name() -> None:
-    model = nn.ModuleDict({"emb": nn.Embedding(10, 4), "bag": nn.EmbeddingBag(7, 4),
-                           "lin": nn.Linear(4, 2)})
+    model = nn.ModuleDict(
+        {"emb": nn.Embedding(10, 4), "bag": nn.EmbeddingBag(7, 4), "lin": nn.Linear(4, 2)}
+    )
     plan = describe(model, num_servers=2)
     assert set(plan.tables) == {"emb.weight", "bag.weight"}
     assert set(plan.dense) == {"lin.weight", "lin.bias"}

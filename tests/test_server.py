@@ -16,10 +16,12 @@ from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel
 
 
-def make_server(server: int = 0, servers: int = 2, trainers: int = 2, mode: str = "async",
-                **overrides: object) -> ServerEndpoint:
-    config = ps.TrainConfig(servers=servers, trainers=trainers, mode=mode, optimizer="sgd",
-                            lr=1.0, **overrides)  # type: ignore[arg-type]
+def make_server(
+    server: int = 0, servers: int = 2, trainers: int = 2, mode: str = "async", **overrides: object
+) -> ServerEndpoint:
+    config = ps.TrainConfig(
+        servers=servers, trainers=trainers, mode=mode, optimizer="sgd", lr=1.0, **overrides
+    )  # type: ignore[arg-type]
     return build_server(server, config, TinyRecModel)
 
 
@@ -43,8 +45,9 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
         base.update(fields)
         return PushPullRequest(trainer=0, step=1, **base)  # type: ignore[arg-type]
 
-    other_dense = next(n for n, s in endpoint.shard.plan.dense_server.items()
-                       if s != endpoint.shard.server)
+    other_dense = next(
+        n for n, s in endpoint.shard.plan.dense_server.items() if s != endpoint.shard.server
+    )
     nan = torch.ones(shape)
     nan.view(-1)[0] = float("nan")
     inf = torch.ones(shape)
@@ -54,26 +57,49 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
         "wrong dtype": request(dense_grads={dense: torch.ones(shape, dtype=torch.float64)}),
         "unknown parameter": request(dense_grads={"no.such.weight": torch.ones(3)}),
         "parameter on another server": request(dense_grads={other_dense: torch.ones(1)}),
-        "unknown table": request(row_grads={"no.such.table": RowBlock(own_ids(endpoint, 0),
-                                                                      torch.ones(1, 4))}),
-        "row id out of range": request(row_grads={"user.weight": RowBlock(
-            torch.tensor([10_000 * 2 + endpoint.shard.server]), torch.ones(1, 4))}),
-        "negative row id": request(row_grads={"user.weight": RowBlock(
-            torch.tensor([-2 + endpoint.shard.server]), torch.ones(1, 4))}),
-        "row routed to another server": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 0) + 1, torch.ones(1, 4))}),
-        "duplicate row ids": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 3, 3), torch.ones(2, 4))}),
-        "row gradient shape": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 0, 1), torch.ones(2, 5))}),
-        "row gradient dtype": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 0, 1), torch.ones(2, 4, dtype=torch.float16))}),
+        "unknown table": request(
+            row_grads={"no.such.table": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))}
+        ),
+        "row id out of range": request(
+            row_grads={
+                "user.weight": RowBlock(
+                    torch.tensor([10_000 * 2 + endpoint.shard.server]), torch.ones(1, 4)
+                )
+            }
+        ),
+        "negative row id": request(
+            row_grads={
+                "user.weight": RowBlock(
+                    torch.tensor([-2 + endpoint.shard.server]), torch.ones(1, 4)
+                )
+            }
+        ),
+        "row routed to another server": request(
+            row_grads={"user.weight": RowBlock(own_ids(endpoint, 0) + 1, torch.ones(1, 4))}
+        ),
+        "duplicate row ids": request(
+            row_grads={"user.weight": RowBlock(own_ids(endpoint, 3, 3), torch.ones(2, 4))}
+        ),
+        "row gradient shape": request(
+            row_grads={"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 5))}
+        ),
+        "row gradient dtype": request(
+            row_grads={
+                "user.weight": RowBlock(
+                    own_ids(endpoint, 0, 1), torch.ones(2, 4, dtype=torch.float16)
+                )
+            }
+        ),
         "NaN": request(dense_grads={dense: nan}),
         "Inf": request(dense_grads={dense: inf}),
-        "NaN in rows": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 0), torch.full((1, 4), float("nan")))}),
-        "ids not int64": request(row_grads={"user.weight": RowBlock(
-            own_ids(endpoint, 0).int(), torch.ones(1, 4))}),
+        "NaN in rows": request(
+            row_grads={
+                "user.weight": RowBlock(own_ids(endpoint, 0), torch.full((1, 4), float("nan")))
+            }
+        ),
+        "ids not int64": request(
+            row_grads={"user.weight": RowBlock(own_ids(endpoint, 0).int(), torch.ones(1, 4))}
+        ),
         "pull out of range": request(pull_rows={"items.weight": torch.tensor([10**9])}),
         "not a tensor": request(dense_grads={dense: [1.0, 2.0]}),
     }
@@ -91,8 +117,11 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
     assert endpoint.shard.state_hash() == before
     assert endpoint.shard.version == 0
     # The server still works: the same trainer's valid push applies afterwards.
-    good = PushPullRequest(trainer=0, step=2, row_grads={
-        "user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))})
+    good = PushPullRequest(
+        trainer=0,
+        step=2,
+        row_grads={"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))},
+    )
     transport.push_pull(0, good).wait()
     assert endpoint.shard.state_hash() != before
 
@@ -108,10 +137,14 @@ def test_error_names_the_parameter() -> None:
 def test_malformed_calls_are_refused() -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
-    for op, args in [("drop_tables", ()), ("push_pull", "not a tuple"), ("push_pull", (42,)),
-                     ("push_pull", (PushPullRequest(trainer=7, step=1),)),
-                     ("push_pull", (PushPullRequest(trainer=0, step=-1),)),
-                     ("export_state", (1, 2, 3))]:
+    for op, args in [
+        ("drop_tables", ()),
+        ("push_pull", "not a tuple"),
+        ("push_pull", (42,)),
+        ("push_pull", (PushPullRequest(trainer=7, step=1),)),
+        ("push_pull", (PushPullRequest(trainer=0, step=-1),)),
+        ("export_state", (1, 2, 3)),
+    ]:
         with pytest.raises(ParamServerError):
             endpoint.handle(op, args).wait()
     assert endpoint.shard.state_hash() == before
@@ -128,8 +161,12 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
         barrier.wait()
         for step in range(1, pushes_per_trainer + 1):
             grad = torch.full((4, 4), 0.001 * (trainer + 1))
-            request = PushPullRequest(trainer=trainer, step=step, pull_dense=False,
-                                      row_grads={"user.weight": RowBlock(ids, grad)})
+            request = PushPullRequest(
+                trainer=trainer,
+                step=step,
+                pull_dense=False,
+                row_grads={"user.weight": RowBlock(ids, grad)},
+            )
             endpoint.handle("push_pull", (request,)).wait()
 
     threads = [threading.Thread(target=pusher, args=(t,)) for t in range(8)]
@@ -146,8 +183,12 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
 def test_duplicate_push_is_answered_not_applied_twice() -> None:
     endpoint = make_server()
     ids = own_ids(endpoint, 2)
-    request = PushPullRequest(trainer=1, step=1, row_grads={"user.weight": RowBlock(
-        ids, torch.ones(1, 4))}, pull_rows={"user.weight": ids})
+    request = PushPullRequest(
+        trainer=1,
+        step=1,
+        row_grads={"user.weight": RowBlock(ids, torch.ones(1, 4))},
+        pull_rows={"user.weight": ids},
+    )
     first = endpoint.handle("push_pull", (request,)).wait()
     again = endpoint.handle("push_pull", (request,)).wait()
     assert endpoint.shard.version == 1
@@ -155,12 +196,18 @@ def test_duplicate_push_is_answered_not_applied_twice() -> None:
     torch.testing.assert_close(first.rows["user.weight"], again.rows["user.weight"])
 
 
-def sync_push(endpoint: ServerEndpoint, trainer: int, step: int, value: float,
-              final: bool = False) -> torch.futures.Future:
+def sync_push(
+    endpoint: ServerEndpoint, trainer: int, step: int, value: float, final: bool = False
+) -> torch.futures.Future:
     ids = own_ids(endpoint, 0)
-    request = PushPullRequest(trainer=trainer, step=step, final=final, pull_dense=False,
-                              row_grads={"user.weight": RowBlock(ids, torch.full((1, 4), value))},
-                              pull_rows={"user.weight": ids})
+    request = PushPullRequest(
+        trainer=trainer,
+        step=step,
+        final=final,
+        pull_dense=False,
+        row_grads={"user.weight": RowBlock(ids, torch.full((1, 4), value))},
+        pull_rows={"user.weight": ids},
+    )
     return endpoint.handle("push_pull", (request,))
 
 
@@ -186,8 +233,9 @@ def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
     torch.testing.assert_close(b.wait().rows["user.weight"][0], start - 2.0)
     a.wait()
     # Round 2 has only trainer 0 and completes at once with its gradient alone.
-    torch.testing.assert_close(sync_push(endpoint, 0, 2, 4.0).wait().rows["user.weight"][0],
-                               start - 6.0)
+    torch.testing.assert_close(
+        sync_push(endpoint, 0, 2, 4.0).wait().rows["user.weight"][0], start - 6.0
+    )
     with pytest.raises(TrainerDepartedError):
         sync_push(endpoint, 1, 2, 1.0).wait()
     assert not endpoint.handle("wait_all_left", ()).done()

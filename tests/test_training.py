@@ -28,8 +28,15 @@ def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def test_async_two_trainers_learn_as_well_as_single_process() -> None:
     data = SyntheticClickLogs(SyntheticSpec(train_batches=240, eval_samples=16_384))
-    config = ps.TrainConfig(servers=2, trainers=2, mode="async", launcher="threads",
-                            optimizer="adagrad", lr=0.05, progress=False)
+    config = ps.TrainConfig(
+        servers=2,
+        trainers=2,
+        mode="async",
+        launcher="threads",
+        optimizer="adagrad",
+        lr=0.05,
+        progress=False,
+    )
     result = ps.train(DLRM, data.train_batches, bce, config)
     assert result is not None
     held_out = [batch for batch, _ in data.eval_batches()]
@@ -58,12 +65,21 @@ def reference_sgd(batches_per_step: int, clip: float | None, steps: int) -> dict
 
 
 @pytest.mark.parametrize(("accumulate", "clip"), [(1, 0.05), (3, None), (2, 0.1)])
-def test_clipping_and_accumulation_match_single_process(accumulate: int, clip: float | None
-                                                        ) -> None:
+def test_clipping_and_accumulation_match_single_process(
+    accumulate: int, clip: float | None
+) -> None:
     steps = 5
-    config = ps.TrainConfig(servers=2, trainers=1, mode="sync", optimizer="sgd", lr=0.5,
-                            accumulate=accumulate, clip_grad_norm=clip, launcher="threads",
-                            progress=False)
+    config = ps.TrainConfig(
+        servers=2,
+        trainers=1,
+        mode="sync",
+        optimizer="sgd",
+        lr=0.5,
+        accumulate=accumulate,
+        clip_grad_norm=clip,
+        launcher="threads",
+        progress=False,
+    )
     data = lambda t, n: tiny_batches(t, num_batches=steps * accumulate)  # noqa: E731
     result = ps.train(TinyRecModel, data, mse, config)
     assert result is not None
@@ -73,8 +89,9 @@ def test_clipping_and_accumulation_match_single_process(accumulate: int, clip: f
     for name, value in expected.items():
         torch.testing.assert_close(result.model.state_dict()[name], value, msg=name)
     if clip is not None:
-        assert any(not torch.allclose(expected[n], unclipped[n]) for n in expected), \
+        assert any(not torch.allclose(expected[n], unclipped[n]) for n in expected), (
             "clipping never engaged: the test is vacuous"
+        )
 
 
 class RecordingTransport(LocalTransport):
@@ -92,15 +109,16 @@ class RecordingTransport(LocalTransport):
 def test_pulls_only_the_rows_a_step_touches() -> None:
     servers, steps = 2, 6
     config = ps.TrainConfig(servers=servers, trainers=1, launcher="threads", progress=False)
-    transport = RecordingTransport([build_server(s, config, TinyRecModel)
-                                    for s in range(servers)])
-    run_trainer(0, config, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=steps), mse,
-                transport)
+    transport = RecordingTransport([build_server(s, config, TinyRecModel) for s in range(servers)])
+    run_trainer(
+        0, config, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=steps), mse, transport
+    )
     model = TinyRecModel()
     dense_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" in n)
     row_bytes = 4 * 4
-    per_step = [sum(transport.pulled_per_call[i * servers:(i + 1) * servers])
-                for i in range(steps)]
+    per_step = [
+        sum(transport.pulled_per_call[i * servers : (i + 1) * servers]) for i in range(steps)
+    ]
     for step, (inputs, _) in enumerate(tiny_batches(0, num_batches=steps)):
         unique_rows = inputs[0].unique().numel() + inputs[1].unique().numel()
         needed = unique_rows * row_bytes + dense_bytes
@@ -111,19 +129,20 @@ def test_pulls_only_the_rows_a_step_touches() -> None:
 
 
 def test_uneven_data_in_sync_mode_finishes_and_counts_every_step() -> None:
-    config = ps.TrainConfig(servers=2, trainers=3, mode="sync", launcher="threads",
-                            progress=False)
+    config = ps.TrainConfig(servers=2, trainers=3, mode="sync", launcher="threads", progress=False)
     lengths = {0: 7, 1: 3, 2: 0}
-    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=lengths[t]), mse,
-                      config)
+    result = ps.train(
+        TinyRecModel, lambda t, n: tiny_batches(t, num_batches=lengths[t]), mse, config
+    )
     assert result is not None
     assert result.summary["trainer_steps"] == [7, 3, 0]
     assert result.summary["samples"] == 10 * 6
 
 
 def test_steps_and_epochs_bound_the_job() -> None:
-    config = ps.TrainConfig(servers=1, trainers=2, launcher="threads", epochs=3, steps=8,
-                            progress=False)
+    config = ps.TrainConfig(
+        servers=1, trainers=2, launcher="threads", epochs=3, steps=8, progress=False
+    )
     result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), mse, config)
     assert result is not None
     assert result.summary["trainer_steps"] == [8, 8]
@@ -137,8 +156,11 @@ def test_bad_data_reaches_the_user_as_a_typed_error() -> None:
             yield (user, items, dense), target
 
     config = ps.TrainConfig(servers=2, trainers=2, launcher="threads", progress=False)
-    with pytest.raises(ps.JobFailedError, match=r"trainer 1 failed: InvalidBatchError: table "
-                                                r"user\.weight: id 10\d\d out of range"):
+    with pytest.raises(
+        ps.JobFailedError,
+        match=r"trainer 1 failed: InvalidBatchError: table "
+        r"user\.weight: id 10\d\d out of range",
+    ):
         ps.train(TinyRecModel, data, mse, config)
 
 
@@ -160,5 +182,7 @@ def test_result_model_is_a_plain_module_that_loads_without_paramserver() -> None
     fresh.load_state_dict(result.model.state_dict())
     keys = {"steps", "samples", "samples_per_s", "train_loss", "wall_s", "bytes"}
     assert keys <= set(result.summary)
-    assert result.summary["bytes"]["trainers"]["sent"] == result.summary["bytes"]["servers"][
-        "received"]
+    assert (
+        result.summary["bytes"]["trainers"]["sent"]
+        == result.summary["bytes"]["servers"]["received"]
+    )

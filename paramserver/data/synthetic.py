@@ -43,7 +43,8 @@ class SyntheticClickLogs:
         weights = ranks.pow(-spec.zipf_exponent)
         self.cdf = (weights.cumsum(0) / weights.sum()).float()
         self.permutations = torch.stack(
-            [torch.randperm(spec.rows_per_table, generator=g) for _ in range(spec.num_tables)])
+            [torch.randperm(spec.rows_per_table, generator=g) for _ in range(spec.num_tables)]
+        )
         self.dense_weight = torch.randn(spec.num_dense, generator=g) * 0.5
         self.id_bias = torch.randn(spec.num_tables, spec.rows_per_table, generator=g) * 0.8
         self.pair_embeddings = torch.randn(2, spec.rows_per_table, 4, generator=g) * 0.6
@@ -59,15 +60,16 @@ class SyntheticClickLogs:
         sparse = self.permutations[torch.arange(s.num_tables), zipf_rank]  # [size, tables]
         logits = dense @ self.dense_weight + self.bias
         logits = logits + self.id_bias[torch.arange(s.num_tables), sparse].sum(1)
-        pair = (self.pair_embeddings[0, sparse[:, 0]] * self.pair_embeddings[1, sparse[:, 1]])
+        pair = self.pair_embeddings[0, sparse[:, 0]] * self.pair_embeddings[1, sparse[:, 1]]
         logits = logits + pair.sum(1)
         labels = torch.bernoulli(torch.sigmoid(logits), generator=g)
         return dense, sparse, torch.stack([labels, logits])
 
     def train_batches(self, trainer: int, num_trainers: int) -> Iterator[Batch]:
         for index in range(trainer, self.spec.train_batches, num_trainers):
-            dense, sparse, label_logit = self._batch(self.spec.seed * 7_919 + 1 + index,
-                                                     self.spec.batch_size)
+            dense, sparse, label_logit = self._batch(
+                self.spec.seed * 7_919 + 1 + index, self.spec.batch_size
+            )
             yield (dense, sparse), label_logit[0]
 
     def eval_batches(self, batch_size: int = 8192) -> Iterator[tuple[Batch, Tensor]]:
@@ -76,8 +78,9 @@ class SyntheticClickLogs:
         index = 0
         while remaining > 0:
             size = min(batch_size, remaining)
-            dense, sparse, label_logit = self._batch(EVAL_SEED_OFFSET + self.spec.seed * 7_919 + index,
-                                                     size)
+            dense, sparse, label_logit = self._batch(
+                EVAL_SEED_OFFSET + self.spec.seed * 7_919 + index, size
+            )
             yield ((dense, sparse), label_logit[0]), label_logit[1]
             remaining -= size
             index += 1

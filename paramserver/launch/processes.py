@@ -36,14 +36,21 @@ from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
 GRACE_S = 3.0
 
 
-def run_processes(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-                  on_progress: Callable[[Progress], None] | None = None,
-                  ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+def run_processes(
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
-    spec.write_bytes(cloudpickle.dumps(
-        {"config": config, "model_fn": model_fn, "data_fn": data_fn, "loss_fn": loss_fn}))
-    group = ProcessGroup(config)
+    spec.write_bytes(
+        cloudpickle.dumps(
+            {"config": config, "model_fn": model_fn, "data_fn": data_fn, "loss_fn": loss_fn}
+        )
+    )
+    group = ProcessGroup(config, run_dir)
     try:
         group.start(spec)
         group.supervise(on_progress)
@@ -56,8 +63,9 @@ def run_processes(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_
 
 
 class ProcessGroup:
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, run_dir: Path):
         self.config = config
+        self.run_dir = run_dir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.selector = selectors.DefaultSelector()
 
@@ -73,11 +81,22 @@ class ProcessGroup:
             read_fd, write_fd = (-1, -1)
             if rank >= self.config.servers:
                 read_fd, write_fd = os.pipe()
-            command = [sys.executable, "-m", "paramserver.launch.worker", str(spec), str(rank),
-                       str(write_fd)]
+            command = [
+                sys.executable,
+                "-m",
+                "paramserver.launch.worker",
+                str(spec),
+                str(rank),
+                str(write_fd),
+            ]
             pass_fds = (write_fd,) if write_fd >= 0 else ()
             self.processes[self.role(rank)] = subprocess.Popen(
-                command, env=env, pass_fds=pass_fds, start_new_session=True, stdin=subprocess.DEVNULL)
+                command,
+                env=env,
+                pass_fds=pass_fds,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+            )
             if write_fd >= 0:
                 os.close(write_fd)
                 reader = os.fdopen(read_fd, "r")
@@ -99,10 +118,19 @@ class ProcessGroup:
                 if code is None:
                     running += 1
                 elif code != 0:
-                    raise JobFailedError(f"{role} (pid {process.pid}) {describe_exit(code)}; "
-                                         "stopped the job")
+                    raise JobFailedError(
+                        f"{role} (pid {process.pid}) {describe_exit(code)}"
+                        f"{self.reason(role)}; stopped the job"
+                    )
             if running == 0:
                 return
+
+    def reason(self, role: str) -> str:
+        """What the process said before it failed, if it could."""
+        try:
+            return ": " + (self.run_dir / f"{role}.error").read_text().strip()
+        except FileNotFoundError:
+            return ""
 
     def stop(self) -> None:
         """Terminate every process still running, by pid; SIGKILL those that linger."""

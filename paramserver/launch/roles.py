@@ -66,10 +66,14 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         "train_seconds": train_seconds,
         "wall_s": wall_s,
         "bytes": {
-            "trainers": {"sent": sum(r.bytes_sent for r in ordered),
-                         "received": sum(r.bytes_received for r in ordered)},
-            "servers": {"sent": sum(s["bytes_sent"] for s in servers),
-                        "received": sum(s["bytes_received"] for s in servers)},
+            "trainers": {
+                "sent": sum(r.bytes_sent for r in ordered),
+                "received": sum(r.bytes_received for r in ordered),
+            },
+            "servers": {
+                "sent": sum(s["bytes_sent"] for s in servers),
+                "received": sum(s["bytes_received"] for s in servers),
+            },
         },
         "bytes_per_step": {
             "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
@@ -79,10 +83,17 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     }
 
 
-def run_rank(rank: int, config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-             *, init_method: str, loopback_only: bool,
-             on_progress: Callable[[Progress], None] | None = None,
-             ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+def run_rank(
+    rank: int,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    *,
+    init_method: str,
+    loopback_only: bool,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
     """Play rank ``rank``'s role in an RPC job: ranks ``0..S-1`` serve, the rest train.
 
     Returns the final state and the summary on the chief trainer, ``None`` elsewhere. Returns
@@ -96,19 +107,27 @@ def run_rank(rank: int, config: TrainConfig, model_fn: ModelFn, data_fn: DataFn,
         name = rpc_transport.server_name(rank)
     else:
         name = rpc_transport.trainer_name(rank - config.servers)
-    log.info("%s joining the job (%d servers, %d trainers)", name, config.servers,
-             config.trainers)
-    rpc_transport.start(name, rank, config.world_size, init_method=init_method,
-                        num_threads=config.rpc_threads, timeout_s=config.rpc_timeout,
-                        loopback_only=loopback_only)
+    log.info("%s joining the job (%d servers, %d trainers)", name, config.servers, config.trainers)
     if rank < config.servers:
-        endpoint = build_server(rank, config, model_fn)
-        rpc_transport.serve(endpoint)
+        rpc_transport.expose(build_server(rank, config, model_fn))
+    rpc_transport.start(
+        name,
+        rank,
+        config.world_size,
+        init_method=init_method,
+        num_threads=config.rpc_threads,
+        timeout_s=config.rpc_timeout,
+        loopback_only=loopback_only,
+    )
+    if rank < config.servers:
+        rpc_transport.stop(graceful=True)  # serves until every worker has finished
+        rpc_transport.expose(None)
         return None
     transport = rpc_transport.RpcTransport(config.servers, config.rpc_timeout)
     try:
-        outcome = run_trainer(rank - config.servers, config, model_fn, data_fn, loss_fn,
-                              transport, on_progress)
+        outcome = run_trainer(
+            rank - config.servers, config, model_fn, data_fn, loss_fn, transport, on_progress
+        )
     except BaseException:
         rpc_transport.stop(graceful=False)
         raise

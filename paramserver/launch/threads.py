@@ -16,9 +16,13 @@ from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, TrainerO
 from paramserver.transport.local import LocalTransport
 
 
-def run_threads(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-                on_progress: Callable[[Progress], None] | None = None,
-                ) -> tuple[TrainerOutcome, LocalTransport]:
+def run_threads(
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[TrainerOutcome, LocalTransport]:
     """Run the job; returns the chief's outcome and the transport (its servers stay readable)."""
     endpoints = [build_server(s, config, model_fn) for s in range(config.servers)]
     transport = LocalTransport(endpoints)
@@ -27,16 +31,19 @@ def run_threads(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn
 
     def trainer_main(rank: int) -> None:
         try:
-            outcomes[rank] = run_trainer(rank, config, model_fn, data_fn, loss_fn, transport,
-                                         on_progress)
+            outcomes[rank] = run_trainer(
+                rank, config, model_fn, data_fn, loss_fn, transport, on_progress
+            )
         except BaseException as error:  # reported below, with the trainer's rank
             errors[rank] = error
             # Leave the job so sync rounds and the chief's wait do not hang on this trainer.
             for endpoint in endpoints:
                 endpoint.coordinator.remove_trainer(rank)
 
-    threads = [threading.Thread(target=trainer_main, args=(r,), name=f"trainer{r}", daemon=True)
-               for r in range(config.trainers)]
+    threads = [
+        threading.Thread(target=trainer_main, args=(r,), name=f"trainer{r}", daemon=True)
+        for r in range(config.trainers)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -18,9 +18,13 @@ from paramserver.launch.roles import run_rank
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
 
 
-def run_torchrun_rank(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn,
-                      on_progress: Callable[[Progress], None] | None = None,
-                      ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+def run_torchrun_rank(
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:
@@ -28,5 +32,13 @@ def run_torchrun_rank(config: TrainConfig, model_fn: ModelFn, data_fn: DataFn, l
             f"torchrun started {world_size} ranks but --servers {config.servers} plus --trainers "
             f"{config.trainers} needs {config.world_size}; set --nproc-per-node/--nnodes to match"
         )
-    return run_rank(rank, config, model_fn, data_fn, loss_fn, init_method="env://",
-                    loopback_only=False, on_progress=on_progress)
+    return run_rank(
+        rank,
+        config,
+        model_fn,
+        data_fn,
+        loss_fn,
+        init_method="env://",
+        loopback_only=False,
+        on_progress=on_progress,
+    )

@@ -51,8 +51,14 @@ class ProgressWriter:
         self.send(progress)
 
     def send(self, progress: Progress) -> None:
-        line = json.dumps({"trainer": progress.trainer, "steps": progress.steps,
-                           "samples": progress.samples, "loss": progress.loss})
+        line = json.dumps(
+            {
+                "trainer": progress.trainer,
+                "steps": progress.steps,
+                "samples": progress.samples,
+                "loss": progress.loss,
+            }
+        )
         self.pipe.write(line + "\n")
         self.pipe.flush()
 
@@ -63,14 +69,27 @@ def main(argv: list[str]) -> int:
     spec = cloudpickle.loads(spec_path.read_bytes())
     config = spec["config"]
     role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
-    logging.basicConfig(level=logging.INFO, format=f"[{role}] %(asctime)s %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format=f"[{role}] %(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
     progress = ProgressWriter(os.fdopen(fd, "w")) if fd >= 0 else None
     from paramserver.launch.roles import run_rank
 
-    result = run_rank(rank, config, spec["model_fn"], spec["data_fn"], spec["loss_fn"],
-                      init_method=f"file://{spec_path.parent / 'rendezvous'}",
-                      loopback_only=True, on_progress=progress)
+    try:
+        result = run_rank(
+            rank,
+            config,
+            spec["model_fn"],
+            spec["data_fn"],
+            spec["loss_fn"],
+            init_method=f"file://{spec_path.parent / 'rendezvous'}",
+            loopback_only=True,
+            on_progress=progress,
+        )
+    except BaseException as error:
+        # The launcher puts this line in the error it raises; the traceback goes to stderr.
+        (spec_path.parent / f"{role}.error").write_text(f"{type(error).__name__}: {error}")
+        raise
     if result is not None:
         state, summary = result
         torch.save(state, spec_path.parent / "state.pt")

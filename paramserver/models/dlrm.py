@@ -3,13 +3,15 @@ embedding per categorical feature, pairwise dot-product interactions, then a top
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 from torch import Tensor, nn
 
 
 def mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(zip(sizes, sizes[1:], strict=False)):
+    for i, (fan_in, fan_out) in enumerate(pairwise(sizes)):
         layers.append(nn.Linear(fan_in, fan_out))
         if i < len(sizes) - 2 or final_activation:
             layers.append(nn.ReLU())
@@ -19,15 +21,21 @@ def mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
 class DLRM(nn.Module):
     """``forward(dense [B, num_dense] float, sparse [B, num_tables] int64) -> logits [B]``."""
 
-    def __init__(self, num_dense: int = 13, table_rows: list[int] | None = None,
-                 embedding_dim: int = 16, bottom: tuple[int, ...] = (64,),
-                 top: tuple[int, ...] = (64,)):
+    def __init__(
+        self,
+        num_dense: int = 13,
+        table_rows: list[int] | None = None,
+        embedding_dim: int = 16,
+        bottom: tuple[int, ...] = (64,),
+        top: tuple[int, ...] = (64,),
+    ):
         super().__init__()
         table_rows = table_rows if table_rows is not None else [100_000] * 8
         self.bottom = mlp([num_dense, *bottom, embedding_dim], final_activation=True)
-        self.embeddings = nn.ModuleList(nn.Embedding(rows, embedding_dim) for rows in table_rows)
-        for table in self.embeddings:
+        tables = [nn.Embedding(rows, embedding_dim) for rows in table_rows]
+        for table in tables:
             nn.init.uniform_(table.weight, -0.05, 0.05)
+        self.embeddings = nn.ModuleList(tables)
         num_vectors = len(table_rows) + 1
         self.pairs = torch.triu_indices(num_vectors, num_vectors, offset=1)
         interactions = num_vectors * (num_vectors - 1) // 2

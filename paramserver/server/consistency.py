@@ -104,8 +104,11 @@ class Coordinator:
             if request.step <= previous:
                 return self._answer_duplicate(request)
             if request.trainer not in self.members:
-                return failed(TrainerDepartedError(
-                    f"server {self.shard.server}: trainer {request.trainer} already left the job"))
+                return failed(
+                    TrainerDepartedError(
+                        f"server {self.shard.server}: trainer {request.trainer} already left"
+                    )
+                )
             self.last_step[request.trainer] = request.step
             if request.report is not None:
                 self.reports[request.trainer] = request.report
@@ -128,8 +131,9 @@ class Coordinator:
         try:
             self._check_header(request)
             if request.has_grads or request.final:
-                raise ParamServerError(f"server {self.shard.server}: a pull must carry no "
-                                       "gradients; use push_pull")
+                raise ParamServerError(
+                    f"server {self.shard.server}: a pull must carry no gradients; use push_pull"
+                )
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
@@ -152,10 +156,13 @@ class Coordinator:
 
     def _check_header(self, request: object) -> None:
         if not isinstance(request, PushPullRequest):
-            raise ParamServerError(f"server {self.shard.server}: malformed request "
-                                   f"{type(request).__name__}")
+            raise ParamServerError(
+                f"server {self.shard.server}: malformed request {type(request).__name__}"
+            )
         if not isinstance(request.trainer, int) or not 0 <= request.trainer < self.num_trainers:
-            raise ParamServerError(f"server {self.shard.server}: unknown trainer {request.trainer!r}")
+            raise ParamServerError(
+                f"server {self.shard.server}: unknown trainer {request.trainer!r}"
+            )
         if not isinstance(request.step, int) or request.step < 0:
             raise ParamServerError(f"server {self.shard.server}: bad step {request.step!r}")
 
@@ -220,8 +227,9 @@ class Coordinator:
             future.set_result(None)
 
 
-def aggregate_mean(requests: list[PushPullRequest]) -> tuple[dict[str, torch.Tensor],
-                                                             dict[str, RowBlock]]:
+def aggregate_mean(
+    requests: list[PushPullRequest],
+) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
     """The mean of the requests' gradients, summed in the order given.
 
     Every request counts in the denominator, including those that did not touch a parameter or a

@@ -29,8 +29,9 @@ class ServerEndpoint:
         try:
             return getattr(self, f"_op_{op}")(*args)
         except TypeError as error:
-            return failed(ParamServerError(f"server {self.shard.server}: bad arguments to {op}: "
-                                           f"{error}"))
+            return failed(
+                ParamServerError(f"server {self.shard.server}: bad arguments to {op}: {error}")
+            )
 
     def _op_push_pull(self, request: Any) -> Future:
         return self.coordinator.push_pull(request)

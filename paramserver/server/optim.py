@@ -63,8 +63,17 @@ class SGD(UpdateRule):
         buffers: list[Tensor | None] = [None]
         if c.momentum and step.item() > 0:
             buffers = [state["momentum_buffer"]]
-        sgd([param], [grad], buffers, weight_decay=c.weight_decay, momentum=c.momentum, lr=c.lr,
-            dampening=c.dampening, nesterov=c.nesterov, maximize=False)
+        sgd(
+            [param],
+            [grad],
+            buffers,
+            weight_decay=c.weight_decay,
+            momentum=c.momentum,
+            lr=c.lr,
+            dampening=c.dampening,
+            nesterov=c.nesterov,
+            maximize=False,
+        )
         if c.momentum:
             first = buffers[0]
             assert first is not None
@@ -85,8 +94,17 @@ class Adagrad(UpdateRule):
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
-        adagrad([param], [grad], [state["sum"]], [step], lr=c.lr, weight_decay=c.weight_decay,
-                lr_decay=c.lr_decay, eps=c.resolved_eps, maximize=False)
+        adagrad(
+            [param],
+            [grad],
+            [state["sum"]],
+            [step],
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            lr_decay=c.lr_decay,
+            eps=c.resolved_eps,
+            maximize=False,
+        )
 
 
 class Adam(UpdateRule):
@@ -95,20 +113,36 @@ class Adam(UpdateRule):
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
         beta1, beta2 = c.betas
-        adam([param], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [step],
-             amsgrad=False, beta1=beta1, beta2=beta2, lr=c.lr, weight_decay=c.weight_decay,
-             eps=c.resolved_eps, maximize=False)
+        adam(
+            [param],
+            [grad],
+            [state["exp_avg"]],
+            [state["exp_avg_sq"]],
+            [],
+            [step],
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            eps=c.resolved_eps,
+            maximize=False,
+        )
 
 
 class RowWiseAdagrad(UpdateRule):
-    """Adagrad with one accumulator per row: ``s += mean(g**2)``, ``p -= lr * g / (sqrt(s) + eps)``."""
+    """Adagrad with one accumulator per row.
+
+    ``s += mean(g**2)`` over the row, then ``p -= lr * g / (sqrt(s) + eps)``.
+    """
 
     slots = ("sum",)
 
     def init_state(self, param: Tensor) -> State:
         rows = param.shape[0] if param.dim() else 1
-        return {"sum": torch.full((rows, 1), self.config.initial_accumulator_value,
-                                  dtype=param.dtype)}
+        return {
+            "sum": torch.full((rows, 1), self.config.initial_accumulator_value, dtype=param.dtype)
+        }
 
     def step_group(self, steps: Tensor) -> Tensor:
         return torch.zeros_like(steps)
@@ -135,8 +169,9 @@ def make_rule(config: OptimizerConfig) -> UpdateRule:
     return RULES[config.name](config)
 
 
-def apply_rows(rule: UpdateRule, weight: Tensor, state: State, steps: Tensor, rows: Tensor,
-               grads: Tensor) -> None:
+def apply_rows(
+    rule: UpdateRule, weight: Tensor, state: State, steps: Tensor, rows: Tensor, grads: Tensor
+) -> None:
     """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) and the rows' state and step counts.
 
     Gathers the rows and their state, runs one fused step per step-count group, scatters back.

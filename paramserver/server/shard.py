@@ -72,8 +72,9 @@ class ServerStats:
 class ServerShard:
     """Holds server ``server``'s parameters; validates, applies and answers pushes and pulls."""
 
-    def __init__(self, server: int, plan: ShardPlan, initial: Mapping[str, Tensor],
-                 config: TrainConfig):
+    def __init__(
+        self, server: int, plan: ShardPlan, initial: Mapping[str, Tensor], config: TrainConfig
+    ):
         self.server = server
         self.plan = plan
         self.stats = ServerStats()
@@ -87,7 +88,10 @@ class ServerShard:
             local = initial[name].detach()[server :: plan.num_servers].clone().contiguous()
             rule = make_rule(config.table_optimizer_for(name))
             self.tables[name] = TableShard(
-                spec, local, rule, rule.init_state(local),
+                spec,
+                local,
+                rule,
+                rule.init_state(local),
                 torch.zeros(local.shape[0], dtype=torch.float32),
             )
         self.version = 0
@@ -114,8 +118,9 @@ class ServerShard:
             if not isinstance(block, RowBlock):
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, unique=True)
-            self._check_tensor(name, block.values, (block.ids.numel(), table.spec.dim),
-                               table.weight.dtype)
+            self._check_tensor(
+                name, block.values, (block.ids.numel(), table.spec.dim), table.weight.dtype
+            )
         if not isinstance(request.pull_rows, dict):
             raise self._reject(None, "malformed request: pull_rows must be a dict")
         for name, ids in request.pull_rows.items():
@@ -129,17 +134,24 @@ class ServerShard:
             return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
         return "unknown parameter or table name"
 
-    def _check_tensor(self, name: str, value: object, shape: tuple[int, ...] | torch.Size,
-                      dtype: torch.dtype) -> None:
+    def _check_tensor(
+        self, name: str, value: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+    ) -> None:
         if not isinstance(value, Tensor):
             raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
         if value.dtype != dtype:
             raise self._reject(name, f"gradient dtype {value.dtype} != parameter dtype {dtype}")
         if tuple(value.shape) != tuple(shape):
-            raise self._reject(name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}")
+            raise self._reject(
+                name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}"
+            )
         if value.is_sparse or not bool(torch.isfinite(value).all()):
-            raise self._reject(name, "gradient contains NaN or Inf" if not value.is_sparse
-                               else "sparse tensors are not accepted")
+            raise self._reject(
+                name,
+                "gradient contains NaN or Inf"
+                if not value.is_sparse
+                else "sparse tensors are not accepted",
+            )
 
     def _check_ids(self, name: str, table: TableShard, ids: object, *, unique: bool) -> None:
         if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:

@@ -14,7 +14,13 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import ParamServerError
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock, TrainerReport, payload_nbytes
+from paramserver.protocol import (
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    TrainerReport,
+    payload_nbytes,
+)
 from paramserver.sharding import ShardPlan
 from paramserver.transport.base import Transport
 
@@ -39,8 +45,10 @@ class PSClient:
 
     def __init__(self, transport: Transport, plan: ShardPlan, trainer: int):
         if transport.num_servers != plan.num_servers:
-            raise ParamServerError(f"transport reaches {transport.num_servers} servers but the "
-                                   f"plan has {plan.num_servers}")
+            raise ParamServerError(
+                f"transport reaches {transport.num_servers} servers but the "
+                f"plan has {plan.num_servers}"
+            )
         self.transport = transport
         self.plan = plan
         self.trainer = trainer
@@ -53,19 +61,32 @@ class PSClient:
         for server, future in enumerate(futures):
             theirs = future.wait()
             if theirs != self.plan.fingerprint:
-                raise ParamServerError(f"server {server} serves a different model or shard plan "
-                                       f"({theirs} != {self.plan.fingerprint})")
+                raise ParamServerError(
+                    f"server {server} serves a different model or shard plan "
+                    f"({theirs} != {self.plan.fingerprint})"
+                )
 
-    def push_pull(self, dense_grads: dict[str, Tensor], row_grads: RowsById,
-                  pull_ids: dict[str, Tensor], *, pull_dense: bool = True, final: bool = False,
-                  report: TrainerReport | None = None) -> Pulled:
+    def push_pull(
+        self,
+        dense_grads: dict[str, Tensor],
+        row_grads: RowsById,
+        pull_ids: dict[str, Tensor],
+        *,
+        pull_dense: bool = True,
+        final: bool = False,
+        report: TrainerReport | None = None,
+    ) -> Pulled:
         """One step's fused call to every server; ``pull_ids`` are sorted unique ids per table.
 
         Returns the dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``.
         """
         num_servers = self.plan.num_servers
-        requests = [PushPullRequest(self.trainer, self.step, pull_dense=pull_dense, final=final,
-                                    report=report) for _ in range(num_servers)]
+        requests = [
+            PushPullRequest(
+                self.trainer, self.step, pull_dense=pull_dense, final=final, report=report
+            )
+            for _ in range(num_servers)
+        ]
         for name, grad in dense_grads.items():
             requests[self.plan.dense_server[name]].dense_grads[name] = grad
         for name, (ids, grads) in row_grads.items():
@@ -98,8 +119,9 @@ class PSClient:
         replies = self._call_all("pull", requests)
         return self._merge(replies, pull_ids, splits).rows
 
-    def _call_all(self, op: str, requests: list[PushPullRequest],
-                  report: TrainerReport | None = None) -> list[PushPullReply]:
+    def _call_all(
+        self, op: str, requests: list[PushPullRequest], report: TrainerReport | None = None
+    ) -> list[PushPullReply]:
         self.traffic.bytes_sent += sum(payload_nbytes(r) for r in requests)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
@@ -112,8 +134,11 @@ class PSClient:
         return replies
 
     @staticmethod
-    def _merge(replies: list[PushPullReply], pull_ids: dict[str, Tensor],
-               splits: dict[str, tuple[Tensor, list[int]]]) -> Pulled:
+    def _merge(
+        replies: list[PushPullReply],
+        pull_ids: dict[str, Tensor],
+        splits: dict[str, tuple[Tensor, list[int]]],
+    ) -> Pulled:
         pulled = Pulled()
         for reply in replies:
             pulled.dense.update(reply.dense)
@@ -126,15 +151,18 @@ class PSClient:
         return pulled
 
 
-def gather_state(transport: Transport, plan: ShardPlan, with_optimizer: bool = False
-                 ) -> dict[str, dict[str, Tensor]]:
+def gather_state(
+    transport: Transport, plan: ShardPlan, with_optimizer: bool = False
+) -> dict[str, dict[str, Tensor]]:
     """Every parameter (and optionally its optimizer state) assembled from all servers.
 
     Tables are reassembled from the cyclic rule: server ``s`` holds global rows ``s::S``.
     """
     num_servers = plan.num_servers
-    shards = [f.wait() for f in [transport.call(s, "export_state", with_optimizer)
-                                 for s in range(num_servers)]]
+    shards = [
+        f.wait()
+        for f in [transport.call(s, "export_state", with_optimizer) for s in range(num_servers)]
+    ]
     state: dict[str, dict[str, Tensor]] = {}
     for name, server in plan.dense_server.items():
         state[name] = shards[server][name]

@@ -65,8 +65,9 @@ def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
     return model
 
 
-def step_groups(data_fn: DataFn, trainer: int, num_trainers: int, config: TrainConfig
-                ) -> Iterator[list[Batch]]:
+def step_groups(
+    data_fn: DataFn, trainer: int, num_trainers: int, config: TrainConfig
+) -> Iterator[list[Batch]]:
     """This trainer's batches, ``accumulate`` at a time, over ``epochs``, at most ``steps``."""
     group: list[Batch] = []
     produced = 0
@@ -83,9 +84,15 @@ def step_groups(data_fn: DataFn, trainer: int, num_trainers: int, config: TrainC
         yield group
 
 
-def run_trainer(trainer: int, config: TrainConfig, model_fn: ModelFn, data_fn: DataFn,
-                loss_fn: LossFn, transport: Transport,
-                on_progress: Callable[[Progress], None] | None = None) -> TrainerOutcome:
+def run_trainer(
+    trainer: int,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    transport: Transport,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> TrainerOutcome:
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
     replica = Replica(model)
@@ -117,9 +124,13 @@ def run_trainer(trainer: int, config: TrainConfig, model_fn: ModelFn, data_fn: D
             on_progress(Progress(trainer, steps, samples, step_loss))
     train_seconds = time.perf_counter() - started
     report = TrainerReport(
-        trainer=trainer, steps=steps, samples=samples,
+        trainer=trainer,
+        steps=steps,
+        samples=samples,
         train_loss=sum(losses) / len(losses) if losses else float("nan"),
-        train_seconds=train_seconds, bytes_sent=0, bytes_received=0,
+        train_seconds=train_seconds,
+        bytes_sent=0,
+        bytes_received=0,
     )
     client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report)
     if trainer != 0:
@@ -132,8 +143,14 @@ def run_trainer(trainer: int, config: TrainConfig, model_fn: ModelFn, data_fn: D
     return TrainerOutcome(report, state, stats)
 
 
-def _forward_backward(replica: Replica, client: PSClient, inputs: Inputs, target: Tensor,
-                      loss_fn: LossFn, batches_in_step: int) -> float:
+def _forward_backward(
+    replica: Replica,
+    client: PSClient,
+    inputs: Inputs,
+    target: Tensor,
+    loss_fn: LossFn,
+    batches_in_step: int,
+) -> float:
     while True:
         try:
             output = replica.forward(inputs)

@@ -19,7 +19,7 @@ parameter names are their state_dict names: an export loads into the user's mode
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +64,10 @@ class RemoteEmbedding(nn.Module):
     def __init__(self, table: str, source: nn.Embedding | nn.EmbeddingBag):
         super().__init__()
         if source.max_norm is not None:
-            raise ModelError(f"table {table}: max_norm rewrites the weight inside forward, "
-                             "which a sharded table cannot do; remove max_norm")
+            raise ModelError(
+                f"table {table}: max_norm rewrites the weight inside forward, "
+                "which a sharded table cannot do; remove max_norm"
+            )
         self.table = table
         self.is_bag = isinstance(source, nn.EmbeddingBag)
         self.num_embeddings = source.num_embeddings
@@ -87,8 +89,9 @@ class RemoteEmbedding(nn.Module):
         self.ids = ids
         self.rows = rows
 
-    def forward(self, input: Tensor, offsets: Tensor | None = None,
-                per_sample_weights: Tensor | None = None) -> Tensor:
+    def forward(
+        self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None
+    ) -> Tensor:
         self._check_range(input)
         if self.recorder is not None:
             self.recorder.add(self.table, input)
@@ -96,20 +99,30 @@ class RemoteEmbedding(nn.Module):
         local = self._local_ids(input)
         padding = self._local_padding()
         if not self.is_bag:
-            return F.embedding(local, self.rows, padding_idx=padding,
-                               scale_grad_by_freq=self.scale_grad_by_freq)
-        return F.embedding_bag(local, self.rows, offsets, mode=self.mode,
-                               scale_grad_by_freq=self.scale_grad_by_freq,
-                               per_sample_weights=per_sample_weights,
-                               include_last_offset=self.include_last_offset, padding_idx=padding)
+            return F.embedding(
+                local, self.rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq
+            )
+        return F.embedding_bag(
+            local,
+            self.rows,
+            offsets,
+            mode=self.mode,
+            scale_grad_by_freq=self.scale_grad_by_freq,
+            per_sample_weights=per_sample_weights,
+            include_last_offset=self.include_last_offset,
+            padding_idx=padding,
+        )
 
     def _check_range(self, ids: Tensor) -> None:
         if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidBatchError(f"table {self.table}: ids must be int64 or int32, got {ids.dtype}")
+            raise InvalidBatchError(
+                f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
+            )
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise InvalidBatchError(
-                f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})")
+                f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})"
+            )
 
     def _output_shape(self, input: Tensor, offsets: Tensor | None) -> tuple[int, ...]:
         if not self.is_bag:
@@ -146,10 +159,15 @@ def describe(model: nn.Module, num_servers: int) -> ShardPlan:
     """The shard plan of ``model``: its embedding weights become tables, the rest dense."""
     tables = _find_embeddings(model)
     table_weights = {id(module.weight) for module in tables.values()}
-    dense = [DenseSpec(name, tuple(p.shape), p.dtype) for name, p in model.named_parameters()
-             if id(p) not in table_weights]
-    specs = [TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
-             for name, m in tables.items()]
+    dense = [
+        DenseSpec(name, tuple(p.shape), p.dtype)
+        for name, p in model.named_parameters()
+        if id(p) not in table_weights
+    ]
+    specs = [
+        TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
+        for name, m in tables.items()
+    ]
     return ShardPlan(dense, specs, num_servers)
 
 
@@ -176,8 +194,10 @@ class Replica:
                     module._modules[child_name] = remotes[id(child)]
         tied = {id(m.weight) for m in embeddings.values()} & {id(p) for p in model.parameters()}
         if tied:
-            raise ModelError("an embedding weight is shared with another module (tied weights); "
-                             "a sharded table cannot also be a dense parameter")
+            raise ModelError(
+                "an embedding weight is shared with another module (tied weights); "
+                "a sharded table cannot also be a dense parameter"
+            )
         self.model = model
         self.tables = {r.table: r for r in remotes.values()}
         self.dense = dict(model.named_parameters())
@@ -193,11 +213,8 @@ class Replica:
         try:
             for inputs in batches:
                 recorder = _Recorder(self._lookups_per_forward)
-                with self._recording(recorder), torch.no_grad():
-                    try:
-                        self.model(*as_tuple(inputs))
-                    except _RecordingDone:
-                        pass
+                with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
+                    self.model(*as_tuple(inputs))
                 if self._lookups_per_forward is None:
                     self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
                 for table, ids in recorder.ids.items():
@@ -226,8 +243,9 @@ class Replica:
         for param in self.dense.values():
             param.grad = None
         for name, remote in self.tables.items():
-            ids, values = rows.get(name, (torch.empty(0, dtype=torch.int64),
-                                          torch.empty(0, remote.embedding_dim)))
+            ids, values = rows.get(
+                name, (torch.empty(0, dtype=torch.int64), torch.empty(0, remote.embedding_dim))
+            )
             remote.set_rows(ids, values.requires_grad_(True))
 
     def add_rows(self, table: str, ids: Tensor, values: Tensor) -> None:
@@ -237,7 +255,7 @@ class Replica:
         old_positions = inverse[: remote.ids.numel()]
         merged = torch.empty(merged_ids.numel(), remote.embedding_dim, dtype=values.dtype)
         merged[old_positions] = remote.rows.detach()
-        merged[inverse[remote.ids.numel():]] = values
+        merged[inverse[remote.ids.numel() :]] = values
         old_grad = remote.rows.grad
         merged.requires_grad_(True)
         if old_grad is not None:

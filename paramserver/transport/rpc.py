@@ -3,10 +3,10 @@
 Worker names: servers are ``server0..server{S-1}`` (ranks ``0..S-1``), trainers are
 ``trainer0..trainer{T-1}`` (ranks ``S..S+T-1``).
 
-A server process installs its :class:`~paramserver.server.endpoint.ServerEndpoint` and then
-serves; the one function exposed to peers is :func:`_serve`, which hands ``(op, args)`` to the
-endpoint's registered operations and returns its Future (``async_execution``), so a waiting
-sync round never holds an RPC thread.
+A server process exposes its :class:`~paramserver.server.endpoint.ServerEndpoint`, joins the
+RPC world and serves until every worker leaves. The one function exposed to peers is
+:func:`_serve`, which hands ``(op, args)`` to the endpoint's registered operations and returns
+its Future (``async_execution``), so a waiting sync round never holds an RPC thread.
 
 Local jobs rendezvous through a file (no TCPStore, which would listen on every interface) and
 bind TensorPipe to the loopback interface; see :func:`start`.
@@ -22,6 +22,7 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from paramserver.errors import ParamServerError
+from paramserver.server.consistency import chain
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.base import Transport
 
@@ -46,8 +47,16 @@ def _serve(op: str, args: tuple[Any, ...]) -> Future:
     return endpoint.handle(op, args)
 
 
-def start(name: str, rank: int, world_size: int, *, init_method: str, num_threads: int,
-          timeout_s: float, loopback_only: bool) -> None:
+def start(
+    name: str,
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str,
+    num_threads: int,
+    timeout_s: float,
+    loopback_only: bool,
+) -> None:
     """Join the RPC world. ``init_method`` is ``file://PATH`` for local jobs or ``env://``."""
     # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
@@ -59,14 +68,11 @@ def start(name: str, rank: int, world_size: int, *, init_method: str, num_thread
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
-def serve(endpoint: ServerEndpoint) -> None:
-    """Expose ``endpoint`` and serve until every worker has called :func:`stop`."""
+def expose(endpoint: ServerEndpoint | None) -> None:
+    """Serve ``endpoint`` to peers. Call before :func:`start`: peers may call as soon as the
+    RPC world is up."""
     global _ENDPOINT
     _ENDPOINT = endpoint
-    try:
-        rpc.shutdown(graceful=True)
-    finally:
-        _ENDPOINT = None
 
 
 def stop(graceful: bool = True) -> None:
@@ -83,4 +89,13 @@ class RpcTransport(Transport):
         self._names = [server_name(i) for i in range(num_servers)]
 
     def call(self, server: int, op: str, *args: Any) -> Future:
-        return rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=self.timeout_s)
+        answer = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=self.timeout_s)
+        return chain(answer, _raise_remote_error)
+
+
+def _raise_remote_error(value: Any) -> Any:
+    # An async_execution future completed with an exception arrives as the exception object
+    # itself (pickled whole, type and message intact): raise it here, as the server meant.
+    if isinstance(value, BaseException):
+        raise value
+    return value
