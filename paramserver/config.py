@@ -122,6 +122,13 @@ class TrainConfig:
     accumulate: int = field(
         default=1, metadata=_doc("local batches whose gradients are averaged into one push")
     )
+    prefetch: bool = field(
+        default=True,
+        metadata=_doc(
+            "async mode: pull the next step's rows while this step computes (they then miss "
+            "this trainer's own latest push); sync mode never prefetches"
+        ),
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(

@@ -22,7 +22,7 @@ from torch import Tensor
 
 @dataclass
 class RowBlock:
-    """Rows of one table: ``ids`` is a 1-D int64 tensor of unique global row ids and ``values``
+    """Rows of one table: ``ids`` is a 1-D int64 tensor of sorted unique global row ids, ``values``
     the matching ``[len(ids), dim]`` rows (gradients in a request, parameters in a reply)."""
 
     ids: Tensor

@@ -38,8 +38,9 @@ class UpdateRule(ABC):
         """Zeroed state slots for ``param`` (a dense parameter or a table's local rows)."""
         return {slot: torch.zeros_like(param) for slot in self.slots}
 
-    def step_group(self, steps: Tensor) -> Tensor:
-        """Keys under which rows with these step counts can share one fused step."""
+    def step_group(self, steps: Tensor) -> Tensor | None:
+        """Keys under which rows with these step counts can share one fused step; ``None``
+        when the step count does not enter the math (all rows share one step)."""
         return steps
 
     @abstractmethod
@@ -54,9 +55,9 @@ class SGD(UpdateRule):
     def init_state(self, param: Tensor) -> State:
         return super().init_state(param) if self.config.momentum else {}
 
-    def step_group(self, steps: Tensor) -> Tensor:
+    def step_group(self, steps: Tensor) -> Tensor | None:
         # Only the first step differs (torch starts the momentum buffer from the gradient).
-        return (steps > 0).to(steps.dtype) if self.config.momentum else torch.zeros_like(steps)
+        return (steps > 0).to(steps.dtype) if self.config.momentum else None
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
@@ -88,9 +89,9 @@ class Adagrad(UpdateRule):
     def init_state(self, param: Tensor) -> State:
         return {"sum": torch.full_like(param, self.config.initial_accumulator_value)}
 
-    def step_group(self, steps: Tensor) -> Tensor:
+    def step_group(self, steps: Tensor) -> Tensor | None:
         # The step count enters the math only through lr_decay.
-        return steps if self.config.lr_decay else torch.zeros_like(steps)
+        return steps if self.config.lr_decay else None
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
@@ -99,6 +100,7 @@ class Adagrad(UpdateRule):
             [grad],
             [state["sum"]],
             [step],
+            fused=True,
             lr=c.lr,
             weight_decay=c.weight_decay,
             lr_decay=c.lr_decay,
@@ -144,8 +146,8 @@ class RowWiseAdagrad(UpdateRule):
             "sum": torch.full((rows, 1), self.config.initial_accumulator_value, dtype=param.dtype)
         }
 
-    def step_group(self, steps: Tensor) -> Tensor:
-        return torch.zeros_like(steps)
+    def step_group(self, steps: Tensor) -> Tensor | None:
+        return None
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
@@ -181,17 +183,19 @@ def apply_rows(
         return
     row_steps = steps.index_select(0, rows)
     keys = rule.step_group(row_steps)
-    order = torch.argsort(keys, stable=True)
-    rows, grads, row_steps, keys = rows[order], grads[order], row_steps[order], keys[order]
+    if keys is None:
+        bounds = [(0, rows.numel())]
+    else:
+        order = torch.argsort(keys, stable=True)
+        rows, grads, row_steps = rows[order], grads[order], row_steps[order]
+        counts = torch.unique_consecutive(keys[order], return_counts=True)[1]
+        ends = counts.cumsum(0).tolist()
+        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
     block = weight.index_select(0, rows)
     block_state = {slot: value.index_select(0, rows) for slot, value in state.items()}
-    _, counts = torch.unique_consecutive(keys, return_counts=True)
-    start = 0
-    for count in counts.tolist():
-        end = start + count
+    for start, end in bounds:
         group_state = {slot: value[start:end] for slot, value in block_state.items()}
         rule.step(block[start:end], grads[start:end], group_state, row_steps[start].clone())
-        start = end
     weight.index_copy_(0, rows, block)
     for slot, value in block_state.items():
         state[slot].index_copy_(0, rows, value)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.futures import Future
 
 from paramserver.errors import ParamServerError
 from paramserver.protocol import (
@@ -75,17 +76,18 @@ class PSClient:
         pull_dense: bool = True,
         final: bool = False,
         report: TrainerReport | None = None,
-    ) -> Pulled:
-        """One step's fused call to every server; ``pull_ids`` are sorted unique ids per table.
+    ) -> InFlight:
+        """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
-        Returns the dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``.
+        ``row_grads`` and ``pull_ids`` hold sorted unique ids per table. The answer holds the
+        dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``. Call
+        ``wait()`` before starting the next push: a trainer's pushes reach a server in order.
         """
-        num_servers = self.plan.num_servers
         requests = [
             PushPullRequest(
                 self.trainer, self.step, pull_dense=pull_dense, final=final, report=report
             )
-            for _ in range(num_servers)
+            for _ in range(self.plan.num_servers)
         ]
         for name, grad in dense_grads.items():
             requests[self.plan.dense_server[name]].dense_grads[name] = grad
@@ -96,57 +98,64 @@ class PSClient:
             ):
                 if part_ids.numel():
                     requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
-        splits = {}
-        for name, ids in pull_ids.items():
-            order, counts = self.plan.split_by_server(ids)
-            splits[name] = (order, counts)
-            for server, part in enumerate(ids[order].split(counts)):
-                requests[server].pull_rows[name] = part
         self.step += 1
-        replies = self._call_all("push_pull", requests, report)
-        return self._merge(replies, pull_ids, splits)
+        return self._start("push_pull", requests, pull_ids, report)
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
-        num_servers = self.plan.num_servers
-        requests = [PushPullRequest(self.trainer, 0, pull_dense=False) for _ in range(num_servers)]
-        splits = {}
+        requests = [
+            PushPullRequest(self.trainer, 0, pull_dense=False) for _ in range(self.plan.num_servers)
+        ]
+        return self._start("pull", requests, pull_ids).wait().rows
+
+    def _start(
+        self,
+        op: str,
+        requests: list[PushPullRequest],
+        pull_ids: dict[str, Tensor],
+        report: TrainerReport | None = None,
+    ) -> InFlight:
+        orders = {}
         for name, ids in pull_ids.items():
             order, counts = self.plan.split_by_server(ids)
-            splits[name] = (order, counts)
+            orders[name] = order
             for server, part in enumerate(ids[order].split(counts)):
                 requests[server].pull_rows[name] = part
-        replies = self._call_all("pull", requests)
-        return self._merge(replies, pull_ids, splits).rows
-
-    def _call_all(
-        self, op: str, requests: list[PushPullRequest], report: TrainerReport | None = None
-    ) -> list[PushPullReply]:
         self.traffic.bytes_sent += sum(payload_nbytes(r) for r in requests)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
             report.bytes_sent = self.traffic.bytes_sent
             report.bytes_received = self.traffic.bytes_received
         futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
-        replies = [future.wait() for future in futures]
         self.traffic.calls += len(requests)
-        self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
-        return replies
+        return InFlight(futures, pull_ids, orders, self.traffic)
 
-    @staticmethod
-    def _merge(
-        replies: list[PushPullReply],
+
+class InFlight:
+    """A call to every server under way; :meth:`wait` reassembles the answers."""
+
+    def __init__(
+        self,
+        futures: list[Future],
         pull_ids: dict[str, Tensor],
-        splits: dict[str, tuple[Tensor, list[int]]],
-    ) -> Pulled:
+        orders: dict[str, Tensor],
+        traffic: Traffic,
+    ):
+        self.futures = futures
+        self.pull_ids = pull_ids
+        self.orders = orders
+        self.traffic = traffic
+
+    def wait(self) -> Pulled:
+        replies: list[PushPullReply] = [future.wait() for future in self.futures]
+        self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
         pulled = Pulled()
         for reply in replies:
             pulled.dense.update(reply.dense)
-        for name, ids in pull_ids.items():
-            order, _ = splits[name]
+        for name, ids in self.pull_ids.items():
             parts = torch.cat([reply.rows[name] for reply in replies])
             rows = torch.empty_like(parts)
-            rows[order] = parts
+            rows[self.orders[name]] = parts
             pulled.rows[name] = (ids, rows)
         return pulled
 

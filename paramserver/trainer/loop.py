@@ -6,6 +6,13 @@ forward and backward on each batch (the loss divided by the batch count, so the 
 the mean gradient); clip by global norm if asked. After the data ends, a last call pushes the
 final gradients and leaves the job.
 
+Prefetch (async mode): the call that pushes step ``t-1``'s gradients already pulls the rows of
+step ``t+1``, and is under way while step ``t`` computes, so the servers' work and the wire
+overlap the trainer's compute. Rows then miss this trainer's own latest push (one step of
+staleness, which async mode allows). One call per trainer is in flight at a time, so a
+server sees a trainer's pushes in order. Sync mode never prefetches: its rounds promise
+values that include every trainer's previous step.
+
 The chief (trainer 0) then waits for every trainer to leave and gathers the final parameters
 and every server's statistics, so the job's result is complete under any launcher.
 """
@@ -103,25 +110,50 @@ def run_trainer(
 
     losses: deque[float] = deque(maxlen=100)
     steps = samples = 0
+    prefetch = config.prefetch and config.mode == "async"
+    groups = step_groups(data_fn, trainer, config.trainers, config)
+
+    def record_next() -> tuple[list[Batch], dict[str, Tensor]] | None:
+        group = next(groups, None)
+        return None if group is None else (group, replica.record_ids([b[0] for b in group]))
+
     dense_grads: dict[str, Tensor] = {}
     row_grads: dict[str, tuple[Tensor, Tensor]] = {}
     started = time.perf_counter()
-    for group in step_groups(data_fn, trainer, config.trainers, config):
-        inputs = [batch[0] for batch in group]
-        pulled = client.push_pull(dense_grads, row_grads, replica.record_ids(inputs))
+    current = record_next()
+    in_flight = client.push_pull({}, {}, current[1] if current else {}, pull_dense=bool(current))
+    while current is not None:
+        pulled = in_flight.wait()
+        following = record_next()
+        if prefetch:
+            # Pull the next step's rows while this one computes, pushing what is ready now.
+            in_flight = client.push_pull(
+                dense_grads,
+                row_grads,
+                following[1] if following else {},
+                pull_dense=following is not None,
+            )
         replica.load(pulled.dense, pulled.rows)
+        group = current[0]
         step_loss = 0.0
         for batch_inputs, target in group:
-            loss = _forward_backward(replica, client, batch_inputs, target, loss_fn, len(group))
-            step_loss += loss
+            step_loss += _forward_backward(
+                replica, client, batch_inputs, target, loss_fn, len(group)
+            )
             samples += int(target.shape[0]) if target.dim() else 1
         if config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
         dense_grads, row_grads = replica.gradients()
+        if not prefetch and following is not None:
+            in_flight = client.push_pull(dense_grads, row_grads, following[1])
+            dense_grads, row_grads = {}, {}
         steps += 1
         losses.append(step_loss)
         if on_progress is not None:
             on_progress(Progress(trainer, steps, samples, step_loss))
+        current = following
+    if prefetch:
+        in_flight.wait()
     train_seconds = time.perf_counter() - started
     report = TrainerReport(
         trainer=trainer,
@@ -132,7 +164,7 @@ def run_trainer(
         bytes_sent=0,
         bytes_received=0,
     )
-    client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report)
+    client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report).wait()
     if trainer != 0:
         return TrainerOutcome(report)
     for future in [transport.call(s, "wait_all_left") for s in range(config.servers)]:
@@ -158,6 +190,7 @@ def _forward_backward(
         except MissingRows as missing:
             # The record pass missed a lookup (the model's lookups vary): fetch and run again.
             ids = missing.ids
+            replica.tables[missing.table].check_range(ids)
             pulled = client.pull({missing.table: ids})
             replica.add_rows(missing.table, *pulled[missing.table])
     loss = loss_fn(output, target)

@@ -92,8 +92,8 @@ class RemoteEmbedding(nn.Module):
     def forward(
         self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None
     ) -> Tensor:
-        self._check_range(input)
         if self.recorder is not None:
+            self.check_range(input)
             self.recorder.add(self.table, input)
             return torch.zeros(self._output_shape(input, offsets), dtype=self.rows.dtype)
         local = self._local_ids(input)
@@ -113,7 +113,8 @@ class RemoteEmbedding(nn.Module):
             padding_idx=padding,
         )
 
-    def _check_range(self, ids: Tensor) -> None:
+    def check_range(self, ids: Tensor) -> None:
+        """Raise :class:`InvalidBatchError` unless every id is a row of this table."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise InvalidBatchError(
                 f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
@@ -201,6 +202,7 @@ class Replica:
         self.model = model
         self.tables = {r.table: r for r in remotes.values()}
         self.dense = dict(model.named_parameters())
+        self._modules = list(model.modules())
         self._lookups_per_forward: dict[str, int] | None = None
 
     # ---- before the step: which rows ----
@@ -208,23 +210,26 @@ class Replica:
     def record_ids(self, batches: Sequence[Inputs]) -> dict[str, Tensor]:
         """The sorted unique ids each table will look up for ``batches``."""
         recorded: dict[str, list[Tensor]] = {}
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for inputs in batches:
-                recorder = _Recorder(self._lookups_per_forward)
-                with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
-                    self.model(*as_tuple(inputs))
-                if self._lookups_per_forward is None:
-                    self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
-                for table, ids in recorder.ids.items():
-                    recorded.setdefault(table, []).extend(ids)
-        finally:
-            self.model.train(was_training)
+        for inputs in batches:
+            recorder = _Recorder(self._lookups_per_forward)
+            with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
+                self.model(*as_tuple(inputs))
+            if self._lookups_per_forward is None:
+                self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
+            for table, ids in recorder.ids.items():
+                recorded.setdefault(table, []).extend(ids)
         return {t: torch.unique(torch.cat(v).to(torch.int64)) for t, v in recorded.items()}
 
     @contextmanager
     def _recording(self, recorder: _Recorder) -> Iterator[None]:
+        """Record lookups in eval mode (no dropout draws, no batch-norm statistics updates).
+
+        The modes are flipped in place rather than with ``eval()``/``train()``, whose recursive
+        walks cost more than a small model's whole record pass.
+        """
+        modes = [module.training for module in self._modules]
+        for module in self._modules:
+            module.__dict__["training"] = False
         for remote in self.tables.values():
             remote.recorder = recorder
         try:
@@ -232,6 +237,8 @@ class Replica:
         finally:
             for remote in self.tables.values():
                 remote.recorder = None
+            for module, mode in zip(self._modules, modes, strict=True):
+                module.__dict__["training"] = mode
 
     # ---- the step ----
 

@@ -63,7 +63,11 @@ def start(
     if loopback_only:
         os.environ["TP_SOCKET_IFNAME"] = "lo"
     options = rpc.TensorPipeRpcBackendOptions(
-        num_worker_threads=num_threads, rpc_timeout=timeout_s, init_method=init_method
+        num_worker_threads=num_threads,
+        rpc_timeout=timeout_s,
+        init_method=init_method,
+        _transports=["uv"],
+        _channels=["basic"],
     )
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
