@@ -30,7 +30,7 @@ class SyntheticSpec:
     rows_per_table: int = 100_000
     zipf_exponent: float = 1.1
     batch_size: int = 512
-    train_batches: int = 1200
+    train_batches: int = 3000
     eval_samples: int = 65_536
     seed: int = 0
 

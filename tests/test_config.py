@@ -1,0 +1,77 @@
+"""TrainConfig validation, TOML files and the flags derived from the dataclass."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import paramserver as ps
+from paramserver.cli import build_parser, config_from_args
+from paramserver.config import TrainConfig
+
+
+@pytest.mark.parametrize(
+    ("changes", "flag"),
+    [
+        ({"servers": 0}, "--servers"),
+        ({"trainers": -1}, "--trainers"),
+        ({"mode": "eventual"}, "--mode"),
+        ({"optimizer": "lbfgs"}, "--optimizer"),
+        ({"lr": 0.0}, "--lr"),
+        ({"steps": 0}, "--steps"),
+        ({"accumulate": 0}, "--accumulate"),
+        ({"rpc_timeout": -5.0}, "--rpc-timeout"),
+        ({"clip_grad_norm": 0.0}, "--clip-grad-norm"),
+        ({"table_optimizer": "nope"}, "--optimizer"),
+        ({"optimizer": "rowwise_adagrad"}, "--table-optimizer rowwise_adagrad"),
+    ],
+)
+def test_invalid_values_name_the_flag_to_change(changes: dict[str, object], flag: str) -> None:
+    with pytest.raises(ps.ConfigError, match=flag):
+        TrainConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_every_field_is_a_flag_and_flags_override_the_toml_file(tmp_path: Path) -> None:
+    job = tmp_path / "job.toml"
+    job.write_text(
+        'servers = 3\nmode = "sync"\nlr = 0.5\nrpc-threads = 4\n'
+        '[tables."emb.weight"]\nname = "adam"\nlr = 0.001\nbetas = [0.8, 0.9]\n'
+    )
+    args = build_parser().parse_args(
+        ["train", "--config", str(job), "--lr", "0.25", "--trainers", "5", "--prefetch", "false"]
+    )
+    config = config_from_args(args)
+    assert (config.servers, config.mode, config.rpc_threads) == (3, "sync", 4)
+    assert (config.lr, config.trainers, config.prefetch) == (0.25, 5, False)
+    table = config.table_optimizer_for("emb.weight")
+    assert (table.name, table.lr, table.betas) == ("adam", 0.001, (0.8, 0.9))
+    assert config.table_optimizer_for("other.weight").name == "adagrad"
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()  # type: ignore[union-attr]
+    for flag in ("--servers", "--trainers", "--mode", "--steps", "--epochs", "--batch-size",
+                 "--optimizer", "--lr", "--seed", "--rpc-threads", "--rpc-timeout", "--config",
+                 "--summary-json"):
+        assert flag in help_text
+
+
+def test_toml_errors_are_config_errors(tmp_path: Path) -> None:
+    bad_key = tmp_path / "bad.toml"
+    bad_key.write_text("severs = 2\n")
+    with pytest.raises(ps.ConfigError, match="unknown key 'severs'"):
+        config_from_args(build_parser().parse_args(["train", "--config", str(bad_key)]))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("servers = \n")
+    with pytest.raises(ps.ConfigError, match="not valid TOML"):
+        config_from_args(build_parser().parse_args(["train", "--config", str(broken)]))
+    with pytest.raises(ps.ConfigError, match="file not found"):
+        config_from_args(build_parser().parse_args(["train", "--config", "/no/such.toml"]))
+
+
+def test_cli_reports_bad_configuration_without_a_traceback(capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    from paramserver.cli import main
+
+    assert main(["train", "--servers", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "paramserver: error: --servers must be an integer >= 1" in err
+    assert "Traceback" not in err
