@@ -48,9 +48,21 @@ def test_every_field_is_a_flag_and_flags_override_the_toml_file(tmp_path: Path) 
     assert (table.name, table.lr, table.betas) == ("adam", 0.001, (0.8, 0.9))
     assert config.table_optimizer_for("other.weight").name == "adagrad"
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()  # type: ignore[union-attr]
-    for flag in ("--servers", "--trainers", "--mode", "--steps", "--epochs", "--batch-size",
-                 "--optimizer", "--lr", "--seed", "--rpc-threads", "--rpc-timeout", "--config",
-                 "--summary-json"):
+    for flag in (
+        "--servers",
+        "--trainers",
+        "--mode",
+        "--steps",
+        "--epochs",
+        "--batch-size",
+        "--optimizer",
+        "--lr",
+        "--seed",
+        "--rpc-threads",
+        "--rpc-timeout",
+        "--config",
+        "--summary-json",
+    ):
         assert flag in help_text
 
 
@@ -67,8 +79,9 @@ def test_toml_errors_are_config_errors(tmp_path: Path) -> None:
         config_from_args(build_parser().parse_args(["train", "--config", "/no/such.toml"]))
 
 
-def test_cli_reports_bad_configuration_without_a_traceback(capsys: pytest.CaptureFixture[str]
-                                                           ) -> None:
+def test_cli_reports_bad_configuration_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from paramserver.cli import main
 
     assert main(["train", "--servers", "0"]) == 2

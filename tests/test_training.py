@@ -26,17 +26,12 @@ def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, target)
 
 
-def test_async_two_trainers_learn_as_well_as_single_process() -> None:
-    data = SyntheticClickLogs(SyntheticSpec(train_batches=240, eval_samples=16_384))
-    config = ps.TrainConfig(
-        servers=2,
-        trainers=2,
-        mode="async",
-        launcher="threads",
-        optimizer="adagrad",
-        lr=0.05,
-        progress=False,
-    )
+@pytest.mark.timeout(300)
+def test_async_two_trainers_learn_as_well_as_single_process_on_the_default_job() -> None:
+    """The default job (its data, model and TrainConfig), run as separate processes."""
+    data = SyntheticClickLogs(SyntheticSpec())
+    config = ps.TrainConfig(progress=False)
+    assert (config.mode, config.trainers, config.launcher) == ("async", 2, "auto")
     result = ps.train(DLRM, data.train_batches, bce, config)
     assert result is not None
     held_out = [batch for batch, _ in data.eval_batches()]
@@ -44,7 +39,7 @@ def test_async_two_trainers_learn_as_well_as_single_process() -> None:
     reference, _ = train_single_process(DLRM, data.train_batches, bce, config)
     single = evaluate_binary(reference, held_out)["auc"]
     untrained = evaluate_binary(seeded_model(DLRM, 0), held_out)["auc"]
-    assert single > untrained + 0.1, "the reference did not learn: the comparison is vacuous"
+    assert single > untrained + 0.2, "the reference did not learn: the comparison is vacuous"
     assert abs(distributed - single) <= 0.01, (distributed, single)
 
 
