@@ -17,30 +17,58 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.errors import ConfigError
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, seeded_model
 from paramserver.trainer.replica import EMBEDDINGS, as_tuple
 
 
 def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
-    tables = [m for m in model.modules() if isinstance(m, EMBEDDINGS)]
-    table_ids = {id(m.weight) for m in tables}
+    """The dense parameters' optimizer and one per table, as ``config`` sets them.
+
+    Row-wise Adagrad has no torch.optim counterpart; plain Adagrad stands in for it here.
+    """
+    tables = {
+        f"{name}.weight" if name else "weight": m
+        for name, m in model.named_modules()
+        if isinstance(m, EMBEDDINGS)
+    }
+    table_ids = {id(m.weight) for m in tables.values()}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
-    for module in tables:
-        module.sparse = True
     optimizers = [_optimizer(dense, config.dense_optimizer(), sparse=False)]
-    table_config = config.table_optimizer_for("")
-    optimizers.append(_optimizer([m.weight for m in tables], table_config, sparse=True))
+    for name, module in tables.items():
+        module.sparse = True
+        optimizers.append(
+            _optimizer([module.weight], config.table_optimizer_for(name), sparse=True)
+        )
     return optimizers
 
 
 def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> torch.optim.Optimizer:
     if c.name == "sgd":
-        return torch.optim.SGD(params, lr=c.lr, momentum=c.momentum, weight_decay=c.weight_decay)
+        return torch.optim.SGD(
+            params,
+            lr=c.lr,
+            momentum=c.momentum,
+            dampening=c.dampening,
+            nesterov=c.nesterov,
+            weight_decay=c.weight_decay,
+        )
     if c.name in ("adagrad", "rowwise_adagrad"):
-        return torch.optim.Adagrad(params, lr=c.lr, eps=c.resolved_eps)
+        return torch.optim.Adagrad(
+            params,
+            lr=c.lr,
+            lr_decay=c.lr_decay,
+            weight_decay=c.weight_decay,
+            initial_accumulator_value=c.initial_accumulator_value,
+            eps=c.resolved_eps,
+        )
     if sparse:
+        if c.weight_decay:
+            raise ConfigError("the single-process reference (SparseAdam) has no weight decay")
         return torch.optim.SparseAdam(params, lr=c.lr, betas=c.betas, eps=c.resolved_eps)
-    return torch.optim.Adam(params, lr=c.lr, betas=c.betas, eps=c.resolved_eps)
+    return torch.optim.Adam(
+        params, lr=c.lr, betas=c.betas, eps=c.resolved_eps, weight_decay=c.weight_decay
+    )
 
 
 def train_single_process(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,8 @@ class OptimizerConfig:
             raise ConfigError(f"betas must lie in [0, 1), got {self.betas}")
         if self.eps is not None and self.eps <= 0:
             raise ConfigError(f"eps must be > 0, got {self.eps}")
+        if self.name == "rowwise_adagrad" and self.lr_decay:
+            raise ConfigError("rowwise_adagrad has no lr_decay; remove it or use adagrad")
 
     @property
     def resolved_eps(self) -> float:
@@ -148,6 +150,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_types(self)
         positive = (
             "servers",
             "trainers",
@@ -197,6 +200,15 @@ class TrainConfig:
             weight_decay=self.weight_decay,
         )
 
+    def check_tables(self, tables: Collection[str]) -> None:
+        """Fail if a per-table optimizer names a table the model does not have."""
+        unknown = sorted(set(self.table_optimizers) - set(tables))
+        if unknown:
+            raise ConfigError(
+                f"[tables] names {unknown}, which the model does not have; its tables are "
+                f"{sorted(tables)}"
+            )
+
     @property
     def world_size(self) -> int:
         return self.servers + self.trainers
@@ -207,6 +219,27 @@ class TrainConfig:
 
 def _flag(field_name: str) -> str:
     return field_name.replace("_", "-")
+
+
+_SIMPLE_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def _check_types(config: TrainConfig) -> None:
+    """Values from a TOML file arrive untyped: name the field whose value has the wrong type."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kinds = str(f.type).replace(" ", "").split("|")
+        if value is None and "None" in kinds:
+            continue
+        allowed = tuple(t for kind in kinds for t in _SIMPLE_TYPES.get(kind, ()))
+        if not allowed:
+            continue  # a structured field, checked where it is used
+        if isinstance(value, bool) and bool not in allowed:
+            allowed = ()
+        if not isinstance(value, allowed):
+            raise ConfigError(
+                f"--{_flag(f.name)} must be of type {f.type}, got {type(value).__name__} {value!r}"
+            )
 
 
 def config_fields() -> list[dataclasses.Field[Any]]:

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
 
@@ -40,6 +39,11 @@ class TrainerReport:
     train_seconds: float
     bytes_sent: int
     bytes_received: int
+
+    def is_well_formed(self) -> bool:
+        ints = (self.trainer, self.steps, self.samples, self.bytes_sent, self.bytes_received)
+        floats = (self.train_loss, self.train_seconds)
+        return all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
 
 
 @dataclass
@@ -112,7 +116,3 @@ def clone_message(message: Any) -> Any:
     if isinstance(message, tuple):
         return tuple(clone_message(v) for v in message)
     return message
-
-
-def empty_rows(dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    return torch.empty((0, dim), dtype=dtype)

@@ -4,10 +4,15 @@ Dense parameters: each lives whole on one server. They are placed largest first,
 server holding the fewest bytes so far (ties go to the lower server index, names break ties
 between equal sizes), which balances bytes across servers to within the largest parameter.
 
-Embedding tables: every table is split by row across all servers, cyclically. Global row ``r``
-lives on server ``r % num_servers`` at local index ``r // num_servers``. Cyclic (not contiguous)
-ranges matter for recommendation data: ids are Zipf-distributed and the hot ids are often the
-small ones, so contiguous ranges would put most of the traffic on server 0.
+Fixed embedding tables: every table is split by row across all servers, cyclically. Global
+row ``r`` lives on server ``r % num_servers`` at local index ``r // num_servers``. Cyclic (not
+contiguous) ranges matter for recommendation data: ids are Zipf-distributed and the hot ids are
+often the small ones, so contiguous ranges would put most of the traffic on server 0.
+
+Dynamic tables (any int64 id): an id hashes to one of ``NUM_BUCKETS`` buckets, and bucket ``b``
+belongs to server ``b * num_servers // NUM_BUCKETS`` (contiguous bucket ranges). The bucket of
+an id never changes, so a table saved from S servers can be restored onto any other number by
+reassigning whole buckets.
 
 The plan is a pure function of the model's structure and ``num_servers``; trainers and servers
 compute it independently and compare :attr:`ShardPlan.fingerprint` at start-up.
@@ -21,6 +26,31 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from paramserver.server.idmap import mix64
+
+NUM_BUCKETS = 1 << 12
+_BUCKET_SALT = 0x5DEECE66D  # routing must not share bits with a server's own id-map hash
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicOptions:
+    """How a dynamic table creates, admits and evicts rows (see paramserver.DynamicEmbedding)."""
+
+    min_count: int = 1
+    ttl_steps: int | None = None
+    capacity: int | None = None  # rows per server
+    init_scale: float = 0.01
+    default_value: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {self.min_count}")
+        if self.ttl_steps is not None and self.ttl_steps < 1:
+            raise ValueError(f"ttl_steps must be >= 1, got {self.ttl_steps}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
 
 
 @dataclass(frozen=True)
@@ -40,13 +70,10 @@ class DenseSpec:
 @dataclass(frozen=True)
 class TableSpec:
     name: str
-    num_rows: int
+    num_rows: int  # 0 for a dynamic table
     dim: int
     dtype: torch.dtype
-
-    def rows_on(self, server: int, num_servers: int) -> int:
-        """How many rows of this table the cyclic rule puts on ``server``."""
-        return max(0, (self.num_rows - server + num_servers - 1) // num_servers)
+    dynamic: DynamicOptions | None = None
 
 
 class ShardPlan:
@@ -79,22 +106,26 @@ class ShardPlan:
             load[server] += self.dense[name].nbytes
         return load
 
-    def server_of_rows(self, ids: Tensor) -> Tensor:
+    def server_of_rows(self, table: str, ids: Tensor) -> Tensor:
+        if self.tables[table].dynamic is not None:
+            buckets = mix64(ids ^ _BUCKET_SALT) & (NUM_BUCKETS - 1)
+            return buckets * self.num_servers // NUM_BUCKETS
         return torch.remainder(ids, self.num_servers)
 
     def local_rows(self, ids: Tensor) -> Tensor:
+        """Local index of fixed-table rows on their server."""
         return torch.div(ids, self.num_servers, rounding_mode="floor")
 
     def global_rows(self, local: Tensor, server: int) -> Tensor:
         return local * self.num_servers + server
 
-    def split_by_server(self, ids: Tensor) -> tuple[Tensor, list[int]]:
+    def split_by_server(self, table: str, ids: Tensor) -> tuple[Tensor, list[int]]:
         """A stable permutation that groups ``ids`` by server, and the group sizes.
 
         ``ids[order]`` lists server 0's ids first, then server 1's, and so on, each group keeping
         the order it had in ``ids``.
         """
-        servers = self.server_of_rows(ids)
+        servers = self.server_of_rows(table, ids)
         order = torch.argsort(servers, stable=True)
         counts = torch.bincount(servers, minlength=self.num_servers).tolist()
         return order, counts
@@ -105,7 +136,8 @@ class ShardPlan:
             "num_servers": self.num_servers,
             "dense": [[n, list(s.shape), str(s.dtype)] for n, s in sorted(self.dense.items())],
             "tables": [
-                [n, s.num_rows, s.dim, str(s.dtype)] for n, s in sorted(self.tables.items())
+                [n, s.num_rows, s.dim, str(s.dtype), repr(s.dynamic)]
+                for n, s in sorted(self.tables.items())
             ],
         }
         return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]

@@ -25,6 +25,9 @@ from paramserver.config import TrainConfig
         ({"clip_grad_norm": 0.0}, "--clip-grad-norm"),
         ({"table_optimizer": "nope"}, "--optimizer"),
         ({"optimizer": "rowwise_adagrad"}, "--table-optimizer rowwise_adagrad"),
+        ({"steps": "10"}, "--steps must be of type"),
+        ({"lr": "fast"}, "--lr must be of type"),
+        ({"progress": 1}, "--progress must be of type"),
     ],
 )
 def test_invalid_values_name_the_flag_to_change(changes: dict[str, object], flag: str) -> None:

@@ -102,6 +102,8 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
         ),
         "pull out of range": request(pull_rows={"items.weight": torch.tensor([10**9])}),
         "not a tensor": request(dense_grads={dense: [1.0, 2.0]}),
+        "tensor with autograd": request(dense_grads={dense: torch.ones(shape, requires_grad=True)}),
+        "sparse tensor": request(dense_grads={dense: torch.ones(shape).to_sparse()}),
     }
 
 
@@ -137,16 +139,54 @@ def test_error_names_the_parameter() -> None:
 def test_malformed_calls_are_refused() -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
-    for op, args in [
+    junk_report = PushPullRequest(trainer=0, step=1, report="junk")  # type: ignore[arg-type]
+    cases = [
         ("drop_tables", ()),
+        (7, ()),
         ("push_pull", "not a tuple"),
         ("push_pull", (42,)),
+        ("push_pull", ()),
         ("push_pull", (PushPullRequest(trainer=7, step=1),)),
+        ("push_pull", (PushPullRequest(trainer=True, step=1),)),
         ("push_pull", (PushPullRequest(trainer=0, step=-1),)),
+        ("push_pull", (PushPullRequest(trainer=0, step=1.5),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, step=1, final=1),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, step=1, dense_grads=[]),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, step=1, row_grads={1: None}),)),  # type: ignore[dict-item]
+        ("push_pull", (junk_report,)),
+        ("pull", (PushPullRequest(trainer=0, step=0, final=True),)),
         ("export_state", (1, 2, 3)),
-    ]:
+        ("export_state", ("yes",)),
+    ]
+    for op, args in cases:
         with pytest.raises(ParamServerError):
             endpoint.handle(op, args).wait()
+    assert endpoint.shard.state_hash() == before
+    assert endpoint.coordinator.last_step == {}
+
+
+def test_randomized_malformed_pushes_never_change_state() -> None:
+    endpoint = make_server()
+    before = endpoint.shard.state_hash()
+    g = torch.Generator().manual_seed(0)
+    dense = a_dense_name(endpoint)
+    shape = endpoint.shard.dense[dense].value.shape
+    rejected = 0
+    for step in range(1, 301):
+        garbage = torch.randn(shape, generator=g)
+        garbage.view(-1)[int(torch.randint(0, garbage.numel(), (1,), generator=g))] = float("nan")
+        ids = torch.randint(-50, 100, (3,), generator=g)
+        rows = torch.randn(3, int(torch.randint(3, 6, (1,), generator=g)), generator=g)
+        request = PushPullRequest(
+            trainer=0,
+            step=step,
+            dense_grads={dense: garbage},
+            row_grads={"user.weight": RowBlock(ids, rows)},
+        )
+        with pytest.raises(InvalidPushError):
+            endpoint.handle("push_pull", (request,)).wait()
+        rejected += 1
+    assert rejected == 300
     assert endpoint.shard.state_hash() == before
 
 

@@ -94,7 +94,9 @@ class RecordingTransport(LocalTransport):
         super().__init__(*args)
         self.pulled_per_call: list[int] = []
 
-    def call(self, server: int, op: str, *args: Any) -> torch.futures.Future:
+    def call(
+        self, server: int, op: str, *args: Any, timeout_s: float | None = None
+    ) -> torch.futures.Future:
         future = super().call(server, op, *args)
         if op == "push_pull":
             self.pulled_per_call.append(payload_nbytes(future.wait()))
@@ -181,3 +183,44 @@ def test_result_model_is_a_plain_module_that_loads_without_paramserver() -> None
         result.summary["bytes"]["trainers"]["sent"]
         == result.summary["bytes"]["servers"]["received"]
     )
+
+
+def test_sync_mode_finishes_when_a_server_owns_nothing_a_trainer_touched() -> None:
+    """Five servers for four dense parameters, one-row batches: some servers get no
+    gradients from a trainer in a step, and their rounds must still close."""
+    config = ps.TrainConfig(servers=5, trainers=2, mode="sync", launcher="threads", progress=False)
+    result = ps.train(
+        TinyRecModel, lambda t, n: tiny_batches(t, num_batches=6, batch=1), mse, config
+    )
+    assert result is not None
+    assert result.summary["trainer_steps"] == [6, 6]
+
+
+class WithBuffers(TinyRecModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("scratch", torch.zeros(3), persistent=False)
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        out = super().forward(*inputs)
+        if self.training:
+            self.calls += 1
+        return out
+
+
+def test_buffers_come_back_with_the_result() -> None:
+    config = ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False)
+    result = ps.train(WithBuffers, lambda t, n: tiny_batches(t, num_batches=4), mse, config)
+    assert result is not None
+    assert float(result.model.calls) == 4  # record passes run in eval mode and do not count
+
+
+def test_a_per_table_optimizer_for_a_missing_table_is_an_error() -> None:
+    config = ps.TrainConfig(
+        launcher="threads",
+        progress=False,
+        table_optimizers={"usr.weight": ps.OptimizerConfig(name="adam", lr=0.1)},
+    )
+    with pytest.raises(ps.ConfigError, match="usr.weight"):
+        ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=2), mse, config)

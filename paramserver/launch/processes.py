@@ -12,6 +12,7 @@ rendezvous) and TensorPipe is bound to ``lo``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -68,6 +69,7 @@ class ProcessGroup:
         self.run_dir = run_dir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.selector = selectors.DefaultSelector()
+        self.partial_lines: dict[int, bytes] = {}  # progress pipe fd -> bytes after last newline
 
     def role(self, rank: int) -> str:
         servers = self.config.servers
@@ -78,9 +80,8 @@ class ProcessGroup:
         env["PARAMSERVER_LAUNCHER_PID"] = str(os.getpid())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         for rank in range(self.config.world_size):
-            read_fd, write_fd = (-1, -1)
-            if rank >= self.config.servers:
-                read_fd, write_fd = os.pipe()
+            is_trainer = rank >= self.config.servers
+            read_fd, write_fd = os.pipe() if is_trainer else (-1, -1)
             command = [
                 sys.executable,
                 "-m",
@@ -89,29 +90,30 @@ class ProcessGroup:
                 str(rank),
                 str(write_fd),
             ]
-            pass_fds = (write_fd,) if write_fd >= 0 else ()
-            self.processes[self.role(rank)] = subprocess.Popen(
-                command,
-                env=env,
-                pass_fds=pass_fds,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-            )
-            if write_fd >= 0:
-                os.close(write_fd)
-                reader = os.fdopen(read_fd, "r")
-                self.selector.register(reader, selectors.EVENT_READ)
+            try:
+                self.processes[self.role(rank)] = subprocess.Popen(
+                    command,
+                    env=env,
+                    pass_fds=(write_fd,) if is_trainer else (),
+                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops the rest
+                    stdin=subprocess.DEVNULL,
+                )
+            except BaseException:
+                if is_trainer:
+                    os.close(read_fd)
+                raise
+            finally:
+                if is_trainer:
+                    os.close(write_fd)
+            if is_trainer:
+                self.partial_lines[read_fd] = b""
+                self.selector.register(read_fd, selectors.EVENT_READ)
 
     def supervise(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Relay progress until every process exits; raise on the first failure."""
         while True:
             for key, _ in self.selector.select(timeout=0.1):
-                line = key.fileobj.readline()  # type: ignore[union-attr]
-                if not line:
-                    self.selector.unregister(key.fileobj)
-                    key.fileobj.close()  # type: ignore[union-attr]
-                elif on_progress is not None:
-                    on_progress(Progress(**json.loads(line)))
+                self._read_progress(int(key.fd), on_progress)
             running = 0
             for role, process in self.processes.items():
                 code = process.poll()
@@ -123,7 +125,22 @@ class ProcessGroup:
                         f"{self.reason(role)}; stopped the job"
                     )
             if running == 0:
+                for fd in list(self.partial_lines):  # what was written before the exits
+                    while fd in self.partial_lines:
+                        self._read_progress(fd, on_progress)
                 return
+
+    def _read_progress(self, fd: int, on_progress: Callable[[Progress], None] | None) -> None:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            self.selector.unregister(fd)
+            os.close(fd)
+            del self.partial_lines[fd]
+            return
+        *lines, self.partial_lines[fd] = (self.partial_lines[fd] + chunk).split(b"\n")
+        if on_progress is not None:
+            for line in lines:
+                on_progress(Progress(**json.loads(line)))
 
     def reason(self, role: str) -> str:
         """What the process said before it failed, if it could."""
@@ -133,20 +150,29 @@ class ProcessGroup:
             return ""
 
     def stop(self) -> None:
-        """Terminate every process still running, by pid; SIGKILL those that linger."""
+        """Terminate every process still running and its process group (each child leads its
+        own session); SIGKILL what lingers past the grace period."""
         alive = [p for p in self.processes.values() if p.poll() is None]
         for process in alive:
-            process.send_signal(signal.SIGTERM)
+            _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         for process in alive:
             try:
                 process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                process.kill()
+                _signal_group(process, signal.SIGKILL)
                 process.wait()
-        for key in list(self.selector.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
+        for fd in list(self.partial_lines):
+            self.selector.unregister(fd)
+            os.close(fd)
+        self.partial_lines.clear()
         self.selector.close()
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    """Signal the process group led by ``process`` (its pid is still ours: not yet reaped)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
 
 
 def describe_exit(code: int) -> str:

@@ -33,6 +33,7 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``."""
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
+    config.check_tables(plan.tables)
     initial = dict(model.named_parameters())
     shard = ServerShard(server, plan, initial, config)
     del model, initial

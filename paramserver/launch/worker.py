@@ -37,7 +37,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class ProgressWriter:
-    """Sends throttled progress lines to the launcher; the last step is always sent."""
+    """Sends progress lines to the launcher, at most one per PROGRESS_INTERVAL_S."""
 
     def __init__(self, pipe: IO[str]):
         self.pipe = pipe

@@ -71,6 +71,7 @@ def chain(source: Future, transform: Callable[[Any], Any]) -> Future:
 class _Round:
     requests: dict[int, PushPullRequest] = field(default_factory=dict)
     waiters: dict[int, Future] = field(default_factory=dict)
+    closing: bool = False  # complete, being applied; stays listed until answered
 
 
 class Coordinator:
@@ -86,7 +87,7 @@ class Coordinator:
         self.reports: dict[int, TrainerReport] = {}
         self._rounds: dict[int, _Round] = {}
         self._all_left: list[Future] = []
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
 
     # ---- the calls a trainer makes ----
 
@@ -94,12 +95,13 @@ class Coordinator:
         """Validate, apply per the consistency mode and answer; never blocks on other calls."""
         try:
             self._check_header(request)
-            with self.shard.stats.lock:
-                self.shard.stats.bytes_received += payload_nbytes(request)
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
-        with self._lock:
+        with self.shard.stats.lock:
+            self.shard.stats.bytes_received += payload_nbytes(request)
+        clock = self.shard.advance_clock(request.step)
+        with self.lock:
             previous = self.last_step.get(request.trainer, -1)
             if request.step <= previous:
                 return self._answer_duplicate(request)
@@ -112,19 +114,23 @@ class Coordinator:
             self.last_step[request.trainer] = request.step
             if request.report is not None:
                 self.reports[request.trainer] = request.report
-            joins_round = self.mode == "sync" and request.has_grads
+            # In sync mode every push after the initial pull joins its round, gradients or
+            # not: the round waits for each member's step, whatever this server owns of it.
+            joins_round = self.mode == "sync" and request.step > 0
             if joins_round:
                 waiter, ready = self._join_round(request)
         if joins_round:
-            for step, closing in ready:
-                self._close_round(step, closing)
+            self._close_rounds(ready)
             return waiter
-        # async, or a sync call with nothing to aggregate (the initial pull, or a bare leave)
-        if request.has_grads:
-            self.shard.apply(request.dense_grads, request.row_grads)
-        if request.final:
-            self._leave([request.trainer])
-        return completed(self._answer(request))
+        try:
+            if request.has_grads:
+                self.shard.apply(request.dense_grads, request.row_grads, clock)
+            return completed(self._answer(request, train=True, clock=clock))
+        except Exception as error:  # a server fault: the caller must hear of it
+            return failed(error)
+        finally:
+            if request.final:
+                self._leave([request.trainer])
 
     def pull(self, request: PushPullRequest) -> Future:
         """Answer a read-only request (no gradients); it changes nothing and needs no key."""
@@ -137,11 +143,11 @@ class Coordinator:
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
-        return completed(self._answer(request))
+        return completed(self._answer(request, train=False))
 
     def wait_all_left(self) -> Future:
         """A future completed once every trainer has left."""
-        with self._lock:
+        with self.lock:
             if not self.members:
                 return completed(None)
             future: Future = Future()
@@ -155,19 +161,32 @@ class Coordinator:
     # ---- internals ----
 
     def _check_header(self, request: object) -> None:
-        if not isinstance(request, PushPullRequest):
-            raise ParamServerError(
-                f"server {self.shard.server}: malformed request {type(request).__name__}"
-            )
-        if not isinstance(request.trainer, int) or not 0 <= request.trainer < self.num_trainers:
-            raise ParamServerError(
-                f"server {self.shard.server}: unknown trainer {request.trainer!r}"
-            )
-        if not isinstance(request.step, int) or request.step < 0:
-            raise ParamServerError(f"server {self.shard.server}: bad step {request.step!r}")
+        """Reject a request whose fields are not of the types the protocol defines."""
+        server = self.shard.server
+        if type(request) is not PushPullRequest:
+            raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
+        if type(request.trainer) is not int or not 0 <= request.trainer < self.num_trainers:
+            raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
+        if type(request.step) is not int or request.step < 0:
+            raise ParamServerError(f"server {server}: bad step {request.step!r}")
+        if type(request.final) is not bool or type(request.pull_dense) is not bool:
+            raise ParamServerError(f"server {server}: malformed request: flags must be bools")
+        for name in ("dense_grads", "row_grads", "pull_rows"):
+            value = getattr(request, name)
+            if type(value) is not dict or not all(type(k) is str for k in value):
+                raise ParamServerError(
+                    f"server {server}: malformed request: {name} must map names to values"
+                )
+        report = request.report
+        if report is not None and not (
+            type(report) is TrainerReport
+            and report.trainer == request.trainer
+            and report.is_well_formed()
+        ):
+            raise ParamServerError(f"server {server}: malformed trainer report")
 
-    def _answer(self, request: PushPullRequest) -> PushPullReply:
-        reply = self.shard.read(request)
+    def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
+        reply = self.shard.read(request, train=train, clock=clock)
         with self.shard.stats.lock:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
         return reply
@@ -178,7 +197,7 @@ class Coordinator:
         if pending is not None and request.trainer in pending.waiters:
             original = pending.waiters[request.trainer]
             return chain(original, lambda reply: reply)
-        return completed(self._answer(request))
+        return completed(self._answer(request, train=False))
 
     def _join_round(self, request: PushPullRequest) -> tuple[Future, list[tuple[int, _Round]]]:
         """Add ``request`` to its round; returns its waiter and the rounds now complete.
@@ -190,30 +209,48 @@ class Coordinator:
         return waiter, self._pop_ready_rounds()
 
     def _pop_ready_rounds(self) -> list[tuple[int, _Round]]:
-        """Rounds whose every member has pushed. Called with the lock held."""
-        ready = [(s, r) for s, r in self._rounds.items() if self.members <= r.requests.keys()]
-        for step, _ in ready:
-            del self._rounds[step]
+        """Mark the rounds whose every member has pushed as closing and return them, oldest
+        first. Called with the lock held."""
+        ready = [
+            (step, round_)
+            for step, round_ in self._rounds.items()
+            if not round_.closing and self.members <= round_.requests.keys()
+        ]
+        for _, round_ in ready:
+            round_.closing = True
         return sorted(ready, key=lambda item: item[0])
 
+    def _close_rounds(self, ready: list[tuple[int, _Round]]) -> None:
+        for step, round_ in ready:
+            self._close_round(step, round_)
+
     def _close_round(self, step: int, round_: _Round) -> None:
+        """Apply a complete round and answer each of its trainers; every waiter completes,
+        with an error if the round could not be applied."""
         trainers = sorted(round_.requests)
         requests = [round_.requests[t] for t in trainers]
+        error: Exception | None = None
         try:
             dense, rows = aggregate_mean(requests)
-            self.shard.apply(dense, rows)
-        except Exception as error:  # a failure here must reach every waiter, not hang them
-            for waiter in round_.waiters.values():
-                waiter.set_exception(error)
-            return
+            self.shard.apply(dense, rows, clock=step)
+        except Exception as failure:
+            error = failure
         leaving = [r.trainer for r in requests if r.final]
         if leaving:
             self._leave(leaving)
         for trainer in trainers:
-            round_.waiters[trainer].set_result(self._answer(round_.requests[trainer]))
+            waiter = round_.waiters[trainer]
+            try:
+                if error is not None:
+                    raise error
+                waiter.set_result(self._answer(round_.requests[trainer], train=True, clock=step))
+            except Exception as failure:
+                waiter.set_exception(failure)
+        with self.lock:
+            del self._rounds[step]
 
     def _leave(self, trainers: list[int]) -> None:
-        with self._lock:
+        with self.lock:
             for trainer in trainers:
                 self.members.discard(trainer)
                 self.left.add(trainer)
@@ -221,8 +258,7 @@ class Coordinator:
             done = [] if self.members else self._all_left
             if not self.members:
                 self._all_left = []
-        for step, round_ in ready:
-            self._close_round(step, round_)
+        self._close_rounds(ready)
         for future in done:
             future.set_result(None)
 

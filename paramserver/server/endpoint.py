@@ -13,7 +13,15 @@ from torch.futures import Future
 from paramserver.errors import ParamServerError
 from paramserver.server.consistency import Coordinator, completed, failed
 
-OPERATIONS = ("push_pull", "pull", "wait_all_left", "export_state", "stats", "fingerprint")
+# Each registered operation and the types of its positional arguments.
+OPERATIONS: dict[str, tuple[type, ...]] = {
+    "push_pull": (object,),  # the request's own fields are checked by the coordinator
+    "pull": (object,),
+    "wait_all_left": (),
+    "export_state": (bool,),
+    "stats": (),
+    "fingerprint": (),
+}
 
 
 class ServerEndpoint:
@@ -22,16 +30,18 @@ class ServerEndpoint:
         self.shard = coordinator.shard
 
     def handle(self, op: object, args: object) -> Future:
-        if op not in OPERATIONS:
+        if type(op) is not str or op not in OPERATIONS:
             return failed(ParamServerError(f"server {self.shard.server}: unknown operation {op!r}"))
-        if not isinstance(args, tuple):
-            return failed(ParamServerError(f"server {self.shard.server}: malformed arguments"))
-        try:
-            return getattr(self, f"_op_{op}")(*args)
-        except TypeError as error:
+        expected = OPERATIONS[op]
+        if (
+            type(args) is not tuple
+            or len(args) != len(expected)
+            or not all(isinstance(a, t) for a, t in zip(args, expected, strict=True))
+        ):
             return failed(
-                ParamServerError(f"server {self.shard.server}: bad arguments to {op}: {error}")
+                ParamServerError(f"server {self.shard.server}: bad arguments to {op}: {args!r:.80}")
             )
+        return getattr(self, f"_op_{op}")(*args)
 
     def _op_push_pull(self, request: Any) -> Future:
         return self.coordinator.push_pull(request)
@@ -42,14 +52,16 @@ class ServerEndpoint:
     def _op_wait_all_left(self) -> Future:
         return self.coordinator.wait_all_left()
 
-    def _op_export_state(self, with_optimizer: bool = False) -> Future:
+    def _op_export_state(self, with_optimizer: bool) -> Future:
         return completed(self.shard.export_state(with_optimizer=bool(with_optimizer)))
 
     def _op_stats(self) -> Future:
         stats: dict[str, Any] = dict(self.shard.stats.as_dict())
         stats["version"] = self.shard.version
-        stats["reports"] = dict(self.coordinator.reports)
-        stats["left"] = sorted(self.coordinator.left)
+        stats["tables"] = self.shard.table_stats()
+        with self.coordinator.lock:
+            stats["reports"] = dict(self.coordinator.reports)
+            stats["left"] = sorted(self.coordinator.left)
         return completed(stats)
 
     def _op_fingerprint(self) -> Future:

@@ -25,8 +25,9 @@ from torch import Tensor
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
-from paramserver.server.optim import State, UpdateRule, apply_rows, make_rule
-from paramserver.sharding import ShardPlan, TableSpec
+from paramserver.server.optim import State, UpdateRule, make_rule
+from paramserver.server.tables import Table, make_table
+from paramserver.sharding import ShardPlan
 
 
 @dataclass
@@ -35,16 +36,6 @@ class DenseSlot:
     rule: UpdateRule
     state: State
     step: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass
-class TableShard:
-    spec: TableSpec
-    weight: Tensor  # [local rows, dim]: local row i is global row i * num_servers + server
-    rule: UpdateRule
-    state: State
-    steps: Tensor  # [local rows] float32: updates applied to each row
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -76,6 +67,8 @@ class ServerShard:
     def __init__(
         self, server: int, plan: ShardPlan, initial: Mapping[str, Tensor], config: TrainConfig
     ):
+        """``initial`` holds the starting values of the dense parameters and fixed tables
+        (dynamic tables start empty)."""
         self.server = server
         self.plan = plan
         self.stats = ServerStats()
@@ -84,17 +77,13 @@ class ServerShard:
             value = initial[name].detach().clone().contiguous()
             rule = make_rule(config.dense_optimizer())
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
-        self.tables: dict[str, TableShard] = {}
-        for name, spec in plan.tables.items():
-            local = initial[name].detach()[server :: plan.num_servers].clone().contiguous()
-            rule = make_rule(config.table_optimizer_for(name))
-            self.tables[name] = TableShard(
-                spec,
-                local,
-                rule,
-                rule.init_state(local),
-                torch.zeros(local.shape[0], dtype=torch.float32),
+        self.tables: dict[str, Table] = {
+            name: make_table(
+                spec, plan, server, initial.get(name), make_rule(config.table_optimizer_for(name))
             )
+            for name, spec in plan.tables.items()
+        }
+        self.clock = 0  # the highest trainer step seen: dynamic tables' time
         self.version = 0
         self._version_lock = threading.Lock()
 
@@ -104,9 +93,10 @@ class ServerShard:
         return InvalidPushError(reason, param=param, server=self.server)
 
     def validate(self, request: PushPullRequest) -> None:
-        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed."""
-        if not isinstance(request.dense_grads, dict) or not isinstance(request.row_grads, dict):
-            raise self._reject(None, "malformed request: gradients must be dicts")
+        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed.
+
+        The request's header (field types) was checked by the coordinator; this checks contents.
+        """
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if slot is None:
@@ -116,14 +106,12 @@ class ServerShard:
             table = self.tables.get(name)
             if table is None:
                 raise self._reject(name, self._not_here(name))
-            if not isinstance(block, RowBlock):
+            if type(block) is not RowBlock:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, sorted_unique=True)
             self._check_tensor(
                 name, block.values, (block.ids.numel(), table.spec.dim), table.weight.dtype
             )
-        if not isinstance(request.pull_rows, dict):
-            raise self._reject(None, "malformed request: pull_rows must be a dict")
         for name, ids in request.pull_rows.items():
             table = self.tables.get(name)
             if table is None:
@@ -140,36 +128,49 @@ class ServerShard:
     ) -> None:
         if not isinstance(value, Tensor):
             raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
+        if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
+            raise self._reject(name, "expected a plain dense CPU tensor without autograd")
         if value.dtype != dtype:
             raise self._reject(name, f"gradient dtype {value.dtype} != parameter dtype {dtype}")
         if tuple(value.shape) != tuple(shape):
             raise self._reject(
                 name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}"
             )
-        if value.layout != torch.strided:
-            raise self._reject(name, "sparse tensors are not accepted")
         # A finite sum proves every element finite (NaN and Inf propagate); only an overflowing
         # sum needs the element-wise check.
         if not math.isfinite(float(value.sum())) and not bool(torch.isfinite(value).all()):
             raise self._reject(name, "gradient contains NaN or Inf")
 
-    def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
-        if not isinstance(ids, Tensor) or ids.dtype != torch.int64 or ids.dim() != 1:
-            raise self._reject(name, "row ids must be a 1-D int64 tensor")
+    def _check_ids(self, name: str, table: Table, ids: object, *, sorted_unique: bool) -> None:
+        if (
+            not isinstance(ids, Tensor)
+            or ids.dtype != torch.int64
+            or ids.dim() != 1
+            or ids.layout != torch.strided
+            or ids.device.type != "cpu"
+        ):
+            raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
         if ids.numel() == 0:
             return
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= table.spec.num_rows:
-            bad = low if low < 0 else high
-            raise self._reject(name, f"row id {bad} out of range [0, {table.spec.num_rows})")
-        if bool((self.plan.server_of_rows(ids) != self.server).any()):
+        problem = table.check_ids(ids)
+        if problem is not None:
+            raise self._reject(name, problem)
+        if bool((self.plan.server_of_rows(name, ids) != self.server).any()):
             raise self._reject(name, "row ids routed to the wrong server")
         if sorted_unique and ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
             raise self._reject(name, "row ids of a push must be sorted and unique")
 
     # ---- applying and reading ----
 
-    def apply(self, dense_grads: Mapping[str, Tensor], row_grads: Mapping[str, RowBlock]) -> None:
+    def advance_clock(self, step: int) -> int:
+        with self._version_lock:
+            self.clock = max(self.clock, step)
+            return self.clock
+
+    @torch.no_grad()
+    def apply(
+        self, dense_grads: Mapping[str, Tensor], row_grads: Mapping[str, RowBlock], clock: int = 0
+    ) -> None:
         """Apply already-validated gradients. Each parameter is updated under its own lock."""
         start = time.perf_counter()
         rows = 0
@@ -179,10 +180,8 @@ class ServerShard:
                 slot.rule.step(slot.value, grad, slot.state, slot.step)
         for name, block in row_grads.items():
             table = self.tables[name]
-            local = self.plan.local_rows(block.ids)
             with table.lock:
-                apply_rows(table.rule, table.weight, table.state, table.steps, local, block.values)
-            rows += block.ids.numel()
+                rows += table.apply(block.ids, block.values, clock)
         with self._version_lock:
             self.version += 1
         with self.stats.lock:
@@ -190,8 +189,12 @@ class ServerShard:
             self.stats.rows_updated += rows
             self.stats.update_seconds += time.perf_counter() - start
 
-    def read(self, request: PushPullRequest) -> PushPullReply:
-        """Snapshot the values ``request`` asks for (copies, owned by the caller)."""
+    def read(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
+        """Snapshot the values ``request`` asks for (copies, owned by the caller).
+
+        ``train`` reads may create rows of dynamic tables (and count toward admission);
+        other reads create and count nothing.
+        """
         reply = PushPullReply(version=self.version)
         if request.pull_dense:
             for name, slot in self.dense.items():
@@ -200,9 +203,8 @@ class ServerShard:
         rows = 0
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
-            local = self.plan.local_rows(ids)
             with table.lock:
-                reply.rows[name] = table.weight.index_select(0, local)
+                reply.rows[name] = table.read(ids, train=train, clock=clock)
             rows += ids.numel()
         with self.stats.lock:
             self.stats.rows_pulled += rows
@@ -222,12 +224,15 @@ class ServerShard:
             out[name] = entry
         for name, table in self.tables.items():
             with table.lock:
-                entry = {"value": table.weight.clone()}
-                if with_optimizer:
-                    entry.update({f"state.{k}": v.clone() for k, v in table.state.items()})
-                    entry["steps"] = table.steps.clone()
-            out[name] = entry
+                out[name] = table.export(with_optimizer)
         return out
+
+    def table_stats(self) -> dict[str, dict[str, int]]:
+        result = {}
+        for name, table in self.tables.items():
+            with table.lock:
+                result[name] = table.stats()
+        return result
 
     def state_hash(self) -> str:
         """A digest of every value, state slot and step count on this shard."""

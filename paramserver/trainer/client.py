@@ -92,7 +92,7 @@ class PSClient:
         for name, grad in dense_grads.items():
             requests[self.plan.dense_server[name]].dense_grads[name] = grad
         for name, (ids, grads) in row_grads.items():
-            order, counts = self.plan.split_by_server(ids)
+            order, counts = self.plan.split_by_server(name, ids)
             for server, (part_ids, part_grads) in enumerate(
                 zip(ids[order].split(counts), grads[order].split(counts), strict=True)
             ):
@@ -117,7 +117,7 @@ class PSClient:
     ) -> InFlight:
         orders = {}
         for name, ids in pull_ids.items():
-            order, counts = self.plan.split_by_server(ids)
+            order, counts = self.plan.split_by_server(name, ids)
             orders[name] = order
             for server, part in enumerate(ids[order].split(counts)):
                 requests[server].pull_rows[name] = part
@@ -145,8 +145,15 @@ class InFlight:
         self.pull_ids = pull_ids
         self.orders = orders
         self.traffic = traffic
+        self.result: Pulled | None = None
 
     def wait(self) -> Pulled:
+        """The reassembled answer (computed once; later calls return it again)."""
+        if self.result is None:
+            self.result = self._assemble()
+        return self.result
+
+    def _assemble(self) -> Pulled:
         replies: list[PushPullReply] = [future.wait() for future in self.futures]
         self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
         pulled = Pulled()

@@ -102,6 +102,7 @@ def run_trainer(
 ) -> TrainerOutcome:
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
+    config.check_tables(plan.tables)
     replica = Replica(model)
     replica.model.train()
     torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
@@ -121,8 +122,9 @@ def run_trainer(
     row_grads: dict[str, tuple[Tensor, Tensor]] = {}
     started = time.perf_counter()
     current = record_next()
-    in_flight = client.push_pull({}, {}, current[1] if current else {}, pull_dense=bool(current))
+    in_flight = client.push_pull({}, {}, current[1]) if current is not None else None
     while current is not None:
+        assert in_flight is not None
         pulled = in_flight.wait()
         following = record_next()
         if prefetch:
@@ -152,8 +154,8 @@ def run_trainer(
         if on_progress is not None:
             on_progress(Progress(trainer, steps, samples, step_loss))
         current = following
-    if prefetch:
-        in_flight.wait()
+    if in_flight is not None:
+        in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
     train_seconds = time.perf_counter() - started
     report = TrainerReport(
         trainer=trainer,
@@ -167,10 +169,12 @@ def run_trainer(
     client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report).wait()
     if trainer != 0:
         return TrainerOutcome(report)
-    for future in [transport.call(s, "wait_all_left") for s in range(config.servers)]:
+    # Other trainers may run long after this one: wait for them without a timeout.
+    for future in [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)]:
         future.wait()
     state = {name: entry["value"] for name, entry in gather_state(transport, plan).items()}
-    state.update(dict(replica.model.named_buffers()))
+    # Buffers (batch-norm statistics and the like) are not served: take this replica's.
+    state.update({k: v for k, v in replica.model.state_dict().items() if k not in replica.dense})
     stats = [f.wait() for f in [transport.call(s, "stats") for s in range(config.servers)]]
     return TrainerOutcome(report, state, stats)
 

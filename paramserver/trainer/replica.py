@@ -41,7 +41,7 @@ class MissingRows(Exception):
         self.ids = ids
 
 
-class _RecordingDone(Exception):
+class _RecordingDone(BaseException):  # not Exception: a model's `except Exception` must not eat it
     """Raised inside a record pass once every expected lookup has been recorded."""
 
 

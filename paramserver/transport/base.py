@@ -21,8 +21,11 @@ class Transport(ABC):
     num_servers: int
 
     @abstractmethod
-    def call(self, server: int, op: str, *args: Any) -> Future:
-        """Invoke ``op`` (one of the server's registered operations) on ``server``."""
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
+        """Invoke ``op`` (one of the server's registered operations) on ``server``.
+
+        ``timeout_s`` overrides the transport's call timeout for this call (0: none).
+        """
 
     def push_pull(self, server: int, request: PushPullRequest) -> Future:
         """Push gradients and pull values in one round trip; the future holds a PushPullReply."""

@@ -21,6 +21,6 @@ class LocalTransport(Transport):
         self.endpoints = endpoints
         self.num_servers = len(endpoints)
 
-    def call(self, server: int, op: str, *args: Any) -> Future:
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
         answer = self.endpoints[server].handle(op, clone_message(args))
         return chain(answer, clone_message)

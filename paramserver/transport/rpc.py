@@ -92,8 +92,9 @@ class RpcTransport(Transport):
         self.timeout_s = timeout_s
         self._names = [server_name(i) for i in range(num_servers)]
 
-    def call(self, server: int, op: str, *args: Any) -> Future:
-        answer = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=self.timeout_s)
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        answer = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
         return chain(answer, _raise_remote_error)
 
 

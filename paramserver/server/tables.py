@@ -1,0 +1,270 @@
+"""A server's part of one embedding table: fixed (a row range) or dynamic (hashed ids).
+
+Both kinds answer the same calls, each made with the table's lock held by the caller:
+``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
+``export`` and ``stats``. Optimizer state lives beside the rows it belongs to: slot tensors and
+per-row step counts indexed like the weight.
+
+Fixed tables hold the rows the cyclic rule gives this server (``r % S == server``) at local
+index ``r // S``.
+
+Dynamic tables accept any int64 id. A row is created the first time an admitted id is pulled
+for training, initialized by :func:`init_rows` (a pure function of the table's seed and the id,
+so it does not depend on the server or on arrival order), and kept in storage that grows by 25%
+at a time. Admission (``min_count``): an id is admitted once pulled for training in
+``min_count`` distinct calls; until then only its counter exists and its rows read as the
+default vector, and gradients for it are dropped. Eviction: rows untouched for ``ttl_steps``
+steps of the table's clock (the highest trainer step seen), and, above ``capacity`` rows, the
+least recently touched rows down to 95% of capacity; an evicted row's storage is reused, and an
+evicted id that returns starts again from the init rule. Reads that do not train (evaluation,
+the ``pull`` call) create and count nothing: unseen ids read as the default vector.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from paramserver.server.idmap import IdMap, mix64
+from paramserver.server.optim import State, UpdateRule, apply_rows
+from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+
+EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
+
+
+def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Tensor:
+    """The initial rows of ``ids``: uniform in ``[-init_scale, init_scale)``, a pure function
+    of (table name, seed, id, column)."""
+    salt = zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
+    columns = torch.arange(dim, dtype=torch.int64) * 0x632BE59BD9B4E019
+    bits = mix64(mix64(ids.to(torch.int64) + salt).unsqueeze(1) + columns)
+    unit = ((bits >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)
+    return (unit * 2 - 1) * options.init_scale
+
+
+@dataclass
+class TableCounters:
+    admitted: int = 0
+    evicted: int = 0
+    lookups: int = 0
+    dropped_grads: int = 0
+
+
+class FixedTable:
+    def __init__(
+        self, spec: TableSpec, plan: ShardPlan, server: int, initial: Tensor, rule: UpdateRule
+    ):
+        self.spec = spec
+        self.plan = plan
+        self.server = server
+        self.rule = rule
+        self.weight = initial.detach()[server :: plan.num_servers].clone().contiguous()
+        self.state: State = rule.init_state(self.weight)
+        self.steps = torch.zeros(self.weight.shape[0], dtype=torch.float32)
+        self.lock = threading.Lock()
+
+    def check_ids(self, ids: Tensor) -> str | None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.spec.num_rows:
+            bad = low if low < 0 else high
+            return f"row id {bad} out of range [0, {self.spec.num_rows})"
+        return None
+
+    def read(self, ids: Tensor, *, train: bool, clock: int) -> Tensor:
+        return self.weight.index_select(0, self.plan.local_rows(ids))
+
+    def apply(self, ids: Tensor, grads: Tensor, clock: int) -> int:
+        local = self.plan.local_rows(ids)
+        apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
+        return ids.numel()
+
+    def export(self, with_optimizer: bool) -> dict[str, Tensor]:
+        entry = {"value": self.weight.clone()}
+        if with_optimizer:
+            entry.update({f"state.{k}": v.clone() for k, v in self.state.items()})
+            entry["steps"] = self.steps.clone()
+        return entry
+
+    def nbytes(self) -> int:
+        tensors = [self.weight, self.steps, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def stats(self) -> dict[str, int]:
+        return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
+
+
+class DynamicTable:
+    def __init__(self, spec: TableSpec, rule: UpdateRule):
+        assert spec.dynamic is not None
+        self.spec = spec
+        self.options: DynamicOptions = spec.dynamic
+        self.rule = rule
+        self.ids = IdMap()
+        self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
+        self.state: State = rule.init_state(self.weight)
+        self.steps = torch.empty(0, dtype=torch.float32)
+        self.last_touched = torch.empty(0, dtype=torch.int64)
+        self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
+        self.pending_counts = torch.empty(0, dtype=torch.int32)
+        self.pending_seen = torch.empty(0, dtype=torch.int64)
+        self.counters = TableCounters()
+        self.swept_at = 0
+        self.lock = threading.Lock()
+
+    # ---- calls ----
+
+    def check_ids(self, ids: Tensor) -> str | None:
+        return None  # every int64 id is valid
+
+    def read(self, ids: Tensor, *, train: bool, clock: int) -> Tensor:
+        rows = self.ids.lookup(ids)
+        if train:
+            self.counters.lookups += ids.numel()
+            rows = self._admit(ids, rows, clock)
+            self._evict(clock)
+            rows = self.ids.lookup(ids)  # eviction may have renumbered nothing, but be exact
+            present = rows >= 0
+            self.last_touched[rows[present]] = clock
+        out = torch.full(
+            (ids.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
+        )
+        present = rows >= 0
+        out[present] = self.weight.index_select(0, rows[present])
+        return out
+
+    def apply(self, ids: Tensor, grads: Tensor, clock: int) -> int:
+        rows = self.ids.lookup(ids)
+        present = rows >= 0
+        self.counters.dropped_grads += int((~present).sum())
+        rows = rows[present]
+        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads[present])
+        self.last_touched[rows] = clock
+        return rows.numel()
+
+    def export(self, with_optimizer: bool) -> dict[str, Tensor]:
+        ids, rows = self.ids.live_rows()
+        entry = {"ids": ids, "value": self.weight.index_select(0, rows)}
+        if with_optimizer:
+            entry.update({f"state.{k}": v.index_select(0, rows) for k, v in self.state.items()})
+            entry["steps"] = self.steps.index_select(0, rows)
+        return entry
+
+    def nbytes(self) -> int:
+        tensors = [
+            self.weight,
+            self.steps,
+            self.last_touched,
+            self.pending_counts,
+            self.pending_seen,
+            *self.state.values(),
+        ]
+        own = sum(t.numel() * t.element_size() for t in tensors)
+        return own + self.ids.nbytes() + self.pending.nbytes()
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "rows": self.ids.num_rows,
+            "admitted": self.counters.admitted,
+            "evicted": self.counters.evicted,
+            "lookups": self.counters.lookups,
+            "pending_ids": self.pending.num_rows,
+            "dropped_grads": self.counters.dropped_grads,
+            "memory_bytes": self.nbytes(),
+            "id_map_bytes": self.ids.nbytes(),
+        }
+
+    # ---- admission and eviction ----
+
+    def _admit(self, ids: Tensor, rows: Tensor, clock: int) -> Tensor:
+        """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``."""
+        absent = ids[rows < 0]
+        if absent.numel() == 0:
+            return rows
+        if self.options.min_count > 1:
+            absent = self._count_pending(absent, clock)
+        if absent.numel():
+            self._create(absent)
+        return self.ids.lookup(ids)
+
+    def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
+        """Bump the counters of ``absent``; return those that reach ``min_count`` (their
+        counters are dropped: from now on they are rows)."""
+        slots = self.pending.lookup(absent)
+        new = absent[slots < 0]
+        if new.numel():
+            self.pending.insert(new)
+            self._fit_pending()
+            slots = self.pending.lookup(absent)
+            self.pending_counts[self.pending.lookup(new)] = 0
+        self.pending_counts[slots] += 1
+        self.pending_seen[slots] = clock
+        admitted = self.pending_counts[slots] >= self.options.min_count
+        ready = absent[admitted]
+        self.pending.remove(ready)
+        return ready
+
+    def _fit_pending(self) -> None:
+        capacity = self.pending.capacity_rows
+        if self.pending_counts.numel() < capacity:
+            self.pending_counts = _grow(self.pending_counts, capacity)
+            self.pending_seen = _grow(self.pending_seen, capacity)
+
+    def _create(self, ids: Tensor) -> None:
+        rows = self.ids.insert(ids)
+        capacity = self.ids.capacity_rows
+        if self.weight.shape[0] < capacity:
+            self.weight = _grow(self.weight, capacity)
+            self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
+            self.steps = _grow(self.steps, capacity)
+            self.last_touched = _grow(self.last_touched, capacity)
+        self.weight[rows] = init_rows(self.spec.name, self.options, ids, self.spec.dim)
+        fresh = self.rule.init_state(self.weight[rows])
+        for slot, value in self.state.items():
+            value[rows] = fresh[slot]
+        self.steps[rows] = 0
+        self.counters.admitted += ids.numel()
+
+    def _evict(self, clock: int) -> None:
+        ttl = self.options.ttl_steps
+        if ttl is not None and clock - self.swept_at >= max(1, ttl // 4):
+            self.swept_at = clock
+            ids, rows = self.ids.live_rows()
+            stale = self.last_touched[rows] < clock - ttl
+            self._remove(ids[stale])
+            if self.pending.num_rows:
+                pending_ids, slots = self.pending.live_rows()
+                self.pending.remove(pending_ids[self.pending_seen[slots] < clock - ttl])
+        capacity = self.options.capacity
+        if capacity is not None and self.ids.num_rows > capacity:
+            ids, rows = self.ids.live_rows()
+            keep = int(capacity * EVICT_TO)
+            # Least recently touched first; ties go to the smaller id, so eviction is exact.
+            order = torch.argsort(self.last_touched[rows], stable=True)
+            self._remove(ids[order[: ids.numel() - keep]])
+
+    def _remove(self, ids: Tensor) -> None:
+        if ids.numel():
+            self.ids.remove(ids)
+            self.counters.evicted += ids.numel()
+
+
+def _grow(tensor: Tensor, rows: int) -> Tensor:
+    grown = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    grown[: tensor.shape[0]] = tensor
+    return grown
+
+
+Table = FixedTable | DynamicTable
+
+
+def make_table(
+    spec: TableSpec, plan: ShardPlan, server: int, initial: Tensor | None, rule: UpdateRule
+) -> Table:
+    if spec.dynamic is not None:
+        return DynamicTable(spec, rule)
+    assert initial is not None
+    return FixedTable(spec, plan, server, initial, rule)
