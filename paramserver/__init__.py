@@ -7,6 +7,7 @@ and backward, and push gradients back, one fused round trip per server per step.
 
 from paramserver.api import TrainResult, train
 from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import (
     ConfigError,
     InvalidBatchError,
@@ -19,6 +20,7 @@ from paramserver.errors import (
 
 __all__ = [
     "ConfigError",
+    "DynamicEmbedding",
     "InvalidBatchError",
     "InvalidPushError",
     "JobFailedError",

@@ -51,9 +51,15 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     samples = sum(r.samples for r in ordered)
     losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
     servers = [
-        {k: v for k, v in stats.items() if k not in ("reports", "left")}
+        {k: v for k, v in stats.items() if k not in ("reports", "left", "tables")}
         for stats in chief.server_stats
     ]
+    tables: dict[str, dict[str, int]] = {}
+    for stats in chief.server_stats:
+        for name, counters in stats["tables"].items():
+            total = tables.setdefault(name, {})
+            for key, value in counters.items():
+                total[key] = total.get(key, 0) + value
     total_steps = sum(r.steps for r in ordered)
     return {
         "mode": config.mode,
@@ -81,6 +87,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
         },
         "server_stats": servers,
+        "tables": tables,
     }
 
 

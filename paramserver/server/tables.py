@@ -125,10 +125,9 @@ class DynamicTable:
         if train:
             self.counters.lookups += ids.numel()
             rows = self._admit(ids, rows, clock)
-            self._evict(clock)
-            rows = self.ids.lookup(ids)  # eviction may have renumbered nothing, but be exact
-            present = rows >= 0
-            self.last_touched[rows[present]] = clock
+            self.last_touched[rows[rows >= 0]] = clock
+            if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
+                rows = self.ids.lookup(ids)
         out = torch.full(
             (ids.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
         )
@@ -228,7 +227,9 @@ class DynamicTable:
         self.steps[rows] = 0
         self.counters.admitted += ids.numel()
 
-    def _evict(self, clock: int) -> None:
+    def _evict(self, clock: int) -> bool:
+        """Apply the TTL and capacity rules; returns whether any row went."""
+        evicted_before = self.counters.evicted
         ttl = self.options.ttl_steps
         if ttl is not None and clock - self.swept_at >= max(1, ttl // 4):
             self.swept_at = clock
@@ -245,6 +246,7 @@ class DynamicTable:
             # Least recently touched first; ties go to the smaller id, so eviction is exact.
             order = torch.argsort(self.last_touched[rows], stable=True)
             self._remove(ids[order[: ids.numel() - keep]])
+        return self.counters.evicted != evicted_before
 
     def _remove(self, ids: Tensor) -> None:
         if ids.numel():

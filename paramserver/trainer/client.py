@@ -172,7 +172,8 @@ def gather_state(
 ) -> dict[str, dict[str, Tensor]]:
     """Every parameter (and optionally its optimizer state) assembled from all servers.
 
-    Tables are reassembled from the cyclic rule: server ``s`` holds global rows ``s::S``.
+    Fixed tables are reassembled from the cyclic rule (server ``s`` holds global rows
+    ``s::S``); dynamic tables are the union of every server's rows, sorted by id (``"ids"``).
     """
     num_servers = plan.num_servers
     shards = [
@@ -184,10 +185,27 @@ def gather_state(
         state[name] = shards[server][name]
     for name, spec in plan.tables.items():
         entry: dict[str, Tensor] = {}
+        if spec.dynamic is not None:
+            ids = torch.cat([shard[name]["ids"] for shard in shards])
+            order = torch.argsort(ids)
+            for key in shards[0][name]:
+                entry[key] = torch.cat([shard[name][key] for shard in shards])[order]
+            state[name] = entry
+            continue
         for key, local in shards[0][name].items():
             full = torch.empty((spec.num_rows, *local.shape[1:]), dtype=local.dtype)
             for server in range(num_servers):
                 full[server::num_servers] = shards[server][name][key]
             entry[key] = full
         state[name] = entry
+    return state
+
+
+def to_state_dict(gathered: dict[str, dict[str, Tensor]], plan: ShardPlan) -> dict[str, Tensor]:
+    """The user's state_dict entries: each parameter's value, and each dynamic table's ids
+    (next to its weight: ``emb.weight`` comes with ``emb.ids``)."""
+    state = {name: entry["value"] for name, entry in gathered.items()}
+    for name, spec in plan.tables.items():
+        if spec.dynamic is not None:
+            state[name.removesuffix("weight") + "ids"] = gathered[name]["ids"]
     return state

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from paramserver.config import TrainConfig
 from paramserver.protocol import TrainerReport
-from paramserver.trainer.client import PSClient, gather_state
+from paramserver.trainer.client import PSClient, gather_state, to_state_dict
 from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
 from paramserver.transport.base import Transport
 
@@ -172,7 +172,7 @@ def run_trainer(
     # Other trainers may run long after this one: wait for them without a timeout.
     for future in [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)]:
         future.wait()
-    state = {name: entry["value"] for name, entry in gather_state(transport, plan).items()}
+    state = to_state_dict(gather_state(transport, plan), plan)
     # Buffers (batch-norm statistics and the like) are not served: take this replica's.
     state.update({k: v for k, v in replica.model.state_dict().items() if k not in replica.dense})
     stats = [f.wait() for f in [transport.call(s, "stats") for s in range(config.servers)]]

@@ -25,10 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+SERVED = (nn.Embedding, nn.EmbeddingBag, DynamicEmbedding)
+Embedding = nn.Embedding | nn.EmbeddingBag | DynamicEmbedding
 Inputs = Tensor | tuple[Tensor, ...] | list[Tensor]
 
 
@@ -59,30 +62,40 @@ class _Recorder:
 
 
 class RemoteEmbedding(nn.Module):
-    """Drop-in for an ``nn.Embedding`` or ``nn.EmbeddingBag`` whose weight lives on servers."""
+    """Drop-in for an ``nn.Embedding``, ``nn.EmbeddingBag`` or ``DynamicEmbedding`` whose
+    weight lives on servers. ``num_embeddings`` is None for a dynamic table (any id)."""
 
-    def __init__(self, table: str, source: nn.Embedding | nn.EmbeddingBag):
+    def __init__(self, table: str, source: Embedding):
         super().__init__()
-        if source.max_norm is not None:
-            raise ModelError(
-                f"table {table}: max_norm rewrites the weight inside forward, "
-                "which a sharded table cannot do; remove max_norm"
-            )
         self.table = table
-        self.is_bag = isinstance(source, nn.EmbeddingBag)
-        self.num_embeddings = source.num_embeddings
         self.embedding_dim = source.embedding_dim
-        self.padding_idx = source.padding_idx
-        self.scale_grad_by_freq = source.scale_grad_by_freq
-        self.mode = getattr(source, "mode", "mean")
-        self.include_last_offset = getattr(source, "include_last_offset", False)
+        self.num_embeddings: int | None = None
+        self.padding_idx: int | None = None
+        self.scale_grad_by_freq = False
+        self.include_last_offset = False
+        if isinstance(source, DynamicEmbedding):
+            self.is_bag = source.mode is not None
+            self.mode = source.mode or "sum"
+        else:
+            if source.max_norm is not None:
+                raise ModelError(
+                    f"table {table}: max_norm rewrites the weight inside forward, "
+                    "which a sharded table cannot do; remove max_norm"
+                )
+            self.is_bag = isinstance(source, nn.EmbeddingBag)
+            self.num_embeddings = source.num_embeddings
+            self.padding_idx = source.padding_idx
+            self.scale_grad_by_freq = source.scale_grad_by_freq
+            self.mode = getattr(source, "mode", "mean")
+            self.include_last_offset = getattr(source, "include_last_offset", False)
         self.ids = torch.empty(0, dtype=torch.int64)
         self.rows = torch.empty(0, self.embedding_dim)
         self.recorder: _Recorder | None = None
 
     def extra_repr(self) -> str:
         kind = f"EmbeddingBag(mode={self.mode})" if self.is_bag else "Embedding"
-        return f"table={self.table!r}, {kind}, {self.num_embeddings}x{self.embedding_dim}"
+        rows = "dynamic" if self.num_embeddings is None else self.num_embeddings
+        return f"table={self.table!r}, {kind}, {rows}x{self.embedding_dim}"
 
     def set_rows(self, ids: Tensor, rows: Tensor) -> None:
         """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call."""
@@ -119,6 +132,8 @@ class RemoteEmbedding(nn.Module):
             raise InvalidBatchError(
                 f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
             )
+        if self.num_embeddings is None:  # dynamic: every id is valid
+            return
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
             raise InvalidBatchError(
@@ -166,16 +181,18 @@ def describe(model: nn.Module, num_servers: int) -> ShardPlan:
         if id(p) not in table_weights
     ]
     specs = [
-        TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
+        TableSpec(name, 0, m.embedding_dim, m.weight.dtype, dynamic=m.options)
+        if isinstance(m, DynamicEmbedding)
+        else TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
         for name, m in tables.items()
     ]
     return ShardPlan(dense, specs, num_servers)
 
 
-def _find_embeddings(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
-    found: dict[str, nn.Embedding | nn.EmbeddingBag] = {}
+def _find_embeddings(model: nn.Module) -> dict[str, Embedding]:
+    found: dict[str, Embedding] = {}
     for name, module in model.named_modules():
-        if isinstance(module, EMBEDDINGS):
+        if isinstance(module, SERVED):
             found[f"{name}.weight" if name else "weight"] = module
     return found
 

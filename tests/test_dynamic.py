@@ -1,0 +1,192 @@
+"""Dynamic (hashed) tables: the id map, admission, eviction, and training end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import paramserver as ps
+from paramserver.config import OptimizerConfig
+from paramserver.server.idmap import IdMap
+from paramserver.server.optim import make_rule
+from paramserver.server.tables import DynamicTable, init_rows
+from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+from tests.helpers import mse
+
+EXTREMES = [-(2**63), -1, 0, 1, 2**63 - 1, 123456789012345678, -987654321098765432]
+
+
+def test_id_map_is_collisionless_for_any_int64() -> None:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.tensor(EXTREMES), torch.randint(-(2**62), 2**62, (5000,), generator=g)])
+    ids = ids.unique()
+    id_map = IdMap(initial_slots=16)
+    rows = id_map.insert(ids)
+    assert rows.unique().numel() == ids.numel()
+    repeated = ids[torch.randint(0, ids.numel(), (20000,), generator=g)]
+    assert torch.equal(id_map.lookup(repeated), rows[torch.searchsorted(ids, repeated)])
+    absent = torch.tensor([5, 6, 7]) * 2**40 + 3
+    assert not bool(torch.isin(absent, ids).any())
+    assert id_map.lookup(absent).tolist() == [-1, -1, -1]
+    live_ids, live_rows = id_map.live_rows()
+    assert torch.equal(live_ids, ids) and torch.equal(live_rows, rows)
+
+
+def test_id_map_reuses_freed_rows_and_stays_small() -> None:
+    id_map = IdMap()
+    first = id_map.insert(torch.arange(1000) * 7919)
+    freed = id_map.remove(torch.arange(0, 1000, 2) * 7919)
+    assert freed.numel() == 500 and id_map.num_rows == 500
+    again = id_map.insert(torch.arange(5000, 5500))
+    assert set(again.tolist()) == set(freed.tolist())  # storage reused, not grown
+    assert id_map.capacity_rows == first.numel() + 16 or id_map.capacity_rows >= 1000
+    assert (id_map.lookup(torch.arange(1, 1000, 2) * 7919) >= 0).all()
+    assert (id_map.lookup(torch.arange(0, 1000, 2) * 7919) == -1).all()
+    big = IdMap()
+    big.insert(torch.randint(-(2**62), 2**62, (200_000,)).unique())
+    assert big.nbytes() / big.num_rows <= 32
+
+
+def table(**options: object) -> DynamicTable:
+    spec = TableSpec("emb.weight", 0, 4, torch.float32, dynamic=DynamicOptions(**options))  # type: ignore[arg-type]
+    return DynamicTable(spec, make_rule(OptimizerConfig(name="sgd", lr=1.0)))
+
+
+def ids(*values: int) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
+    t = table(min_count=3, default_value=-1.0)
+    default = torch.full((1, 4), -1.0)
+    assert torch.equal(t.read(ids(10, 20), train=True, clock=1), default.expand(2, 4))
+    assert torch.equal(t.read(ids(10), train=True, clock=2), default)
+    assert t.stats()["rows"] == 0 and t.stats()["pending_ids"] == 2
+    # Gradients for ids still pending are dropped: nothing is kept but their counters.
+    assert t.apply(ids(10), torch.ones(1, 4), clock=2) == 0
+    row = t.read(ids(10, 20), train=True, clock=3)  # third sighting of 10: admitted
+    torch.testing.assert_close(row[0], init_rows("emb.weight", t.options, ids(10), 4)[0])
+    assert torch.equal(row[1], default[0])
+    stats = t.stats()
+    assert (stats["rows"], stats["admitted"], stats["pending_ids"]) == (1, 1, 1)
+    assert stats["lookups"] == 5 and stats["dropped_grads"] == 1
+    # Evaluation reads create and count nothing.
+    assert torch.equal(t.read(ids(20, 30), train=False, clock=4), default.expand(2, 4))
+    assert t.stats()["lookups"] == 5 and t.stats()["pending_ids"] == 1
+
+
+def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> None:
+    t = table(ttl_steps=4, capacity=20)
+    t.read(torch.arange(10), train=True, clock=1)
+    t.apply(torch.arange(10), torch.ones(10, 4), clock=1)  # rows move away from init
+    t.read(torch.arange(5, 15), train=True, clock=3)  # touches 5..9, creates 10..14
+    assert t.stats()["rows"] == 15
+    t.read(ids(100), train=True, clock=6)  # sweep: untouched since clock 1 (< 6 - 4): 0..4
+    assert t.stats()["rows"] == 11 and t.stats()["evicted"] == 5
+    assert (t.ids.lookup(torch.arange(5)) == -1).all()
+    # Above capacity 20, the least recently touched rows go, down to 95% (19 rows).
+    t.read(torch.arange(200, 210), train=True, clock=7)  # 21 rows
+    assert t.stats()["rows"] == 19 and t.stats()["evicted"] == 7
+    assert (t.ids.lookup(ids(5, 6)) == -1).all()  # touched at clock 3, the oldest
+    assert (t.ids.lookup(ids(7, 8, 9, 10, 100)) >= 0).all()
+    # An evicted id that returns starts again from the init rule, with fresh optimizer state.
+    again = t.read(ids(5), train=True, clock=8)
+    torch.testing.assert_close(again, init_rows("emb.weight", t.options, ids(5), 4))
+    row = int(t.ids.lookup(ids(5)))
+    assert float(t.steps[row]) == 0
+
+
+def test_init_rule_is_a_pure_function_of_table_seed_and_id() -> None:
+    options = DynamicOptions(init_scale=0.5, seed=3)
+    a = init_rows("t", options, ids(1, 2, 3), 8)
+    assert torch.equal(a, init_rows("t", options, ids(3, 2, 1), 8).flip(0))
+    assert not torch.equal(a, init_rows("u", options, ids(1, 2, 3), 8))
+    assert not torch.equal(
+        a, init_rows("t", DynamicOptions(init_scale=0.5, seed=4), ids(1, 2, 3), 8)
+    )
+    assert float(a.abs().max()) <= 0.5 and float(a.std()) > 0.1
+
+
+def test_dynamic_ids_route_by_bucket_to_every_server() -> None:
+    spec = TableSpec("t", 0, 4, torch.float32, dynamic=DynamicOptions())
+    plan = ShardPlan([], [spec], num_servers=3)
+    values = torch.cat([torch.tensor(EXTREMES), torch.randint(-(2**62), 2**62, (3000,))])
+    servers = plan.server_of_rows("t", values)
+    assert set(servers.tolist()) == {0, 1, 2}
+    counts = torch.bincount(servers, minlength=3)
+    assert int(counts.min()) > 800  # roughly balanced
+    assert torch.equal(servers, plan.server_of_rows("t", values.clone()))
+
+
+NUM_IDS = 50
+
+
+class HashedModel(nn.Module):
+    def __init__(self, dynamic: bool):
+        super().__init__()
+        self.out = nn.Linear(4, 1)  # first: both variants draw the same initial values for it
+        if dynamic:
+            self.emb: nn.Module = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1)
+        else:
+            self.emb = nn.EmbeddingBag(NUM_IDS, 4, mode="mean")
+            with torch.no_grad():
+                options = DynamicOptions(init_scale=0.1)
+                self.emb.weight.copy_(init_rows("emb.weight", options, torch.arange(NUM_IDS), 4))
+
+    def forward(self, bags: Tensor) -> Tensor:
+        return self.out(self.emb(bags)).squeeze(1)
+
+
+def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(trainer)
+    for _ in range(num_batches):
+        yield torch.randint(0, NUM_IDS, (8, 3), generator=g), torch.randn(8, generator=g)
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_dynamic_tables_train_to_the_same_rows_as_fixed_tables(optimizer: str) -> None:
+    config = ps.TrainConfig(
+        servers=2,
+        trainers=3,
+        mode="sync",
+        optimizer=optimizer,
+        lr=0.05,
+        launcher="threads",
+        progress=False,
+    )
+    data = lambda t, n: hashed_batches(t)  # noqa: E731
+    fixed = ps.train(lambda: HashedModel(dynamic=False), data, mse, config)
+    dynamic = ps.train(lambda: HashedModel(dynamic=True), data, mse, config)
+    assert fixed is not None and dynamic is not None
+    learned = dynamic.model.state_dict()
+    seen = torch.cat([b for t in range(3) for b, _ in hashed_batches(t)]).unique()
+    assert torch.equal(learned["emb.ids"], seen)
+    expected = fixed.model.state_dict()
+    torch.testing.assert_close(learned["emb.weight"], expected["emb.weight"][seen])
+    torch.testing.assert_close(learned["out.weight"], expected["out.weight"])
+    assert dynamic.summary["tables"]["emb.weight"]["rows"] == seen.numel()
+    assert dynamic.summary["tables"]["emb.weight"]["admitted"] == seen.numel()
+
+
+def test_huge_and_negative_ids_train_and_unseen_ids_read_the_default() -> None:
+    pool = torch.tensor(EXTREMES + [2**40 + i for i in range(30)])
+
+    def data(trainer: int, num_trainers: int):  # type: ignore[no-untyped-def]
+        g = torch.Generator().manual_seed(trainer)
+        for _ in range(10):
+            yield pool[torch.randint(0, pool.numel(), (16, 2), generator=g)], torch.randn(16)
+
+    config = ps.TrainConfig(servers=3, trainers=2, launcher="threads", progress=False)
+    result = ps.train(lambda: HashedModel(dynamic=True), data, mse, config)
+    assert result is not None
+    model = result.model
+    assert set(model.emb.ids.tolist()) <= set(pool.tolist())
+    assert model.emb.ids.numel() >= pool.numel() - 5
+    unseen = torch.tensor([[424242, 777]])
+    expected = model.out(torch.zeros(1, 4)).squeeze(1)  # the default vector is zeros
+    torch.testing.assert_close(model(unseen), expected)
+    reloaded = HashedModel(dynamic=True)
+    reloaded.load_state_dict(model.state_dict())
+    probe = pool[:6].reshape(3, 2)
+    torch.testing.assert_close(reloaded(probe), model(probe))
