@@ -117,6 +117,13 @@ class TrainConfig:
             "per-table optimizers by table name (TOML [tables.NAME] sections)", cli=False
         ),
     )
+    server_pooling: tuple[str, ...] = field(
+        default=(),
+        metadata=_doc(
+            "EmbeddingBag tables (sum or mean) whose bags the servers pool: the trainer moves "
+            "one vector per bag and server instead of one per row (comma-separated names)"
+        ),
+    )
     seed: int = field(default=0, metadata=_doc("seed of model init, data and every process's RNG"))
     clip_grad_norm: float | None = field(
         default=None, metadata=_doc("clip each push's gradients to this global L2 norm")
@@ -150,6 +157,12 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.server_pooling, str | list):  # from a flag or a TOML array
+            names = self.server_pooling
+            names = names.split(",") if isinstance(names, str) else names
+            object.__setattr__(self, "server_pooling", tuple(n for n in names if n))
+        if not all(isinstance(n, str) for n in self.server_pooling):
+            raise ConfigError("--server-pooling takes table names")
         _check_types(self)
         positive = (
             "servers",
@@ -181,6 +194,11 @@ class TrainConfig:
                 "--optimizer: rowwise_adagrad applies to embedding tables only; "
                 "use --table-optimizer rowwise_adagrad"
             )
+        if self.server_pooling and (self.accumulate > 1 or self.clip_grad_norm is not None):
+            raise ConfigError(
+                "--server-pooling works with --accumulate 1 and without --clip-grad-norm "
+                "(the trainer never sees those tables' row gradients)"
+            )
         # Building the optimizer configs validates their values with flag-named errors.
         self.dense_optimizer()
         self.table_optimizer_for("")
@@ -202,10 +220,10 @@ class TrainConfig:
 
     def check_tables(self, tables: Collection[str]) -> None:
         """Fail if a per-table optimizer names a table the model does not have."""
-        unknown = sorted(set(self.table_optimizers) - set(tables))
+        unknown = sorted((set(self.table_optimizers) | set(self.server_pooling)) - set(tables))
         if unknown:
             raise ConfigError(
-                f"[tables] names {unknown}, which the model does not have; its tables are "
+                f"the job names tables {unknown}, which the model does not have; its tables are "
                 f"{sorted(tables)}"
             )
 

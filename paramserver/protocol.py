@@ -29,6 +29,26 @@ class RowBlock:
 
 
 @dataclass
+class BagBlock:
+    """Bags of one server-pooled table: ``ids[i]`` (int64, repeats allowed) belongs to bag
+    ``bags[i]`` of ``num_bags``, weighted by ``weights[i]`` if given (sum pooling only)."""
+
+    ids: Tensor
+    bags: Tensor
+    num_bags: int
+    weights: Tensor | None = None
+
+
+@dataclass
+class PooledGrad:
+    """The gradient of one table's pooled vectors ``[num_bags, dim]``, for the bags pulled by
+    this trainer's call number ``pull_step``."""
+
+    pull_step: int
+    grads: Tensor
+
+
+@dataclass
 class TrainerReport:
     """What a trainer tells the servers when it leaves, for the job summary."""
 
@@ -63,10 +83,12 @@ class PushPullRequest:
     pull_rows: dict[str, Tensor] = field(default_factory=dict)
     final: bool = False
     report: TrainerReport | None = None
+    pool_rows: dict[str, BagBlock] = field(default_factory=dict)
+    pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
 
     @property
     def has_grads(self) -> bool:
-        return bool(self.dense_grads) or bool(self.row_grads)
+        return bool(self.dense_grads) or bool(self.row_grads) or bool(self.pooled_grads)
 
 
 @dataclass
@@ -78,6 +100,7 @@ class PushPullReply:
 
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, Tensor] = field(default_factory=dict)
+    pooled: dict[str, Tensor] = field(default_factory=dict)  # [num_bags, dim] partial sums
     version: int = 0
 
 

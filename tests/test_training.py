@@ -222,5 +222,5 @@ def test_a_per_table_optimizer_for_a_missing_table_is_an_error() -> None:
         progress=False,
         table_optimizers={"usr.weight": ps.OptimizerConfig(name="adam", lr=0.1)},
     )
-    with pytest.raises(ps.ConfigError, match="usr.weight"):
+    with pytest.raises(ps.ConfigError, match=r"usr\.weight"):
         ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=2), mse, config)

@@ -27,15 +27,17 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from paramserver.errors import ParamServerError, TrainerDepartedError
+from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.protocol import (
+    BagBlock,
+    PooledGrad,
     PushPullReply,
     PushPullRequest,
     RowBlock,
     TrainerReport,
     payload_nbytes,
 )
-from paramserver.server.shard import ServerShard
+from paramserver.server.shard import ServerShard, bag_grads_to_rows
 
 
 def completed(value: object) -> Future:
@@ -85,6 +87,9 @@ class Coordinator:
         self.left: set[int] = set()
         self.last_step: dict[int, int] = {}
         self.reports: dict[int, TrainerReport] = {}
+        # The bags each trainer pulled for server-side pooling, until their gradients come
+        # back: (trainer, pull step, table) -> bags.
+        self.pool_specs: dict[tuple[int, int, str], BagBlock] = {}
         self._rounds: dict[int, _Round] = {}
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
@@ -95,6 +100,10 @@ class Coordinator:
         """Validate, apply per the consistency mode and answer; never blocks on other calls."""
         try:
             self._check_header(request)
+            with self.lock:
+                if request.step <= self.last_step.get(request.trainer, -1):
+                    return self._answer_duplicate(request)
+            self._expand_pooled_grads(request)
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
@@ -112,6 +121,8 @@ class Coordinator:
                     )
                 )
             self.last_step[request.trainer] = request.step
+            for name, pooled in request.pooled_grads.items():
+                del self.pool_specs[(request.trainer, pooled.pull_step, name)]
             if request.report is not None:
                 self.reports[request.trainer] = request.report
             # In sync mode every push after the initial pull joins its round, gradients or
@@ -171,7 +182,7 @@ class Coordinator:
             raise ParamServerError(f"server {server}: bad step {request.step!r}")
         if type(request.final) is not bool or type(request.pull_dense) is not bool:
             raise ParamServerError(f"server {server}: malformed request: flags must be bools")
-        for name in ("dense_grads", "row_grads", "pull_rows"):
+        for name in ("dense_grads", "row_grads", "pull_rows", "pool_rows", "pooled_grads"):
             value = getattr(request, name)
             if type(value) is not dict or not all(type(k) is str for k in value):
                 raise ParamServerError(
@@ -185,7 +196,37 @@ class Coordinator:
         ):
             raise ParamServerError(f"server {server}: malformed trainer report")
 
+    def _expand_pooled_grads(self, request: PushPullRequest) -> None:
+        """Turn gradients of pooled vectors into row gradients, using the bags this trainer
+        pulled; raises InvalidPushError (and changes nothing) if they do not match."""
+        for name, pooled in request.pooled_grads.items():
+            if type(pooled) is not PooledGrad or type(pooled.pull_step) is not int:
+                raise InvalidPushError(
+                    "malformed pooled gradient", param=name, server=self.shard.server
+                )
+            with self.lock:
+                spec = self.pool_specs.get((request.trainer, pooled.pull_step, name))
+            if spec is None:
+                raise InvalidPushError(
+                    f"no pooled pull at step {pooled.pull_step} to match",
+                    param=name,
+                    server=self.shard.server,
+                )
+            if name in request.row_grads:
+                raise InvalidPushError(
+                    "both row and pooled gradients", param=name, server=self.shard.server
+                )
+            table = self.shard.tables[name]
+            self.shard.check_tensor(
+                name, pooled.grads, (spec.num_bags, table.spec.dim), table.weight.dtype
+            )
+            request.row_grads[name] = bag_grads_to_rows(spec, pooled.grads)
+
     def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
+        if train and request.pool_rows:
+            with self.lock:
+                for name, block in request.pool_rows.items():
+                    self.pool_specs[(request.trainer, request.step, name)] = block
         reply = self.shard.read(request, train=train, clock=clock)
         with self.shard.stats.lock:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
@@ -254,6 +295,8 @@ class Coordinator:
             for trainer in trainers:
                 self.members.discard(trainer)
                 self.left.add(trainer)
+            for key in [k for k in self.pool_specs if k[0] in trainers]:
+                del self.pool_specs[key]
             ready = self._pop_ready_rounds()
             done = [] if self.members else self._all_left
             if not self.members:

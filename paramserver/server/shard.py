@@ -24,7 +24,7 @@ from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
+from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import Table, make_table
 from paramserver.sharding import ShardPlan
@@ -59,6 +59,20 @@ class ServerStats:
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }
+
+
+MAX_BAGS = 1 << 24  # bags in one pooled pull: a bound on what a peer can make a server allocate
+
+
+def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
+    """Row gradients from the gradient of pooled sums: each id gets its bags' gradients
+    (times its weight), summed over its occurrences."""
+    members = grads[block.bags]
+    if block.weights is not None:
+        members = members * block.weights.unsqueeze(1)
+    unique, inverse = torch.unique(block.ids, return_inverse=True)
+    summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
+    return RowBlock(unique, summed.index_add_(0, inverse, members))
 
 
 class ServerShard:
@@ -101,7 +115,7 @@ class ServerShard:
             slot = self.dense.get(name)
             if slot is None:
                 raise self._reject(name, self._not_here(name))
-            self._check_tensor(name, grad, slot.value.shape, slot.value.dtype)
+            self.check_tensor(name, grad, slot.value.shape, slot.value.dtype)
         for name, block in request.row_grads.items():
             table = self.tables.get(name)
             if table is None:
@@ -109,7 +123,7 @@ class ServerShard:
             if type(block) is not RowBlock:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, sorted_unique=True)
-            self._check_tensor(
+            self.check_tensor(
                 name, block.values, (block.ids.numel(), table.spec.dim), table.weight.dtype
             )
         for name, ids in request.pull_rows.items():
@@ -117,13 +131,37 @@ class ServerShard:
             if table is None:
                 raise self._reject(name, self._not_here(name))
             self._check_ids(name, table, ids, sorted_unique=False)
+        for name, bags in request.pool_rows.items():
+            table = self.tables.get(name)
+            if table is None:
+                raise self._reject(name, self._not_here(name))
+            self._check_bags(name, table, bags)
+
+    def _check_bags(self, name: str, table: Table, block: object) -> None:
+        if type(block) is not BagBlock or type(block.num_bags) is not int:
+            raise self._reject(name, "malformed bags: expected a BagBlock")
+        if not 0 <= block.num_bags <= MAX_BAGS:
+            raise self._reject(name, f"num_bags {block.num_bags} outside [0, {MAX_BAGS}]")
+        self._check_ids(name, table, block.ids, sorted_unique=False)
+        count = block.ids.numel()
+        bags = block.bags
+        if (
+            not isinstance(bags, Tensor)
+            or bags.dtype != torch.int64
+            or tuple(bags.shape) != (count,)
+        ):
+            raise self._reject(name, "bag indices must be int64, one per id")
+        if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
+            raise self._reject(name, f"bag index outside [0, {block.num_bags})")
+        if block.weights is not None:
+            self.check_tensor(name, block.weights, (count,), table.weight.dtype)
 
     def _not_here(self, name: str) -> str:
         if name in self.plan.dense:
             return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
         return "unknown parameter or table name"
 
-    def _check_tensor(
+    def check_tensor(
         self, name: str, value: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
     ) -> None:
         if not isinstance(value, Tensor):
@@ -206,9 +244,24 @@ class ServerShard:
             with table.lock:
                 reply.rows[name] = table.read(ids, train=train, clock=clock)
             rows += ids.numel()
+        for name, block in request.pool_rows.items():
+            reply.pooled[name] = self._pool(name, block, train=train, clock=clock)
+            rows += block.ids.numel()
         with self.stats.lock:
             self.stats.rows_pulled += rows
         return reply
+
+    def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int) -> Tensor:
+        """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
+        table = self.tables[name]
+        unique, inverse = torch.unique(block.ids, return_inverse=True)
+        with table.lock:
+            rows = table.read(unique, train=train, clock=clock)
+        members = rows[inverse]
+        if block.weights is not None:
+            members = members * block.weights.unsqueeze(1)
+        pooled = torch.zeros(block.num_bags, table.spec.dim, dtype=rows.dtype)
+        return pooled.index_add_(0, block.bags, members)
 
     # ---- whole-shard views, for export, tests and checkpoints ----
 

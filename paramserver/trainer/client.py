@@ -16,6 +16,8 @@ from torch.futures import Future
 
 from paramserver.errors import ParamServerError
 from paramserver.protocol import (
+    BagBlock,
+    PooledGrad,
     PushPullReply,
     PushPullRequest,
     RowBlock,
@@ -39,6 +41,8 @@ class Traffic:
 class Pulled:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: RowsById = field(default_factory=dict)
+    pooled: dict[str, Tensor] = field(default_factory=dict)  # server-pooled sums per table
+    step: int = -1
 
 
 class PSClient:
@@ -55,6 +59,7 @@ class PSClient:
         self.trainer = trainer
         self.step = 0
         self.traffic = Traffic()
+        self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
@@ -73,6 +78,8 @@ class PSClient:
         row_grads: RowsById,
         pull_ids: dict[str, Tensor],
         *,
+        pool_bags: dict[str, BagBlock] | None = None,
+        pooled_grads: dict[str, tuple[int, Tensor]] | None = None,
         pull_dense: bool = True,
         final: bool = False,
         report: TrainerReport | None = None,
@@ -82,6 +89,10 @@ class PSClient:
         ``row_grads`` and ``pull_ids`` hold sorted unique ids per table. The answer holds the
         dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``. Call
         ``wait()`` before starting the next push: a trainer's pushes reach a server in order.
+
+        Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
+        ``pooled``), and ``pooled_grads`` maps a table to ``(pull_step, gradient of the pooled
+        sums)`` for the bags pulled by the call numbered ``pull_step`` (``Pulled.step``).
         """
         requests = [
             PushPullRequest(
@@ -98,8 +109,33 @@ class PSClient:
             ):
                 if part_ids.numel():
                     requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
+        for name, (pull_step, grads) in (pooled_grads or {}).items():
+            for server in self._pool_servers.pop((pull_step, name)):
+                requests[server].pooled_grads[name] = PooledGrad(pull_step, grads)
+        pooled_dims = {}
+        for name, bags in (pool_bags or {}).items():
+            pooled_dims[name] = (bags.num_bags, self.plan.tables[name].dim)
+            order, counts = self.plan.split_by_server(name, bags.ids)
+            servers = []
+            part_ids = bags.ids[order].split(counts)
+            part_bags = bags.bags[order].split(counts)
+            part_weights = (
+                bags.weights[order].split(counts)
+                if bags.weights is not None
+                else [None] * len(counts)
+            )
+            for server in range(self.plan.num_servers):
+                if counts[server]:
+                    requests[server].pool_rows[name] = BagBlock(
+                        part_ids[server], part_bags[server], bags.num_bags, part_weights[server]
+                    )
+                    servers.append(server)
+            self._pool_servers[(self.step, name)] = servers
+        step = self.step
         self.step += 1
-        return self._start("push_pull", requests, pull_ids, report)
+        in_flight = self._start("push_pull", requests, pull_ids, report)
+        in_flight.step, in_flight.pooled_dims = step, pooled_dims
+        return in_flight
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
@@ -146,6 +182,8 @@ class InFlight:
         self.orders = orders
         self.traffic = traffic
         self.result: Pulled | None = None
+        self.step = -1  # the call number, for calls that push
+        self.pooled_dims: dict[str, tuple[int, int]] = {}
 
     def wait(self) -> Pulled:
         """The reassembled answer (computed once; later calls return it again)."""
@@ -156,9 +194,15 @@ class InFlight:
     def _assemble(self) -> Pulled:
         replies: list[PushPullReply] = [future.wait() for future in self.futures]
         self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
-        pulled = Pulled()
+        pulled = Pulled(step=self.step)
         for reply in replies:
             pulled.dense.update(reply.dense)
+        for name, shape in self.pooled_dims.items():
+            pooled = torch.zeros(shape)
+            for reply in replies:
+                if name in reply.pooled:
+                    pooled += reply.pooled[name]
+            pulled.pooled[name] = pooled
         for name, ids in self.pull_ids.items():
             parts = torch.cat([reply.rows[name] for reply in replies])
             rows = torch.empty_like(parts)

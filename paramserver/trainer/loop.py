@@ -23,15 +23,15 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from paramserver.config import TrainConfig
-from paramserver.protocol import TrainerReport
-from paramserver.trainer.client import PSClient, gather_state, to_state_dict
+from paramserver.protocol import BagBlock, TrainerReport
+from paramserver.trainer.client import InFlight, PSClient, gather_state, to_state_dict
 from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
 from paramserver.transport.base import Transport
 
@@ -47,6 +47,51 @@ class Progress:
     steps: int
     samples: int
     loss: float
+
+
+@dataclass
+class Step:
+    """One step's batches and what they look up (recorded ahead of the step's pull)."""
+
+    batches: list[Batch]
+    ids: dict[str, Tensor]
+    bags: dict[str, BagBlock]
+
+
+@dataclass
+class Gradients:
+    """A step's gradients, waiting to ride on the next call."""
+
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, replica: Replica, pull_step: int) -> Gradients:
+        dense, rows = replica.gradients()
+        pooled = {name: (pull_step, g) for name, g in replica.pooled_gradients().items()}
+        return cls(dense, rows, pooled)
+
+    def push(
+        self,
+        client: PSClient,
+        following: Step | None,
+        final: bool = False,
+        report: TrainerReport | None = None,
+    ) -> InFlight:
+        """Send these gradients, pulling what ``following`` needs; they are then spent."""
+        in_flight = client.push_pull(
+            self.dense,
+            self.rows,
+            following.ids if following else {},
+            pool_bags=following.bags if following else {},
+            pooled_grads=self.pooled,
+            pull_dense=following is not None,
+            final=final,
+            report=report,
+        )
+        self.dense, self.rows, self.pooled = {}, {}, {}
+        return in_flight
 
 
 @dataclass
@@ -103,7 +148,7 @@ def run_trainer(
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
     config.check_tables(plan.tables)
-    replica = Replica(model)
+    replica = Replica(model, config.server_pooling)
     replica.model.train()
     torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
     client = PSClient(transport, plan, trainer)
@@ -114,41 +159,44 @@ def run_trainer(
     prefetch = config.prefetch and config.mode == "async"
     groups = step_groups(data_fn, trainer, config.trainers, config)
 
-    def record_next() -> tuple[list[Batch], dict[str, Tensor]] | None:
+    def record_next() -> Step | None:
         group = next(groups, None)
-        return None if group is None else (group, replica.record_ids([b[0] for b in group]))
+        if group is None:
+            return None
+        ids, bags = replica.record([batch[0] for batch in group])
+        return Step(group, ids, bags)
 
-    dense_grads: dict[str, Tensor] = {}
-    row_grads: dict[str, tuple[Tensor, Tensor]] = {}
+    grads = Gradients()
     started = time.perf_counter()
     current = record_next()
-    in_flight = client.push_pull({}, {}, current[1]) if current is not None else None
+    in_flight = (
+        client.push_pull({}, {}, current.ids, pool_bags=current.bags)
+        if current is not None
+        else None
+    )
     while current is not None:
         assert in_flight is not None
         pulled = in_flight.wait()
         following = record_next()
         if prefetch:
             # Pull the next step's rows while this one computes, pushing what is ready now.
-            in_flight = client.push_pull(
-                dense_grads,
-                row_grads,
-                following[1] if following else {},
-                pull_dense=following is not None,
-            )
-        replica.load(pulled.dense, pulled.rows)
-        group = current[0]
+            in_flight = grads.push(client, following)
+        replica.load(
+            pulled.dense,
+            pulled.rows,
+            {name: (pulled.pooled[name], bags) for name, bags in current.bags.items()},
+        )
         step_loss = 0.0
-        for batch_inputs, target in group:
+        for batch_inputs, target in current.batches:
             step_loss += _forward_backward(
-                replica, client, batch_inputs, target, loss_fn, len(group)
+                replica, client, batch_inputs, target, loss_fn, len(current.batches)
             )
             samples += int(target.shape[0]) if target.dim() else 1
         if config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
-        dense_grads, row_grads = replica.gradients()
+        grads = Gradients.of(replica, pulled.step)
         if not prefetch and following is not None:
-            in_flight = client.push_pull(dense_grads, row_grads, following[1])
-            dense_grads, row_grads = {}, {}
+            in_flight = grads.push(client, following)
         steps += 1
         losses.append(step_loss)
         if on_progress is not None:
@@ -166,7 +214,7 @@ def run_trainer(
         bytes_sent=0,
         bytes_received=0,
     )
-    client.push_pull(dense_grads, row_grads, {}, pull_dense=False, final=True, report=report).wait()
+    grads.push(client, None, final=True, report=report).wait()
     if trainer != 0:
         return TrainerOutcome(report)
     # Other trainers may run long after this one: wait for them without a timeout.

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
+from paramserver.protocol import BagBlock
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -51,9 +52,17 @@ class _RecordingDone(BaseException):  # not Exception: a model's `except Excepti
 class _Recorder:
     def __init__(self, expected: dict[str, int] | None):
         self.ids: dict[str, list[Tensor]] = {}
+        self.bags: dict[str, BagBlock] = {}
         self.expected = expected
 
-    def add(self, table: str, ids: Tensor) -> None:
+    def add(self, table: str, ids: Tensor, bags: BagBlock | None = None) -> None:
+        if bags is not None:
+            if table in self.bags:
+                raise ModelError(
+                    f"table {table} is pooled on the servers, so it may be looked "
+                    "up only once per forward"
+                )
+            self.bags[table] = bags
         self.ids.setdefault(table, []).append(ids.reshape(-1))
         if self.expected is not None and all(
             len(self.ids.get(name, ())) >= count for name, count in self.expected.items()
@@ -91,6 +100,37 @@ class RemoteEmbedding(nn.Module):
         self.ids = torch.empty(0, dtype=torch.int64)
         self.rows = torch.empty(0, self.embedding_dim)
         self.recorder: _Recorder | None = None
+        self.server_pooled = False
+        self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
+        self.bag_sizes = torch.empty(0)
+
+    def pool_on_servers(self) -> None:
+        """Have the servers pool this table's bags (sum or mean): the trainer then moves one
+        vector per bag instead of one per row."""
+        if not self.is_bag or self.mode not in ("sum", "mean"):
+            raise ModelError(
+                f"table {self.table}: only sum and mean bags can be pooled on the servers"
+            )
+        if self.padding_idx is not None or self.include_last_offset or self.scale_grad_by_freq:
+            raise ModelError(
+                f"table {self.table}: server pooling supports no padding_idx, "
+                "include_last_offset or scale_grad_by_freq"
+            )
+        self.server_pooled = True
+
+    def bags_of(self, input: Tensor, offsets: Tensor | None, weights: Tensor | None) -> BagBlock:
+        """Each id's bag, in the layout EmbeddingBag takes (2-D input, or 1-D with offsets)."""
+        ids = input.reshape(-1).to(torch.int64)
+        if input.dim() == 2:
+            num_bags, length = input.shape
+            bags = torch.arange(num_bags).repeat_interleave(length)
+        else:
+            assert offsets is not None, "EmbeddingBag with 1-D input needs offsets"
+            num_bags = offsets.numel()
+            bounds = torch.cat([offsets.to(torch.int64), torch.tensor([ids.numel()])])
+            bags = torch.arange(num_bags).repeat_interleave(bounds.diff())
+        flat_weights = None if weights is None else weights.reshape(-1).to(self.rows.dtype)
+        return BagBlock(ids, bags, int(num_bags), flat_weights)
 
     def extra_repr(self) -> str:
         kind = f"EmbeddingBag(mode={self.mode})" if self.is_bag else "Embedding"
@@ -107,8 +147,13 @@ class RemoteEmbedding(nn.Module):
     ) -> Tensor:
         if self.recorder is not None:
             self.check_range(input)
-            self.recorder.add(self.table, input)
+            bags = self.bags_of(input, offsets, per_sample_weights) if self.server_pooled else None
+            self.recorder.add(self.table, input, bags)
             return torch.zeros(self._output_shape(input, offsets), dtype=self.rows.dtype)
+        if self.server_pooled:
+            if self.mode == "mean":
+                return self.pooled / self.bag_sizes.clamp(min=1).unsqueeze(1)
+            return self.pooled
         local = self._local_ids(input)
         padding = self._local_padding()
         if not self.is_bag:
@@ -201,7 +246,7 @@ class Replica:
     """The trainer's model with remote tables, and the moves of one step: record ids, load
     pulled values, run forward, collect gradients."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, server_pooling: Sequence[str] = ()):
         embeddings = _find_embeddings(model)
         remotes = {id(m): RemoteEmbedding(name, m) for name, m in embeddings.items()}
         if id(model) in remotes:
@@ -218,6 +263,8 @@ class Replica:
             )
         self.model = model
         self.tables = {r.table: r for r in remotes.values()}
+        for name in server_pooling:
+            self.tables[name].pool_on_servers()
         self.dense = dict(model.named_parameters())
         self._modules = list(model.modules())
         self._lookups_per_forward: dict[str, int] | None = None
@@ -225,17 +272,28 @@ class Replica:
     # ---- before the step: which rows ----
 
     def record_ids(self, batches: Sequence[Inputs]) -> dict[str, Tensor]:
-        """The sorted unique ids each table will look up for ``batches``."""
+        """The sorted unique ids each table (not pooled on the servers) will look up."""
+        return self.record(batches)[0]
+
+    def record(self, batches: Sequence[Inputs]) -> tuple[dict[str, Tensor], dict[str, BagBlock]]:
+        """What ``batches`` will look up: the sorted unique ids of each row-pulled table, and
+        the bags of each server-pooled table (these allow one batch per step)."""
         recorded: dict[str, list[Tensor]] = {}
+        bags: dict[str, BagBlock] = {}
         for inputs in batches:
             recorder = _Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
                 self.model(*as_tuple(inputs))
             if self._lookups_per_forward is None:
                 self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
+            if recorder.bags and len(batches) > 1:
+                raise ModelError("server-pooled tables take one batch per step (accumulate 1)")
+            bags.update(recorder.bags)
             for table, ids in recorder.ids.items():
-                recorded.setdefault(table, []).extend(ids)
-        return {t: torch.unique(torch.cat(v).to(torch.int64)) for t, v in recorded.items()}
+                if table not in recorder.bags:
+                    recorded.setdefault(table, []).extend(ids)
+        unique = {t: torch.unique(torch.cat(v).to(torch.int64)) for t, v in recorded.items()}
+        return unique, bags
 
     @contextmanager
     def _recording(self, recorder: _Recorder) -> Iterator[None]:
@@ -259,8 +317,18 @@ class Replica:
 
     # ---- the step ----
 
-    def load(self, dense: dict[str, Tensor], rows: dict[str, tuple[Tensor, Tensor]]) -> None:
-        """Copy pulled dense values in and install fresh leaves for the pulled rows."""
+    def load(
+        self,
+        dense: dict[str, Tensor],
+        rows: dict[str, tuple[Tensor, Tensor]],
+        pooled: dict[str, tuple[Tensor, BagBlock]] | None = None,
+    ) -> None:
+        """Copy pulled dense values in and install fresh leaves for the pulled rows and, for
+        server-pooled tables, the pooled sums of their bags."""
+        for name, (sums, bags) in (pooled or {}).items():
+            remote = self.tables[name]
+            remote.pooled = sums.requires_grad_(True)
+            remote.bag_sizes = torch.bincount(bags.bags, minlength=bags.num_bags).to(sums.dtype)
         with torch.no_grad():
             for name, value in dense.items():
                 self.dense[name].copy_(value)
@@ -299,6 +367,14 @@ class Replica:
             if remote.ids.numel() and remote.rows.grad is not None:
                 rows[name] = (remote.ids, remote.rows.grad)
         return dense, rows
+
+    def pooled_gradients(self) -> dict[str, Tensor]:
+        """Per server-pooled table, the gradient of its pooled sums."""
+        return {
+            name: remote.pooled.grad
+            for name, remote in self.tables.items()
+            if remote.server_pooled and remote.pooled.grad is not None
+        }
 
     def grad_tensors(self) -> list[Tensor]:
         """Every tensor holding a gradient of this step (for clipping by global norm)."""
