@@ -48,9 +48,9 @@ def test_id_map_reuses_freed_rows_and_stays_small() -> None:
     assert big.nbytes() / big.num_rows <= 32
 
 
-def table(**options: object) -> DynamicTable:
+def table(momentum: float = 0.0, **options: object) -> DynamicTable:
     spec = TableSpec("emb.weight", 0, 4, torch.float32, dynamic=DynamicOptions(**options))  # type: ignore[arg-type]
-    return DynamicTable(spec, make_rule(OptimizerConfig(name="sgd", lr=1.0)))
+    return DynamicTable(spec, make_rule(OptimizerConfig(name="sgd", lr=1.0, momentum=momentum)))
 
 
 def ids(*values: int) -> Tensor:
@@ -77,7 +77,7 @@ def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
 
 
 def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> None:
-    t = table(ttl_steps=4, capacity=20)
+    t = table(momentum=0.9, ttl_steps=4, capacity=20)
     t.read(torch.arange(10), train=True, clock=1)
     t.apply(torch.arange(10), torch.ones(10, 4), clock=1)  # rows move away from init
     t.read(torch.arange(5, 15), train=True, clock=3)  # touches 5..9, creates 10..14
@@ -94,7 +94,8 @@ def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> 
     again = t.read(ids(5), train=True, clock=8)
     torch.testing.assert_close(again, init_rows("emb.weight", t.options, ids(5), 4))
     row = int(t.ids.lookup(ids(5)))
-    assert float(t.steps[row]) == 0
+    assert t.steps is not None and float(t.steps[row]) == 0
+    assert float(t.state["momentum_buffer"][row].abs().sum()) == 0
 
 
 def test_init_rule_is_a_pure_function_of_table_seed_and_id() -> None:
@@ -190,3 +191,26 @@ def test_huge_and_negative_ids_train_and_unseen_ids_read_the_default() -> None:
     reloaded.load_state_dict(model.state_dict())
     probe = pool[:6].reshape(3, 2)
     torch.testing.assert_close(reloaded(probe), model(probe))
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "slot_bytes"),
+    [("sgd", 0), ("adagrad", 64), ("rowwise_adagrad", 4), ("adam", 128)],
+)
+@pytest.mark.parametrize("evicts", [False, True])
+def test_memory_per_row_stays_within_the_bound(
+    optimizer: str, slot_bytes: int, evicts: bool
+) -> None:
+    """Rows plus optimizer state plus bookkeeping within 1.25 x (row + state bytes), the id map
+    within 32 bytes per row, at every fill level."""
+    options: dict[str, object] = {"ttl_steps": 10**6} if evicts else {}
+    spec = TableSpec("t", 0, 16, torch.float32, dynamic=DynamicOptions(**options))  # type: ignore[arg-type]
+    t = DynamicTable(spec, make_rule(OptimizerConfig(name=optimizer, lr=0.1)))
+    g = torch.Generator().manual_seed(0)
+    bound = 1.25 * (16 * 4 + slot_bytes)
+    for step in range(1, 60):
+        t.read(torch.randint(-(2**62), 2**62, (1500,), generator=g), train=True, clock=step)
+        rows = t.stats()["rows"]
+        id_map = t.ids.nbytes() + t.pending.nbytes()
+        assert (t.nbytes() - id_map) / rows <= bound
+        assert t.ids.nbytes() / rows <= 32

@@ -34,6 +34,11 @@ class UpdateRule(ABC):
     def __init__(self, config: OptimizerConfig):
         self.config = config
 
+    @property
+    def needs_steps(self) -> bool:
+        """Whether a row's step count enters the math (else tables keep none)."""
+        return True
+
     def init_state(self, param: Tensor) -> State:
         """Zeroed state slots for ``param`` (a dense parameter or a table's local rows)."""
         return {slot: torch.zeros_like(param) for slot in self.slots}
@@ -54,6 +59,10 @@ class SGD(UpdateRule):
 
     def init_state(self, param: Tensor) -> State:
         return super().init_state(param) if self.config.momentum else {}
+
+    @property
+    def needs_steps(self) -> bool:
+        return bool(self.config.momentum)
 
     def step_group(self, steps: Tensor) -> Tensor | None:
         # Only the first step differs (torch starts the momentum buffer from the gradient).
@@ -88,6 +97,10 @@ class Adagrad(UpdateRule):
 
     def init_state(self, param: Tensor) -> State:
         return {"sum": torch.full_like(param, self.config.initial_accumulator_value)}
+
+    @property
+    def needs_steps(self) -> bool:
+        return bool(self.config.lr_decay)
 
     def step_group(self, steps: Tensor) -> Tensor | None:
         # The step count enters the math only through lr_decay.
@@ -149,6 +162,10 @@ class RowWiseAdagrad(UpdateRule):
     def step_group(self, steps: Tensor) -> Tensor | None:
         return None
 
+    @property
+    def needs_steps(self) -> bool:
+        return False
+
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
         c = self.config
         if c.weight_decay:
@@ -172,16 +189,25 @@ def make_rule(config: OptimizerConfig) -> UpdateRule:
 
 
 def apply_rows(
-    rule: UpdateRule, weight: Tensor, state: State, steps: Tensor, rows: Tensor, grads: Tensor
+    rule: UpdateRule,
+    weight: Tensor,
+    state: State,
+    steps: Tensor | None,
+    rows: Tensor,
+    grads: Tensor,
 ) -> None:
-    """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) and the rows' state and step counts.
+    """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) and the rows' state and step counts
+    (``steps`` is None for a rule whose math ignores them).
 
     Gathers the rows and their state, runs one fused step per step-count group, scatters back.
     Not thread-safe: the caller holds the table's lock.
     """
     if rows.numel() == 0:
         return
-    row_steps = steps.index_select(0, rows)
+    if steps is None:
+        row_steps = torch.zeros(rows.numel(), dtype=torch.float32)
+    else:
+        row_steps = steps.index_select(0, rows)
     keys = rule.step_group(row_steps)
     if keys is None:
         bounds = [(0, rows.numel())]
@@ -199,4 +225,5 @@ def apply_rows(
     weight.index_copy_(0, rows, block)
     for slot, value in block_state.items():
         state[slot].index_copy_(0, rows, value)
-    steps.index_add_(0, rows, torch.ones_like(row_steps))
+    if steps is not None:
+        steps.index_add_(0, rows, torch.ones_like(row_steps))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -45,6 +46,7 @@ class ServerStats:
     rows_updated: int = 0
     rows_pulled: int = 0
     update_seconds: float = 0.0
+    read_seconds: float = 0.0
     bytes_received: int = 0
     bytes_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -56,6 +58,9 @@ class ServerStats:
                 "rows_updated": self.rows_updated,
                 "rows_pulled": self.rows_pulled,
                 "update_seconds": self.update_seconds,
+                "read_seconds": self.read_seconds,
+                # Peak resident memory of this whole process (ru_maxrss is in KiB on Linux).
+                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }
@@ -233,6 +238,7 @@ class ServerShard:
         ``train`` reads may create rows of dynamic tables (and count toward admission);
         other reads create and count nothing.
         """
+        start = time.perf_counter()
         reply = PushPullReply(version=self.version)
         if request.pull_dense:
             for name, slot in self.dense.items():
@@ -249,6 +255,7 @@ class ServerShard:
             rows += block.ids.numel()
         with self.stats.lock:
             self.stats.rows_pulled += rows
+            self.stats.read_seconds += time.perf_counter() - start
         return reply
 
     def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int) -> Tensor:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import IdMap, mix64
+from paramserver.server.idmap import REHASH_LOAD, IdMap, mix64
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
@@ -64,7 +64,9 @@ class FixedTable:
         self.rule = rule
         self.weight = initial.detach()[server :: plan.num_servers].clone().contiguous()
         self.state: State = rule.init_state(self.weight)
-        self.steps = torch.zeros(self.weight.shape[0], dtype=torch.float32)
+        self.steps = (
+            torch.zeros(self.weight.shape[0], dtype=torch.float32) if rule.needs_steps else None
+        )
         self.lock = threading.Lock()
 
     def check_ids(self, ids: Tensor) -> str | None:
@@ -86,12 +88,12 @@ class FixedTable:
         entry = {"value": self.weight.clone()}
         if with_optimizer:
             entry.update({f"state.{k}": v.clone() for k, v in self.state.items()})
-            entry["steps"] = self.steps.clone()
+            if self.steps is not None:
+                entry["steps"] = self.steps.clone()
         return entry
 
     def nbytes(self) -> int:
-        tensors = [self.weight, self.steps, *self.state.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return _nbytes(self.weight, self.steps, *self.state.values())
 
     def stats(self) -> dict[str, int]:
         return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
@@ -103,11 +105,15 @@ class DynamicTable:
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
         self.rule = rule
-        self.ids = IdMap()
-        self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
+        # With a capacity, storage for it is reserved up front (no growth copies later).
+        reserve = self.options.capacity or 0
+        self.ids = IdMap(initial_slots=max(1024, int(reserve / REHASH_LOAD)))
+        self.weight = torch.empty(reserve, spec.dim, dtype=spec.dtype)
         self.state: State = rule.init_state(self.weight)
-        self.steps = torch.empty(0, dtype=torch.float32)
-        self.last_touched = torch.empty(0, dtype=torch.int64)
+        self.steps = torch.zeros(reserve, dtype=torch.float32) if rule.needs_steps else None
+        # When each row was last read or updated, kept only where eviction needs it.
+        evicts = self.options.ttl_steps is not None or self.options.capacity is not None
+        self.last_touched = torch.zeros(reserve, dtype=torch.int32) if evicts else None
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
         self.pending_counts = torch.empty(0, dtype=torch.int32)
         self.pending_seen = torch.empty(0, dtype=torch.int64)
@@ -125,7 +131,8 @@ class DynamicTable:
         if train:
             self.counters.lookups += ids.numel()
             rows = self._admit(ids, rows, clock)
-            self.last_touched[rows[rows >= 0]] = clock
+            if self.last_touched is not None:
+                self.last_touched[rows[rows >= 0]] = clock
             if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
                 rows = self.ids.lookup(ids)
         out = torch.full(
@@ -141,7 +148,8 @@ class DynamicTable:
         self.counters.dropped_grads += int((~present).sum())
         rows = rows[present]
         apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads[present])
-        self.last_touched[rows] = clock
+        if self.last_touched is not None:
+            self.last_touched[rows] = clock
         return rows.numel()
 
     def export(self, with_optimizer: bool) -> dict[str, Tensor]:
@@ -149,19 +157,19 @@ class DynamicTable:
         entry = {"ids": ids, "value": self.weight.index_select(0, rows)}
         if with_optimizer:
             entry.update({f"state.{k}": v.index_select(0, rows) for k, v in self.state.items()})
-            entry["steps"] = self.steps.index_select(0, rows)
+            if self.steps is not None:
+                entry["steps"] = self.steps.index_select(0, rows)
         return entry
 
     def nbytes(self) -> int:
-        tensors = [
+        own = _nbytes(
             self.weight,
             self.steps,
             self.last_touched,
             self.pending_counts,
             self.pending_seen,
             *self.state.values(),
-        ]
-        own = sum(t.numel() * t.element_size() for t in tensors)
+        )
         return own + self.ids.nbytes() + self.pending.nbytes()
 
     def stats(self) -> dict[str, int]:
@@ -218,17 +226,22 @@ class DynamicTable:
         if self.weight.shape[0] < capacity:
             self.weight = _grow(self.weight, capacity)
             self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
-            self.steps = _grow(self.steps, capacity)
-            self.last_touched = _grow(self.last_touched, capacity)
+            if self.steps is not None:
+                self.steps = _grow(self.steps, capacity)
+            if self.last_touched is not None:
+                self.last_touched = _grow(self.last_touched, capacity)
         self.weight[rows] = init_rows(self.spec.name, self.options, ids, self.spec.dim)
         fresh = self.rule.init_state(self.weight[rows])
         for slot, value in self.state.items():
             value[rows] = fresh[slot]
-        self.steps[rows] = 0
+        if self.steps is not None:
+            self.steps[rows] = 0
         self.counters.admitted += ids.numel()
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""
+        if self.last_touched is None:  # neither rule is configured
+            return False
         evicted_before = self.counters.evicted
         ttl = self.options.ttl_steps
         if ttl is not None and clock - self.swept_at >= max(1, ttl // 4):
@@ -252,6 +265,10 @@ class DynamicTable:
         if ids.numel():
             self.ids.remove(ids)
             self.counters.evicted += ids.numel()
+
+
+def _nbytes(*tensors: Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def _grow(tensor: Tensor, rows: int) -> Tensor:
