@@ -8,6 +8,8 @@ from itertools import pairwise
 import torch
 from torch import Tensor, nn
 
+from paramserver.embedding import DynamicEmbedding
+
 
 def mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
     layers: list[nn.Module] = []
@@ -19,7 +21,11 @@ def mlp(sizes: list[int], final_activation: bool) -> nn.Sequential:
 
 
 class DLRM(nn.Module):
-    """``forward(dense [B, num_dense] float, sparse [B, num_tables] int64) -> logits [B]``."""
+    """``forward(dense [B, num_dense] float, sparse [B, num_tables] int64) -> logits [B]``.
+
+    With ``dynamic_tables`` the tables are :class:`~paramserver.DynamicEmbedding` (any int64
+    id, rows created on first sight) and ``table_rows`` gives only their number.
+    """
 
     def __init__(
         self,
@@ -28,13 +34,19 @@ class DLRM(nn.Module):
         embedding_dim: int = 16,
         bottom: tuple[int, ...] = (64,),
         top: tuple[int, ...] = (64,),
+        dynamic_tables: bool = False,
     ):
         super().__init__()
         table_rows = table_rows if table_rows is not None else [100_000] * 8
         self.bottom = mlp([num_dense, *bottom, embedding_dim], final_activation=True)
-        tables = [nn.Embedding(rows, embedding_dim) for rows in table_rows]
-        for table in tables:
-            nn.init.uniform_(table.weight, -0.05, 0.05)
+        tables: list[nn.Module] = []
+        for rows in table_rows:
+            if dynamic_tables:
+                tables.append(DynamicEmbedding(embedding_dim, init_scale=0.05))
+            else:
+                table = nn.Embedding(rows, embedding_dim)
+                nn.init.uniform_(table.weight, -0.05, 0.05)
+                tables.append(table)
         self.embeddings = nn.ModuleList(tables)
         num_vectors = len(table_rows) + 1
         self.pairs = torch.triu_indices(num_vectors, num_vectors, offset=1)

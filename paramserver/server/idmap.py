@@ -6,8 +6,8 @@ id, so a probe compares ``row_ids[slots[h]]`` with the id. That keeps the map's 
 4 bytes per slot plus 8 per row (about 13-19 bytes per row at the load factors kept here,
 against 24-32 for a slot array of int64 keys and int32 values).
 
-Every operation works on a whole batch of ids with tensor ops: one probe round handles every
-id still unresolved, and rounds repeat only as long as the longest probe chain. Inserts into
+Every operation works on a whole batch of ids with tensor ops: one probe round examines a
+window of 32 slots for every id still unresolved, so one round nearly always suffices. Inserts into
 one slot by several ids of a batch are resolved deterministically (the lowest pending index
 wins), so a run is reproducible.
 
@@ -23,8 +23,10 @@ from torch import Tensor
 
 EMPTY = -1
 DELETED = -2
-MAX_LOAD = 0.75  # grow the slot array past this load...
-REHASH_LOAD = 0.5  # ...to the smallest power of two at or under this one
+WINDOW = 8  # slots examined per id in one probe round
+_WINDOW_OFFSETS = torch.arange(WINDOW)
+MAX_LOAD = 0.5  # grow the slot array past this load...
+REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
 _MIX_1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
 _MIX_2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -68,27 +70,46 @@ class IdMap:
         )
 
     def _home(self, ids: Tensor) -> Tensor:
-        return mix64(ids) & (self.slots.numel() - 1)
+        # Fibonacci hashing: the top bits of id * 2^64/phi (two tensor ops, well spread).
+        bits = self.slots.numel().bit_length() - 1
+        return ((ids * _MIX_1) >> (64 - bits)) & (self.slots.numel() - 1)
+
+    def _window(self, where: Tensor) -> Tensor:
+        return (where.unsqueeze(1) + _WINDOW_OFFSETS) & (self.slots.numel() - 1)
 
     def _probe(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """For each id, its row (-1 if absent) and its slot position (-1 if absent)."""
+        """For each id, its row (-1 if absent) and its slot position (-1 if absent).
+
+        Each round looks at a window of WINDOW consecutive slots per unresolved id: an id is at
+        the first slot of its probe sequence holding it, and absent if an empty slot comes
+        first. Wide windows keep the number of rounds (each a few tensor ops) small.
+        """
         rows = torch.full_like(ids, EMPTY)
         positions = torch.full_like(ids, EMPTY)
-        if ids.numel() == 0:
+        if self.num_rows == 0:
             return rows, positions
-        mask = self.slots.numel() - 1
         pending = torch.arange(ids.numel())
         where = self._home(ids)
         while pending.numel():
-            found = self.slots[where].long()
-            live = found >= 0
-            hit = live.clone()
-            hit[live] = self.row_ids[found[live]] == ids[pending[live]]
-            rows[pending[hit]] = found[hit]
-            positions[pending[hit]] = where[hit]
-            keep = ~(hit | (found == EMPTY))
-            pending = pending[keep]
-            where = (where[keep] + 1) & mask
+            window = self._window(where)
+            found = self.slots.index_select(0, window.view(-1)).view_as(window).long()
+            keys = self.row_ids.index_select(0, found.clamp(min=0).view(-1)).view_as(found)
+            match = (keys == ids[pending].unsqueeze(1)) & (found >= 0)
+            stop = match | (found == EMPTY)
+            first = stop.to(torch.int8).argmax(dim=1, keepdim=True)
+            resolved = stop.gather(1, first).squeeze(1)
+            hit = match.gather(1, first).squeeze(1)
+            at_row = torch.where(hit, found.gather(1, first).squeeze(1), EMPTY)
+            at_slot = torch.where(hit, window.gather(1, first).squeeze(1), EMPTY)
+            if bool(resolved.all()):  # the usual case: one round settles every id
+                if pending.numel() == ids.numel():
+                    return at_row, at_slot
+                rows[pending], positions[pending] = at_row, at_slot
+                break
+            rows[pending[resolved]] = at_row[resolved]
+            positions[pending[resolved]] = at_slot[resolved]
+            pending = pending[~resolved]
+            where = (where[~resolved] + WINDOW) & (self.slots.numel() - 1)
         return rows, positions
 
     def lookup(self, ids: Tensor) -> Tensor:
@@ -117,26 +138,36 @@ class IdMap:
         return rows
 
     def _place(self, ids: Tensor, rows: Tensor) -> None:
-        mask = self.slots.numel() - 1
+        """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
+        the same slot in a round: the lowest index takes it, the others look on from there."""
         pending = torch.arange(ids.numel())
         where = self._home(ids)
         while pending.numel():
-            found = self.slots[where]
-            free = (found == EMPTY) | (found == DELETED)
-            # Among pending ids that probe the same free slot, the lowest index claims it.
-            order = torch.argsort(where, stable=True)
-            sorted_where = where[order]
-            first = torch.ones_like(sorted_where, dtype=torch.bool)
-            first[1:] = sorted_where[1:] != sorted_where[:-1]
-            claims = torch.zeros_like(free)
-            claims[order] = first
-            claims &= free
-            claimed_where = where[claims]
-            self.num_deleted_slots -= int((self.slots[claimed_where] == DELETED).sum())
-            self.slots[claimed_where] = rows[pending[claims]].int()
-            keep = ~claims
+            window = self._window(where)
+            free = self.slots.index_select(0, window.view(-1)).view_as(window) < 0
+            has_free = free.any(dim=1)
+            first = free.to(torch.int8).argmax(dim=1, keepdim=True)
+            chosen = window.gather(1, first).squeeze(1)
+            if bool(has_free.all()) and torch.unique(chosen).numel() == chosen.numel():
+                # The usual case: every id found its own free slot in the first window.
+                self.num_deleted_slots -= int((self.slots[chosen] == DELETED).sum())
+                self.slots[chosen] = rows[pending].int()
+                return
+            # Without a free slot in the window, move on to the next window.
+            where = torch.where(has_free, chosen, (where + WINDOW) & (self.slots.numel() - 1))
+            candidates = has_free.nonzero().squeeze(1)
+            order = candidates[torch.argsort(chosen[candidates], stable=True)]
+            sorted_slots = chosen[order]
+            winner = torch.ones_like(sorted_slots, dtype=torch.bool)
+            winner[1:] = sorted_slots[1:] != sorted_slots[:-1]
+            claims = order[winner]
+            claimed = chosen[claims]
+            self.num_deleted_slots -= int((self.slots[claimed] == DELETED).sum())
+            self.slots[claimed] = rows[pending[claims]].int()
+            keep = torch.ones(pending.numel(), dtype=torch.bool)
+            keep[claims] = False
             pending = pending[keep]
-            where = (where[keep] + 1) & mask
+            where = where[keep]
 
     def remove(self, ids: Tensor) -> Tensor:
         """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""

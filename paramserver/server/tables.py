@@ -187,19 +187,22 @@ class DynamicTable:
     # ---- admission and eviction ----
 
     def _admit(self, ids: Tensor, rows: Tensor, clock: int) -> Tensor:
-        """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``."""
-        absent = ids[rows < 0]
-        if absent.numel() == 0:
+        """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``
+        (``ids`` unique; -1 for ids still pending)."""
+        absent_at = (rows < 0).nonzero().squeeze(1)
+        if absent_at.numel() == 0:
             return rows
         if self.options.min_count > 1:
-            absent = self._count_pending(absent, clock)
-        if absent.numel():
-            self._create(absent)
-        return self.ids.lookup(ids)
+            admitted = self._count_pending(ids[absent_at], clock)
+            absent_at = absent_at[admitted]
+        if absent_at.numel():
+            rows = rows.clone()
+            rows[absent_at] = self._create(ids[absent_at])
+        return rows
 
     def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
-        """Bump the counters of ``absent``; return those that reach ``min_count`` (their
-        counters are dropped: from now on they are rows)."""
+        """Bump the counters of ``absent``; return a mask of those that reach ``min_count``
+        (their counters are dropped: from now on they are rows)."""
         slots = self.pending.lookup(absent)
         new = absent[slots < 0]
         if new.numel():
@@ -210,9 +213,8 @@ class DynamicTable:
         self.pending_counts[slots] += 1
         self.pending_seen[slots] = clock
         admitted = self.pending_counts[slots] >= self.options.min_count
-        ready = absent[admitted]
-        self.pending.remove(ready)
-        return ready
+        self.pending.remove(absent[admitted])
+        return admitted
 
     def _fit_pending(self) -> None:
         capacity = self.pending.capacity_rows
@@ -220,7 +222,8 @@ class DynamicTable:
             self.pending_counts = _grow(self.pending_counts, capacity)
             self.pending_seen = _grow(self.pending_seen, capacity)
 
-    def _create(self, ids: Tensor) -> None:
+    def _create(self, ids: Tensor) -> Tensor:
+        """New rows for ``ids`` (unique, absent), initialized; returns them."""
         rows = self.ids.insert(ids)
         capacity = self.ids.capacity_rows
         if self.weight.shape[0] < capacity:
@@ -237,6 +240,7 @@ class DynamicTable:
         if self.steps is not None:
             self.steps[rows] = 0
         self.counters.admitted += ids.numel()
+        return rows
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""

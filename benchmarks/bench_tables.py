@@ -1,0 +1,184 @@
+"""Embedding-table benchmarks: the id map, memory per row, server-side pooling, dynamic tables.
+
+Writes JSON (``--out``); each comparison runs side by side in one run:
+
+- ``id_map``: inserts/s, lookups/s and bytes per row of the dynamic tables' id map at
+  ``--id-map-rows`` rows (one thread).
+- ``memory_per_row``: a dynamic table (dim 16) filled with 2M rows for each update rule: bytes
+  per row for rows + optimizer state + bookkeeping, against 1.25 x (row + state bytes), and the
+  id map's bytes per row.
+- ``pooling``: an EmbeddingBag table (1M x 32, sum) with bags of 20-40 Zipf-distributed ids,
+  1 server + 1 trainer, async: trainer-side pooling against server-side pooling (bytes per
+  step and samples/s).
+- ``dynamic_vs_fixed``: the core benchmark's model (8 tables x 1M x 32, batch 1024) with fixed
+  tables and with dynamic tables, 1 server + 1 trainer, async: samples/s and the ratio.
+
+    .venv/bin/python benchmarks/bench_tables.py --out benchmarks/results/bench_tables.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import paramserver as ps
+from paramserver.config import OptimizerConfig
+from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.models.dlrm import DLRM
+from paramserver.server.idmap import IdMap
+from paramserver.server.optim import make_rule
+from paramserver.server.tables import DynamicTable
+from paramserver.sharding import DynamicOptions, TableSpec
+
+
+def bench_id_map(rows: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    ids = torch.randint(-(2**62), 2**62, (rows,), generator=torch.Generator().manual_seed(0))
+    id_map = IdMap()
+    started = time.perf_counter()
+    for chunk in ids.split(65536):
+        id_map.insert(chunk.unique())
+    insert_s = time.perf_counter() - started
+    queries = ids[torch.randint(0, rows, (rows,))]
+    started = time.perf_counter()
+    for chunk in queries.split(65536):
+        id_map.lookup(chunk)
+    lookup_s = time.perf_counter() - started
+    return {
+        "rows": id_map.num_rows,
+        "inserts_per_s": id_map.num_rows / insert_s,
+        "lookups_per_s": rows / lookup_s,
+        "bytes_per_row": id_map.nbytes() / id_map.num_rows,
+    }
+
+
+def bench_memory_per_row(rows: int) -> dict[str, Any]:
+    slot_bytes = {"sgd": 0, "adagrad": 64, "rowwise_adagrad": 4, "adam": 128}
+    results = {}
+    for name, state_bytes in slot_bytes.items():
+        spec = TableSpec("t", 0, 16, torch.float32, dynamic=DynamicOptions())
+        table = DynamicTable(spec, make_rule(OptimizerConfig(name=name, lr=0.1)))
+        ids = torch.randint(-(2**62), 2**62, (rows,)).unique()
+        for step, chunk in enumerate(ids.split(65536)):
+            table.read(chunk, train=True, clock=step)
+        id_map = table.ids.nbytes() + table.pending.nbytes()
+        live = table.stats()["rows"]
+        results[name] = {
+            "rows": live,
+            "bytes_per_row": (table.nbytes() - id_map) / live,
+            "bound_bytes_per_row": 1.25 * (64 + state_bytes),
+            "id_map_bytes_per_row": table.ids.nbytes() / live,
+        }
+    return results
+
+
+class BagModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(1_000_000, 32, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, ids: Tensor, offsets: Tensor) -> Tensor:
+        return self.mlp(self.bag(ids, offsets)).squeeze(1)
+
+
+def long_bags(batches: int) -> Any:
+    cdf = (torch.arange(1, 1_000_001, dtype=torch.float64) ** -1.05).cumsum(0)
+    cdf = (cdf / cdf[-1]).float()
+
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        g = torch.Generator().manual_seed(trainer)
+        for _ in range(batches):
+            lengths = torch.randint(20, 41, (512,), generator=g)
+            ids = torch.searchsorted(cdf, torch.rand(int(lengths.sum()), generator=g))
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+            yield (ids.clamp_(max=999_999), offsets), torch.rand(512, generator=g).round()
+
+    return data
+
+
+def bce(logits: Tensor, target: Tensor) -> Tensor:
+    return F.binary_cross_entropy_with_logits(logits, target)
+
+
+def job_figures(result: ps.TrainResult | None) -> dict[str, Any]:
+    assert result is not None
+    summary = result.summary
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "bytes_per_step": summary["bytes_per_step"],
+        "seconds": summary["train_seconds"],
+    }
+
+
+def bench_pooling(steps: int) -> dict[str, Any]:
+    config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
+    data = long_bags(steps)
+    trainer_side = job_figures(ps.train(BagModel, data, bce, config))
+    server_side = job_figures(
+        ps.train(BagModel, data, bce, config.replace(server_pooling=("bag.weight",)))
+    )
+    return {
+        "trainer_side": trainer_side,
+        "server_side": server_side,
+        "pull_bytes_ratio": server_side["bytes_per_step"]["pull"]
+        / trainer_side["bytes_per_step"]["pull"],
+        "push_bytes_ratio": server_side["bytes_per_step"]["push"]
+        / trainer_side["bytes_per_step"]["push"],
+        "speed_ratio": server_side["samples_per_s"] / trainer_side["samples_per_s"],
+    }
+
+
+def bench_dynamic_vs_fixed(steps: int) -> dict[str, Any]:
+    config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
+    data = SyntheticClickLogs(
+        SyntheticSpec(rows_per_table=1_000_000, batch_size=1024, train_batches=steps)
+    )
+    runs: dict[str, list[dict[str, Any]]] = {"fixed": [], "dynamic": []}
+    for _ in range(2):  # alternate, so drifting load hits both alike
+        for kind in runs:
+            model_fn = (
+                (lambda: DLRM(table_rows=[1_000_000] * 8, embedding_dim=32, dynamic_tables=True))
+                if kind == "dynamic"
+                else (lambda: DLRM(table_rows=[1_000_000] * 8, embedding_dim=32))
+            )
+            runs[kind].append(job_figures(ps.train(model_fn, data.train_batches, bce, config)))
+    best = {k: max(r["samples_per_s"] for r in v) for k, v in runs.items()}
+    return {
+        "runs": runs,
+        "best_samples_per_s": best,
+        "dynamic_vs_fixed": best["dynamic"] / best["fixed"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--id-map-rows", type=int, default=10_000_000)
+    parser.add_argument("--memory-rows", type=int, default=2_000_000)
+    parser.add_argument("--pooling-steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--out", default="bench_tables.json")
+    args = parser.parse_args()
+    results = {
+        "id_map": bench_id_map(args.id_map_rows),
+        "memory_per_row": bench_memory_per_row(args.memory_rows),
+        "pooling": bench_pooling(args.pooling_steps),
+        "dynamic_vs_fixed": bench_dynamic_vs_fixed(args.steps),
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
