@@ -10,7 +10,7 @@ index ``r // S``.
 
 Dynamic tables accept any int64 id. A row is created the first time an admitted id is pulled
 for training, initialized by :func:`init_rows` (a pure function of the table's seed and the id,
-so it does not depend on the server or on arrival order), and kept in storage that grows by 25%
+so it does not depend on the server or on arrival order), and kept in storage that grows by 15%
 at a time. Admission (``min_count``): an id is admitted once pulled for training in
 ``min_count`` distinct calls; until then only its counter exists and its rows read as the
 default vector, and gradients for it are dropped. Eviction: rows untouched for ``ttl_steps``
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import REHASH_LOAD, IdMap, mix64
+from paramserver.server.idmap import REHASH_LOAD, ROW_GROWTH, IdMap, mix64
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
@@ -225,8 +225,9 @@ class DynamicTable:
     def _create(self, ids: Tensor) -> Tensor:
         """New rows for ``ids`` (unique, absent), initialized; returns them."""
         rows = self.ids.insert(ids)
-        capacity = self.ids.capacity_rows
-        if self.weight.shape[0] < capacity:
+        if self.ids.used_rows > self.weight.shape[0]:
+            held = self.weight.shape[0]
+            capacity = max(self.ids.used_rows, int(held * ROW_GROWTH) + 16)
             self.weight = _grow(self.weight, capacity)
             self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
             if self.steps is not None:
