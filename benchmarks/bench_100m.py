@@ -92,6 +92,7 @@ def main() -> None:
         table_lr=0.05,
         progress=False,
         rpc_timeout=600.0,
+        gather_model=False,  # 6.4 GB of rows: more than one process should gather
     )
     started = time.perf_counter()
     result = ps.train(

@@ -17,9 +17,10 @@ from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, seeded_m
 @dataclass
 class TrainResult:
     """``model`` is a plain ``nn.Module`` (built by ``model_fn()``) holding the final parameters
-    gathered from the servers; ``summary`` is the job summary (the ``--summary-json`` object)."""
+    gathered from the servers (None with ``gather_model=False``); ``summary`` is the job summary
+    (the ``--summary-json`` object)."""
 
-    model: nn.Module
+    model: nn.Module | None
     summary: dict[str, Any]
 
 
@@ -76,7 +77,9 @@ def train(
     return TrainResult(_materialize(model_fn, config, state), summary)
 
 
-def _materialize(model_fn: ModelFn, config: TrainConfig, state: dict[str, Any]) -> nn.Module:
+def _materialize(model_fn: ModelFn, config: TrainConfig, state: dict[str, Any]) -> nn.Module | None:
+    if not config.gather_model:
+        return None
     model = seeded_model(model_fn, config.seed)
     model.load_state_dict(state)
     return model

@@ -19,7 +19,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from paramserver.api import TrainResult, train
+import torch
+from torch import nn
+
+from paramserver.api import train
 from paramserver.config import TrainConfig, read_toml
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.errors import ParamServerError
@@ -153,22 +156,21 @@ def run_train(args: argparse.Namespace) -> int:
         display.close()
     if result is None:  # a torchrun rank other than the chief
         return 0
-    add_evaluation(result, data)
+    if result.model is not None:
+        add_evaluation(result.model, result.summary, data)
     print_summary(result.summary)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
     return 0
 
 
-def add_evaluation(result: TrainResult, data: SyntheticClickLogs) -> None:
+def add_evaluation(model: nn.Module, summary: dict[str, Any], data: SyntheticClickLogs) -> None:
     held_out = list(data.eval_batches())
-    metrics = evaluate_binary(result.model, [batch for batch, _ in held_out])
+    metrics = evaluate_binary(model, [batch for batch, _ in held_out])
     truth_logits = [logits for _, logits in held_out]
     labels = [batch[1] for batch, _ in held_out]
-    import torch
-
     ceiling = auc_of_scores(torch.cat(truth_logits).sigmoid(), torch.cat(labels))
-    result.summary.update(
+    summary.update(
         eval_auc=metrics["auc"], eval_logloss=metrics["logloss"], eval_auc_ceiling=ceiling
     )
 

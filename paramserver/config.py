@@ -151,6 +151,13 @@ class TrainConfig:
             choices=LAUNCHERS,
         ),
     )
+    gather_model: bool = field(
+        default=True,
+        metadata=_doc(
+            "gather the final parameters into one process (result.model); turn off for tables "
+            "too large for one process"
+        ),
+    )
     progress: bool = field(default=True, metadata=_doc("show a progress bar or periodic log lines"))
     log_every: float = field(
         default=10.0, metadata=_doc("seconds between progress log lines when not on a terminal")

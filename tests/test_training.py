@@ -224,3 +224,12 @@ def test_a_per_table_optimizer_for_a_missing_table_is_an_error() -> None:
     )
     with pytest.raises(ps.ConfigError, match=r"usr\.weight"):
         ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=2), mse, config)
+
+
+def test_the_model_can_stay_on_the_servers() -> None:
+    config = ps.TrainConfig(
+        servers=2, trainers=1, launcher="threads", progress=False, gather_model=False
+    )
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), mse, config)
+    assert result is not None and result.model is None
+    assert result.summary["trainer_steps"] == [3]

@@ -220,9 +220,12 @@ def run_trainer(
     # Other trainers may run long after this one: wait for them without a timeout.
     for future in [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)]:
         future.wait()
-    state = to_state_dict(gather_state(transport, plan), plan)
-    # Buffers (batch-norm statistics and the like) are not served: take this replica's.
-    state.update({k: v for k, v in replica.model.state_dict().items() if k not in replica.dense})
+    state: dict[str, Tensor] = {}
+    if config.gather_model:
+        state = to_state_dict(gather_state(transport, plan), plan)
+        # Buffers (batch-norm statistics and the like) are not served: take this replica's.
+        buffers = replica.model.state_dict().items()
+        state.update({k: v for k, v in buffers if k not in replica.dense})
     stats = [f.wait() for f in [transport.call(s, "stats") for s in range(config.servers)]]
     return TrainerOutcome(report, state, stats)
 
