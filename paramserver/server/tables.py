@@ -22,6 +22,7 @@ the ``pull`` call) create and count nothing: unseen ids read as the default vect
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 from dataclasses import dataclass
@@ -38,12 +39,21 @@ EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs onc
 
 def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Tensor:
     """The initial rows of ``ids``: uniform in ``[-init_scale, init_scale)``, a pure function
-    of (table name, seed, id, column)."""
+    of (table name, seed, id, column).
+
+    Each id gets a well-mixed 64-bit seed; column ``j`` takes the top 24 bits of that seed
+    times an odd constant of its own (one multiply per value, not a full hash).
+    """
     salt = zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
-    columns = torch.arange(dim, dtype=torch.int64) * 0x632BE59BD9B4E019
-    bits = mix64(mix64(ids.to(torch.int64) + salt).unsqueeze(1) + columns)
-    unit = ((bits >> 40) & 0xFFFFFF).to(torch.float32) / float(1 << 24)
-    return (unit * 2 - 1) * options.init_scale
+    seeds = mix64(ids.to(torch.int64) + salt)
+    bits = seeds.unsqueeze(1) * _column_multipliers(dim)
+    unit = ((bits >> 40) & 0xFFFFFF).to(torch.float32) * (1.0 / (1 << 24))
+    return unit.mul_(2 * options.init_scale).sub_(options.init_scale)
+
+
+@functools.cache
+def _column_multipliers(dim: int) -> Tensor:
+    return mix64(torch.arange(dim, dtype=torch.int64)) | 1
 
 
 @dataclass
@@ -135,19 +145,23 @@ class DynamicTable:
                 self.last_touched[rows[rows >= 0]] = clock
             if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
                 rows = self.ids.lookup(ids)
+        present = rows >= 0
+        if bool(present.all()):
+            return self.weight.index_select(0, rows)
         out = torch.full(
             (ids.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
         )
-        present = rows >= 0
         out[present] = self.weight.index_select(0, rows[present])
         return out
 
     def apply(self, ids: Tensor, grads: Tensor, clock: int) -> int:
         rows = self.ids.lookup(ids)
         present = rows >= 0
-        self.counters.dropped_grads += int((~present).sum())
-        rows = rows[present]
-        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads[present])
+        dropped = ids.numel() - int(present.sum())
+        if dropped:  # ids still pending admission, or evicted since they were pulled
+            self.counters.dropped_grads += dropped
+            rows, grads = rows[present], grads[present]
+        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads)
         if self.last_touched is not None:
             self.last_touched[rows] = clock
         return rows.numel()
