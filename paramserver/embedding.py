@@ -84,6 +84,14 @@ class DynamicEmbedding(nn.Module):
         # Take the loaded row count, whatever this instance held before.
         ids, weight = state_dict.get(prefix + "ids"), state_dict.get(prefix + "weight")
         if isinstance(ids, Tensor) and isinstance(weight, Tensor):
+            if (
+                ids.dim() != 1
+                or weight.shape[0] != ids.numel()
+                or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()))
+            ):
+                raise ValueError(
+                    f"{prefix}ids must be sorted, unique and one per row of {prefix}weight"
+                )
             self.ids = torch.empty_like(ids)
             self.weight = nn.Parameter(torch.empty_like(weight))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

@@ -51,6 +51,11 @@ class DynamicOptions:
             raise ValueError(f"ttl_steps must be >= 1, got {self.ttl_steps}")
         if self.capacity is not None and self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.min_count > 1 and self.ttl_steps is None:
+            raise ValueError(
+                "min_count > 1 needs ttl_steps, so counters of ids never admitted "
+                "expire instead of growing without bound"
+            )
 
 
 @dataclass(frozen=True)

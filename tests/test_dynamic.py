@@ -58,7 +58,7 @@ def ids(*values: int) -> Tensor:
 
 
 def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
-    t = table(min_count=3, default_value=-1.0)
+    t = table(min_count=3, ttl_steps=1000, default_value=-1.0)
     default = torch.full((1, 4), -1.0)
     assert torch.equal(t.read(ids(10, 20), train=True, clock=1), default.expand(2, 4))
     assert torch.equal(t.read(ids(10), train=True, clock=2), default)
@@ -214,3 +214,13 @@ def test_memory_per_row_stays_within_the_bound(
         id_map = t.ids.nbytes() + t.pending.nbytes()
         assert (t.nbytes() - id_map) / rows <= bound
         assert t.ids.nbytes() / rows <= 32
+
+
+def test_bad_dynamic_options_and_state_dicts_are_refused() -> None:
+    with pytest.raises(ValueError, match="needs ttl_steps"):
+        ps.DynamicEmbedding(4, min_count=2)
+    module = ps.DynamicEmbedding(4)
+    with pytest.raises(ValueError, match="sorted, unique"):
+        module.load_state_dict({"ids": ids(3, 1), "weight": torch.zeros(2, 4)})
+    with pytest.raises(ValueError, match="one per row"):
+        module.load_state_dict({"ids": ids(1, 3), "weight": torch.zeros(3, 4)})

@@ -43,7 +43,7 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
     def request(**fields: object) -> PushPullRequest:
         base: dict[str, object] = {"row_grads": dict(good_rows)}
         base.update(fields)
-        return PushPullRequest(trainer=0, step=1, **base)  # type: ignore[arg-type]
+        return PushPullRequest(trainer=0, step=0, **base)  # type: ignore[arg-type]
 
     other_dense = next(
         n for n, s in endpoint.shard.plan.dense_server.items() if s != endpoint.shard.server
@@ -121,7 +121,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
     # The server still works: the same trainer's valid push applies afterwards.
     good = PushPullRequest(
         trainer=0,
-        step=2,
+        step=0,
         row_grads={"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))},
     )
     transport.push_pull(0, good).wait()
@@ -199,7 +199,7 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
 
     def pusher(trainer: int) -> None:
         barrier.wait()
-        for step in range(1, pushes_per_trainer + 1):
+        for step in range(pushes_per_trainer):
             grad = torch.full((4, 4), 0.001 * (trainer + 1))
             request = PushPullRequest(
                 trainer=trainer,
@@ -225,7 +225,7 @@ def test_duplicate_push_is_answered_not_applied_twice() -> None:
     ids = own_ids(endpoint, 2)
     request = PushPullRequest(
         trainer=1,
-        step=1,
+        step=0,
         row_grads={"user.weight": RowBlock(ids, torch.ones(1, 4))},
         pull_rows={"user.weight": ids},
     )
@@ -234,6 +234,13 @@ def test_duplicate_push_is_answered_not_applied_twice() -> None:
     assert endpoint.shard.version == 1
     assert isinstance(again, PushPullReply)
     torch.testing.assert_close(first.rows["user.weight"], again.rows["user.weight"])
+
+
+def start(endpoint: ServerEndpoint, trainers: int) -> None:
+    """Each trainer's first call (step 0): the initial pull."""
+    for trainer in range(trainers):
+        request = PushPullRequest(trainer=trainer, step=0, pull_dense=False)
+        endpoint.handle("push_pull", (request,)).wait()
 
 
 def sync_push(
@@ -253,7 +260,8 @@ def sync_push(
 
 def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None:
     endpoint = make_server(mode="sync", trainers=3)
-    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    start(endpoint, 3)
+    initial = endpoint.shard.tables["user.weight"].weight[0].clone()
     first = sync_push(endpoint, 0, 1, 1.0)
     second = sync_push(endpoint, 2, 1, 2.0)
     assert not first.done() and not second.done()
@@ -261,20 +269,21 @@ def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None
     duplicate = sync_push(endpoint, 0, 1, 1.0)  # a retry while waiting joins the same answer
     third = sync_push(endpoint, 1, 1, 6.0)
     for future in (first, second, third, duplicate):
-        torch.testing.assert_close(future.wait().rows["user.weight"][0], start - 3.0)
+        torch.testing.assert_close(future.wait().rows["user.weight"][0], initial - 3.0)
     assert endpoint.shard.version == 1
 
 
 def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
     endpoint = make_server(mode="sync", trainers=2)
-    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    start(endpoint, 2)
+    initial = endpoint.shard.tables["user.weight"].weight[0].clone()
     a = sync_push(endpoint, 0, 1, 1.0)
     b = sync_push(endpoint, 1, 1, 3.0, final=True)  # trainer 1's data ended
-    torch.testing.assert_close(b.wait().rows["user.weight"][0], start - 2.0)
+    torch.testing.assert_close(b.wait().rows["user.weight"][0], initial - 2.0)
     a.wait()
     # Round 2 has only trainer 0 and completes at once with its gradient alone.
     torch.testing.assert_close(
-        sync_push(endpoint, 0, 2, 4.0).wait().rows["user.weight"][0], start - 6.0
+        sync_push(endpoint, 0, 2, 4.0).wait().rows["user.weight"][0], initial - 6.0
     )
     with pytest.raises(TrainerDepartedError):
         sync_push(endpoint, 1, 2, 1.0).wait()
@@ -285,8 +294,33 @@ def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
 
 def test_a_trainer_leaving_without_gradients_completes_a_waiting_round() -> None:
     endpoint = make_server(mode="sync", trainers=2)
+    start(endpoint, 1)  # trainer 1 has no data: its first call leaves
     waiting = sync_push(endpoint, 0, 1, 1.0)
     leave = PushPullRequest(trainer=1, step=0, final=True, pull_dense=False)
     endpoint.handle("push_pull", (leave,)).wait()
     waiting.wait()
     assert endpoint.shard.version == 1
+
+
+def test_a_step_gap_is_refused_and_moves_no_clock() -> None:
+    endpoint = make_server()
+    start(endpoint, 2)
+    jump = PushPullRequest(trainer=1, step=10**6, pull_dense=False)
+    with pytest.raises(ParamServerError, match="sent step 1000000 after 0"):
+        endpoint.handle("push_pull", (jump,)).wait()
+    assert endpoint.shard.clock == 0
+    assert endpoint.coordinator.last_step == {0: 0, 1: 0}
+
+
+def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures() -> None:
+    endpoint = make_server()
+    start(endpoint, 1)
+    stale = PushPullRequest(trainer=0, step=0, pull_rows={"no.such.table": torch.tensor([0])})
+    future = endpoint.handle("push_pull", (stale,))  # must not raise here
+    with pytest.raises(InvalidPushError, match="unknown parameter or table"):
+        future.wait()
+    repeated = PushPullRequest(
+        trainer=0, step=1, pull_rows={"user.weight": own_ids(endpoint, 3, 3)}
+    )
+    with pytest.raises(InvalidPushError, match="sorted and unique"):
+        endpoint.handle("push_pull", (repeated,)).wait()

@@ -101,15 +101,18 @@ class Coordinator:
         try:
             self._check_header(request)
             with self.lock:
-                if request.step <= self.last_step.get(request.trainer, -1):
-                    return self._answer_duplicate(request)
-            self._expand_pooled_grads(request)
+                duplicate = request.step <= self.last_step.get(request.trainer, -1)
+            if duplicate:
+                request.pooled_grads.clear()  # already applied: only the reads are answered
+                request.dense_grads.clear()
+                request.row_grads.clear()
+            else:
+                self._expand_pooled_grads(request)
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
         with self.shard.stats.lock:
             self.shard.stats.bytes_received += payload_nbytes(request)
-        clock = self.shard.advance_clock(request.step)
         with self.lock:
             previous = self.last_step.get(request.trainer, -1)
             if request.step <= previous:
@@ -120,9 +123,26 @@ class Coordinator:
                         f"server {self.shard.server}: trainer {request.trainer} already left"
                     )
                 )
+            # A trainer's calls reach a server one at a time and numbered 0, 1, 2, ...: a gap
+            # is a peer's error (and would let one call move every table's clock far ahead).
+            if request.step != previous + 1:
+                return failed(
+                    ParamServerError(
+                        f"server {self.shard.server}: trainer {request.trainer} sent step "
+                        f"{request.step} after {previous}"
+                    )
+                )
+            spec_keys = [(request.trainer, p.pull_step, n) for n, p in request.pooled_grads.items()]
+            if not all(key in self.pool_specs for key in spec_keys):
+                return failed(
+                    InvalidPushError(
+                        "pooled gradients for bags that were already used", server=self.shard.server
+                    )
+                )
+            for key in spec_keys:
+                del self.pool_specs[key]
             self.last_step[request.trainer] = request.step
-            for name, pooled in request.pooled_grads.items():
-                del self.pool_specs[(request.trainer, pooled.pull_step, name)]
+            clock = self.shard.advance_clock(request.step)
             if request.report is not None:
                 self.reports[request.trainer] = request.report
             # In sync mode every push after the initial pull joins its round, gradients or
@@ -225,8 +245,9 @@ class Coordinator:
     def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
         if train and request.pool_rows:
             with self.lock:
-                for name, block in request.pool_rows.items():
-                    self.pool_specs[(request.trainer, request.step, name)] = block
+                if request.trainer in self.members:  # a leaver's bags will never come back
+                    for name, block in request.pool_rows.items():
+                        self.pool_specs[(request.trainer, request.step, name)] = block
         reply = self.shard.read(request, train=train, clock=clock)
         with self.shard.stats.lock:
             self.shard.stats.bytes_sent += payload_nbytes(reply)

@@ -41,7 +41,10 @@ class ServerEndpoint:
             return failed(
                 ParamServerError(f"server {self.shard.server}: bad arguments to {op}: {args!r:.80}")
             )
-        return getattr(self, f"_op_{op}")(*args)
+        try:
+            return getattr(self, f"_op_{op}")(*args)
+        except Exception as error:  # whatever goes wrong, the caller hears of it; no RPC fault
+            return failed(error)
 
     def _op_push_pull(self, request: Any) -> Future:
         return self.coordinator.push_pull(request)

@@ -66,7 +66,7 @@ class ServerStats:
             }
 
 
-MAX_BAGS = 1 << 24  # bags in one pooled pull: a bound on what a peer can make a server allocate
+MAX_POOLED_BYTES = 1 << 28  # pooled vectors of one pull: what a peer can make a server allocate
 
 
 def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
@@ -135,7 +135,7 @@ class ServerShard:
             table = self.tables.get(name)
             if table is None:
                 raise self._reject(name, self._not_here(name))
-            self._check_ids(name, table, ids, sorted_unique=False)
+            self._check_ids(name, table, ids, sorted_unique=True)
         for name, bags in request.pool_rows.items():
             table = self.tables.get(name)
             if table is None:
@@ -145,8 +145,13 @@ class ServerShard:
     def _check_bags(self, name: str, table: Table, block: object) -> None:
         if type(block) is not BagBlock or type(block.num_bags) is not int:
             raise self._reject(name, "malformed bags: expected a BagBlock")
-        if not 0 <= block.num_bags <= MAX_BAGS:
-            raise self._reject(name, f"num_bags {block.num_bags} outside [0, {MAX_BAGS}]")
+        pooled_bytes = block.num_bags * table.spec.dim * table.weight.element_size()
+        if block.num_bags < 0 or pooled_bytes > MAX_POOLED_BYTES:
+            raise self._reject(
+                name,
+                f"num_bags {block.num_bags} is negative or its pooled vectors exceed "
+                f"{MAX_POOLED_BYTES} bytes",
+            )
         self._check_ids(name, table, block.ids, sorted_unique=False)
         count = block.ids.numel()
         bags = block.bags
@@ -154,6 +159,8 @@ class ServerShard:
             not isinstance(bags, Tensor)
             or bags.dtype != torch.int64
             or tuple(bags.shape) != (count,)
+            or bags.layout != torch.strided
+            or bags.device.type != "cpu"
         ):
             raise self._reject(name, "bag indices must be int64, one per id")
         if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
@@ -201,7 +208,7 @@ class ServerShard:
         if bool((self.plan.server_of_rows(name, ids) != self.server).any()):
             raise self._reject(name, "row ids routed to the wrong server")
         if sorted_unique and ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise self._reject(name, "row ids of a push must be sorted and unique")
+            raise self._reject(name, "row ids must be sorted and unique")
 
     # ---- applying and reading ----
 

@@ -114,7 +114,8 @@ class PSClient:
                 requests[server].pooled_grads[name] = PooledGrad(pull_step, grads)
         pooled_dims = {}
         for name, bags in (pool_bags or {}).items():
-            pooled_dims[name] = (bags.num_bags, self.plan.tables[name].dim)
+            spec = self.plan.tables[name]
+            pooled_dims[name] = ((bags.num_bags, spec.dim), spec.dtype)
             order, counts = self.plan.split_by_server(name, bags.ids)
             servers = []
             part_ids = bags.ids[order].split(counts)
@@ -183,7 +184,7 @@ class InFlight:
         self.traffic = traffic
         self.result: Pulled | None = None
         self.step = -1  # the call number, for calls that push
-        self.pooled_dims: dict[str, tuple[int, int]] = {}
+        self.pooled_dims: dict[str, tuple[tuple[int, int], torch.dtype]] = {}
 
     def wait(self) -> Pulled:
         """The reassembled answer (computed once; later calls return it again)."""
@@ -197,8 +198,8 @@ class InFlight:
         pulled = Pulled(step=self.step)
         for reply in replies:
             pulled.dense.update(reply.dense)
-        for name, shape in self.pooled_dims.items():
-            pooled = torch.zeros(shape)
+        for name, (shape, dtype) in self.pooled_dims.items():
+            pooled = torch.zeros(shape, dtype=dtype)
             for reply in replies:
                 if name in reply.pooled:
                     pooled += reply.pooled[name]

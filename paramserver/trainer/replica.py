@@ -325,8 +325,14 @@ class Replica:
     ) -> None:
         """Copy pulled dense values in and install fresh leaves for the pulled rows and, for
         server-pooled tables, the pooled sums of their bags."""
-        for name, (sums, bags) in (pooled or {}).items():
-            remote = self.tables[name]
+        pooled = pooled or {}
+        for name, remote in self.tables.items():
+            if not remote.server_pooled:
+                continue
+            if name not in pooled:  # not looked up this step: nothing stale may be reused
+                remote.pooled = torch.empty(0, remote.embedding_dim)
+                continue
+            sums, bags = pooled[name]
             remote.pooled = sums.requires_grad_(True)
             remote.bag_sizes = torch.bincount(bags.bags, minlength=bags.num_bags).to(sums.dtype)
         with torch.no_grad():
