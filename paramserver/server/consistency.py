@@ -12,9 +12,10 @@ by the call that closes the round: no RPC thread blocks.
 Membership: all trainers start in the round set. A push marked ``final`` (the trainer's data has
 ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
 
-Idempotency: ``(trainer, step)`` on this server is applied at most once. A duplicate of a push
-still waiting in a round gets that round's answer; a duplicate of an applied push is answered
-with current values and not applied again.
+Idempotency: a trainer numbers its calls 0, 1, 2, ... and sends them one at a time, so a
+server accepts only the next number. ``(trainer, step)`` on this server is applied at most once:
+a duplicate of a push still waiting in a round gets that round's answer; a duplicate of an
+applied push is answered with current values (its reads validated, its gradients ignored).
 """
 
 from __future__ import annotations
