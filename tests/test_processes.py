@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import paramserver as ps
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 from tests.procs import children_of_launcher, is_loopback, listening_addresses
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,9 +78,6 @@ def test_a_failing_trainer_stops_the_job_with_its_error_and_leaves_no_process() 
 
 
 def test_a_rejected_push_keeps_its_type_across_rpc() -> None:
-    def nan_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (output * float("nan")).mean()
-
     config = ps.TrainConfig(servers=1, trainers=1, launcher="processes", progress=False)
     with pytest.raises(ps.JobFailedError, match="InvalidPushError: server 0: parameter .* NaN"):
         ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), nan_loss, config)

@@ -19,7 +19,7 @@ from paramserver.models.dlrm import DLRM
 from paramserver.protocol import payload_nbytes
 from paramserver.trainer.loop import run_trainer, seeded_model
 from paramserver.transport.local import LocalTransport
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
 
 def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -162,9 +162,6 @@ def test_bad_data_reaches_the_user_as_a_typed_error() -> None:
 
 
 def test_nan_gradients_are_rejected_and_reach_the_user() -> None:
-    def nan_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return (output * float("nan")).mean()
-
     config = ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False)
     with pytest.raises(ps.JobFailedError, match="InvalidPushError.*NaN or Inf"):
         ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), nan_loss, config)
