@@ -94,3 +94,18 @@ def test_server_pooling_rejects_what_it_cannot_pool() -> None:
         )
     with pytest.raises(ps.ConfigError, match="--accumulate 1"):
         ps.TrainConfig(server_pooling=("bag.weight",), accumulate=2)
+
+
+class ModeDependentIds(BagModel):
+    def forward(self, ids: Tensor, offsets: Tensor, weights: Tensor | None = None) -> Tensor:
+        if self.training:  # a model whose lookups differ between train and eval mode
+            ids = (ids + 1) % ROWS
+        return super().forward(ids, offsets, weights)
+
+
+def test_server_pooling_refuses_lookups_that_differ_from_the_record_pass() -> None:
+    config = ps.TrainConfig(launcher="threads", progress=False, server_pooling=("bag.weight",))
+    with pytest.raises(ps.JobFailedError, match="other ids than its record pass"):
+        ps.train(
+            lambda: ModeDependentIds("sum", False), lambda t, n: long_bags(t, False), mse, config
+        )

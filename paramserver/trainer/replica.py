@@ -102,6 +102,7 @@ class RemoteEmbedding(nn.Module):
         self.recorder: _Recorder | None = None
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
+        self.pooled_ids = torch.empty(0, dtype=torch.int64)  # the ids those bags hold
         self.bag_sizes = torch.empty(0)
 
     def pool_on_servers(self) -> None:
@@ -151,6 +152,13 @@ class RemoteEmbedding(nn.Module):
             self.recorder.add(self.table, input, bags)
             return torch.zeros(self._output_shape(input, offsets), dtype=self.rows.dtype)
         if self.server_pooled:
+            looked_up = input.reshape(-1).to(torch.int64)
+            if not torch.equal(looked_up, self.pooled_ids):
+                raise ModelError(
+                    f"table {self.table} is pooled on the servers, but the forward looked up "
+                    "other ids than its record pass (eval mode); the model's lookups must not "
+                    "depend on the mode"
+                )
             if self.mode == "mean":
                 return self.pooled / self.bag_sizes.clamp(min=1).unsqueeze(1)
             return self.pooled
@@ -331,9 +339,11 @@ class Replica:
                 continue
             if name not in pooled:  # not looked up this step: nothing stale may be reused
                 remote.pooled = torch.empty(0, remote.embedding_dim)
+                remote.pooled_ids = torch.empty(0, dtype=torch.int64)
                 continue
             sums, bags = pooled[name]
             remote.pooled = sums.requires_grad_(True)
+            remote.pooled_ids = bags.ids
             remote.bag_sizes = torch.bincount(bags.bags, minlength=bags.num_bags).to(sums.dtype)
         with torch.no_grad():
             for name, value in dense.items():
