@@ -34,7 +34,6 @@ RowsById = dict[str, tuple[Tensor, Tensor]]
 class Traffic:
     bytes_sent: int = 0
     bytes_received: int = 0
-    calls: int = 0
 
 
 @dataclass
@@ -103,40 +102,25 @@ class PSClient:
         for name, grad in dense_grads.items():
             requests[self.plan.dense_server[name]].dense_grads[name] = grad
         for name, (ids, grads) in row_grads.items():
-            order, counts = self.plan.split_by_server(name, ids)
-            for server, (part_ids, part_grads) in enumerate(
-                zip(ids[order].split(counts), grads[order].split(counts), strict=True)
-            ):
-                if part_ids.numel():
-                    requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
+            for server, (part_ids, part_grads) in self._by_server(name, ids, grads):
+                requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
         for name, (pull_step, grads) in (pooled_grads or {}).items():
             for server in self._pool_servers.pop((pull_step, name)):
                 requests[server].pooled_grads[name] = PooledGrad(pull_step, grads)
-        pooled_dims = {}
+        pooled_shapes = {}
         for name, bags in (pool_bags or {}).items():
             spec = self.plan.tables[name]
-            pooled_dims[name] = ((bags.num_bags, spec.dim), spec.dtype)
-            order, counts = self.plan.split_by_server(name, bags.ids)
+            pooled_shapes[name] = ((bags.num_bags, spec.dim), spec.dtype)
+            parts = [bags.ids, bags.bags] + ([] if bags.weights is None else [bags.weights])
             servers = []
-            part_ids = bags.ids[order].split(counts)
-            part_bags = bags.bags[order].split(counts)
-            part_weights = (
-                bags.weights[order].split(counts)
-                if bags.weights is not None
-                else [None] * len(counts)
-            )
-            for server in range(self.plan.num_servers):
-                if counts[server]:
-                    requests[server].pool_rows[name] = BagBlock(
-                        part_ids[server], part_bags[server], bags.num_bags, part_weights[server]
-                    )
-                    servers.append(server)
+            for server, (part_ids, part_bags, *weights) in self._by_server(name, *parts):
+                requests[server].pool_rows[name] = BagBlock(
+                    part_ids, part_bags, bags.num_bags, weights[0] if weights else None
+                )
+                servers.append(server)
             self._pool_servers[(self.step, name)] = servers
-        step = self.step
         self.step += 1
-        in_flight = self._start("push_pull", requests, pull_ids, report)
-        in_flight.step, in_flight.pooled_dims = step, pooled_dims
-        return in_flight
+        return self._start("push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes)
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
@@ -145,15 +129,27 @@ class PSClient:
         ]
         return self._start("pull", requests, pull_ids).wait().rows
 
+    def _by_server(
+        self, table: str, ids: Tensor, *aligned: Tensor
+    ) -> list[tuple[int, list[Tensor]]]:
+        """Each server's non-empty part of ``ids`` and of the tensors aligned with them, as
+        ``(server, [ids, *aligned])``."""
+        order, counts = self.plan.split_by_server(table, ids)
+        split = [t[order].split(counts) for t in (ids, *aligned)]
+        return [(s, [t[s] for t in split]) for s in range(len(counts)) if counts[s]]
+
     def _start(
         self,
         op: str,
         requests: list[PushPullRequest],
         pull_ids: dict[str, Tensor],
         report: TrainerReport | None = None,
+        step: int = -1,
+        pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
     ) -> InFlight:
         orders = {}
         for name, ids in pull_ids.items():
+            # Every server gets its part, empty or not: the answers are reassembled in order.
             order, counts = self.plan.split_by_server(name, ids)
             orders[name] = order
             for server, part in enumerate(ids[order].split(counts)):
@@ -164,8 +160,7 @@ class PSClient:
             report.bytes_sent = self.traffic.bytes_sent
             report.bytes_received = self.traffic.bytes_received
         futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
-        self.traffic.calls += len(requests)
-        return InFlight(futures, pull_ids, orders, self.traffic)
+        return InFlight(futures, pull_ids, orders, self.traffic, step, pooled_shapes or {})
 
 
 class InFlight:
@@ -177,14 +172,16 @@ class InFlight:
         pull_ids: dict[str, Tensor],
         orders: dict[str, Tensor],
         traffic: Traffic,
+        step: int,
+        pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
     ):
         self.futures = futures
         self.pull_ids = pull_ids
         self.orders = orders
         self.traffic = traffic
+        self.step = step  # the call number (-1 for a pull outside the steps)
+        self.pooled_shapes = pooled_shapes
         self.result: Pulled | None = None
-        self.step = -1  # the call number, for calls that push
-        self.pooled_dims: dict[str, tuple[tuple[int, int], torch.dtype]] = {}
 
     def wait(self) -> Pulled:
         """The reassembled answer (computed once; later calls return it again)."""
@@ -198,7 +195,7 @@ class InFlight:
         pulled = Pulled(step=self.step)
         for reply in replies:
             pulled.dense.update(reply.dense)
-        for name, (shape, dtype) in self.pooled_dims.items():
+        for name, (shape, dtype) in self.pooled_shapes.items():
             pooled = torch.zeros(shape, dtype=dtype)
             for reply in replies:
                 if name in reply.pooled:
