@@ -93,15 +93,11 @@ class PushPullRequest:
 
 @dataclass
 class PushPullReply:
-    """A server's answer: current dense values and the requested rows, after the push applied.
-
-    ``version`` counts the updates this server has applied so far.
-    """
+    """A server's answer: current dense values and the requested rows, after the push applied."""
 
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, Tensor] = field(default_factory=dict)
     pooled: dict[str, Tensor] = field(default_factory=dict)  # [num_bags, dim] partial sums
-    version: int = 0
 
 
 def payload_nbytes(message: Any) -> int:

@@ -105,12 +105,6 @@ class ShardPlan:
     def dense_on(self, server: int) -> list[str]:
         return [name for name, s in self.dense_server.items() if s == server]
 
-    def dense_bytes_per_server(self) -> list[int]:
-        load = [0] * self.num_servers
-        for name, server in self.dense_server.items():
-            load[server] += self.dense[name].nbytes
-        return load
-
     def server_of_rows(self, table: str, ids: Tensor) -> Tensor:
         if self.tables[table].dynamic is not None:
             buckets = mix64(ids ^ _BUCKET_SALT) & (NUM_BUCKETS - 1)
@@ -120,9 +114,6 @@ class ShardPlan:
     def local_rows(self, ids: Tensor) -> Tensor:
         """Local index of fixed-table rows on their server."""
         return torch.div(ids, self.num_servers, rounding_mode="floor")
-
-    def global_rows(self, local: Tensor, server: int) -> Tensor:
-        return local * self.num_servers + server
 
     def split_by_server(self, table: str, ids: Tensor) -> tuple[Tensor, list[int]]:
         """A stable permutation that groups ``ids`` by server, and the group sizes.

@@ -117,7 +117,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
         transport.push_pull(0, request).wait()
     assert "server 0" in str(caught.value)
     assert endpoint.shard.state_hash() == before
-    assert endpoint.shard.version == 0
+    assert endpoint.shard.stats.pushes == 0
     # The server still works: the same trainer's valid push applies afterwards.
     good = PushPullRequest(
         trainer=0,
@@ -231,7 +231,7 @@ def test_duplicate_push_is_answered_not_applied_twice() -> None:
     )
     first = endpoint.handle("push_pull", (request,)).wait()
     again = endpoint.handle("push_pull", (request,)).wait()
-    assert endpoint.shard.version == 1
+    assert endpoint.shard.stats.pushes == 1
     assert isinstance(again, PushPullReply)
     torch.testing.assert_close(first.rows["user.weight"], again.rows["user.weight"])
 
@@ -265,12 +265,12 @@ def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None
     first = sync_push(endpoint, 0, 1, 1.0)
     second = sync_push(endpoint, 2, 1, 2.0)
     assert not first.done() and not second.done()
-    assert endpoint.shard.version == 0
+    assert endpoint.shard.stats.pushes == 0
     duplicate = sync_push(endpoint, 0, 1, 1.0)  # a retry while waiting joins the same answer
     third = sync_push(endpoint, 1, 1, 6.0)
     for future in (first, second, third, duplicate):
         torch.testing.assert_close(future.wait().rows["user.weight"][0], initial - 3.0)
-    assert endpoint.shard.version == 1
+    assert endpoint.shard.stats.pushes == 1
 
 
 def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
@@ -299,7 +299,7 @@ def test_a_trainer_leaving_without_gradients_completes_a_waiting_round() -> None
     leave = PushPullRequest(trainer=1, step=0, final=True, pull_dense=False)
     endpoint.handle("push_pull", (leave,)).wait()
     waiting.wait()
-    assert endpoint.shard.version == 1
+    assert endpoint.shard.stats.pushes == 1
 
 
 def test_a_step_gap_is_refused_and_moves_no_clock() -> None:

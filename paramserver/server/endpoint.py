@@ -60,7 +60,6 @@ class ServerEndpoint:
 
     def _op_stats(self) -> Future:
         stats: dict[str, Any] = dict(self.shard.stats.as_dict())
-        stats["version"] = self.shard.version
         stats["tables"] = self.shard.table_stats()
         with self.coordinator.lock:
             stats["reports"] = dict(self.coordinator.reports)

@@ -103,8 +103,7 @@ class ServerShard:
             for name, spec in plan.tables.items()
         }
         self.clock = 0  # the highest trainer step seen: dynamic tables' time
-        self.version = 0
-        self._version_lock = threading.Lock()
+        self._clock_lock = threading.Lock()
 
     # ---- validation: a push is checked whole before anything is applied ----
 
@@ -213,7 +212,7 @@ class ServerShard:
     # ---- applying and reading ----
 
     def advance_clock(self, step: int) -> int:
-        with self._version_lock:
+        with self._clock_lock:
             self.clock = max(self.clock, step)
             return self.clock
 
@@ -232,8 +231,6 @@ class ServerShard:
             table = self.tables[name]
             with table.lock:
                 rows += table.apply(block.ids, block.values, clock)
-        with self._version_lock:
-            self.version += 1
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
@@ -246,7 +243,7 @@ class ServerShard:
         other reads create and count nothing.
         """
         start = time.perf_counter()
-        reply = PushPullReply(version=self.version)
+        reply = PushPullReply()
         if request.pull_dense:
             for name, slot in self.dense.items():
                 with slot.lock:
