@@ -33,10 +33,6 @@ from paramserver.models.dlrm import DLRM
 ROWS, DIM, BATCH = 1_000_000, 32, 1024
 
 
-def bce(logits: Tensor, target: Tensor) -> Tensor:
-    return F.binary_cross_entropy_with_logits(logits, target)
-
-
 def dlrm() -> DLRM:
     return DLRM(table_rows=[ROWS] * 8, embedding_dim=DIM)
 
@@ -77,9 +73,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # Alternate the two, so drifting machine load hits both alike; report medians.
     single_runs, ps_runs = [], []
     for _ in range(args.repeats):
-        _, single = train_single_process(dlrm, data_for(args.steps).train_batches, bce, config)
+        _, single = train_single_process(
+            dlrm, data_for(args.steps).train_batches, F.binary_cross_entropy_with_logits, config
+        )
         single_runs.append(single)
-        result = ps.train(dlrm, data_for(args.steps).train_batches, bce, config)
+        result = ps.train(
+            dlrm, data_for(args.steps).train_batches, F.binary_cross_entropy_with_logits, config
+        )
         assert result is not None
         summary = result.summary
         ps_runs.append(
@@ -95,7 +95,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["paramserver"] = median_run(ps_runs)
 
     if args.naive_steps:
-        result = ps.train(naive_dlrm, data_for(args.naive_steps).train_batches, bce, config)
+        result = ps.train(
+            naive_dlrm,
+            data_for(args.naive_steps).train_batches,
+            F.binary_cross_entropy_with_logits,
+            config,
+        )
         assert result is not None
         results["naive_ps"] = {
             "samples_per_s": result.summary["samples_per_s"],

@@ -104,10 +104,6 @@ def long_bags(batches: int) -> Any:
     return data
 
 
-def bce(logits: Tensor, target: Tensor) -> Tensor:
-    return F.binary_cross_entropy_with_logits(logits, target)
-
-
 def job_figures(result: ps.TrainResult | None) -> dict[str, Any]:
     assert result is not None
     summary = result.summary
@@ -121,9 +117,14 @@ def job_figures(result: ps.TrainResult | None) -> dict[str, Any]:
 def bench_pooling(steps: int) -> dict[str, Any]:
     config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
     data = long_bags(steps)
-    trainer_side = job_figures(ps.train(BagModel, data, bce, config))
+    trainer_side = job_figures(ps.train(BagModel, data, F.binary_cross_entropy_with_logits, config))
     server_side = job_figures(
-        ps.train(BagModel, data, bce, config.replace(server_pooling=("bag.weight",)))
+        ps.train(
+            BagModel,
+            data,
+            F.binary_cross_entropy_with_logits,
+            config.replace(server_pooling=("bag.weight",)),
+        )
     )
     return {
         "trainer_side": trainer_side,
@@ -149,7 +150,13 @@ def bench_dynamic_vs_fixed(steps: int) -> dict[str, Any]:
                 if kind == "dynamic"
                 else (lambda: DLRM(table_rows=[1_000_000] * 8, embedding_dim=32))
             )
-            runs[kind].append(job_figures(ps.train(model_fn, data.train_batches, bce, config)))
+            runs[kind].append(
+                job_figures(
+                    ps.train(
+                        model_fn, data.train_batches, F.binary_cross_entropy_with_logits, config
+                    )
+                )
+            )
     best = {k: max(r["samples_per_s"] for r in v) for k, v in runs.items()}
     return {
         "runs": runs,

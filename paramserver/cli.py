@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from paramserver.api import train
@@ -131,11 +132,6 @@ def run_train(args: argparse.Namespace) -> int:
     def model_fn() -> DLRM:
         return DLRM(table_rows=[rows] * spec.num_tables)
 
-    def loss_fn(logits: Any, target: Any) -> Any:
-        import torch.nn.functional as F
-
-        return F.binary_cross_entropy_with_logits(logits, target)
-
     log.info(
         "training: %d servers, %d trainers, mode %s, %s lr %g",
         config.servers,
@@ -148,7 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
         result = train(
             model_fn,
             data.train_batches,
-            loss_fn,
+            F.binary_cross_entropy_with_logits,
             config,
             on_progress=display if config.progress else None,
         )

@@ -22,21 +22,19 @@ from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
 
-def bce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(logits, target)
-
-
 @pytest.mark.timeout(300)
 def test_async_two_trainers_learn_as_well_as_single_process_on_the_default_job() -> None:
     """The default job (its data, model and TrainConfig), run as separate processes."""
     data = SyntheticClickLogs(SyntheticSpec())
     config = ps.TrainConfig(progress=False)
     assert (config.mode, config.trainers, config.launcher) == ("async", 2, "auto")
-    result = ps.train(DLRM, data.train_batches, bce, config)
+    result = ps.train(DLRM, data.train_batches, F.binary_cross_entropy_with_logits, config)
     assert result is not None
     held_out = [batch for batch, _ in data.eval_batches()]
     distributed = evaluate_binary(result.model, held_out)["auc"]
-    reference, _ = train_single_process(DLRM, data.train_batches, bce, config)
+    reference, _ = train_single_process(
+        DLRM, data.train_batches, F.binary_cross_entropy_with_logits, config
+    )
     single = evaluate_binary(reference, held_out)["auc"]
     untrained = evaluate_binary(seeded_model(DLRM, 0), held_out)["auc"]
     assert single > untrained + 0.2, "the reference did not learn: the comparison is vacuous"

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -105,12 +106,7 @@ def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
     """``model_fn()`` under fixed seeds: every process that calls this gets the same values."""
     torch.manual_seed(seed)
     random.seed(seed)
-    try:
-        import numpy as np
-
-        np.random.seed(seed % 2**32)
-    except ImportError:  # pragma: no cover - numpy is a dependency
-        pass
+    np.random.seed(seed % 2**32)
     model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")

@@ -102,8 +102,7 @@ class RemoteEmbedding(nn.Module):
         self.recorder: _Recorder | None = None
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
-        self.pooled_ids = torch.empty(0, dtype=torch.int64)  # the ids those bags hold
-        self.bag_sizes = torch.empty(0)
+        self.pooled_bags: BagBlock | None = None  # the bags those sums are of
 
     def pool_on_servers(self) -> None:
         """Have the servers pool this table's bags (sum or mean): the trainer then moves one
@@ -152,15 +151,16 @@ class RemoteEmbedding(nn.Module):
             self.recorder.add(self.table, input, bags)
             return torch.zeros(self._output_shape(input, offsets), dtype=self.rows.dtype)
         if self.server_pooled:
-            looked_up = input.reshape(-1).to(torch.int64)
-            if not torch.equal(looked_up, self.pooled_ids):
+            bags = self.pooled_bags
+            if bags is None or not torch.equal(input.reshape(-1).to(torch.int64), bags.ids):
                 raise ModelError(
                     f"table {self.table} is pooled on the servers, but the forward looked up "
                     "other ids than its record pass (eval mode); the model's lookups must not "
                     "depend on the mode"
                 )
             if self.mode == "mean":
-                return self.pooled / self.bag_sizes.clamp(min=1).unsqueeze(1)
+                sizes = torch.bincount(bags.bags, minlength=bags.num_bags).clamp_(min=1)
+                return self.pooled / sizes.unsqueeze(1).to(self.pooled.dtype)
             return self.pooled
         local = self._local_ids(input)
         padding = self._local_padding()
@@ -187,8 +187,11 @@ class RemoteEmbedding(nn.Module):
             )
         if self.num_embeddings is None:  # dynamic: every id is valid
             return
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        if ids.numel() == 0:
+            return
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= self.num_embeddings:
+            bad = low if low < 0 else high
             raise InvalidBatchError(
                 f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})"
             )
@@ -338,13 +341,10 @@ class Replica:
             if not remote.server_pooled:
                 continue
             if name not in pooled:  # not looked up this step: nothing stale may be reused
-                remote.pooled = torch.empty(0, remote.embedding_dim)
-                remote.pooled_ids = torch.empty(0, dtype=torch.int64)
+                remote.pooled, remote.pooled_bags = torch.empty(0, remote.embedding_dim), None
                 continue
-            sums, bags = pooled[name]
+            sums, remote.pooled_bags = pooled[name]
             remote.pooled = sums.requires_grad_(True)
-            remote.pooled_ids = bags.ids
-            remote.bag_sizes = torch.bincount(bags.bags, minlength=bags.num_bags).to(sums.dtype)
         with torch.no_grad():
             for name, value in dense.items():
                 self.dense[name].copy_(value)
