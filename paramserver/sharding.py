@@ -106,6 +106,8 @@ class ShardPlan:
         return [name for name, s in self.dense_server.items() if s == server]
 
     def server_of_rows(self, table: str, ids: Tensor) -> Tensor:
+        if self.num_servers == 1:
+            return torch.zeros_like(ids)
         if self.tables[table].dynamic is not None:
             buckets = mix64(ids ^ _BUCKET_SALT) & (NUM_BUCKETS - 1)
             return buckets * self.num_servers // NUM_BUCKETS

@@ -156,7 +156,7 @@ class Coordinator:
             return waiter
         try:
             if request.has_grads:
-                self.shard.apply(request.dense_grads, request.row_grads, clock)
+                self.shard.apply(request.dense_grads, request.row_grads, clock, request.trainer)
             return completed(self._answer(request, train=True, clock=clock))
         except Exception as error:  # a server fault: the caller must hear of it
             return failed(error)

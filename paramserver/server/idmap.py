@@ -6,10 +6,12 @@ id, so a probe compares ``row_ids[slots[h]]`` with the id. That keeps the map's 
 4 bytes per slot plus 8 per row (about 13-19 bytes per row at the load factors kept here,
 against 24-32 for a slot array of int64 keys and int32 values).
 
-Every operation works on a whole batch of ids with tensor ops: one probe round examines a
-window of 32 slots for every id still unresolved, so one round nearly always suffices. Inserts into
-one slot by several ids of a batch are resolved deterministically (the lowest pending index
-wins), so a run is reproducible.
+Every operation works on a whole batch of ids with array ops: one probe round examines a
+window of WINDOW slots for every id still unresolved, so one round nearly always suffices.
+Inserts into one slot by several ids of a batch are resolved deterministically (the lowest
+pending index wins), so a run is reproducible. The arrays are numpy arrays and the calls take
+and return torch tensors (shared memory, no copies): a step looks up a few hundred ids per
+table, where numpy's per-operation cost is a fraction of torch's.
 
 Rows are numbered densely from 0; a deleted row's number is reused by a later insert, so the
 storage of an evicted row is reused rather than grown. Not thread-safe: the table's lock guards
@@ -18,13 +20,14 @@ it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
 EMPTY = -1
 DELETED = -2
 WINDOW = 8  # slots examined per id in one probe round
-_WINDOW_OFFSETS = torch.arange(WINDOW)
+_WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
@@ -33,16 +36,25 @@ _MIX_2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _MIX_3 = -7723592293110705685  # 0x94D049BB133111EB
 
 
+def grown_rows(held: int, needed: int) -> int:
+    """The row capacity to grow storage of ``held`` rows to, when ``needed`` rows must fit."""
+    return max(needed, int(held * ROW_GROWTH) + 16)
+
+
 def mix64(values: Tensor) -> Tensor:
     """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a well-spread hash."""
-    x = values + _MIX_1
-    x = (x ^ _shift_right(x, 30)) * _MIX_2
-    x = (x ^ _shift_right(x, 27)) * _MIX_3
+    return torch.from_numpy(_mix64(values.numpy()))
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    x = x + np.int64(_MIX_1)
+    x = (x ^ _shift_right(x, 30)) * np.int64(_MIX_2)
+    x = (x ^ _shift_right(x, 27)) * np.int64(_MIX_3)
     return x ^ _shift_right(x, 31)
 
 
-def _shift_right(x: Tensor, bits: int) -> Tensor:
-    """Logical right shift of int64 values (torch's ``>>`` is arithmetic on signed ints)."""
+def _shift_right(x: np.ndarray, bits: int) -> np.ndarray:
+    """Logical right shift of int64 values (``>>`` is arithmetic on signed ints)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
@@ -50,153 +62,147 @@ class IdMap:
     def __init__(self, initial_slots: int = 1024):
         """``initial_slots`` is rounded up to a power of two; the map grows as needed."""
         size = 1 << max(4, (initial_slots - 1).bit_length())
-        self.slots = torch.full((size,), EMPTY, dtype=torch.int32)
-        self.row_ids = torch.empty(0, dtype=torch.int64)  # capacity_rows long
+        self.slots = np.full(size, EMPTY, dtype=np.int32)
+        self.row_ids = np.empty(0, dtype=np.int64)  # capacity_rows long
         self.used_rows = 0  # row numbers handed out so far (live plus free)
-        self.free_rows = torch.empty(0, dtype=torch.int64)  # deleted row numbers, reused first
+        self.free_rows = np.empty(0, dtype=np.int64)  # deleted row numbers, reused first
         self.num_rows = 0  # live rows
         self.num_deleted_slots = 0
 
     @property
     def capacity_rows(self) -> int:
         """Rows the table's storage must hold: grows by ROW_GROWTH when row numbers run out."""
-        return self.row_ids.numel()
+        return self.row_ids.size
 
     def nbytes(self) -> int:
-        return (
-            self.slots.numel() * self.slots.element_size()
-            + self.row_ids.numel() * self.row_ids.element_size()
-            + self.free_rows.numel() * self.free_rows.element_size()
-        )
+        return self.slots.nbytes + self.row_ids.nbytes + self.free_rows.nbytes
 
-    def _home(self, ids: Tensor) -> Tensor:
-        # Fibonacci hashing: the top bits of id * 2^64/phi (two tensor ops, well spread).
-        bits = self.slots.numel().bit_length() - 1
-        return ((ids * _MIX_1) >> (64 - bits)) & (self.slots.numel() - 1)
-
-    def _window(self, where: Tensor) -> Tensor:
-        return (where.unsqueeze(1) + _WINDOW_OFFSETS) & (self.slots.numel() - 1)
-
-    def _probe(self, ids: Tensor) -> tuple[Tensor, Tensor]:
-        """For each id, its row (-1 if absent) and its slot position (-1 if absent).
-
-        Each round looks at a window of WINDOW consecutive slots per unresolved id: an id is at
-        the first slot of its probe sequence holding it, and absent if an empty slot comes
-        first. Wide windows keep the number of rounds (each a few tensor ops) small.
-        """
-        rows = torch.full_like(ids, EMPTY)
-        positions = torch.full_like(ids, EMPTY)
-        if self.num_rows == 0:
-            return rows, positions
-        pending = torch.arange(ids.numel())
-        where = self._home(ids)
-        while pending.numel():
-            window = self._window(where)
-            found = self.slots.index_select(0, window.view(-1)).view_as(window).long()
-            keys = self.row_ids.index_select(0, found.clamp(min=0).view(-1)).view_as(found)
-            match = (keys == ids[pending].unsqueeze(1)) & (found >= 0)
-            stop = match | (found == EMPTY)
-            first = stop.to(torch.int8).argmax(dim=1, keepdim=True)
-            resolved = stop.gather(1, first).squeeze(1)
-            hit = match.gather(1, first).squeeze(1)
-            at_row = torch.where(hit, found.gather(1, first).squeeze(1), EMPTY)
-            at_slot = torch.where(hit, window.gather(1, first).squeeze(1), EMPTY)
-            if bool(resolved.all()):  # the usual case: one round settles every id
-                if pending.numel() == ids.numel():
-                    return at_row, at_slot
-                rows[pending], positions[pending] = at_row, at_slot
-                break
-            rows[pending[resolved]] = at_row[resolved]
-            positions[pending[resolved]] = at_slot[resolved]
-            pending = pending[~resolved]
-            where = (where[~resolved] + WINDOW) & (self.slots.numel() - 1)
-        return rows, positions
+    # ---- calls: torch tensors in and out ----
 
     def lookup(self, ids: Tensor) -> Tensor:
         """Row of each id, -1 where the id is absent."""
-        return self._probe(ids)[0]
+        return torch.from_numpy(self._probe(ids.numpy())[0])
 
     def insert(self, ids: Tensor) -> Tensor:
         """Add ``ids`` (unique, all absent) and return their new rows."""
-        count = ids.numel()
+        keys = ids.numpy()
+        count = keys.size
         if count == 0:
             return torch.empty(0, dtype=torch.int64)
         self._reserve(self.num_rows + count)
         reused = self.free_rows[:count]
         self.free_rows = self.free_rows[count:]
-        fresh = torch.arange(self.used_rows, self.used_rows + count - reused.numel())
-        self.used_rows += fresh.numel()
-        if self.used_rows > self.row_ids.numel():
-            grown = max(self.used_rows, int(self.row_ids.numel() * ROW_GROWTH) + 16)
-            row_ids = torch.empty(grown, dtype=torch.int64)
-            row_ids[: self.row_ids.numel()] = self.row_ids
+        fresh = np.arange(self.used_rows, self.used_rows + count - reused.size)
+        self.used_rows += fresh.size
+        if self.used_rows > self.row_ids.size:
+            grown = grown_rows(self.row_ids.size, self.used_rows)
+            row_ids = np.empty(grown, dtype=np.int64)
+            row_ids[: self.row_ids.size] = self.row_ids
             self.row_ids = row_ids
-        rows = torch.cat([reused, fresh])
-        self.row_ids[rows] = ids
-        self._place(ids, rows)
+        rows = np.concatenate([reused, fresh])
+        self.row_ids[rows] = keys
+        self._place(keys, rows)
         self.num_rows += count
-        return rows
+        return torch.from_numpy(rows)
 
-    def _place(self, ids: Tensor, rows: Tensor) -> None:
+    def remove(self, ids: Tensor) -> Tensor:
+        """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
+        rows, positions = self._probe(ids.numpy())
+        present = rows >= 0
+        rows, positions = rows[present], positions[present]
+        self.slots[positions] = DELETED
+        self.num_deleted_slots += rows.size
+        self.num_rows -= rows.size
+        self.free_rows = np.concatenate([self.free_rows, rows])
+        return torch.from_numpy(rows)
+
+    def live_rows(self) -> tuple[Tensor, Tensor]:
+        """Ids and rows of every live entry, sorted by id."""
+        ids, rows = self._live()
+        return torch.from_numpy(ids), torch.from_numpy(rows)
+
+    # ---- internals, on numpy arrays ----
+
+    def _live(self) -> tuple[np.ndarray, np.ndarray]:
+        occupied = self.slots[self.slots >= 0].astype(np.int64)
+        ids = self.row_ids[occupied]
+        order = np.argsort(ids, kind="stable")
+        return ids[order], occupied[order]
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        # Fibonacci hashing: the top bits of id * 2^64/phi (wrapping multiply, well spread).
+        bits = self.slots.size.bit_length() - 1
+        return ((ids * np.int64(_MIX_1)) >> (64 - bits)) & (self.slots.size - 1)
+
+    def _window(self, where: np.ndarray) -> np.ndarray:
+        return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)
+
+    def _probe(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each id, its row (-1 if absent) and its slot position (-1 if absent).
+
+        Each round looks at a window of WINDOW consecutive slots per unresolved id: an id is at
+        the first slot of its probe sequence holding it, and absent if an empty slot comes
+        first. Wide windows keep the number of rounds (each a few array ops) small.
+        """
+        rows = np.full(ids.size, EMPTY, dtype=np.int64)
+        positions = np.full(ids.size, EMPTY, dtype=np.int64)
+        if self.num_rows == 0:
+            return rows, positions
+        pending = np.arange(ids.size)
+        keys = ids
+        where = self._home(ids)
+        while pending.size:
+            window = self._window(where)
+            found = self.slots[window]
+            match = (self.row_ids[np.maximum(found, 0)] == keys[:, None]) & (found >= 0)
+            stop = match | (found == EMPTY)
+            first = stop.argmax(axis=1)
+            each = np.arange(pending.size)
+            resolved = stop[each, first]
+            hit = match[each, first]
+            at = pending[resolved]
+            rows[at] = np.where(hit, found[each, first], EMPTY)[resolved]
+            positions[at] = np.where(hit, window[each, first], EMPTY)[resolved]
+            unresolved = ~resolved
+            pending, keys = pending[unresolved], keys[unresolved]
+            where = (where[unresolved] + WINDOW) & (self.slots.size - 1)
+        return rows, positions
+
+    def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
         the same slot in a round: the lowest index takes it, the others look on from there."""
-        pending = torch.arange(ids.numel())
+        pending = np.arange(ids.size)
         where = self._home(ids)
-        while pending.numel():
+        while pending.size:
             window = self._window(where)
-            free = self.slots.index_select(0, window.view(-1)).view_as(window) < 0
-            has_free = free.any(dim=1)
-            first = free.to(torch.int8).argmax(dim=1, keepdim=True)
-            chosen = window.gather(1, first).squeeze(1)
-            if bool(has_free.all()) and torch.unique(chosen).numel() == chosen.numel():
-                # The usual case: every id found its own free slot in the first window.
-                self.num_deleted_slots -= int((self.slots[chosen] == DELETED).sum())
-                self.slots[chosen] = rows[pending].int()
-                return
+            free = self.slots[window] < 0
+            has_free = free.any(axis=1)
+            chosen = window[np.arange(pending.size), free.argmax(axis=1)]
             # Without a free slot in the window, move on to the next window.
-            where = torch.where(has_free, chosen, (where + WINDOW) & (self.slots.numel() - 1))
-            candidates = has_free.nonzero().squeeze(1)
-            order = candidates[torch.argsort(chosen[candidates], stable=True)]
+            where = np.where(has_free, chosen, (where + WINDOW) & (self.slots.size - 1))
+            candidates = np.flatnonzero(has_free)
+            order = candidates[np.argsort(chosen[candidates], kind="stable")]
             sorted_slots = chosen[order]
-            winner = torch.ones_like(sorted_slots, dtype=torch.bool)
+            winner = np.ones(sorted_slots.size, dtype=bool)
             winner[1:] = sorted_slots[1:] != sorted_slots[:-1]
             claims = order[winner]
             claimed = chosen[claims]
             self.num_deleted_slots -= int((self.slots[claimed] == DELETED).sum())
-            self.slots[claimed] = rows[pending[claims]].int()
-            keep = torch.ones(pending.numel(), dtype=torch.bool)
+            self.slots[claimed] = rows[pending[claims]]
+            keep = np.ones(pending.size, dtype=bool)
             keep[claims] = False
-            pending = pending[keep]
-            where = where[keep]
-
-    def remove(self, ids: Tensor) -> Tensor:
-        """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
-        rows, positions = self._probe(ids)
-        present = rows >= 0
-        rows, positions = rows[present], positions[present]
-        self.slots[positions] = DELETED
-        self.num_deleted_slots += rows.numel()
-        self.num_rows -= rows.numel()
-        self.free_rows = torch.cat([self.free_rows, rows])
-        return rows
-
-    def live_rows(self) -> tuple[Tensor, Tensor]:
-        """Ids and rows of every live entry, sorted by id."""
-        occupied = self.slots[self.slots >= 0].long()
-        ids = self.row_ids[occupied]
-        order = torch.argsort(ids)
-        return ids[order], occupied[order]
+            pending, where = pending[keep], where[keep]
 
     def _reserve(self, live: int) -> None:
         """Grow (or clean deleted slots from) the slot array so ``live`` rows fit under the
         load bound."""
-        size = self.slots.numel()
+        size = self.slots.size
         if live + self.num_deleted_slots <= MAX_LOAD * size:
             return
         size = 16
         while live > REHASH_LOAD * size:
             size *= 2
-        ids, rows = self.live_rows()
-        self.slots = torch.full((size,), EMPTY, dtype=torch.int32)
+        ids, rows = self._live()
+        self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
         self._place(ids, rows)

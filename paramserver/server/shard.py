@@ -218,9 +218,17 @@ class ServerShard:
 
     @torch.no_grad()
     def apply(
-        self, dense_grads: Mapping[str, Tensor], row_grads: Mapping[str, RowBlock], clock: int = 0
+        self,
+        dense_grads: Mapping[str, Tensor],
+        row_grads: Mapping[str, RowBlock],
+        clock: int = 0,
+        trainer: int | None = None,
     ) -> None:
-        """Apply already-validated gradients. Each parameter is updated under its own lock."""
+        """Apply already-validated gradients. Each parameter is updated under its own lock.
+
+        ``trainer``: whose gradients these are (None for an aggregate), so dynamic tables can
+        reuse the rows they found when that trainer pulled the same ids.
+        """
         start = time.perf_counter()
         rows = 0
         for name, grad in dense_grads.items():
@@ -230,7 +238,7 @@ class ServerShard:
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
-                rows += table.apply(block.ids, block.values, clock)
+                rows += table.apply(block.ids, block.values, clock, trainer)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
@@ -252,22 +260,26 @@ class ServerShard:
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
             with table.lock:
-                reply.rows[name] = table.read(ids, train=train, clock=clock)
+                reply.rows[name] = table.read(
+                    ids, train=train, clock=clock, trainer=request.trainer
+                )
             rows += ids.numel()
         for name, block in request.pool_rows.items():
-            reply.pooled[name] = self._pool(name, block, train=train, clock=clock)
+            reply.pooled[name] = self._pool(
+                name, block, train=train, clock=clock, trainer=request.trainer
+            )
             rows += block.ids.numel()
         with self.stats.lock:
             self.stats.rows_pulled += rows
             self.stats.read_seconds += time.perf_counter() - start
         return reply
 
-    def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int) -> Tensor:
+    def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int, trainer: int) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
         table = self.tables[name]
         unique, inverse = torch.unique(block.ids, return_inverse=True)
         with table.lock:
-            rows = table.read(unique, train=train, clock=clock)
+            rows = table.read(unique, train=train, clock=clock, trainer=trainer)
         members = rows[inverse]
         if block.weights is not None:
             members = members * block.weights.unsqueeze(1)

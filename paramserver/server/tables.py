@@ -25,15 +25,17 @@ from __future__ import annotations
 import functools
 import threading
 import zlib
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import REHASH_LOAD, ROW_GROWTH, IdMap, mix64
+from paramserver.server.idmap import REHASH_LOAD, IdMap, grown_rows, mix64
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
+HANDED_OUT_KEPT = 3  # pulls in flight per trainer: this step's, the prefetched one, a retry
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
 
@@ -86,10 +88,10 @@ class FixedTable:
             return f"row id {bad} out of range [0, {self.spec.num_rows})"
         return None
 
-    def read(self, ids: Tensor, *, train: bool, clock: int) -> Tensor:
+    def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
         return self.weight.index_select(0, self.plan.local_rows(ids))
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int) -> int:
+    def apply(self, ids: Tensor, grads: Tensor, clock: int, trainer: int | None = None) -> int:
         local = self.plan.local_rows(ids)
         apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
         return ids.numel()
@@ -129,6 +131,9 @@ class DynamicTable:
         self.pending_seen = torch.empty(0, dtype=torch.int64)
         self.counters = TableCounters()
         self.swept_at = 0
+        # Per trainer, the (ids, rows) of its last pulls that found every id: valid until a
+        # row is removed (creating rows moves no id), so that clears them.
+        self._handed_out: dict[int, deque[tuple[Tensor, Tensor]]] = {}
         self.lock = threading.Lock()
 
     # ---- calls ----
@@ -136,7 +141,7 @@ class DynamicTable:
     def check_ids(self, ids: Tensor) -> str | None:
         return None  # every int64 id is valid
 
-    def read(self, ids: Tensor, *, train: bool, clock: int) -> Tensor:
+    def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
         rows = self.ids.lookup(ids)
         if train:
             self.counters.lookups += ids.numel()
@@ -147,6 +152,10 @@ class DynamicTable:
                 rows = self.ids.lookup(ids)
         present = rows >= 0
         if bool(present.all()):
+            if train and trainer is not None:
+                self._handed_out.setdefault(trainer, deque(maxlen=HANDED_OUT_KEPT)).append(
+                    (ids, rows)
+                )
             return self.weight.index_select(0, rows)
         out = torch.full(
             (ids.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
@@ -154,8 +163,10 @@ class DynamicTable:
         out[present] = self.weight.index_select(0, rows[present])
         return out
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int) -> int:
-        rows = self.ids.lookup(ids)
+    def apply(self, ids: Tensor, grads: Tensor, clock: int, trainer: int | None = None) -> int:
+        rows = self._rows_handed_out(trainer, ids)
+        if rows is None:
+            rows = self.ids.lookup(ids)
         present = rows >= 0
         dropped = ids.numel() - int(present.sum())
         if dropped:  # ids still pending admission, or evicted since they were pulled
@@ -165,6 +176,16 @@ class DynamicTable:
         if self.last_touched is not None:
             self.last_touched[rows] = clock
         return rows.numel()
+
+    def _rows_handed_out(self, trainer: int | None, ids: Tensor) -> Tensor | None:
+        """The rows a recent pull of ``trainer`` found for exactly ``ids``, if any (its push of
+        the same step carries the same ids): saves a second lookup."""
+        recent = self._handed_out.get(trainer) if trainer is not None else None
+        for at, (pulled, rows) in enumerate(recent or ()):
+            if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
+                del recent[at]  # type: ignore[union-attr]
+                return rows
+        return None
 
     def export(self, with_optimizer: bool) -> dict[str, Tensor]:
         ids, rows = self.ids.live_rows()
@@ -240,8 +261,7 @@ class DynamicTable:
         """New rows for ``ids`` (unique, absent), initialized; returns them."""
         rows = self.ids.insert(ids)
         if self.ids.used_rows > self.weight.shape[0]:
-            held = self.weight.shape[0]
-            capacity = max(self.ids.used_rows, int(held * ROW_GROWTH) + 16)
+            capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
             self.weight = _grow(self.weight, capacity)
             self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
             if self.steps is not None:
@@ -284,6 +304,7 @@ class DynamicTable:
         if ids.numel():
             self.ids.remove(ids)
             self.counters.evicted += ids.numel()
+            self._handed_out.clear()
 
 
 def _nbytes(*tensors: Tensor | None) -> int:
