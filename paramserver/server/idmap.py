@@ -20,6 +20,8 @@ it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -58,6 +60,17 @@ def _shift_right(x: np.ndarray, bits: int) -> np.ndarray:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+class Found(NamedTuple):
+    """What :meth:`IdMap.find` learned of a batch of ids."""
+
+    rows: Tensor  # row of each id, -1 where absent
+    ends: np.ndarray  # slot where each search ended: the id's own, or the empty one that ended it
+    layout: int  # the slot array these slots refer to (see IdMap.layout)
+
+    def subset(self, index: Tensor) -> Found:
+        return Found(self.rows[index], self.ends[index.numpy()], self.layout)
+
+
 class IdMap:
     def __init__(self, initial_slots: int = 1024):
         """``initial_slots`` is rounded up to a power of two; the map grows as needed."""
@@ -68,6 +81,7 @@ class IdMap:
         self.free_rows = np.empty(0, dtype=np.int64)  # deleted row numbers, reused first
         self.num_rows = 0  # live rows
         self.num_deleted_slots = 0
+        self.layout = 0  # bumped whenever the slot array is rebuilt
 
     @property
     def capacity_rows(self) -> int:
@@ -83,8 +97,15 @@ class IdMap:
         """Row of each id, -1 where the id is absent."""
         return torch.from_numpy(self._probe(ids.numpy())[0])
 
-    def insert(self, ids: Tensor) -> Tensor:
-        """Add ``ids`` (unique, all absent) and return their new rows."""
+    def find(self, ids: Tensor) -> Found:
+        """Like :meth:`lookup`, also remembering where each search ended, so that inserting
+        the absent ids right after needs no second search."""
+        rows, ends = self._probe(ids.numpy())
+        return Found(torch.from_numpy(rows), ends, self.layout)
+
+    def insert(self, ids: Tensor, found: Found | None = None) -> Tensor:
+        """Add ``ids`` (unique, all absent) and return their new rows. ``found``: what
+        :meth:`find` returned for exactly these ids, if nothing was inserted since."""
         keys = ids.numpy()
         count = keys.size
         if count == 0:
@@ -101,7 +122,8 @@ class IdMap:
             self.row_ids = row_ids
         rows = np.concatenate([reused, fresh])
         self.row_ids[rows] = keys
-        self._place(keys, rows)
+        if not (found is not None and self._claim_ends(found, rows)):
+            self._place(keys, rows)
         self.num_rows += count
         return torch.from_numpy(rows)
 
@@ -138,7 +160,8 @@ class IdMap:
         return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)
 
     def _probe(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """For each id, its row (-1 if absent) and its slot position (-1 if absent).
+        """For each id, its row (-1 if absent) and the slot where its search ended: its own,
+        or the empty slot that proved it absent (-1 for every id if the map is empty).
 
         Each round looks at a window of WINDOW consecutive slots per unresolved id: an id is at
         the first slot of its probe sequence holding it, and absent if an empty slot comes
@@ -162,11 +185,27 @@ class IdMap:
             hit = match[each, first]
             at = pending[resolved]
             rows[at] = np.where(hit, found[each, first], EMPTY)[resolved]
-            positions[at] = np.where(hit, window[each, first], EMPTY)[resolved]
+            positions[at] = window[each, first][resolved]
             unresolved = ~resolved
             pending, keys = pending[unresolved], keys[unresolved]
             where = (where[unresolved] + WINDOW) & (self.slots.size - 1)
         return rows, positions
+
+    def _claim_ends(self, found: Found, rows: np.ndarray) -> bool:
+        """Put each new row in the empty slot that ended its id's search, if the slot array is
+        the one searched and those slots are still empty and distinct; else change nothing.
+        Correct because slots only turn empty when the array is rebuilt: the first empty slot
+        of an id's probe sequence stays first."""
+        ends = found.ends
+        if found.layout != self.layout or int(ends.min()) < 0:  # -1: searched an empty map
+            return False
+        if not bool((self.slots[ends] == EMPTY).all()):
+            return False
+        ordered = np.sort(ends)
+        if bool((ordered[1:] == ordered[:-1]).any()):
+            return False
+        self.slots[ends] = rows
+        return True
 
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
@@ -205,4 +244,5 @@ class IdMap:
         ids, rows = self._live()
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
+        self.layout += 1
         self._place(ids, rows)

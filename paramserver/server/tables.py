@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import REHASH_LOAD, IdMap, grown_rows, mix64
+from paramserver.server.idmap import REHASH_LOAD, Found, IdMap, grown_rows, mix64
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
@@ -142,10 +142,11 @@ class DynamicTable:
         return None  # every int64 id is valid
 
     def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
-        rows = self.ids.lookup(ids)
+        found = self.ids.find(ids)
+        rows = found.rows
         if train:
             self.counters.lookups += ids.numel()
-            rows = self._admit(ids, rows, clock)
+            rows = self._admit(ids, found, clock)
             if self.last_touched is not None:
                 self.last_touched[rows[rows >= 0]] = clock
             if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
@@ -221,9 +222,10 @@ class DynamicTable:
 
     # ---- admission and eviction ----
 
-    def _admit(self, ids: Tensor, rows: Tensor, clock: int) -> Tensor:
+    def _admit(self, ids: Tensor, found: Found, clock: int) -> Tensor:
         """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``
         (``ids`` unique; -1 for ids still pending)."""
+        rows = found.rows
         absent_at = (rows < 0).nonzero().squeeze(1)
         if absent_at.numel() == 0:
             return rows
@@ -232,7 +234,7 @@ class DynamicTable:
             absent_at = absent_at[admitted]
         if absent_at.numel():
             rows = rows.clone()
-            rows[absent_at] = self._create(ids[absent_at])
+            rows[absent_at] = self._create(ids[absent_at], found.subset(absent_at))
         return rows
 
     def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
@@ -257,9 +259,9 @@ class DynamicTable:
             self.pending_counts = _grow(self.pending_counts, capacity)
             self.pending_seen = _grow(self.pending_seen, capacity)
 
-    def _create(self, ids: Tensor) -> Tensor:
-        """New rows for ``ids`` (unique, absent), initialized; returns them."""
-        rows = self.ids.insert(ids)
+    def _create(self, ids: Tensor, found: Found) -> Tensor:
+        """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
+        rows = self.ids.insert(ids, found)
         if self.ids.used_rows > self.weight.shape[0]:
             capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
             self.weight = _grow(self.weight, capacity)
