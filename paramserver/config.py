@@ -22,7 +22,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-MODES = ("async", "sync")
+MODES = ("async", "sync", "ssp")
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
 
 
@@ -89,7 +89,14 @@ class TrainConfig:
 
     servers: int = field(default=2, metadata=_doc("number of server processes (shards)"))
     trainers: int = field(default=2, metadata=_doc("number of trainer processes"))
-    mode: str = field(default="async", metadata=_doc("consistency: async | sync", choices=MODES))
+    mode: str = field(
+        default="async",
+        metadata=_doc(
+            "consistency: async (no bound) | sync (aggregated rounds) | ssp (bounded "
+            "staleness, see --staleness)",
+            choices=MODES,
+        ),
+    )
     steps: int | None = field(
         default=None,
         metadata=_doc("optimizer steps per trainer at most (default: until data ends)"),
@@ -134,8 +141,33 @@ class TrainConfig:
     prefetch: bool = field(
         default=True,
         metadata=_doc(
-            "async mode: pull the next step's rows while this step computes (they then miss "
-            "this trainer's own latest push); sync mode never prefetches"
+            "async and ssp (staleness >= 1): pull the next step's rows while this step computes "
+            "(they then miss this trainer's own latest push; ssp counts that step in its "
+            "bound); sync never prefetches"
+        ),
+    )
+    staleness: int = field(
+        default=2,
+        metadata=_doc("ssp: steps a trainer may run ahead of the slowest live trainer"),
+    )
+    round_deadline: float | None = field(
+        default=None,
+        metadata=_doc(
+            "sync and ssp: seconds a round (or an ssp wait) waits for stragglers before going "
+            "on with the trainers present (default: wait for all)"
+        ),
+    )
+    min_contributors: int = field(
+        default=1, metadata=_doc("sync: pushes a round needs before its deadline may close it")
+    )
+    heartbeat_interval: float = field(
+        default=1.0, metadata=_doc("seconds between a trainer's heartbeats to each server")
+    )
+    trainer_timeout: float = field(
+        default=10.0,
+        metadata=_doc(
+            "seconds of silence (no call, no heartbeat) after which a trainer is declared "
+            "departed: the others stop waiting for it and its later pushes are refused"
         ),
     )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
@@ -177,6 +209,7 @@ class TrainConfig:
             "epochs",
             "batch_size",
             "accumulate",
+            "min_contributors",
             "rpc_threads",
             "threads_per_process",
         )
@@ -191,6 +224,23 @@ class TrainConfig:
         if self.launcher not in LAUNCHERS:
             raise ConfigError(
                 f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}"
+            )
+        if not isinstance(self.staleness, int) or self.staleness < 0:
+            raise ConfigError(f"--staleness must be an integer >= 0, got {self.staleness!r}")
+        if self.round_deadline is not None and not self.round_deadline > 0:
+            raise ConfigError(f"--round-deadline must be > 0 seconds, got {self.round_deadline}")
+        if self.min_contributors > self.trainers:
+            raise ConfigError(
+                f"--min-contributors {self.min_contributors} exceeds --trainers {self.trainers}"
+            )
+        if not self.heartbeat_interval > 0:
+            raise ConfigError(
+                f"--heartbeat-interval must be > 0 seconds, got {self.heartbeat_interval}"
+            )
+        if not self.trainer_timeout >= 2 * self.heartbeat_interval:
+            raise ConfigError(
+                f"--trainer-timeout ({self.trainer_timeout} s) must be at least twice "
+                f"--heartbeat-interval ({self.heartbeat_interval} s)"
             )
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
@@ -233,6 +283,13 @@ class TrainConfig:
                 f"the job names tables {unknown}, which the model does not have; its tables are "
                 f"{sorted(tables)}"
             )
+
+    @property
+    def prefetches(self) -> bool:
+        """Whether trainers prefetch: sync never does, ssp only with a bound to spend on it."""
+        return self.prefetch and (
+            self.mode == "async" or (self.mode == "ssp" and self.staleness >= 1)
+        )
 
     @property
     def world_size(self) -> int:

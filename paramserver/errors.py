@@ -35,6 +35,14 @@ class TrainerDepartedError(ParamServerError):
     """A server refused a call from a trainer that already left (or was declared departed)."""
 
 
+class ServerLostError(ParamServerError, ConnectionError):
+    """A server stopped answering heartbeats (it died, froze, or its host was cut off)."""
+
+    def __init__(self, message: str, *, server: int):
+        super().__init__(message)
+        self.server = server
+
+
 class ModelError(ParamServerError, ValueError):
     """The user's model cannot be served as given (for example an embedding with ``max_norm``)."""
 

@@ -85,6 +85,7 @@ class PushPullRequest:
     report: TrainerReport | None = None
     pool_rows: dict[str, BagBlock] = field(default_factory=dict)
     pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
+    grads_step: int = -1  # the call whose answer the gradients were computed from
 
     @property
     def has_grads(self) -> bool:

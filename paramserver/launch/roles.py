@@ -37,7 +37,7 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     initial = dict(model.named_parameters())
     shard = ServerShard(server, plan, initial, config)
     del model, initial
-    return ServerEndpoint(Coordinator(shard, config.trainers, config.mode))
+    return ServerEndpoint(Coordinator(shard, config))
 
 
 def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:

@@ -1,7 +1,12 @@
-"""Consistency policies, membership and idempotency for one server.
+"""Consistency policies, membership, liveness and idempotency for one server.
 
 ``async``: a push is applied on arrival (per-parameter locks make concurrent pushes to the same
 rows safe: each is applied whole, none is lost) and answered at once.
+
+``ssp`` (stale synchronous parallel, bound ``s``): pushes are applied on arrival as in async, but
+the answer to a trainer's call ``c`` (the values it computes its next step with) waits until
+every live trainer has made call ``c - s``: no trainer runs more than ``s`` steps ahead of the
+slowest. ``s = 0`` is lock-step without aggregation; async is no bound.
 
 ``sync``: the pushes of step ``t`` from every trainer still in the round set form round ``t``.
 When the last one arrives the round's gradients are averaged (summed in trainer order, so the
@@ -9,8 +14,19 @@ result does not depend on arrival order), applied once, and every trainer of the
 answered with the new values. Waiting is a :class:`torch.futures.Future` per trainer completed
 by the call that closes the round: no RPC thread blocks.
 
+Stragglers: with a ``round_deadline``, a sync round open that long closes with the pushes
+present (at least ``min_contributors``); a push for a round that closed without it is not
+applied (counted as late) and is answered with current values. An SSP wait ends at the deadline
+too. Departures: a trainer silent (no call, no heartbeat) for ``trainer_timeout`` seconds is
+declared departed: rounds and bounds stop counting it, and its later calls are refused.
+A watchdog thread checks deadlines and silences; it only completes Futures.
+
 Membership: all trainers start in the round set. A push marked ``final`` (the trainer's data has
 ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
+
+Staleness: each answer that trains records how many updates this server had applied; when the
+gradients computed from it arrive (``grads_step`` names that call), the updates applied since
+are the gradient's staleness (always 0 in sync mode), kept as a histogram.
 
 Idempotency: a trainer numbers its calls 0, 1, 2, ... and sends them one at a time, so a
 server accepts only the next number. ``(trainer, step)`` on this server is applied at most once:
@@ -21,6 +37,9 @@ applied push is answered with current values (its reads validated, its gradients
 from __future__ import annotations
 
 import threading
+import time
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +47,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.protocol import (
     BagBlock,
@@ -39,6 +59,8 @@ from paramserver.protocol import (
     payload_nbytes,
 )
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
+
+WATCHDOG_PERIOD_S = 0.1
 
 
 def completed(value: object) -> Future:
@@ -75,25 +97,69 @@ class _Round:
     requests: dict[int, PushPullRequest] = field(default_factory=dict)
     waiters: dict[int, Future] = field(default_factory=dict)
     closing: bool = False  # complete, being applied; stays listed until answered
+    opened_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Held:
+    """An SSP answer held back until the slowest live trainer catches up."""
+
+    request: PushPullRequest
+    future: Future
+    clock: int
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class LivenessStats:
+    late_pushes: int = 0  # sync pushes whose round had closed without them
+    short_rounds: int = 0  # rounds closed at their deadline, without every member
+    held_answers: int = 0  # SSP answers that had to wait
+    held_seconds: float = 0.0
+    released_at_deadline: int = 0
+    staleness: Counter[int] = field(default_factory=Counter)
 
 
 class Coordinator:
     """Entry point of a server: routes each request through membership, dedup and the policy."""
 
-    def __init__(self, shard: ServerShard, num_trainers: int, mode: str):
+    def __init__(self, shard: ServerShard, config: TrainConfig):
         self.shard = shard
-        self.mode = mode
-        self.num_trainers = num_trainers
-        self.members: set[int] = set(range(num_trainers))
+        self.mode = config.mode
+        self.num_trainers = config.trainers
+        # With prefetch a trainer computes one step past its last call: bound one less.
+        self.staleness_bound = (
+            config.staleness - int(config.prefetches) if config.mode == "ssp" else None
+        )
+        self.round_deadline = config.round_deadline
+        self.min_contributors = config.min_contributors
+        self.trainer_timeout = config.trainer_timeout
+        self.members: set[int] = set(range(config.trainers))
         self.left: set[int] = set()
+        self.departed: set[int] = set()
         self.last_step: dict[int, int] = {}
+        # Silence is counted from a trainer's last call or heartbeat, or, before its first,
+        # from the first contact of any trainer (all start together, after the RPC barrier).
+        self.last_seen: dict[int, float] = {}
+        self._first_contact: float | None = None
         self.reports: dict[int, TrainerReport] = {}
         # The bags each trainer pulled for server-side pooling, until their gradients come
         # back: (trainer, pull step, table) -> bags.
         self.pool_specs: dict[tuple[int, int, str], BagBlock] = {}
+        self.updates = 0  # updates applied (pushes, or rounds in sync mode)
+        self._read_at: dict[tuple[int, int], int] = {}  # (trainer, step) -> updates then
+        self.liveness = LivenessStats()
         self._rounds: dict[int, _Round] = {}
+        self._closed_through = 0  # every sync round up to this step has closed
+        self._held: list[_Held] = []
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
+        self._stopped = threading.Event()
+        _start_watchdog(self)
+
+    def close(self) -> None:
+        """Stop the watchdog thread."""
+        self._stopped.set()
 
     # ---- the calls a trainer makes ----
 
@@ -118,37 +184,26 @@ class Coordinator:
             previous = self.last_step.get(request.trainer, -1)
             if request.step <= previous:
                 return self._answer_duplicate(request)
-            if request.trainer not in self.members:
-                return failed(
-                    TrainerDepartedError(
-                        f"server {self.shard.server}: trainer {request.trainer} already left"
-                    )
-                )
-            # A trainer's calls reach a server one at a time and numbered 0, 1, 2, ...: a gap
-            # is a peer's error (and would let one call move every table's clock far ahead).
-            if request.step != previous + 1:
-                return failed(
-                    ParamServerError(
-                        f"server {self.shard.server}: trainer {request.trainer} sent step "
-                        f"{request.step} after {previous}"
-                    )
-                )
+            refusal = self._refusal(request, previous)
+            if refusal is not None:
+                return failed(refusal)
             spec_keys = [(request.trainer, p.pull_step, n) for n, p in request.pooled_grads.items()]
-            if not all(key in self.pool_specs for key in spec_keys):
-                return failed(
-                    InvalidPushError(
-                        "pooled gradients for bags that were already used", server=self.shard.server
-                    )
-                )
             for key in spec_keys:
                 del self.pool_specs[key]
             self.last_step[request.trainer] = request.step
+            self._seen(request.trainer)
             clock = self.shard.advance_clock(request.step)
             if request.report is not None:
                 self.reports[request.trainer] = request.report
             # In sync mode every push after the initial pull joins its round, gradients or
             # not: the round waits for each member's step, whatever this server owns of it.
             joins_round = self.mode == "sync" and request.step > 0
+            if joins_round and request.step <= self._closed_through:
+                joins_round = False  # its round closed without it: too late to count
+                self.liveness.late_pushes += 1
+                self._read_at.pop((request.trainer, request.grads_step), None)
+                request.dense_grads.clear()
+                request.row_grads.clear()
             if joins_round:
                 waiter, ready = self._join_round(request)
         if joins_round:
@@ -156,13 +211,19 @@ class Coordinator:
             return waiter
         try:
             if request.has_grads:
+                self._record_staleness([request])
                 self.shard.apply(request.dense_grads, request.row_grads, clock, request.trainer)
+                self._count_update()
+            if self.staleness_bound is not None and not request.final:
+                return self._answer_within_bound(request, clock)
             return completed(self._answer(request, train=True, clock=clock))
         except Exception as error:  # a server fault: the caller must hear of it
             return failed(error)
         finally:
             if request.final:
                 self._leave([request.trainer])
+            elif self.staleness_bound is not None:
+                self._release_held()
 
     def pull(self, request: PushPullRequest) -> Future:
         """Answer a read-only request (no gradients); it changes nothing and needs no key."""
@@ -177,6 +238,20 @@ class Coordinator:
             return failed(error)
         return completed(self._answer(request, train=False))
 
+    def heartbeat(self, trainer: int) -> Future:
+        """Note that ``trainer`` is alive; answers what this server takes it to be."""
+        if type(trainer) is not int or not 0 <= trainer < self.num_trainers:
+            return failed(
+                ParamServerError(f"server {self.shard.server}: unknown trainer {trainer!r}")
+            )
+        with self.lock:
+            if trainer in self.departed:
+                return completed("departed")
+            if trainer in self.left:
+                return completed("left")
+            self._seen(trainer)
+        return completed("member")
+
     def wait_all_left(self) -> Future:
         """A future completed once every trainer has left."""
         with self.lock:
@@ -187,10 +262,72 @@ class Coordinator:
             return future
 
     def remove_trainer(self, trainer: int) -> None:
-        """Take ``trainer`` out of the round set (it failed); its later pushes are refused."""
-        self._leave([trainer])
+        """Take ``trainer`` out of the job (it failed): it counts as departed."""
+        self._leave([trainer], departed=True)
+
+    def check_liveness(self, now: float | None = None) -> None:
+        """Declare silent trainers departed, close rounds past their deadline and release
+        SSP answers whose bound is met or whose deadline passed (the watchdog's tick)."""
+        now = time.monotonic() if now is None else now
+        with self.lock:
+            timeout, first = self.trainer_timeout, self._first_contact
+            silent = [
+                t
+                for t in sorted(self.members)
+                if first is not None and now - self.last_seen.get(t, first) > timeout
+            ]
+        if silent:
+            self._leave(silent, departed=True)
+        with self.lock:
+            ready = self._pop_ready_rounds(now)
+        self._close_rounds(ready)
+        self._release_held(now)
+
+    def liveness_stats(self) -> dict[str, Any]:
+        with self.lock:
+            stats = self.liveness
+            return {
+                "departed": sorted(self.departed),
+                "late_pushes": stats.late_pushes,
+                "short_rounds": stats.short_rounds,
+                "held_answers": stats.held_answers,
+                "held_seconds": stats.held_seconds,
+                "released_at_deadline": stats.released_at_deadline,
+                "staleness": dict(sorted(stats.staleness.items())),
+            }
 
     # ---- internals ----
+
+    def _seen(self, trainer: int) -> None:
+        """Called with the lock held."""
+        now = time.monotonic()
+        self.last_seen[trainer] = now
+        if self._first_contact is None:
+            self._first_contact = now
+
+    def _refusal(self, request: PushPullRequest, previous: int) -> ParamServerError | None:
+        """Why a new call must be refused, if it must. Called with the lock held."""
+        server, trainer = self.shard.server, request.trainer
+        if trainer in self.departed:
+            return TrainerDepartedError(
+                f"server {server}: trainer {trainer} was declared departed (silent over "
+                f"{self.trainer_timeout} s or failed); its later calls are refused"
+            )
+        if trainer not in self.members:
+            return TrainerDepartedError(f"server {server}: trainer {trainer} already left")
+        # A trainer's calls reach a server one at a time and numbered 0, 1, 2, ...: a gap
+        # is a peer's error (and would let one call move every table's clock far ahead).
+        if request.step != previous + 1:
+            return ParamServerError(
+                f"server {server}: trainer {trainer} sent step {request.step} after {previous}"
+            )
+        if not all(
+            (trainer, p.pull_step, n) in self.pool_specs for n, p in request.pooled_grads.items()
+        ):
+            return InvalidPushError(
+                "pooled gradients for bags that were already used", server=server
+            )
+        return None
 
     def _check_header(self, request: object) -> None:
         """Reject a request whose fields are not of the types the protocol defines."""
@@ -201,6 +338,8 @@ class Coordinator:
             raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
         if type(request.step) is not int or request.step < 0:
             raise ParamServerError(f"server {server}: bad step {request.step!r}")
+        if type(request.grads_step) is not int or not -1 <= request.grads_step < request.step:
+            raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
         if type(request.final) is not bool or type(request.pull_dense) is not bool:
             raise ParamServerError(f"server {server}: malformed request: flags must be bools")
         for name in ("dense_grads", "row_grads", "pull_rows", "pool_rows", "pooled_grads"):
@@ -244,9 +383,10 @@ class Coordinator:
             request.row_grads[name] = bag_grads_to_rows(spec, pooled.grads)
 
     def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
-        if train and request.pool_rows:
+        if train:
             with self.lock:
-                if request.trainer in self.members:  # a leaver's bags will never come back
+                if request.trainer in self.members:  # a leaver's pulls will never come back
+                    self._read_at[(request.trainer, request.step)] = self.updates
                     for name, block in request.pool_rows.items():
                         self.pool_specs[(request.trainer, request.step, name)] = block
         reply = self.shard.read(request, train=train, clock=clock)
@@ -262,6 +402,61 @@ class Coordinator:
             return chain(original, lambda reply: reply)
         return completed(self._answer(request, train=False))
 
+    def _record_staleness(self, requests: list[PushPullRequest]) -> None:
+        with self.lock:
+            for request in requests:
+                read_at = self._read_at.pop((request.trainer, request.grads_step), None)
+                if read_at is not None:
+                    self.liveness.staleness[self.updates - read_at] += 1
+
+    def _count_update(self) -> None:
+        with self.lock:
+            self.updates += 1
+
+    # ---- SSP ----
+
+    def _within_bound(self, step: int) -> bool:
+        """Whether every live trainer has made call ``step - s``. Called with the lock held."""
+        assert self.staleness_bound is not None
+        slowest = min((self.last_step.get(t, -1) for t in self.members), default=step)
+        return slowest >= step - self.staleness_bound
+
+    def _answer_within_bound(self, request: PushPullRequest, clock: int) -> Future:
+        with self.lock:
+            if not self._within_bound(request.step):
+                held = _Held(request, Future(), clock)
+                self._held.append(held)
+                self.liveness.held_answers += 1
+                return held.future
+        return completed(self._answer(request, train=True, clock=clock))
+
+    def _release_held(self, now: float | None = None) -> None:
+        """Answer the held calls whose bound is now met (or whose deadline passed)."""
+        now = time.monotonic() if now is None else now
+        deadline = self.round_deadline
+        with self.lock:
+            if not self._held:
+                return
+            released, kept = [], []
+            for held in self._held:
+                if self._within_bound(held.request.step):
+                    released.append(held)
+                elif deadline is not None and now - held.since >= deadline:
+                    released.append(held)
+                    self.liveness.released_at_deadline += 1
+                else:
+                    kept.append(held)
+            self._held = kept
+            for held in released:
+                self.liveness.held_seconds += now - held.since
+        for held in released:
+            try:
+                held.future.set_result(self._answer(held.request, train=True, clock=held.clock))
+            except Exception as error:
+                held.future.set_exception(error)
+
+    # ---- sync rounds ----
+
     def _join_round(self, request: PushPullRequest) -> tuple[Future, list[tuple[int, _Round]]]:
         """Add ``request`` to its round; returns its waiter and the rounds now complete.
         Called with the lock held; the caller closes the returned rounds after releasing it."""
@@ -271,16 +466,27 @@ class Coordinator:
         round_.waiters[request.trainer] = waiter
         return waiter, self._pop_ready_rounds()
 
-    def _pop_ready_rounds(self) -> list[tuple[int, _Round]]:
-        """Mark the rounds whose every member has pushed as closing and return them, oldest
-        first. Called with the lock held."""
-        ready = [
-            (step, round_)
-            for step, round_ in self._rounds.items()
-            if not round_.closing and self.members <= round_.requests.keys()
-        ]
-        for _, round_ in ready:
+    def _pop_ready_rounds(self, now: float | None = None) -> list[tuple[int, _Round]]:
+        """Mark the rounds that may close (every member pushed, or the deadline passed with
+        enough pushes) as closing and return them, oldest first. Called with the lock held."""
+        now = time.monotonic() if now is None else now
+        deadline = self.round_deadline
+        ready = []
+        for step, round_ in self._rounds.items():
+            if round_.closing:
+                continue
+            if self.members <= round_.requests.keys():
+                ready.append((step, round_))
+            elif (
+                deadline is not None
+                and now - round_.opened_at >= deadline
+                and len(round_.requests) >= self.min_contributors
+            ):
+                ready.append((step, round_))
+                self.liveness.short_rounds += 1
+        for step, round_ in ready:
             round_.closing = True
+            self._closed_through = max(self._closed_through, step)
         return sorted(ready, key=lambda item: item[0])
 
     def _close_rounds(self, ready: list[tuple[int, _Round]]) -> None:
@@ -294,8 +500,10 @@ class Coordinator:
         requests = [round_.requests[t] for t in trainers]
         error: Exception | None = None
         try:
+            self._record_staleness([r for r in requests if r.has_grads])
             dense, rows = aggregate_mean(requests)
             self.shard.apply(dense, rows, clock=step)
+            self._count_update()
         except Exception as failure:
             error = failure
         leaving = [r.trainer for r in requests if r.final]
@@ -312,20 +520,41 @@ class Coordinator:
         with self.lock:
             del self._rounds[step]
 
-    def _leave(self, trainers: list[int]) -> None:
+    def _leave(self, trainers: list[int], *, departed: bool = False) -> None:
         with self.lock:
             for trainer in trainers:
+                if trainer not in self.members:
+                    continue
                 self.members.discard(trainer)
-                self.left.add(trainer)
-            for key in [k for k in self.pool_specs if k[0] in trainers]:
-                del self.pool_specs[key]
+                (self.departed if departed else self.left).add(trainer)
+            gone = set(trainers)
+            self.pool_specs = {k: v for k, v in self.pool_specs.items() if k[0] not in gone}
+            self._read_at = {k: v for k, v in self._read_at.items() if k[0] not in gone}
             ready = self._pop_ready_rounds()
             done = [] if self.members else self._all_left
             if not self.members:
                 self._all_left = []
         self._close_rounds(ready)
+        self._release_held()
         for future in done:
             future.set_result(None)
+
+
+def _start_watchdog(coordinator: Coordinator) -> None:
+    """A daemon thread ticking ``check_liveness``; it holds the coordinator weakly, so it ends
+    with it (or on ``close``)."""
+    ref = weakref.ref(coordinator)
+    stopped = coordinator._stopped
+
+    def watch() -> None:
+        while not stopped.wait(WATCHDOG_PERIOD_S):
+            target = ref()
+            if target is None:
+                return
+            target.check_liveness()
+            del target
+
+    threading.Thread(target=watch, name="paramserver-watchdog", daemon=True).start()
 
 
 def aggregate_mean(

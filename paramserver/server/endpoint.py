@@ -21,6 +21,7 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "export_state": (bool,),
     "stats": (),
     "fingerprint": (),
+    "heartbeat": (int,),
 }
 
 
@@ -64,7 +65,11 @@ class ServerEndpoint:
         with self.coordinator.lock:
             stats["reports"] = dict(self.coordinator.reports)
             stats["left"] = sorted(self.coordinator.left)
+        stats.update(self.coordinator.liveness_stats())
         return completed(stats)
+
+    def _op_heartbeat(self, trainer: int) -> Future:
+        return self.coordinator.heartbeat(trainer)
 
     def _op_fingerprint(self) -> Future:
         return completed(self.shard.plan.fingerprint)

@@ -25,6 +25,7 @@ from paramserver.protocol import (
     payload_nbytes,
 )
 from paramserver.sharding import ShardPlan
+from paramserver.trainer.heartbeat import wait_all
 from paramserver.transport.base import Transport
 
 RowsById = dict[str, tuple[Tensor, Tensor]]
@@ -47,7 +48,11 @@ class Pulled:
 class PSClient:
     """Not thread-safe: one client per trainer, one call in flight at a time."""
 
-    def __init__(self, transport: Transport, plan: ShardPlan, trainer: int):
+    def __init__(
+        self, transport: Transport, plan: ShardPlan, trainer: int, alarm: Future | None = None
+    ):
+        """``alarm``: a future that fails when the job is lost (see :mod:`.heartbeat`); waits
+        on calls end at once when it does."""
         if transport.num_servers != plan.num_servers:
             raise ParamServerError(
                 f"transport reaches {transport.num_servers} servers but the "
@@ -56,6 +61,7 @@ class PSClient:
         self.transport = transport
         self.plan = plan
         self.trainer = trainer
+        self.alarm = alarm
         self.step = 0
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
@@ -82,6 +88,7 @@ class PSClient:
         pull_dense: bool = True,
         final: bool = False,
         report: TrainerReport | None = None,
+        grads_step: int = -1,
     ) -> InFlight:
         """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
@@ -92,10 +99,16 @@ class PSClient:
         Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
         ``pooled``), and ``pooled_grads`` maps a table to ``(pull_step, gradient of the pooled
         sums)`` for the bags pulled by the call numbered ``pull_step`` (``Pulled.step``).
+        ``grads_step``: the call whose answer the gradients were computed from.
         """
         requests = [
             PushPullRequest(
-                self.trainer, self.step, pull_dense=pull_dense, final=final, report=report
+                self.trainer,
+                self.step,
+                pull_dense=pull_dense,
+                final=final,
+                report=report,
+                grads_step=grads_step,
             )
             for _ in range(self.plan.num_servers)
         ]
@@ -160,7 +173,9 @@ class PSClient:
             report.bytes_sent = self.traffic.bytes_sent
             report.bytes_received = self.traffic.bytes_received
         futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
-        return InFlight(futures, pull_ids, orders, self.traffic, step, pooled_shapes or {})
+        return InFlight(
+            futures, pull_ids, orders, self.traffic, step, pooled_shapes or {}, self.alarm
+        )
 
 
 class InFlight:
@@ -174,8 +189,10 @@ class InFlight:
         traffic: Traffic,
         step: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
+        alarm: Future | None,
     ):
         self.futures = futures
+        self.alarm = alarm
         self.pull_ids = pull_ids
         self.orders = orders
         self.traffic = traffic
@@ -190,7 +207,7 @@ class InFlight:
         return self.result
 
     def _assemble(self) -> Pulled:
-        replies: list[PushPullReply] = [future.wait() for future in self.futures]
+        replies: list[PushPullReply] = wait_all(self.futures, self.alarm)  # type: ignore[assignment]
         self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
         pulled = Pulled(step=self.step)
         for reply in replies:

@@ -6,12 +6,13 @@ forward and backward on each batch (the loss divided by the batch count, so the 
 the mean gradient); clip by global norm if asked. After the data ends, a last call pushes the
 final gradients and leaves the job.
 
-Prefetch (async mode): the call that pushes step ``t-1``'s gradients already pulls the rows of
-step ``t+1``, and is under way while step ``t`` computes, so the servers' work and the wire
-overlap the trainer's compute. Rows then miss this trainer's own latest push (one step of
-staleness, which async mode allows). One call per trainer is in flight at a time, so a
-server sees a trainer's pushes in order. Sync mode never prefetches: its rounds promise
-values that include every trainer's previous step.
+Prefetch (async, and ssp with a bound of at least 1): the call that pushes step ``t-1``'s
+gradients already pulls the rows of step ``t+1``, and is under way while step ``t`` computes,
+so the servers' work and the wire overlap the trainer's compute. Rows then miss this trainer's
+own latest push (one step of staleness, which async mode allows and ssp counts in its bound).
+One call per trainer is in flight at a time, so a server sees a trainer's pushes in order.
+Sync mode never prefetches: its rounds promise values that include every trainer's previous
+step.
 
 The chief (trainer 0) then waits for every trainer to leave and gathers the final parameters
 and every server's statistics, so the job's result is complete under any launcher.
@@ -29,10 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.futures import Future
 
 from paramserver.config import TrainConfig
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.client import InFlight, PSClient, gather_state, to_state_dict
+from paramserver.trainer.heartbeat import Heartbeats, wait_all
 from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
 from paramserver.transport.base import Transport
 
@@ -66,12 +69,13 @@ class Gradients:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
+    pull_step: int = -1  # the call whose answer they were computed from
 
     @classmethod
     def of(cls, replica: Replica, pull_step: int) -> Gradients:
         dense, rows = replica.gradients()
         pooled = {name: (pull_step, g) for name, g in replica.pooled_gradients().items()}
-        return cls(dense, rows, pooled)
+        return cls(dense, rows, pooled, pull_step)
 
     def push(
         self,
@@ -90,8 +94,9 @@ class Gradients:
             pull_dense=following is not None,
             final=final,
             report=report,
+            grads_step=self.pull_step,
         )
-        self.dense, self.rows, self.pooled = {}, {}, {}
+        self.dense, self.rows, self.pooled, self.pull_step = {}, {}, {}, -1
         return in_flight
 
 
@@ -141,18 +146,45 @@ def run_trainer(
     transport: Transport,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> TrainerOutcome:
+    # Heartbeats first: model building can take a while, and the servers count silence.
+    heartbeats = Heartbeats(
+        transport, trainer, config.heartbeat_interval, heartbeat_timeout(config)
+    ).start()
+    try:
+        return _train(
+            trainer, config, model_fn, data_fn, loss_fn, transport, heartbeats.alarm, on_progress
+        )
+    finally:
+        heartbeats.stop()
+
+
+def heartbeat_timeout(config: TrainConfig) -> float:
+    """How long a server may take to answer a heartbeat before it counts as lost."""
+    return max(2.0, 2 * config.heartbeat_interval)
+
+
+def _train(
+    trainer: int,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    transport: Transport,
+    alarm: Future,
+    on_progress: Callable[[Progress], None] | None,
+) -> TrainerOutcome:
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
     config.check_tables(plan.tables)
     replica = Replica(model, config.server_pooling)
     replica.model.train()
     torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
-    client = PSClient(transport, plan, trainer)
+    client = PSClient(transport, plan, trainer, alarm)
     client.check_servers()
 
     losses: deque[float] = deque(maxlen=100)
     steps = samples = 0
-    prefetch = config.prefetch and config.mode == "async"
+    prefetch = config.prefetches
     groups = step_groups(data_fn, trainer, config.trainers, config)
 
     def record_next() -> Step | None:
@@ -214,16 +246,17 @@ def run_trainer(
     if trainer != 0:
         return TrainerOutcome(report)
     # Other trainers may run long after this one: wait for them without a timeout.
-    for future in [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)]:
-        future.wait()
+    wait_all(
+        [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)], alarm
+    )
     state: dict[str, Tensor] = {}
     if config.gather_model:
         state = to_state_dict(gather_state(transport, plan), plan)
         # Buffers (batch-norm statistics and the like) are not served: take this replica's.
         buffers = replica.model.state_dict().items()
         state.update({k: v for k, v in buffers if k not in replica.dense})
-    stats = [f.wait() for f in [transport.call(s, "stats") for s in range(config.servers)]]
-    return TrainerOutcome(report, state, stats)
+    stats = wait_all([transport.call(s, "stats") for s in range(config.servers)], alarm)
+    return TrainerOutcome(report, state, stats)  # type: ignore[arg-type]
 
 
 def _forward_backward(

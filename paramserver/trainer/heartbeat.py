@@ -1,0 +1,98 @@
+"""A trainer's heartbeats: proof of life for the servers, and a fast alarm when one is lost.
+
+A daemon thread calls every server's ``heartbeat`` each ``interval`` seconds, independent of
+data calls, so a server notices a frozen or dead trainer within its ``trainer_timeout`` and the
+trainer notices a lost server within ``timeout_s``, not at the data call's RPC timeout. A lost
+server, or a server that declared this trainer departed, completes :attr:`Heartbeats.alarm`
+with the error; :func:`wait_all` gives up waiting on calls as soon as the alarm goes off.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from torch.futures import Future
+
+from paramserver.errors import ServerLostError, TrainerDepartedError
+from paramserver.transport.base import Transport
+
+
+class Heartbeats:
+    def __init__(self, transport: Transport, trainer: int, interval: float, timeout_s: float):
+        self.transport = transport
+        self.trainer = trainer
+        self.interval = interval
+        self.timeout_s = timeout_s
+        self.alarm: Future = Future()
+        self._alarm_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"trainer{trainer}-heartbeats", daemon=True
+        )
+
+    def start(self) -> Heartbeats:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            started = time.monotonic()
+            calls = [
+                (s, self.transport.call(s, "heartbeat", self.trainer, timeout_s=self.timeout_s))
+                for s in range(self.transport.num_servers)
+            ]
+            for server, call in calls:
+                try:
+                    status = call.wait()
+                except Exception as error:
+                    if self._stopped.is_set():
+                        return  # the job is ending: servers go away
+                    self._raise(
+                        ServerLostError(
+                            f"server {server} did not answer a heartbeat within "
+                            f"{self.timeout_s:g} s (it died, froze or was cut off): "
+                            f"{type(error).__name__}: {str(error)[:200]}",
+                            server=server,
+                        )
+                    )
+                    return
+                if status == "departed":
+                    self._raise(
+                        TrainerDepartedError(
+                            f"server {server} declared trainer {self.trainer} departed "
+                            "(it was silent too long); its pushes are refused"
+                        )
+                    )
+                    return
+            self._stopped.wait(max(0.0, self.interval - (time.monotonic() - started)))
+
+    def _raise(self, error: Exception) -> None:
+        with self._alarm_lock:
+            if not self.alarm.done():
+                self.alarm.set_exception(error)
+
+
+def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:
+    """The futures' values once all are done; raises the alarm's error if it goes off first."""
+    if alarm is None:
+        return [f.wait() for f in futures]
+    woken: Future = Future()
+    lock = threading.Lock()
+
+    def wake(_: Future) -> None:
+        with lock:
+            if not woken.done():
+                woken.set_result(None)
+
+    torch.futures.collect_all(list(futures)).add_done_callback(wake)
+    alarm.add_done_callback(wake)
+    woken.wait()
+    if alarm.done():
+        alarm.wait()  # raises the alarm's error
+    return [f.wait() for f in futures]
