@@ -215,9 +215,7 @@ class ErrorFeedback:
     def __init__(self) -> None:
         self._residuals: dict[str, Tensor] = {}
 
-    def compress(
-        self, name: str, grad: Tensor, codec: str, topk_ratio: float = 0.01
-    ) -> Encoded:
+    def compress(self, name: str, grad: Tensor, codec: str, topk_ratio: float = 0.01) -> Encoded:
         """Encode ``grad + residual(name)`` and update the residual.
 
         The residual starts at zeros; a ``grad`` whose shape differs from the residual's raises
@@ -333,13 +331,7 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
 def _plain_tensor_problem(t: object) -> str | None:
     if type(t) is not Tensor:
         return f"payload must hold plain tensors, got {type(t).__name__}"
-    if (
-        t.layout != torch.strided
-        or t.device.type != "cpu"
-        or t.requires_grad
-        or t.is_nested
-        or t.has_names()
-    ):
+    if t.layout != torch.strided or t.device.type != "cpu" or t.requires_grad or t.is_nested:
         return "payload tensors must be dense CPU tensors without autograd"
     return None
 

@@ -50,10 +50,13 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     train_seconds = max((r.train_seconds for r in ordered), default=0.0)
     samples = sum(r.samples for r in ordered)
     losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
-    servers = [
-        {k: v for k, v in stats.items() if k not in ("reports", "left", "tables")}
-        for stats in chief.server_stats
-    ]
+    per_job = ("reports", "left", "tables", "departed", "staleness")
+    servers = [{k: v for k, v in stats.items() if k not in per_job} for stats in chief.server_stats]
+    # Each server measures the staleness of the gradients it receives.
+    staleness: dict[int, int] = {}
+    for stats in chief.server_stats:
+        for age, count in stats["staleness"].items():
+            staleness[age] = staleness.get(age, 0) + count
     tables: dict[str, dict[str, int]] = {}
     for stats in chief.server_stats:
         for name, counters in stats["tables"].items():
@@ -88,6 +91,8 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         },
         "server_stats": servers,
         "tables": tables,
+        "departed_trainers": sorted({t for s in chief.server_stats for t in s["departed"]}),
+        "staleness": dict(sorted(staleness.items())),
     }
 
 
