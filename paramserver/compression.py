@@ -19,10 +19,11 @@ Where the bounds come from:
   normal range and ``2^-25`` among fp16 subnormals. Above 65504 fp16 would overflow to inf, so a
   tensor with any ``|x| > 65504`` is sent as ``none`` instead: decoding never makes inf from a
   finite input.
-* bf16 keeps 8 significant bits and float32's exponent range. The additive ``2^-126`` (the
-  smallest normal float32) is there because torch's CPU conversion flushes float32 subnormals to
-  zero (measured on torch 2.13); a correctly rounded conversion would need only ``2^-134``.
-  Values past bfloat16's max (about 3.39e38) would round to inf, so such tensors go as ``none``.
+* bf16 keeps 8 significant bits and float32's exponent range. A correctly rounded conversion
+  (torch 2.13's on x86 CPUs) errs by at most ``2^-134`` on float32 subnormals; the bound uses
+  ``2^-126`` (the smallest normal float32) so that it also holds for converters that flush
+  subnormals to zero, as x86's AVX512-BF16 instructions do. Values past bfloat16's max (about
+  3.39e38) would round to inf, so such tensors go as ``none``.
 * int8 views the tensor as rows (a 2-D tensor's rows; 1-D and 0-d: one row; N-D: the first dim,
   the rest flattened), sends ``scale_row = max|row| / 127`` in float32 and
   ``q = round(x / scale_row)`` in ``[-127, 127]``. Rounding to the integer costs ``scale_row/2``;
