@@ -200,6 +200,11 @@ def validate(encoded: object, shape: tuple[int, ...]) -> str | None:
     return None
 
 
+def plain(value: Tensor | Encoded) -> Tensor:
+    """``value`` itself if a tensor, else decoded (for values from a trusted sender)."""
+    return decode(value) if isinstance(value, Encoded) else value
+
+
 class ErrorFeedback:
     """Compresses a sender's tensors by name, carrying what each message lost into the next.
 

@@ -24,6 +24,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 MODES = ("async", "sync", "ssp")
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
+GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
+VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -81,6 +83,22 @@ class OptimizerConfig:
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class TableCodecs:
+    """The codecs of one table's row gradients (``push``) and row values (``pull``); None:
+    the job's ``--table-push-codec`` / ``--table-pull-codec``."""
+
+    push: str | None = None
+    pull: str | None = None
+
+    def __post_init__(self) -> None:
+        for direction, codec in (("push", self.push), ("pull", self.pull)):
+            if codec is not None and codec not in VALUE_CODECS:
+                raise ConfigError(
+                    f"{direction} codec {codec!r} for a table: choose from {VALUE_CODECS}"
+                )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +188,39 @@ class TrainConfig:
             "departed: the others stop waiting for it and its later pushes are refused"
         ),
     )
+    dense_push_codec: str = field(
+        default="none",
+        metadata=_doc(
+            "codec of dense gradients sent to servers, with error feedback",
+            choices=GRADIENT_CODECS,
+        ),
+    )
+    dense_pull_codec: str = field(
+        default="none",
+        metadata=_doc("codec of dense values sent to trainers", choices=VALUE_CODECS),
+    )
+    table_push_codec: str = field(
+        default="none",
+        metadata=_doc(
+            "codec of embedding-row gradients (no error feedback: a row's next gradient may "
+            "be far off)",
+            choices=VALUE_CODECS,
+        ),
+    )
+    table_pull_codec: str = field(
+        default="none",
+        metadata=_doc("codec of embedding rows sent to trainers", choices=VALUE_CODECS),
+    )
+    table_codecs: Mapping[str, TableCodecs] = field(
+        default_factory=dict,
+        metadata=_doc(
+            "per-table codecs by table name (TOML [tables.NAME] push_codec / pull_codec)",
+            cli=False,
+        ),
+    )
+    topk_ratio: float = field(
+        default=0.01, metadata=_doc("fraction of each dense gradient top-k sends")
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(
@@ -242,6 +293,18 @@ class TrainConfig:
                 f"--trainer-timeout ({self.trainer_timeout} s) must be at least twice "
                 f"--heartbeat-interval ({self.heartbeat_interval} s)"
             )
+        for name, codecs in (
+            ("dense_push_codec", GRADIENT_CODECS),
+            ("dense_pull_codec", VALUE_CODECS),
+            ("table_push_codec", VALUE_CODECS),
+            ("table_pull_codec", VALUE_CODECS),
+        ):
+            if getattr(self, name) not in codecs:
+                raise ConfigError(
+                    f"--{_flag(name)}: unknown codec {getattr(self, name)!r}; choose from {codecs}"
+                )
+        if not 0 < self.topk_ratio <= 1:
+            raise ConfigError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
@@ -275,9 +338,15 @@ class TrainConfig:
             weight_decay=self.weight_decay,
         )
 
+    def codecs_for_table(self, table: str) -> tuple[str, str]:
+        """The (push, pull) codecs of ``table``."""
+        own = self.table_codecs.get(table, TableCodecs())
+        return own.push or self.table_push_codec, own.pull or self.table_pull_codec
+
     def check_tables(self, tables: Collection[str]) -> None:
-        """Fail if a per-table optimizer names a table the model does not have."""
-        unknown = sorted((set(self.table_optimizers) | set(self.server_pooling)) - set(tables))
+        """Fail if a per-table option names a table the model does not have."""
+        named = set(self.table_optimizers) | set(self.server_pooling) | set(self.table_codecs)
+        unknown = sorted(named - set(tables))
         if unknown:
             raise ConfigError(
                 f"the job names tables {unknown}, which the model does not have; its tables are "
@@ -348,12 +417,31 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         if name == "tables":
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: [tables] in {path} must be a table of tables")
-            values["table_optimizers"] = {
-                table: OptimizerConfig.from_mapping(spec, f"--config [tables.{table}]")
-                for table, spec in value.items()
-            }
+            values["table_optimizers"], values["table_codecs"] = _table_sections(value, path)
         elif name in known:
             values[name] = value
         else:
             raise ConfigError(f"--config: unknown key {key!r} in {path}; known: {sorted(known)}")
     return values
+
+
+def _table_sections(
+    sections: dict[str, Any], path: str | Path
+) -> tuple[dict[str, OptimizerConfig], dict[str, TableCodecs]]:
+    """``[tables.NAME]``: optimizer keys make a per-table optimizer; ``push_codec`` and
+    ``pull_codec`` per-table codecs."""
+    optimizers, codecs = {}, {}
+    for table, spec in sections.items():
+        where = f"--config [tables.{table}]"
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{where} in {path} must be a table of keys")
+        spec = dict(spec)
+        chosen = {k: spec.pop(k) for k in ("push_codec", "pull_codec") if k in spec}
+        if chosen:
+            try:
+                codecs[table] = TableCodecs(chosen.get("push_codec"), chosen.get("pull_codec"))
+            except ConfigError as error:
+                raise ConfigError(f"{where}: {error}") from None
+        if spec:
+            optimizers[table] = OptimizerConfig.from_mapping(spec, where)
+    return optimizers, codecs

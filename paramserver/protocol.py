@@ -5,6 +5,10 @@ step go up and the values it needs for the next step come back in the same round
 (:class:`PushPullReply`). Row ids on the wire are *global* row ids of a table; each server owns
 the rows the routing rule gives it (see :mod:`paramserver.sharding`).
 
+Any float32 tensor of gradients or values may travel encoded (a
+:class:`~paramserver.compression.Encoded`, per the job's codecs); the receiver decodes it, and a
+server validates it first.
+
 Ownership: once a message is handed to a transport the sender must not modify its tensors; the
 receiver owns what it receives.
 """
@@ -12,11 +16,14 @@ receiver owns what it receives.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
+
+from paramserver.compression import Encoded
 
 
 @dataclass
@@ -25,7 +32,7 @@ class RowBlock:
     the matching ``[len(ids), dim]`` rows (gradients in a request, parameters in a reply)."""
 
     ids: Tensor
-    values: Tensor
+    values: Tensor | Encoded
 
 
 @dataclass
@@ -45,7 +52,7 @@ class PooledGrad:
     this trainer's call number ``pull_step``."""
 
     pull_step: int
-    grads: Tensor
+    grads: Tensor | Encoded
 
 
 @dataclass
@@ -59,9 +66,19 @@ class TrainerReport:
     train_seconds: float
     bytes_sent: int
     bytes_received: int
+    uncompressed_bytes_sent: int = 0  # what the same messages would be without codecs
+    uncompressed_bytes_received: int = 0
 
     def is_well_formed(self) -> bool:
-        ints = (self.trainer, self.steps, self.samples, self.bytes_sent, self.bytes_received)
+        ints = (
+            self.trainer,
+            self.steps,
+            self.samples,
+            self.bytes_sent,
+            self.bytes_received,
+            self.uncompressed_bytes_sent,
+            self.uncompressed_bytes_received,
+        )
         floats = (self.train_loss, self.train_seconds)
         return all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
 
@@ -77,7 +94,7 @@ class PushPullRequest:
 
     trainer: int
     step: int
-    dense_grads: dict[str, Tensor] = field(default_factory=dict)
+    dense_grads: dict[str, Tensor | Encoded] = field(default_factory=dict)
     row_grads: dict[str, RowBlock] = field(default_factory=dict)
     pull_dense: bool = True
     pull_rows: dict[str, Tensor] = field(default_factory=dict)
@@ -96,25 +113,31 @@ class PushPullRequest:
 class PushPullReply:
     """A server's answer: current dense values and the requested rows, after the push applied."""
 
-    dense: dict[str, Tensor] = field(default_factory=dict)
-    rows: dict[str, Tensor] = field(default_factory=dict)
-    pooled: dict[str, Tensor] = field(default_factory=dict)  # [num_bags, dim] partial sums
+    dense: dict[str, Tensor | Encoded] = field(default_factory=dict)
+    rows: dict[str, Tensor | Encoded] = field(default_factory=dict)
+    pooled: dict[str, Tensor | Encoded] = field(default_factory=dict)  # [bags, dim] partial sums
 
 
-def payload_nbytes(message: Any) -> int:
+def payload_nbytes(message: Any, *, uncompressed: bool = False) -> int:
     """Bytes of tensor data in a message (dataclasses, mappings and sequences are walked).
 
     This is what dominates the wire: TensorPipe ships tensor storage as separate buffers; the
     pickled skeleton around them is a few hundred bytes per call and is not counted.
+    ``uncompressed``: count each encoded tensor as the float32 tensor it stands for.
     """
     if isinstance(message, Tensor):
         return message.numel() * message.element_size()
+    if uncompressed and isinstance(message, Encoded):
+        return math.prod(message.shape) * 4
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
-        return sum(payload_nbytes(getattr(message, f.name)) for f in dataclasses.fields(message))
+        return sum(
+            payload_nbytes(getattr(message, f.name), uncompressed=uncompressed)
+            for f in dataclasses.fields(message)
+        )
     if isinstance(message, Mapping):
-        return sum(payload_nbytes(v) for v in message.values())
+        return sum(payload_nbytes(v, uncompressed=uncompressed) for v in message.values())
     if isinstance(message, list | tuple):
-        return sum(payload_nbytes(v) for v in message)
+        return sum(payload_nbytes(v, uncompressed=uncompressed) for v in message)
     return 0
 
 

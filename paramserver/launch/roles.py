@@ -89,11 +89,25 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
             "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
         },
+        # Bytes on the wire over what the same messages would take without codecs.
+        "compression_ratio": {
+            "push": _ratio(
+                sum(r.bytes_sent for r in ordered), sum(r.uncompressed_bytes_sent for r in ordered)
+            ),
+            "pull": _ratio(
+                sum(r.bytes_received for r in ordered),
+                sum(r.uncompressed_bytes_received for r in ordered),
+            ),
+        },
         "server_stats": servers,
         "tables": tables,
         "departed_trainers": sorted({t for s in chief.server_stats for t in s["departed"]}),
         "staleness": dict(sorted(staleness.items())),
     }
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 1.0
 
 
 def run_rank(

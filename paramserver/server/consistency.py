@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch.futures import Future
 
+from paramserver.compression import Encoded, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.protocol import (
@@ -169,17 +170,19 @@ class Coordinator:
             self._check_header(request)
             with self.lock:
                 duplicate = request.step <= self.last_step.get(request.trainer, -1)
+            received = payload_nbytes(request)
             if duplicate:
                 request.pooled_grads.clear()  # already applied: only the reads are answered
                 request.dense_grads.clear()
                 request.row_grads.clear()
             else:
+                self.shard.decode_request(request)
                 self._expand_pooled_grads(request)
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
         with self.shard.stats.lock:
-            self.shard.stats.bytes_received += payload_nbytes(request)
+            self.shard.stats.bytes_received += received
         with self.lock:
             previous = self.last_step.get(request.trainer, -1)
             if request.step <= previous:
@@ -212,7 +215,8 @@ class Coordinator:
         try:
             if request.has_grads:
                 self._record_staleness([request])
-                self.shard.apply(request.dense_grads, request.row_grads, clock, request.trainer)
+                dense = {name: plain(grad) for name, grad in request.dense_grads.items()}
+                self.shard.apply(dense, request.row_grads, clock, request.trainer)
                 self._count_update()
             if self.staleness_bound is not None and not request.final:
                 return self._answer_within_bound(request, clock)
@@ -377,10 +381,12 @@ class Coordinator:
                     "both row and pooled gradients", param=name, server=self.shard.server
                 )
             table = self.shard.tables[name]
-            self.shard.check_tensor(
-                name, pooled.grads, (spec.num_bags, table.spec.dim), table.weight.dtype
-            )
-            request.row_grads[name] = bag_grads_to_rows(spec, pooled.grads)
+            shape = (spec.num_bags, table.spec.dim)
+            grads = pooled.grads
+            if type(grads) is Encoded:
+                grads = self.shard.decoded(name, grads, shape)
+            self.shard.check_tensor(name, grads, shape, table.weight.dtype)
+            request.row_grads[name] = bag_grads_to_rows(spec, grads)  # type: ignore[arg-type]
 
     def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
         if train:
@@ -570,9 +576,9 @@ def aggregate_mean(
     for request in requests:
         for name, grad in request.dense_grads.items():
             if name in dense:
-                dense[name] += grad
+                dense[name] += plain(grad)
             else:
-                dense[name] = grad.clone()
+                dense[name] = plain(grad).clone()
     for total in dense.values():
         total.div_(count)
     rows: dict[str, RowBlock] = {}
@@ -580,7 +586,7 @@ def aggregate_mean(
     for name in tables:
         blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
         ids = torch.cat([b.ids for b in blocks])
-        values = torch.cat([b.values for b in blocks])
+        values = torch.cat([plain(b.values) for b in blocks])
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
         summed.index_add_(0, inverse, values)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from paramserver.compression import Encoded, decode, encode, plain, validate
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock
@@ -102,10 +103,36 @@ class ServerShard:
             )
             for name, spec in plan.tables.items()
         }
+        self.dense_pull_codec = config.dense_pull_codec
+        self.table_pull_codecs = {name: config.codecs_for_table(name)[1] for name in plan.tables}
         self.clock = 0  # the highest trainer step seen: dynamic tables' time
         self._clock_lock = threading.Lock()
 
     # ---- validation: a push is checked whole before anything is applied ----
+
+    def decode_request(self, request: PushPullRequest) -> None:
+        """Replace encoded gradients by their float32 values (before :meth:`validate`); raise
+        :class:`InvalidPushError` for an encoding that does not stand for the expected shape."""
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if type(grad) is Encoded and slot is not None:
+                request.dense_grads[name] = self.decoded(name, grad, tuple(slot.value.shape))
+        for name, block in request.row_grads.items():
+            table = self.tables.get(name)
+            if (
+                type(block) is RowBlock
+                and type(block.values) is Encoded
+                and isinstance(block.ids, Tensor)
+                and table is not None
+            ):
+                shape = (block.ids.numel(), table.spec.dim)
+                block.values = self.decoded(name, block.values, shape)
+
+    def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
+        problem = validate(encoded, shape)
+        if problem is not None:
+            raise self._reject(name, f"malformed encoding: {problem}")
+        return decode(encoded)
 
     def _reject(self, param: str | None, reason: str) -> InvalidPushError:
         return InvalidPushError(reason, param=param, server=self.server)
@@ -238,7 +265,7 @@ class ServerShard:
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
-                rows += table.apply(block.ids, block.values, clock, trainer)
+                rows += table.apply(block.ids, plain(block.values), clock, trainer)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
@@ -269,10 +296,21 @@ class ServerShard:
                 name, block, train=train, clock=clock, trainer=request.trainer
             )
             rows += block.ids.numel()
+        self._encode(reply)
         with self.stats.lock:
             self.stats.rows_pulled += rows
             self.stats.read_seconds += time.perf_counter() - start
         return reply
+
+    def _encode(self, reply: PushPullReply) -> None:
+        if self.dense_pull_codec != "none":
+            for name, value in reply.dense.items():
+                reply.dense[name] = encode(self.dense_pull_codec, value)  # type: ignore[arg-type]
+        for part in (reply.rows, reply.pooled):
+            for name, value in part.items():
+                codec = self.table_pull_codecs[name]
+                if codec != "none":
+                    part[name] = encode(codec, value)  # type: ignore[arg-type]
 
     def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int, trainer: int) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""

@@ -8,12 +8,15 @@ parameters to return and, in sync mode, counts this trainer in its round.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 from torch.futures import Future
 
+from paramserver.compression import Encoded, ErrorFeedback, encode, plain
+from paramserver.config import TrainConfig
 from paramserver.errors import ParamServerError
 from paramserver.protocol import (
     BagBlock,
@@ -35,6 +38,33 @@ RowsById = dict[str, tuple[Tensor, Tensor]]
 class Traffic:
     bytes_sent: int = 0
     bytes_received: int = 0
+    uncompressed_sent: int = 0
+    uncompressed_received: int = 0
+
+    def count_sent(self, messages: list[PushPullRequest]) -> None:
+        self.bytes_sent += sum(payload_nbytes(m) for m in messages)
+        self.uncompressed_sent += sum(payload_nbytes(m, uncompressed=True) for m in messages)
+
+    def count_received(self, messages: list[PushPullReply]) -> None:
+        self.bytes_received += sum(payload_nbytes(m) for m in messages)
+        self.uncompressed_received += sum(payload_nbytes(m, uncompressed=True) for m in messages)
+
+
+@dataclass(frozen=True)
+class PushCodecs:
+    """How a trainer encodes what it pushes (servers choose the codecs of what they send)."""
+
+    dense: str = "none"
+    tables: Mapping[str, str] = field(default_factory=dict)  # table -> codec; absent: none
+    topk_ratio: float = 0.01
+
+    @classmethod
+    def of(cls, config: TrainConfig, tables: Iterable[str]) -> PushCodecs:
+        return cls(
+            config.dense_push_codec,
+            {name: config.codecs_for_table(name)[0] for name in tables},
+            config.topk_ratio,
+        )
 
 
 @dataclass
@@ -49,10 +79,16 @@ class PSClient:
     """Not thread-safe: one client per trainer, one call in flight at a time."""
 
     def __init__(
-        self, transport: Transport, plan: ShardPlan, trainer: int, alarm: Future | None = None
+        self,
+        transport: Transport,
+        plan: ShardPlan,
+        trainer: int,
+        alarm: Future | None = None,
+        codecs: PushCodecs | None = None,
     ):
         """``alarm``: a future that fails when the job is lost (see :mod:`.heartbeat`); waits
-        on calls end at once when it does."""
+        on calls end at once when it does. ``codecs``: how to encode pushes (default: none);
+        dense gradients are encoded with error feedback."""
         if transport.num_servers != plan.num_servers:
             raise ParamServerError(
                 f"transport reaches {transport.num_servers} servers but the "
@@ -62,6 +98,8 @@ class PSClient:
         self.plan = plan
         self.trainer = trainer
         self.alarm = alarm
+        self.codecs = codecs or PushCodecs()
+        self.feedback = ErrorFeedback()
         self.step = 0
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
@@ -112,14 +150,22 @@ class PSClient:
             )
             for _ in range(self.plan.num_servers)
         ]
+        codecs = self.codecs
         for name, grad in dense_grads.items():
-            requests[self.plan.dense_server[name]].dense_grads[name] = grad
+            requests[self.plan.dense_server[name]].dense_grads[name] = (
+                grad
+                if codecs.dense == "none"
+                else self.feedback.compress(name, grad, codecs.dense, codecs.topk_ratio)
+            )
         for name, (ids, grads) in row_grads.items():
             for server, (part_ids, part_grads) in self._by_server(name, ids, grads):
-                requests[server].row_grads[name] = RowBlock(part_ids, part_grads)
+                requests[server].row_grads[name] = RowBlock(
+                    part_ids, self._encode_rows(name, part_grads)
+                )
         for name, (pull_step, grads) in (pooled_grads or {}).items():
+            encoded = self._encode_rows(name, grads)
             for server in self._pool_servers.pop((pull_step, name)):
-                requests[server].pooled_grads[name] = PooledGrad(pull_step, grads)
+                requests[server].pooled_grads[name] = PooledGrad(pull_step, encoded)
         pooled_shapes = {}
         for name, bags in (pool_bags or {}).items():
             spec = self.plan.tables[name]
@@ -141,6 +187,10 @@ class PSClient:
             PushPullRequest(self.trainer, 0, pull_dense=False) for _ in range(self.plan.num_servers)
         ]
         return self._start("pull", requests, pull_ids).wait().rows
+
+    def _encode_rows(self, table: str, values: Tensor) -> Tensor | Encoded:
+        codec = self.codecs.tables.get(table, "none")
+        return values if codec == "none" else encode(codec, values)
 
     def _by_server(
         self, table: str, ids: Tensor, *aligned: Tensor
@@ -167,11 +217,13 @@ class PSClient:
             orders[name] = order
             for server, part in enumerate(ids[order].split(counts)):
                 requests[server].pull_rows[name] = part
-        self.traffic.bytes_sent += sum(payload_nbytes(r) for r in requests)
+        self.traffic.count_sent(requests)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
             report.bytes_sent = self.traffic.bytes_sent
             report.bytes_received = self.traffic.bytes_received
+            report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
+            report.uncompressed_bytes_received = self.traffic.uncompressed_received
         futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
         return InFlight(
             futures, pull_ids, orders, self.traffic, step, pooled_shapes or {}, self.alarm
@@ -208,18 +260,18 @@ class InFlight:
 
     def _assemble(self) -> Pulled:
         replies: list[PushPullReply] = wait_all(self.futures, self.alarm)  # type: ignore[assignment]
-        self.traffic.bytes_received += sum(payload_nbytes(r) for r in replies)
+        self.traffic.count_received(replies)
         pulled = Pulled(step=self.step)
         for reply in replies:
-            pulled.dense.update(reply.dense)
+            pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
         for name, (shape, dtype) in self.pooled_shapes.items():
             pooled = torch.zeros(shape, dtype=dtype)
             for reply in replies:
                 if name in reply.pooled:
-                    pooled += reply.pooled[name]
+                    pooled += plain(reply.pooled[name])
             pulled.pooled[name] = pooled
         for name, ids in self.pull_ids.items():
-            parts = torch.cat([reply.rows[name] for reply in replies])
+            parts = torch.cat([plain(reply.rows[name]) for reply in replies])
             rows = torch.empty_like(parts)
             rows[self.orders[name]] = parts
             pulled.rows[name] = (ids, rows)

@@ -34,7 +34,13 @@ from torch.futures import Future
 
 from paramserver.config import TrainConfig
 from paramserver.protocol import BagBlock, TrainerReport
-from paramserver.trainer.client import InFlight, PSClient, gather_state, to_state_dict
+from paramserver.trainer.client import (
+    InFlight,
+    PSClient,
+    PushCodecs,
+    gather_state,
+    to_state_dict,
+)
 from paramserver.trainer.heartbeat import Heartbeats, wait_all
 from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
 from paramserver.transport.base import Transport
@@ -179,7 +185,7 @@ def _train(
     replica = Replica(model, config.server_pooling)
     replica.model.train()
     torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
-    client = PSClient(transport, plan, trainer, alarm)
+    client = PSClient(transport, plan, trainer, alarm, PushCodecs.of(config, plan.tables))
     client.check_servers()
 
     losses: deque[float] = deque(maxlen=100)
