@@ -221,6 +221,17 @@ class TrainConfig:
     topk_ratio: float = field(
         default=0.01, metadata=_doc("fraction of each dense gradient top-k sends")
     )
+    cache_rows: int = field(
+        default=0,
+        metadata=_doc(
+            "async and ssp: rows of each table a trainer keeps cached (least recently used "
+            "go first; 0: no cache)"
+        ),
+    )
+    cache_staleness: int = field(
+        default=8,
+        metadata=_doc("a cached row is used while it misses at most this many updates"),
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(
@@ -305,6 +316,14 @@ class TrainConfig:
                 )
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
+        for name in ("cache_rows", "cache_staleness"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"--{_flag(name)} must be an integer >= 0, got {value!r}")
+        if self.cache_rows and self.mode == "sync":
+            raise ConfigError(
+                "--cache-rows needs --mode async or ssp: sync rounds promise current values"
+            )
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
@@ -352,6 +371,11 @@ class TrainConfig:
                 f"the job names tables {unknown}, which the model does not have; its tables are "
                 f"{sorted(tables)}"
             )
+
+    @property
+    def version_gap(self) -> int | None:
+        """How stale a trainer's cached row may be (None: trainers cache nothing)."""
+        return self.cache_staleness if self.cache_rows else None
 
     @property
     def prefetches(self) -> bool:

@@ -68,6 +68,9 @@ class TrainerReport:
     bytes_received: int
     uncompressed_bytes_sent: int = 0  # what the same messages would be without codecs
     uncompressed_bytes_received: int = 0
+    row_bytes_received: int = 0  # embedding rows alone
+    cache_hits: int = 0  # rows served from the trainer's cache...
+    cache_lookups: int = 0  # ...of the rows its steps needed from cached tables
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -78,6 +81,9 @@ class TrainerReport:
             self.bytes_received,
             self.uncompressed_bytes_sent,
             self.uncompressed_bytes_received,
+            self.row_bytes_received,
+            self.cache_hits,
+            self.cache_lookups,
         )
         floats = (self.train_loss, self.train_seconds)
         return all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
@@ -103,6 +109,9 @@ class PushPullRequest:
     pool_rows: dict[str, BagBlock] = field(default_factory=dict)
     pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
     grads_step: int = -1  # the call whose answer the gradients were computed from
+    # Per table, aligned with pull_rows: the version of each row the trainer has cached (-1:
+    # none); the server sends only the rows that must_send picks.
+    pull_versions: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def has_grads(self) -> bool:
@@ -116,6 +125,13 @@ class PushPullReply:
     dense: dict[str, Tensor | Encoded] = field(default_factory=dict)
     rows: dict[str, Tensor | Encoded] = field(default_factory=dict)
     pooled: dict[str, Tensor | Encoded] = field(default_factory=dict)  # [bags, dim] partial sums
+    row_versions: dict[str, Tensor] = field(default_factory=dict)  # for pull_versions' tables
+
+
+def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:
+    """Which rows a server sends a trainer that caches: those it has not cached, those without
+    a row (their default vector is not cached), and those more than ``bound`` updates behind."""
+    return (cached < 0) | (current < 0) | (current - cached > bound)
 
 
 def payload_nbytes(message: Any, *, uncompressed: bool = False) -> int:

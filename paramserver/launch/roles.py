@@ -89,6 +89,16 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
             "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
         },
+        "row_bytes_per_step": sum(r.row_bytes_received for r in ordered) / max(total_steps, 1),
+        "cache": {
+            "rows_per_table": config.cache_rows,
+            "staleness": config.cache_staleness,
+            "hit_rate": _ratio(
+                sum(r.cache_hits for r in ordered), sum(r.cache_lookups for r in ordered)
+            )
+            if config.cache_rows
+            else 0.0,
+        },
         # Bytes on the wire over what the same messages would take without codecs.
         "compression_ratio": {
             "push": _ratio(

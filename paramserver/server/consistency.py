@@ -346,7 +346,14 @@ class Coordinator:
             raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
         if type(request.final) is not bool or type(request.pull_dense) is not bool:
             raise ParamServerError(f"server {server}: malformed request: flags must be bools")
-        for name in ("dense_grads", "row_grads", "pull_rows", "pool_rows", "pooled_grads"):
+        for name in (
+            "dense_grads",
+            "row_grads",
+            "pull_rows",
+            "pool_rows",
+            "pooled_grads",
+            "pull_versions",
+        ):
             value = getattr(request, name)
             if type(value) is not dict or not all(type(k) is str for k in value):
                 raise ParamServerError(

@@ -26,7 +26,7 @@ from torch import Tensor
 from paramserver.compression import Encoded, decode, encode, plain, validate
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError
-from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock
+from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock, must_send
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import Table, make_table
 from paramserver.sharding import ShardPlan
@@ -99,10 +99,16 @@ class ServerShard:
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         self.tables: dict[str, Table] = {
             name: make_table(
-                spec, plan, server, initial.get(name), make_rule(config.table_optimizer_for(name))
+                spec,
+                plan,
+                server,
+                initial.get(name),
+                make_rule(config.table_optimizer_for(name)),
+                config.version_gap,
             )
             for name, spec in plan.tables.items()
         }
+        self.version_gap = config.version_gap
         self.dense_pull_codec = config.dense_pull_codec
         self.table_pull_codecs = {name: config.codecs_for_table(name)[1] for name in plan.tables}
         self.clock = 0  # the highest trainer step seen: dynamic tables' time
@@ -162,6 +168,19 @@ class ServerShard:
             if table is None:
                 raise self._reject(name, self._not_here(name))
             self._check_ids(name, table, ids, sorted_unique=True)
+        for name, cached in request.pull_versions.items():
+            pulled = request.pull_rows.get(name)
+            if pulled is None or self.version_gap is None:
+                raise self._reject(name, "cached versions without a pull, or caching is off")
+            if (
+                not isinstance(cached, Tensor)
+                or cached.dtype != torch.int64
+                or tuple(cached.shape) != tuple(pulled.shape)
+                or cached.layout != torch.strided
+                or cached.device.type != "cpu"
+                or (cached.numel() and int(cached.min()) < -1)
+            ):
+                raise self._reject(name, "cached versions must be int64 >= -1, one per id")
         for name, bags in request.pool_rows.items():
             table = self.tables.get(name)
             if table is None:
@@ -287,9 +306,14 @@ class ServerShard:
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
             with table.lock:
-                reply.rows[name] = table.read(
-                    ids, train=train, clock=clock, trainer=request.trainer
-                )
+                values = table.read(ids, train=train, clock=clock, trainer=request.trainer)
+                cached = request.pull_versions.get(name)
+                if cached is not None:
+                    assert self.version_gap is not None  # validated
+                    versions = table.versions_of(ids)
+                    values = values[must_send(cached, versions, self.version_gap)]
+                    reply.row_versions[name] = versions
+            reply.rows[name] = values
             rows += ids.numel()
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(

@@ -2,8 +2,13 @@
 
 Both kinds answer the same calls, each made with the table's lock held by the caller:
 ``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
-``export`` and ``stats``. Optimizer state lives beside the rows it belongs to: slot tensors and
-per-row step counts indexed like the weight.
+``versions_of`` (see below), ``export`` and ``stats``. Optimizer state lives beside the rows
+it belongs to: slot tensors and per-row step counts indexed like the weight.
+
+Versions (kept when trainers cache rows, ``version_gap`` set): each row counts the updates
+applied to it, so a trainer's cached copy can be judged by how many updates it missed. A
+dynamic row created anew starts ``version_gap + 1`` past any version an evicted row reached,
+so no copy cached before an eviction passes for fresh.
 
 Fixed tables hold the rows the cyclic rule gives this server (``r % S == server``) at local
 index ``r // S``.
@@ -68,7 +73,13 @@ class TableCounters:
 
 class FixedTable:
     def __init__(
-        self, spec: TableSpec, plan: ShardPlan, server: int, initial: Tensor, rule: UpdateRule
+        self,
+        spec: TableSpec,
+        plan: ShardPlan,
+        server: int,
+        initial: Tensor,
+        rule: UpdateRule,
+        version_gap: int | None = None,
     ):
         self.spec = spec
         self.plan = plan
@@ -79,6 +90,8 @@ class FixedTable:
         self.steps = (
             torch.zeros(self.weight.shape[0], dtype=torch.float32) if rule.needs_steps else None
         )
+        tracks = version_gap is not None
+        self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64) if tracks else None
         self.lock = threading.Lock()
 
     def check_ids(self, ids: Tensor) -> str | None:
@@ -94,7 +107,13 @@ class FixedTable:
     def apply(self, ids: Tensor, grads: Tensor, clock: int, trainer: int | None = None) -> int:
         local = self.plan.local_rows(ids)
         apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
+        if self.versions is not None:
+            self.versions[local] += 1
         return ids.numel()
+
+    def versions_of(self, ids: Tensor) -> Tensor:
+        assert self.versions is not None
+        return self.versions.index_select(0, self.plan.local_rows(ids))
 
     def export(self, with_optimizer: bool) -> dict[str, Tensor]:
         entry = {"value": self.weight.clone()}
@@ -105,14 +124,14 @@ class FixedTable:
         return entry
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.steps, *self.state.values())
+        return _nbytes(self.weight, self.steps, self.versions, *self.state.values())
 
     def stats(self) -> dict[str, int]:
         return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
 
 
 class DynamicTable:
-    def __init__(self, spec: TableSpec, rule: UpdateRule):
+    def __init__(self, spec: TableSpec, rule: UpdateRule, version_gap: int | None = None):
         assert spec.dynamic is not None
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
@@ -126,6 +145,10 @@ class DynamicTable:
         # When each row was last read or updated, kept only where eviction needs it.
         evicts = self.options.ttl_steps is not None or self.options.capacity is not None
         self.last_touched = torch.zeros(reserve, dtype=torch.int32) if evicts else None
+        self.version_gap = version_gap
+        tracks = version_gap is not None
+        self.versions = torch.zeros(reserve, dtype=torch.int64) if tracks else None
+        self.fresh_version = 0  # where a new row's version starts
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
         self.pending_counts = torch.empty(0, dtype=torch.int32)
         self.pending_seen = torch.empty(0, dtype=torch.int64)
@@ -176,7 +199,18 @@ class DynamicTable:
         apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads)
         if self.last_touched is not None:
             self.last_touched[rows] = clock
+        if self.versions is not None:
+            self.versions[rows] += 1
         return rows.numel()
+
+    def versions_of(self, ids: Tensor) -> Tensor:
+        """Each id's row version; -1 where it has no row."""
+        assert self.versions is not None
+        rows = self.ids.lookup(ids)
+        present = rows >= 0
+        versions = torch.full_like(rows, -1)
+        versions[present] = self.versions[rows[present]]
+        return versions
 
     def _rows_handed_out(self, trainer: int | None, ids: Tensor) -> Tensor | None:
         """The rows a recent pull of ``trainer`` found for exactly ``ids``, if any (its push of
@@ -202,6 +236,7 @@ class DynamicTable:
             self.weight,
             self.steps,
             self.last_touched,
+            self.versions,
             self.pending_counts,
             self.pending_seen,
             *self.state.values(),
@@ -270,6 +305,10 @@ class DynamicTable:
                 self.steps = _grow(self.steps, capacity)
             if self.last_touched is not None:
                 self.last_touched = _grow(self.last_touched, capacity)
+            if self.versions is not None:
+                self.versions = _grow(self.versions, capacity)
+        if self.versions is not None:
+            self.versions[rows] = self.fresh_version
         self.weight[rows] = init_rows(self.spec.name, self.options, ids, self.spec.dim)
         fresh = self.rule.init_state(self.weight[rows])
         for slot, value in self.state.items():
@@ -304,8 +343,11 @@ class DynamicTable:
 
     def _remove(self, ids: Tensor) -> None:
         if ids.numel():
-            self.ids.remove(ids)
+            rows = self.ids.remove(ids)
             self.counters.evicted += ids.numel()
+            if self.versions is not None and self.version_gap is not None and rows.numel():
+                reached = int(self.versions[rows].max())
+                self.fresh_version = max(self.fresh_version, reached + self.version_gap + 1)
             self._handed_out.clear()
 
 
@@ -323,9 +365,14 @@ Table = FixedTable | DynamicTable
 
 
 def make_table(
-    spec: TableSpec, plan: ShardPlan, server: int, initial: Tensor | None, rule: UpdateRule
+    spec: TableSpec,
+    plan: ShardPlan,
+    server: int,
+    initial: Tensor | None,
+    rule: UpdateRule,
+    version_gap: int | None = None,
 ) -> Table:
     if spec.dynamic is not None:
-        return DynamicTable(spec, rule)
+        return DynamicTable(spec, rule, version_gap)
     assert initial is not None
-    return FixedTable(spec, plan, server, initial, rule)
+    return FixedTable(spec, plan, server, initial, rule, version_gap)

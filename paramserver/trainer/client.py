@@ -25,9 +25,11 @@ from paramserver.protocol import (
     PushPullRequest,
     RowBlock,
     TrainerReport,
+    must_send,
     payload_nbytes,
 )
 from paramserver.sharding import ShardPlan
+from paramserver.trainer.cache import RowCache
 from paramserver.trainer.heartbeat import wait_all
 from paramserver.transport.base import Transport
 
@@ -40,6 +42,7 @@ class Traffic:
     bytes_received: int = 0
     uncompressed_sent: int = 0
     uncompressed_received: int = 0
+    row_bytes_received: int = 0
 
     def count_sent(self, messages: list[PushPullRequest]) -> None:
         self.bytes_sent += sum(payload_nbytes(m) for m in messages)
@@ -47,6 +50,7 @@ class Traffic:
 
     def count_received(self, messages: list[PushPullReply]) -> None:
         self.bytes_received += sum(payload_nbytes(m) for m in messages)
+        self.row_bytes_received += sum(payload_nbytes(m.rows) for m in messages)
         self.uncompressed_received += sum(payload_nbytes(m, uncompressed=True) for m in messages)
 
 
@@ -85,10 +89,13 @@ class PSClient:
         trainer: int,
         alarm: Future | None = None,
         codecs: PushCodecs | None = None,
+        cache_rows: int = 0,
+        cache_staleness: int = 0,
     ):
         """``alarm``: a future that fails when the job is lost (see :mod:`.heartbeat`); waits
         on calls end at once when it does. ``codecs``: how to encode pushes (default: none);
-        dense gradients are encoded with error feedback."""
+        dense gradients are encoded with error feedback. ``cache_rows``: rows of each table
+        to cache (see :mod:`.cache`), used while at most ``cache_staleness`` updates behind."""
         if transport.num_servers != plan.num_servers:
             raise ParamServerError(
                 f"transport reaches {transport.num_servers} servers but the "
@@ -100,6 +107,12 @@ class PSClient:
         self.alarm = alarm
         self.codecs = codecs or PushCodecs()
         self.feedback = ErrorFeedback()
+        self.cache_staleness = cache_staleness
+        self.caches = {
+            name: RowCache(cache_rows, spec.dim, spec.dtype)
+            for name, spec in plan.tables.items()
+            if cache_rows
+        }
         self.step = 0
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
@@ -179,7 +192,9 @@ class PSClient:
                 servers.append(server)
             self._pool_servers[(self.step, name)] = servers
         self.step += 1
-        return self._start("push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes)
+        return self._start(
+            "push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes, cached=True
+        )
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
@@ -209,14 +224,21 @@ class PSClient:
         report: TrainerReport | None = None,
         step: int = -1,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
+        cached: bool = False,
     ) -> InFlight:
         orders = {}
+        cached_versions = {}
         for name, ids in pull_ids.items():
             # Every server gets its part, empty or not: the answers are reassembled in order.
             order, counts = self.plan.split_by_server(name, ids)
             orders[name] = order
             for server, part in enumerate(ids[order].split(counts)):
                 requests[server].pull_rows[name] = part
+            cache = self.caches.get(name) if cached else None
+            if cache is not None:
+                versions = cached_versions[name] = cache.versions_of(ids)
+                for server, part in enumerate(versions[order].split(counts)):
+                    requests[server].pull_versions[name] = part
         self.traffic.count_sent(requests)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
@@ -224,10 +246,11 @@ class PSClient:
             report.bytes_received = self.traffic.bytes_received
             report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
             report.uncompressed_bytes_received = self.traffic.uncompressed_received
+            report.row_bytes_received = self.traffic.row_bytes_received
+            report.cache_hits = sum(c.hits for c in self.caches.values())
+            report.cache_lookups = sum(c.lookups for c in self.caches.values())
         futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
-        return InFlight(
-            futures, pull_ids, orders, self.traffic, step, pooled_shapes or {}, self.alarm
-        )
+        return InFlight(self, futures, pull_ids, orders, step, pooled_shapes or {}, cached_versions)
 
 
 class InFlight:
@@ -235,21 +258,21 @@ class InFlight:
 
     def __init__(
         self,
+        client: PSClient,
         futures: list[Future],
         pull_ids: dict[str, Tensor],
         orders: dict[str, Tensor],
-        traffic: Traffic,
         step: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
-        alarm: Future | None,
+        cached_versions: dict[str, Tensor],
     ):
+        self.client = client
         self.futures = futures
-        self.alarm = alarm
         self.pull_ids = pull_ids
         self.orders = orders
-        self.traffic = traffic
         self.step = step  # the call number (-1 for a pull outside the steps)
         self.pooled_shapes = pooled_shapes
+        self.cached_versions = cached_versions  # per cached table, what the request sent
         self.result: Pulled | None = None
 
     def wait(self) -> Pulled:
@@ -259,8 +282,8 @@ class InFlight:
         return self.result
 
     def _assemble(self) -> Pulled:
-        replies: list[PushPullReply] = wait_all(self.futures, self.alarm)  # type: ignore[assignment]
-        self.traffic.count_received(replies)
+        replies: list[PushPullReply] = wait_all(self.futures, self.client.alarm)  # type: ignore[assignment]
+        self.client.traffic.count_received(replies)
         pulled = Pulled(step=self.step)
         for reply in replies:
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
@@ -271,11 +294,32 @@ class InFlight:
                     pooled += plain(reply.pooled[name])
             pulled.pooled[name] = pooled
         for name, ids in self.pull_ids.items():
+            order = self.orders[name]
             parts = torch.cat([plain(reply.rows[name]) for reply in replies])
-            rows = torch.empty_like(parts)
-            rows[self.orders[name]] = parts
+            cached = self.cached_versions.get(name)
+            if cached is None:
+                rows = torch.empty_like(parts)
+                rows[order] = parts
+            else:
+                versions = torch.empty_like(cached)
+                versions[order] = torch.cat([reply.row_versions[name] for reply in replies])
+                rows = self._with_cached_rows(name, ids, parts, cached, versions)
             pulled.rows[name] = (ids, rows)
         return pulled
+
+    def _with_cached_rows(
+        self, name: str, ids: Tensor, sent_rows: Tensor, cached: Tensor, versions: Tensor
+    ) -> Tensor:
+        """Every row of ``ids``: those the servers sent (in server order), the rest from the
+        cache; then the cache learns the new rows."""
+        cache = self.client.caches[name]
+        sent = must_send(cached, versions, self.client.cache_staleness)
+        order = self.orders[name]
+        rows = torch.empty(ids.numel(), sent_rows.shape[1], dtype=sent_rows.dtype)
+        rows[order[sent[order]]] = sent_rows
+        rows[~sent] = cache.rows_of(ids[~sent])
+        cache.update(ids, rows, versions, sent)
+        return rows
 
 
 def gather_state(

@@ -185,7 +185,15 @@ def _train(
     replica = Replica(model, config.server_pooling)
     replica.model.train()
     torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
-    client = PSClient(transport, plan, trainer, alarm, PushCodecs.of(config, plan.tables))
+    client = PSClient(
+        transport,
+        plan,
+        trainer,
+        alarm,
+        PushCodecs.of(config, plan.tables),
+        cache_rows=config.cache_rows,
+        cache_staleness=config.cache_staleness,
+    )
     client.check_servers()
 
     losses: deque[float] = deque(maxlen=100)

@@ -1,0 +1,83 @@
+"""A trainer's cache of hot embedding rows with bounded staleness (after HET, VLDB 2022).
+
+Recommendation ids are heavily skewed: a few rows appear in nearly every batch. A trainer keeps
+copies of the rows it used most recently, each with the server's version of the row (its count of
+applied updates) when fetched. Each step it sends the servers those versions with the ids it
+needs; a server sends back a row only if the copy misses more than ``cache_staleness`` updates
+(:func:`~paramserver.protocol.must_send`), plus every row's current version. Gradients still go
+to the servers every step; only reads are saved. Capacity is per table, in rows; the least
+recently used go first.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from paramserver.server.idmap import IdMap, grown_rows
+
+
+class RowCache:
+    def __init__(self, capacity: int, dim: int, dtype: torch.dtype):
+        self.capacity = capacity
+        self.slots = IdMap()
+        self.rows = torch.empty(0, dim, dtype=dtype)
+        self.versions = torch.empty(0, dtype=torch.int64)
+        self.last_used = torch.empty(0, dtype=torch.int64)
+        self.clock = 0
+        self.hits = 0
+        self.lookups = 0
+
+    def versions_of(self, ids: Tensor) -> Tensor:
+        """The cached version of each id, -1 where it is not cached."""
+        slots = self.slots.lookup(ids)
+        found = slots >= 0
+        versions = torch.full_like(slots, -1)
+        versions[found] = self.versions[slots[found]]
+        return versions
+
+    def rows_of(self, ids: Tensor) -> Tensor:
+        """Cached rows of ``ids`` (all cached)."""
+        return self.rows.index_select(0, self.slots.lookup(ids))
+
+    def update(self, ids: Tensor, rows: Tensor, versions: Tensor, sent: Tensor) -> None:
+        """After a step's pull of ``ids`` (unique): keep the ``sent`` rows that exist on their
+        server at their new ``versions``, mark every id used, evict down to capacity."""
+        self.clock += 1
+        self.lookups += ids.numel()
+        self.hits += int((~sent).sum())
+        keep = sent & (versions >= 0)
+        slots = self.slots.lookup(ids)
+        gone = sent & (versions < 0) & (slots >= 0)  # evicted on its server since cached
+        if bool(gone.any()):
+            self.slots.remove(ids[gone])
+            slots = torch.where(gone, -1, slots)
+        new = keep & (slots < 0)
+        if bool(new.any()):
+            slots = slots.clone()
+            slots[new] = self.slots.insert(ids[new])
+            self._fit()
+        stored = keep | (slots >= 0)
+        at = slots[stored]
+        self.last_used[at] = self.clock
+        at_kept = slots[keep]
+        self.rows[at_kept] = rows[keep]
+        self.versions[at_kept] = versions[keep]
+        if self.slots.num_rows > self.capacity:
+            live_ids, live = self.slots.live_rows()
+            order = torch.argsort(self.last_used[live], stable=True)
+            self.slots.remove(live_ids[order[: live_ids.numel() - self.capacity]])
+
+    def _fit(self) -> None:
+        needed = self.slots.used_rows
+        if needed > self.rows.shape[0]:
+            size = grown_rows(self.rows.shape[0], needed)
+            self.rows = _grown(self.rows, size)
+            self.versions = _grown(self.versions, size)
+            self.last_used = _grown(self.last_used, size)
+
+
+def _grown(tensor: Tensor, rows: int) -> Tensor:
+    grown = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    grown[: tensor.shape[0]] = tensor
+    return grown

@@ -1,0 +1,89 @@
+"""The trainer's hot-row cache: exact bookkeeping, bounded staleness, fewer bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.errors import InvalidPushError
+from paramserver.protocol import PushPullRequest, RowBlock, must_send
+from paramserver.trainer.cache import RowCache
+from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.test_server import make_server, own_ids
+
+
+def test_row_cache_keeps_versions_and_evicts_least_recently_used() -> None:
+    cache = RowCache(capacity=3, dim=2, dtype=torch.float32)
+    ids = torch.tensor([5, 7, 9])
+    assert cache.versions_of(ids).tolist() == [-1, -1, -1]
+    rows = torch.arange(6.0).view(3, 2)
+    cache.update(ids, rows, torch.tensor([0, 4, -1]), torch.tensor([True, True, True]))
+    assert cache.versions_of(ids).tolist() == [0, 4, -1]  # an id without a row is not kept
+    assert torch.equal(cache.rows_of(torch.tensor([7])), rows[1:2])
+    # 5 is used (a hit), 11 and 13 arrive: capacity 3 evicts 7, the least recently used.
+    more = torch.tensor([5, 11, 13])
+    cache.update(more, torch.ones(3, 2), torch.tensor([0, 1, 2]), torch.tensor([False, True, True]))
+    assert cache.versions_of(torch.tensor([5, 7, 11, 13])).tolist() == [0, -1, 1, 2]
+    assert (cache.hits, cache.lookups) == (1, 6)
+    # A cached row that vanished from its server leaves the cache.
+    cache.update(torch.tensor([11]), torch.zeros(1, 2), torch.tensor([-1]), torch.tensor([True]))
+    assert cache.versions_of(torch.tensor([11])).tolist() == [-1]
+
+
+def test_must_send_stale_uncached_and_missing_rows_only() -> None:
+    cached = torch.tensor([-1, 3, 3, 3, 5])
+    current = torch.tensor([0, 3, 5, 6, -1])
+    assert must_send(cached, current, 2).tolist() == [True, False, False, True, True]
+
+
+def test_a_server_sends_only_rows_the_cache_cannot_serve_and_checks_the_versions() -> None:
+    server = make_server(mode="async", cache_rows=10, cache_staleness=1)
+    ids = own_ids(server, 0, 1, 2)
+    grads = {"user.weight": RowBlock(ids[:1], torch.ones(1, 4))}
+    for step in range(2):  # row 0 gets an update at step 1, another with the pull at step 2
+        request = PushPullRequest(0, step, row_grads=grads if step else {})
+        server.coordinator.push_pull(request).wait()
+    request = PushPullRequest(0, 2, row_grads=grads, pull_rows={"user.weight": ids})
+    request.pull_versions["user.weight"] = torch.tensor([0, 0, -1])
+    reply = server.coordinator.push_pull(request).wait()
+    assert reply.row_versions["user.weight"].tolist() == [2, 0, 0]
+    assert reply.rows["user.weight"].shape == (2, 4)  # row 0 (2 behind) and row 2 (uncached)
+    bad = PushPullRequest(0, 3, pull_rows={"user.weight": ids})
+    bad.pull_versions["user.weight"] = torch.tensor([0, -2, 0])
+    with pytest.raises(InvalidPushError, match="cached versions"):
+        server.coordinator.push_pull(bad).wait()
+
+
+def skewed(trainer: int, num_trainers: int) -> Iterator[Any]:
+    """Tiny batches whose ids repeat a lot, as hot ids do."""
+    for (user, items, dense), target in tiny_batches(trainer, num_batches=30, batch=8):
+        yield (user % 6, items % 5, dense), target
+
+
+def run(**options: object) -> ps.TrainResult:
+    config = ps.TrainConfig(
+        servers=1, trainers=1, optimizer="sgd", lr=0.05, launcher="threads", progress=False,
+        prefetch=False, **options,
+    )  # type: ignore[arg-type]  # fmt: skip
+    return ps.train(TinyRecModel, skewed, mse, config)
+
+
+def test_a_cache_with_no_staleness_changes_nothing_and_a_bound_saves_bytes() -> None:
+    plain = run()
+    exact = run(cache_rows=100, cache_staleness=0)
+    assert exact.summary["cache"]["hit_rate"] == 0.0  # every used row was updated since
+    for name, value in plain.model.state_dict().items():
+        assert torch.equal(value, exact.model.state_dict()[name]), name
+    bounded = run(cache_rows=100, cache_staleness=4)
+    assert bounded.summary["cache"]["hit_rate"] > 0.5
+    assert bounded.summary["row_bytes_per_step"] < 0.6 * plain.summary["row_bytes_per_step"]
+    assert abs(bounded.summary["train_loss"] - plain.summary["train_loss"]) < 0.1
+
+
+def test_the_cache_needs_a_mode_that_allows_stale_reads() -> None:
+    with pytest.raises(ps.ConfigError, match="--cache-rows"):
+        ps.TrainConfig(mode="sync", cache_rows=10)
