@@ -18,20 +18,27 @@ from tests.test_server import make_server, own_ids
 
 def test_row_cache_keeps_versions_and_evicts_least_recently_used() -> None:
     cache = RowCache(capacity=3, dim=2, dtype=torch.float32)
-    ids = torch.tensor([5, 7, 9])
-    assert cache.versions_of(ids).tolist() == [-1, -1, -1]
+
+    def versions(*ids: int) -> list[int]:
+        return cache.lookup(torch.tensor(ids))[1].tolist()
+
+    def update(ids: list[int], rows: torch.Tensor, new: list[int], sent: list[bool]) -> None:
+        slots, _ = cache.lookup(torch.tensor(ids))
+        cache.update(torch.tensor(ids), slots, rows, torch.tensor(new), torch.tensor(sent))
+
+    assert versions(5, 7, 9) == [-1, -1, -1]
     rows = torch.arange(6.0).view(3, 2)
-    cache.update(ids, rows, torch.tensor([0, 4, -1]), torch.tensor([True, True, True]))
-    assert cache.versions_of(ids).tolist() == [0, 4, -1]  # an id without a row is not kept
-    assert torch.equal(cache.rows_of(torch.tensor([7])), rows[1:2])
-    # 5 is used (a hit), 11 and 13 arrive: capacity 3 evicts 7, the least recently used.
-    more = torch.tensor([5, 11, 13])
-    cache.update(more, torch.ones(3, 2), torch.tensor([0, 1, 2]), torch.tensor([False, True, True]))
-    assert cache.versions_of(torch.tensor([5, 7, 11, 13])).tolist() == [0, -1, 1, 2]
+    update([5, 7, 9], rows, [0, 4, -1], [True, True, True])
+    assert versions(5, 7, 9) == [0, 4, -1]  # an id without a row is not kept
+    assert torch.equal(cache.rows_at(cache.lookup(torch.tensor([7]))[0]), rows[1:2])
+    # 5 is used (a hit), 11 and 13 arrive: 4 rows exceed capacity 3, so the least recently
+    # used go down to 90% of it (2 rows): 7, then 5 (ties go by id).
+    update([5, 11, 13], torch.ones(3, 2), [0, 1, 2], [False, True, True])
+    assert versions(5, 7, 11, 13) == [-1, -1, 1, 2]
     assert (cache.hits, cache.lookups) == (1, 6)
     # A cached row that vanished from its server leaves the cache.
-    cache.update(torch.tensor([11]), torch.zeros(1, 2), torch.tensor([-1]), torch.tensor([True]))
-    assert cache.versions_of(torch.tensor([11])).tolist() == [-1]
+    update([11], torch.zeros(1, 2), [-1], [True])
+    assert versions(11, 13) == [-1, 2]
 
 
 def test_must_send_stale_uncached_and_missing_rows_only() -> None:

@@ -5,8 +5,8 @@ copies of the rows it used most recently, each with the server's version of the 
 applied updates) when fetched. Each step it sends the servers those versions with the ids it
 needs; a server sends back a row only if the copy misses more than ``cache_staleness`` updates
 (:func:`~paramserver.protocol.must_send`), plus every row's current version. Gradients still go
-to the servers every step; only reads are saved. Capacity is per table, in rows; the least
-recently used go first.
+to the servers every step; only reads are saved. Capacity is per table, in rows: past it, the
+least recently used rows go, down to 90% of it (so eviction runs once per 10% of turnover).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 from paramserver.server.idmap import IdMap, grown_rows
+
+EVICT_TO = 0.9
 
 
 class RowCache:
@@ -28,26 +30,28 @@ class RowCache:
         self.hits = 0
         self.lookups = 0
 
-    def versions_of(self, ids: Tensor) -> Tensor:
-        """The cached version of each id, -1 where it is not cached."""
+    def lookup(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        """The slot (-1: not cached) and cached version (-1: none) of each id. The slots stay
+        valid until the next :meth:`update`."""
         slots = self.slots.lookup(ids)
         found = slots >= 0
         versions = torch.full_like(slots, -1)
         versions[found] = self.versions[slots[found]]
-        return versions
+        return slots, versions
 
-    def rows_of(self, ids: Tensor) -> Tensor:
-        """Cached rows of ``ids`` (all cached)."""
-        return self.rows.index_select(0, self.slots.lookup(ids))
+    def rows_at(self, slots: Tensor) -> Tensor:
+        return self.rows.index_select(0, slots)
 
-    def update(self, ids: Tensor, rows: Tensor, versions: Tensor, sent: Tensor) -> None:
-        """After a step's pull of ``ids`` (unique): keep the ``sent`` rows that exist on their
-        server at their new ``versions``, mark every id used, evict down to capacity."""
+    def update(
+        self, ids: Tensor, slots: Tensor, rows: Tensor, versions: Tensor, sent: Tensor
+    ) -> None:
+        """After a step's pull of ``ids`` (unique; ``slots`` from :meth:`lookup`): keep the
+        ``sent`` rows that exist on their server at their new ``versions``, mark every id used,
+        evict if over capacity."""
         self.clock += 1
         self.lookups += ids.numel()
         self.hits += int((~sent).sum())
         keep = sent & (versions >= 0)
-        slots = self.slots.lookup(ids)
         gone = sent & (versions < 0) & (slots >= 0)  # evicted on its server since cached
         if bool(gone.any()):
             self.slots.remove(ids[gone])
@@ -57,16 +61,14 @@ class RowCache:
             slots = slots.clone()
             slots[new] = self.slots.insert(ids[new])
             self._fit()
-        stored = keep | (slots >= 0)
-        at = slots[stored]
-        self.last_used[at] = self.clock
-        at_kept = slots[keep]
-        self.rows[at_kept] = rows[keep]
-        self.versions[at_kept] = versions[keep]
+        self.last_used[slots[slots >= 0]] = self.clock
+        at = slots[keep]
+        self.rows[at] = rows[keep]
+        self.versions[at] = versions[keep]
         if self.slots.num_rows > self.capacity:
             live_ids, live = self.slots.live_rows()
             order = torch.argsort(self.last_used[live], stable=True)
-            self.slots.remove(live_ids[order[: live_ids.numel() - self.capacity]])
+            self.slots.remove(live_ids[order[: live_ids.numel() - int(self.capacity * EVICT_TO)]])
 
     def _fit(self) -> None:
         needed = self.slots.used_rows

@@ -236,7 +236,7 @@ class PSClient:
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:
-                versions = cached_versions[name] = cache.versions_of(ids)
+                slots, versions = cached_versions[name] = cache.lookup(ids)
                 for server, part in enumerate(versions[order].split(counts)):
                     requests[server].pull_versions[name] = part
         self.traffic.count_sent(requests)
@@ -264,7 +264,7 @@ class InFlight:
         orders: dict[str, Tensor],
         step: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
-        cached_versions: dict[str, Tensor],
+        cached_versions: dict[str, tuple[Tensor, Tensor]],
     ):
         self.client = client
         self.futures = futures
@@ -272,7 +272,7 @@ class InFlight:
         self.orders = orders
         self.step = step  # the call number (-1 for a pull outside the steps)
         self.pooled_shapes = pooled_shapes
-        self.cached_versions = cached_versions  # per cached table, what the request sent
+        self.cached_versions = cached_versions  # per cached table: its slots, versions sent
         self.result: Pulled | None = None
 
     def wait(self) -> Pulled:
@@ -301,14 +301,20 @@ class InFlight:
                 rows = torch.empty_like(parts)
                 rows[order] = parts
             else:
-                versions = torch.empty_like(cached)
+                versions = torch.empty_like(cached[1])
                 versions[order] = torch.cat([reply.row_versions[name] for reply in replies])
-                rows = self._with_cached_rows(name, ids, parts, cached, versions)
+                rows = self._with_cached_rows(name, ids, parts, *cached, versions)
             pulled.rows[name] = (ids, rows)
         return pulled
 
     def _with_cached_rows(
-        self, name: str, ids: Tensor, sent_rows: Tensor, cached: Tensor, versions: Tensor
+        self,
+        name: str,
+        ids: Tensor,
+        sent_rows: Tensor,
+        slots: Tensor,
+        cached: Tensor,
+        versions: Tensor,
     ) -> Tensor:
         """Every row of ``ids``: those the servers sent (in server order), the rest from the
         cache; then the cache learns the new rows."""
@@ -317,8 +323,8 @@ class InFlight:
         order = self.orders[name]
         rows = torch.empty(ids.numel(), sent_rows.shape[1], dtype=sent_rows.dtype)
         rows[order[sent[order]]] = sent_rows
-        rows[~sent] = cache.rows_of(ids[~sent])
-        cache.update(ids, rows, versions, sent)
+        rows[~sent] = cache.rows_at(slots[~sent])
+        cache.update(ids, slots, rows, versions, sent)
         return rows
 
 
