@@ -47,7 +47,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": codec("bf16"),
     "int8": codec("int8"),
     "topk_1pct": codec("topk"),
-    "cache": {"cache_rows": 20_000, "cache_staleness": 8},
+    "cache": {"cache_rows": 50_000, "cache_staleness": 32},
 }
 
 
