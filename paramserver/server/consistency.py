@@ -40,11 +40,9 @@ import threading
 import time
 import weakref
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch.futures import Future
 
 from paramserver.compression import Encoded, plain
@@ -55,50 +53,14 @@ from paramserver.protocol import (
     PooledGrad,
     PushPullReply,
     PushPullRequest,
-    RowBlock,
     TrainerReport,
     payload_nbytes,
 )
+from paramserver.server.futures import chain, completed, failed
+from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
 
 WATCHDOG_PERIOD_S = 0.1
-
-
-def completed(value: object) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future
-
-
-def failed(error: BaseException) -> Future:
-    future: Future = Future()
-    future.set_exception(error)
-    return future
-
-
-def chain(source: Future, transform: Callable[[Any], Any]) -> Future:
-    """A future of ``transform(source's value)``; an error passes through with its type kept
-    (``Future.then`` would wrap it in a RuntimeError)."""
-    result: Future = Future()
-
-    def forward(done: Future) -> None:
-        try:
-            value = transform(done.value())
-        except BaseException as error:
-            result.set_exception(error)
-        else:
-            result.set_result(value)
-
-    source.add_done_callback(forward)
-    return result
-
-
-@dataclass
-class _Round:
-    requests: dict[int, PushPullRequest] = field(default_factory=dict)
-    waiters: dict[int, Future] = field(default_factory=dict)
-    closing: bool = False  # complete, being applied; stays listed until answered
-    opened_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -150,8 +112,7 @@ class Coordinator:
         self.updates = 0  # updates applied (pushes, or rounds in sync mode)
         self._read_at: dict[tuple[int, int], int] = {}  # (trainer, step) -> updates then
         self.liveness = LivenessStats()
-        self._rounds: dict[int, _Round] = {}
-        self._closed_through = 0  # every sync round up to this step has closed
+        self.rounds = SyncRounds(config.round_deadline, config.min_contributors)
         self._held: list[_Held] = []
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
@@ -201,14 +162,15 @@ class Coordinator:
             # In sync mode every push after the initial pull joins its round, gradients or
             # not: the round waits for each member's step, whatever this server owns of it.
             joins_round = self.mode == "sync" and request.step > 0
-            if joins_round and request.step <= self._closed_through:
+            if joins_round and self.rounds.closed(request.step):
                 joins_round = False  # its round closed without it: too late to count
                 self.liveness.late_pushes += 1
                 self._read_at.pop((request.trainer, request.grads_step), None)
                 request.dense_grads.clear()
                 request.row_grads.clear()
             if joins_round:
-                waiter, ready = self._join_round(request)
+                waiter = self.rounds.join(request)
+                ready = self._ready_rounds()
         if joins_round:
             self._close_rounds(ready)
             return waiter
@@ -283,7 +245,7 @@ class Coordinator:
         if silent:
             self._leave(silent, departed=True)
         with self.lock:
-            ready = self._pop_ready_rounds(now)
+            ready = self._ready_rounds(now)
         self._close_rounds(ready)
         self._release_held(now)
 
@@ -409,9 +371,8 @@ class Coordinator:
 
     def _answer_duplicate(self, request: PushPullRequest) -> Future:
         """Called with the lock held."""
-        pending = self._rounds.get(request.step)
-        if pending is not None and request.trainer in pending.waiters:
-            original = pending.waiters[request.trainer]
+        original = self.rounds.waiter(request.trainer, request.step)
+        if original is not None:
             return chain(original, lambda reply: reply)
         return completed(self._answer(request, train=False))
 
@@ -470,43 +431,17 @@ class Coordinator:
 
     # ---- sync rounds ----
 
-    def _join_round(self, request: PushPullRequest) -> tuple[Future, list[tuple[int, _Round]]]:
-        """Add ``request`` to its round; returns its waiter and the rounds now complete.
-        Called with the lock held; the caller closes the returned rounds after releasing it."""
-        round_ = self._rounds.setdefault(request.step, _Round())
-        round_.requests[request.trainer] = request
-        waiter: Future = Future()
-        round_.waiters[request.trainer] = waiter
-        return waiter, self._pop_ready_rounds()
+    def _ready_rounds(self, now: float | None = None) -> list[tuple[int, Round]]:
+        """Called with the lock held."""
+        ready, short = self.rounds.pop_ready(self.members, now)
+        self.liveness.short_rounds += short
+        return ready
 
-    def _pop_ready_rounds(self, now: float | None = None) -> list[tuple[int, _Round]]:
-        """Mark the rounds that may close (every member pushed, or the deadline passed with
-        enough pushes) as closing and return them, oldest first. Called with the lock held."""
-        now = time.monotonic() if now is None else now
-        deadline = self.round_deadline
-        ready = []
-        for step, round_ in self._rounds.items():
-            if round_.closing:
-                continue
-            if self.members <= round_.requests.keys():
-                ready.append((step, round_))
-            elif (
-                deadline is not None
-                and now - round_.opened_at >= deadline
-                and len(round_.requests) >= self.min_contributors
-            ):
-                ready.append((step, round_))
-                self.liveness.short_rounds += 1
-        for step, round_ in ready:
-            round_.closing = True
-            self._closed_through = max(self._closed_through, step)
-        return sorted(ready, key=lambda item: item[0])
-
-    def _close_rounds(self, ready: list[tuple[int, _Round]]) -> None:
+    def _close_rounds(self, ready: list[tuple[int, Round]]) -> None:
         for step, round_ in ready:
             self._close_round(step, round_)
 
-    def _close_round(self, step: int, round_: _Round) -> None:
+    def _close_round(self, step: int, round_: Round) -> None:
         """Apply a complete round and answer each of its trainers; every waiter completes,
         with an error if the round could not be applied."""
         trainers = sorted(round_.requests)
@@ -531,7 +466,7 @@ class Coordinator:
             except Exception as failure:
                 waiter.set_exception(failure)
         with self.lock:
-            del self._rounds[step]
+            self.rounds.remove(step)
 
     def _leave(self, trainers: list[int], *, departed: bool = False) -> None:
         with self.lock:
@@ -543,7 +478,7 @@ class Coordinator:
             gone = set(trainers)
             self.pool_specs = {k: v for k, v in self.pool_specs.items() if k[0] not in gone}
             self._read_at = {k: v for k, v in self._read_at.items() if k[0] not in gone}
-            ready = self._pop_ready_rounds()
+            ready = self._ready_rounds()
             done = [] if self.members else self._all_left
             if not self.members:
                 self._all_left = []
@@ -568,34 +503,3 @@ def _start_watchdog(coordinator: Coordinator) -> None:
             del target
 
     threading.Thread(target=watch, name="paramserver-watchdog", daemon=True).start()
-
-
-def aggregate_mean(
-    requests: list[PushPullRequest],
-) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
-    """The mean of the requests' gradients, summed in the order given.
-
-    Every request counts in the denominator, including those that did not touch a parameter or a
-    row: the mean gradient of the global batch, where the others contributed zero.
-    """
-    count = len(requests)
-    dense: dict[str, torch.Tensor] = {}
-    for request in requests:
-        for name, grad in request.dense_grads.items():
-            if name in dense:
-                dense[name] += plain(grad)
-            else:
-                dense[name] = plain(grad).clone()
-    for total in dense.values():
-        total.div_(count)
-    rows: dict[str, RowBlock] = {}
-    tables = sorted({name for r in requests for name in r.row_grads})
-    for name in tables:
-        blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
-        ids = torch.cat([b.ids for b in blocks])
-        values = torch.cat([plain(b.values) for b in blocks])
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
-        summed.index_add_(0, inverse, values)
-        rows[name] = RowBlock(unique, summed.div_(count))
-    return dense, rows

@@ -11,7 +11,8 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.errors import ParamServerError
-from paramserver.server.consistency import Coordinator, completed, failed
+from paramserver.server.consistency import Coordinator
+from paramserver.server.futures import completed, failed
 
 # Each registered operation and the types of its positional arguments.
 OPERATIONS: dict[str, tuple[type, ...]] = {

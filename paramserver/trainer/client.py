@@ -236,7 +236,8 @@ class PSClient:
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:
-                slots, versions = cached_versions[name] = cache.lookup(ids)
+                cached_versions[name] = cache.lookup(ids)
+                versions = cached_versions[name][1]
                 for server, part in enumerate(versions[order].split(counts)):
                     requests[server].pull_versions[name] = part
         self.traffic.count_sent(requests)

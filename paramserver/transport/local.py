@@ -11,8 +11,8 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.protocol import clone_message
-from paramserver.server.consistency import chain
 from paramserver.server.endpoint import ServerEndpoint
+from paramserver.server.futures import chain
 from paramserver.transport.base import Transport
 
 

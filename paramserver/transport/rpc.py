@@ -22,8 +22,8 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from paramserver.errors import ParamServerError
-from paramserver.server.consistency import chain
 from paramserver.server.endpoint import ServerEndpoint
+from paramserver.server.futures import chain
 from paramserver.transport.base import Transport
 
 _ENDPOINT: ServerEndpoint | None = None

@@ -1,0 +1,109 @@
+"""Sync-mode rounds: which pushes form step ``t``'s round, when it may close, and its mean.
+
+A round collects the pushes of one step from the trainers in the round set. It may close when
+every member has pushed, or, with a deadline, once it has been open that long and holds at
+least ``min_contributors`` pushes (a short round). Rounds close oldest first; a push for a
+round that already closed is late. Not thread-safe: the coordinator's lock guards it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Set
+from dataclasses import dataclass, field
+
+import torch
+from torch.futures import Future
+
+from paramserver.compression import plain
+from paramserver.protocol import PushPullRequest, RowBlock
+
+
+@dataclass
+class Round:
+    requests: dict[int, PushPullRequest] = field(default_factory=dict)
+    waiters: dict[int, Future] = field(default_factory=dict)
+    closing: bool = False  # may close, being applied; stays listed until answered
+    opened_at: float = field(default_factory=time.monotonic)
+
+
+class SyncRounds:
+    def __init__(self, deadline: float | None, min_contributors: int):
+        self.deadline = deadline
+        self.min_contributors = min_contributors
+        self.open: dict[int, Round] = {}
+        self.closed_through = 0  # every round up to this step has closed
+
+    def closed(self, step: int) -> bool:
+        return step <= self.closed_through
+
+    def join(self, request: PushPullRequest) -> Future:
+        """Add ``request`` to its round; returns the future of its answer."""
+        round_ = self.open.setdefault(request.step, Round())
+        round_.requests[request.trainer] = request
+        waiter: Future = Future()
+        round_.waiters[request.trainer] = waiter
+        return waiter
+
+    def waiter(self, trainer: int, step: int) -> Future | None:
+        """The answer ``trainer`` awaits for ``step``'s round, if that round is still open."""
+        round_ = self.open.get(step)
+        return None if round_ is None else round_.waiters.get(trainer)
+
+    def pop_ready(
+        self, members: Set[int], now: float | None = None
+    ) -> tuple[list[tuple[int, Round]], int]:
+        """Mark the rounds that may close as closing; returns them, oldest first, and how many
+        of them close short (at their deadline, without every member)."""
+        now = time.monotonic() if now is None else now
+        ready, short = [], 0
+        for step, round_ in self.open.items():
+            if round_.closing:
+                continue
+            if members <= round_.requests.keys():
+                ready.append((step, round_))
+            elif (
+                self.deadline is not None
+                and now - round_.opened_at >= self.deadline
+                and len(round_.requests) >= self.min_contributors
+            ):
+                ready.append((step, round_))
+                short += 1
+        for step, round_ in ready:
+            round_.closing = True
+            self.closed_through = max(self.closed_through, step)
+        return sorted(ready, key=lambda item: item[0]), short
+
+    def remove(self, step: int) -> None:
+        del self.open[step]
+
+
+def aggregate_mean(
+    requests: list[PushPullRequest],
+) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
+    """The mean of the requests' gradients, summed in the order given.
+
+    Every request counts in the denominator, including those that did not touch a parameter or a
+    row: the mean gradient of the global batch, where the others contributed zero.
+    """
+    count = len(requests)
+    dense: dict[str, torch.Tensor] = {}
+    for request in requests:
+        for name, grad in request.dense_grads.items():
+            if name in dense:
+                dense[name] += plain(grad)
+            else:
+                dense[name] = plain(grad).clone()
+    for total in dense.values():
+        total.div_(count)
+    rows: dict[str, RowBlock] = {}
+    tables = sorted({name for r in requests for name in r.row_grads})
+    for name in tables:
+        blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
+        ids = torch.cat([b.ids for b in blocks])
+        values = torch.cat([plain(b.values) for b in blocks])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
+        summed.index_add_(0, inverse, values)
+        rows[name] = RowBlock(unique, summed.div_(count))
+    return dense, rows
