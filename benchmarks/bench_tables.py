@@ -13,6 +13,9 @@ Writes JSON (``--out``); each comparison runs side by side in one run:
 - ``dynamic_vs_fixed``: the core benchmark's model (8 tables x 1M x 32, batch 1024) with fixed
   tables and with dynamic tables, 1 server + 1 trainer, async, ``--repeats`` alternating runs
   of each: samples/s and the ratio of medians (and of bests).
+- ``server_cpu``: the same model's server work alone, in this process on one thread (CPU time,
+  far less noisy than throughput here): per step, on a first pass over the data (dynamic tables
+  create rows for 40% of the ids) and a second (every row exists).
 
     .venv/bin/python benchmarks/bench_tables.py --out benchmarks/results/bench_tables.json
 """
@@ -33,7 +36,9 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.config import OptimizerConfig
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
+from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.idmap import IdMap
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import DynamicTable
@@ -170,6 +175,47 @@ def bench_dynamic_vs_fixed(steps: int, repeats: int) -> dict[str, Any]:
     }
 
 
+def bench_server_cpu(steps: int) -> dict[str, Any]:
+    """Server CPU seconds per step for the dynamic_vs_fixed model, in this process, one thread:
+    the exact calls a trainer makes, over the data once (dynamic tables create their rows) and
+    again (every row exists)."""
+    torch.set_num_threads(1)
+    config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
+    data = SyntheticClickLogs(
+        SyntheticSpec(rows_per_table=1_000_000, batch_size=1024, train_batches=steps)
+    )
+    batches = [inputs[1] for inputs, _ in data.train_batches(0, 1)]
+    results: dict[str, Any] = {}
+    for kind in ("fixed", "dynamic"):
+        model = DLRM(table_rows=[1_000_000] * 8, embedding_dim=32, dynamic_tables=kind == "dynamic")
+        endpoint = build_server(0, config, lambda: model)  # noqa: B023 (called at once)
+        names = sorted(endpoint.shard.tables)
+        dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.dense.items()}
+        step = 0
+        passes = []
+        for _ in ("fill", "warm"):
+            previous: dict[str, Tensor] = {}
+            started = time.process_time()
+            for sparse in batches:
+                ids = {n: sparse[:, t].unique() for t, n in enumerate(names)}
+                request = PushPullRequest(0, step, pull_rows=ids, grads_step=step - 1)
+                if previous:
+                    request.row_grads = {
+                        n: RowBlock(i, torch.full((i.numel(), 32), 0.01))
+                        for n, i in previous.items()
+                    }
+                    request.dense_grads = dict(dense)  # type: ignore[arg-type]
+                endpoint.coordinator.push_pull(request).wait()
+                previous, step = ids, step + 1
+            passes.append((time.process_time() - started) / len(batches))
+        results[kind] = {"fill_ms_per_step": 1e3 * passes[0], "warm_ms_per_step": 1e3 * passes[1]}
+    results["dynamic_vs_fixed_cpu"] = {
+        phase: results["dynamic"][phase] / results["fixed"][phase]
+        for phase in ("fill_ms_per_step", "warm_ms_per_step")
+    }
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -180,7 +226,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--only", default="id_map,memory_per_row,pooling,dynamic_vs_fixed", help="parts to run"
+        "--only",
+        default="id_map,memory_per_row,pooling,dynamic_vs_fixed,server_cpu",
+        help="parts to run",
     )
     parser.add_argument("--out", default="bench_tables.json")
     args = parser.parse_args()
@@ -189,6 +237,7 @@ def main() -> None:
         "memory_per_row": lambda: bench_memory_per_row(args.memory_rows),
         "pooling": lambda: bench_pooling(args.pooling_steps),
         "dynamic_vs_fixed": lambda: bench_dynamic_vs_fixed(args.steps, args.repeats),
+        "server_cpu": lambda: bench_server_cpu(args.steps),
     }
     results = {name: parts[name]() for name in args.only.split(",")}
     text = json.dumps(results, indent=2)

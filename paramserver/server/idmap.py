@@ -122,8 +122,12 @@ class IdMap:
             self.row_ids = row_ids
         rows = np.concatenate([reused, fresh])
         self.row_ids[rows] = keys
-        if not (found is not None and self._claim_ends(found, rows)):
+        if found is None:
             self._place(keys, rows)
+        else:
+            left = self._claim_ends(found, rows)
+            if left.any():
+                self._place(keys[left], rows[left])
         self.num_rows += count
         return torch.from_numpy(rows)
 
@@ -191,21 +195,26 @@ class IdMap:
             where = (where[unresolved] + WINDOW) & (self.slots.size - 1)
         return rows, positions
 
-    def _claim_ends(self, found: Found, rows: np.ndarray) -> bool:
-        """Put each new row in the empty slot that ended its id's search, if the slot array is
-        the one searched and those slots are still empty and distinct; else change nothing.
-        Correct because slots only turn empty when the array is rebuilt: the first empty slot
-        of an id's probe sequence stays first."""
+    def _claim_ends(self, found: Found, rows: np.ndarray) -> np.ndarray:
+        """Put each new row in the empty slot that ended its id's search, where the slot array
+        is the one searched and no other new id ended there too; returns a mask of the rows
+        left to place. Correct because slots only turn empty when the array is rebuilt: the
+        first empty slot of an id's probe sequence stays first (and a later id that finds it
+        taken searches on past it)."""
         ends = found.ends
-        if found.layout != self.layout or int(ends.min()) < 0:  # -1: searched an empty map
-            return False
-        if not bool((self.slots[ends] == EMPTY).all()):
-            return False
-        ordered = np.sort(ends)
-        if bool((ordered[1:] == ordered[:-1]).any()):
-            return False
-        self.slots[ends] = rows
-        return True
+        if found.layout != self.layout or ends.size == 0 or int(ends.min()) < 0:
+            return np.ones(rows.size, dtype=bool)  # -1: searched an empty map
+        order = np.argsort(ends, kind="stable")
+        ordered = ends[order]
+        shared = np.zeros(ends.size, dtype=bool)
+        shared[1:] = ordered[1:] == ordered[:-1]
+        shared[:-1] |= shared[1:]
+        left = np.empty(ends.size, dtype=bool)
+        left[order] = shared
+        left |= self.slots[ends] != EMPTY
+        claim = ~left
+        self.slots[ends[claim]] = rows[claim]
+        return left
 
     def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick

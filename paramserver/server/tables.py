@@ -356,7 +356,9 @@ def _nbytes(*tensors: Tensor | None) -> int:
 
 
 def _grow(tensor: Tensor, rows: int) -> Tensor:
-    grown = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    """``tensor`` with room for ``rows``; the new rows are uninitialized (every row is set
+    when it is created)."""
+    grown = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype)
     grown[: tensor.shape[0]] = tensor
     return grown
 
