@@ -33,6 +33,31 @@ def test_id_map_is_collisionless_for_any_int64() -> None:
     assert torch.equal(live_ids, ids) and torch.equal(live_rows, rows)
 
 
+def test_id_map_inserts_after_a_search_land_where_lookups_find_them() -> None:
+    """Inserting with what ``find`` learned (the empty slots that ended each search, some
+    shared by several new ids, some behind deleted slots) gives the same map as inserting
+    without it."""
+    g = torch.Generator().manual_seed(1)
+    hinted, plain = IdMap(initial_slots=64), IdMap(initial_slots=64)
+    everything = torch.empty(0, dtype=torch.int64)
+    for _ in range(40):
+        # Nearby ids share probe sequences, so their searches often end at one empty slot.
+        batch = torch.randint(0, 3000, (60,), generator=g).unique()
+        found = hinted.find(batch)
+        absent = (found.rows < 0).nonzero().squeeze(1)
+        hinted.insert(batch[absent], found.subset(absent))
+        plain.insert(batch[plain.lookup(batch) < 0])
+        gone = batch[torch.randint(0, batch.numel(), (10,), generator=g)].unique()
+        hinted.remove(gone)
+        plain.remove(gone)
+        everything = torch.cat([everything, batch])
+    queries = everything.unique()
+    assert torch.equal(hinted.lookup(queries) >= 0, plain.lookup(queries) >= 0)
+    ids_hinted, rows_hinted = hinted.live_rows()
+    assert torch.equal(ids_hinted, plain.live_rows()[0])
+    assert torch.equal(hinted.lookup(ids_hinted), rows_hinted)
+
+
 def test_id_map_reuses_freed_rows_and_stays_small() -> None:
     id_map = IdMap()
     first = id_map.insert(torch.arange(1000) * 7919)
