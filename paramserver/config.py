@@ -185,7 +185,8 @@ class TrainConfig:
         default=10.0,
         metadata=_doc(
             "seconds of silence (no call, no heartbeat) after which a trainer is declared "
-            "departed: the others stop waiting for it and its later pushes are refused"
+            "departed: the others stop waiting for it and its later pushes are refused; also "
+            "how long a trainer waits for a server's heartbeat answer"
         ),
     )
     dense_push_codec: str = field(

@@ -1,8 +1,9 @@
 """A trainer's heartbeats: proof of life for the servers, and a fast alarm when one is lost.
 
 A daemon thread calls every server's ``heartbeat`` each ``interval`` seconds, independent of
-data calls, so a server notices a frozen or dead trainer within its ``trainer_timeout`` and the
-trainer notices a lost server within ``timeout_s``, not at the data call's RPC timeout. A lost
+data calls, so a server notices a frozen or dead trainer within its ``trainer_timeout``, and the
+trainer notices a lost server at once when its connection breaks (a dead process) or within
+``timeout_s`` when it stops answering (a frozen one), not at the data call's RPC timeout. A lost
 server, or a server that declared this trainer departed, completes :attr:`Heartbeats.alarm`
 with the error; :func:`wait_all` gives up waiting on calls as soon as the alarm goes off.
 """
@@ -10,7 +11,6 @@ with the error; :func:`wait_all` gives up waiting on calls as soon as the alarm 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
@@ -41,36 +41,45 @@ class Heartbeats:
         self._stopped.set()
 
     def _run(self) -> None:
+        # One heartbeat in flight per server: a server slow to answer one (busy exporting a
+        # large shard, say) delays no other server's heartbeats.
+        in_flight: dict[int, Future] = {}
         while not self._stopped.is_set():
-            started = time.monotonic()
-            calls = [
-                (s, self.transport.call(s, "heartbeat", self.trainer, timeout_s=self.timeout_s))
-                for s in range(self.transport.num_servers)
-            ]
-            for server, call in calls:
-                try:
-                    status = call.wait()
-                except Exception as error:
-                    if self._stopped.is_set():
-                        return  # the job is ending: servers go away
-                    self._raise(
-                        ServerLostError(
-                            f"server {server} did not answer a heartbeat within "
-                            f"{self.timeout_s:g} s (it died, froze or was cut off): "
-                            f"{type(error).__name__}: {str(error)[:200]}",
-                            server=server,
-                        )
-                    )
+            for server in range(self.transport.num_servers):
+                call = in_flight.get(server)
+                if call is not None and not call.done():
+                    continue
+                if call is not None and not self._answered(server, call):
                     return
-                if status == "departed":
-                    self._raise(
-                        TrainerDepartedError(
-                            f"server {server} declared trainer {self.trainer} departed "
-                            "(it was silent too long); its pushes are refused"
-                        )
+                in_flight[server] = self.transport.call(
+                    server, "heartbeat", self.trainer, timeout_s=self.timeout_s
+                )
+            self._stopped.wait(self.interval)
+
+    def _answered(self, server: int, call: Future) -> bool:
+        """Whether ``server`` answered well; raises the alarm otherwise."""
+        try:
+            status = call.wait()
+        except Exception as error:
+            if not self._stopped.is_set():  # else the job is ending: servers go away
+                self._raise(
+                    ServerLostError(
+                        f"server {server} did not answer a heartbeat within "
+                        f"{self.timeout_s:g} s (it died, froze or was cut off): "
+                        f"{type(error).__name__}: {str(error)[:200]}",
+                        server=server,
                     )
-                    return
-            self._stopped.wait(max(0.0, self.interval - (time.monotonic() - started)))
+                )
+            return False
+        if status == "departed":
+            self._raise(
+                TrainerDepartedError(
+                    f"server {server} declared trainer {self.trainer} departed "
+                    "(it was silent too long); its pushes are refused"
+                )
+            )
+            return False
+        return True
 
     def _raise(self, error: Exception) -> None:
         with self._alarm_lock:

@@ -165,8 +165,10 @@ def run_trainer(
 
 
 def heartbeat_timeout(config: TrainConfig) -> float:
-    """How long a server may take to answer a heartbeat before it counts as lost."""
-    return max(2.0, 2 * config.heartbeat_interval)
+    """How long a server may take to answer a heartbeat before it counts as lost: as long as
+    servers wait for a silent trainer (a busy server, exporting a large shard say, can take
+    seconds; a dead one fails at once)."""
+    return config.trainer_timeout
 
 
 def _train(
