@@ -27,11 +27,13 @@ the ``pull`` call) create and count nothing: unseen ids read as the default vect
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import zlib
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,6 +124,16 @@ class FixedTable:
             if self.steps is not None:
                 entry["steps"] = self.steps.clone()
         return entry
+
+    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Copies of every row with its state, keyed by global row id (for checkpoints)."""
+        ids = torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
+        return _row_entries(ids, self.weight, self.state, self.steps, self.versions), {}
+
+    def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Take the rows of ``saved`` (this server's, any shard layout it came from)."""
+        local = self.plan.local_rows(saved["ids"])
+        _put_rows(local, saved, self.weight, self.state, self.steps, self.versions)
 
     def nbytes(self) -> int:
         return _nbytes(self.weight, self.steps, self.versions, *self.state.values())
@@ -231,6 +243,46 @@ class DynamicTable:
                 entry["steps"] = self.steps.index_select(0, rows)
         return entry
 
+    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Copies of every live row with its state and bookkeeping, keyed by id, the pending
+        ids' counters, and the counters (for checkpoints)."""
+        ids, rows = self.ids.live_rows()
+        entries = _row_entries(
+            ids, self.weight, self.state, self.steps, self.versions, rows, self.last_touched
+        )
+        pending_ids, slots = self.pending.live_rows()
+        entries["pending.ids"] = pending_ids
+        entries["pending.counts"] = self.pending_counts[slots]
+        entries["pending.seen"] = self.pending_seen[slots]
+        meta = {
+            "counters": dataclasses.asdict(self.counters),
+            "swept_at": self.swept_at,
+            "fresh_version": self.fresh_version,
+        }
+        return entries, meta
+
+    def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Add the rows and pending ids of ``saved`` (this server's, from any shard layout)
+        with their state; add its counters to this table's."""
+        ids = saved["ids"]
+        if ids.numel():
+            rows = self.ids.insert(ids)
+            self._fit_rows()
+            _put_rows(rows, saved, self.weight, self.state, self.steps, self.versions)
+            if self.last_touched is not None and "last_touched" in saved:
+                self.last_touched[rows] = saved["last_touched"]
+        pending = saved["pending.ids"]
+        if pending.numel():
+            self.pending.insert(pending)
+            self._fit_pending()
+            slots = self.pending.lookup(pending)
+            self.pending_counts[slots] = saved["pending.counts"]
+            self.pending_seen[slots] = saved["pending.seen"]
+        for name, value in meta["counters"].items():
+            setattr(self.counters, name, getattr(self.counters, name) + int(value))
+        self.swept_at = max(self.swept_at, int(meta["swept_at"]))
+        self.fresh_version = max(self.fresh_version, int(meta["fresh_version"]))
+
     def nbytes(self) -> int:
         own = _nbytes(
             self.weight,
@@ -297,16 +349,7 @@ class DynamicTable:
     def _create(self, ids: Tensor, found: Found) -> Tensor:
         """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
         rows = self.ids.insert(ids, found)
-        if self.ids.used_rows > self.weight.shape[0]:
-            capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
-            self.weight = _grow(self.weight, capacity)
-            self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
-            if self.steps is not None:
-                self.steps = _grow(self.steps, capacity)
-            if self.last_touched is not None:
-                self.last_touched = _grow(self.last_touched, capacity)
-            if self.versions is not None:
-                self.versions = _grow(self.versions, capacity)
+        self._fit_rows()
         if self.versions is not None:
             self.versions[rows] = self.fresh_version
         self.weight[rows] = init_rows(self.spec.name, self.options, ids, self.spec.dim)
@@ -317,6 +360,19 @@ class DynamicTable:
             self.steps[rows] = 0
         self.counters.admitted += ids.numel()
         return rows
+
+    def _fit_rows(self) -> None:
+        """Grow row storage to every row number the id map has handed out."""
+        if self.ids.used_rows > self.weight.shape[0]:
+            capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
+            self.weight = _grow(self.weight, capacity)
+            self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
+            if self.steps is not None:
+                self.steps = _grow(self.steps, capacity)
+            if self.last_touched is not None:
+                self.last_touched = _grow(self.last_touched, capacity)
+            if self.versions is not None:
+                self.versions = _grow(self.versions, capacity)
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""
@@ -353,6 +409,45 @@ class DynamicTable:
 
 def _nbytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _row_entries(
+    ids: Tensor,
+    weight: Tensor,
+    state: State,
+    steps: Tensor | None,
+    versions: Tensor | None,
+    rows: Tensor | None = None,
+    last_touched: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """Copies of the given rows (all if ``rows`` is None) of each per-row tensor, by name."""
+
+    def take(tensor: Tensor) -> Tensor:
+        return tensor.clone() if rows is None else tensor.index_select(0, rows)
+
+    entries = {"ids": ids, "value": take(weight)}
+    entries.update({f"state.{k}": take(v) for k, v in state.items()})
+    for name, tensor in (("steps", steps), ("versions", versions), ("last_touched", last_touched)):
+        if tensor is not None:
+            entries[name] = take(tensor)
+    return entries
+
+
+def _put_rows(
+    rows: Tensor,
+    saved: dict[str, Tensor],
+    weight: Tensor,
+    state: State,
+    steps: Tensor | None,
+    versions: Tensor | None,
+) -> None:
+    weight[rows] = saved["value"]
+    for slot, value in state.items():
+        value[rows] = saved[f"state.{slot}"]
+    if steps is not None:
+        steps[rows] = saved["steps"]
+    if versions is not None:
+        versions[rows] = saved.get("versions", 0)
 
 
 def _grow(tensor: Tensor, rows: int) -> Tensor:

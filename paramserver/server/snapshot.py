@@ -1,0 +1,128 @@
+"""A shard's state for checkpoints, and taking it back onto any number of servers.
+
+A snapshot holds every value with its optimizer state, keyed so that it does not depend on the
+shard layout: dense parameters by name, table rows by global row id (fixed tables) or id
+(dynamic tables, with their pending ids and counters). Each table is copied under its own lock,
+so every row is saved together with its own optimizer state even while training goes on; in
+sync mode the chief takes the snapshots between two rounds, so all shards hold the same step.
+
+Restoring onto server ``s`` of ``S'`` reads every saved shard and keeps what the new plan
+gives ``s``: a checkpoint saved with ``S`` servers resumes on any ``S'``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from paramserver.errors import CheckpointError
+from paramserver.server.shard import ServerShard
+from paramserver.server.tables import DynamicTable
+
+Saved = tuple[dict[str, Tensor], dict[str, Any]]
+
+
+def model_signature(shard: ServerShard) -> dict[str, Any]:
+    """What a checkpoint must match to be restored: the model's parameters and tables."""
+    plan = shard.plan
+    return {
+        "dense": {n: [list(s.shape), str(s.dtype)] for n, s in sorted(plan.dense.items())},
+        "tables": {
+            n: [t.num_rows, t.dim, str(t.dtype), t.dynamic is not None]
+            for n, t in sorted(plan.tables.items())
+        },
+    }
+
+
+def snapshot_shard(shard: ServerShard) -> Saved:
+    """Copies of this shard's values, optimizer state and bookkeeping (see the module doc)."""
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, Any] = {
+        "server": shard.server,
+        "num_servers": shard.plan.num_servers,
+        "clock": shard.clock,
+        "dense": sorted(shard.dense),
+        "tables": {},
+    }
+    for name, slot in shard.dense.items():
+        with slot.lock:
+            tensors[f"dense/{name}/value"] = slot.value.clone()
+            tensors.update({f"dense/{name}/state.{k}": v.clone() for k, v in slot.state.items()})
+            tensors[f"dense/{name}/step"] = slot.step.clone()
+    for name, table in shard.tables.items():
+        with table.lock:
+            entries, table_meta = table.snapshot()
+        tensors.update({f"table/{name}/{k}": v for k, v in entries.items()})
+        meta["tables"][name] = {"dynamic": isinstance(table, DynamicTable), **table_meta}
+    return tensors, meta
+
+
+def restore_shard(shard: ServerShard, saved: Iterable[Saved]) -> None:
+    """Load this server's part of every saved shard into ``shard`` (freshly built, not yet
+    serving). Raises :class:`CheckpointError` if a saved shard does not fit the model."""
+    for tensors, meta in saved:
+        try:
+            _restore_one(shard, tensors, meta)
+        except (KeyError, IndexError, RuntimeError, TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"saved shard of server {meta.get('server')!r} does not fit this model: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+
+def _restore_one(shard: ServerShard, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    plan = shard.plan
+    for name in meta["dense"]:
+        slot = shard.dense.get(name)
+        if slot is None:
+            continue  # another server's under the new plan
+        slot.value.copy_(tensors[f"dense/{name}/value"])
+        for key, value in slot.state.items():
+            value.copy_(tensors[f"dense/{name}/state.{key}"])
+        slot.step.copy_(tensors[f"dense/{name}/step"])
+    # Counters are per server: each new server takes those of the old servers it replaces.
+    takes_counters = meta["server"] % plan.num_servers == shard.server
+    for name, table_meta in meta["tables"].items():
+        table = shard.tables[name]
+        prefix = f"table/{name}/"
+        entries = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        mine = plan.server_of_rows(name, entries["ids"]) == shard.server
+        rows = {k: v[mine] for k, v in entries.items() if not k.startswith("pending.")}
+        if isinstance(table, DynamicTable):
+            pending_mine = plan.server_of_rows(name, entries["pending.ids"]) == shard.server
+            rows.update(
+                {k: v[pending_mine] for k, v in entries.items() if k.startswith("pending.")}
+            )
+            if not takes_counters:
+                table_meta = {
+                    **table_meta,
+                    "counters": dict.fromkeys(table_meta["counters"], 0),
+                }
+        table.restore(rows, table_meta)
+    shard.clock = max(shard.clock, int(meta["clock"]))
+
+
+def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
+    """A plain state_dict of the model from saved shards: dense values, fixed tables whole,
+    dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight`` (for ``paramserver export``)."""
+    state: dict[str, Tensor] = {}
+    rows: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    dynamic: set[str] = set()
+    for tensors, meta in saved:
+        for name in meta["dense"]:
+            state[name] = tensors[f"dense/{name}/value"]
+        for name, table_meta in meta["tables"].items():
+            ids, value = tensors[f"table/{name}/ids"], tensors[f"table/{name}/value"]
+            rows.setdefault(name, []).append((ids, value))
+            if table_meta["dynamic"]:
+                dynamic.add(name)
+    for name, parts in rows.items():
+        ids = torch.cat([p[0] for p in parts])
+        order = torch.argsort(ids)
+        state[name] = torch.cat([p[1] for p in parts])[order]  # fixed: global rows 0..N-1
+        if name in dynamic:
+            state[name.removesuffix("weight") + "ids"] = ids[order]
+    return state
