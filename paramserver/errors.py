@@ -53,3 +53,7 @@ class JobFailedError(ParamServerError, RuntimeError):
 
 class InvalidBatchError(ParamServerError, IndexError):
     """A batch holds ids a table cannot serve (for example out of its row range)."""
+
+
+class CheckpointError(ParamServerError):
+    """A checkpoint is missing, incomplete or corrupt; the message names it and what is wrong."""
