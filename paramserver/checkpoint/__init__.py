@@ -1,0 +1,26 @@
+"""Checkpoints: atomic, verified, written by many processes and committed by one (the chief).
+
+See :mod:`paramserver.checkpoint.store` for the layout on disk and why it survives crashes.
+"""
+
+from paramserver.checkpoint.store import (
+    Checkpoint,
+    Part,
+    checkpoint_dir,
+    commit,
+    load_latest,
+    verify,
+    write_part,
+)
+from paramserver.errors import CheckpointError
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "Part",
+    "checkpoint_dir",
+    "commit",
+    "load_latest",
+    "verify",
+    "write_part",
+]

@@ -1,0 +1,552 @@
+"""Atomic, verified checkpoints that many processes write into one directory tree.
+
+Layout under a checkpoint root ``ROOT``::
+
+    ROOT/
+      ckpt-0000000120/      one directory per checkpoint, named by its step (10 digits or more)
+        server-0.pt         a part: a dict of tensors (torch.save)...
+        server-0.json       ...and its JSON metadata; one pair per writer (server, trainer)
+        trainer-0.pt
+        trainer-0.json
+        manifest.json       written last, at commit: every file with its size and sha256, the
+                            step and the job's metadata
+      LATEST                the name of the newest committed checkpoint
+
+Each process writes its own parts with :func:`write_part` and hands the returned :class:`Part`
+(small and picklable, so it can travel by RPC) to one process, the chief, which calls
+:func:`commit`. Readers call :func:`load_latest`.
+
+Why a crash at any instant leaves a loadable checkpoint:
+
+* Every file is written to a temporary name in its final directory, flushed and fsynced, renamed
+  over its final name, and then the directory is fsynced so that the rename itself is durable.
+  ``rename`` within one directory is atomic: a reader sees the old file or the new one, never a
+  mix.
+* A checkpoint counts only once its ``manifest.json`` exists *and verifies* (every listed file
+  has the listed size and sha256). The manifest is written only after the chief has re-hashed
+  every part, so a checkpoint killed half-way has no manifest and is ignored, and one damaged
+  later fails verification and is skipped.
+* ``LATEST`` is replaced the same way, after the manifest and ``ROOT`` are fsynced, so a reader
+  sees either the old ``LATEST`` or the new one, and the one it sees names a complete checkpoint.
+  ``LATEST`` is a hint, not the source of truth: when it is missing, garbage or names a checkpoint
+  that does not verify, :func:`load_latest` scans every ``ckpt-*`` directory, newest first.
+* Old checkpoints are deleted only after the new ``LATEST`` is durable, manifest first, so a
+  half-deleted directory is merely uncommitted.
+
+Every writer must see the same ``ROOT``: one local disk for a single host, a shared file system
+(NFS, Lustre, a FUSE mount of object storage with close-to-open consistency) across hosts. A
+writer closes its files before it returns its Part, and the chief opens them after, which is the
+point where such file systems guarantee the chief sees the writer's bytes. One chief commits into
+a ``ROOT`` at a time.
+
+Tensors are loaded with ``torch.load(weights_only=True)``: a checkpoint from an untrusted place
+cannot run code, and metadata lives in JSON, not in pickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+from torch import Tensor
+
+from paramserver.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "paramserver-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+
+_PART_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+_DIR_NAME = re.compile(r"ckpt-([0-9]{10,})")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK = 1 << 20
+
+FileDigests = dict[str, tuple[int, str]]
+"""File name -> (size in bytes, sha256 as lowercase hex)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """What one writer wrote into a checkpoint directory: ``name.pt`` and ``name.json``, each
+    with its size and sha256. The chief checks these against the disk before it commits."""
+
+    name: str
+    files: FileDigests
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint that verified when :func:`load_latest` found it."""
+
+    directory: Path
+    step: int
+    meta: dict[str, Any]  # the job's metadata, as given to commit()
+    part_names: tuple[str, ...]  # sorted
+    files: FileDigests = field(repr=False)
+
+    def read_part(self, name: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """The tensors (on CPU) and metadata of part ``name``.
+
+        The files are re-hashed as they are read, so a file changed since verification raises
+        :class:`CheckpointError` instead of loading something other than what was committed.
+        Raises ``KeyError`` if the checkpoint has no such part.
+        """
+        if name not in self.part_names:
+            raise KeyError(f"{self.directory} has no part {name!r}; it has {list(self.part_names)}")
+        with self._open_verified(f"{name}.pt") as f:
+            try:
+                tensors = torch.load(f, weights_only=True, map_location="cpu")
+            except Exception as e:  # a verified file should load; say which one did not
+                raise CheckpointError(f"{self.directory / f'{name}.pt'}: cannot load: {e}") from e
+        with self._open_verified(f"{name}.json") as f:
+            try:
+                meta = json.loads(f.read())
+            except (ValueError, RecursionError) as e:
+                raise CheckpointError(f"{self.directory / f'{name}.json'}: invalid JSON") from e
+        if not (
+            isinstance(tensors, dict)
+            and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())
+        ):
+            raise CheckpointError(f"{self.directory / f'{name}.pt'}: not a dict of tensors")
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{self.directory / f'{name}.json'}: not a JSON object")
+        return tensors, meta
+
+    @contextlib.contextmanager
+    def _open_verified(self, file_name: str) -> Iterator[IO[bytes]]:
+        """The file, rewound after checking it against the manifest. Hashing and loading go
+        through one open file, so a rename over the name in between cannot slip in other bytes."""
+        path = self.directory / file_name
+        try:
+            f = open(path, "rb")  # noqa: SIM115 -- closed below, after the caller reads it
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot open: {e}") from e
+        with f:
+            found = _hash_stream(f)
+            if found != self.files[file_name]:
+                raise CheckpointError(
+                    f"{path}: changed since the checkpoint was verified "
+                    f"(now {found[0]} bytes, sha256 {found[1][:12]}...)"
+                )
+            f.seek(0)
+            yield f
+
+
+def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
+    """The directory of the checkpoint for ``step`` under ``root`` (not created)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    return Path(root) / f"ckpt-{step:010d}"
+
+
+def write_part(
+    directory: str | os.PathLike[str],
+    name: str,
+    tensors: Mapping[str, Tensor],
+    meta: Mapping[str, Any],
+) -> Part:
+    """Write ``name.pt`` (the tensors) and ``name.json`` (``meta``) into ``directory``, each
+    atomically and durably; create the directory (and its parents) if needed.
+
+    A tensor that is a view of a larger storage is saved as a contiguous copy of its own
+    elements (torch.save would write the whole storage); one that owns its storage exactly is
+    saved without a copy, so the caller must not modify the tensors until this returns.
+    ``name`` is ``[A-Za-z0-9_.-]+``, not starting with ``.`` and not ``manifest``.
+    """
+    _check_part_name(name)
+    meta_json = _json_bytes(meta)  # unserializable metadata fails before anything is written
+    state: dict[str, Tensor] = {}
+    for key, tensor in tensors.items():
+        if not isinstance(key, str) or not isinstance(tensor, Tensor):
+            raise TypeError(f"part {name!r}: tensors must map str to Tensor, got {key!r}")
+        state[key] = _compact(tensor)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files: FileDigests = {
+        f"{name}.pt": _write_atomic(directory / f"{name}.pt", lambda f: torch.save(state, f)),
+        f"{name}.json": _write_atomic(directory / f"{name}.json", lambda f: f.write(meta_json)),
+    }
+    return Part(name, files)
+
+
+def commit(
+    root: str | os.PathLike[str],
+    step: int,
+    parts: Sequence[Part],
+    meta: Mapping[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Publish checkpoint ``step`` made of ``parts``; returns its directory.
+
+    Re-hashes every part's files (so the manifest vouches for what is on disk, not for what the
+    writers believe), writes ``manifest.json``, points ``LATEST`` at it, then deletes older
+    directories so that ``keep`` committed checkpoints remain (this one included), and every
+    uncommitted directory older than this one. Directories of newer steps are never touched:
+    another step may be being written there. Blocks for the hashing and fsyncs.
+    """
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
+        raise ValueError(
+            f"keep must be an int >= 2 (a damaged newest needs a fallback), got {keep}"
+        )
+    if not parts:
+        raise ValueError("commit needs at least one part")
+    root = Path(root)
+    directory = checkpoint_dir(root, step)
+    files: FileDigests = {}
+    names: list[str] = []
+    for part in parts:
+        _check_part(part)
+        if part.name in names:
+            raise ValueError(f"part {part.name!r} given twice")
+        names.append(part.name)
+        for file_name, expected in part.files.items():
+            path = directory / file_name
+            try:
+                with open(path, "rb") as f:
+                    found = _hash_stream(f)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path}: missing (part {part.name!r} wrote it)") from None
+            except OSError as e:
+                raise CheckpointError(f"{path}: cannot read: {e}") from e
+            if found != tuple(expected):
+                raise CheckpointError(
+                    f"{path}: differs from what part {part.name!r} wrote "
+                    f"({found[0]} bytes on disk, {expected[0]} written; or a different sha256)"
+                )
+            files[file_name] = found
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "step": step,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "meta": dict(meta),
+        "parts": sorted(names),
+        "files": [
+            {"name": n, "size": size, "sha256": digest}
+            for n, (size, digest) in sorted(files.items())
+        ],
+    }
+    manifest_json = _json_bytes(manifest)
+    _write_atomic(directory / MANIFEST, lambda f: f.write(manifest_json))
+    _fsync_dir(root)  # the checkpoint's own entry in ROOT, before LATEST may name it
+    _write_atomic(root / LATEST, lambda f: f.write(f"{directory.name}\n".encode()))
+    for leftover in root.glob(f".{LATEST}.*.tmp"):  # from a chief killed mid-write
+        with contextlib.suppress(OSError):
+            leftover.unlink()
+    _prune(root, step, keep)
+    return directory
+
+
+def verify(directory: str | os.PathLike[str]) -> list[str]:
+    """The problems of the checkpoint in ``directory``; empty if it is complete and intact.
+
+    Checks the manifest's structure and that every file it lists is a regular file in
+    ``directory`` with the listed size and sha256. Never raises on a damaged checkpoint.
+    """
+    return _inspect(Path(directory), hash_files=True)[1]
+
+
+def load_latest(root: str | os.PathLike[str]) -> Checkpoint | None:
+    """The newest checkpoint under ``root`` that verifies, or None if there is no checkpoint.
+
+    Tries the one ``LATEST`` names, then every other committed ``ckpt-*`` directory, newest
+    first; each skipped one is logged as a warning with its problems. Raises
+    :class:`CheckpointError` if checkpoints exist (or ``LATEST`` does) but none verifies: a job
+    must not silently start from scratch after losing its checkpoints.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    latest_exists, latest_name, latest_problem = _read_latest(root)
+    dirs = {path.name: path for _, path in sorted(_checkpoint_dirs(root), reverse=True)}
+    candidates: list[Path] = []
+    if latest_name is not None:
+        if latest_name in dirs:
+            candidates.append(dirs[latest_name])
+        else:
+            latest_problem = f"{LATEST} names {latest_name}, which does not exist"
+    candidates += [
+        path
+        for path in dirs.values()
+        if path not in candidates and os.path.lexists(path / MANIFEST)
+    ]
+    if not candidates and not latest_exists:
+        return None
+    failures: list[str] = []
+    if latest_problem is not None:
+        logger.warning("checkpoints under %s: %s; scanning the directories", root, latest_problem)
+        failures.append(latest_problem)
+    for path in candidates:
+        manifest, problems = _inspect(path, hash_files=True)
+        if manifest is not None and not problems:
+            return Checkpoint(path, manifest.step, manifest.meta, manifest.parts, manifest.files)
+        logger.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+        failures.append(f"{path.name}: {'; '.join(problems)}")
+    if not candidates:
+        failures.append("no committed checkpoint directory")
+    raise CheckpointError(f"no checkpoint under {root} verifies: " + " | ".join(failures))
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    step: int
+    meta: dict[str, Any]
+    parts: tuple[str, ...]
+    files: FileDigests
+
+
+def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, list[str]]:
+    """The parsed manifest (None if unusable) and every problem found. Without ``hash_files``
+    only sizes are checked: cheap enough for deciding what to delete at each commit."""
+    try:
+        raw = (directory / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None, [f"no {MANIFEST} (never committed, or being written)"]
+    except (OSError, ValueError) as e:
+        return None, [f"cannot read {MANIFEST}: {e}"]
+    try:
+        document = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        return None, [f"invalid {MANIFEST}: not JSON ({type(e).__name__})"]
+    manifest, problems = _parse_manifest(document)
+    if manifest is None:
+        return None, problems
+    step = _step_of(directory.name)
+    if step is not None and step != manifest.step:
+        problems.append(f"{MANIFEST} is for step {manifest.step}, the directory for step {step}")
+    for name, (size, digest) in manifest.files.items():
+        path = directory / name
+        try:
+            info = path.lstat()
+            if not stat.S_ISREG(info.st_mode):
+                problems.append(f"{name}: not a regular file")
+            elif info.st_size != size:
+                problems.append(f"{name}: size mismatch ({info.st_size} bytes, expected {size})")
+            elif hash_files:
+                with open(path, "rb") as f:
+                    if _hash_stream(f) != (size, digest):
+                        problems.append(f"{name}: sha256 checksum mismatch")
+        except FileNotFoundError:
+            problems.append(f"{name}: missing file")
+        except OSError as e:
+            problems.append(f"{name}: unreadable ({e})")
+    return manifest, problems
+
+
+def _parse_manifest(document: Any) -> tuple[_Manifest | None, list[str]]:
+    bad = f"invalid {MANIFEST}"
+    if not isinstance(document, dict):
+        return None, [f"{bad}: not a JSON object"]
+    problems: list[str] = []
+    if document.get("format") != FORMAT or document.get("version") != FORMAT_VERSION:
+        problems.append(f"{bad}: not a {FORMAT} version {FORMAT_VERSION} manifest")
+    step: Any = document.get("step")
+    if not _is_count(step):
+        problems.append(f"{bad}: step is {step!r}")
+    meta: Any = document.get("meta")
+    if not isinstance(meta, dict):
+        problems.append(f"{bad}: meta is not an object")
+    parts = document.get("parts")
+    if not isinstance(parts, list) or not all(
+        isinstance(p, str) and _is_part_name(p) for p in parts
+    ):
+        problems.append(f"{bad}: parts is not a list of part names")
+        parts = []
+    elif len(set(parts)) != len(parts):
+        problems.append(f"{bad}: a part is listed twice")
+    entries = document.get("files")
+    files: FileDigests = {}
+    if not isinstance(entries, list):
+        problems.append(f"{bad}: files is not a list")
+        entries = []
+    for entry in entries:
+        if not isinstance(entry, dict):
+            problems.append(f"{bad}: a files entry is not an object")
+            continue
+        name: Any = entry.get("name")
+        size: Any = entry.get("size")
+        digest: Any = entry.get("sha256")
+        if not isinstance(name, str) or not name:
+            problems.append(f"{bad}: a files entry has no name")
+        elif name in (".", "..", MANIFEST) or "\0" in name or Path(name).name != name:
+            problems.append(f"file {name!r}: path escapes the checkpoint directory")
+        elif name in files:
+            problems.append(f"file {name!r} listed twice")
+        elif not _is_count(size) or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            problems.append(f"file {name!r}: invalid size or sha256")
+        else:
+            files[name] = (size, digest)
+    for part in parts:
+        problems += [
+            f"part {part!r}: {n} not listed"
+            for n in (f"{part}.pt", f"{part}.json")
+            if n not in files
+        ]
+    if problems:
+        return None, problems
+    return _Manifest(step, meta, tuple(sorted(parts)), files), []
+
+
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Delete what is older than ``step`` beyond the ``keep - 1`` newest intact checkpoints."""
+    kept = 1  # the one just committed
+    for older_step, path in sorted(_checkpoint_dirs(root), reverse=True):
+        if older_step >= step:
+            continue
+        if kept < keep:
+            manifest, problems = _inspect(path, hash_files=False)
+            if manifest is not None and not problems:
+                kept += 1
+                continue
+        with contextlib.suppress(FileNotFoundError):
+            (path / MANIFEST).unlink()  # uncommitted first: a half-deleted one is never loaded
+        try:
+            shutil.rmtree(path)
+        except OSError as e:  # the new checkpoint is already published; the next commit retries
+            logger.warning("could not delete old checkpoint %s: %s", path, e)
+
+
+def _read_latest(root: Path) -> tuple[bool, str | None, str | None]:
+    """Whether ``LATEST`` exists, the checkpoint name it holds (if valid) and its problem."""
+    try:
+        with open(root / LATEST, "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        return False, None, None
+    except OSError as e:
+        return True, None, f"cannot read {LATEST}: {e}"
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text:
+        return True, None, f"{LATEST} is empty"
+    if _step_of(text) is None:
+        return True, None, f"{LATEST} holds {text[:40]!r}, not a checkpoint name"
+    return True, text, None
+
+
+def _checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every directory under ``root`` named as :func:`checkpoint_dir` names
+    them; anything else in ``root`` is not ours and is left alone."""
+    found = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            step = _step_of(entry.name)
+            if step is not None and entry.is_dir(follow_symlinks=False):
+                found.append((step, Path(entry.path)))
+    return found
+
+
+def _step_of(name: str) -> int | None:
+    match = _DIR_NAME.fullmatch(name)
+    if match is None or name != f"ckpt-{int(match[1]):010d}":
+        return None
+    return int(match[1])
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> tuple[int, str]:
+    """Write a file through ``write`` so that ``path`` holds either its old content or all of
+    the new, durably; returns the new content's (size, sha256)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    # os.open rather than mkstemp: mode 0o666 under the umask, as a plain open() would create.
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "w+b") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+            f.seek(0)
+            digest = _hash_stream(f)  # what reached the file, not what we meant to write
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return digest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some file systems cannot fsync a directory; their renames are durable
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _hash_stream(f: IO[bytes]) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    while chunk := f.read(_CHUNK):
+        sha.update(chunk)
+        size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def _compact(tensor: Tensor) -> Tensor:
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        return tensor.clone()
+    owns_storage = (
+        tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+    return tensor if owns_storage else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _json_bytes(value: Mapping[str, Any]) -> bytes:
+    return (json.dumps(dict(value), indent=1) + "\n").encode()
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_part_name(name: str) -> bool:
+    return bool(_PART_NAME.fullmatch(name)) and not name.startswith(".") and name != "manifest"
+
+
+def _check_part_name(name: str) -> None:
+    if not isinstance(name, str) or not _is_part_name(name):
+        raise ValueError(
+            f"part name {name!r}: must match [A-Za-z0-9_.-]{{1,200}}, not start with '.' "
+            "and not be 'manifest'"
+        )
+
+
+def _check_part(part: Part) -> None:
+    """A Part may come from a peer by RPC: check its shape before trusting its file names."""
+    if not isinstance(part, Part):
+        raise ValueError(f"expected a Part, got {type(part).__name__}")
+    _check_part_name(part.name)
+    expected = {f"{part.name}.pt", f"{part.name}.json"}
+    if not isinstance(part.files, dict) or set(part.files) != expected:
+        raise ValueError(f"part {part.name!r}: files must be exactly {sorted(expected)}")
+    for file_name, digest in part.files.items():
+        if not (
+            isinstance(digest, tuple | list)
+            and len(digest) == 2
+            and _is_count(digest[0])
+            and isinstance(digest[1], str)
+            and _SHA256.fullmatch(digest[1])
+        ):
+            raise ValueError(f"part {part.name!r}: {file_name}: not a (size, sha256) pair")
