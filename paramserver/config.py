@@ -233,6 +233,21 @@ class TrainConfig:
         default=8,
         metadata=_doc("a cached row is used while it misses at most this many updates"),
     )
+    checkpoint_dir: str | None = field(
+        default=None,
+        metadata=_doc("directory of checkpoints (shared by every host of a multi-host job)"),
+    )
+    checkpoint_every: int | None = field(
+        default=None, metadata=_doc("checkpoint every this many steps (of the chief)")
+    )
+    checkpoint_every_s: float | None = field(
+        default=None, metadata=_doc("checkpoint every this many seconds")
+    )
+    checkpoint_keep: int = field(default=2, metadata=_doc("checkpoints kept (at least 2)"))
+    resume: bool = field(
+        default=False,
+        metadata=_doc("continue from the newest valid checkpoint in --checkpoint-dir"),
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(
@@ -325,6 +340,16 @@ class TrainConfig:
             raise ConfigError(
                 "--cache-rows needs --mode async or ssp: sync rounds promise current values"
             )
+        if (self.checkpoint_every or self.checkpoint_every_s or self.resume) and (
+            self.checkpoint_dir is None
+        ):
+            raise ConfigError("--checkpoint-every(-s) and --resume need --checkpoint-dir")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ConfigError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.checkpoint_every_s is not None and not self.checkpoint_every_s > 0:
+            raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
+        if self.checkpoint_keep < 2:
+            raise ConfigError(f"--checkpoint-keep must be >= 2, got {self.checkpoint_keep}")
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:

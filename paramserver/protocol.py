@@ -126,6 +126,7 @@ class PushPullReply:
     rows: dict[str, Tensor | Encoded] = field(default_factory=dict)
     pooled: dict[str, Tensor | Encoded] = field(default_factory=dict)  # [bags, dim] partial sums
     row_versions: dict[str, Tensor] = field(default_factory=dict)  # for pull_versions' tables
+    checkpoint_at: int = -1  # the newest checkpoint step announced (see trainer.checkpointing)
 
 
 def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:

@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from paramserver.config import TrainConfig
+from paramserver.errors import CheckpointError
 from paramserver.server.consistency import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
+from paramserver.server.snapshot import Saved, model_signature, restore_shard
+from paramserver.trainer.checkpointing import latest
 from paramserver.trainer.loop import (
     DataFn,
     LossFn,
@@ -37,7 +40,31 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     initial = dict(model.named_parameters())
     shard = ServerShard(server, plan, initial, config)
     del model, initial
-    return ServerEndpoint(Coordinator(shard, config))
+    coordinator = Coordinator(shard, config)
+    if config.resume:
+        resume_server(shard, coordinator, config)
+    return ServerEndpoint(coordinator)
+
+
+def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:
+    """Load this server's part of the newest valid checkpoint (saved with any server count)."""
+    found = latest(config)
+    names = [n for n in found.part_names if n.startswith("server-")]
+    signature = model_signature(shard)
+
+    def saved() -> Iterator[Saved]:
+        for name in names:
+            tensors, meta = found.read_part(name)
+            if meta.get("signature") != signature:
+                raise CheckpointError(
+                    f"{found.directory}: {name} was saved from a different model "
+                    "(other parameters, tables or shapes)"
+                )
+            yield tensors, meta
+
+    restore_shard(shard, saved())
+    coordinator.resume_at(found.step)
+    log.info("server %d resumed from %s", shard.server, found.directory)
 
 
 def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:

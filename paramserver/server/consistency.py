@@ -56,6 +56,7 @@ from paramserver.protocol import (
     TrainerReport,
     payload_nbytes,
 )
+from paramserver.server.checkpointing import ServerCheckpoints
 from paramserver.server.futures import chain, completed, failed
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
@@ -116,6 +117,7 @@ class Coordinator:
         self._held: list[_Held] = []
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
+        self.checkpoints = ServerCheckpoints(shard, lambda: frozenset(self.members))
         self._stopped = threading.Event()
         _start_watchdog(self)
 
@@ -226,6 +228,12 @@ class Coordinator:
             future: Future = Future()
             self._all_left.append(future)
             return future
+
+    def resume_at(self, step: int) -> None:
+        """Continue a job saved at ``step``: every trainer's next call is ``step + 1``."""
+        with self.lock:
+            self.last_step = dict.fromkeys(self.members, step)
+        self.checkpoints.planned = step
 
     def remove_trainer(self, trainer: int) -> None:
         """Take ``trainer`` out of the job (it failed): it counts as departed."""
@@ -365,6 +373,7 @@ class Coordinator:
                     for name, block in request.pool_rows.items():
                         self.pool_specs[(request.trainer, request.step, name)] = block
         reply = self.shard.read(request, train=train, clock=clock)
+        reply.checkpoint_at = self.checkpoints.planned
         with self.shard.stats.lock:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
         return reply
@@ -484,6 +493,7 @@ class Coordinator:
                 self._all_left = []
         self._close_rounds(ready)
         self._release_held()
+        self.checkpoints.members_changed()
         for future in done:
             future.set_result(None)
 

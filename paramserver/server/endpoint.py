@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.futures import Future
 
+from paramserver.checkpoint import Part
 from paramserver.errors import ParamServerError
 from paramserver.server.consistency import Coordinator
 from paramserver.server.futures import completed, failed
@@ -23,6 +24,11 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "stats": (),
     "fingerprint": (),
     "heartbeat": (int,),
+    "plan_checkpoint": (int,),
+    "take_checkpoint": (int, str),
+    "checkpoint_part": (int,),
+    "add_trainer_part": (int, int, Part),
+    "trainer_parts": (int,),
 }
 
 
@@ -71,6 +77,21 @@ class ServerEndpoint:
 
     def _op_heartbeat(self, trainer: int) -> Future:
         return self.coordinator.heartbeat(trainer)
+
+    def _op_plan_checkpoint(self, step: int) -> Future:
+        return self.coordinator.checkpoints.plan(step)
+
+    def _op_take_checkpoint(self, step: int, directory: str) -> Future:
+        return self.coordinator.checkpoints.take(step, directory)
+
+    def _op_checkpoint_part(self, step: int) -> Future:
+        return self.coordinator.checkpoints.part(step)
+
+    def _op_add_trainer_part(self, step: int, trainer: int, part: Part) -> Future:
+        return self.coordinator.checkpoints.add_trainer_part(step, trainer, part)
+
+    def _op_trainer_parts(self, step: int) -> Future:
+        return self.coordinator.checkpoints.trainer_parts(step)
 
     def _op_fingerprint(self) -> Future:
         return completed(self.shard.plan.fingerprint)

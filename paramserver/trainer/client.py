@@ -77,6 +77,7 @@ class Pulled:
     rows: RowsById = field(default_factory=dict)
     pooled: dict[str, Tensor] = field(default_factory=dict)  # server-pooled sums per table
     step: int = -1
+    checkpoint_at: int = -1  # the newest checkpoint step the servers announced
 
 
 class PSClient:
@@ -285,7 +286,7 @@ class InFlight:
     def _assemble(self) -> Pulled:
         replies: list[PushPullReply] = wait_all(self.futures, self.client.alarm)  # type: ignore[assignment]
         self.client.traffic.count_received(replies)
-        pulled = Pulled(step=self.step)
+        pulled = Pulled(step=self.step, checkpoint_at=max(r.checkpoint_at for r in replies))
         for reply in replies:
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
         for name, (shape, dtype) in self.pooled_shapes.items():

@@ -34,6 +34,7 @@ from torch.futures import Future
 
 from paramserver.config import TrainConfig
 from paramserver.protocol import BagBlock, TrainerReport
+from paramserver.trainer.checkpointing import TrainerCheckpoints, latest, set_rng_state
 from paramserver.trainer.client import (
     InFlight,
     PSClient,
@@ -202,6 +203,11 @@ def _train(
     steps = samples = 0
     prefetch = config.prefetches
     groups = step_groups(data_fn, trainer, config.trainers, config)
+    checkpoints = TrainerCheckpoints(config, trainer, transport, alarm)
+    if config.resume:
+        steps, samples = resume_trainer(trainer, config, client)
+        for _ in range(steps):  # the data this trainer had trained on
+            next(groups, None)
 
     def record_next() -> Step | None:
         group = next(groups, None)
@@ -221,6 +227,7 @@ def _train(
     while current is not None:
         assert in_flight is not None
         pulled = in_flight.wait()
+        checkpoints.after_reply(pulled.step, pulled.checkpoint_at, steps, samples)
         following = record_next()
         if prefetch:
             # Pull the next step's rows while this one computes, pushing what is ready now.
@@ -259,6 +266,7 @@ def _train(
         bytes_received=0,
     )
     grads.push(client, None, final=True, report=report).wait()
+    checkpoints.finish()
     if trainer != 0:
         return TrainerOutcome(report)
     # Other trainers may run long after this one: wait for them without a timeout.
@@ -273,6 +281,16 @@ def _train(
         state.update({k: v for k, v in buffers if k not in replica.dense})
     stats = wait_all([transport.call(s, "stats") for s in range(config.servers)], alarm)
     return TrainerOutcome(report, state, stats)  # type: ignore[arg-type]
+
+
+def resume_trainer(trainer: int, config: TrainConfig, client: PSClient) -> tuple[int, int]:
+    """Restore this trainer's RNG states and call numbering from the newest checkpoint;
+    returns the steps and samples it had done."""
+    found = latest(config)
+    tensors, meta = found.read_part(f"trainer-{trainer}")
+    set_rng_state(tensors, meta)
+    client.step = found.step + 1  # servers resume with every trainer at the saved step
+    return int(meta["steps_done"]), int(meta["samples"])
 
 
 def _forward_backward(

@@ -1,0 +1,108 @@
+"""A server's side of checkpoints: announce, snapshot, write in the background, and (server 0)
+collect the trainers' parts for the chief.
+
+The chief announces a checkpoint step ``k`` (``plan``); every answer a server gives from then
+on carries it, so each trainer learns it before it reaches ``k``. At step ``k`` each trainer
+writes its own part and reports it (``add_trainer_part``, to server 0), and the chief asks every
+server to ``take`` its snapshot: the copy is made at once, under each parameter's lock, and
+written to disk by a background thread, so training goes on. The chief then waits (in its own
+thread) for ``part`` from every server and ``trainer_parts`` from server 0, and commits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Set
+from pathlib import Path
+from typing import Any
+
+from torch.futures import Future
+
+from paramserver.checkpoint import Part, write_part
+from paramserver.server.futures import completed
+from paramserver.server.shard import ServerShard
+from paramserver.server.snapshot import model_signature, snapshot_shard
+
+log = logging.getLogger(__name__)
+
+
+class ServerCheckpoints:
+    def __init__(self, shard: ServerShard, members: Callable[[], Set[int]]):
+        """``members``: the trainers still in the job (those whose parts a checkpoint needs)."""
+        self.shard = shard
+        self.members = members
+        self.planned = -1  # the newest step announced
+        self._writes: dict[int, Future] = {}  # step -> Future[Part]
+        self._trainer_parts: dict[int, dict[int, Part]] = {}
+        self._waiting: dict[int, list[Future]] = {}
+        self._lock = threading.Lock()
+
+    def plan(self, step: int) -> Future:
+        with self._lock:
+            self.planned = max(self.planned, step)
+        return completed(None)
+
+    def take(self, step: int, directory: str) -> Future:
+        """Snapshot now; write ``server-S`` into ``directory`` in the background."""
+        tensors, meta = snapshot_shard(self.shard)
+        meta["step"] = step
+        meta["signature"] = model_signature(self.shard)
+        written: Future = Future()
+
+        def write() -> None:
+            try:
+                part = write_part(Path(directory), f"server-{self.shard.server}", tensors, meta)
+            except Exception as error:  # the chief hears of it when it asks for the part
+                log.exception("server %d: writing checkpoint %d failed", self.shard.server, step)
+                written.set_exception(error)
+            else:
+                written.set_result(part)
+
+        with self._lock:
+            self._writes[step] = written
+            for old in [s for s in self._writes if s < step and self._writes[s].done()]:
+                del self._writes[old]
+        threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True).start()
+        return completed(None)
+
+    def part(self, step: int) -> Future:
+        """This server's part of checkpoint ``step``, once written."""
+        with self._lock:
+            written = self._writes.get(step)
+        if written is None:
+            raise ValueError(f"server {self.shard.server} took no snapshot for step {step}")
+        return written
+
+    def add_trainer_part(self, step: int, trainer: int, part: Part) -> Future:
+        with self._lock:
+            self._trainer_parts.setdefault(step, {})[trainer] = part
+        self.members_changed()
+        return completed(None)
+
+    def trainer_parts(self, step: int) -> Future:
+        """The parts of every trainer still in the job for ``step``, once all have reported
+        (a trainer that leaves meanwhile is not waited for)."""
+        future: Future = Future()
+        with self._lock:
+            self._waiting.setdefault(step, []).append(future)
+        self.members_changed()
+        return future
+
+    def members_changed(self) -> None:
+        """Complete the waits that no longer lack a part (also after a trainer left)."""
+        members = set(self.members())
+        done = []
+        with self._lock:
+            for step in list(self._waiting):
+                have = self._trainer_parts.get(step, {})
+                if members <= have.keys():
+                    parts = [have[t] for t in sorted(have)]
+                    done += [(future, parts) for future in self._waiting.pop(step)]
+                    self._trainer_parts = {s: p for s, p in self._trainer_parts.items() if s > step}
+        for future, parts in done:
+            future.set_result(parts)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"checkpoint_planned": self.planned}

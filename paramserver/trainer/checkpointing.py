@@ -1,0 +1,171 @@
+"""A trainer's side of checkpoints: the schedule, its own part, and (the chief) the commit.
+
+Every ``--checkpoint-every`` steps (or seconds) the chief, holding the answer to its call ``c``,
+announces step ``k = c + 1`` to every server; servers pass the news on in every answer. In sync
+mode round ``k`` cannot close before the chief pushes, so every trainer learns of ``k`` with the
+answer that completes it, and every shard and every trainer is saved at the same step
+boundary. Each trainer saves its data position and RNG states at the first step ``>= k`` (in
+async mode trainers are at different steps; each resumes from its own).
+
+The chief asks every server for its snapshot before it pushes step ``k``'s gradients, then
+continues training while a background thread waits for the servers' and trainers' parts and
+commits (see :mod:`paramserver.checkpoint`). A checkpoint that cannot be completed is logged and
+skipped; the previous one stays valid.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from paramserver.checkpoint import Checkpoint, checkpoint_dir, commit, load_latest, write_part
+from paramserver.config import TrainConfig
+from paramserver.errors import CheckpointError
+from paramserver.trainer.heartbeat import wait_all
+from paramserver.transport.base import Transport
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """This process's torch, numpy and random states, as tensors and JSON."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, python_gauss = random.getstate()
+    numpy_keys = torch.from_numpy(np.array(keys, dtype=np.int64))
+    tensors = {"torch_rng": torch.get_rng_state(), "numpy_keys": numpy_keys}
+    meta = {
+        "numpy": [kind, int(position), int(has_gauss), float(gauss)],
+        "random": [version, list(internal), python_gauss],
+    }
+    return tensors, meta
+
+
+def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    torch.set_rng_state(tensors["torch_rng"])
+    kind, position, has_gauss, gauss = meta["numpy"]
+    keys = tensors["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state((kind, keys, position, has_gauss, gauss))
+    version, internal, python_gauss = meta["random"]
+    random.setstate((version, tuple(internal), python_gauss))
+
+
+def latest(config: TrainConfig) -> Checkpoint:
+    """The checkpoint ``--resume`` continues from."""
+    assert config.checkpoint_dir is not None
+    found = load_latest(config.checkpoint_dir)
+    if found is None:
+        raise CheckpointError(f"--resume: no checkpoint in {config.checkpoint_dir}")
+    saved = found.meta
+    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
+        raise CheckpointError(
+            f"--resume: {found.directory} was saved by a job with {saved.get('trainers')} "
+            f"trainers in {saved.get('mode')} mode; this job has {config.trainers} in "
+            f"{config.mode} mode (servers may differ, trainers and mode may not)"
+        )
+    return found
+
+
+class TrainerCheckpoints:
+    def __init__(self, config: TrainConfig, trainer: int, transport: Transport, alarm: Any):
+        self.config = config
+        self.trainer = trainer
+        self.transport = transport
+        self.alarm = alarm
+        self.saved_through = -1  # the newest step this trainer saved its part for
+        self.planned = -1  # chief: the newest step it announced
+        self.last_planned_at = time.monotonic()
+        self.last_planned_step = 0
+        self._commits: list[threading.Thread] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.checkpoint_dir is not None and (
+            self.config.checkpoint_every is not None or self.config.checkpoint_every_s is not None
+        )
+
+    def after_reply(self, call: int, announced: int, steps_done: int, samples: int) -> None:
+        """Called with the answer to call ``call`` in hand, before this step computes."""
+        if not self.enabled:
+            return
+        if self.trainer == 0:
+            self._maybe_announce(call)
+        if announced > self.saved_through and call >= announced:
+            self._save_own_part(announced, steps_done, samples)
+            if self.trainer == 0:
+                self._take_and_commit(announced)
+
+    def finish(self) -> None:
+        """Wait for the commits under way (the chief, at the end of the job)."""
+        for thread in self._commits:
+            thread.join()
+
+    def _maybe_announce(self, call: int) -> None:
+        config = self.config
+        due = (
+            config.checkpoint_every is not None
+            and call + 1 - self.last_planned_step >= config.checkpoint_every
+        ) or (
+            config.checkpoint_every_s is not None
+            and time.monotonic() - self.last_planned_at >= config.checkpoint_every_s
+        )
+        if not due or self.planned > self.saved_through:
+            return
+        step = call + 1
+        calls = [self.transport.call(s, "plan_checkpoint", step) for s in self._servers()]
+        wait_all(calls, self.alarm)
+        self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
+
+    def _save_own_part(self, step: int, steps_done: int, samples: int) -> None:
+        root = self.config.checkpoint_dir
+        assert root is not None
+        tensors, meta = rng_state()
+        meta.update(step=step, steps_done=steps_done, samples=samples)
+        part = write_part(checkpoint_dir(root, step), f"trainer-{self.trainer}", tensors, meta)
+        wait_all([self.transport.call(0, "add_trainer_part", step, self.trainer, part)], self.alarm)
+        self.saved_through = step
+
+    def _take_and_commit(self, step: int) -> None:
+        """Chief: every server snapshots now; a thread commits once every part is written."""
+        root = self.config.checkpoint_dir
+        assert root is not None
+        directory = str(checkpoint_dir(root, step))
+        wait_all(
+            [self.transport.call(s, "take_checkpoint", step, directory) for s in self._servers()],
+            self.alarm,
+        )
+        servers = [
+            self.transport.call(s, "checkpoint_part", step, timeout_s=0) for s in self._servers()
+        ]
+        trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
+        config = self.config
+
+        def finish() -> None:
+            try:
+                server_parts = [f.wait() for f in servers]
+                trainer_parts = trainers.wait()
+                meta = {
+                    "servers": config.servers,
+                    "trainers": config.trainers,
+                    "mode": config.mode,
+                }
+                commit(
+                    root, step, [*server_parts, *trainer_parts], meta, keep=config.checkpoint_keep
+                )
+                log.info("checkpoint %d committed in %s", step, Path(directory).name)
+            except Exception:
+                log.exception("checkpoint %d not committed; the previous one stays", step)
+
+        thread = threading.Thread(target=finish, name=f"commit-{step}", daemon=True)
+        thread.start()
+        self._commits.append(thread)
+
+    def _servers(self) -> range:
+        return range(self.transport.num_servers)
