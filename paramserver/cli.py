@@ -24,12 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.api import train
+from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.config import TrainConfig, read_toml
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
-from paramserver.errors import ParamServerError
+from paramserver.errors import CheckpointError, ParamServerError
 from paramserver.metrics import auc_of_scores, evaluate_binary
 from paramserver.models.dlrm import DLRM
 from paramserver.progress import ProgressDisplay
+from paramserver.server.snapshot import gather_saved
 
 log = logging.getLogger("paramserver")
 
@@ -97,7 +99,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-samples", type=int, default=spec.eval_samples, help="held-out samples"
     )
     add_config_flags(run)
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's model as a plain PyTorch state_dict (loads with torch.load)",
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
+    export.add_argument("out", type=Path, help="the .pt file to write")
+    check = commands.add_parser("check", help="verify a checkpoint's integrity")
+    check.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
     return parser
+
+
+def find_checkpoint(path: Path) -> Checkpoint:
+    """The checkpoint at ``path`` (a checkpoint directory), or the newest valid one under it
+    (a job's ``--checkpoint-dir``)."""
+    if (path / "manifest.json").exists():
+        return open_checkpoint(path)
+    found = load_latest(path)
+    if found is None:
+        raise CheckpointError(f"{path}: no checkpoint here")
+    return found
+
+
+def run_export(args: argparse.Namespace) -> int:
+    found = find_checkpoint(args.checkpoint)
+    servers = sorted(n for n in found.part_names if n.startswith("server-"))
+    state = gather_saved(found.read_part(name) for name in servers)
+    torch.save(state, args.out)
+    print(f"wrote {len(state)} tensors of checkpoint {found.step} to {args.out}")
+    return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Exit 0 if the checkpoint (or the newest under a root) verifies; each problem is printed
+    (a root's skipped checkpoints are logged)."""
+    found = find_checkpoint(args.checkpoint)
+    print(f"{found.directory}: ok (step {found.step}, {len(found.part_names)} parts)")
+    return 0
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -201,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "export":
+            return run_export(args)
+        if args.command == "check":
+            return run_check(args)
     except ParamServerError as error:
         print(f"paramserver: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1

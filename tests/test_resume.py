@@ -12,6 +12,7 @@ import torch
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
+from paramserver.cli import main
 from paramserver.errors import JobFailedError
 from paramserver.launch.threads import run_threads
 from paramserver.trainer.client import gather_state
@@ -74,3 +75,27 @@ def test_a_checkpoint_resumes_on_another_server_count(tmp_path: Path) -> None:
     resumed = final_state(job.replace(resume=True, servers=3), data)
     for name, entry in straight.items():
         assert torch.allclose(entry["value"], resumed[name]["value"], atol=1e-6), name
+
+
+def test_export_writes_a_plain_state_dict_and_check_verifies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = config(tmp_path, checkpoint_every=3, checkpoint_keep=2)
+    run_threads(job, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=STEPS), mse)
+    root = tmp_path / "ckpt"
+    out = tmp_path / "model.pt"
+    assert main(["export", str(root), str(out)]) == 0
+    model = TinyRecModel()
+    model.load_state_dict(torch.load(out, weights_only=True))  # plain tensors, every key
+    newest = load_latest(root)
+    assert newest is not None and newest.step == 9  # steps 3, 6, 9; 12 is the job's end
+    assert main(["check", str(newest.directory)]) == 0
+    # A flipped byte in the newest: check names the problem, and the root falls back.
+    victim = newest.directory / "server-0.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["check", str(newest.directory)]) == 1
+    assert "server-0.pt" in capsys.readouterr().err
+    assert main(["check", str(root)]) == 0
+    assert f"step {newest.step - 3}" in capsys.readouterr().out

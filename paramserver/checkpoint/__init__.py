@@ -9,6 +9,7 @@ from paramserver.checkpoint.store import (
     checkpoint_dir,
     commit,
     load_latest,
+    open_checkpoint,
     verify,
     write_part,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "checkpoint_dir",
     "commit",
     "load_latest",
+    "open_checkpoint",
     "verify",
     "write_part",
 ]

@@ -304,6 +304,16 @@ def load_latest(root: str | os.PathLike[str]) -> Checkpoint | None:
     raise CheckpointError(f"no checkpoint under {root} verifies: " + " | ".join(failures))
 
 
+def open_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
+    """The committed checkpoint in ``directory``, verified; :class:`CheckpointError` naming
+    every problem otherwise."""
+    path = Path(directory)
+    manifest, problems = _inspect(path, hash_files=True)
+    if manifest is None or problems:
+        raise CheckpointError(f"{path}: " + "; ".join(problems or ["no usable manifest"]))
+    return Checkpoint(path, manifest.step, manifest.meta, manifest.parts, manifest.files)
+
+
 @dataclass(frozen=True)
 class _Manifest:
     step: int
