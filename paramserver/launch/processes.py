@@ -4,6 +4,8 @@ Each process is a fresh interpreter (``python -m paramserver.launch.worker``) st
 session, so a Ctrl-C reaches only this launcher, which then stops every process it started. A
 process that fails stops the job: the others are terminated (SIGTERM, then SIGKILL after a grace
 period) by pid, and :class:`~paramserver.errors.JobFailedError` names the failed process. The
+exception: a trainer other than the chief killed by a signal is left behind, and the job goes on
+without it (its servers declare it departed). The
 children also die with the launcher itself (see :mod:`paramserver.launch.worker`).
 
 Loopback only: the RPC world meets through a file in a private temporary directory (no TCP
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -35,6 +38,8 @@ from paramserver.errors import JobFailedError
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
 
 GRACE_S = 3.0
+
+log = logging.getLogger(__name__)
 
 
 def run_processes(
@@ -70,6 +75,7 @@ class ProcessGroup:
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.selector = selectors.DefaultSelector()
         self.partial_lines: dict[int, bytes] = {}  # progress pipe fd -> bytes after last newline
+        self.lost: set[str] = set()  # trainers that died and were left behind
 
     def role(self, rank: int) -> str:
         servers = self.config.servers
@@ -119,7 +125,7 @@ class ProcessGroup:
                 code = process.poll()
                 if code is None:
                     running += 1
-                elif code != 0:
+                elif code != 0 and not self._survivable(role, code):
                     raise JobFailedError(
                         f"{role} (pid {process.pid}) {describe_exit(code)}"
                         f"{self.reason(role)}; stopped the job"
@@ -129,6 +135,22 @@ class ProcessGroup:
                     while fd in self.partial_lines:
                         self._read_progress(fd, on_progress)
                 return
+
+    def _survivable(self, role: str, code: int) -> bool:
+        """A trainer other than the chief that died by a signal (killed, not failed with an
+        error) leaves the job: servers declare it departed and the rest go on."""
+        if code >= 0 or not role.startswith("trainer") or role == "trainer0":
+            return False
+        if role not in self.lost:
+            self.lost.add(role)
+            log.warning(
+                "%s %s; the job goes on without it (servers declare it departed after "
+                "--trainer-timeout %g s)",
+                role,
+                describe_exit(code),
+                self.config.trainer_timeout,
+            )
+        return True
 
     def _read_progress(self, fd: int, on_progress: Callable[[Progress], None] | None) -> None:
         chunk = os.read(fd, 65536)

@@ -31,6 +31,8 @@ from paramserver.trainer.replica import describe
 
 log = logging.getLogger(__name__)
 
+LEAVE_ALONE_DELAY_S = 0.5
+
 
 def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
     """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``."""
@@ -173,7 +175,8 @@ def run_rank(
         name = rpc_transport.trainer_name(rank - config.servers)
     log.info("%s joining the job (%d servers, %d trainers)", name, config.servers, config.trainers)
     if rank < config.servers:
-        rpc_transport.expose(build_server(rank, config, model_fn))
+        endpoint = build_server(rank, config, model_fn)
+        rpc_transport.expose(endpoint)
     rpc_transport.start(
         name,
         rank,
@@ -184,7 +187,13 @@ def run_rank(
         loopback_only=loopback_only,
     )
     if rank < config.servers:
-        rpc_transport.stop(graceful=True)  # serves until every worker has finished
+        # Serve until the chief has gathered the results; then leave with everyone (or alone,
+        # if a trainer departed: its process may be gone, and a joint shutdown would wait on it).
+        endpoint.finished.wait()
+        endpoint.coordinator.close()
+        if not endpoint.graceful:
+            time.sleep(LEAVE_ALONE_DELAY_S)  # let the answer to finish_job go out first
+        rpc_transport.stop(graceful=endpoint.graceful)
         rpc_transport.expose(None)
         return None
     transport = rpc_transport.RpcTransport(config.servers, config.rpc_timeout)
@@ -195,7 +204,7 @@ def run_rank(
     except BaseException:
         rpc_transport.stop(graceful=False)
         raise
-    rpc_transport.stop(graceful=True)
+    rpc_transport.stop(graceful=outcome.graceful)
     if outcome.state is None:
         return None
     return outcome.state, summarize(outcome, config, time.perf_counter() - started)

@@ -6,6 +6,7 @@ Transports deliver ``(op, args)`` here and nothing else; an op that is not liste
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from torch.futures import Future
@@ -24,6 +25,8 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "stats": (),
     "fingerprint": (),
     "heartbeat": (int,),
+    "departed": (),
+    "finish_job": (bool,),
     "plan_checkpoint": (int,),
     "take_checkpoint": (int, str),
     "checkpoint_part": (int,),
@@ -36,6 +39,9 @@ class ServerEndpoint:
     def __init__(self, coordinator: Coordinator):
         self.coordinator = coordinator
         self.shard = coordinator.shard
+        # Set by the chief once the job's results are gathered: the server may then go.
+        self.finished = threading.Event()
+        self.graceful = True
 
     def handle(self, op: object, args: object) -> Future:
         if type(op) is not str or op not in OPERATIONS:
@@ -92,6 +98,15 @@ class ServerEndpoint:
 
     def _op_trainer_parts(self, step: int) -> Future:
         return self.coordinator.checkpoints.trainer_parts(step)
+
+    def _op_departed(self) -> Future:
+        with self.coordinator.lock:
+            return completed(sorted(self.coordinator.departed))
+
+    def _op_finish_job(self, graceful: bool) -> Future:
+        self.graceful = bool(graceful)
+        self.finished.set()
+        return completed(None)
 
     def _op_fingerprint(self) -> Future:
         return completed(self.shard.plan.fingerprint)

@@ -20,6 +20,7 @@ and every server's statistics, so the job's result is complete under any launche
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import deque
@@ -112,6 +113,7 @@ class TrainerOutcome:
     report: TrainerReport
     state: dict[str, Tensor] | None = None  # chief only: final parameters and its buffers
     server_stats: list[dict[str, Any]] | None = None  # chief only
+    graceful: bool = True  # whether the RPC world can shut down together (no one departed)
 
 
 def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
@@ -267,20 +269,28 @@ def _train(
     )
     grads.push(client, None, final=True, report=report).wait()
     checkpoints.finish()
-    if trainer != 0:
-        return TrainerOutcome(report)
-    # Other trainers may run long after this one: wait for them without a timeout.
+    # Wait for every other trainer to leave (or be declared departed), without a timeout.
     wait_all(
         [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)], alarm
     )
+    if trainer != 0:
+        departed = wait_all([transport.call(0, "departed")], alarm)[0]
+        return TrainerOutcome(report, graceful=not departed)
     state: dict[str, Tensor] = {}
     if config.gather_model:
         state = to_state_dict(gather_state(transport, plan), plan)
         # Buffers (batch-norm statistics and the like) are not served: take this replica's.
         buffers = replica.model.state_dict().items()
         state.update({k: v for k, v in buffers if k not in replica.dense})
-    stats = wait_all([transport.call(s, "stats") for s in range(config.servers)], alarm)
-    return TrainerOutcome(report, state, stats)  # type: ignore[arg-type]
+    stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
+        [transport.call(s, "stats") for s in range(config.servers)], alarm
+    )
+    # A departed trainer's process may be gone: the RPC world cannot shut down together.
+    graceful = not any(s["departed"] for s in stats)
+    for call in [transport.call(s, "finish_job", graceful) for s in range(config.servers)]:
+        with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
+            call.wait()
+    return TrainerOutcome(report, state, stats, graceful)
 
 
 def resume_trainer(trainer: int, config: TrainConfig, client: PSClient) -> tuple[int, int]:
