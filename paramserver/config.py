@@ -248,6 +248,13 @@ class TrainConfig:
         default=False,
         metadata=_doc("continue from the newest valid checkpoint in --checkpoint-dir"),
     )
+    max_restarts: int = field(
+        default=0,
+        metadata=_doc(
+            "processes launcher: restart the whole job this many times after a failure, from "
+            "the newest checkpoint (torchrun has its own --max-restarts)"
+        ),
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(
@@ -332,7 +339,7 @@ class TrainConfig:
                 )
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
-        for name in ("cache_rows", "cache_staleness"):
+        for name in ("cache_rows", "cache_staleness", "max_restarts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"--{_flag(name)} must be an integer >= 0, got {value!r}")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,4 +44,64 @@ def test_a_killed_trainer_is_left_out_and_the_job_finishes(mode: str) -> None:
     assert summary["departed_trainers"] == [1]
     assert len(summary["trainer_steps"]) == 2  # the survivors' reports
     assert summary["trainer_steps"] == [30, 30]
+    assert children_of_launcher(os.getpid()) == []
+
+
+def server_pid(rank: int) -> int:
+    for pid in children_of_launcher(os.getpid()):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"paramserver.launch.worker" in argv
+            and argv[argv.index(b"paramserver.launch.worker") + 2] == str(rank).encode()
+        ):
+            return pid
+    raise AssertionError(f"no process for rank {rank}")
+
+
+def slow_data(trainer: int, num_trainers: int) -> Iterator[Any]:
+    for batch in tiny_batches(trainer, num_batches=60):
+        time.sleep(0.03)
+        yield batch
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
+    tmp_path: Path, restarts: int
+) -> None:
+    root = tmp_path / "ckpt"
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", optimizer="sgd", lr=0.05, launcher="processes",
+        progress=False, checkpoint_dir=str(root), checkpoint_every=5, max_restarts=restarts,
+    )  # fmt: skip
+    outcome: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            outcome["result"] = ps.train(TinyRecModel, slow_data, mse, config)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    deadline = time.monotonic() + 90
+    while not (root / "LATEST").exists():
+        assert time.monotonic() < deadline, "no checkpoint was committed"
+        time.sleep(0.05)
+    os.kill(server_pid(1), signal.SIGKILL)
+    killed_at = time.monotonic()
+    thread.join(timeout=150)
+    assert not thread.is_alive()
+    if restarts == 0:
+        error = outcome["error"]
+        assert isinstance(error, ps.JobFailedError) and "server1" in str(error)
+        assert "SIGKILL" in str(error)
+        assert time.monotonic() - killed_at < 30  # seconds, not the 60 s RPC timeout
+    else:
+        summary = outcome["result"].summary
+        assert len(summary["restarts"]) == 1 and "server1" in summary["restarts"][0]
+        assert summary["trainer_steps"] == [60, 60]
     assert children_of_launcher(os.getpid()) == []

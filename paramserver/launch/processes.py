@@ -33,6 +33,7 @@ import cloudpickle
 import torch
 from torch import Tensor
 
+from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
@@ -48,6 +49,39 @@ def run_processes(
     data_fn: DataFn,
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """Run the job; on a failure, restart the whole group up to ``--max-restarts`` times,
+    resuming from the newest checkpoint (from the start if there is none yet)."""
+    failures: list[str] = []
+    while True:
+        try:
+            state, summary = _run_group(config, model_fn, data_fn, loss_fn, on_progress)
+        except JobFailedError as error:
+            if len(failures) >= config.max_restarts:
+                raise
+            failures.append(str(error))
+            resumable = config.checkpoint_dir is not None and (
+                load_latest(config.checkpoint_dir) is not None
+            )
+            log.warning(
+                "%s; restarting the job (%d of %d) %s",
+                error,
+                len(failures),
+                config.max_restarts,
+                "from its newest checkpoint" if resumable else "from the start",
+            )
+            config = config.replace(resume=resumable)
+            continue
+        summary["restarts"] = failures
+        return state, summary
+
+
+def _run_group(
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"

@@ -51,6 +51,8 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
 def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:
     """Load this server's part of the newest valid checkpoint (saved with any server count)."""
     found = latest(config)
+    if found is None:
+        return
     names = [n for n in found.part_names if n.startswith("server-")]
     signature = model_signature(shard)
 

@@ -57,12 +57,14 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), python_gauss))
 
 
-def latest(config: TrainConfig) -> Checkpoint:
-    """The checkpoint ``--resume`` continues from."""
+def latest(config: TrainConfig) -> Checkpoint | None:
+    """The checkpoint ``--resume`` continues from; None if there is none yet (a job restarted
+    by torchrun passes ``--resume`` every time, also before its first checkpoint)."""
     assert config.checkpoint_dir is not None
     found = load_latest(config.checkpoint_dir)
     if found is None:
-        raise CheckpointError(f"--resume: no checkpoint in {config.checkpoint_dir}")
+        log.warning("--resume: no checkpoint in %s yet; starting afresh", config.checkpoint_dir)
+        return None
     saved = found.meta
     if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
         raise CheckpointError(

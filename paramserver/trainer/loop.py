@@ -295,8 +295,10 @@ def _train(
 
 def resume_trainer(trainer: int, config: TrainConfig, client: PSClient) -> tuple[int, int]:
     """Restore this trainer's RNG states and call numbering from the newest checkpoint;
-    returns the steps and samples it had done."""
+    returns the steps and samples it had done (none without a checkpoint)."""
     found = latest(config)
+    if found is None:
+        return 0, 0
     tensors, meta = found.read_part(f"trainer-{trainer}")
     set_rng_state(tensors, meta)
     client.step = found.step + 1  # servers resume with every trainer at the saved step
