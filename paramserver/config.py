@@ -255,6 +255,10 @@ class TrainConfig:
             "the newest checkpoint (torchrun has its own --max-restarts)"
         ),
     )
+    max_message_mb: float = field(
+        default=1024.0,
+        metadata=_doc("servers refuse a call whose tensors exceed this many MiB"),
+    )
     rpc_threads: int = field(default=16, metadata=_doc("RPC worker threads per process"))
     rpc_timeout: float = field(default=60.0, metadata=_doc("RPC call timeout in seconds"))
     threads_per_process: int = field(
@@ -357,6 +361,8 @@ class TrainConfig:
             raise ConfigError(f"--checkpoint-every-s must be > 0, got {self.checkpoint_every_s}")
         if self.checkpoint_keep < 2:
             raise ConfigError(f"--checkpoint-keep must be >= 2, got {self.checkpoint_keep}")
+        if not self.max_message_mb > 0:
+            raise ConfigError(f"--max-message-mb must be > 0, got {self.max_message_mb}")
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:

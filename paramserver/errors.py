@@ -24,8 +24,10 @@ class InvalidPushError(ParamServerError, ValueError):
     """
 
     def __init__(self, message: str, *, param: str | None = None, server: int | None = None):
-        if param is not None or server is not None:
-            message = f"server {server}: parameter {param!r}: {message}"
+        if param is not None:
+            message = f"parameter {param!r}: {message}"
+        if server is not None:
+            message = f"server {server}: {message}"
         super().__init__(message)
         self.param = param
         self.server = server

@@ -98,6 +98,7 @@ class Coordinator:
         self.round_deadline = config.round_deadline
         self.min_contributors = config.min_contributors
         self.trainer_timeout = config.trainer_timeout
+        self.max_message_bytes = int(config.max_message_mb * 2**20)
         self.members: set[int] = set(range(config.trainers))
         self.left: set[int] = set()
         self.departed: set[int] = set()
@@ -134,6 +135,12 @@ class Coordinator:
             with self.lock:
                 duplicate = request.step <= self.last_step.get(request.trainer, -1)
             received = payload_nbytes(request)
+            if received > self.max_message_bytes:
+                raise InvalidPushError(
+                    f"a call of {received} bytes exceeds the cap of {self.max_message_bytes} "
+                    "(--max-message-mb)",
+                    server=self.shard.server,
+                )
             if duplicate:
                 request.pooled_grads.clear()  # already applied: only the reads are answered
                 request.dense_grads.clear()

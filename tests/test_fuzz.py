@@ -1,0 +1,119 @@
+"""Randomized malformed calls from a peer: each is refused with a typed error and changes
+nothing; a call over the size cap is refused too."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from paramserver.compression import Encoded, encode
+from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock, TrainerReport
+from tests.test_server import a_dense_name, make_server, own_ids
+
+GARBAGE: list[Any] = [
+    None, 3, -1, 2**70, 1.5, float("nan"), "x", b"\x00", [], {}, (1,), object(),
+    torch.ones(3), torch.ones(2, 2, dtype=torch.float64), torch.tensor([float("inf")]),
+    torch.zeros(0), torch.ones(1, 4).to_sparse(), torch.ones(4, requires_grad=True),
+]  # fmt: skip
+
+
+def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullRequest], None]]:
+    """Ways to spoil a valid request, each always fatal to it."""
+    dense = a_dense_name(endpoint)
+    shape = tuple(endpoint.shard.dense[dense].value.shape)
+    junk = lambda: rng.choice(GARBAGE)  # noqa: E731
+
+    def bad_ids() -> torch.Tensor:
+        return rng.choice(
+            [
+                torch.tensor([-1 - 2 * rng.randrange(100)]),  # negative, any server
+                torch.tensor([10**9 + endpoint.shard.server]),  # out of range
+                own_ids(endpoint, 2, 1),  # unsorted
+                own_ids(endpoint, 1, 1),  # repeated
+                own_ids(endpoint, 0) + 1,  # another server's
+                own_ids(endpoint, 0).int(),  # not int64
+            ]
+        )
+
+    def spoiled_grad() -> Any:
+        bad = torch.ones(shape)
+        bad.view(-1)[rng.randrange(bad.numel())] = rng.choice([float("nan"), float("inf")])
+        return rng.choice(
+            [
+                junk(),
+                bad,
+                torch.ones(*shape, 2),
+                encode("int8", torch.ones(shape[0] + 1, *shape[1:])),
+                Encoded(rng.choice(["gzip", "int8", "topk"]), shape, (torch.ones(3),)),
+            ]
+        )
+
+    return [
+        lambda r: setattr(r, "trainer", rng.choice([-1, 7, "0", None, 1.0, True])),
+        lambda r: setattr(r, "step", rng.choice([-5, "1", None, 2.0, 10**6])),
+        lambda r: setattr(r, "grads_step", rng.choice([5, -2, "x", None])),
+        lambda r: setattr(r, "final", junk()),
+        lambda r: setattr(r, rng.choice(["dense_grads", "row_grads", "pull_rows"]), junk()),
+        lambda r: r.dense_grads.update({dense: spoiled_grad()}),
+        lambda r: r.dense_grads.update({"no.such": torch.ones(1)}),
+        lambda r: r.row_grads.update({"user.weight": RowBlock(bad_ids(), torch.ones(1, 4))}),
+        lambda r: r.row_grads.update({"user.weight": junk()}),
+        lambda r: r.row_grads.update(
+            {"user.weight": RowBlock(own_ids(endpoint, 0), rng.choice(GARBAGE[12:]))}
+        ),
+        lambda r: r.pull_rows.update({"items.weight": bad_ids()}),
+        lambda r: r.pool_rows.update(
+            {"items.weight": BagBlock(own_ids(endpoint, 0), torch.tensor([5]), 2)}
+        ),
+        lambda r: r.pool_rows.update({"items.weight": junk()}),
+        lambda r: r.pooled_grads.update({"items.weight": PooledGrad(0, torch.ones(2, 4))}),
+        lambda r: r.pull_versions.update({"user.weight": torch.tensor([0])}),
+        lambda r: setattr(r, "report", TrainerReport(5, 1, 1, 0.0, 0.0, 0, 0)),
+    ]
+
+
+def test_a_thousand_malformed_pushes_are_refused_and_change_nothing() -> None:
+    rng = random.Random(0)
+    endpoint = make_server()
+    before = endpoint.shard.state_hash()
+    spoilers = corruptions(endpoint, rng)
+    kinds: dict[str, int] = {}
+    for _ in range(1200):
+        request = PushPullRequest(
+            trainer=0,
+            step=0,
+            row_grads={"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 4))},
+            pull_rows={"items.weight": own_ids(endpoint, 0)},
+        )
+        for spoil in rng.sample(spoilers, rng.randint(1, 3)):
+            with contextlib.suppress(AttributeError, TypeError):  # a field already junk
+                spoil(request)
+        future = endpoint.coordinator.push_pull(rng.choice([request] * 9 + [junk_request(rng)]))
+        with pytest.raises(ParamServerError) as caught:
+            future.wait()
+        kinds[type(caught.value).__name__] = kinds.get(type(caught.value).__name__, 0) + 1
+    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.stats.pushes == 0
+    assert kinds.get("InvalidPushError", 0) > 300  # most are caught by content checks
+
+
+def junk_request(rng: random.Random) -> Any:
+    return rng.choice([None, 1, "push", {"trainer": 0}, (0, 0), RowBlock(torch.ones(1), None)])  # type: ignore[arg-type]
+
+
+def test_a_call_over_the_size_cap_is_refused() -> None:
+    endpoint = make_server(max_message_mb=0.0002)  # 209 bytes
+    before = endpoint.shard.state_hash()
+    big = {"user.weight": RowBlock(own_ids(endpoint, *range(20)), torch.ones(20, 4))}
+    small = {"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))}
+    with pytest.raises(InvalidPushError, match="exceeds the cap"):
+        endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=big)).wait()
+    assert endpoint.shard.state_hash() == before
+    endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=small)).wait()
+    assert endpoint.shard.state_hash() != before
