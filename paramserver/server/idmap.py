@@ -45,10 +45,11 @@ def grown_rows(held: int, needed: int) -> int:
 
 def mix64(values: Tensor) -> Tensor:
     """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a well-spread hash."""
-    return torch.from_numpy(_mix64(values.numpy()))
+    return torch.from_numpy(mix64_array(values.numpy()))
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`mix64` on an int64 numpy array."""
     x = x + np.int64(_MIX_1)
     x = (x ^ _shift_right(x, 30)) * np.int64(_MIX_2)
     x = (x ^ _shift_right(x, 27)) * np.int64(_MIX_3)

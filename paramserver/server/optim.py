@@ -43,6 +43,11 @@ class UpdateRule(ABC):
         """Zeroed state slots for ``param`` (a dense parameter or a table's local rows)."""
         return {slot: torch.zeros_like(param) for slot in self.slots}
 
+    @property
+    def initial_value(self) -> float:
+        """What every state slot starts at (:meth:`init_state` fills with it)."""
+        return 0.0
+
     def step_group(self, steps: Tensor) -> Tensor | None:
         """Keys under which rows with these step counts can share one fused step; ``None``
         when the step count does not enter the math (all rows share one step)."""
@@ -97,6 +102,10 @@ class Adagrad(UpdateRule):
 
     def init_state(self, param: Tensor) -> State:
         return {"sum": torch.full_like(param, self.config.initial_accumulator_value)}
+
+    @property
+    def initial_value(self) -> float:
+        return self.config.initial_accumulator_value
 
     @property
     def needs_steps(self) -> bool:
@@ -158,6 +167,10 @@ class RowWiseAdagrad(UpdateRule):
         return {
             "sum": torch.full((rows, 1), self.config.initial_accumulator_value, dtype=param.dtype)
         }
+
+    @property
+    def initial_value(self) -> float:
+        return self.config.initial_accumulator_value
 
     def step_group(self, steps: Tensor) -> Tensor | None:
         return None
