@@ -47,7 +47,7 @@ def test_a_killed_trainer_is_left_out_and_the_job_finishes(mode: str) -> None:
     assert children_of_launcher(os.getpid()) == []
 
 
-def server_pid(rank: int) -> int:
+def rank_pid(rank: int) -> int:
     for pid in children_of_launcher(os.getpid()):
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -91,7 +91,7 @@ def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
     while not (root / "LATEST").exists():
         assert time.monotonic() < deadline, "no checkpoint was committed"
         time.sleep(0.05)
-    os.kill(server_pid(1), signal.SIGKILL)
+    os.kill(rank_pid(1), signal.SIGKILL)
     killed_at = time.monotonic()
     thread.join(timeout=150)
     assert not thread.is_alive()
@@ -104,4 +104,38 @@ def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
         summary = outcome["result"].summary
         assert len(summary["restarts"]) == 1 and "server1" in summary["restarts"][0]
         assert summary["trainer_steps"] == [60, 60]
+    assert children_of_launcher(os.getpid()) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_trainer_is_declared_departed_and_refused_when_it_wakes(tmp_path: Path) -> None:
+    running = tmp_path / "trainer2-running"
+
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        for index, batch in enumerate(slow_data(trainer, num_trainers)):
+            if trainer == 2 and index == 5:
+                running.touch()
+            yield batch
+
+    config = ps.TrainConfig(
+        servers=1, trainers=3, mode="sync", optimizer="sgd", lr=0.05, launcher="processes",
+        progress=False, heartbeat_interval=0.2, trainer_timeout=1.5,
+    )  # fmt: skip
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.update(result=ps.train(TinyRecModel, data, mse, config))
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not running.exists():
+        assert time.monotonic() < deadline, "trainer 2 never ran"
+        time.sleep(0.02)
+    pid = rank_pid(1 + 2)  # rank 3: trainer 2
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(3.0)  # past --trainer-timeout: the servers declare it departed
+    os.kill(pid, signal.SIGCONT)  # it wakes, its next call is refused, it leaves
+    thread.join(timeout=100)
+    summary = outcome["result"].summary
+    assert summary["departed_trainers"] == [2]
+    assert summary["trainer_steps"] == [60, 60]
     assert children_of_launcher(os.getpid()) == []

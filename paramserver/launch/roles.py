@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from paramserver.config import TrainConfig
-from paramserver.errors import CheckpointError
+from paramserver.errors import CheckpointError, TrainerDepartedError
 from paramserver.server.consistency import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
@@ -203,6 +203,13 @@ def run_rank(
         outcome = run_trainer(
             rank - config.servers, config, model_fn, data_fn, loss_fn, transport, on_progress
         )
+    except TrainerDepartedError as error:
+        rpc_transport.stop(graceful=False)
+        if rank == config.servers:  # the chief: the job cannot end well without it
+            raise
+        # Declared departed while frozen or cut off: the job went on without this trainer.
+        log.warning("%s leaves the job: %s", name, error)
+        return None
     except BaseException:
         rpc_transport.stop(graceful=False)
         raise
