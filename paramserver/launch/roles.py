@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from paramserver.config import TrainConfig
-from paramserver.errors import CheckpointError, TrainerDepartedError
+from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.server.consistency import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
@@ -191,7 +191,13 @@ def run_rank(
     if rank < config.servers:
         # Serve until the chief has gathered the results; then leave with everyone (or alone,
         # if a trainer departed: its process may be gone, and a joint shutdown would wait on it).
-        endpoint.finished.wait()
+        while not endpoint.finished.wait(1.0):
+            if 0 in endpoint.coordinator.departed:  # no one is left to end the job
+                endpoint.coordinator.close()
+                rpc_transport.stop(graceful=False)
+                raise JobFailedError(
+                    f"{name}: the chief trainer departed (dead, frozen or cut off); stopping"
+                )
         endpoint.coordinator.close()
         if not endpoint.graceful:
             time.sleep(LEAVE_ALONE_DELAY_S)  # let the answer to finish_job go out first
