@@ -8,6 +8,7 @@ created. Traffic stays inside the namespaces this test creates.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,10 +72,30 @@ def torchrun(
     )  # fmt: skip
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of every live process below ``pid`` (torchrun's workers may leave its group)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
 def stop(*processes: subprocess.Popen[str]) -> None:
+    """Kill what this test started, by pid: each torchrun and everything below it."""
     for process in processes:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         process.wait(timeout=30)
 
 

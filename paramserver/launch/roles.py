@@ -81,7 +81,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     train_seconds = max((r.train_seconds for r in ordered), default=0.0)
     samples = sum(r.samples for r in ordered)
     losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
-    per_job = ("reports", "left", "tables", "departed", "staleness")
+    per_job = ("reports", "left", "tables", "departed", "staleness", "departed_after_silence_s")
     servers = [{k: v for k, v in stats.items() if k not in per_job} for stats in chief.server_stats]
     # Each server measures the staleness of the gradients it receives.
     staleness: dict[int, int] = {}
@@ -143,6 +143,11 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         "server_stats": servers,
         "tables": tables,
         "departed_trainers": sorted({t for s in chief.server_stats for t in s["departed"]}),
+        # Per departed trainer, the longest silence after which a server declared it departed.
+        "departed_after_s": {
+            str(t): max(s["departed_after_silence_s"].get(t, 0.0) for s in chief.server_stats)
+            for t in sorted({t for s in chief.server_stats for t in s["departed"]})
+        },
         "staleness": dict(sorted(staleness.items())),
     }
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
 from paramserver.launch.roles import run_rank
+from paramserver.launch.worker import die_with_parent
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
 
 
@@ -25,6 +26,8 @@ def run_torchrun_rank(
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+    # Die with torchrun's agent: a killed agent must leave no rank behind.
+    die_with_parent(os.getppid())
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if world_size != config.world_size:

@@ -82,6 +82,7 @@ class LivenessStats:
     held_seconds: float = 0.0
     released_at_deadline: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
+    silence_s: dict[int, float] = field(default_factory=dict)  # departed trainer -> silence
 
 
 class Coordinator:
@@ -257,6 +258,8 @@ class Coordinator:
                 for t in sorted(self.members)
                 if first is not None and now - self.last_seen.get(t, first) > timeout
             ]
+            for t in silent:  # how long it had been silent: the detection time
+                self.liveness.silence_s[t] = now - self.last_seen.get(t, first or now)
         if silent:
             self._leave(silent, departed=True)
         with self.lock:
@@ -269,6 +272,7 @@ class Coordinator:
             stats = self.liveness
             return {
                 "departed": sorted(self.departed),
+                "departed_after_silence_s": dict(sorted(stats.silence_s.items())),
                 "late_pushes": stats.late_pushes,
                 "short_rounds": stats.short_rounds,
                 "held_answers": stats.held_answers,
