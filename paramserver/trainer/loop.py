@@ -155,9 +155,11 @@ def run_trainer(
     transport: Transport,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> TrainerOutcome:
-    # Heartbeats first: model building can take a while, and the servers count silence.
+    # Heartbeats first: model building can take a while, and the servers count silence. A
+    # server may take as long to answer one as servers wait for a silent trainer (a busy one,
+    # exporting a large shard say, can take seconds; a dead one fails at once).
     heartbeats = Heartbeats(
-        transport, trainer, config.heartbeat_interval, heartbeat_timeout(config)
+        transport, trainer, config.heartbeat_interval, config.trainer_timeout
     ).start()
     try:
         return _train(
@@ -165,13 +167,6 @@ def run_trainer(
         )
     finally:
         heartbeats.stop()
-
-
-def heartbeat_timeout(config: TrainConfig) -> float:
-    """How long a server may take to answer a heartbeat before it counts as lost: as long as
-    servers wait for a silent trainer (a busy server, exporting a large shard say, can take
-    seconds; a dead one fails at once)."""
-    return config.trainer_timeout
 
 
 def _train(
