@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,7 +91,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def stop(*processes: subprocess.Popen[str]) -> None:
+def stop(*processes: subprocess.Popen[Any]) -> None:
     """Kill what this test started, by pid: each torchrun and everything below it."""
     for process in processes:
         for pid in [*descendants(process.pid), process.pid]:

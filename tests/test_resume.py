@@ -60,7 +60,35 @@ def test_sync_resume_is_exact(tmp_path: Path, saved_at: int) -> None:
         run_threads(job, TinyRecModel, crashing_after(saved_at, tmp_path / "ckpt"), mse)
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and found.step == saved_at
+    manifest = (found.directory / "manifest.json").read_bytes()
     resumed = final_state(job.replace(resume=True), data)
+    for name, entry in straight.items():
+        for key, value in entry.items():
+            assert torch.equal(value, resumed[name][key]), (name, key)
+    if found.directory.exists():  # not pruned: the resumed job did not write it again
+        assert (found.directory / "manifest.json").read_bytes() == manifest
+
+
+def test_a_trainer_that_left_before_the_checkpoint_stays_finished_on_resume(
+    tmp_path: Path,
+) -> None:
+    def uneven(trainer: int, num_trainers: int) -> Iterator[Any]:
+        return tiny_batches(trainer, num_batches=3 if trainer == 1 else STEPS)
+
+    def crashing(trainer: int, num_trainers: int) -> Iterator[Any]:
+        return (
+            crashing_after(6, tmp_path / "ckpt")(trainer, num_trainers)
+            if trainer == 0
+            else uneven(trainer, num_trainers)
+        )
+
+    straight = final_state(config(tmp_path / "a"), uneven)
+    job = config(tmp_path, checkpoint_every=6)
+    with pytest.raises(JobFailedError, match="crash"):
+        run_threads(job, TinyRecModel, crashing, mse)
+    found = load_latest(tmp_path / "ckpt")
+    assert found is not None and "trainer-1" not in found.part_names
+    resumed = final_state(job.replace(resume=True), uneven)
     for name, entry in straight.items():
         for key, value in entry.items():
             assert torch.equal(value, resumed[name][key]), (name, key)

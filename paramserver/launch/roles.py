@@ -197,11 +197,12 @@ def run_rank(
         # Serve until the chief has gathered the results; then leave with everyone (or alone,
         # if a trainer departed: its process may be gone, and a joint shutdown would wait on it).
         while not endpoint.finished.wait(1.0):
-            if 0 in endpoint.coordinator.departed:  # no one is left to end the job
+            if endpoint.coordinator.chief_lost():  # no one is left to end the job
                 endpoint.coordinator.close()
                 rpc_transport.stop(graceful=False)
                 raise JobFailedError(
-                    f"{name}: the chief trainer departed (dead, frozen or cut off); stopping"
+                    f"{name}: the chief trainer departed (dead, frozen or cut off) before "
+                    "ending the job; stopping"
                 )
         endpoint.coordinator.close()
         if not endpoint.graceful:

@@ -14,12 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Set
-from pathlib import Path
-from typing import Any
 
 from torch.futures import Future
 
-from paramserver.checkpoint import Part, write_part
+from paramserver.checkpoint import Part, checkpoint_dir, write_part
 from paramserver.server.futures import completed
 from paramserver.server.shard import ServerShard
 from paramserver.server.snapshot import model_signature, snapshot_shard
@@ -28,23 +26,34 @@ log = logging.getLogger(__name__)
 
 
 class ServerCheckpoints:
-    def __init__(self, shard: ServerShard, members: Callable[[], Set[int]]):
-        """``members``: the trainers still in the job (those whose parts a checkpoint needs)."""
+    def __init__(self, shard: ServerShard, members: Callable[[], Set[int]], root: str | None):
+        """``members``: the trainers still in the job (those whose parts a checkpoint needs);
+        ``root``: the job's ``--checkpoint-dir`` (None: checkpoints are off)."""
         self.shard = shard
+        self.root = root
         self.members = members
         self.planned = -1  # the newest step announced
+        self.taken_through = -1  # the newest step snapshotted
         self._writes: dict[int, Future] = {}  # step -> Future[Part]
         self._trainer_parts: dict[int, dict[int, Part]] = {}
         self._waiting: dict[int, list[Future]] = {}
         self._lock = threading.Lock()
+
+    def pending_snapshot(self) -> int | None:
+        """The announced step whose snapshot is not taken yet, if any."""
+        with self._lock:
+            return self.planned if self.planned > self.taken_through else None
 
     def plan(self, step: int) -> Future:
         with self._lock:
             self.planned = max(self.planned, step)
         return completed(None)
 
-    def take(self, step: int, directory: str) -> Future:
-        """Snapshot now; write ``server-S`` into ``directory`` in the background."""
+    def take(self, step: int) -> Future:
+        """Snapshot now; write ``server-S`` into checkpoint ``step`` in the background."""
+        if self.root is None or step < 0:
+            raise ValueError(f"server {self.shard.server}: no checkpoint directory, or bad step")
+        directory = checkpoint_dir(self.root, step)
         tensors, meta = snapshot_shard(self.shard)
         meta["step"] = step
         meta["signature"] = model_signature(self.shard)
@@ -52,7 +61,7 @@ class ServerCheckpoints:
 
         def write() -> None:
             try:
-                part = write_part(Path(directory), f"server-{self.shard.server}", tensors, meta)
+                part = write_part(directory, f"server-{self.shard.server}", tensors, meta)
             except Exception as error:  # the chief hears of it when it asks for the part
                 log.exception("server %d: writing checkpoint %d failed", self.shard.server, step)
                 written.set_exception(error)
@@ -61,6 +70,7 @@ class ServerCheckpoints:
 
         with self._lock:
             self._writes[step] = written
+            self.taken_through = max(self.taken_through, step)
             for old in [s for s in self._writes if s < step and self._writes[s].done()]:
                 del self._writes[old]
         threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True).start()
@@ -102,7 +112,3 @@ class ServerCheckpoints:
                     self._trainer_parts = {s: p for s, p in self._trainer_parts.items() if s > step}
         for future, parts in done:
             future.set_result(parts)
-
-    def status(self) -> dict[str, Any]:
-        with self._lock:
-            return {"checkpoint_planned": self.planned}

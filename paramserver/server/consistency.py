@@ -36,6 +36,7 @@ applied push is answered with current values (its reads validated, its gradients
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import weakref
@@ -62,6 +63,8 @@ from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
 
 WATCHDOG_PERIOD_S = 0.1
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +107,7 @@ class Coordinator:
         self.left: set[int] = set()
         self.departed: set[int] = set()
         self.last_step: dict[int, int] = {}
+        self.applied_step: dict[int, int] = {}  # each trainer's newest call applied here
         # Silence is counted from a trainer's last call or heartbeat, or, before its first,
         # from the first contact of any trainer (all start together, after the RPC barrier).
         self.last_seen: dict[int, float] = {}
@@ -119,7 +123,7 @@ class Coordinator:
         self._held: list[_Held] = []
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
-        self.checkpoints = ServerCheckpoints(shard, lambda: frozenset(self.members))
+        self.checkpoints = ServerCheckpoints(shard, self._members_now, config.checkpoint_dir)
         self._stopped = threading.Event()
         _start_watchdog(self)
 
@@ -135,6 +139,8 @@ class Coordinator:
             self._check_header(request)
             with self.lock:
                 duplicate = request.step <= self.last_step.get(request.trainer, -1)
+                if request.trainer in self.departed:  # before its contents are looked at
+                    raise self._departed(request.trainer)
             received = payload_nbytes(request)
             if received > self.max_message_bytes:
                 raise InvalidPushError(
@@ -157,7 +163,17 @@ class Coordinator:
         with self.lock:
             previous = self.last_step.get(request.trainer, -1)
             if request.step <= previous:
-                return self._answer_duplicate(request)
+                original = self.rounds.waiter(request.trainer, request.step)
+                duplicate = True
+            else:
+                duplicate = False
+        if duplicate:
+            # A push still waiting in its round gets that round's answer; an applied one is
+            # answered with current values (the read, outside the lock, changes nothing).
+            if original is not None:
+                return chain(original, lambda reply: reply)
+            return completed(self._answer(request, train=False))
+        with self.lock:
             refusal = self._refusal(request, previous)
             if refusal is not None:
                 return failed(refusal)
@@ -166,6 +182,12 @@ class Coordinator:
                 del self.pool_specs[key]
             self.last_step[request.trainer] = request.step
             self._seen(request.trainer)
+            # A trainer's later gradients come from reads at grads_step or after.
+            stale = [
+                k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_step
+            ]
+            for read in stale:
+                del self._read_at[read]
             clock = self.shard.advance_clock(request.step)
             if request.report is not None:
                 self.reports[request.trainer] = request.report
@@ -178,6 +200,7 @@ class Coordinator:
                 self._read_at.pop((request.trainer, request.grads_step), None)
                 request.dense_grads.clear()
                 request.row_grads.clear()
+                request.pooled_grads.clear()
             if joins_round:
                 waiter = self.rounds.join(request)
                 ready = self._ready_rounds()
@@ -190,6 +213,8 @@ class Coordinator:
                 dense = {name: plain(grad) for name, grad in request.dense_grads.items()}
                 self.shard.apply(dense, request.row_grads, clock, request.trainer)
                 self._count_update()
+            with self.lock:  # counted for the SSP bound only once applied
+                self.applied_step[request.trainer] = request.step
             if self.staleness_bound is not None and not request.final:
                 return self._answer_within_bound(request, clock)
             return completed(self._answer(request, train=True, clock=clock))
@@ -223,10 +248,8 @@ class Coordinator:
         with self.lock:
             if trainer in self.departed:
                 return completed("departed")
-            if trainer in self.left:
-                return completed("left")
-            self._seen(trainer)
-        return completed("member")
+            self._seen(trainer)  # also after leaving: the chief beats until the job ends
+            return completed("left" if trainer in self.left else "member")
 
     def wait_all_left(self) -> Future:
         """A future completed once every trainer has left."""
@@ -241,7 +264,8 @@ class Coordinator:
         """Continue a job saved at ``step``: every trainer's next call is ``step + 1``."""
         with self.lock:
             self.last_step = dict.fromkeys(self.members, step)
-        self.checkpoints.planned = step
+            self.applied_step = dict(self.last_step)
+        self.checkpoints.planned = self.checkpoints.taken_through = step
 
     def remove_trainer(self, trainer: int) -> None:
         """Take ``trainer`` out of the job (it failed): it counts as departed."""
@@ -267,6 +291,22 @@ class Coordinator:
         self._close_rounds(ready)
         self._release_held(now)
 
+    def _members_now(self) -> frozenset[int]:
+        with self.lock:
+            return frozenset(self.members)
+
+    def chief_lost(self) -> bool:
+        """Whether the chief trainer, who ends the job, departed or went silent after leaving."""
+        with self.lock:
+            if 0 in self.departed:
+                return True
+            seen = self.last_seen.get(0)
+            return (
+                0 in self.left
+                and seen is not None
+                and (time.monotonic() - seen > self.trainer_timeout)
+            )
+
     def liveness_stats(self) -> dict[str, Any]:
         with self.lock:
             stats = self.liveness
@@ -290,14 +330,17 @@ class Coordinator:
         if self._first_contact is None:
             self._first_contact = now
 
+    def _departed(self, trainer: int) -> TrainerDepartedError:
+        return TrainerDepartedError(
+            f"server {self.shard.server}: trainer {trainer} was declared departed (silent over "
+            f"{self.trainer_timeout} s or failed); its later calls are refused"
+        )
+
     def _refusal(self, request: PushPullRequest, previous: int) -> ParamServerError | None:
         """Why a new call must be refused, if it must. Called with the lock held."""
         server, trainer = self.shard.server, request.trainer
         if trainer in self.departed:
-            return TrainerDepartedError(
-                f"server {server}: trainer {trainer} was declared departed (silent over "
-                f"{self.trainer_timeout} s or failed); its later calls are refused"
-            )
+            return self._departed(trainer)
         if trainer not in self.members:
             return TrainerDepartedError(f"server {server}: trainer {trainer} already left")
         # A trainer's calls reach a server one at a time and numbered 0, 1, 2, ...: a gap
@@ -389,13 +432,6 @@ class Coordinator:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
         return reply
 
-    def _answer_duplicate(self, request: PushPullRequest) -> Future:
-        """Called with the lock held."""
-        original = self.rounds.waiter(request.trainer, request.step)
-        if original is not None:
-            return chain(original, lambda reply: reply)
-        return completed(self._answer(request, train=False))
-
     def _record_staleness(self, requests: list[PushPullRequest]) -> None:
         with self.lock:
             for request in requests:
@@ -412,7 +448,7 @@ class Coordinator:
     def _within_bound(self, step: int) -> bool:
         """Whether every live trainer has made call ``step - s``. Called with the lock held."""
         assert self.staleness_bound is not None
-        slowest = min((self.last_step.get(t, -1) for t in self.members), default=step)
+        slowest = min((self.applied_step.get(t, -1) for t in self.members), default=step)
         return slowest >= step - self.staleness_bound
 
     def _answer_within_bound(self, request: PushPullRequest, clock: int) -> Future:
@@ -452,8 +488,10 @@ class Coordinator:
     # ---- sync rounds ----
 
     def _ready_rounds(self, now: float | None = None) -> list[tuple[int, Round]]:
-        """Called with the lock held."""
-        ready, short = self.rounds.pop_ready(self.members, now)
+        """Called with the lock held. While an announced checkpoint's snapshot is not taken,
+        no later round closes short: the snapshot must see exactly the rounds up to its step."""
+        pending = self.checkpoints.pending_snapshot()
+        ready, short = self.rounds.pop_ready(self.members, now, pending)
         self.liveness.short_rounds += short
         return ready
 
@@ -520,7 +558,10 @@ def _start_watchdog(coordinator: Coordinator) -> None:
             target = ref()
             if target is None:
                 return
-            target.check_liveness()
+            try:
+                target.check_liveness()
+            except Exception:  # keep watching: a missed tick is retried at the next
+                log.exception("server %d: liveness check failed", target.shard.server)
             del target
 
     threading.Thread(target=watch, name="paramserver-watchdog", daemon=True).start()

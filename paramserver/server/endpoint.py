@@ -28,7 +28,7 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "departed": (),
     "finish_job": (bool,),
     "plan_checkpoint": (int,),
-    "take_checkpoint": (int, str),
+    "take_checkpoint": (int,),
     "checkpoint_part": (int,),
     "add_trainer_part": (int, int, Part),
     "trainer_parts": (int,),
@@ -87,8 +87,8 @@ class ServerEndpoint:
     def _op_plan_checkpoint(self, step: int) -> Future:
         return self.coordinator.checkpoints.plan(step)
 
-    def _op_take_checkpoint(self, step: int, directory: str) -> Future:
-        return self.coordinator.checkpoints.take(step, directory)
+    def _op_take_checkpoint(self, step: int) -> Future:
+        return self.coordinator.checkpoints.take(step)
 
     def _op_checkpoint_part(self, step: int) -> Future:
         return self.coordinator.checkpoints.part(step)

@@ -51,10 +51,11 @@ class SyncRounds:
         return None if round_ is None else round_.waiters.get(trainer)
 
     def pop_ready(
-        self, members: Set[int], now: float | None = None
+        self, members: Set[int], now: float | None = None, short_through: int | None = None
     ) -> tuple[list[tuple[int, Round]], int]:
         """Mark the rounds that may close as closing; returns them, oldest first, and how many
-        of them close short (at their deadline, without every member)."""
+        of them close short (at their deadline, without every member). Rounds past
+        ``short_through`` (if given) close only complete."""
         now = time.monotonic() if now is None else now
         ready, short = [], 0
         for step, round_ in self.open.items():
@@ -64,6 +65,7 @@ class SyncRounds:
                 ready.append((step, round_))
             elif (
                 self.deadline is not None
+                and (short_through is None or step <= short_through)
                 and now - round_.opened_at >= self.deadline
                 and len(round_.requests) >= self.min_contributors
             ):

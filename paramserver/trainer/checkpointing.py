@@ -93,6 +93,10 @@ class TrainerCheckpoints:
             self.config.checkpoint_every is not None or self.config.checkpoint_every_s is not None
         )
 
+    def resumed_at(self, step: int) -> None:
+        """The job continues from checkpoint ``step``: it is saved already."""
+        self.saved_through = self.planned = self.last_planned_step = step
+
     def after_reply(self, call: int, announced: int, steps_done: int, samples: int) -> None:
         """Called with the answer to call ``call`` in hand, before this step computes."""
         if not self.enabled:
@@ -118,7 +122,9 @@ class TrainerCheckpoints:
             config.checkpoint_every_s is not None
             and time.monotonic() - self.last_planned_at >= config.checkpoint_every_s
         )
-        if not due or self.planned > self.saved_through:
+        # One checkpoint at a time: a trainer saves only the newest announced step, so a new
+        # one waits until the last is committed (or given up).
+        if not due or self.planned > self.saved_through or self._committing():
             return
         step = call + 1
         calls = [self.transport.call(s, "plan_checkpoint", step) for s in self._servers()]
@@ -140,7 +146,7 @@ class TrainerCheckpoints:
         assert root is not None
         directory = str(checkpoint_dir(root, step))
         wait_all(
-            [self.transport.call(s, "take_checkpoint", step, directory) for s in self._servers()],
+            [self.transport.call(s, "take_checkpoint", step) for s in self._servers()],
             self.alarm,
         )
         servers = [
@@ -168,6 +174,9 @@ class TrainerCheckpoints:
         thread = threading.Thread(target=finish, name=f"commit-{step}", daemon=True)
         thread.start()
         self._commits.append(thread)
+
+    def _committing(self) -> bool:
+        return any(thread.is_alive() for thread in self._commits)
 
     def _servers(self) -> range:
         return range(self.transport.num_servers)

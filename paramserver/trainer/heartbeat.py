@@ -17,7 +17,10 @@ import torch
 from torch.futures import Future
 
 from paramserver.errors import ServerLostError, TrainerDepartedError
+from paramserver.server.futures import failed
 from paramserver.transport.base import Transport
+
+ALARM_POLL_S = 0.05
 
 
 class Heartbeats:
@@ -51,9 +54,12 @@ class Heartbeats:
                     continue
                 if call is not None and not self._answered(server, call):
                     return
-                in_flight[server] = self.transport.call(
-                    server, "heartbeat", self.trainer, timeout_s=self.timeout_s
-                )
+                try:
+                    in_flight[server] = self.transport.call(
+                        server, "heartbeat", self.trainer, timeout_s=self.timeout_s
+                    )
+                except Exception as error:  # the transport itself is gone
+                    in_flight[server] = failed(error)
             self._stopped.wait(self.interval)
 
     def _answered(self, server: int, call: Future) -> bool:
@@ -88,20 +94,15 @@ class Heartbeats:
 
 
 def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:
-    """The futures' values once all are done; raises the alarm's error if it goes off first."""
+    """The futures' values once all are done; raises the alarm's error if it goes off first.
+
+    The alarm is polled (every ALARM_POLL_S) rather than given a callback: a callback per
+    wait would pile up on the job-long alarm future."""
     if alarm is None:
         return [f.wait() for f in futures]
-    woken: Future = Future()
-    lock = threading.Lock()
-
-    def wake(_: Future) -> None:
-        with lock:
-            if not woken.done():
-                woken.set_result(None)
-
-    torch.futures.collect_all(list(futures)).add_done_callback(wake)
-    alarm.add_done_callback(wake)
-    woken.wait()
-    if alarm.done():
-        alarm.wait()  # raises the alarm's error
+    done = threading.Event()
+    torch.futures.collect_all(list(futures)).add_done_callback(lambda _: done.set())
+    while not done.wait(ALARM_POLL_S):
+        if alarm.done():
+            alarm.wait()  # raises the alarm's error
     return [f.wait() for f in futures]

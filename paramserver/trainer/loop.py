@@ -202,9 +202,7 @@ def _train(
     groups = step_groups(data_fn, trainer, config.trainers, config)
     checkpoints = TrainerCheckpoints(config, trainer, transport, alarm)
     if config.resume:
-        steps, samples = resume_trainer(trainer, config, client)
-        for _ in range(steps):  # the data this trainer had trained on
-            next(groups, None)
+        steps, samples = resume_trainer(trainer, config, client, checkpoints, groups)
 
     def record_next() -> Step | None:
         group = next(groups, None)
@@ -269,8 +267,9 @@ def _train(
         [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)], alarm
     )
     if trainer != 0:
-        departed = wait_all([transport.call(0, "departed")], alarm)[0]
-        return TrainerOutcome(report, graceful=not departed)
+        # The same decision as the chief's below: has any server declared anyone departed?
+        departed = wait_all([transport.call(s, "departed") for s in range(config.servers)], alarm)
+        return TrainerOutcome(report, graceful=not any(departed))
     state: dict[str, Tensor] = {}
     if config.gather_model:
         state = to_state_dict(gather_state(transport, plan), plan)
@@ -288,15 +287,31 @@ def _train(
     return TrainerOutcome(report, state, stats, graceful)
 
 
-def resume_trainer(trainer: int, config: TrainConfig, client: PSClient) -> tuple[int, int]:
-    """Restore this trainer's RNG states and call numbering from the newest checkpoint;
-    returns the steps and samples it had done (none without a checkpoint)."""
+def resume_trainer(
+    trainer: int,
+    config: TrainConfig,
+    client: PSClient,
+    checkpoints: TrainerCheckpoints,
+    groups: Iterator[list[Batch]],
+) -> tuple[int, int]:
+    """Continue from the newest checkpoint: skip the data this trainer had trained on, then
+    restore its RNG states and call numbering; returns the steps and samples it had done
+    (none without a checkpoint). A trainer without a part there had left the job before it
+    was saved: its data is spent."""
     found = latest(config)
     if found is None:
         return 0, 0
-    tensors, meta = found.read_part(f"trainer-{trainer}")
-    set_rng_state(tensors, meta)
     client.step = found.step + 1  # servers resume with every trainer at the saved step
+    checkpoints.resumed_at(found.step)
+    name = f"trainer-{trainer}"
+    if name not in found.part_names:
+        for _ in groups:
+            pass
+        return 0, 0
+    tensors, meta = found.read_part(name)
+    for _ in range(int(meta["steps_done"])):
+        next(groups, None)
+    set_rng_state(tensors, meta)  # after the replay: data_fn may draw from the same RNGs
     return int(meta["steps_done"]), int(meta["samples"])
 
 
