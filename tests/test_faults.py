@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +19,8 @@ import pytest
 import paramserver as ps
 from tests.helpers import TinyRecModel, mse, tiny_batches
 from tests.procs import children_of_launcher
+from tests.test_multihost import descendants, stop
+from tests.test_processes import REPO, SMALL_JOB, free_port
 
 
 def dying_at(step: int, victim: int = 1) -> Any:
@@ -139,3 +144,42 @@ def test_a_frozen_trainer_is_declared_departed_and_refused_when_it_wakes(tmp_pat
     assert summary["departed_trainers"] == [2]
     assert summary["trainer_steps"] == [60, 60]
     assert children_of_launcher(os.getpid()) == []
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_restarts_a_job_whose_server_died_and_it_resumes(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    summary = tmp_path / "summary.json"
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [
+        str(torchrun), "--nnodes", "1", "--nproc-per-node", "3", "--max-restarts", "1",
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+        "--rdzv-backend", "static", "--node-rank", "0",
+        "-m", "paramserver", "train", "--servers", "1", "--trainers", "2", *SMALL_JOB,
+        "--train-batches", "400", "--progress", "false", "--summary-json", str(summary),
+        "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--resume", "true",
+    ]  # fmt: skip
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the workers
+        job = subprocess.Popen(
+            command, cwd=REPO, text=True, start_new_session=True, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "LATEST").exists():
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        server = next(
+            pid
+            for pid in descendants(job.pid)
+            if b"--servers" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and b"\0RANK=0\0" in Path(f"/proc/{pid}/environ").read_bytes()
+        )
+        os.kill(server, signal.SIGKILL)
+        job.wait(timeout=180)
+    finally:
+        stop(job)
+    output = log.read_text()
+    assert job.returncode == 0, output[-3000:]
+    assert json.loads(summary.read_text())["trainer_steps"] == [200, 200]
+    assert "resumed from" in output

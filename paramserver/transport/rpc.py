@@ -69,6 +69,13 @@ def start(
         _transports=["uv"],
         _channels=["basic"],
     )
+    # torchrun keeps its store across restarts of the ranks, and init_rpc names its keys by a
+    # per-process counter (rpc_prefix_0 in every fresh process): a restarted rank would meet the
+    # previous attempt's keys and fail to connect. Start the counter at the restart number.
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:
+        with rpc._init_counter_lock:  # private to torch: see the comment above
+            rpc._init_counter = max(rpc._init_counter, restarts)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
