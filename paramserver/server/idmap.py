@@ -43,6 +43,14 @@ def grown_rows(held: int, needed: int) -> int:
     return max(needed, int(held * ROW_GROWTH) + 16)
 
 
+def with_rows(tensor: Tensor, rows: int) -> Tensor:
+    """``tensor`` copied into storage of ``rows`` rows; the new rows are uninitialized (their
+    owners set every row before it is read)."""
+    grown = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype)
+    grown[: tensor.shape[0]] = tensor
+    return grown
+
+
 def mix64(values: Tensor) -> Tensor:
     """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a well-spread hash."""
     return torch.from_numpy(mix64_array(values.numpy()))

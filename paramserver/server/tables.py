@@ -39,7 +39,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import REHASH_LOAD, Found, IdMap, grown_rows, mix64_array
+from paramserver.server.idmap import (
+    REHASH_LOAD,
+    Found,
+    IdMap,
+    grown_rows,
+    mix64_array,
+    with_rows,
+)
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
@@ -347,8 +354,8 @@ class DynamicTable:
     def _fit_pending(self) -> None:
         capacity = self.pending.capacity_rows
         if self.pending_counts.numel() < capacity:
-            self.pending_counts = _grow(self.pending_counts, capacity)
-            self.pending_seen = _grow(self.pending_seen, capacity)
+            self.pending_counts = with_rows(self.pending_counts, capacity)
+            self.pending_seen = with_rows(self.pending_seen, capacity)
 
     def _create(self, ids: Tensor, found: Found) -> Tensor:
         """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
@@ -370,14 +377,14 @@ class DynamicTable:
         """Grow row storage to every row number the id map has handed out."""
         if self.ids.used_rows > self.weight.shape[0]:
             capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
-            self.weight = _grow(self.weight, capacity)
-            self.state = {k: _grow(v, capacity) for k, v in self.state.items()}
+            self.weight = with_rows(self.weight, capacity)
+            self.state = {k: with_rows(v, capacity) for k, v in self.state.items()}
             if self.steps is not None:
-                self.steps = _grow(self.steps, capacity)
+                self.steps = with_rows(self.steps, capacity)
             if self.last_touched is not None:
-                self.last_touched = _grow(self.last_touched, capacity)
+                self.last_touched = with_rows(self.last_touched, capacity)
             if self.versions is not None:
-                self.versions = _grow(self.versions, capacity)
+                self.versions = with_rows(self.versions, capacity)
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""
@@ -453,14 +460,6 @@ def _put_rows(
         steps[rows] = saved["steps"]
     if versions is not None:
         versions[rows] = saved.get("versions", 0)
-
-
-def _grow(tensor: Tensor, rows: int) -> Tensor:
-    """``tensor`` with room for ``rows``; the new rows are uninitialized (every row is set
-    when it is created)."""
-    grown = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    grown[: tensor.shape[0]] = tensor
-    return grown
 
 
 Table = FixedTable | DynamicTable

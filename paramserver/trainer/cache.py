@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import IdMap, grown_rows
+from paramserver.server.idmap import IdMap, grown_rows, with_rows
 
 EVICT_TO = 0.9
 
@@ -74,12 +74,6 @@ class RowCache:
         needed = self.slots.used_rows
         if needed > self.rows.shape[0]:
             size = grown_rows(self.rows.shape[0], needed)
-            self.rows = _grown(self.rows, size)
-            self.versions = _grown(self.versions, size)
-            self.last_used = _grown(self.last_used, size)
-
-
-def _grown(tensor: Tensor, rows: int) -> Tensor:
-    grown = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    grown[: tensor.shape[0]] = tensor
-    return grown
+            self.rows = with_rows(self.rows, size)
+            self.versions = with_rows(self.versions, size)
+            self.last_used = with_rows(self.last_used, size)
