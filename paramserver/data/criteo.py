@@ -1,0 +1,273 @@
+"""Criteo click logs: a streaming reader, and a writer of synthetic files in the same format.
+
+The format is that of the Criteo Display Advertising Challenge and of the Criteo Terabyte logs:
+one example per line, 40 tab-separated fields.
+
+- field 0, the label: ``0`` or ``1``;
+- fields 1-13, integer features I1-I13: decimal integers of at most 18 digits, possibly negative,
+  possibly empty (missing);
+- fields 14-39, categorical features C1-C26: hex strings of 1 to 8 digits (the logs use exactly
+  8), possibly empty (missing).
+
+Lines may end in ``\\n`` or ``\\r\\n``; empty lines are skipped (they still count in line numbers).
+A file is read as gzip when it starts with gzip's magic bytes, whatever its name, and as plain
+text otherwise.
+
+Batches are ``((dense, sparse), label)``, as in :mod:`paramserver.data.synthetic`:
+
+- ``dense``: float32 ``[B, 13]``, each integer ``x`` mapped to ``log(1 + max(x, 0))`` (the usual
+  Criteo transform: it tames the heavy tails and sends the few negative values to 0); missing
+  values become 0, the same as ``x = 0``.
+- ``sparse``: int64 ``[B, 26]``, one id per categorical column, for dynamic (hashed) tables such
+  as :class:`paramserver.DynamicEmbedding`. Column ``c`` (0-based) turns the value ``v`` of its
+  hex string into ``mix64(mix64(v) + seed_c)``, where ``seed_c = mix64(mix64(hash_salt) + c)``
+  and ``mix64`` is SplitMix64's finalizer (:func:`paramserver.server.idmap.mix64`), all in
+  wrapping int64 arithmetic. For a fixed column the map is a bijection of int64, so two values
+  of a column never share an id; across columns equal strings get unrelated ids, spread over all
+  of int64. A missing value is hashed as ``v = MISSING_VALUE = 2**32``, which no hex string of
+  at most 8 digits reaches: each column has one fixed missing id, distinct from all its values.
+  The hashing runs as tensor ops on a whole batch (:func:`hash_categorical`).
+- ``label``: float32 ``[B]``, 0.0 or 1.0.
+
+The files are one stream of lines (in the order given), cut into batches of ``batch_size``
+lines; the last batch may be shorter. Trainer ``t`` of ``T`` takes batches ``t, t + T, t + 2T,
+...``, so the trainers split the data without overlap, every line is used exactly once, and a
+trainer's batches do not depend on how fast the others read. Each trainer reads every line but
+parses only its own batches, so reading costs I/O on every trainer; to split I/O as well, give
+each trainer its own files. A file is never loaded whole: lines are read one at a time and a
+batch holds at most ``batch_size`` of them.
+
+A malformed line (a wrong number of fields, a label other than 0/1, a non-integer in an integer
+field, a non-hex categorical) and a corrupt gzip stream raise
+:class:`paramserver.errors.InvalidBatchError`, naming the file, the line number (1-based) and
+what was wrong. Only the trainer that owns a line parses it, so the trainer that owns the batch
+holding a bad line is the one that raises.
+
+:func:`write_synthetic_criteo` writes files in this format with a planted signal, for tests and
+demos.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import KW_ONLY, dataclass
+from gzip import BadGzipFile, GzipFile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from paramserver.errors import ConfigError, InvalidBatchError
+from paramserver.server.idmap import mix64
+
+Batch = tuple[tuple[Tensor, Tensor], Tensor]
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
+MISSING_VALUE = 1 << 32  # hashed in place of a missing categorical: no 8-digit hex reaches it
+GZIP_MAGIC = b"\x1f\x8b"
+
+_INT = rb"-?[0-9]{1,18}"  # 18 digits always fit in int64
+_HEX = rb"[0-9a-fA-F]{1,8}"
+_LINE = re.compile(
+    rb"[01]"
+    + (rb"\t(?:" + _INT + rb")?") * NUM_DENSE
+    + (rb"\t(?:" + _HEX + rb")?") * NUM_CATEGORICAL
+)
+_INT_FIELD = re.compile(_INT)
+_HEX_FIELD = re.compile(_HEX)
+
+
+@dataclass(frozen=True)
+class CriteoFiles:
+    """Criteo-format files read as a stream of batches (see the module docstring).
+
+    ``hash_salt`` changes every categorical id (for example to decorrelate two models' tables).
+    Reading is stateless: each call of :meth:`train_batches` opens the files afresh, so any
+    number of iterators (one per trainer thread, say) may run at once.
+    """
+
+    paths: Sequence[str | Path]
+    batch_size: int = 512
+    _: KW_ONLY
+    hash_salt: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "paths", tuple(self.paths))
+        if not self.paths:
+            raise ConfigError("CriteoFiles.paths: give at least one file")
+        if self.batch_size < 1:
+            raise ConfigError(f"CriteoFiles.batch_size must be at least 1, got {self.batch_size}")
+
+    def train_batches(self, trainer: int, num_trainers: int) -> Iterator[Batch]:
+        """Batches ``trainer, trainer + num_trainers, ...`` of the stream, the last one possibly
+        short. Raises InvalidBatchError on a malformed line of one of these batches."""
+        if num_trainers < 1 or not 0 <= trainer < num_trainers:
+            raise ConfigError(
+                f"trainer must be in [0, num_trainers); got trainer={trainer}, "
+                f"num_trainers={num_trainers}"
+            )
+        for index, lines in enumerate(self._raw_batches()):
+            if index % num_trainers == trainer:
+                yield self._parse(lines)
+
+    def _raw_batches(self) -> Iterator[list[tuple[Path, int, bytes]]]:
+        """The stream's non-empty lines, without line endings, in lists of ``batch_size``."""
+        batch: list[tuple[Path, int, bytes]] = []
+        for path in map(Path, self.paths):
+            for lineno, line in _read_lines(path):
+                batch.append((path, lineno, line))
+                if len(batch) == self.batch_size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    def _parse(self, lines: list[tuple[Path, int, bytes]]) -> Batch:
+        labels: list[bool] = []
+        dense: list[list[int]] = []
+        categorical: list[list[int]] = []
+        for path, lineno, line in lines:
+            if _LINE.fullmatch(line) is None:
+                raise InvalidBatchError(f"{path}, line {lineno}: {_diagnose(line)}")
+            fields = line.split(b"\t")
+            labels.append(fields[0] == b"1")
+            dense.append([int(x) if x else 0 for x in fields[1 : 1 + NUM_DENSE]])
+            categorical.append(
+                [int(x, 16) if x else MISSING_VALUE for x in fields[1 + NUM_DENSE :]]
+            )
+        values = torch.tensor(categorical, dtype=torch.int64)
+        return (
+            (
+                transform_dense(torch.tensor(dense, dtype=torch.int64)),
+                hash_categorical(values, self.hash_salt),
+            ),
+            torch.tensor(labels, dtype=torch.float32),
+        )
+
+
+def transform_dense(values: Tensor) -> Tensor:
+    """``log(1 + max(x, 0))`` of int64 features (missing ones given as 0), as float32."""
+    return values.clamp(min=0).double().log1p().float()
+
+
+def hash_categorical(values: Tensor, hash_salt: int = 0) -> Tensor:
+    """Ids of int64 categorical values ``[B, 26]`` (``MISSING_VALUE`` where missing): column
+    ``c``'s value ``v`` becomes ``mix64(mix64(v) + seed_c)``, ``seed_c = mix64(mix64(salt) + c)``.
+    """
+    salt = torch.tensor([(hash_salt + 2**63) % 2**64 - 2**63], dtype=torch.int64)
+    seeds = mix64(mix64(salt) + torch.arange(NUM_CATEGORICAL, dtype=torch.int64))
+    return mix64(mix64(values.reshape(-1, NUM_CATEGORICAL)) + seeds)
+
+
+def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Numbered non-empty lines of a plain or gzip file, streamed, line endings removed."""
+    with open(path, "rb") as raw:
+        is_gzip = raw.read(2) == GZIP_MAGIC
+        raw.seek(0)
+        stream: Iterable[bytes] = GzipFile(fileobj=raw, mode="rb") if is_gzip else raw
+        lineno = 0
+        try:
+            for lineno, line in enumerate(stream, 1):
+                line = line.rstrip(b"\r\n")
+                if line:
+                    yield lineno, line
+        except (EOFError, BadGzipFile, zlib.error) as e:
+            raise InvalidBatchError(f"{path}: corrupt gzip data after line {lineno}: {e}") from e
+
+
+def _diagnose(line: bytes) -> str:
+    """What is wrong with a line that failed the format's pattern."""
+    fields = line.split(b"\t")
+    if len(fields) != NUM_FIELDS:
+        return f"expected {NUM_FIELDS} tab-separated fields, found {len(fields)}"
+    if fields[0] not in (b"0", b"1"):
+        return f"the label (field 0) must be 0 or 1, found {_show(fields[0])}"
+    for i in range(1, 1 + NUM_DENSE):
+        if fields[i] and _INT_FIELD.fullmatch(fields[i]) is None:
+            return (
+                f"integer feature I{i} (field {i}) must be an integer of at most 18 digits, "
+                f"found {_show(fields[i])}"
+            )
+    for i in range(1 + NUM_DENSE, NUM_FIELDS):
+        if fields[i] and _HEX_FIELD.fullmatch(fields[i]) is None:
+            return (
+                f"categorical feature C{i - NUM_DENSE} (field {i}) must be 1 to 8 hex digits, "
+                f"found {_show(fields[i])}"
+            )
+    return "malformed line"
+
+
+def _show(field: bytes) -> str:
+    return repr(field[:40].decode("ascii", "backslashreplace"))
+
+
+# ---- synthetic files with a planted signal ----
+
+SIGNAL_DENSE = (0, 1, 2)  # dense features the labels depend on
+SIGNAL_DENSE_WEIGHTS = (0.8, -0.7, 0.6)  # their weights on the transformed feature
+SIGNAL_CATEGORICAL = (0, 1, 2)  # categorical columns whose values carry an effect on the logit
+SIGNAL_VOCABULARY = 50  # distinct values in each signal column (others: NOISE_VOCABULARY)
+NOISE_VOCABULARY = 5000
+MISSING_DENSE_RATE = 0.1
+MISSING_CATEGORICAL_RATE = 0.05
+_CHUNK_LINES = 8192
+
+
+def write_synthetic_criteo(
+    path: str | Path, lines: int, *, seed: int = 0, gzip: bool = False
+) -> None:
+    """Write ``lines`` Criteo-format lines to ``path`` (gzip-compressed if ``gzip``).
+
+    The labels follow a logistic model: the logit is ``-1`` plus ``SIGNAL_DENSE_WEIGHTS`` times
+    the transformed features ``SIGNAL_DENSE`` (centred at 1), plus a per-value effect, drawn
+    from N(0, 1), of each of the columns ``SIGNAL_CATEGORICAL``; the label is a Bernoulli draw
+    of its sigmoid. Integer features are ``floor(exp(1.5 z + 0.5)) - 1`` for standard normal
+    ``z`` (so some are -1); categorical values are log-uniform ranks in a fixed per-column
+    vocabulary of random 8-digit hex strings. About ``MISSING_DENSE_RATE`` of the integer fields
+    and ``MISSING_CATEGORICAL_RATE`` of the categorical ones are empty; a missing value has no
+    effect on the logit beyond its transformed value of 0. The file's bytes are a function of
+    ``seed`` and ``lines`` (the gzip header's timestamp is fixed to 0).
+    """
+    g = torch.Generator().manual_seed(seed)
+    sizes = [
+        SIGNAL_VOCABULARY if c in SIGNAL_CATEGORICAL else NOISE_VOCABULARY
+        for c in range(NUM_CATEGORICAL)
+    ]
+    vocabularies = [
+        [f"{v:08x}" for v in torch.randint(0, 1 << 32, (size,), generator=g).tolist()]
+        for size in sizes
+    ]
+    effects = {c: torch.randn(sizes[c], generator=g) for c in SIGNAL_CATEGORICAL}
+    weights = torch.tensor(SIGNAL_DENSE_WEIGHTS)
+    with open(path, "wb") as raw:
+        out = GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if gzip else raw
+        for start in range(0, lines, _CHUNK_LINES):
+            n = min(_CHUNK_LINES, lines - start)
+            ints = torch.exp(1.5 * torch.randn(n, NUM_DENSE, generator=g) + 0.5).floor().long() - 1
+            dense_missing = torch.rand(n, NUM_DENSE, generator=g) < MISSING_DENSE_RATE
+            features = transform_dense(ints.masked_fill(dense_missing, 0))
+            logits = -1.0 + (features[:, list(SIGNAL_DENSE)] - 1.0) @ weights
+            u = torch.rand(n, NUM_CATEGORICAL, generator=g)
+            ranks = (torch.tensor(sizes, dtype=torch.float64) ** u.double()).floor().long() - 1
+            categorical_missing = (
+                torch.rand(n, NUM_CATEGORICAL, generator=g) < MISSING_CATEGORICAL_RATE
+            )
+            for c in SIGNAL_CATEGORICAL:
+                effect = effects[c][ranks[:, c]].masked_fill(categorical_missing[:, c], 0.0)
+                logits = logits + effect
+            labels = torch.bernoulli(torch.sigmoid(logits), generator=g).long()
+            columns = [[str(x) for x in labels.tolist()]]
+            for j in range(NUM_DENSE):
+                column = zip(ints[:, j].tolist(), dense_missing[:, j].tolist(), strict=True)
+                columns.append(["" if missing else str(x) for x, missing in column])
+            for c in range(NUM_CATEGORICAL):
+                column = zip(ranks[:, c].tolist(), categorical_missing[:, c].tolist(), strict=True)
+                columns.append(["" if missing else vocabularies[c][r] for r, missing in column])
+            out.write(
+                "".join("\t".join(fields) + "\n" for fields in zip(*columns, strict=True)).encode()
+            )
+        if out is not raw:
+            out.close()

@@ -1,0 +1,261 @@
+"""The Criteo reader: parsing and transforms, id hashing, gzip, trainer splits, streaming, bad
+lines, and the synthetic writer's planted signal."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torchmetrics.functional.classification import binary_auroc
+
+from paramserver.cli import main
+from paramserver.data import criteo
+from paramserver.data.criteo import (
+    MISSING_VALUE,
+    NUM_CATEGORICAL,
+    NUM_DENSE,
+    SIGNAL_CATEGORICAL,
+    SIGNAL_DENSE,
+    CriteoFiles,
+    hash_categorical,
+    write_synthetic_criteo,
+)
+from paramserver.errors import ConfigError, InvalidBatchError
+from paramserver.server.idmap import mix64
+
+
+def criteo_line(label: str, ints: list[str], categorical: list[str]) -> str:
+    ints = ints + [""] * (NUM_DENSE - len(ints))
+    categorical = categorical + [""] * (NUM_CATEGORICAL - len(categorical))
+    return "\t".join([label, *ints, *categorical])
+
+
+HAND_LINES = [
+    criteo_line("1", ["5", "", "-3", "0", "1000"], ["68fd1e64", "80e26c9b", "", "68fd1e64"]),
+    criteo_line("0", ["0"] * NUM_DENSE, ["68fd1e64", "", "fb936136", "00000000"]),
+    criteo_line("0", [], []),  # every feature missing
+    criteo_line("1", ["123456789012", "-1", "7"], ["ABCDEF01", "1"]),
+]
+
+
+def read_all(files: CriteoFiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batches = list(files.train_batches(0, 1))
+    return (
+        torch.cat([dense for (dense, _), _ in batches]),
+        torch.cat([sparse for (_, sparse), _ in batches]),
+        torch.cat([label for _, label in batches]),
+    )
+
+
+def test_hand_written_file_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "day_0"
+    # a CRLF line and trailing empty lines are accepted
+    path.write_text(HAND_LINES[0] + "\r\n" + "\n".join(HAND_LINES[1:]) + "\n\n\n")
+    batches = list(CriteoFiles([path], batch_size=3).train_batches(0, 1))
+    assert [label.shape[0] for _, label in batches] == [3, 1]
+    (dense, sparse), label = batches[0]
+    assert dense.dtype == torch.float32 and dense.shape == (3, NUM_DENSE)
+    assert sparse.dtype == torch.int64 and sparse.shape == (3, NUM_CATEGORICAL)
+    dense, sparse, label = read_all(CriteoFiles([str(path)], batch_size=3))
+
+    assert torch.equal(label, torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    raw = [[int(x) if x else 0 for x in line.split("\t")[1:14]] for line in HAND_LINES]
+    expected = torch.tensor([[math.log1p(max(x, 0)) for x in row] for row in raw])
+    assert torch.equal(dense, expected.float())
+    assert dense[0, 2] == 0.0 and dense[0, 1] == 0.0  # negative and missing both map to 0
+
+    # equal (column, value) pairs share an id; equal strings in other columns do not
+    assert sparse[0, 0] == sparse[1, 0]
+    assert sparse[0, 0] != sparse[0, 3]
+    assert sparse[0].unique().numel() == NUM_CATEGORICAL  # C1 and C4 hold the same string
+    # missing: one fixed id per column, distinct across columns and from the value 0
+    missing = hash_categorical(torch.full((1, NUM_CATEGORICAL), MISSING_VALUE))[0]
+    assert torch.equal(sparse[2], missing)
+    assert missing.unique().numel() == NUM_CATEGORICAL
+    assert sparse[0, 2] == missing[2] and sparse[1, 1] == missing[1]
+    assert sparse[1, 3] != missing[3]  # "00000000" is a value, not a missing field
+    # the documented formula, with wrapping int64 arithmetic
+    seed_0 = mix64(mix64(torch.tensor([0])) + torch.tensor([0]))
+    assert sparse[0, 0] == mix64(mix64(torch.tensor([0x68FD1E64])) + seed_0)[0]
+    assert sparse[3, 0] == mix64(mix64(torch.tensor([0xABCDEF01])) + seed_0)[0]  # upper case hex
+
+    salted = read_all(CriteoFiles([path], batch_size=3, hash_salt=7))
+    assert torch.equal(salted[0], dense) and torch.equal(salted[2], label)
+    assert not torch.isin(salted[1], sparse).any()
+
+
+def test_gzip_is_detected_by_content(tmp_path: Path) -> None:
+    plain, packed = tmp_path / "plain.tsv", tmp_path / "packed.txt"  # gzip despite the name
+    write_synthetic_criteo(plain, 700, seed=3)
+    write_synthetic_criteo(packed, 700, seed=3, gzip=True)
+    assert packed.read_bytes()[:2] == b"\x1f\x8b"
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    a = list(CriteoFiles([plain], batch_size=128).train_batches(0, 1))
+    b = list(CriteoFiles([packed], batch_size=128).train_batches(0, 1))
+    assert len(a) == len(b) == 6
+    for ((dense_a, sparse_a), label_a), ((dense_b, sparse_b), label_b) in zip(a, b, strict=True):
+        assert torch.equal(dense_a, dense_b)
+        assert torch.equal(sparse_a, sparse_b)
+        assert torch.equal(label_a, label_b)
+
+
+def test_writer_is_deterministic(tmp_path: Path) -> None:
+    for name, seed in [("a", 5), ("b", 5), ("c", 6)]:
+        write_synthetic_criteo(tmp_path / name, 300, seed=seed, gzip=True)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+    assert (tmp_path / "a").read_bytes() != (tmp_path / "c").read_bytes()
+
+
+def test_trainers_split_batches_without_overlap(tmp_path: Path) -> None:
+    # two files, so batches also span a file boundary
+    write_synthetic_criteo(tmp_path / "part_0", 600, seed=1)
+    write_synthetic_criteo(tmp_path / "part_1", 400, seed=2, gzip=True)
+    files = CriteoFiles([tmp_path / "part_0", tmp_path / "part_1"], batch_size=64)
+    whole = list(files.train_batches(0, 1))
+    assert len(whole) == 16 and whole[-1][1].shape[0] == 1000 - 15 * 64
+    shares = [list(files.train_batches(t, 3)) for t in range(3)]
+    assert [len(share) for share in shares] == [6, 5, 5]
+    # trainer t's k-th batch is batch t + 3k of the single reader: every line exactly once
+    for t, share in enumerate(shares):
+        for k, ((dense, sparse), label) in enumerate(share):
+            (whole_dense, whole_sparse), whole_label = whole[t + 3 * k]
+            assert torch.equal(dense, whole_dense)
+            assert torch.equal(sparse, whole_sparse)
+            assert torch.equal(label, whole_label)
+    assert sum(label.numel() for share in shares for _, label in share) == 1000
+    with pytest.raises(ConfigError, match="trainer"):
+        next(files.train_batches(3, 3))
+
+
+def test_reading_streams_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "big"
+    line = criteo_line("1", ["3"] * NUM_DENSE, ["68fd1e64"] * NUM_CATEGORICAL) + "\n"
+    path.write_text(line * 200_000)
+    size = path.stat().st_size
+    opened: list[io.BufferedReader] = []
+
+    def recording_open(*args: Any, **kwargs: Any) -> Any:
+        f = open(*args, **kwargs)  # noqa: SIM115 (closed by the reader)
+        opened.append(f)
+        return f
+
+    monkeypatch.setattr(criteo, "open", recording_open, raising=False)
+    batches = CriteoFiles([path], batch_size=64).train_batches(0, 1)
+    _, label = next(batches)
+    assert label.shape == (64,)
+    assert len(opened) == 1
+    assert opened[0].tell() < 64 * 1024 < size // 100
+    batches.close()
+    assert opened[0].closed
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "what"),
+    [
+        ("\t".join(HAND_LINES[0].split("\t")[:-1]), "expected 40 tab-separated fields, found 39"),
+        (HAND_LINES[0] + "\t", "expected 40 tab-separated fields, found 41"),
+        ("1 5", "expected 40 tab-separated fields, found 1"),
+        (criteo_line("1", ["5", "2.5"], []), "I2"),
+        (criteo_line("0", ["abc"], []), "I1"),
+        (criteo_line("0", ["1" * 19], []), "I1"),
+        (criteo_line("2", [], []), "label"),
+        (criteo_line("", [], []), "label"),
+        (criteo_line("1", [], ["68fd1e64", "zz12ab34"]), "C2"),
+        (criteo_line("1", [], ["", "", "0x1234"]), "C3"),
+        (criteo_line("1", [], ["123456789"]), "C1"),
+    ],
+)
+def test_bad_lines_name_file_and_line(tmp_path: Path, bad_line: str, what: str) -> None:
+    path = tmp_path / "broken.tsv"
+    path.write_text("\n".join([HAND_LINES[0], "", HAND_LINES[1], bad_line, HAND_LINES[2]]) + "\n")
+    with pytest.raises(InvalidBatchError, match="line 4") as raised:
+        list(CriteoFiles([path], batch_size=2).train_batches(0, 1))
+    assert "broken.tsv" in str(raised.value) and what in str(raised.value)
+    # the bad line sits in batch 1 (lines 4-5): only the trainer owning that batch raises
+    assert len(list(CriteoFiles([path], batch_size=2).train_batches(0, 2))) == 1
+    with pytest.raises(InvalidBatchError, match="line 4"):
+        list(CriteoFiles([path], batch_size=2).train_batches(1, 2))
+
+
+def test_corrupt_gzip_raises(tmp_path: Path) -> None:
+    path = tmp_path / "cut.gz"
+    write_synthetic_criteo(path, 2000, seed=0, gzip=True)
+    path.write_bytes(path.read_bytes()[:-5000])
+    with pytest.raises(InvalidBatchError, match="cut.gz.*corrupt gzip"):
+        list(CriteoFiles([path], batch_size=256).train_batches(0, 1))
+
+
+def fit_auc(dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> float:
+    """Held-out AUC of a logistic regression on the dense features plus a learned bias per
+    hashed id (ids taken mod a prime) of the signal columns."""
+    torch.manual_seed(0)
+    prime = 1009
+    columns = list(SIGNAL_CATEGORICAL)
+    buckets = sparse[:, columns].remainder(prime) + prime * torch.arange(len(columns))
+    linear = nn.Linear(NUM_DENSE, 1)
+    bias = nn.EmbeddingBag(prime * len(columns), 1, mode="sum")
+    nn.init.zeros_(bias.weight)
+    optimizer = torch.optim.Adam([*linear.parameters(), *bias.parameters()], lr=0.1)
+    train = slice(0, 4000)
+    test = slice(4000, None)
+    for _ in range(100):
+        optimizer.zero_grad()
+        logits = linear(dense[train]).squeeze(1) + bias(buckets[train]).squeeze(1)
+        nn.functional.binary_cross_entropy_with_logits(logits, label[train]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        logits = linear(dense[test]).squeeze(1) + bias(buckets[test]).squeeze(1)
+    return float(binary_auroc(logits, label[test].long()))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # The fit's tensors are tiny: extra intra-op threads only add synchronisation, which is
+    # slow (seconds) on a host whose cores are busy with other work.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_planted_signal_is_learnable(tmp_path: Path) -> None:
+    write_synthetic_criteo(tmp_path / "signal", 6000, seed=11)
+    dense, sparse, label = read_all(CriteoFiles([tmp_path / "signal"], batch_size=4096))
+    assert 0.15 < float(label.mean()) < 0.5
+    assert (dense[:, list(SIGNAL_DENSE)] == 0).float().mean() > 0.1  # missing and -1 values
+    auc = fit_auc(dense, sparse, label)
+    shuffled = label[torch.randperm(label.numel(), generator=torch.Generator().manual_seed(0))]
+    chance_auc = fit_auc(dense, sparse, shuffled)
+    assert auc > 0.7, auc
+    assert chance_auc < 0.56, chance_auc
+
+
+def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    train, held_out = tmp_path / "train.gz", tmp_path / "eval.txt"
+    write_synthetic_criteo(train, 6000, seed=1, gzip=True)
+    write_synthetic_criteo(held_out, 2000, seed=2)
+    summary = tmp_path / "summary.json"
+    code = main(
+        [
+            "train", "--dataset", f"criteo:{train}", "--eval-data", str(held_out),
+            "--launcher", "threads", "--servers", "2", "--trainers", "2", "--batch-size", "128",
+            "--epochs", "5",
+            "--progress", "false", "--summary-json", str(summary),
+        ]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(summary.read_text())
+    assert sum(result["trainer_steps"]) == 5 * -(-6000 // 128)
+    assert result["eval_auc"] > 0.6  # the planted signal, learned through hashed ids
+    assert result["tables"]["embeddings.0.weight"]["rows"] > 0
+    assert main(["train", "--dataset", "criteo:/no/such/file"]) == 2
+    assert "no such file" in capsys.readouterr().err
