@@ -15,7 +15,8 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import MISSING, fields
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -157,12 +158,17 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    if args.dataset.startswith("criteo:"):
-        return run_train_criteo(args, config)
-    if args.dataset != "synthetic":
-        raise ConfigError(f"--dataset: unknown dataset {args.dataset!r}; synthetic or criteo:PATH")
+@dataclass
+class Job:
+    """What ``paramserver train`` trains, on which data, and how it evaluates the result."""
+
+    model_fn: Callable[[], nn.Module]
+    data_fn: Callable[[int, int], Iterator[Any]]
+    total_steps: int | None  # for the progress bar; None: a stream of unknown length
+    evaluate: Callable[[nn.Module, dict[str, Any]], None] | None
+
+
+def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     spec = SyntheticSpec(
         rows_per_table=args.rows_per_table,
         batch_size=config.batch_size,
@@ -175,16 +181,51 @@ def run_train(args: argparse.Namespace) -> int:
     steps_per_trainer = -(-steps_per_trainer // config.accumulate)
     if config.steps is not None:
         steps_per_trainer = min(steps_per_trainer, config.steps)
-    display = ProgressDisplay(
-        steps_per_trainer * config.trainers if config.progress else 0,
-        interactive=None if config.progress else False,
-        log_every_s=config.log_every,
-    )
     rows = spec.rows_per_table
 
     def model_fn() -> DLRM:
         return DLRM(table_rows=[rows] * spec.num_tables)
 
+    return Job(
+        model_fn,
+        data.train_batches,
+        steps_per_trainer * config.trainers,
+        lambda model, summary: add_evaluation(model, summary, data),
+    )
+
+
+def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
+    """A DLRM with one dynamic table per categorical column, on Criteo-format files."""
+    paths = [p for p in args.dataset.removeprefix("criteo:").split(",") if p]
+    held_out = args.eval_data.split(",") if args.eval_data else []
+    for path in paths + held_out:
+        if not Path(path).is_file():
+            raise ConfigError(f"--dataset/--eval-data: no such file: {path}")
+
+    def model_fn() -> DLRM:
+        return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
+
+    def evaluate(model: nn.Module, summary: dict[str, Any]) -> None:
+        metrics = evaluate_binary(model, CriteoFiles(held_out, 8192).train_batches(0, 1))
+        summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"])
+
+    data = CriteoFiles(paths, batch_size=config.batch_size)
+    return Job(model_fn, data.train_batches, None, evaluate if held_out else None)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    if args.dataset == "synthetic":
+        job = synthetic_job(args, config)
+    elif args.dataset.startswith("criteo:"):
+        job = criteo_job(args, config)
+    else:
+        raise ConfigError(f"--dataset: unknown dataset {args.dataset!r}; synthetic or criteo:PATH")
+    display = ProgressDisplay(
+        job.total_steps if config.progress else 0,
+        interactive=None if config.progress else False,
+        log_every_s=config.log_every,
+    )
     log.info(
         "training: %d servers, %d trainers, mode %s, %s lr %g",
         config.servers,
@@ -195,8 +236,8 @@ def run_train(args: argparse.Namespace) -> int:
     )
     try:
         result = train(
-            model_fn,
-            data.train_batches,
+            job.model_fn,
+            job.data_fn,
             F.binary_cross_entropy_with_logits,
             config,
             on_progress=display if config.progress else None,
@@ -205,34 +246,8 @@ def run_train(args: argparse.Namespace) -> int:
         display.close()
     if result is None:  # a torchrun rank other than the chief
         return 0
-    if result.model is not None:
-        add_evaluation(result.model, result.summary, data)
-    print_summary(result.summary)
-    if args.summary_json:
-        args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
-    return 0
-
-
-def run_train_criteo(args: argparse.Namespace, config: TrainConfig) -> int:
-    """Train a DLRM with one dynamic table per categorical column on Criteo-format files."""
-    paths = [p for p in args.dataset.removeprefix("criteo:").split(",") if p]
-    for path in paths + (args.eval_data.split(",") if args.eval_data else []):
-        if not Path(path).is_file():
-            raise ConfigError(f"--dataset/--eval-data: no such file: {path}")
-    data = CriteoFiles(paths, batch_size=config.batch_size)
-
-    def model_fn() -> DLRM:
-        return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
-
-    result = train(
-        model_fn, data.train_batches, F.binary_cross_entropy_with_logits, config, on_progress=None
-    )
-    if result is None:  # a torchrun rank other than the chief
-        return 0
-    if result.model is not None and args.eval_data:
-        held_out = CriteoFiles(args.eval_data.split(","), batch_size=8192)
-        metrics = evaluate_binary(result.model, held_out.train_batches(0, 1))
-        result.summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"])
+    if result.model is not None and job.evaluate is not None:
+        job.evaluate(result.model, result.summary)
     print_summary(result.summary)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
