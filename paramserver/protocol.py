@@ -113,6 +113,12 @@ class PushPullRequest:
     # none); the server sends only the rows that must_send picks.
     pull_versions: dict[str, Tensor] = field(default_factory=dict)
 
+    def drop_gradients(self) -> None:
+        """Keep only the reads (a duplicate, or a push too late for its round)."""
+        self.dense_grads.clear()
+        self.row_grads.clear()
+        self.pooled_grads.clear()
+
     @property
     def has_grads(self) -> bool:
         return bool(self.dense_grads) or bool(self.row_grads) or bool(self.pooled_grads)

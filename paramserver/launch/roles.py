@@ -83,6 +83,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
     per_job = ("reports", "left", "tables", "departed", "staleness", "departed_after_silence_s")
     servers = [{k: v for k, v in stats.items() if k not in per_job} for stats in chief.server_stats]
+    departed = sorted({t for stats in chief.server_stats for t in stats["departed"]})
     # Each server measures the staleness of the gradients it receives.
     staleness: dict[int, int] = {}
     for stats in chief.server_stats:
@@ -142,11 +143,11 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         },
         "server_stats": servers,
         "tables": tables,
-        "departed_trainers": sorted({t for s in chief.server_stats for t in s["departed"]}),
+        "departed_trainers": departed,
         # Per departed trainer, the longest silence after which a server declared it departed.
         "departed_after_s": {
             str(t): max(s["departed_after_silence_s"].get(t, 0.0) for s in chief.server_stats)
-            for t in sorted({t for s in chief.server_stats for t in s["departed"]})
+            for t in departed
         },
         "staleness": dict(sorted(staleness.items())),
     }

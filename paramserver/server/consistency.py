@@ -149,9 +149,7 @@ class Coordinator:
                     server=self.shard.server,
                 )
             if duplicate:
-                request.pooled_grads.clear()  # already applied: only the reads are answered
-                request.dense_grads.clear()
-                request.row_grads.clear()
+                request.drop_gradients()  # already applied: only the reads are answered
             else:
                 self.shard.decode_request(request)
                 self._expand_pooled_grads(request)
@@ -198,9 +196,7 @@ class Coordinator:
                 joins_round = False  # its round closed without it: too late to count
                 self.liveness.late_pushes += 1
                 self._read_at.pop((request.trainer, request.grads_step), None)
-                request.dense_grads.clear()
-                request.row_grads.clear()
-                request.pooled_grads.clear()
+                request.drop_gradients()
             if joins_round:
                 waiter = self.rounds.join(request)
                 ready = self._ready_rounds()

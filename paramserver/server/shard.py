@@ -305,12 +305,15 @@ class ServerShard:
         rows = 0
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
+            cached = request.pull_versions.get(name)
             with table.lock:
-                values = table.read(ids, train=train, clock=clock, trainer=request.trainer)
-                cached = request.pull_versions.get(name)
-                if cached is not None:
+                if cached is None:
+                    values = table.read(ids, train=train, clock=clock, trainer=request.trainer)
+                else:
                     assert self.version_gap is not None  # validated
-                    versions = table.versions_of(ids)
+                    values, versions = table.read_versioned(
+                        ids, train=train, clock=clock, trainer=request.trainer
+                    )
                     values = values[must_send(cached, versions, self.version_gap)]
                     reply.row_versions[name] = versions
             reply.rows[name] = values

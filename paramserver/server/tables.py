@@ -2,7 +2,7 @@
 
 Both kinds answer the same calls, each made with the table's lock held by the caller:
 ``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
-``versions_of`` (see below), ``export`` and ``stats``. Optimizer state lives beside the rows
+``read_versioned`` (see below), ``export`` and ``stats``. Optimizer state lives beside the rows
 it belongs to: slot tensors and per-row step counts indexed like the weight.
 
 Versions (kept when trainers cache rows, ``version_gap`` set): each row counts the updates
@@ -124,9 +124,13 @@ class FixedTable:
             self.versions[local] += 1
         return ids.numel()
 
-    def versions_of(self, ids: Tensor) -> Tensor:
+    def read_versioned(
+        self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`read`, and each row's version."""
         assert self.versions is not None
-        return self.versions.index_select(0, self.plan.local_rows(ids))
+        local = self.plan.local_rows(ids)
+        return self.weight.index_select(0, local), self.versions.index_select(0, local)
 
     def export(self, with_optimizer: bool) -> dict[str, Tensor]:
         entry = {"value": self.weight.clone()}
@@ -188,6 +192,22 @@ class DynamicTable:
         return None  # every int64 id is valid
 
     def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
+        return self._values(self._locate(ids, train=train, clock=clock, trainer=trainer))
+
+    def read_versioned(
+        self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`read`, and each row's version (-1 where an id has no row)."""
+        assert self.versions is not None
+        rows = self._locate(ids, train=train, clock=clock, trainer=trainer)
+        present = rows >= 0
+        versions = torch.full_like(rows, -1)
+        versions[present] = self.versions[rows[present]]
+        return self._values(rows), versions
+
+    def _locate(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None) -> Tensor:
+        """The row of each id (-1: none), after admitting, touching and evicting for a read
+        that trains."""
         found = self.ids.find(ids)
         rows = found.rows
         if train:
@@ -197,15 +217,17 @@ class DynamicTable:
                 self.last_touched[rows[rows >= 0]] = clock
             if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
                 rows = self.ids.lookup(ids)
+        if train and trainer is not None and bool((rows >= 0).all()):
+            self._handed_out.setdefault(trainer, deque(maxlen=HANDED_OUT_KEPT)).append((ids, rows))
+        return rows
+
+    def _values(self, rows: Tensor) -> Tensor:
+        """The values of ``rows``; the default vector where a row is -1."""
         present = rows >= 0
         if bool(present.all()):
-            if train and trainer is not None:
-                self._handed_out.setdefault(trainer, deque(maxlen=HANDED_OUT_KEPT)).append(
-                    (ids, rows)
-                )
             return self.weight.index_select(0, rows)
         out = torch.full(
-            (ids.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
+            (rows.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
         )
         out[present] = self.weight.index_select(0, rows[present])
         return out
@@ -225,15 +247,6 @@ class DynamicTable:
         if self.versions is not None:
             self.versions[rows] += 1
         return rows.numel()
-
-    def versions_of(self, ids: Tensor) -> Tensor:
-        """Each id's row version; -1 where it has no row."""
-        assert self.versions is not None
-        rows = self.ids.lookup(ids)
-        present = rows >= 0
-        versions = torch.full_like(rows, -1)
-        versions[present] = self.versions[rows[present]]
-        return versions
 
     def _rows_handed_out(self, trainer: int | None, ids: Tensor) -> Tensor | None:
         """The rows a recent pull of ``trainer`` found for exactly ``ids``, if any (its push of

@@ -19,7 +19,6 @@ import logging
 import random
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -144,7 +143,6 @@ class TrainerCheckpoints:
         """Chief: every server snapshots now; a thread commits once every part is written."""
         root = self.config.checkpoint_dir
         assert root is not None
-        directory = str(checkpoint_dir(root, step))
         wait_all(
             [self.transport.call(s, "take_checkpoint", step) for s in self._servers()],
             self.alarm,
@@ -167,7 +165,7 @@ class TrainerCheckpoints:
                 commit(
                     root, step, [*server_parts, *trainer_parts], meta, keep=config.checkpoint_keep
                 )
-                log.info("checkpoint %d committed in %s", step, Path(directory).name)
+                log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
             except Exception:
                 log.exception("checkpoint %d not committed; the previous one stays", step)
 
