@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -139,3 +140,11 @@ class ShardPlan:
             ],
         }
         return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
+
+
+def merge_rows(parts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """One table's rows from every server, in id order: each part maps ``"ids"`` (global row
+    ids, or a dynamic table's ids) and per-row tensors (values, state) to that server's rows.
+    For a fixed table the result is its rows 0..N-1 in order."""
+    order = torch.argsort(torch.cat([part["ids"] for part in parts]))
+    return {key: torch.cat([part[key] for part in parts])[order] for key in parts[0]}

@@ -354,7 +354,8 @@ class ServerShard:
     # ---- whole-shard views, for export, tests and checkpoints ----
 
     def export_state(self, with_optimizer: bool = False) -> dict[str, dict[str, Tensor]]:
-        """Copies of this shard's values (and optionally optimizer state and step counts)."""
+        """Copies of this shard's values (and optionally optimizer state and step counts);
+        table rows keyed by global row id or id (``"ids"``), as :meth:`Table.snapshot` has them."""
         out: dict[str, dict[str, Tensor]] = {}
         for name, slot in self.dense.items():
             with slot.lock:
@@ -363,9 +364,15 @@ class ServerShard:
                     entry.update({f"state.{k}": v.clone() for k, v in slot.state.items()})
                     entry["steps"] = slot.step.clone()
             out[name] = entry
+        kept = ("ids", "value", "steps") if with_optimizer else ("ids", "value")
         for name, table in self.tables.items():
             with table.lock:
-                out[name] = table.export(with_optimizer)
+                rows, _ = table.snapshot()
+            out[name] = {
+                k: v
+                for k, v in rows.items()
+                if k in kept or (with_optimizer and k.startswith("state."))
+            }
         return out
 
     def table_stats(self) -> dict[str, dict[str, int]]:

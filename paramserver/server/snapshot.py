@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from paramserver.errors import CheckpointError
 from paramserver.server.shard import ServerShard
 from paramserver.server.tables import DynamicTable
+from paramserver.sharding import merge_rows
 
 Saved = tuple[dict[str, Tensor], dict[str, Any]]
 
@@ -109,20 +109,21 @@ def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
     """A plain state_dict of the model from saved shards: dense values, fixed tables whole,
     dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight`` (for ``paramserver export``)."""
     state: dict[str, Tensor] = {}
-    rows: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    rows: dict[str, list[dict[str, Tensor]]] = {}
     dynamic: set[str] = set()
     for tensors, meta in saved:
         for name in meta["dense"]:
             state[name] = tensors[f"dense/{name}/value"]
         for name, table_meta in meta["tables"].items():
-            ids, value = tensors[f"table/{name}/ids"], tensors[f"table/{name}/value"]
-            rows.setdefault(name, []).append((ids, value))
+            prefix = f"table/{name}/"
+            rows.setdefault(name, []).append(
+                {"ids": tensors[prefix + "ids"], "value": tensors[prefix + "value"]}
+            )
             if table_meta["dynamic"]:
                 dynamic.add(name)
     for name, parts in rows.items():
-        ids = torch.cat([p[0] for p in parts])
-        order = torch.argsort(ids)
-        state[name] = torch.cat([p[1] for p in parts])[order]  # fixed: global rows 0..N-1
+        merged = merge_rows(parts)
+        state[name] = merged["value"]  # a fixed table: rows 0..N-1 in order
         if name in dynamic:
-            state[name.removesuffix("weight") + "ids"] = ids[order]
+            state[name.removesuffix("weight") + "ids"] = merged["ids"]
     return state

@@ -2,8 +2,8 @@
 
 Both kinds answer the same calls, each made with the table's lock held by the caller:
 ``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
-``read_versioned`` (see below), ``export`` and ``stats``. Optimizer state lives beside the rows
-it belongs to: slot tensors and per-row step counts indexed like the weight.
+``read_versioned`` (see below), ``snapshot``, ``restore`` and ``stats``. Optimizer state lives
+beside the rows it belongs to: slot tensors and per-row step counts indexed like the weight.
 
 Versions (kept when trainers cache rows, ``version_gap`` set): each row counts the updates
 applied to it, so a trainer's cached copy can be judged by how many updates it missed. A
@@ -132,14 +132,6 @@ class FixedTable:
         local = self.plan.local_rows(ids)
         return self.weight.index_select(0, local), self.versions.index_select(0, local)
 
-    def export(self, with_optimizer: bool) -> dict[str, Tensor]:
-        entry = {"value": self.weight.clone()}
-        if with_optimizer:
-            entry.update({f"state.{k}": v.clone() for k, v in self.state.items()})
-            if self.steps is not None:
-                entry["steps"] = self.steps.clone()
-        return entry
-
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
         ids = torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
@@ -257,15 +249,6 @@ class DynamicTable:
                 del recent[at]  # type: ignore[union-attr]
                 return rows
         return None
-
-    def export(self, with_optimizer: bool) -> dict[str, Tensor]:
-        ids, rows = self.ids.live_rows()
-        entry = {"ids": ids, "value": self.weight.index_select(0, rows)}
-        if with_optimizer:
-            entry.update({f"state.{k}": v.index_select(0, rows) for k, v in self.state.items()})
-            if self.steps is not None:
-                entry["steps"] = self.steps.index_select(0, rows)
-        return entry
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every live row with its state and bookkeeping, keyed by id, the pending

@@ -28,7 +28,7 @@ from paramserver.protocol import (
     must_send,
     payload_nbytes,
 )
-from paramserver.sharding import ShardPlan
+from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.heartbeat import wait_all
 from paramserver.transport.base import Transport
@@ -335,8 +335,8 @@ def gather_state(
 ) -> dict[str, dict[str, Tensor]]:
     """Every parameter (and optionally its optimizer state) assembled from all servers.
 
-    Fixed tables are reassembled from the cyclic rule (server ``s`` holds global rows
-    ``s::S``); dynamic tables are the union of every server's rows, sorted by id (``"ids"``).
+    Fixed tables come whole, rows in order; dynamic tables are the union of every server's
+    rows, sorted by id (``"ids"``).
     """
     num_servers = plan.num_servers
     shards = [
@@ -347,20 +347,9 @@ def gather_state(
     for name, server in plan.dense_server.items():
         state[name] = shards[server][name]
     for name, spec in plan.tables.items():
-        entry: dict[str, Tensor] = {}
-        if spec.dynamic is not None:
-            ids = torch.cat([shard[name]["ids"] for shard in shards])
-            order = torch.argsort(ids)
-            for key in shards[0][name]:
-                entry[key] = torch.cat([shard[name][key] for shard in shards])[order]
-            state[name] = entry
-            continue
-        for key, local in shards[0][name].items():
-            full = torch.empty((spec.num_rows, *local.shape[1:]), dtype=local.dtype)
-            for server in range(num_servers):
-                full[server::num_servers] = shards[server][name][key]
-            entry[key] = full
-        state[name] = entry
+        state[name] = merge_rows([shard[name] for shard in shards])
+        if spec.dynamic is None:
+            del state[name]["ids"]  # rows 0..N-1, in order
     return state
 
 
