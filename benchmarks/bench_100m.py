@@ -12,13 +12,13 @@ updating); and the job's samples/s in the fill and training phases (from progres
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import save
 from torch import Tensor, nn
 
 import paramserver as ps
@@ -136,10 +136,7 @@ def main() -> None:
         "wall_s": wall,
         "summary": {k: v for k, v in result.summary.items() if k != "server_stats"},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import save
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
@@ -127,9 +128,7 @@ def main() -> None:
         "seconds": time.perf_counter() - started,
         "results": results,
     }
-    text = json.dumps(report, indent=2)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    save(report, args.out, echo=False)
     print(
         "| variant | samples/s | x single | push B/step | pull B/step | pull/needed | AUC | dAUC |"
     )

@@ -17,12 +17,12 @@ Writes JSON (``--out``) with samples/s of each and the ratios. Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import save
 from torch import Tensor, nn
 
 import paramserver as ps
@@ -140,10 +140,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_core.json")
     args = parser.parse_args()
     results = run(args)
-    text = json.dumps(results, indent=2)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    save(results, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ Writes JSON (``--out``); each comparison runs side by side in one run:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from report import save
 from torch import Tensor, nn
 
 import paramserver as ps
@@ -240,10 +240,7 @@ def main() -> None:
         "server_cpu": lambda: bench_server_cpu(args.steps),
     }
     results = {name: parts[name]() for name in args.only.split(",")}
-    text = json.dumps(results, indent=2)
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text + "\n")
+    save(results, args.out)
 
 
 if __name__ == "__main__":

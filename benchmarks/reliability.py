@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.nn.functional as F
+from report import save
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
@@ -156,8 +157,7 @@ def main() -> None:
         }
         print(kind, json.dumps({k: v for k, v in classes[kind].items() if k != "runs"}), flush=True)
     report = {"fault_free_auc": baseline["auc"], "trainer_timeout_s": TRAINER_TIMEOUT, **classes}
-    with open(args.out, "w") as f:
-        f.write(json.dumps(report, indent=2) + "\n")
+    save(report, args.out, echo=False)
 
 
 if __name__ == "__main__":
