@@ -1,8 +1,12 @@
-"""Held-out evaluation: AUC (torchmetrics' exact BinaryAUROC) and log loss."""
+"""Held-out evaluation: a metric function maps a model's outputs and targets to named values.
+
+``binary_metrics`` (AUC with torchmetrics' exact BinaryAUROC, and log loss) suits click models
+that output logits; ``regression_metrics`` (RMSE and MAE) suits rating models.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -11,21 +15,41 @@ from torchmetrics.classification import BinaryAUROC
 
 from paramserver.trainer.replica import Inputs, as_tuple
 
+MetricFn = Callable[[Tensor, Tensor], dict[str, float]]
+
+
+def binary_metrics(logits: Tensor, targets: Tensor) -> dict[str, float]:
+    return {
+        "auc": auc_of_scores(logits.sigmoid(), targets),
+        "logloss": float(F.binary_cross_entropy_with_logits(logits, targets.float())),
+    }
+
+
+def regression_metrics(predictions: Tensor, targets: Tensor) -> dict[str, float]:
+    errors = predictions.float() - targets.float()
+    return {"rmse": float(errors.square().mean().sqrt()), "mae": float(errors.abs().mean())}
+
 
 @torch.no_grad()
-def evaluate_binary(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) -> dict[str, float]:
-    """AUC and mean log loss of ``model``'s logits over ``batches``."""
+def evaluate(
+    model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]], metric_fn: MetricFn
+) -> dict[str, float]:
+    """``metric_fn`` of ``model``'s outputs over all ``batches`` (in eval mode)."""
     was_training = model.training
     model.eval()
-    auroc = BinaryAUROC()
-    loss_sum, count = 0.0, 0
+    outputs, targets = [], []
     for inputs, target in batches:
-        logits = model(*as_tuple(inputs))
-        auroc.update(logits.sigmoid(), target.long())
-        loss_sum += float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum"))
-        count += target.numel()
+        outputs.append(model(*as_tuple(inputs)))
+        targets.append(target)
     model.train(was_training)
-    return {"auc": float(auroc.compute()), "logloss": loss_sum / max(count, 1)}
+    if not outputs:
+        raise ValueError("evaluate: no held-out batches")
+    return metric_fn(torch.cat(outputs), torch.cat(targets))
+
+
+def evaluate_binary(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) -> dict[str, float]:
+    """AUC and mean log loss of ``model``'s logits over ``batches``."""
+    return evaluate(model, batches, binary_metrics)
 
 
 def auc_of_scores(scores: Tensor, labels: Tensor) -> float:

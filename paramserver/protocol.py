@@ -71,6 +71,7 @@ class TrainerReport:
     row_bytes_received: int = 0  # embedding rows alone
     cache_hits: int = 0  # rows served from the trainer's cache...
     cache_lookups: int = 0  # ...of the rows its steps needed from cached tables
+    peak_rss_bytes: int = 0  # the trainer process's peak resident memory
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -84,6 +85,7 @@ class TrainerReport:
             self.row_bytes_received,
             self.cache_hits,
             self.cache_lookups,
+            self.peak_rss_bytes,
         )
         floats = (self.train_loss, self.train_seconds)
         return all(type(v) is int for v in ints) and all(type(v) is float for v in floats)

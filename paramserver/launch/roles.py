@@ -121,6 +121,8 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
             "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
         },
+        # Under the threads launcher every trainer reports the one shared process.
+        "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in ordered],
         "row_bytes_per_step": sum(r.row_bytes_received for r in ordered) / max(total_steps, 1),
         "cache": {
             "rows_per_table": config.cache_rows,

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import random
+import resource
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -259,6 +261,7 @@ def _train(
         train_seconds=train_seconds,
         bytes_sent=0,
         bytes_received=0,
+        peak_rss_bytes=peak_rss_bytes(),
     )
     grads.push(client, None, final=True, report=report).wait()
     checkpoints.finish()
@@ -285,6 +288,12 @@ def _train(
         with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
             call.wait()
     return TrainerOutcome(report, state, stats, graceful)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def resume_trainer(
