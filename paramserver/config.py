@@ -283,6 +283,43 @@ class TrainConfig:
     log_every: float = field(
         default=10.0, metadata=_doc("seconds between progress log lines when not on a terminal")
     )
+    run_dir: str | None = field(
+        default=None,
+        metadata=_doc(
+            "write the run's metrics (JSON lines, TensorBoard), traces and summary here; "
+            "`paramserver report RUN_DIR` plots them"
+        ),
+    )
+    metrics_every: int = field(
+        default=20, metadata=_doc("steps between metric records in --run-dir")
+    )
+    tensorboard: bool = field(
+        default=True,
+        metadata=_doc(
+            "also write TensorBoard event files in --run-dir (if tensorboard is installed)"
+        ),
+    )
+    eval_every: int | None = field(
+        default=None,
+        metadata=_doc(
+            "steps between held-out evaluations on the chief trainer during training "
+            "(the built-in datasets' held-out data; the API's `evaluation`)"
+        ),
+    )
+    consistency_every: int | None = field(
+        default=None,
+        metadata=_doc(
+            "steps between checks of each trainer's dense replica against the servers' "
+            "current values (how far apart, how many versions behind)"
+        ),
+    )
+    profile_steps: int = field(
+        default=0,
+        metadata=_doc("record a torch.profiler trace of this many steps per trainer in --run-dir"),
+    )
+    profile_start: int = field(
+        default=10, metadata=_doc("the step the profiler trace starts at (after warm-up)")
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.server_pooling, str | list):  # from a flag or a TOML array
@@ -301,6 +338,7 @@ class TrainConfig:
             "min_contributors",
             "rpc_threads",
             "threads_per_process",
+            "metrics_every",
         )
         for name in positive:
             value = getattr(self, name)
@@ -376,6 +414,19 @@ class TrainConfig:
             raise ConfigError(
                 "--server-pooling works with --accumulate 1 and without --clip-grad-norm "
                 "(the trainer never sees those tables' row gradients)"
+            )
+        for name in ("eval_every", "consistency_every"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"--{_flag(name)} must be >= 1, got {value}")
+        if self.profile_steps < 0 or self.profile_start < 0:
+            raise ConfigError("--profile-steps and --profile-start must be >= 0")
+        if self.profile_steps and self.run_dir is None:
+            raise ConfigError("--profile-steps needs --run-dir (the trace is written there)")
+        if self.eval_every is not None and self.server_pooling:
+            raise ConfigError(
+                "--eval-every does not work with --server-pooling tables (evaluation reads "
+                "rows, and those tables' trainers never hold rows)"
             )
         # Building the optimizer configs validates their values with flag-named errors.
         self.dense_optimizer()

@@ -24,6 +24,7 @@ from typing import Any
 from torch import Tensor
 
 from paramserver.compression import Encoded
+from paramserver.observe.calls import CallStats
 
 
 @dataclass
@@ -72,6 +73,8 @@ class TrainerReport:
     cache_hits: int = 0  # rows served from the trainer's cache...
     cache_lookups: int = 0  # ...of the rows its steps needed from cached tables
     peak_rss_bytes: int = 0  # the trainer process's peak resident memory
+    calls: dict[str, CallStats] = field(default_factory=dict)  # by operation
+    consistency: dict[str, float] = field(default_factory=dict)  # replica checks, if any
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -88,7 +91,17 @@ class TrainerReport:
             self.peak_rss_bytes,
         )
         floats = (self.train_loss, self.train_seconds)
-        return all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
+        return (
+            all(type(v) is int for v in ints)
+            and all(type(v) is float for v in floats)
+            and type(self.calls) is dict
+            and all(
+                type(op) is str and type(c) is CallStats and c.is_well_formed()
+                for op, c in self.calls.items()
+            )
+            and type(self.consistency) is dict
+            and all(type(k) is str and type(v) in (int, float) for k, v in self.consistency.items())
+        )
 
 
 @dataclass
@@ -135,6 +148,7 @@ class PushPullReply:
     pooled: dict[str, Tensor | Encoded] = field(default_factory=dict)  # [bags, dim] partial sums
     row_versions: dict[str, Tensor] = field(default_factory=dict)  # for pull_versions' tables
     checkpoint_at: int = -1  # the newest checkpoint step announced (see trainer.checkpointing)
+    dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
 
 
 def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:

@@ -37,6 +37,7 @@ from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
+from paramserver.trainer.observer import Evaluation
 
 GRACE_S = 3.0
 
@@ -49,13 +50,14 @@ def run_processes(
     data_fn: DataFn,
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """Run the job; on a failure, restart the whole group up to ``--max-restarts`` times,
     resuming from the newest checkpoint (from the start if there is none yet)."""
     failures: list[str] = []
     while True:
         try:
-            state, summary = _run_group(config, model_fn, data_fn, loss_fn, on_progress)
+            state, summary = _run_group(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         except JobFailedError as error:
             if len(failures) >= config.max_restarts:
                 raise
@@ -82,12 +84,19 @@ def _run_group(
     data_fn: DataFn,
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
     spec.write_bytes(
         cloudpickle.dumps(
-            {"config": config, "model_fn": model_fn, "data_fn": data_fn, "loss_fn": loss_fn}
+            {
+                "config": config,
+                "model_fn": model_fn,
+                "data_fn": data_fn,
+                "loss_fn": loss_fn,
+                "evaluation": evaluation,
+            }
         )
     )
     group = ProcessGroup(config, run_dir)

@@ -13,6 +13,8 @@ from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
+from paramserver.observe.calls import CallStats
+from paramserver.observe.consistency import merge_checks
 from paramserver.server.consistency import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
@@ -27,6 +29,7 @@ from paramserver.trainer.loop import (
     run_trainer,
     seeded_model,
 )
+from paramserver.trainer.observer import Evaluation
 from paramserver.trainer.replica import describe
 
 log = logging.getLogger(__name__)
@@ -96,6 +99,10 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             for key, value in counters.items():
                 total[key] = total.get(key, 0) + value
     total_steps = sum(r.steps for r in ordered)
+    calls: dict[str, CallStats] = {}
+    for report in ordered:
+        for op, stats in report.calls.items():
+            calls.setdefault(op, CallStats()).merge(stats)
     return {
         "mode": config.mode,
         "servers": config.servers,
@@ -152,6 +159,10 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
             for t in departed
         },
         "staleness": dict(sorted(staleness.items())),
+        # Per operation, over every trainer's calls: latency percentiles and bytes.
+        "calls": {op: stats.summary() for op, stats in sorted(calls.items())},
+        "consistency": merge_checks([r.consistency for r in ordered if r.consistency]),
+        "eval_history": chief.evals,
     }
 
 
@@ -169,6 +180,7 @@ def run_rank(
     init_method: str,
     loopback_only: bool,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
     """Play rank ``rank``'s role in an RPC job: ranks ``0..S-1`` serve, the rest train.
 
@@ -216,7 +228,14 @@ def run_rank(
     transport = rpc_transport.RpcTransport(config.servers, config.rpc_timeout)
     try:
         outcome = run_trainer(
-            rank - config.servers, config, model_fn, data_fn, loss_fn, transport, on_progress
+            rank - config.servers,
+            config,
+            model_fn,
+            data_fn,
+            loss_fn,
+            transport,
+            on_progress,
+            evaluation,
         )
     except TrainerDepartedError as error:
         rpc_transport.stop(graceful=False)

@@ -13,6 +13,7 @@ from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import build_server
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, TrainerOutcome, run_trainer
+from paramserver.trainer.observer import Evaluation
 from paramserver.transport.local import LocalTransport
 
 
@@ -22,6 +23,7 @@ def run_threads(
     data_fn: DataFn,
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> tuple[TrainerOutcome, LocalTransport]:
     """Run the job; returns the chief's outcome and the transport (its servers stay readable)."""
     endpoints = [build_server(s, config, model_fn) for s in range(config.servers)]
@@ -32,7 +34,7 @@ def run_threads(
     def trainer_main(rank: int) -> None:
         try:
             outcomes[rank] = run_trainer(
-                rank, config, model_fn, data_fn, loss_fn, transport, on_progress
+                rank, config, model_fn, data_fn, loss_fn, transport, on_progress, evaluation
             )
         except BaseException as error:  # reported below, with the trainer's rank
             errors[rank] = error

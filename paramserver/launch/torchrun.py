@@ -17,6 +17,7 @@ from paramserver.errors import ConfigError
 from paramserver.launch.roles import run_rank
 from paramserver.launch.worker import die_with_parent
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
+from paramserver.trainer.observer import Evaluation
 
 
 def run_torchrun_rank(
@@ -25,6 +26,7 @@ def run_torchrun_rank(
     data_fn: DataFn,
     loss_fn: LossFn,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
     # Die with torchrun's agent: a killed agent must leave no rank behind.
     die_with_parent(os.getppid())
@@ -44,4 +46,5 @@ def run_torchrun_rank(
         init_method="env://",
         loopback_only=False,
         on_progress=on_progress,
+        evaluation=evaluation,
     )

@@ -317,6 +317,15 @@ class Coordinator:
                 "staleness": dict(sorted(stats.staleness.items())),
             }
 
+    def staleness_totals(self) -> dict[str, int]:
+        """The gradients applied so far and their summed staleness."""
+        with self.lock:
+            counts = self.liveness.staleness
+            return {
+                "gradients": sum(counts.values()),
+                "staleness_sum": sum(age * n for age, n in counts.items()),
+            }
+
     # ---- internals ----
 
     def _seen(self, trainer: int) -> None:

@@ -23,6 +23,8 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "wait_all_left": (),
     "export_state": (bool,),
     "stats": (),
+    "load": (),
+    "dense_check": (dict,),
     "fingerprint": (),
     "heartbeat": (int,),
     "departed": (),
@@ -80,6 +82,15 @@ class ServerEndpoint:
             stats["left"] = sorted(self.coordinator.left)
         stats.update(self.coordinator.liveness_stats())
         return completed(stats)
+
+    def _op_load(self) -> Future:
+        """Cumulative counters of the work done, cheap to read while training."""
+        load: dict[str, Any] = dict(self.shard.stats.as_dict())
+        load.update(self.coordinator.staleness_totals())
+        return completed(load)
+
+    def _op_dense_check(self, checksums: dict) -> Future:
+        return completed(self.shard.dense_check(checksums))
 
     def _op_heartbeat(self, trainer: int) -> Future:
         return self.coordinator.heartbeat(trainer)

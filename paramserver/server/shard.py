@@ -25,7 +25,8 @@ from torch import Tensor
 
 from paramserver.compression import Encoded, decode, encode, plain, validate
 from paramserver.config import TrainConfig
-from paramserver.errors import InvalidPushError
+from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.observe.consistency import ServerView, checksum
 from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock, must_send
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import Table, make_table
@@ -302,6 +303,7 @@ class ServerShard:
             for name, slot in self.dense.items():
                 with slot.lock:
                     reply.dense[name] = slot.value.clone()
+                    reply.dense_versions[name] = int(slot.step)
         rows = 0
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
@@ -374,6 +376,27 @@ class ServerShard:
                 if k in kept or (with_optimizer and k.startswith("state."))
             }
         return out
+
+    def dense_check(self, checksums: object) -> dict[str, ServerView]:
+        """Each named dense parameter's version and checksum, and its value where the
+        trainer's ``checksums`` (name -> checksum of its replica) differ."""
+        if type(checksums) is not dict or not all(
+            type(k) is str and type(v) is str for k, v in checksums.items()
+        ):
+            raise ParamServerError(f"server {self.server}: dense_check takes names and checksums")
+        unknown = set(checksums) - set(self.dense)
+        if unknown:
+            raise ParamServerError(
+                f"server {self.server}: holds no dense parameter {sorted(unknown)[0]!r}"
+            )
+        views = {}
+        for name, theirs in checksums.items():
+            slot = self.dense[name]
+            with slot.lock:
+                value, version = slot.value.clone(), int(slot.step)
+            ours = checksum(value)
+            views[name] = ServerView(version, ours, None if ours == theirs else value)
+        return views
 
     def table_stats(self) -> dict[str, dict[str, int]]:
         result = {}

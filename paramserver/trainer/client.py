@@ -32,24 +32,24 @@ from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.heartbeat import wait_all
 from paramserver.transport.base import Transport
+from paramserver.transport.profiled import ProfiledTransport
 
 RowsById = dict[str, tuple[Tensor, Tensor]]
 
 
 @dataclass
 class Traffic:
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    """What the data calls would weigh without codecs, and the embedding rows among them (the
+    bytes on the wire are in the transport's call profile)."""
+
     uncompressed_sent: int = 0
     uncompressed_received: int = 0
     row_bytes_received: int = 0
 
     def count_sent(self, messages: list[PushPullRequest]) -> None:
-        self.bytes_sent += sum(payload_nbytes(m) for m in messages)
         self.uncompressed_sent += sum(payload_nbytes(m, uncompressed=True) for m in messages)
 
     def count_received(self, messages: list[PushPullReply]) -> None:
-        self.bytes_received += sum(payload_nbytes(m) for m in messages)
         self.row_bytes_received += sum(payload_nbytes(m.rows) for m in messages)
         self.uncompressed_received += sum(payload_nbytes(m, uncompressed=True) for m in messages)
 
@@ -78,6 +78,7 @@ class Pulled:
     pooled: dict[str, Tensor] = field(default_factory=dict)  # server-pooled sums per table
     step: int = -1
     checkpoint_at: int = -1  # the newest checkpoint step the servers announced
+    dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
 
 
 class PSClient:
@@ -102,7 +103,10 @@ class PSClient:
                 f"transport reaches {transport.num_servers} servers but the "
                 f"plan has {plan.num_servers}"
             )
-        self.transport = transport
+        # Profiled: the call profile counts the bytes on the wire.
+        self.transport = (
+            transport if isinstance(transport, ProfiledTransport) else ProfiledTransport(transport)
+        )
         self.plan = plan
         self.trainer = trainer
         self.alarm = alarm
@@ -197,6 +201,10 @@ class PSClient:
             "push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes, cached=True
         )
 
+    def wire_bytes(self) -> tuple[int, int]:
+        """Bytes sent and received by this client's data calls so far."""
+        return self.transport.profile.bytes_of("push_pull", "pull")
+
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
         requests = [
@@ -244,8 +252,9 @@ class PSClient:
         self.traffic.count_sent(requests)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
-            report.bytes_sent = self.traffic.bytes_sent
-            report.bytes_received = self.traffic.bytes_received
+            sent, received = self.wire_bytes()
+            report.bytes_sent = sent + sum(payload_nbytes(r) for r in requests)
+            report.bytes_received = received
             report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
             report.uncompressed_bytes_received = self.traffic.uncompressed_received
             report.row_bytes_received = self.traffic.row_bytes_received
@@ -289,6 +298,7 @@ class InFlight:
         pulled = Pulled(step=self.step, checkpoint_at=max(r.checkpoint_at for r in replies))
         for reply in replies:
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
+            pulled.dense_versions.update(reply.dense_versions)
         for name, (shape, dtype) in self.pooled_shapes.items():
             pooled = torch.zeros(shape, dtype=dtype)
             for reply in replies:

@@ -46,8 +46,10 @@ from paramserver.trainer.client import (
     to_state_dict,
 )
 from paramserver.trainer.heartbeat import Heartbeats, wait_all
+from paramserver.trainer.observer import Evaluation, Observer
 from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
 from paramserver.transport.base import Transport
+from paramserver.transport.profiled import ProfiledTransport
 
 ModelFn = Callable[[], nn.Module]
 Batch = tuple[Inputs, Tensor]
@@ -116,6 +118,7 @@ class TrainerOutcome:
     state: dict[str, Tensor] | None = None  # chief only: final parameters and its buffers
     server_stats: list[dict[str, Any]] | None = None  # chief only
     graceful: bool = True  # whether the RPC world can shut down together (no one departed)
+    evals: list[dict[str, float]] = field(default_factory=list)  # chief only: held-out metrics
 
 
 def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
@@ -156,7 +159,9 @@ def run_trainer(
     loss_fn: LossFn,
     transport: Transport,
     on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> TrainerOutcome:
+    transport = ProfiledTransport(transport)  # every call's latency and bytes, by operation
     # Heartbeats first: model building can take a while, and the servers count silence. A
     # server may take as long to answer one as servers wait for a silent trainer (a busy one,
     # exporting a large shard say, can take seconds; a dead one fails at once).
@@ -165,7 +170,15 @@ def run_trainer(
     ).start()
     try:
         return _train(
-            trainer, config, model_fn, data_fn, loss_fn, transport, heartbeats.alarm, on_progress
+            trainer,
+            config,
+            model_fn,
+            data_fn,
+            loss_fn,
+            transport,
+            heartbeats.alarm,
+            on_progress,
+            evaluation,
         )
     finally:
         heartbeats.stop()
@@ -177,9 +190,10 @@ def _train(
     model_fn: ModelFn,
     data_fn: DataFn,
     loss_fn: LossFn,
-    transport: Transport,
+    transport: ProfiledTransport,
     alarm: Future,
     on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
 ) -> TrainerOutcome:
     model = seeded_model(model_fn, config.seed)
     plan = describe(model, config.servers)
@@ -197,6 +211,7 @@ def _train(
         cache_staleness=config.cache_staleness,
     )
     client.check_servers()
+    observer = Observer(trainer, config, client, replica, evaluation, alarm)
 
     losses: deque[float] = deque(maxlen=100)
     steps = samples = 0
@@ -247,12 +262,14 @@ def _train(
             in_flight = grads.push(client, following)
         steps += 1
         losses.append(step_loss)
+        observer.after_step(steps, samples, step_loss, pulled)
         if on_progress is not None:
             on_progress(Progress(trainer, steps, samples, step_loss))
         current = following
     if in_flight is not None:
         in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
     train_seconds = time.perf_counter() - started
+    consistency = observer.finish(steps, samples)
     report = TrainerReport(
         trainer=trainer,
         steps=steps,
@@ -262,6 +279,8 @@ def _train(
         bytes_sent=0,
         bytes_received=0,
         peak_rss_bytes=peak_rss_bytes(),
+        calls=transport.profile.snapshot(),
+        consistency=consistency,
     )
     grads.push(client, None, final=True, report=report).wait()
     checkpoints.finish()
@@ -287,7 +306,7 @@ def _train(
     for call in [transport.call(s, "finish_job", graceful) for s in range(config.servers)]:
         with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
             call.wait()
-    return TrainerOutcome(report, state, stats, graceful)
+    return TrainerOutcome(report, state, stats, graceful, observer.evals)
 
 
 def peak_rss_bytes() -> int:

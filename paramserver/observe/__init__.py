@@ -1,0 +1,1 @@
+"""Observability: call profiles, the run directory's metric records, and reports of a run."""

@@ -1,0 +1,257 @@
+"""``paramserver report RUN_DIR``: PNG plots and a markdown summary of a run directory.
+
+Reads the JSON-line records (:mod:`.runlog`) and ``summary.json``; writes, under ``RUN_DIR/report``
+unless told otherwise, ``loss.png`` (training loss, and held-out metrics if evaluated),
+``throughput.png``, ``bytes.png``, ``servers.png`` (per-server load), ``consistency.png`` (if
+checked) and ``report.md``. Needs matplotlib (the ``report`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from paramserver.errors import ConfigError
+from paramserver.observe.runlog import SUMMARY_FILE, read_records
+
+FIGURE_INCHES = (10.0, 6.0)
+DPI = 100  # so every plot is 1000 x 600 pixels
+
+Records = dict[str, list[dict[str, Any]]]
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
+    """Write the plots and ``report.md``; returns the files written."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory")
+    records = read_records(run_dir)
+    if not any(records.values()):
+        raise ConfigError(
+            f"{run_dir}: no metric records (a run writes them with --run-dir {run_dir})"
+        )
+    summary = _read_summary(run_dir)
+    out_dir = Path(out) if out is not None else run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plt = _pyplot()
+    written = []
+    for name, draw in (
+        ("loss.png", _draw_loss),
+        ("throughput.png", _draw_throughput),
+        ("bytes.png", _draw_bytes),
+        ("servers.png", _draw_servers),
+        ("consistency.png", _draw_consistency),
+    ):
+        figure = plt.figure(figsize=FIGURE_INCHES, dpi=DPI)
+        try:
+            if draw(figure, records):
+                figure.savefig(out_dir / name, dpi=DPI)
+                written.append(out_dir / name)
+        finally:
+            plt.close(figure)
+    markdown = out_dir / "report.md"
+    markdown.write_text(_markdown(run_dir, summary, records, [p.name for p in written]))
+    return [*written, markdown]
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError(
+            "paramserver report needs matplotlib: pip install 'paramserver[report]'"
+        ) from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _read_summary(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / SUMMARY_FILE
+    if not path.exists():
+        return {}
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(summary, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return summary
+
+
+def _of_kind(records: Records, kind: str, prefix: str) -> dict[str, list[dict[str, Any]]]:
+    """Each process's records of ``kind``, for processes named ``prefix-N``, in rank order."""
+    found = {
+        name: [r for r in entries if r["kind"] == kind]
+        for name, entries in records.items()
+        if name.startswith(prefix + "-")
+    }
+    ordered = sorted(found, key=lambda name: int(name.rsplit("-", 1)[1]))
+    return {name: found[name] for name in ordered if found[name]}
+
+
+def _series(entries: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in entries if r.get(key) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _plot_each(
+    axes: Any, by_process: dict[str, list[dict[str, Any]]], key: str, label: str = ""
+) -> None:
+    for name, entries in by_process.items():
+        steps, values = _series(entries, key)
+        axes.plot(steps, values, label=f"{name}{label}")
+
+
+def _draw_loss(figure: Any, records: Records) -> bool:
+    trained = _of_kind(records, "train", "trainer")
+    if not trained:
+        return False
+    axes = figure.add_subplot(1, 1, 1)
+    _plot_each(axes, trained, "loss")
+    axes.set_xlabel("step (each trainer's own)")
+    axes.set_ylabel("training loss")
+    axes.set_title("Training loss and held-out metrics")
+    handles, labels = axes.get_legend_handles_labels()
+    evaluated = _of_kind(records, "eval", "trainer")
+    if evaluated:
+        metrics = axes.twinx()
+        keys = sorted({k for e in evaluated.values() for r in e for k in r} - _RECORD_KEYS)
+        for key in keys:
+            _plot_each(metrics, evaluated, key, f" held-out {key}")
+        for line in metrics.get_lines():
+            line.set_linestyle("--")
+            line.set_marker("o")
+        metrics.set_ylabel("held-out metric")
+        more_handles, more_labels = metrics.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    axes.legend(handles, labels, loc="upper right", fontsize="small")
+    return True
+
+
+_RECORD_KEYS = {"kind", "step", "wall_time"}
+
+
+def _draw_throughput(figure: Any, records: Records) -> bool:
+    trained = _of_kind(records, "train", "trainer")
+    if not trained:
+        return False
+    axes = figure.add_subplot(1, 1, 1)
+    _plot_each(axes, trained, "samples_per_s")
+    axes.set_xlabel("step (each trainer's own)")
+    axes.set_ylabel("samples/s")
+    axes.set_title("Throughput per trainer")
+    axes.legend(fontsize="small")
+    return True
+
+
+def _draw_bytes(figure: Any, records: Records) -> bool:
+    trained = _of_kind(records, "train", "trainer")
+    if not trained:
+        return False
+    axes = figure.add_subplot(1, 1, 1)
+    _plot_each(axes, trained, "push_bytes_per_step", " push")
+    _plot_each(axes, trained, "pull_bytes_per_step", " pull")
+    axes.set_xlabel("step (each trainer's own)")
+    axes.set_ylabel("bytes per step")
+    axes.set_title("Bytes per step, each direction")
+    axes.legend(fontsize="small")
+    return True
+
+
+def _draw_servers(figure: Any, records: Records) -> bool:
+    served = _of_kind(records, "server", "server")
+    if not served:
+        return False
+    panels = (
+        ("pushes_per_s", "pushes/s"),
+        ("rows_updated_per_s", "rows updated/s"),
+        ("update_time_share", "share of time updating"),
+        ("mean_staleness", "mean staleness (updates)"),
+    )
+    for index, (key, title) in enumerate(panels, start=1):
+        axes = figure.add_subplot(2, 2, index)
+        _plot_each(axes, served, key)
+        axes.set_title(title, fontsize="medium")
+        axes.set_xlabel("chief's step", fontsize="small")
+        axes.legend(fontsize="x-small")
+    figure.suptitle("Per-server load")
+    figure.tight_layout()
+    return True
+
+
+def _draw_consistency(figure: Any, records: Records) -> bool:
+    checked = _of_kind(records, "consistency", "trainer")
+    if not checked:
+        return False
+    behind = figure.add_subplot(2, 1, 1)
+    _plot_each(behind, checked, "versions_behind_max")
+    behind.set_ylabel("versions behind (max)")
+    behind.set_title("Dense replicas against the servers")
+    behind.legend(fontsize="small")
+    apart = figure.add_subplot(2, 1, 2)
+    _plot_each(apart, checked, "rel_l2_diff")
+    apart.set_ylabel("relative L2 distance")
+    apart.set_xlabel("step (each trainer's own)")
+    figure.tight_layout()
+    return True
+
+
+def _markdown(run_dir: Path, summary: dict[str, Any], records: Records, images: list[str]) -> str:
+    lines = [f"# Run report: {run_dir}", ""]
+    if summary:
+        per_step = summary.get("bytes_per_step", {})
+        rows = [
+            ("mode", summary.get("mode")),
+            ("servers / trainers", f"{summary.get('servers')} / {summary.get('trainers')}"),
+            ("steps (all trainers)", summary.get("steps")),
+            ("samples", _number(summary.get("samples"))),
+            ("samples/s", _number(summary.get("samples_per_s"))),
+            ("training loss", _number(summary.get("train_loss"))),
+            ("push bytes/step", _number(per_step.get("push"))),
+            ("pull bytes/step", _number(per_step.get("pull"))),
+            ("wall time (s)", _number(summary.get("wall_s"))),
+        ]
+        rows += [
+            (f"held-out {key.removeprefix('eval_')}", _number(value))
+            for key, value in summary.items()
+            if key.startswith("eval_") and isinstance(value, int | float)
+        ]
+        lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
+        calls = summary.get("calls") or {}
+        if calls:
+            lines += [
+                "## Calls by operation (every trainer's)",
+                "",
+                "| operation | calls | p50 ms | p90 ms | p99 ms | max ms | sent B | received B |",
+                "|---|---|---|---|---|---|---|---|",
+            ]
+            for op, c in calls.items():
+                lines.append(
+                    f"| {op} | {c['calls']} | {c['p50_ms']:.2f} | {c['p90_ms']:.2f} | "
+                    f"{c['p99_ms']:.2f} | {c['max_ms']:.2f} | {c['sent_bytes']:,} | "
+                    f"{c['received_bytes']:,} |"
+                )
+            lines.append("")
+        consistency = summary.get("consistency") or {}
+        if consistency:
+            lines += ["## Replica consistency", ""]
+            lines += [f"- {key}: {_number(value)}" for key, value in consistency.items()]
+            lines.append("")
+    else:
+        lines += [f"(no {SUMMARY_FILE}: the run did not finish, or wrote no summary)", ""]
+    processes = ", ".join(f"{name} ({len(entries)})" for name, entries in records.items())
+    lines += [f"Records per process: {processes}.", ""]
+    lines += [f"![{Path(name).stem}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+def _number(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.4g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "-" if value is None else str(value)

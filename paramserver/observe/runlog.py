@@ -1,0 +1,93 @@
+"""A run directory's metric records.
+
+Each process that records writes JSON lines to ``RUN_DIR/metrics/NAME.jsonl`` (one object per
+record: ``kind``, ``step``, ``wall_time`` and the values) and, when the ``tensorboard`` package
+is installed, the same values as TensorBoard scalars under ``RUN_DIR/tensorboard/NAME`` (tag
+``KIND/VALUE``), so ``tensorboard --logdir RUN_DIR/tensorboard`` shows every process side by
+side. ``paramserver report RUN_DIR`` reads the JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics"
+TENSORBOARD = "tensorboard"
+SUMMARY_FILE = "summary.json"
+_warned_no_tensorboard = False
+
+
+class RunLog:
+    def __init__(self, run_dir: str | Path, name: str, tensorboard: bool = True):
+        self.name = name
+        metrics = Path(run_dir) / METRICS
+        metrics.mkdir(parents=True, exist_ok=True)
+        self._lines = (metrics / f"{name}.jsonl").open("a", encoding="utf-8")
+        self._board: Any = (
+            _summary_writer(Path(run_dir) / TENSORBOARD / name) if tensorboard else None
+        )
+
+    def write(self, kind: str, step: int, values: dict[str, float]) -> None:
+        """One record; non-finite values are written as null (JSON has no NaN)."""
+        clean = {k: (float(v) if math.isfinite(v) else None) for k, v in values.items()}
+        record = {"kind": kind, "step": step, "wall_time": time.time(), **clean}
+        self._lines.write(json.dumps(record) + "\n")
+        self._lines.flush()  # a run killed midway keeps what it recorded
+        if self._board is not None:
+            for key, value in clean.items():
+                if value is not None:
+                    self._board.add_scalar(f"{kind}/{key}", value, step)
+
+    def close(self) -> None:
+        self._lines.close()
+        if self._board is not None:
+            self._board.close()
+
+
+def _summary_writer(directory: Path) -> Any:
+    global _warned_no_tensorboard
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # the optional extra is missing: JSON lines only
+        if not _warned_no_tensorboard:
+            _warned_no_tensorboard = True
+            log.warning(
+                "tensorboard is not installed (pip install 'paramserver[tensorboard]'): "
+                "writing the run's metrics as JSON lines only"
+            )
+        return None
+    return SummaryWriter(str(directory), flush_secs=10)
+
+
+def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
+    """The job summary as ``RUN_DIR/summary.json`` (written whole, then renamed into place)."""
+    path = Path(run_dir) / SUMMARY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.partial")
+    partial.write_text(json.dumps(summary, indent=2) + "\n")
+    partial.replace(path)
+    return path
+
+
+def read_records(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
+    """Every process's records in ``run_dir``, by process name (``trainer-0``, ``server-1``).
+    A torn last line (a process killed while writing) is skipped."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    for path in sorted((Path(run_dir) / METRICS).glob("*.jsonl")):
+        entries = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and "kind" in entry and "step" in entry:
+                entries.append(entry)
+        records[path.stem] = entries
+    return records

@@ -1,0 +1,236 @@
+"""What a trainer observes while it trains, beside the training itself.
+
+- every ``metrics_every`` steps, a record of its loss, samples/s and bytes per step each way
+  (in ``--run-dir``); the chief also records each server's load (pushes, rows, share of time
+  spent updating and reading, mean staleness of the gradients it applied) from the servers'
+  cumulative counters;
+- every ``consistency_every`` steps, a check of its dense replica against the servers (see
+  :mod:`paramserver.observe.consistency`);
+- on the chief, every ``eval_every`` steps and at the end, the held-out metrics of the model
+  as its replica holds it: it reads the rows the held-out batches touch (reads that change
+  nothing on the servers) and uses the dense values of its current step;
+- a ``torch.profiler`` trace of ``profile_steps`` steps from step ``profile_start``.
+
+Everything here runs between steps, after the step's gradients were taken, so none of it can
+change what the trainer pushes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from paramserver.config import TrainConfig
+from paramserver.metrics import MetricFn
+from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
+from paramserver.observe.runlog import RunLog
+from paramserver.trainer.client import PSClient, Pulled
+from paramserver.trainer.heartbeat import wait_all
+from paramserver.trainer.replica import Inputs, Replica
+
+log = logging.getLogger(__name__)
+
+PROFILE_DIR = "profile"
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out data and how to score it: ``data_fn()`` yields ``(inputs, target)`` batches;
+    ``metric_fn(outputs, targets)`` maps all outputs and targets to named values."""
+
+    data_fn: Callable[[], Iterable[tuple[Inputs, Tensor]]]
+    metric_fn: MetricFn
+
+
+class Observer:
+    def __init__(
+        self,
+        trainer: int,
+        config: TrainConfig,
+        client: PSClient,
+        replica: Replica,
+        evaluation: Evaluation | None,
+        alarm: Future,
+    ):
+        self.trainer = trainer
+        self.config = config
+        self.client = client
+        self.replica = replica
+        self.alarm = alarm
+        self.chief = trainer == 0
+        self.evaluation = evaluation if self.chief and config.eval_every else None
+        self.evals: list[dict[str, float]] = []  # the chief's: {"step": ..., metric: ...}
+        self.checks: list[Divergence] = []
+        run_dir = config.run_dir
+        self.log = RunLog(run_dir, f"trainer-{trainer}", config.tensorboard) if run_dir else None
+        self.server_logs = (
+            [RunLog(run_dir, f"server-{s}", config.tensorboard) for s in range(config.servers)]
+            if run_dir and self.chief
+            else []
+        )
+        self._mark = self._marks(0, 0)
+        # Servers' counters start at zero with the job (or are read first from now).
+        self._server_marks = [{"time": self._mark["time"]} for _ in self.server_logs]
+        self._losses: list[float] = []
+        self._profiler: Any = None
+        # The profiler is per process: under the threads launcher only the chief's runs.
+        self._profiles = bool(config.profile_steps) and (self.chief or config.launcher != "threads")
+        if self._profiles and config.profile_start == 0:
+            self._start_profiler()
+
+    def after_step(self, steps: int, samples: int, loss: float, pulled: Pulled) -> None:
+        config = self.config
+        self._losses.append(loss)
+        if self._profiler is not None and steps == config.profile_start + config.profile_steps:
+            self._stop_profiler()
+        elif self._profiles and steps == config.profile_start:
+            self._start_profiler()
+        if steps % config.metrics_every == 0:
+            self._record(steps, samples)
+        if config.consistency_every and steps % config.consistency_every == 0:
+            self._check(steps, pulled)
+        if self.evaluation is not None and steps % config.eval_every == 0:  # type: ignore[operator]
+            self._evaluate(steps)
+
+    def finish(self, steps: int, samples: int) -> dict[str, float]:
+        """Record what the last interval saw, close the logs; returns the consistency summary
+        for the trainer's report."""
+        if self._profiler is not None:
+            self._stop_profiler()
+        if self._losses:
+            self._record(steps, samples)
+        if self.evaluation is not None and (not self.evals or self.evals[-1]["step"] != steps):
+            self._evaluate(steps)
+        for run_log in [self.log, *self.server_logs]:
+            if run_log is not None:
+                run_log.close()
+        return summarize_checks(self.checks)
+
+    # ---- records ----
+
+    def _marks(self, steps: int, samples: int) -> dict[str, float]:
+        sent, received = self.client.wire_bytes()
+        return {
+            "time": time.perf_counter(),
+            "steps": steps,
+            "samples": samples,
+            "sent": sent,
+            "received": received,
+        }
+
+    def _record(self, steps: int, samples: int) -> None:
+        if self.log is None:
+            self._losses.clear()
+            return
+        mark, self._mark = self._mark, self._marks(steps, samples)
+        seconds = max(self._mark["time"] - mark["time"], 1e-9)
+        done = max(steps - mark["steps"], 1)
+        self.log.write(
+            "train",
+            steps,
+            {
+                "loss": sum(self._losses) / max(len(self._losses), 1),
+                "samples_per_s": (samples - mark["samples"]) / seconds,
+                "steps_per_s": (steps - mark["steps"]) / seconds,
+                "push_bytes_per_step": (self._mark["sent"] - mark["sent"]) / done,
+                "pull_bytes_per_step": (self._mark["received"] - mark["received"]) / done,
+            },
+        )
+        self._losses.clear()
+        if self.server_logs:
+            self._record_servers(steps)
+
+    def _record_servers(self, steps: int) -> None:
+        transport = self.client.transport
+        loads: list[dict[str, float]] = wait_all(  # type: ignore[assignment]
+            [transport.call(s, "load") for s in range(self.config.servers)], self.alarm
+        )
+        now = time.perf_counter()
+        for server, (load, run_log) in enumerate(zip(loads, self.server_logs, strict=True)):
+            before = self._server_marks[server]
+            seconds = max(now - before["time"], 1e-9)
+
+            def delta(key: str, load: dict[str, float] = load, before: dict = before) -> float:
+                return load[key] - before.get(key, 0)
+
+            gradients = delta("gradients")
+            run_log.write(
+                "server",
+                steps,
+                {
+                    "pushes_per_s": delta("pushes") / seconds,
+                    "rows_updated_per_s": delta("rows_updated") / seconds,
+                    "rows_pulled_per_s": delta("rows_pulled") / seconds,
+                    "update_time_share": delta("update_seconds") / seconds,
+                    "read_time_share": delta("read_seconds") / seconds,
+                    "mean_staleness": delta("staleness_sum") / gradients if gradients else 0.0,
+                    "bytes_received_per_s": delta("bytes_received") / seconds,
+                    "bytes_sent_per_s": delta("bytes_sent") / seconds,
+                },
+            )
+            self._server_marks[server] = {**load, "time": now}
+
+    # ---- checks, evaluation, profile ----
+
+    def _check(self, steps: int, pulled: Pulled) -> None:
+        plan = self.client.plan
+        dense = self.replica.dense
+        asked: list[dict[str, str]] = [{} for _ in range(plan.num_servers)]
+        for name, server in plan.dense_server.items():
+            asked[server][name] = checksum(dense[name])
+        answers = wait_all(
+            [self.client.transport.call(s, "dense_check", a) for s, a in enumerate(asked)],
+            self.alarm,
+        )
+        views = {name: view for answer in answers for name, view in answer.items()}  # type: ignore[attr-defined]
+        divergence = compare(dict(dense), pulled.dense_versions, views)
+        self.checks.append(divergence)
+        if self.log is not None:
+            self.log.write("consistency", steps, divergence.as_record())
+
+    @torch.no_grad()
+    def _evaluate(self, steps: int) -> None:
+        assert self.evaluation is not None
+        replica = self.replica
+        replica.model.eval()
+        outputs, targets = [], []
+        try:
+            for inputs, target in self.evaluation.data_fn():
+                ids = replica.record_ids([inputs])
+                replica.load({}, self.client.pull(ids))
+                outputs.append(replica.forward(inputs))
+                targets.append(target)
+        finally:
+            replica.model.train()
+        metrics = self.evaluation.metric_fn(torch.cat(outputs), torch.cat(targets))
+        self.evals.append({"step": steps, **metrics})
+        if self.log is not None:
+            self.log.write("eval", steps, metrics)
+        log.info(
+            "trainer %d, step %d: held-out %s",
+            self.trainer,
+            steps,
+            "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+        )
+
+    def _start_profiler(self) -> None:
+        self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self._profiler.start()
+
+    def _stop_profiler(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        profiler.stop()
+        assert self.config.run_dir is not None  # validated with profile_steps
+        directory = Path(self.config.run_dir) / PROFILE_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"trainer-{self.trainer}.json"
+        profiler.export_chrome_trace(str(path))
+        log.info("trainer %d: profiler trace written to %s", self.trainer, path)

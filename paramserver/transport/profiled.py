@@ -1,0 +1,44 @@
+"""A transport that profiles every call it passes on: latency and bytes per operation."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from torch.futures import Future
+
+from paramserver.observe.calls import CallProfile
+from paramserver.protocol import payload_nbytes
+from paramserver.transport.base import Transport
+
+
+class ProfiledTransport(Transport):
+    """Wraps ``inner``; a call's latency runs from the call to its answer (or failure), and
+    its bytes are the tensor data of its arguments and answer (:func:`payload_nbytes`)."""
+
+    def __init__(self, inner: Transport, profile: CallProfile | None = None):
+        self.inner = inner
+        self.num_servers = inner.num_servers
+        self.profile = profile or CallProfile()
+
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
+        self.profile.sent(op, payload_nbytes(args))
+        started = time.perf_counter()
+        answer = self.inner.call(server, op, *args, timeout_s=timeout_s)
+
+        result: Future = Future()
+
+        def record(done: Future) -> None:
+            # Recorded before the caller's wait returns: ``result`` completes after.
+            seconds = time.perf_counter() - started
+            try:
+                value = done.value()
+            except BaseException as error:  # passed on with its type kept (as ``chain`` does)
+                self.profile.answered(op, seconds, 0)
+                result.set_exception(error)
+            else:
+                self.profile.answered(op, seconds, payload_nbytes(value))
+                result.set_result(value)
+
+        answer.add_done_callback(record)
+        return result
