@@ -1,0 +1,304 @@
+"""Observability: call profiles, run-directory records, TensorBoard, held-out evaluation during
+training, the replica consistency check, profiler traces and ``paramserver report``."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.cli import main
+from paramserver.errors import ConfigError, ParamServerError
+from paramserver.metrics import regression_metrics
+from paramserver.observe import runlog
+from paramserver.observe.calls import NUM_BUCKETS, CallStats
+from paramserver.observe.report import write_report
+from paramserver.observe.runlog import RunLog, read_records
+from paramserver.protocol import PushPullRequest, TrainerReport
+from paramserver.server.futures import failed
+from paramserver.trainer.observer import Evaluation
+from paramserver.transport.base import Transport
+from paramserver.transport.local import LocalTransport
+from paramserver.transport.profiled import ProfiledTransport
+from tests.helpers import TinyRecModel, mse, tiny_batches
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 20
+
+
+def tiny_job(run_dir: Path | None = None, evaluation: Evaluation | None = None, **overrides: Any):
+    values: dict[str, Any] = {
+        "launcher": "threads",
+        "servers": 2,
+        "trainers": 2,
+        "optimizer": "sgd",
+        "lr": 0.05,
+        "progress": False,
+        "run_dir": str(run_dir) if run_dir else None,
+        **overrides,
+    }
+    result = ps.train(
+        TinyRecModel,
+        lambda t, n: tiny_batches(t, num_batches=STEPS),
+        mse,
+        ps.TrainConfig(**values),
+        evaluation=evaluation,
+    )
+    assert result is not None and result.model is not None
+    return result
+
+
+def held_out() -> Evaluation:
+    return Evaluation(lambda: list(tiny_batches(7, num_batches=3, seed=5)), regression_metrics)
+
+
+# ---- call profiles ----
+
+
+def test_percentiles_from_the_histogram_are_within_eight_percent() -> None:
+    rng = random.Random(0)
+    latencies = [math.exp(rng.uniform(math.log(1e-4), math.log(2.0))) for _ in range(5000)]
+    stats = CallStats()
+    for seconds in latencies:
+        stats.add(seconds)
+    ordered = sorted(latencies)
+    for q in (50, 90, 99):
+        true = ordered[math.ceil(q / 100 * len(ordered)) - 1]
+        assert abs(stats.percentile(q) - true) / true < 0.08, q
+    assert stats.max_s == max(latencies)
+    assert CallStats().percentile(50) == 0.0
+
+
+def test_merged_profiles_equal_one_profile_of_all_calls() -> None:
+    first, second, both = CallStats(), CallStats(), CallStats()
+    for i, seconds in enumerate([0.001, 0.01, 0.2, 0.003, 3.0, 0.00001]):
+        (first if i % 2 else second).add(seconds)
+        both.add(seconds)
+    first.merge(second)
+    assert first.histogram == both.histogram
+    assert (first.calls, first.max_s) == (both.calls, both.max_s)
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        {"histogram": [0] * (NUM_BUCKETS - 1)},
+        {"histogram": [-1] + [0] * (NUM_BUCKETS - 1)},
+        {"calls": -1},
+        {"max_s": float("nan")},
+        {"sent_bytes": 1.5},
+    ],
+)
+def test_a_report_with_a_malformed_call_profile_is_refused(broken: dict[str, Any]) -> None:
+    stats = CallStats(**{**vars(CallStats()), **broken})
+    report = TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0, calls={"push_pull": stats})
+    assert not report.is_well_formed()
+    assert TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0, calls={"push_pull": CallStats()}).is_well_formed()
+    assert not TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0, consistency={"x": "y"}).is_well_formed()  # type: ignore[dict-item]
+
+
+class FailingTransport(Transport):
+    num_servers = 1
+
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+        return failed(ConfigError("refused"))
+
+
+def test_profiled_transport_counts_each_operation_and_keeps_error_types() -> None:
+    result = tiny_job(steps=3)  # builds servers we can call directly
+    assert result.summary["calls"]["push_pull"]["calls"] == 2 * 2 * (3 + 1)  # + the final push
+    endpoints = [
+        ps.launch.roles.build_server(s, ps.TrainConfig(servers=1), TinyRecModel) for s in range(1)
+    ]
+    profiled = ProfiledTransport(LocalTransport(endpoints))
+    request = PushPullRequest(0, 0, pull_rows={"user.weight": torch.tensor([1, 2, 3])})
+    reply = profiled.call(0, "pull", request).wait()
+    profiled.call(0, "fingerprint").wait()
+    pull = profiled.profile.ops["pull"]
+    assert pull.calls == 1 and pull.sent_bytes == 3 * 8
+    assert pull.received_bytes > 0 and reply.rows["user.weight"].shape == (3, 4)
+    assert profiled.profile.ops["fingerprint"].calls == 1
+    failing = ProfiledTransport(FailingTransport())
+    with pytest.raises(ConfigError, match="refused"):
+        failing.call(0, "heartbeat", 0).wait()
+    assert failing.profile.ops["heartbeat"].calls == 1
+
+
+# ---- the run directory ----
+
+
+def test_a_run_directory_holds_records_tensorboard_events_a_trace_and_the_summary(
+    tmp_path: Path,
+) -> None:
+    result = tiny_job(
+        tmp_path,
+        held_out(),
+        metrics_every=5,
+        eval_every=10,
+        consistency_every=4,
+        profile_steps=2,
+        profile_start=3,
+    )
+    records = read_records(tmp_path)
+    assert set(records) == {"trainer-0", "trainer-1", "server-0", "server-1"}
+    train = [r for r in records["trainer-0"] if r["kind"] == "train"]
+    assert [r["step"] for r in train] == [5, 10, 15, 20]
+    assert all(r["samples_per_s"] > 0 and r["push_bytes_per_step"] > 0 for r in train)
+    evals = [r for r in records["trainer-0"] if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [10, 20]  # only the chief evaluates
+    assert not [r for r in records["trainer-1"] if r["kind"] == "eval"]
+    assert [e["step"] for e in result.summary["eval_history"]] == [10, 20]
+    assert evals[-1]["rmse"] == pytest.approx(result.summary["eval_history"][-1]["rmse"])
+    checks = [r for r in records["trainer-1"] if r["kind"] == "consistency"]
+    assert [r["step"] for r in checks] == [4, 8, 12, 16, 20]
+    assert result.summary["consistency"]["checks"] == 10
+    servers = [r for r in records["server-0"] if r["kind"] == "server"]
+    assert servers and sum(r["pushes_per_s"] for r in servers) > 0
+    trace = json.loads((tmp_path / "profile" / "trainer-0.json").read_text())
+    assert trace["traceEvents"]  # one trace: the threads launcher shares one profiler
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 2 * STEPS
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tensorboard" / "trainer-0"))
+    board.Reload()
+    assert [e.step for e in board.Scalars("train/loss")] == [5, 10, 15, 20]
+    assert [e.step for e in board.Scalars("eval/rmse")] == [10, 20]
+
+
+def test_without_tensorboard_the_records_are_still_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
+    monkeypatch.setattr(runlog, "_warned_no_tensorboard", False)
+    log = RunLog(tmp_path, "trainer-0")
+    log.write("train", 1, {"loss": 0.5, "samples_per_s": float("nan")})
+    log.close()
+    assert not (tmp_path / "tensorboard").exists()
+    [record] = read_records(tmp_path)["trainer-0"]
+    assert record["loss"] == 0.5 and record["samples_per_s"] is None
+
+
+def test_evaluation_and_checks_do_not_change_what_is_trained() -> None:
+    plain = tiny_job(mode="sync").model
+    observed = tiny_job(mode="sync", evaluation=held_out(), eval_every=3, consistency_every=2).model
+    assert plain is not None and observed is not None
+    for (name, a), (_, b) in zip(
+        plain.state_dict().items(), observed.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_held_out_metrics_during_training_match_the_final_model() -> None:
+    """In sync mode the chief's last evaluation sees every update but its own last step's:
+    close to the gathered model's metrics, and better than the untrained model's."""
+    evaluation = held_out()
+    result = tiny_job(mode="sync", evaluation=evaluation, eval_every=STEPS)
+    final = ps.metrics.evaluate(result.model, evaluation.data_fn(), regression_metrics)
+    untrained = ps.metrics.evaluate(
+        ps.trainer.loop.seeded_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
+    )
+    during = result.summary["eval_history"][-1]["rmse"]
+    assert during < untrained["rmse"]
+    assert during == pytest.approx(final["rmse"], rel=0.05)
+
+
+# ---- the consistency check ----
+
+
+def test_consistency_in_sync_mode_matches_exactly_at_the_same_version(tmp_path: Path) -> None:
+    result = tiny_job(tmp_path, mode="sync", consistency_every=1)
+    summary = result.summary["consistency"]
+    assert summary["checks"] == 2 * STEPS
+    assert summary["differing_at_same_version"] == 0
+    assert summary["versions_behind_max"] <= 1  # its own push may have closed the round
+    checks = [r for e in read_records(tmp_path).values() for r in e if r["kind"] == "consistency"]
+    current = [r for r in checks if r["versions_behind_max"] == 0]
+    assert current and all(r["max_abs_diff"] == 0 for r in current)
+    assert any(r["max_abs_diff"] > 0 for r in checks if r["versions_behind_max"] > 0)
+
+
+def test_consistency_shows_prefetch_staleness_and_codec_rounding(tmp_path: Path) -> None:
+    prefetching = tiny_job(mode="async", consistency_every=1).summary["consistency"]
+    assert prefetching["versions_behind_max"] >= 1
+    rounded = tiny_job(tmp_path, mode="sync", consistency_every=1, dense_pull_codec="fp16")
+    assert rounded.summary["consistency"]["differing_at_same_version"] > 0
+    checks = [r for e in read_records(tmp_path).values() for r in e if r["kind"] == "consistency"]
+    current = [r["max_abs_diff"] for r in checks if r["versions_behind_max"] == 0]
+    assert current and 0 < max(current) < 1e-2  # fp16 rounding of values of order 1
+
+
+def test_servers_refuse_malformed_consistency_checks() -> None:
+    endpoint = ps.launch.roles.build_server(0, ps.TrainConfig(servers=1), TinyRecModel)
+    for bad in ({"mlp.0.weight": 3}, {"no.such.param": "ab"}, {1: "ab"}):
+        with pytest.raises(ParamServerError):
+            endpoint.handle("dense_check", (bad,)).wait()
+    with pytest.raises(ParamServerError, match="bad arguments"):
+        endpoint.handle("dense_check", ([],)).wait()
+    views = endpoint.handle("dense_check", ({"mlp.0.weight": "0"},)).wait()
+    assert views["mlp.0.weight"].version == 0 and views["mlp.0.weight"].value is not None
+
+
+# ---- paramserver report ----
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.timeout(180)
+def test_cli_run_with_a_run_directory_and_its_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    code = main(
+        [
+            "train", "--train-batches", "120", "--rows-per-table", "2000", "--eval-samples",
+            "2000", "--batch-size", "128", "--progress", "false", "--run-dir", str(run_dir),
+            "--metrics-every", "10", "--eval-every", "30", "--consistency-every", "20",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert "eval_auc" in summary and summary["eval_history"]  # the final evaluation too
+    assert main(["report", str(run_dir)]) == 0
+    report = run_dir / "report"
+    import matplotlib.image
+
+    for name in ("loss", "throughput", "bytes", "servers", "consistency"):
+        path = report / f"{name}.png"
+        assert png_size(path) == (1000, 600), name
+        pixels = matplotlib.image.imread(path)
+        assert pixels.shape[:2] == (600, 1000)
+        assert pixels.std() > 0.01, name  # something was drawn
+    markdown = (report / "report.md").read_text()
+    assert "| push_pull |" in markdown and "held-out auc" in markdown
+    assert "![servers](servers.png)" in markdown
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+
+
+def test_report_of_a_directory_without_records_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no metric records"):
+        write_report(tmp_path)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "trainer-0.jsonl").write_text('{"kind": "train", "step": 1, "lo')
+    with pytest.raises(ConfigError, match="no metric records"):
+        write_report(tmp_path)  # a torn line is skipped, leaving nothing
+    (tmp_path / "summary.json").write_text("[1, 2")
+    (tmp_path / "metrics" / "trainer-0.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        write_report(tmp_path)
