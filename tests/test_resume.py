@@ -116,7 +116,8 @@ def test_export_writes_a_plain_state_dict_and_check_verifies(
     model = TinyRecModel()
     model.load_state_dict(torch.load(out, weights_only=True))  # plain tensors, every key
     newest = load_latest(root)
-    assert newest is not None and newest.step == 9  # steps 3, 6, 9; 12 is the job's end
+    # Due every 3 steps, but one at a time: a slow commit delays the next (3, 6, 9 when quick).
+    assert newest is not None and 3 <= newest.step < 12  # 12 is the job's end
     assert main(["check", str(newest.directory)]) == 0
     # A flipped byte in the newest: check names the problem, and the root falls back.
     victim = newest.directory / "server-0.pt"
@@ -126,4 +127,5 @@ def test_export_writes_a_plain_state_dict_and_check_verifies(
     assert main(["check", str(newest.directory)]) == 1
     assert "server-0.pt" in capsys.readouterr().err
     assert main(["check", str(root)]) == 0
-    assert f"step {newest.step - 3}" in capsys.readouterr().out
+    fallback = capsys.readouterr().out
+    assert "ok (step" in fallback and f"(step {newest.step}," not in fallback  # an older one
