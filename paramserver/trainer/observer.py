@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
+from paramserver.errors import ConfigError
 from paramserver.metrics import MetricFn
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
@@ -210,6 +211,8 @@ class Observer:
                 targets.append(target)
         finally:
             replica.model.train()
+        if not outputs:
+            raise ConfigError("evaluation: its data_fn yielded no held-out batches")
         metrics = self.evaluation.metric_fn(torch.cat(outputs), torch.cat(targets))
         self.evals.append({"step": steps, **metrics})
         if self.log is not None:
