@@ -216,6 +216,8 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
     summary = json.loads(summary_path.read_text())
     assert summary["trainers"] == 2 and summary["servers"] == 1
     assert summary["steps"] == 20
+    for role in ("server0", "trainer0", "trainer1"):  # each rank's log lines name its role
+        assert f"[{role}]" in process.stderr, role
 
 
 def free_port() -> int:
