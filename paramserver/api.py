@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from paramserver.config import TrainConfig
 from paramserver.observe.runlog import write_summary
-from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, seeded_model
+from paramserver.trainer.loop import Batch, DataFn, LossFn, ModelFn, Progress, seeded_model
 from paramserver.trainer.observer import Evaluation
 
 
@@ -34,7 +35,7 @@ def under_torchrun() -> bool:
 
 def train(
     model_fn: ModelFn,
-    data_fn: DataFn,
+    data_fn: DataFn | Iterable[Batch],
     loss_fn: LossFn,
     config: TrainConfig | None = None,
     on_progress: Callable[[Progress], None] | None = None,
@@ -44,8 +45,10 @@ def train(
 
     ``data_fn(trainer, num_trainers)`` yields ``(inputs, target)`` batches for one trainer
     (``inputs`` a tensor or a tuple of tensors passed as ``model(*inputs)``); ``loss_fn(output,
-    target)`` returns a scalar. The three may be lambdas or closures: they are shipped to worker
-    processes with cloudpickle. Every parameter starts from one ``model_fn()`` call under
+    target)`` returns a scalar. Instead of ``data_fn``, any re-iterable of batches (a list, a
+    DataLoader) will do: trainer ``t`` of ``n`` takes batches ``t, t + n, t + 2n, ...`` of each
+    pass over it. The three may be lambdas or closures: they are shipped to worker processes
+    with cloudpickle. Every parameter starts from one ``model_fn()`` call under
     ``config.seed``.
 
     ``evaluation`` (held-out data and a metric function) is scored on the chief trainer every
@@ -55,6 +58,7 @@ def train(
     trainer); other torchrun ranks get ``None``.
     """
     config = config or TrainConfig()
+    data_fn = as_data_fn(data_fn)
     launcher = config.launcher
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "processes"
@@ -81,6 +85,30 @@ def train(
     state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
     summary["wall_s"] = time.perf_counter() - started
     return _result(model_fn, config, state, summary)
+
+
+def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:
+    """``data`` as a function of (trainer, num_trainers): itself, or a round-robin share of a
+    re-iterable of batches."""
+    if callable(data):
+        return data
+    if not isinstance(data, Iterable):
+        raise TypeError(
+            f"data must be a function (trainer, num_trainers) -> batches or an iterable of "
+            f"batches, got {type(data).__name__}"
+        )
+    if iter(data) is data:
+        raise TypeError(
+            "data is a one-pass iterator (a generator, say): trainers need to read it "
+            "independently, every epoch; pass a list, a DataLoader or a function "
+            "(trainer, num_trainers) -> batches"
+        )
+    iterable = data
+
+    def shard(trainer: int, num_trainers: int) -> Iterator[Batch]:
+        return itertools.islice(iterable, trainer, None, num_trainers)
+
+    return shard
 
 
 def _result(

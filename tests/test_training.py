@@ -143,6 +143,25 @@ def test_steps_and_epochs_bound_the_job() -> None:
     assert result.summary["trainer_steps"] == [8, 8]
 
 
+def test_any_re_iterable_of_batches_is_shared_round_robin_every_epoch() -> None:
+    batches = list(tiny_batches(0, num_batches=7))
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", launcher="threads", epochs=2, progress=False
+    )
+    from_list = ps.train(TinyRecModel, batches, mse, config)
+    by_hand = ps.train(TinyRecModel, lambda t, n: batches[t::n], mse, config)
+    assert from_list is not None and by_hand is not None
+    assert from_list.summary["trainer_steps"] == [8, 6]  # 4 + 4 and 3 + 3 over two epochs
+    for (name, a), (_, b) in zip(
+        from_list.model.state_dict().items(), by_hand.model.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    with pytest.raises(TypeError, match="one-pass iterator"):
+        ps.train(TinyRecModel, (b for b in batches), mse, config)
+    with pytest.raises(TypeError, match="iterable of batches"):
+        ps.train(TinyRecModel, 3, mse, config)  # type: ignore[arg-type]
+
+
 def test_bad_data_reaches_the_user_as_a_typed_error() -> None:
     def data(trainer: int, num_trainers: int) -> Any:
         for i, ((user, items, dense), target) in enumerate(tiny_batches(trainer)):
