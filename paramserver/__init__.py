@@ -5,6 +5,7 @@ apply updates with torch.optim's math; trainers pull the rows their batch touche
 and backward, and push gradients back, one fused round trip per server per step.
 """
 
+from paramserver import metrics
 from paramserver.api import TrainResult, train
 from paramserver.config import OptimizerConfig, TrainConfig
 from paramserver.embedding import DynamicEmbedding
@@ -17,10 +18,12 @@ from paramserver.errors import (
     ParamServerError,
     TrainerDepartedError,
 )
+from paramserver.trainer.observer import Evaluation
 
 __all__ = [
     "ConfigError",
     "DynamicEmbedding",
+    "Evaluation",
     "InvalidBatchError",
     "InvalidPushError",
     "JobFailedError",
@@ -30,5 +33,6 @@ __all__ = [
     "TrainConfig",
     "TrainResult",
     "TrainerDepartedError",
+    "metrics",
     "train",
 ]
