@@ -54,7 +54,8 @@ class JobFailedError(ParamServerError, RuntimeError):
 
 
 class InvalidBatchError(ParamServerError, IndexError):
-    """A batch holds ids a table cannot serve (for example out of its row range)."""
+    """A batch holds ids a table cannot serve (for example out of its row range), or the data
+    it comes from is malformed; the message names the file and the line or column."""
 
 
 class CheckpointError(ParamServerError):

@@ -1,5 +1,6 @@
 """Built-in models."""
 
 from paramserver.models.dlrm import DLRM
+from paramserver.models.rating import RatingModel
 
-__all__ = ["DLRM"]
+__all__ = ["DLRM", "RatingModel"]
