@@ -17,7 +17,7 @@ import json
 import logging
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ from paramserver.metrics import (
     auc_of_scores,
     binary_metrics,
     evaluate,
-    evaluate_binary,
     regression_metrics,
 )
 from paramserver.models.dlrm import DLRM
@@ -202,9 +201,17 @@ class Job:
     model_fn: Callable[[], nn.Module]
     data_fn: Callable[[int, int], Iterator[Any]]
     total_steps: int | None  # for the progress bar; None: a stream of unknown length
-    evaluate: Callable[[nn.Module, dict[str, Any]], None] | None
-    evaluation: Evaluation | None = None  # held-out data, for --eval-every during training
+    evaluation: Evaluation | None  # held-out data: during training and of the final model
     loss_fn: LossFn = F.binary_cross_entropy_with_logits
+    # Figures to judge the held-out metrics by (the ground truth's AUC, a trivial predictor's).
+    references: dict[str, float] = field(default_factory=dict)
+
+    def evaluate(self, model: nn.Module) -> dict[str, float]:
+        """The held-out metrics of ``model`` (``eval_*``), with the references."""
+        if self.evaluation is None:
+            return {}
+        metrics = evaluate(model, self.evaluation.data_fn(), self.evaluation.metric_fn)
+        return {**{f"eval_{k}": v for k, v in metrics.items()}, **self.references}
 
 
 def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
@@ -225,12 +232,15 @@ def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     def model_fn() -> DLRM:
         return DLRM(table_rows=[rows] * spec.num_tables)
 
+    held_out = list(data.eval_batches())
+    truth = torch.cat([logits for _, logits in held_out]).sigmoid()
+    labels = torch.cat([batch[1] for batch, _ in held_out])
     return Job(
         model_fn,
         data.train_batches,
         steps_per_trainer * config.trainers,
-        lambda model, summary: add_evaluation(model, summary, data),
-        Evaluation(lambda: [batch for batch, _ in data.eval_batches()], binary_metrics),
+        Evaluation(lambda: [batch for batch, _ in held_out], binary_metrics),
+        references={"eval_auc_ceiling": auc_of_scores(truth, labels)},
     )
 
 
@@ -248,20 +258,9 @@ def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     def held_out_batches() -> Iterator[Any]:
         return CriteoFiles(held_out, 8192).train_batches(0, 1)
 
-    def evaluate(model: nn.Module, summary: dict[str, Any]) -> None:
-        metrics = evaluate_binary(model, held_out_batches())
-        summary.update(eval_auc=metrics["auc"], eval_logloss=metrics["logloss"])
-
     data = CriteoFiles(paths, batch_size=config.batch_size)
-    if not held_out:
-        return Job(model_fn, data.train_batches, None, None)
-    return Job(
-        model_fn,
-        data.train_batches,
-        None,
-        evaluate,
-        Evaluation(held_out_batches, binary_metrics),
-    )
+    evaluation = Evaluation(held_out_batches, binary_metrics) if held_out else None
+    return Job(model_fn, data.train_batches, None, evaluation)
 
 
 MOVIELENS_DEFAULTS: dict[str, Any] = {
@@ -293,14 +292,6 @@ def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     def model_fn() -> RatingModel:
         return RatingModel(table_rows, movielens.NUM_DENSE, mean_rating=mean_rating)
 
-    def add_metrics(model: nn.Module, summary: dict[str, Any]) -> None:
-        metrics = evaluate(model, data.eval_batches(), regression_metrics)
-        summary.update(
-            eval_rmse=metrics["rmse"],
-            eval_mae=metrics["mae"],
-            eval_rmse_mean_predictor=mean_predictor["rmse"],
-        )
-
     steps = [
         -(-batches * config.epochs // config.accumulate)
         for batches in data.num_train_batches(config.trainers)
@@ -311,9 +302,9 @@ def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         model_fn,
         data.train_batches,
         sum(steps),
-        add_metrics,
         Evaluation(data.eval_batches, regression_metrics),
         F.mse_loss,
+        {"eval_rmse_mean_predictor": mean_predictor["rmse"]},
     )
 
 
@@ -342,8 +333,7 @@ def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dic
         "samples": stats["samples"],
         "seconds": stats["seconds"],
     }
-    if job.evaluate is not None:
-        job.evaluate(model, summary)
+    summary.update(job.evaluate(model))
     return summary
 
 
@@ -383,8 +373,8 @@ def run_train(args: argparse.Namespace) -> int:
         display.close()
     if result is None:  # a torchrun rank other than the chief
         return 0
-    if result.model is not None and job.evaluate is not None:
-        job.evaluate(result.model, result.summary)
+    if result.model is not None:
+        result.summary.update(job.evaluate(result.model))
     if args.compare_single_process:
         result.summary["single_process"] = single_process_summary(args, config)
     print_summary(result.summary)
@@ -393,17 +383,6 @@ def run_train(args: argparse.Namespace) -> int:
     if config.run_dir is not None:  # again, with the held-out metrics
         write_summary(config.run_dir, result.summary)
     return 0
-
-
-def add_evaluation(model: nn.Module, summary: dict[str, Any], data: SyntheticClickLogs) -> None:
-    held_out = list(data.eval_batches())
-    metrics = evaluate_binary(model, [batch for batch, _ in held_out])
-    truth_logits = [logits for _, logits in held_out]
-    labels = [batch[1] for batch, _ in held_out]
-    ceiling = auc_of_scores(torch.cat(truth_logits).sigmoid(), torch.cat(labels))
-    summary.update(
-        eval_auc=metrics["auc"], eval_logloss=metrics["logloss"], eval_auc_ceiling=ceiling
-    )
 
 
 HELD_OUT_METRICS = (
@@ -441,11 +420,17 @@ def print_summary(summary: dict[str, Any]) -> None:
         figures = [f"{name} {single[key]:.4f}" for key, name in HELD_OUT_METRICS if key in single]
         held_out = f"; held-out {', '.join(figures)}" if figures else ""
         lines.append(f"single process {single['samples_per_s']:,.0f} samples/s{held_out}")
-    lines += [
+    lines.append(
         f"trainer bytes  sent {traffic['trainers']['sent'] / 1e6:,.1f} MB, received "
-        f"{traffic['trainers']['received'] / 1e6:,.1f} MB",
-        f"wall time      {summary['wall_s']:.1f} s",
-    ]
+        f"{traffic['trainers']['received'] / 1e6:,.1f} MB"
+    )
+    calls = summary.get("calls", {}).get("push_pull")
+    if calls:
+        lines.append(
+            f"push_pull      {calls['calls']:,} calls, latency p50 {calls['p50_ms']:.1f} ms, "
+            f"p99 {calls['p99_ms']:.1f} ms"
+        )
+    lines.append(f"wall time      {summary['wall_s']:.1f} s")
     print("\n".join(lines))
 
 
