@@ -17,7 +17,7 @@ from paramserver.launch.roles import build_server
 from paramserver.metrics import evaluate_binary
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import payload_nbytes
-from paramserver.trainer.loop import run_trainer, seeded_model
+from paramserver.trainer.loop import run_trainer, seeded_model, trainer_model
 from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
@@ -228,6 +228,40 @@ def test_buffers_come_back_with_the_result() -> None:
     result = ps.train(WithBuffers, lambda t, n: tiny_batches(t, num_batches=4), mse, config)
     assert result is not None
     assert float(result.model.calls) == 4  # record passes run in eval mode and do not count
+
+
+class DrawnBuffer(TinyRecModel):
+    """A buffer drawn from the RNG after the parameters: trainers, which build their model
+    without values, must take it from the servers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("noise", torch.randn(5))
+
+    def forward(self, user: torch.Tensor, items: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return super().forward(user, items, dense + self.noise[:3])
+
+
+def test_trainers_build_their_model_without_table_memory() -> None:
+    model = trainer_model(TinyRecModel, seed=0)
+    assert model.user.weight.is_meta and model.items.weight.is_meta
+    assert not model.mlp[0].weight.is_meta
+
+    def reads_a_table() -> nn.Module:
+        model = TinyRecModel()
+        model.user.weight[0, 0].item()  # needs values: the tables are built in memory
+        return model
+
+    assert not trainer_model(reads_a_table, seed=0).user.weight.is_meta
+    # One trainer in sync mode: the same updates as one process, so the same parameters.
+    config = ps.TrainConfig(servers=2, trainers=1, mode="sync", launcher="threads", progress=False)
+    data = lambda t, n: tiny_batches(t, num_batches=4)  # noqa: E731
+    result = ps.train(DrawnBuffer, data, mse, config)
+    assert result is not None
+    assert torch.equal(result.model.noise, seeded_model(DrawnBuffer, 0).noise)
+    reference, _ = train_single_process(DrawnBuffer, data, mse, config)
+    for name, value in reference.state_dict().items():
+        assert torch.allclose(result.model.state_dict()[name], value, atol=1e-5), name
 
 
 def test_a_per_table_optimizer_for_a_missing_table_is_an_error() -> None:

@@ -44,11 +44,12 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     config.check_tables(plan.tables)
     initial = dict(model.named_parameters())
     shard = ServerShard(server, plan, initial, config)
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     del model, initial
     coordinator = Coordinator(shard, config)
     if config.resume:
         resume_server(shard, coordinator, config)
-    return ServerEndpoint(coordinator)
+    return ServerEndpoint(coordinator, buffers)
 
 
 def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:

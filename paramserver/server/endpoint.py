@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from torch import Tensor
 from torch.futures import Future
 
 from paramserver.checkpoint import Part
@@ -26,6 +27,7 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "load": (),
     "dense_check": (dict,),
     "fingerprint": (),
+    "initial_buffers": (),
     "heartbeat": (int,),
     "departed": (),
     "finish_job": (bool,),
@@ -38,8 +40,10 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
 
 
 class ServerEndpoint:
-    def __init__(self, coordinator: Coordinator):
+    def __init__(self, coordinator: Coordinator, buffers: dict[str, Tensor] | None = None):
+        """``buffers``: the model's buffers as built (trainers build theirs without values)."""
         self.coordinator = coordinator
+        self.buffers = buffers or {}
         self.shard = coordinator.shard
         # Set by the chief once the job's results are gathered: the server may then go.
         self.finished = threading.Event()
@@ -118,6 +122,9 @@ class ServerEndpoint:
         self.graceful = bool(graceful)
         self.finished.set()
         return completed(None)
+
+    def _op_initial_buffers(self) -> Future:
+        return completed(self.buffers)
 
     def _op_fingerprint(self) -> Future:
         return completed(self.shard.plan.fingerprint)

@@ -21,6 +21,7 @@ and every server's statistics, so the job's result is complete under any launche
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import resource
 import sys
@@ -47,9 +48,11 @@ from paramserver.trainer.client import (
 )
 from paramserver.trainer.heartbeat import Heartbeats, wait_all
 from paramserver.trainer.observer import Evaluation, Observer
-from paramserver.trainer.replica import Inputs, MissingRows, Replica, describe
+from paramserver.trainer.replica import Inputs, MissingRows, Replica, TablesOnMeta, describe
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
+
+log = logging.getLogger(__name__)
 
 ModelFn = Callable[[], nn.Module]
 Batch = tuple[Inputs, Tensor]
@@ -132,6 +135,19 @@ def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
     return model
 
 
+def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:
+    """A trainer's model: :func:`seeded_model` with the weights of its ``nn.Embedding(Bag)``
+    tables on the meta device (a trainer never holds a table whole), unless ``model_fn`` needs
+    their values. Without the tables' draws the random stream differs from the servers': dense
+    values come with the first pull, buffers from :meth:`Replica.load_buffers`."""
+    try:
+        with TablesOnMeta():
+            return seeded_model(model_fn, seed)
+    except Exception as error:  # model_fn reads its tables' values: build them in memory
+        log.debug("model_fn failed with tables on the meta device (%s); building them", error)
+        return seeded_model(model_fn, seed)
+
+
 def step_groups(
     data_fn: DataFn, trainer: int, num_trainers: int, config: TrainConfig
 ) -> Iterator[list[Batch]]:
@@ -195,7 +211,7 @@ def _train(
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> TrainerOutcome:
-    model = seeded_model(model_fn, config.seed)
+    model = trainer_model(model_fn, config.seed)
     plan = describe(model, config.servers)
     config.check_tables(plan.tables)
     replica = Replica(model, config.server_pooling)
@@ -211,6 +227,7 @@ def _train(
         cache_staleness=config.cache_staleness,
     )
     client.check_servers()
+    replica.load_buffers(wait_all([client.transport.call(0, "initial_buffers")], alarm)[0])  # type: ignore[arg-type]
     observer = Observer(trainer, config, client, replica, evaluation, alarm)
 
     losses: deque[float] = deque(maxlen=100)

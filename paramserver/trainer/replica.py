@@ -18,12 +18,15 @@ parameter names are their state_dict names: an export loads into the user's mode
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
@@ -245,6 +248,31 @@ def describe(model: nn.Module, num_servers: int) -> ShardPlan:
     return ShardPlan(dense, specs, num_servers)
 
 
+class TablesOnMeta(TorchFunctionMode):
+    """While active (in this thread), ``nn.Embedding`` and ``nn.EmbeddingBag`` allocate their
+    weights on the meta device: a model's structure without its tables' memory."""
+
+    TABLE_INITS = frozenset({nn.Embedding.__init__.__code__, nn.EmbeddingBag.__init__.__code__})
+    FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in self.FACTORIES and kwargs.get("device") is None and _in_table_init():
+            kwargs = {**kwargs, "device": "meta"}
+        return func(*args, **kwargs)
+
+
+def _in_table_init() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code in TablesOnMeta.TABLE_INITS:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def _find_embeddings(model: nn.Module) -> dict[str, Embedding]:
     found: dict[str, Embedding] = {}
     for name, module in model.named_modules():
@@ -279,6 +307,14 @@ class Replica:
         self.dense = dict(model.named_parameters())
         self._modules = list(model.modules())
         self._lookups_per_forward: dict[str, int] | None = None
+
+    @torch.no_grad()
+    def load_buffers(self, buffers: dict[str, Tensor]) -> None:
+        """Set the model's buffers to ``buffers`` (those of the servers' seeded build)."""
+        for name, buffer in self.model.named_buffers():
+            if name not in buffers:
+                raise ModelError(f"the servers' model has no buffer {name!r}")
+            buffer.copy_(buffers[name])
 
     # ---- before the step: which rows ----
 
