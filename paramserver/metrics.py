@@ -53,6 +53,8 @@ def evaluate_binary(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) 
 
 
 def auc_of_scores(scores: Tensor, labels: Tensor) -> float:
-    auroc = BinaryAUROC()
+    # No sync: in a process with torch.distributed up (DDP, torchrun) it would gather from
+    # every rank, and wait for ranks that are not evaluating.
+    auroc = BinaryAUROC(sync_on_compute=False)
     auroc.update(scores, labels.long())
     return float(auroc.compute())
