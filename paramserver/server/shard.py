@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import resource
 import threading
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from torch import Tensor
 from paramserver.compression import Encoded, decode, encode, plain, validate
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import ServerView, checksum
 from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock, must_send
 from paramserver.server.optim import State, UpdateRule, make_rule
@@ -61,8 +61,7 @@ class ServerStats:
                 "rows_pulled": self.rows_pulled,
                 "update_seconds": self.update_seconds,
                 "read_seconds": self.read_seconds,
-                # Peak resident memory of this whole process (ru_maxrss is in KiB on Linux).
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "max_rss_bytes": peak_rss_bytes(),  # of this whole process
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }

@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import resource
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +35,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
+from paramserver.observe import peak_rss_bytes
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, latest, set_rng_state
 from paramserver.trainer.client import (
@@ -227,7 +226,8 @@ def _train(
         cache_staleness=config.cache_staleness,
     )
     client.check_servers()
-    replica.load_buffers(wait_all([client.transport.call(0, "initial_buffers")], alarm)[0])  # type: ignore[arg-type]
+    initial_buffers = wait_all([transport.call(0, "initial_buffers")], alarm)[0]
+    replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
     observer = Observer(trainer, config, client, replica, evaluation, alarm)
 
     losses: deque[float] = deque(maxlen=100)
@@ -324,12 +324,6 @@ def _train(
         with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
             call.wait()
     return TrainerOutcome(report, state, stats, graceful, observer.evals)
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def resume_trainer(
