@@ -12,6 +12,7 @@ from typing import Any
 from torch import nn
 
 from paramserver.config import TrainConfig
+from paramserver.errors import ConfigError
 from paramserver.observe.runlog import write_summary
 from paramserver.trainer.loop import Batch, DataFn, LossFn, ModelFn, Progress, seeded_model
 from paramserver.trainer.observer import Evaluation
@@ -58,6 +59,8 @@ def train(
     trainer); other torchrun ranks get ``None``.
     """
     config = config or TrainConfig()
+    if config.eval_every is not None and evaluation is None:
+        raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
     data_fn = as_data_fn(data_fn)
     launcher = config.launcher
     if launcher == "auto":

@@ -360,6 +360,8 @@ def run_train(args: argparse.Namespace) -> int:
         config.optimizer,
         config.lr,
     )
+    if config.eval_every is not None and job.evaluation is None:
+        raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
     try:
         result = train(
             job.model_fn,

@@ -188,6 +188,17 @@ def test_without_tensorboard_the_records_are_still_written(
     assert record["loss"] == 0.5 and record["samples_per_s"] is None
 
 
+def test_evaluating_without_held_out_data_is_a_clear_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(ConfigError, match="held-out data"):
+        tiny_job(eval_every=5)
+    train = tmp_path / "train.txt"
+    train.write_text("")
+    assert main(["train", "--dataset", f"criteo:{train}", "--eval-every", "5"]) == 2
+    assert "--eval-data" in capsys.readouterr().err
+
+
 def test_evaluation_and_checks_do_not_change_what_is_trained() -> None:
     plain = tiny_job(mode="sync").model
     observed = tiny_job(mode="sync", evaluation=held_out(), eval_every=3, consistency_every=2).model

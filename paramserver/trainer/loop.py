@@ -228,7 +228,6 @@ def _train(
     client.check_servers()
     initial_buffers = wait_all([transport.call(0, "initial_buffers")], alarm)[0]
     replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
-    observer = Observer(trainer, config, client, replica, evaluation, alarm)
 
     losses: deque[float] = deque(maxlen=100)
     steps = samples = 0
@@ -237,6 +236,7 @@ def _train(
     checkpoints = TrainerCheckpoints(config, trainer, transport, alarm)
     if config.resume:
         steps, samples = resume_trainer(trainer, config, client, checkpoints, groups)
+    observer = Observer(trainer, config, client, replica, evaluation, alarm, steps, samples)
 
     def record_next() -> Step | None:
         group = next(groups, None)

@@ -60,7 +60,10 @@ class Observer:
         replica: Replica,
         evaluation: Evaluation | None,
         alarm: Future,
+        steps: int = 0,
+        samples: int = 0,
     ):
+        """``steps`` and ``samples``: where the trainer starts (after a resume, not 0)."""
         self.trainer = trainer
         self.config = config
         self.client = client
@@ -77,7 +80,7 @@ class Observer:
             if run_dir and self.chief
             else []
         )
-        self._mark = self._marks(0, 0)
+        self._mark = self._marks(steps, samples)
         # Servers' counters start at zero with the job (or are read first from now).
         self._server_marks = [{"time": self._mark["time"]} for _ in self.server_logs]
         self._losses: list[float] = []
