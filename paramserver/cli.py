@@ -34,12 +34,7 @@ from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
-from paramserver.metrics import (
-    auc_of_scores,
-    binary_metrics,
-    evaluate,
-    regression_metrics,
-)
+from paramserver.metrics import auc_of_scores, binary_metrics, evaluate, regression_metrics
 from paramserver.models.dlrm import DLRM
 from paramserver.models.rating import RatingModel
 from paramserver.observe.report import write_report
@@ -347,6 +342,8 @@ def run_train(args: argparse.Namespace) -> int:
             "--compare-single-process: the single-process reference trains fixed-size tables "
             "only, and this job's model has DynamicEmbedding tables"
         )
+    if config.eval_every is not None and job.evaluation is None:
+        raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
     display = ProgressDisplay(
         job.total_steps if config.progress else 0,
         interactive=None if config.progress else False,
@@ -360,8 +357,6 @@ def run_train(args: argparse.Namespace) -> int:
         config.optimizer,
         config.lr,
     )
-    if config.eval_every is not None and job.evaluation is None:
-        raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
     try:
         result = train(
             job.model_fn,
