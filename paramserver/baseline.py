@@ -9,6 +9,7 @@ the order a sync job would see them.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from itertools import zip_longest
 from typing import Any
@@ -75,6 +76,8 @@ def train_single_process(
     model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn, config: TrainConfig
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train on every trainer's batches in one process; returns the model and throughput."""
+    # torch.optim warns on every sparse step that it skips invariant checks: noise here.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks", category=UserWarning)
     torch.set_num_threads(config.threads_per_process)
     model = seeded_model(model_fn, config.seed)
     model.train()
