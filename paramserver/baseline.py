@@ -76,8 +76,6 @@ def train_single_process(
     model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn, config: TrainConfig
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train on every trainer's batches in one process; returns the model and throughput."""
-    # torch.optim warns on every sparse step that it skips invariant checks: noise here.
-    warnings.filterwarnings("ignore", message="Sparse invariant checks", category=UserWarning)
     torch.set_num_threads(config.threads_per_process)
     model = seeded_model(model_fn, config.seed)
     model.train()
@@ -94,8 +92,10 @@ def train_single_process(
                 for optimizer in optimizers:
                     optimizer.zero_grad(set_to_none=True)
                 loss_fn(model(*as_tuple(inputs)), target).backward()
-                for optimizer in optimizers:
-                    optimizer.step()
+                with warnings.catch_warnings():  # torch warns at each sparse step: noise here
+                    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+                    for optimizer in optimizers:
+                        optimizer.step()
                 samples += int(target.shape[0])
                 steps += 1
             if config.steps is not None and steps >= config.steps * config.trainers:
