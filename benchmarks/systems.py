@@ -24,9 +24,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import resource
 import socket
-import sys
 import tempfile
 import time
 import warnings
@@ -48,6 +46,7 @@ import paramserver as ps
 from paramserver.baseline import make_optimizers, train_single_process
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import evaluate_binary
+from paramserver.observe import peak_rss_bytes
 from paramserver.trainer.loop import seeded_model
 from paramserver.trainer.replica import EMBEDDINGS, as_tuple
 
@@ -133,9 +132,7 @@ def _write_result(target: Callable[..., dict[str, Any]], args: tuple[Any, ...], 
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory in MiB (ru_maxrss is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    return peak_rss_bytes() / 2**20
 
 
 def single_process(workload: Workload, config: ps.TrainConfig) -> dict[str, Any]:
@@ -254,7 +251,7 @@ def ddp_rank(
         dist.barrier()  # leave together: a rank that exits early can abort its peers' gloo
     finally:
         dist.destroy_process_group()
-    # Only once the group is gone: torchmetrics' AUC all-gathers over any initialized group.
+    # Only rank 0 evaluates, once the group is gone (no collective may wait on it).
     if rank == 0:
         result["metrics"] = evaluate_binary(model, workload.held_out())
     return result

@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.utils.data import RandomSampler
 
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
-from paramserver.observe.runlog import write_summary
+from paramserver.metrics import evaluate
+from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.trainer.loop import Batch, DataFn, LossFn, ModelFn, Progress, seeded_model
 from paramserver.trainer.observer import Evaluation
 
@@ -46,14 +48,16 @@ def train(
 
     ``data_fn(trainer, num_trainers)`` yields ``(inputs, target)`` batches for one trainer
     (``inputs`` a tensor or a tuple of tensors passed as ``model(*inputs)``); ``loss_fn(output,
-    target)`` returns a scalar. Instead of ``data_fn``, any re-iterable of batches (a list, a
-    DataLoader) will do: trainer ``t`` of ``n`` takes batches ``t, t + n, t + 2n, ...`` of each
-    pass over it. The three may be lambdas or closures: they are shipped to worker processes
-    with cloudpickle. Every parameter starts from one ``model_fn()`` call under
-    ``config.seed``.
+    target)`` returns a scalar. Instead of ``data_fn``, any re-iterable of batches in a fixed
+    order (a list, a DataLoader that does not shuffle) will do: trainer ``t`` of ``n`` takes
+    batches ``t, t + n, t + 2n, ...`` of each pass over it (each trainer reads the whole
+    iterable; shuffle inside a ``data_fn`` to read only a share). The three may be lambdas or
+    closures: they are shipped to worker processes with cloudpickle. Every parameter starts
+    from one ``model_fn()`` call under ``config.seed``.
 
-    ``evaluation`` (held-out data and a metric function) is scored on the chief trainer every
-    ``config.eval_every`` steps and at the end (``summary["eval_history"]``).
+    ``evaluation`` (held-out data and a metric function) scores the final model (the summary's
+    ``eval_*``) and, with ``config.eval_every``, the chief trainer's replica during training;
+    ``summary["eval_history"]`` lists them all by the chief's step.
 
     Returns the result on the process that launched the job (or, under torchrun, on the chief
     trainer); other torchrun ranks get ``None``.
@@ -61,6 +65,8 @@ def train(
     config = config or TrainConfig()
     if config.eval_every is not None and evaluation is None:
         raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
+    if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
+        raise ConfigError("evaluation: the held-out data yielded no batches")
     data_fn = as_data_fn(data_fn)
     launcher = config.launcher
     if launcher == "auto":
@@ -73,7 +79,7 @@ def train(
         chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         assert chief.state is not None
         summary = summarize(chief, config, time.perf_counter() - started)
-        return _result(model_fn, config, chief.state, summary)
+        return _result(model_fn, config, chief.state, summary, evaluation)
     if launcher == "torchrun":
         from paramserver.launch.torchrun import run_torchrun_rank
 
@@ -82,12 +88,12 @@ def train(
             return None
         state, summary = outcome
         summary["wall_s"] = time.perf_counter() - started
-        return _result(model_fn, config, state, summary)
+        return _result(model_fn, config, state, summary, evaluation)
     from paramserver.launch.processes import run_processes
 
     state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
     summary["wall_s"] = time.perf_counter() - started
-    return _result(model_fn, config, state, summary)
+    return _result(model_fn, config, state, summary, evaluation)
 
 
 def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:
@@ -100,11 +106,17 @@ def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:
             f"data must be a function (trainer, num_trainers) -> batches or an iterable of "
             f"batches, got {type(data).__name__}"
         )
-    if iter(data) is data:
+    if isinstance(data, Iterator):
         raise TypeError(
             "data is a one-pass iterator (a generator, say): trainers need to read it "
             "independently, every epoch; pass a list, a DataLoader or a function "
             "(trainer, num_trainers) -> batches"
+        )
+    if isinstance(getattr(data, "sampler", None), RandomSampler):
+        raise TypeError(
+            "data is a DataLoader that shuffles: each trainer would draw its own order and "
+            "their shares would overlap; pass a function (trainer, num_trainers) -> batches "
+            "that shuffles (a DistributedSampler(dataset, num_trainers, trainer) say)"
         )
     iterable = data
 
@@ -115,12 +127,33 @@ def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:
 
 
 def _result(
-    model_fn: ModelFn, config: TrainConfig, state: dict[str, Any], summary: dict[str, Any]
+    model_fn: ModelFn,
+    config: TrainConfig,
+    state: dict[str, Any],
+    summary: dict[str, Any],
+    evaluation: Evaluation | None,
 ) -> TrainResult:
+    model = None
+    if config.gather_model:
+        model = seeded_model(model_fn, config.seed)
+        model.load_state_dict(state)
+        if evaluation is not None:
+            _evaluate_final(model, evaluation, config, summary)
     if config.run_dir is not None:
         write_summary(config.run_dir, summary)
-    if not config.gather_model:
-        return TrainResult(None, summary)
-    model = seeded_model(model_fn, config.seed)
-    model.load_state_dict(state)
     return TrainResult(model, summary)
+
+
+def _evaluate_final(
+    model: nn.Module, evaluation: Evaluation, config: TrainConfig, summary: dict[str, Any]
+) -> None:
+    """The final model's held-out metrics: ``eval_*`` in the summary, the last entry of its
+    ``eval_history`` (at the chief's last step) and of the chief's records in the run dir."""
+    metrics = evaluate(model, evaluation.data_fn(), evaluation.metric_fn)
+    summary.update({f"eval_{name}": value for name, value in metrics.items()})
+    step = summary["trainer_steps"][0] if summary["trainer_steps"] else 0
+    summary["eval_history"].append({"step": step, **metrics})
+    if config.run_dir is not None:
+        run_log = RunLog(config.run_dir, "trainer-0", config.tensorboard)
+        run_log.write("eval", step, metrics)
+        run_log.close()

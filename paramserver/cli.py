@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import MISSING, dataclass, field, fields
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paramserver.api import train
+from paramserver.api import train, under_torchrun
 from paramserver.baseline import train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.config import TrainConfig, read_toml
@@ -41,7 +42,7 @@ from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.server.snapshot import gather_saved
-from paramserver.trainer.loop import LossFn
+from paramserver.trainer.loop import LossFn, trainer_model
 from paramserver.trainer.observer import Evaluation
 
 log = logging.getLogger("paramserver")
@@ -334,9 +335,13 @@ def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dic
 
 def run_train(args: argparse.Namespace) -> int:
     config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+    if under_torchrun():  # every rank runs this: its log lines name its role
+        rank = int(os.environ["RANK"])
+        role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
+        log_as(role, force=True)
     job = build_job(args, config)
     if args.compare_single_process and any(
-        isinstance(m, DynamicEmbedding) for m in job.model_fn().modules()
+        isinstance(m, DynamicEmbedding) for m in trainer_model(job.model_fn, config.seed).modules()
     ):
         raise ConfigError(
             "--compare-single-process: the single-process reference trains fixed-size tables "
@@ -370,8 +375,8 @@ def run_train(args: argparse.Namespace) -> int:
         display.close()
     if result is None:  # a torchrun rank other than the chief
         return 0
-    if result.model is not None:
-        result.summary.update(job.evaluate(result.model))
+    if result.model is not None:  # train() evaluated it: add what to judge the figures by
+        result.summary.update(job.references)
     if args.compare_single_process:
         result.summary["single_process"] = single_process_summary(args, config)
     print_summary(result.summary)
@@ -431,10 +436,18 @@ def print_summary(summary: dict[str, Any]) -> None:
     print("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
+def log_as(role: str, force: bool = False) -> None:
+    """Log lines that name the process's role; ``force`` replaces an earlier set-up."""
     logging.basicConfig(
-        level=logging.INFO, format="[launcher] %(asctime)s %(message)s", datefmt="%H:%M:%S"
+        level=logging.INFO,
+        format=f"[{role}] %(asctime)s %(message)s",
+        datefmt="%H:%M:%S",
+        force=force,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    log_as("launcher")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":

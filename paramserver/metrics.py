@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics.classification import BinaryAUROC
 
+from paramserver.errors import ConfigError
 from paramserver.trainer.replica import Inputs, as_tuple
 
 MetricFn = Callable[[Tensor, Tensor], dict[str, float]]
@@ -30,20 +31,26 @@ def regression_metrics(predictions: Tensor, targets: Tensor) -> dict[str, float]
     return {"rmse": float(errors.square().mean().sqrt()), "mae": float(errors.abs().mean())}
 
 
-@torch.no_grad()
 def evaluate(
-    model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]], metric_fn: MetricFn
+    model: nn.Module,
+    batches: Iterable[tuple[Inputs, Tensor]],
+    metric_fn: MetricFn,
+    forward: Callable[[Inputs], Tensor] | None = None,
 ) -> dict[str, float]:
-    """``metric_fn`` of ``model``'s outputs over all ``batches`` (in eval mode)."""
+    """``metric_fn`` of ``model``'s outputs over all ``batches``, in eval mode, without
+    gradients; ``forward(inputs)`` computes them (default: ``model(*inputs)``)."""
     was_training = model.training
     model.eval()
     outputs, targets = [], []
-    for inputs, target in batches:
-        outputs.append(model(*as_tuple(inputs)))
-        targets.append(target)
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            for inputs, target in batches:
+                outputs.append(forward(inputs) if forward else model(*as_tuple(inputs)))
+                targets.append(target)
+    finally:
+        model.train(was_training)
     if not outputs:
-        raise ValueError("evaluate: no held-out batches")
+        raise ConfigError("evaluation: the held-out data yielded no batches")
     return metric_fn(torch.cat(outputs), torch.cat(targets))
 
 

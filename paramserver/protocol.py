@@ -25,6 +25,7 @@ from torch import Tensor
 
 from paramserver.compression import Encoded
 from paramserver.observe.calls import CallStats
+from paramserver.observe.consistency import SUMMARY_KEYS
 
 
 @dataclass
@@ -100,7 +101,8 @@ class TrainerReport:
                 for op, c in self.calls.items()
             )
             and type(self.consistency) is dict
-            and all(type(k) is str and type(v) in (int, float) for k, v in self.consistency.items())
+            and (not self.consistency or set(self.consistency) == SUMMARY_KEYS)
+            and all(type(v) in (int, float) for v in self.consistency.values())
         )
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +117,7 @@ class FailingTransport(Transport):
 
 def test_profiled_transport_counts_each_operation_and_keeps_error_types() -> None:
     result = tiny_job(steps=3)  # builds servers we can call directly
-    assert result.summary["calls"]["push_pull"]["calls"] == 2 * 2 * (3 + 1)  # + the final push
+    assert result.summary["calls"]["push_pull"]["calls"] == 2 * 2 * (3 + 1)  # + the first pull
     endpoints = [
         ps.launch.roles.build_server(s, ps.TrainConfig(servers=1), TinyRecModel) for s in range(1)
     ]
@@ -153,11 +155,13 @@ def test_a_run_directory_holds_records_tensorboard_events_a_trace_and_the_summar
     train = [r for r in records["trainer-0"] if r["kind"] == "train"]
     assert [r["step"] for r in train] == [5, 10, 15, 20]
     assert all(r["samples_per_s"] > 0 and r["push_bytes_per_step"] > 0 for r in train)
+    # Only the chief evaluates, every 10 steps; then train() evaluates the final model.
     evals = [r for r in records["trainer-0"] if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [10, 20]  # only the chief evaluates
+    assert [r["step"] for r in evals] == [10, 20, 20]
     assert not [r for r in records["trainer-1"] if r["kind"] == "eval"]
-    assert [e["step"] for e in result.summary["eval_history"]] == [10, 20]
-    assert evals[-1]["rmse"] == pytest.approx(result.summary["eval_history"][-1]["rmse"])
+    assert [e["step"] for e in result.summary["eval_history"]] == [10, 20, 20]
+    final = ps.metrics.evaluate(result.model, held_out().data_fn(), regression_metrics)
+    assert evals[-1]["rmse"] == pytest.approx(final["rmse"]) == result.summary["eval_rmse"]
     checks = [r for r in records["trainer-1"] if r["kind"] == "consistency"]
     assert [r["step"] for r in checks] == [4, 8, 12, 16, 20]
     assert result.summary["consistency"]["checks"] == 10
@@ -172,7 +176,7 @@ def test_a_run_directory_holds_records_tensorboard_events_a_trace_and_the_summar
     board = EventAccumulator(str(tmp_path / "tensorboard" / "trainer-0"))
     board.Reload()
     assert [e.step for e in board.Scalars("train/loss")] == [5, 10, 15, 20]
-    assert [e.step for e in board.Scalars("eval/rmse")] == [10, 20]
+    assert [e.step for e in board.Scalars("eval/rmse")] == [10, 20, 20]
 
 
 def test_without_tensorboard_the_records_are_still_written(
@@ -199,6 +203,24 @@ def test_evaluating_without_held_out_data_is_a_clear_error(
     assert "--eval-data" in capsys.readouterr().err
 
 
+def test_a_failed_job_leaves_no_log_or_profiler_open(tmp_path: Path) -> None:
+    def failing_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    with pytest.raises(ps.JobFailedError, match="boom"):
+        ps.train(
+            TinyRecModel,
+            lambda t, n: tiny_batches(t, num_batches=STEPS),
+            failing_loss,
+            ps.TrainConfig(
+                launcher="threads", progress=False, run_dir=str(tmp_path), profile_steps=2,
+                profile_start=0,
+            ),
+        )  # fmt: skip
+    writers = [t for t in threading.enumerate() if type(t).__name__ == "_AsyncWriterThread"]
+    assert not writers  # every TensorBoard writer was closed
+
+
 def test_evaluation_and_checks_do_not_change_what_is_trained() -> None:
     plain = tiny_job(mode="sync").model
     observed = tiny_job(mode="sync", evaluation=held_out(), eval_every=3, consistency_every=2).model
@@ -211,16 +233,27 @@ def test_evaluation_and_checks_do_not_change_what_is_trained() -> None:
 
 def test_held_out_metrics_during_training_match_the_final_model() -> None:
     """In sync mode the chief's last evaluation sees every update but its own last step's:
-    close to the gathered model's metrics, and better than the untrained model's."""
+    close to the final model's metrics (train() scores it too), better than the untrained."""
     evaluation = held_out()
     result = tiny_job(mode="sync", evaluation=evaluation, eval_every=STEPS)
-    final = ps.metrics.evaluate(result.model, evaluation.data_fn(), regression_metrics)
+    during, final = result.summary["eval_history"]
+    assert during["step"] == final["step"] == STEPS
     untrained = ps.metrics.evaluate(
         ps.trainer.loop.seeded_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
     )
-    during = result.summary["eval_history"][-1]["rmse"]
-    assert during < untrained["rmse"]
-    assert during == pytest.approx(final["rmse"], rel=0.05)
+    assert during["rmse"] < untrained["rmse"]
+    assert during["rmse"] == pytest.approx(final["rmse"], rel=0.05)
+    assert final["rmse"] == result.summary["eval_rmse"]
+
+
+def test_evaluation_alone_scores_the_final_model() -> None:
+    result = tiny_job(evaluation=held_out())
+    [final] = result.summary["eval_history"]
+    assert final == {
+        "step": STEPS,
+        "rmse": result.summary["eval_rmse"],
+        "mae": pytest.approx(result.summary["eval_mae"]),
+    }
 
 
 # ---- the consistency check ----
@@ -300,6 +333,46 @@ def test_cli_run_with_a_run_directory_and_its_report(
     capsys.readouterr()
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no such run directory" in capsys.readouterr().err
+
+
+def test_records_of_a_restarted_run_replace_what_the_restart_redid(tmp_path: Path) -> None:
+    log = RunLog(tmp_path, "trainer-0", tensorboard=False)
+    for step in (10, 20, 30, 20, 30, 40):  # killed after 30, resumed from a checkpoint at 10
+        log.write("train", step, {"loss": float(step)})
+    log.write("eval", 15, {"auc": 0.5})
+    log.close()
+    RunLog(tmp_path, "trainer-old", tensorboard=False).close()  # not a process: ignored
+    records = read_records(tmp_path)["trainer-0"]
+    assert [(r["kind"], r["step"]) for r in records] == [
+        ("train", 10), ("train", 20), ("train", 30), ("train", 40), ("eval", 15)
+    ]  # fmt: skip
+    assert write_report(tmp_path)[0].name == "loss.png"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "problem"),
+    [
+        ("metrics/trainer-0.jsonl", '{"kind": "train", "step": 1}\n[1]\n{"kind": "x", "step": 2}',
+         "trainer-0.jsonl:2: not a JSON object"),
+        ("metrics/trainer-0.jsonl", '{"kind": "train", "step": "1"}\n',
+         "integer 'step'"),
+        ("metrics/trainer-0.jsonl", '{"kind": "train", "step": 1, "loss": "low"}\n',
+         "'loss' is not a number"),
+        ("summary.json", '{"calls": {"push_pull": {"calls": 3}}}', "lacks"),
+        ("summary.json", '{"bytes_per_step": [1]}', "'bytes_per_step' is not an object"),
+    ],
+)  # fmt: skip
+def test_report_refuses_malformed_run_files_by_name(
+    tmp_path: Path, name: str, content: str, problem: str
+) -> None:
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "trainer-0.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (tmp_path / name).write_text(content)
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        write_report(tmp_path)
+    (tmp_path / name).write_bytes(b"\xff\xfe{")
+    with pytest.raises(ConfigError):
+        write_report(tmp_path)
 
 
 def test_report_of_a_directory_without_records_is_a_clear_error(tmp_path: Path) -> None:

@@ -156,6 +156,12 @@ def test_any_re_iterable_of_batches_is_shared_round_robin_every_epoch() -> None:
         from_list.model.state_dict().items(), by_hand.model.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)  # in order: shared as is
+    from_loader = ps.train(TinyRecModel, loader, mse, config)
+    assert from_loader is not None and from_loader.summary["trainer_steps"] == [8, 6]
+    shuffled = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=True)
+    with pytest.raises(TypeError, match="shuffles"):
+        ps.train(TinyRecModel, shuffled, mse, config)
     with pytest.raises(TypeError, match="one-pass iterator"):
         ps.train(TinyRecModel, (b for b in batches), mse, config)
     with pytest.raises(TypeError, match="iterable of batches"):
@@ -253,6 +259,14 @@ def test_trainers_build_their_model_without_table_memory() -> None:
         return model
 
     assert not trainer_model(reads_a_table, seed=0).user.weight.is_meta
+
+    class BufferFromATable(TinyRecModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("center", self.user.weight.detach().mean(0).clone())
+
+    rebuilt = trainer_model(BufferFromATable, seed=0)  # the buffer needs the table's values
+    assert not rebuilt.center.is_meta and not rebuilt.user.weight.is_meta
     # One trainer in sync mode: the same updates as one process, so the same parameters.
     config = ps.TrainConfig(servers=2, trainers=1, mode="sync", launcher="threads", progress=False)
     data = lambda t, n: tiny_batches(t, num_batches=4)  # noqa: E731

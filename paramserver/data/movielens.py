@@ -83,7 +83,6 @@ AGE_BUCKETS = (18, 25, 35, 45, 50, 56)  # first age of buckets 1-6; bucket 0 is 
 NUM_AGE_BUCKETS = len(AGE_BUCKETS) + 1
 NUM_DENSE = len(GENRES) + 1
 USER, MOVIE, GENDER, OCCUPATION, AGE = range(5)  # the columns of ``sparse``
-NUM_SPARSE = 5
 MIN_RATING, MAX_RATING = 1, 5
 YEAR_CENTER, YEAR_SCALE = 1990, 20.0
 _YEAR = re.compile(r"[0-9]{1,2}-[A-Za-z]{3}-([0-9]{4})")  # "01-Jan-1995"

@@ -6,7 +6,6 @@ trainers. The RPC world meets through torchrun's store (``env://``).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -38,14 +37,6 @@ def run_torchrun_rank(
             f"torchrun started {world_size} ranks but --servers {config.servers} plus --trainers "
             f"{config.trainers} needs {config.world_size}; set --nproc-per-node/--nnodes to match"
         )
-    # Every rank runs the launcher's code: name this rank's role in its log lines instead.
-    role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"[{role}] %(asctime)s %(message)s",
-        datefmt="%H:%M:%S",
-        force=True,
-    )
     return run_rank(
         rank,
         config,

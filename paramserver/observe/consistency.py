@@ -74,6 +74,18 @@ def compare(
     return result
 
 
+SUMMARY_KEYS = frozenset(
+    {
+        "checks",
+        "versions_behind_max",
+        "versions_behind_mean",
+        "max_abs_diff",
+        "rel_l2_diff_max",
+        "differing_at_same_version",
+    }
+)
+
+
 def summarize_checks(checks: list[Divergence]) -> dict[str, float]:
     """A trainer's checks over the job, for its report."""
     if not checks:

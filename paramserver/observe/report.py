@@ -9,6 +9,7 @@ checked) and ``report.md``. Needs matplotlib (the ``report`` extra).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -74,11 +75,20 @@ def _read_summary(run_dir: Path) -> dict[str, Any]:
     if not path.exists():
         return {}
     try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(summary, dict):
         raise ConfigError(f"{path}: expected a JSON object")
+    for key in ("bytes_per_step", "calls", "consistency"):
+        if not isinstance(summary.get(key, {}), dict):
+            raise ConfigError(f"{path}: {key!r} is not an object")
+    call_keys = ("calls", "p50_ms", "p90_ms", "p99_ms", "max_ms", "sent_bytes", "received_bytes")
+    for op, stats in summary.get("calls", {}).items():
+        if not isinstance(stats, dict) or not all(
+            type(stats.get(k)) in (int, float) for k in call_keys
+        ):
+            raise ConfigError(f"{path}: calls[{op!r}] lacks {', '.join(call_keys)}")
     return summary
 
 
@@ -87,7 +97,7 @@ def _of_kind(records: Records, kind: str, prefix: str) -> dict[str, list[dict[st
     found = {
         name: [r for r in entries if r["kind"] == kind]
         for name, entries in records.items()
-        if name.startswith(prefix + "-")
+        if re.fullmatch(rf"{prefix}-[0-9]+", name)  # not, say, a renamed trainer-old
     }
     ordered = sorted(found, key=lambda name: int(name.rsplit("-", 1)[1]))
     return {name: found[name] for name in ordered if found[name]}

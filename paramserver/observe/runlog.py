@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from paramserver.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 METRICS = "metrics"
@@ -49,6 +51,7 @@ class RunLog:
         self._lines.close()
         if self._board is not None:
             self._board.close()
+            self._board = None
 
 
 def _summary_writer(directory: Path) -> Any:
@@ -78,16 +81,44 @@ def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:
 
 def read_records(run_dir: str | Path) -> dict[str, list[dict[str, Any]]]:
     """Every process's records in ``run_dir``, by process name (``trainer-0``, ``server-1``).
-    A torn last line (a process killed while writing) is skipped."""
+
+    A torn last line (a process killed while writing) is skipped; any other malformed line is
+    a ConfigError naming the file and line. A run that restarted from a checkpoint writes
+    steps again: the records it replaced (of a kind, from the step it resumed at) are dropped.
+    """
     records: dict[str, list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / METRICS).glob("*.jsonl")):
-        entries = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{path}: cannot read ({error})") from None
+        entries: list[dict[str, Any]] = []
+        latest: dict[str, int] = {}  # the last step of each kind
+        for number, line in enumerate(lines, start=1):
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
-                continue
-            if isinstance(entry, dict) and "kind" in entry and "step" in entry:
-                entries.append(entry)
+                if number == len(lines):
+                    continue
+                raise ConfigError(f"{path}:{number}: not a JSON object") from None
+            problem = _problem_with(entry)
+            if problem:
+                raise ConfigError(f"{path}:{number}: {problem}")
+            kind, step = entry["kind"], entry["step"]
+            if step < latest.get(kind, step):  # restarted: drop what the restart replaced
+                entries = [e for e in entries if e["kind"] != kind or e["step"] < step]
+            latest[kind] = step
+            entries.append(entry)
         records[path.stem] = entries
     return records
+
+
+def _problem_with(entry: Any) -> str | None:
+    if not isinstance(entry, dict):
+        return "not a JSON object"
+    if not isinstance(entry.get("kind"), str) or type(entry.get("step")) is not int:
+        return "a record needs a string 'kind' and an integer 'step'"
+    for key, value in entry.items():
+        if key != "kind" and value is not None and type(value) not in (int, float):
+            return f"{key!r} is not a number"
+    return None

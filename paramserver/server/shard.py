@@ -376,13 +376,15 @@ class ServerShard:
             }
         return out
 
-    def dense_check(self, checksums: object) -> dict[str, ServerView]:
+    def dense_check(self, checksums: dict) -> dict[str, ServerView]:
         """Each named dense parameter's version and checksum, and its value where the
         trainer's ``checksums`` (name -> checksum of its replica) differ."""
-        if type(checksums) is not dict or not all(
-            type(k) is str and type(v) is str for k, v in checksums.items()
-        ):
-            raise ParamServerError(f"server {self.server}: dense_check takes names and checksums")
+        for name, theirs in checksums.items():
+            if type(name) is not str or type(theirs) is not str:
+                raise ParamServerError(
+                    f"server {self.server}: dense_check takes parameter names and checksum "
+                    f"strings, got {name!r}: {type(theirs).__name__}"
+                )
         unknown = set(checksums) - set(self.dense)
         if unknown:
             raise ParamServerError(

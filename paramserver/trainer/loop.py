@@ -47,7 +47,7 @@ from paramserver.trainer.client import (
 )
 from paramserver.trainer.heartbeat import Heartbeats, wait_all
 from paramserver.trainer.observer import Evaluation, Observer
-from paramserver.trainer.replica import Inputs, MissingRows, Replica, TablesOnMeta, describe
+from paramserver.trainer.replica import Inputs, Replica, TablesOnMeta, describe
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
 
@@ -141,10 +141,13 @@ def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:
     values come with the first pull, buffers from :meth:`Replica.load_buffers`."""
     try:
         with TablesOnMeta():
-            return seeded_model(model_fn, seed)
+            model = seeded_model(model_fn, seed)
     except Exception as error:  # model_fn reads its tables' values: build them in memory
         log.debug("model_fn failed with tables on the meta device (%s); building them", error)
         return seeded_model(model_fn, seed)
+    if TablesOnMeta.leaked(model):  # something else was built from a table's values
+        return seeded_model(model_fn, seed)
+    return model
 
 
 def step_groups(
@@ -245,47 +248,51 @@ def _train(
         ids, bags = replica.record([batch[0] for batch in group])
         return Step(group, ids, bags)
 
-    grads = Gradients()
-    started = time.perf_counter()
-    current = record_next()
-    in_flight = (
-        client.push_pull({}, {}, current.ids, pool_bags=current.bags)
-        if current is not None
-        else None
-    )
-    while current is not None:
-        assert in_flight is not None
-        pulled = in_flight.wait()
-        checkpoints.after_reply(pulled.step, pulled.checkpoint_at, steps, samples)
-        following = record_next()
-        if prefetch:
-            # Pull the next step's rows while this one computes, pushing what is ready now.
-            in_flight = grads.push(client, following)
-        replica.load(
-            pulled.dense,
-            pulled.rows,
-            {name: (pulled.pooled[name], bags) for name, bags in current.bags.items()},
+    try:
+        grads = Gradients()
+        started = time.perf_counter()
+        current = record_next()
+        in_flight = (
+            client.push_pull({}, {}, current.ids, pool_bags=current.bags)
+            if current is not None
+            else None
         )
-        step_loss = 0.0
-        for batch_inputs, target in current.batches:
-            step_loss += _forward_backward(
-                replica, client, batch_inputs, target, loss_fn, len(current.batches)
+        while current is not None:
+            assert in_flight is not None
+            pulled = in_flight.wait()
+            checkpoints.after_reply(pulled.step, pulled.checkpoint_at, steps, samples)
+            following = record_next()
+            if prefetch:
+                # Pull the next step's rows while this one computes, pushing what is ready now.
+                in_flight = grads.push(client, following)
+            replica.load(
+                pulled.dense,
+                pulled.rows,
+                {name: (pulled.pooled[name], bags) for name, bags in current.bags.items()},
             )
-            samples += int(target.shape[0]) if target.dim() else 1
-        if config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
-        grads = Gradients.of(replica, pulled.step)
-        if not prefetch and following is not None:
-            in_flight = grads.push(client, following)
-        steps += 1
-        losses.append(step_loss)
-        observer.after_step(steps, samples, step_loss, pulled)
-        if on_progress is not None:
-            on_progress(Progress(trainer, steps, samples, step_loss))
-        current = following
-    if in_flight is not None:
-        in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
-    train_seconds = time.perf_counter() - started
+            step_loss = 0.0
+            for batch_inputs, target in current.batches:
+                step_loss += _forward_backward(
+                    replica, client, batch_inputs, target, loss_fn, len(current.batches)
+                )
+                samples += int(target.shape[0]) if target.dim() else 1
+            if config.clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
+            grads = Gradients.of(replica, pulled.step)
+            if not prefetch and following is not None:
+                in_flight = grads.push(client, following)
+            steps += 1
+            losses.append(step_loss)
+            observer.after_step(steps, samples, step_loss, pulled)
+            if on_progress is not None:
+                on_progress(Progress(trainer, steps, samples, step_loss))
+            current = following
+        if in_flight is not None:
+            in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
+        train_seconds = time.perf_counter() - started
+    except BaseException:
+        observer.close()  # its logs and profiler, whatever ended the steps
+        raise
     consistency = observer.finish(steps, samples)
     report = TrainerReport(
         trainer=trainer,
@@ -362,16 +369,7 @@ def _forward_backward(
     loss_fn: LossFn,
     batches_in_step: int,
 ) -> float:
-    while True:
-        try:
-            output = replica.forward(inputs)
-            break
-        except MissingRows as missing:
-            # The record pass missed a lookup (the model's lookups vary): fetch and run again.
-            ids = missing.ids
-            replica.tables[missing.table].check_range(ids)
-            pulled = client.pull({missing.table: ids})
-            replica.add_rows(missing.table, *pulled[missing.table])
+    output = replica.forward_fetching(inputs, client.pull)
     loss = loss_fn(output, target)
     if loss.dim() != 0:
         raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")

@@ -29,8 +29,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
-from paramserver.errors import ConfigError
-from paramserver.metrics import MetricFn
+from paramserver.metrics import MetricFn, evaluate
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
 from paramserver.trainer.client import PSClient, Pulled
@@ -87,7 +86,9 @@ class Observer:
         self._profiler: Any = None
         # The profiler is per process: under the threads launcher only the chief's runs.
         self._profiles = bool(config.profile_steps) and (self.chief or config.launcher != "threads")
-        if self._profiles and config.profile_start == 0:
+        if self._profiles and config.profile_start <= steps < config.profile_start + (
+            config.profile_steps
+        ):  # from the start, or resumed inside the profiled steps
             self._start_profiler()
 
     def after_step(self, steps: int, samples: int, loss: float, pulled: Pulled) -> None:
@@ -105,18 +106,23 @@ class Observer:
             self._evaluate(steps)
 
     def finish(self, steps: int, samples: int) -> dict[str, float]:
-        """Record what the last interval saw, close the logs; returns the consistency summary
-        for the trainer's report."""
+        """Record what the last interval saw and close; returns the consistency summary for
+        the trainer's report. (The final model is evaluated where it is gathered.)"""
         if self._profiler is not None:
             self._stop_profiler()
         if self._losses:
             self._record(steps, samples)
-        if self.evaluation is not None and (not self.evals or self.evals[-1]["step"] != steps):
-            self._evaluate(steps)
+        self.close()
+        return summarize_checks(self.checks)
+
+    def close(self) -> None:
+        """Stop the profiler (without a trace) and close the logs; again is a no-op."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
         for run_log in [self.log, *self.server_logs]:
             if run_log is not None:
                 run_log.close()
-        return summarize_checks(self.checks)
 
     # ---- records ----
 
@@ -200,23 +206,18 @@ class Observer:
         if self.log is not None:
             self.log.write("consistency", steps, divergence.as_record())
 
-    @torch.no_grad()
     def _evaluate(self, steps: int) -> None:
         assert self.evaluation is not None
-        replica = self.replica
-        replica.model.eval()
-        outputs, targets = [], []
-        try:
-            for inputs, target in self.evaluation.data_fn():
-                ids = replica.record_ids([inputs])
-                replica.load({}, self.client.pull(ids))
-                outputs.append(replica.forward(inputs))
-                targets.append(target)
-        finally:
-            replica.model.train()
-        if not outputs:
-            raise ConfigError("evaluation: its data_fn yielded no held-out batches")
-        metrics = self.evaluation.metric_fn(torch.cat(outputs), torch.cat(targets))
+        replica, client = self.replica, self.client
+
+        def forward(inputs: Inputs) -> Tensor:
+            replica.load({}, client.pull(replica.record_ids([inputs])))
+            return replica.forward_fetching(inputs, client.pull)
+
+        with client.transport.profiled_as("eval"):  # not the training's traffic
+            metrics = evaluate(
+                replica.model, self.evaluation.data_fn(), self.evaluation.metric_fn, forward
+            )
         self.evals.append({"step": steps, **metrics})
         if self.log is not None:
             self.log.write("eval", steps, metrics)

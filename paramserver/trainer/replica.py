@@ -19,7 +19,7 @@ parameter names are their state_dict names: an export loads into the user's mode
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -263,6 +263,21 @@ class TablesOnMeta(TorchFunctionMode):
             kwargs = {**kwargs, "device": "meta"}
         return func(*args, **kwargs)
 
+    @staticmethod
+    def leaked(model: nn.Module) -> bool:
+        """Whether a tensor other than a table's weight is on the meta device (a parameter,
+        buffer or attribute computed from a table's values, which could not be given any)."""
+        weights = {id(m.weight) for m in _find_embeddings(model).values()}
+        for module in model.modules():
+            tensors = [
+                *module._parameters.values(),
+                *module._buffers.values(),
+                *vars(module).values(),
+            ]
+            if any(isinstance(t, Tensor) and t.is_meta and id(t) not in weights for t in tensors):
+                return True
+        return False
+
 
 def _in_table_init() -> bool:
     frame = sys._getframe(2)
@@ -409,6 +424,19 @@ class Replica:
 
     def forward(self, inputs: Inputs) -> Tensor:
         return self.model(*as_tuple(inputs))
+
+    def forward_fetching(
+        self, inputs: Inputs, fetch: Callable[[dict[str, Tensor]], dict[str, tuple[Tensor, Tensor]]]
+    ) -> Tensor:
+        """:meth:`forward`, reading with ``fetch`` (ids -> ``(ids, rows)`` per table) the rows
+        a lookup misses (the record pass missed it: the model's lookups vary), then again."""
+        while True:
+            try:
+                return self.forward(inputs)
+            except MissingRows as missing:
+                ids = missing.ids
+                self.tables[missing.table].check_range(ids)
+                self.add_rows(missing.table, *fetch({missing.table: ids})[missing.table])
 
     def gradients(self) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, Tensor]]]:
         """Dense gradients (parameters without a gradient are left out) and, per table, the

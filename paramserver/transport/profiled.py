@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch.futures import Future
@@ -20,9 +23,22 @@ class ProfiledTransport(Transport):
         self.inner = inner
         self.num_servers = inner.num_servers
         self.profile = profile or CallProfile()
+        self._label = threading.local()
+
+    @contextmanager
+    def profiled_as(self, label: str) -> Iterator[None]:
+        """Record this thread's calls under ``LABEL:OP`` meanwhile (evaluation's reads apart
+        from training's, say)."""
+        self._label.value = label
+        try:
+            yield
+        finally:
+            self._label.value = None
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
-        self.profile.sent(op, payload_nbytes(args))
+        label = getattr(self._label, "value", None)
+        name = f"{label}:{op}" if label else op
+        self.profile.sent(name, payload_nbytes(args))
         started = time.perf_counter()
         answer = self.inner.call(server, op, *args, timeout_s=timeout_s)
 
@@ -34,10 +50,10 @@ class ProfiledTransport(Transport):
             try:
                 value = done.value()
             except BaseException as error:  # passed on with its type kept (as ``chain`` does)
-                self.profile.answered(op, seconds, 0)
+                self.profile.answered(name, seconds, 0)
                 result.set_exception(error)
             else:
-                self.profile.answered(op, seconds, payload_nbytes(value))
+                self.profile.answered(name, seconds, payload_nbytes(value))
                 result.set_result(value)
 
         answer.add_done_callback(record)
