@@ -6,9 +6,10 @@
   cumulative counters;
 - every ``consistency_every`` steps, a check of its dense replica against the servers (see
   :mod:`paramserver.observe.consistency`);
-- on the chief, every ``eval_every`` steps and at the end, the held-out metrics of the model
-  as its replica holds it: it reads the rows the held-out batches touch (reads that change
-  nothing on the servers) and uses the dense values of its current step;
+- on the chief, every ``eval_every`` steps, the held-out metrics of the model as its replica
+  holds it: it reads the rows the held-out batches touch (reads that change nothing on the
+  servers) and uses the dense values of its current step (``train()`` then scores the final
+  model where it gathers it);
 - a ``torch.profiler`` trace of ``profile_steps`` steps from step ``profile_start``.
 
 Everything here runs between steps, after the step's gradients were taken, so none of it can
