@@ -349,6 +349,24 @@ def test_records_of_a_restarted_run_replace_what_the_restart_redid(tmp_path: Pat
     assert write_report(tmp_path)[0].name == "loss.png"
 
 
+def test_tensorboard_drops_what_a_resumed_run_rewrites(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = RunLog(tmp_path, "trainer-0")
+    for step in (10, 20, 30):
+        first.write("train", step, {"loss": 1.0})
+    first.close()
+    resumed = RunLog(tmp_path, "trainer-0", resumed_at=20)  # from a checkpoint at step 20
+    for step in (30, 40):
+        resumed.write("train", step, {"loss": 2.0})
+    resumed.close()
+    board = EventAccumulator(str(tmp_path / "tensorboard" / "trainer-0"))
+    board.Reload()
+    assert [(e.step, e.value) for e in board.Scalars("train/loss")] == [
+        (10, 1.0), (20, 1.0), (30, 2.0), (40, 2.0)
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("name", "content", "problem"),
     [

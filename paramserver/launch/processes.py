@@ -95,7 +95,8 @@ def _run_group(
                 "model_fn": model_fn,
                 "data_fn": data_fn,
                 "loss_fn": loss_fn,
-                "evaluation": evaluation,
+                # Pickled apart: only the chief trainer loads it (held-out data can be large).
+                "evaluation": cloudpickle.dumps(evaluation),
             }
         )
     )

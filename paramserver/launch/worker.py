@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
             init_method=f"file://{spec_path.parent / 'rendezvous'}",
             loopback_only=True,
             on_progress=progress,
-            evaluation=spec["evaluation"],
+            evaluation=cloudpickle.loads(spec["evaluation"]) if rank == config.servers else None,
         )
     except BaseException as error:
         # The launcher puts this line in the error it raises; the traceback goes to stderr.

@@ -27,13 +27,18 @@ _warned_no_tensorboard = False
 
 
 class RunLog:
-    def __init__(self, run_dir: str | Path, name: str, tensorboard: bool = True):
+    def __init__(
+        self, run_dir: str | Path, name: str, tensorboard: bool = True, resumed_at: int = 0
+    ):
+        """``resumed_at``: the step a resumed run continues from; TensorBoard drops what the
+        earlier run logged from there on (the JSON lines keep it: :func:`read_records` drops
+        it)."""
         self.name = name
         metrics = Path(run_dir) / METRICS
         metrics.mkdir(parents=True, exist_ok=True)
         self._lines = (metrics / f"{name}.jsonl").open("a", encoding="utf-8")
         self._board: Any = (
-            _summary_writer(Path(run_dir) / TENSORBOARD / name) if tensorboard else None
+            _summary_writer(Path(run_dir) / TENSORBOARD / name, resumed_at) if tensorboard else None
         )
 
     def write(self, kind: str, step: int, values: dict[str, float]) -> None:
@@ -54,7 +59,7 @@ class RunLog:
             self._board = None
 
 
-def _summary_writer(directory: Path) -> Any:
+def _summary_writer(directory: Path, resumed_at: int) -> Any:
     global _warned_no_tensorboard
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -66,7 +71,10 @@ def _summary_writer(directory: Path) -> Any:
                 "writing the run's metrics as JSON lines only"
             )
         return None
-    return SummaryWriter(str(directory), flush_secs=10)
+    # Steps up to resumed_at were done before the checkpoint: keep them.
+    return SummaryWriter(
+        str(directory), flush_secs=10, purge_step=resumed_at + 1 if resumed_at else None
+    )
 
 
 def write_summary(run_dir: str | Path, summary: dict[str, Any]) -> Path:

@@ -74,9 +74,10 @@ class Observer:
         self.evals: list[dict[str, float]] = []  # the chief's: {"step": ..., metric: ...}
         self.checks: list[Divergence] = []
         run_dir = config.run_dir
-        self.log = RunLog(run_dir, f"trainer-{trainer}", config.tensorboard) if run_dir else None
+        board = config.tensorboard
+        self.log = RunLog(run_dir, f"trainer-{trainer}", board, steps) if run_dir else None
         self.server_logs = (
-            [RunLog(run_dir, f"server-{s}", config.tensorboard) for s in range(config.servers)]
+            [RunLog(run_dir, f"server-{s}", board, steps) for s in range(config.servers)]
             if run_dir and self.chief
             else []
         )
