@@ -31,9 +31,7 @@ class RunLog:
         self, run_dir: str | Path, name: str, tensorboard: bool = True, resumed_at: int = 0
     ):
         """``resumed_at``: the step a resumed run continues from; TensorBoard drops what the
-        earlier run logged from there on (the JSON lines keep it: :func:`read_records` drops
-        it)."""
-        self.name = name
+        earlier run logged after it (the JSON lines keep it: :func:`read_records` drops it)."""
         metrics = Path(run_dir) / METRICS
         metrics.mkdir(parents=True, exist_ok=True)
         self._lines = (metrics / f"{name}.jsonl").open("a", encoding="utf-8")
