@@ -19,6 +19,7 @@ from paramserver.observe.runlog import SUMMARY_FILE, read_records
 
 FIGURE_INCHES = (10.0, 6.0)
 DPI = 100  # so every plot is 1000 x 600 pixels
+_RECORD_KEYS = {"kind", "step", "wall_time"}  # a record's fields that are not values
 
 Records = dict[str, list[dict[str, Any]]]
 
@@ -140,9 +141,6 @@ def _draw_loss(figure: Any, records: Records) -> bool:
         handles, labels = handles + more_handles, labels + more_labels
     axes.legend(handles, labels, loc="upper right", fontsize="small")
     return True
-
-
-_RECORD_KEYS = {"kind", "step", "wall_time"}
 
 
 def _draw_throughput(figure: Any, records: Records) -> bool:
