@@ -18,7 +18,7 @@ from paramserver.errors import (
     ParamServerError,
     TrainerDepartedError,
 )
-from paramserver.trainer.observer import Evaluation
+from paramserver.metrics import Evaluation
 
 __all__ = [
     "ConfigError",

@@ -14,10 +14,9 @@ from torch.utils.data import RandomSampler
 
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
-from paramserver.metrics import evaluate
+from paramserver.metrics import Evaluation, as_summary
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.trainer.loop import Batch, DataFn, LossFn, ModelFn, Progress, seeded_model
-from paramserver.trainer.observer import Evaluation
 
 
 @dataclass
@@ -149,8 +148,8 @@ def _evaluate_final(
 ) -> None:
     """The final model's held-out metrics: ``eval_*`` in the summary, the last entry of its
     ``eval_history`` (at the chief's last step) and of the chief's records in the run dir."""
-    metrics = evaluate(model, evaluation.data_fn(), evaluation.metric_fn)
-    summary.update({f"eval_{name}": value for name, value in metrics.items()})
+    metrics = evaluation.score(model)
+    summary.update(as_summary(metrics))
     step = summary["trainer_steps"][0] if summary["trainer_steps"] else 0
     summary["eval_history"].append({"step": step, **metrics})
     if config.run_dir is not None:

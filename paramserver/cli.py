@@ -35,7 +35,13 @@ from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
-from paramserver.metrics import auc_of_scores, binary_metrics, evaluate, regression_metrics
+from paramserver.metrics import (
+    Evaluation,
+    as_summary,
+    auc_of_scores,
+    binary_metrics,
+    regression_metrics,
+)
 from paramserver.models.dlrm import DLRM
 from paramserver.models.rating import RatingModel
 from paramserver.observe.report import write_report
@@ -43,7 +49,6 @@ from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.server.snapshot import gather_saved
 from paramserver.trainer.loop import LossFn, trainer_model
-from paramserver.trainer.observer import Evaluation
 
 log = logging.getLogger("paramserver")
 
@@ -206,8 +211,7 @@ class Job:
         """The held-out metrics of ``model`` (``eval_*``), with the references."""
         if self.evaluation is None:
             return {}
-        metrics = evaluate(model, self.evaluation.data_fn(), self.evaluation.metric_fn)
-        return {**{f"eval_{k}": v for k, v in metrics.items()}, **self.references}
+        return {**as_summary(self.evaluation.score(model)), **self.references}
 
 
 def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:

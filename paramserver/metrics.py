@@ -7,6 +7,7 @@ that output logits; ``regression_metrics`` (RMSE and MAE) suits rating models.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,26 @@ def evaluate(
     if not outputs:
         raise ConfigError("evaluation: the held-out data yielded no batches")
     return metric_fn(torch.cat(outputs), torch.cat(targets))
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Held-out data and how to score it: ``data_fn()`` yields ``(inputs, target)`` batches;
+    ``metric_fn(outputs, targets)`` maps all outputs and targets to named values."""
+
+    data_fn: Callable[[], Iterable[tuple[Inputs, Tensor]]]
+    metric_fn: MetricFn
+
+    def score(
+        self, model: nn.Module, forward: Callable[[Inputs], Tensor] | None = None
+    ) -> dict[str, float]:
+        """:func:`evaluate` of ``model`` on this held-out data."""
+        return evaluate(model, self.data_fn(), self.metric_fn, forward)
+
+
+def as_summary(metrics: dict[str, float]) -> dict[str, float]:
+    """Held-out metrics as job-summary keys (``auc`` is ``eval_auc``)."""
+    return {f"eval_{name}": value for name, value in metrics.items()}
 
 
 def evaluate_binary(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) -> dict[str, float]:

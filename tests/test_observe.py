@@ -19,14 +19,13 @@ import torch
 import paramserver as ps
 from paramserver.cli import main
 from paramserver.errors import ConfigError, ParamServerError
-from paramserver.metrics import regression_metrics
+from paramserver.metrics import Evaluation, regression_metrics
 from paramserver.observe import runlog
 from paramserver.observe.calls import NUM_BUCKETS, CallStats
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import RunLog, read_records
 from paramserver.protocol import PushPullRequest, TrainerReport
 from paramserver.server.futures import failed
-from paramserver.trainer.observer import Evaluation
 from paramserver.transport.base import Transport
 from paramserver.transport.local import LocalTransport
 from paramserver.transport.profiled import ProfiledTransport

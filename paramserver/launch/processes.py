@@ -36,8 +36,8 @@ from torch import Tensor
 from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
+from paramserver.metrics import Evaluation
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
-from paramserver.trainer.observer import Evaluation
 
 GRACE_S = 3.0
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
+from paramserver.metrics import Evaluation
 from paramserver.observe.calls import CallStats
 from paramserver.observe.consistency import merge_checks
 from paramserver.server.consistency import Coordinator
@@ -29,7 +30,6 @@ from paramserver.trainer.loop import (
     run_trainer,
     seeded_model,
 )
-from paramserver.trainer.observer import Evaluation
 from paramserver.trainer.replica import describe
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import build_server
+from paramserver.metrics import Evaluation
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, TrainerOutcome, run_trainer
-from paramserver.trainer.observer import Evaluation
 from paramserver.transport.local import LocalTransport
 
 

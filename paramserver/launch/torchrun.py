@@ -16,8 +16,8 @@ from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
 from paramserver.launch.roles import run_rank
 from paramserver.launch.worker import die_with_parent
+from paramserver.metrics import Evaluation
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
-from paramserver.trainer.observer import Evaluation
 
 
 def run_torchrun_rank(

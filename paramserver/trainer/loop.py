@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
+from paramserver.metrics import Evaluation
 from paramserver.observe import peak_rss_bytes
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, latest, set_rng_state
@@ -46,7 +47,7 @@ from paramserver.trainer.client import (
     to_state_dict,
 )
 from paramserver.trainer.heartbeat import Heartbeats, wait_all
-from paramserver.trainer.observer import Evaluation, Observer
+from paramserver.trainer.observer import Observer
 from paramserver.trainer.replica import Inputs, Replica, TablesOnMeta, describe
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport

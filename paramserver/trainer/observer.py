@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +28,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
-from paramserver.metrics import MetricFn, evaluate
+from paramserver.metrics import Evaluation
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
 from paramserver.trainer.client import PSClient, Pulled
@@ -40,15 +38,6 @@ from paramserver.trainer.replica import Inputs, Replica
 log = logging.getLogger(__name__)
 
 PROFILE_DIR = "profile"
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Held-out data and how to score it: ``data_fn()`` yields ``(inputs, target)`` batches;
-    ``metric_fn(outputs, targets)`` maps all outputs and targets to named values."""
-
-    data_fn: Callable[[], Iterable[tuple[Inputs, Tensor]]]
-    metric_fn: MetricFn
 
 
 class Observer:
@@ -217,9 +206,7 @@ class Observer:
             return replica.forward_fetching(inputs, client.pull)
 
         with client.transport.profiled_as("eval"):  # not the training's traffic
-            metrics = evaluate(
-                replica.model, self.evaluation.data_fn(), self.evaluation.metric_fn, forward
-            )
+            metrics = self.evaluation.score(replica.model, forward)
         self.evals.append({"step": steps, **metrics})
         if self.log is not None:
             self.log.write("eval", steps, metrics)
