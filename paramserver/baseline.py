@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, seeded_model
 from paramserver.trainer.replica import EMBEDDINGS, as_tuple
@@ -72,12 +73,23 @@ def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> to
     )
 
 
+def check_model(model: nn.Module) -> None:
+    """ConfigError unless this reference can train ``model``: its tables must be fixed-size
+    (a DynamicEmbedding's rows exist only on servers)."""
+    if any(isinstance(m, DynamicEmbedding) for m in model.modules()):
+        raise ConfigError(
+            "the single-process reference trains fixed-size tables only, and this model has "
+            "DynamicEmbedding tables"
+        )
+
+
 def train_single_process(
     model_fn: ModelFn, data_fn: DataFn, loss_fn: LossFn, config: TrainConfig
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train on every trainer's batches in one process; returns the model and throughput."""
     torch.set_num_threads(config.threads_per_process)
     model = seeded_model(model_fn, config.seed)
+    check_model(model)
     model.train()
     optimizers = make_optimizers(model, config)
     samples = steps = 0

@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.api import train, under_torchrun
-from paramserver.baseline import train_single_process
+from paramserver.baseline import check_model, train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.config import TrainConfig, read_toml
 from paramserver.data import movielens
 from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
-from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
 from paramserver.metrics import (
     Evaluation,
@@ -344,13 +343,8 @@ def run_train(args: argparse.Namespace) -> int:
         role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
         log_as(role, force=True)
     job = build_job(args, config)
-    if args.compare_single_process and any(
-        isinstance(m, DynamicEmbedding) for m in trainer_model(job.model_fn, config.seed).modules()
-    ):
-        raise ConfigError(
-            "--compare-single-process: the single-process reference trains fixed-size tables "
-            "only, and this job's model has DynamicEmbedding tables"
-        )
+    if args.compare_single_process:  # fail before the job, not after it
+        check_model(trainer_model(job.model_fn, config.seed))
     if config.eval_every is not None and job.evaluation is None:
         raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
     display = ProgressDisplay(

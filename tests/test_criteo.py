@@ -259,3 +259,6 @@ def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert result["tables"]["embeddings.0.weight"]["rows"] > 0
     assert main(["train", "--dataset", "criteo:/no/such/file"]) == 2
     assert "no such file" in capsys.readouterr().err
+    # Its tables are dynamic: the single-process reference refuses it before the job starts.
+    assert main(["train", "--dataset", f"criteo:{train}", "--compare-single-process"]) == 2
+    assert "fixed-size tables only" in capsys.readouterr().err
