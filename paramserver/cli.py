@@ -385,11 +385,12 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-HELD_OUT_METRICS = (
-    ("eval_auc", "AUC"),
-    ("eval_logloss", "loss"),
-    ("eval_rmse", "RMSE"),
-    ("eval_mae", "MAE"),
+# Held-out metrics as printed: summary key, name, and the reference figure shown beside it.
+HELD_OUT_LINES = (
+    ("eval_auc", "AUC", "eval_auc_ceiling", "ground truth's own"),
+    ("eval_logloss", "loss", None, None),
+    ("eval_rmse", "RMSE", "eval_rmse_mean_predictor", "global-mean predictor"),
+    ("eval_mae", "MAE", None, None),
 )
 
 
@@ -401,23 +402,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"samples        {summary['samples']:,}  ({summary['samples_per_s']:,.0f} samples/s)",
         f"train loss     {summary['train_loss']:.4f}",
     ]
-    if "eval_auc" in summary:
-        ceiling = summary.get("eval_auc_ceiling")
-        known = f"  (ground truth's own: {ceiling:.4f})" if ceiling is not None else ""
-        lines += [
-            f"held-out AUC   {summary['eval_auc']:.4f}{known}",
-            f"held-out loss  {summary['eval_logloss']:.4f}",
-        ]
-    if "eval_rmse" in summary:
-        mean = summary.get("eval_rmse_mean_predictor")
-        known = f"  (global-mean predictor: {mean:.4f})" if mean is not None else ""
-        lines += [
-            f"held-out RMSE  {summary['eval_rmse']:.4f}{known}",
-            f"held-out MAE   {summary['eval_mae']:.4f}",
-        ]
+    for key, name, reference, described in HELD_OUT_LINES:
+        if key in summary:
+            known = f"  ({described}: {summary[reference]:.4f})" if reference in summary else ""
+            lines.append(f"{'held-out ' + name:<15}{summary[key]:.4f}{known}")
     single = summary.get("single_process")
     if single is not None:
-        figures = [f"{name} {single[key]:.4f}" for key, name in HELD_OUT_METRICS if key in single]
+        figures = [f"{name} {single[key]:.4f}" for key, name, *_ in HELD_OUT_LINES if key in single]
         held_out = f"; held-out {', '.join(figures)}" if figures else ""
         lines.append(f"single process {single['samples_per_s']:,.0f} samples/s{held_out}")
     lines.append(
