@@ -20,6 +20,7 @@ from paramserver.observe.runlog import SUMMARY_FILE, read_records
 FIGURE_INCHES = (10.0, 6.0)
 DPI = 100  # so every plot is 1000 x 600 pixels
 _RECORD_KEYS = {"kind", "step", "wall_time"}  # a record's fields that are not values
+TRAINER_STEP = "step (each trainer's own)"
 
 Records = dict[str, list[dict[str, Any]]]
 
@@ -123,9 +124,9 @@ def _draw_loss(figure: Any, records: Records) -> bool:
         return False
     axes = figure.add_subplot(1, 1, 1)
     _plot_each(axes, trained, "loss")
-    axes.set_xlabel("step (each trainer's own)")
-    axes.set_ylabel("training loss")
-    axes.set_title("Training loss and held-out metrics")
+    axes.set(
+        xlabel=TRAINER_STEP, ylabel="training loss", title="Training loss and held-out metrics"
+    )
     handles, labels = axes.get_legend_handles_labels()
     evaluated = _of_kind(records, "eval", "trainer")
     if evaluated:
@@ -143,49 +144,53 @@ def _draw_loss(figure: Any, records: Records) -> bool:
     return True
 
 
+def _panel(
+    axes: Any,
+    by_process: dict[str, list[dict[str, Any]]],
+    series: Sequence[tuple[str, str]],
+    ylabel: str,
+    title: str,
+    xlabel: str = TRAINER_STEP,
+) -> None:
+    """One plot of each process's ``(key, label suffix)`` series, labelled, with a legend."""
+    for key, suffix in series:
+        _plot_each(axes, by_process, key, suffix)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    axes.legend(fontsize="small")
+
+
 def _draw_throughput(figure: Any, records: Records) -> bool:
     trained = _of_kind(records, "train", "trainer")
-    if not trained:
-        return False
-    axes = figure.add_subplot(1, 1, 1)
-    _plot_each(axes, trained, "samples_per_s")
-    axes.set_xlabel("step (each trainer's own)")
-    axes.set_ylabel("samples/s")
-    axes.set_title("Throughput per trainer")
-    axes.legend(fontsize="small")
-    return True
+    if trained:
+        series = [("samples_per_s", "")]
+        _panel(figure.add_subplot(1, 1, 1), trained, series, "samples/s", "Throughput per trainer")
+    return bool(trained)
 
 
 def _draw_bytes(figure: Any, records: Records) -> bool:
     trained = _of_kind(records, "train", "trainer")
-    if not trained:
-        return False
-    axes = figure.add_subplot(1, 1, 1)
-    _plot_each(axes, trained, "push_bytes_per_step", " push")
-    _plot_each(axes, trained, "pull_bytes_per_step", " pull")
-    axes.set_xlabel("step (each trainer's own)")
-    axes.set_ylabel("bytes per step")
-    axes.set_title("Bytes per step, each direction")
-    axes.legend(fontsize="small")
-    return True
+    if trained:
+        series = [("push_bytes_per_step", " push"), ("pull_bytes_per_step", " pull")]
+        axes = figure.add_subplot(1, 1, 1)
+        _panel(axes, trained, series, "bytes per step", "Bytes per step, each direction")
+    return bool(trained)
+
+
+SERVER_PANELS = (
+    ("pushes_per_s", "pushes/s"),
+    ("rows_updated_per_s", "rows updated/s"),
+    ("update_time_share", "share of time updating"),
+    ("mean_staleness", "mean staleness (updates)"),
+)
 
 
 def _draw_servers(figure: Any, records: Records) -> bool:
     served = _of_kind(records, "server", "server")
     if not served:
         return False
-    panels = (
-        ("pushes_per_s", "pushes/s"),
-        ("rows_updated_per_s", "rows updated/s"),
-        ("update_time_share", "share of time updating"),
-        ("mean_staleness", "mean staleness (updates)"),
-    )
-    for index, (key, title) in enumerate(panels, start=1):
+    for index, (key, title) in enumerate(SERVER_PANELS, start=1):
         axes = figure.add_subplot(2, 2, index)
-        _plot_each(axes, served, key)
-        axes.set_title(title, fontsize="medium")
-        axes.set_xlabel("chief's step", fontsize="small")
-        axes.legend(fontsize="x-small")
+        _panel(axes, served, [(key, "")], "", title, xlabel="chief's step")
     figure.suptitle("Per-server load")
     figure.tight_layout()
     return True
@@ -195,15 +200,10 @@ def _draw_consistency(figure: Any, records: Records) -> bool:
     checked = _of_kind(records, "consistency", "trainer")
     if not checked:
         return False
-    behind = figure.add_subplot(2, 1, 1)
-    _plot_each(behind, checked, "versions_behind_max")
-    behind.set_ylabel("versions behind (max)")
-    behind.set_title("Dense replicas against the servers")
-    behind.legend(fontsize="small")
-    apart = figure.add_subplot(2, 1, 2)
-    _plot_each(apart, checked, "rel_l2_diff")
-    apart.set_ylabel("relative L2 distance")
-    apart.set_xlabel("step (each trainer's own)")
+    behind, apart = figure.add_subplot(2, 1, 1), figure.add_subplot(2, 1, 2)
+    title = "Dense replicas against the servers"
+    _panel(behind, checked, [("versions_behind_max", "")], "versions behind (max)", title, "")
+    _panel(apart, checked, [("rel_l2_diff", "")], "relative L2 distance", "")
     figure.tight_layout()
     return True
 
