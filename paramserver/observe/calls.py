@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 BUCKETS_PER_DECADE = 16
@@ -115,7 +115,4 @@ class CallProfile:
 
     def snapshot(self) -> dict[str, CallStats]:
         with self._lock:
-            return {
-                op: CallStats(s.calls, s.sent_bytes, s.received_bytes, s.max_s, list(s.histogram))
-                for op, s in self.ops.items()
-            }
+            return {op: replace(s, histogram=list(s.histogram)) for op, s in self.ops.items()}
