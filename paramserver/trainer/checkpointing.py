@@ -126,7 +126,7 @@ class TrainerCheckpoints:
         if not due or self.planned > self.saved_through or self._committing():
             return
         step = call + 1
-        calls = [self.transport.call(s, "plan_checkpoint", step) for s in self._servers()]
+        calls = self.transport.call_all("plan_checkpoint", step)
         wait_all(calls, self.alarm)
         self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
 
@@ -144,12 +144,10 @@ class TrainerCheckpoints:
         root = self.config.checkpoint_dir
         assert root is not None
         wait_all(
-            [self.transport.call(s, "take_checkpoint", step) for s in self._servers()],
+            self.transport.call_all("take_checkpoint", step),
             self.alarm,
         )
-        servers = [
-            self.transport.call(s, "checkpoint_part", step, timeout_s=0) for s in self._servers()
-        ]
+        servers = self.transport.call_all("checkpoint_part", step, timeout_s=0)
         trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
         config = self.config
 
@@ -175,6 +173,3 @@ class TrainerCheckpoints:
 
     def _committing(self) -> bool:
         return any(thread.is_alive() for thread in self._commits)
-
-    def _servers(self) -> range:
-        return range(self.transport.num_servers)

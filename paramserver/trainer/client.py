@@ -124,7 +124,7 @@ class PSClient:
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
-        futures = [self.transport.call(s, "fingerprint") for s in range(self.plan.num_servers)]
+        futures = self.transport.call_all("fingerprint")
         for server, future in enumerate(futures):
             theirs = future.wait()
             if theirs != self.plan.fingerprint:
@@ -348,11 +348,7 @@ def gather_state(
     Fixed tables come whole, rows in order; dynamic tables are the union of every server's
     rows, sorted by id (``"ids"``).
     """
-    num_servers = plan.num_servers
-    shards = [
-        f.wait()
-        for f in [transport.call(s, "export_state", with_optimizer) for s in range(num_servers)]
-    ]
+    shards = [f.wait() for f in transport.call_all("export_state", with_optimizer)]
     state: dict[str, dict[str, Tensor]] = {}
     for name, server in plan.dense_server.items():
         state[name] = shards[server][name]

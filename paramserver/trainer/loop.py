@@ -310,12 +310,10 @@ def _train(
     grads.push(client, None, final=True, report=report).wait()
     checkpoints.finish()
     # Wait for every other trainer to leave (or be declared departed), without a timeout.
-    wait_all(
-        [transport.call(s, "wait_all_left", timeout_s=0) for s in range(config.servers)], alarm
-    )
+    wait_all(transport.call_all("wait_all_left", timeout_s=0), alarm)
     if trainer != 0:
         # The same decision as the chief's below: has any server declared anyone departed?
-        departed = wait_all([transport.call(s, "departed") for s in range(config.servers)], alarm)
+        departed = wait_all(transport.call_all("departed"), alarm)
         return TrainerOutcome(report, graceful=not any(departed))
     state: dict[str, Tensor] = {}
     if config.gather_model:
@@ -324,11 +322,11 @@ def _train(
         buffers = replica.model.state_dict().items()
         state.update({k: v for k, v in buffers if k not in replica.dense})
     stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
-        [transport.call(s, "stats") for s in range(config.servers)], alarm
+        transport.call_all("stats"), alarm
     )
     # A departed trainer's process may be gone: the RPC world cannot shut down together.
     graceful = not any(s["departed"] for s in stats)
-    for call in [transport.call(s, "finish_job", graceful) for s in range(config.servers)]:
+    for call in transport.call_all("finish_job", graceful):
         with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
             call.wait()
     return TrainerOutcome(report, state, stats, graceful, observer.evals)

@@ -152,7 +152,7 @@ class Observer:
     def _record_servers(self, steps: int) -> None:
         transport = self.client.transport
         loads: list[dict[str, float]] = wait_all(  # type: ignore[assignment]
-            [transport.call(s, "load") for s in range(self.config.servers)], self.alarm
+            transport.call_all("load"), self.alarm
         )
         now = time.perf_counter()
         for server, (load, run_log) in enumerate(zip(loads, self.server_logs, strict=True)):

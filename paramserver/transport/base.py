@@ -27,6 +27,10 @@ class Transport(ABC):
         ``timeout_s`` overrides the transport's call timeout for this call (0: none).
         """
 
+    def call_all(self, op: str, *args: Any, timeout_s: float | None = None) -> list[Future]:
+        """``op`` on every server at once: one future per server, in server order."""
+        return [self.call(s, op, *args, timeout_s=timeout_s) for s in range(self.num_servers)]
+
     def push_pull(self, server: int, request: PushPullRequest) -> Future:
         """Push gradients and pull values in one round trip; the future holds a PushPullReply."""
         return self.call(server, "push_pull", request)
