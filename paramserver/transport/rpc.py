@@ -8,8 +8,11 @@ RPC world and serves until every worker leaves. The one function exposed to peer
 :func:`_serve`, which hands ``(op, args)`` to the endpoint's registered operations and returns
 its Future (``async_execution``), so a waiting sync round never holds an RPC thread.
 
-Local jobs rendezvous through a file (no TCPStore, which would listen on every interface) and
-bind TensorPipe to the loopback interface; see :func:`start`.
+Local jobs listen on loopback only, from their first moment: they rendezvous through a file (no
+TCPStore, which would listen on every interface), and both listeners ``init_rpc`` opens are bound
+to ``lo``: TensorPipe's (``TP_SOCKET_IFNAME``) and that of the Gloo group it builds while the ranks
+join (``GLOO_SOCKET_IFNAME``; without it Gloo binds to whatever the hostname resolves to, a
+network address on most containers and cloud VMs). See :func:`start`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def start(
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
     if loopback_only:
         os.environ["TP_SOCKET_IFNAME"] = "lo"
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=num_threads,
         rpc_timeout=timeout_s,
