@@ -26,6 +26,9 @@ MODES = ("async", "sync", "ssp")
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
 GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
+# A trainer stuck in its data or loop (heartbeats going on) is departed after this many
+# --trainer-timeout periods without progress: long enough for a slow batch or a model build.
+STALL_TIMEOUT_FACTOR = 6
 
 
 def _doc(text: str, **extra: Any) -> dict[str, Any]:
@@ -187,6 +190,15 @@ class TrainConfig:
             "seconds of silence (no call, no heartbeat) after which a trainer is declared "
             "departed: the others stop waiting for it and its later pushes are refused; also "
             "how long a trainer waits for a server's heartbeat answer"
+        ),
+    )
+    stall_timeout: float | None = field(
+        default=None,
+        metadata=_doc(
+            "seconds a trainer may make no progress (no batch drawn, no call to a server "
+            "made or awaited) while its heartbeats go on, stuck in its data or its loop, "
+            "before it is declared departed like a silent one (default: "
+            f"{STALL_TIMEOUT_FACTOR} x --trainer-timeout)"
         ),
     )
     dense_push_codec: str = field(
@@ -369,6 +381,11 @@ class TrainConfig:
                 f"--trainer-timeout ({self.trainer_timeout} s) must be at least twice "
                 f"--heartbeat-interval ({self.heartbeat_interval} s)"
             )
+        if self.stall_timeout is not None and not self.stall_timeout >= self.trainer_timeout:
+            raise ConfigError(
+                f"--stall-timeout ({self.stall_timeout} s) must be at least --trainer-timeout "
+                f"({self.trainer_timeout} s)"
+            )
         for name, codecs in (
             ("dense_push_codec", GRADIENT_CODECS),
             ("dense_pull_codec", VALUE_CODECS),
@@ -466,6 +483,13 @@ class TrainConfig:
     def version_gap(self) -> int | None:
         """How stale a trainer's cached row may be (None: trainers cache nothing)."""
         return self.cache_staleness if self.cache_rows else None
+
+    @property
+    def stall_limit(self) -> float:
+        """Seconds without progress after which a live trainer is declared departed."""
+        if self.stall_timeout is not None:
+            return self.stall_timeout
+        return STALL_TIMEOUT_FACTOR * self.trainer_timeout
 
     @property
     def prefetches(self) -> bool:

@@ -113,7 +113,7 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused() -> None:
     push(server, 0, 0).wait()
     push(server, 1, 0).wait()
     waiting = push(server, 0, 1)
-    server.coordinator.heartbeat(0)
+    server.coordinator.heartbeat(0, 0.0)
     now = time.monotonic()
     server.coordinator.check_liveness(now + 1.0)
     assert not waiting.done()
@@ -121,7 +121,7 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused() -> None:
     server.coordinator.check_liveness(now + 3.0)
     waiting.wait()  # the round closed without the departed trainer
     assert server.coordinator.liveness_stats()["departed"] == [1]
-    assert server.coordinator.heartbeat(1).wait() == "departed"
+    assert server.coordinator.heartbeat(1, 0.0).wait().startswith("departed: silent")
     before = server.shard.state_hash()
     with pytest.raises(TrainerDepartedError, match="declared departed"):
         push(server, 1, 1, row_grads=row_grad(server), grads_step=0).wait()

@@ -130,7 +130,7 @@ def test_profiled_transport_counts_each_operation_and_keeps_error_types() -> Non
     assert profiled.profile.ops["fingerprint"].calls == 1
     failing = ProfiledTransport(FailingTransport())
     with pytest.raises(ConfigError, match="refused"):
-        failing.call(0, "heartbeat", 0).wait()
+        failing.call(0, "heartbeat", 0, 0.0).wait()
     assert failing.profile.ops["heartbeat"].calls == 1
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -171,6 +173,28 @@ def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 1.0
 
 
+def _leave_if_stuck(name: str, config: TrainConfig) -> Callable[[BaseException], None]:
+    """What a trainer other than the chief does when its alarm goes off: if it was declared
+    departed and its loop is still blocked (in its data, say) a grace period later, its
+    process leaves the job (exit status 0: the job goes on without it, as with any departed
+    trainer), so no launcher waits on it forever."""
+
+    def on_alarm(error: BaseException) -> None:
+        if not isinstance(error, TrainerDepartedError):
+            return  # a lost server: the loop's next wait raises it
+
+        def leave() -> None:
+            log.warning("%s leaves the job, its loop still blocked: %s", name, error)
+            logging.shutdown()
+            os._exit(0)
+
+        timer = threading.Timer(config.trainer_timeout, leave)
+        timer.daemon = True
+        timer.start()
+
+    return on_alarm
+
+
 def run_rank(
     rank: int,
     config: TrainConfig,
@@ -213,12 +237,13 @@ def run_rank(
         # Serve until the chief has gathered the results; then leave with everyone (or alone,
         # if a trainer departed: its process may be gone, and a joint shutdown would wait on it).
         while not endpoint.finished.wait(1.0):
-            if endpoint.coordinator.chief_lost():  # no one is left to end the job
+            lost = endpoint.coordinator.chief_lost()
+            if lost is not None:  # no one is left to end the job
                 endpoint.coordinator.close()
                 rpc_transport.stop(graceful=False)
                 raise JobFailedError(
-                    f"{name}: the chief trainer departed (dead, frozen or cut off) before "
-                    "ending the job; stopping"
+                    f"{name}: the chief trainer (trainer0) is lost before ending the job: "
+                    f"{lost}; stopping"
                 )
         endpoint.coordinator.close()
         if not endpoint.graceful:
@@ -237,6 +262,7 @@ def run_rank(
             transport,
             on_progress,
             evaluation,
+            on_alarm=None if rank == config.servers else _leave_if_stuck(name, config),
         )
     except TrainerDepartedError as error:
         rpc_transport.stop(graceful=False)

@@ -6,15 +6,20 @@ and handy in notebooks; torch ops release the GIL, so trainers still overlap.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable
 
 from paramserver.config import TrainConfig
-from paramserver.errors import JobFailedError
+from paramserver.errors import JobFailedError, TrainerDepartedError
 from paramserver.launch.roles import build_server
 from paramserver.metrics import Evaluation
+from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, TrainerOutcome, run_trainer
 from paramserver.transport.local import LocalTransport
+
+log = logging.getLogger(__name__)
 
 
 def run_threads(
@@ -25,8 +30,28 @@ def run_threads(
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
 ) -> tuple[TrainerOutcome, LocalTransport]:
-    """Run the job; returns the chief's outcome and the transport (its servers stay readable)."""
-    endpoints = [build_server(s, config, model_fn) for s in range(config.servers)]
+    """Run the job; returns the chief's outcome and the transport (its servers stay readable,
+    their watchdogs stopped). No thread of the job outlives it, except a trainer declared
+    departed while stuck in its own data or loop (a thread cannot be stopped; it is logged)."""
+    endpoints: list[ServerEndpoint] = []
+    try:
+        for server in range(config.servers):
+            endpoints.append(build_server(server, config, model_fn))
+        return _run_trainers(config, endpoints, model_fn, data_fn, loss_fn, on_progress, evaluation)
+    finally:
+        for endpoint in endpoints:
+            endpoint.coordinator.close()
+
+
+def _run_trainers(
+    config: TrainConfig,
+    endpoints: list[ServerEndpoint],
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
+) -> tuple[TrainerOutcome, LocalTransport]:
     transport = LocalTransport(endpoints)
     outcomes: dict[int, TrainerOutcome] = {}
     errors: dict[int, BaseException] = {}
@@ -36,6 +61,11 @@ def run_threads(
             outcomes[rank] = run_trainer(
                 rank, config, model_fn, data_fn, loss_fn, transport, on_progress, evaluation
             )
+        except TrainerDepartedError as error:
+            if rank == 0:  # the chief: the job cannot end well without it
+                errors[rank] = error
+            else:  # declared departed: the job went on without this trainer
+                log.warning("trainer%d leaves the job: %s", rank, error)
         except BaseException as error:  # reported below, with the trainer's rank
             errors[rank] = error
             # Leave the job so sync rounds and the chief's wait do not hang on this trainer.
@@ -48,8 +78,15 @@ def run_threads(
     ]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
+    threads[0].join()
+    # A chief that succeeded ended the job once every other trainer left or departed: those
+    # still running after a grace period are departed and stuck in their data, and cannot be
+    # stopped. A chief that failed left the job: the others train on to their end.
+    deadline = time.monotonic() + config.trainer_timeout if 0 not in errors else None
+    for rank, thread in enumerate(threads[1:], start=1):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("trainer%d was declared departed and is still blocked; left behind", rank)
     if errors:
         rank, error = min(errors.items())
         raise JobFailedError(f"trainer {rank} failed: {type(error).__name__}: {error}") from error

@@ -17,8 +17,10 @@ by the call that closes the round: no RPC thread blocks.
 Stragglers: with a ``round_deadline``, a sync round open that long closes with the pushes
 present (at least ``min_contributors``); a push for a round that closed without it is not
 applied (counted as late) and is answered with current values. An SSP wait ends at the deadline
-too. Departures: a trainer silent (no call, no heartbeat) for ``trainer_timeout`` seconds is
-declared departed: rounds and bounds stop counting it, and its later calls are refused.
+too. Departures: a trainer silent (no call, no heartbeat) for ``trainer_timeout`` seconds, or
+whose heartbeats report its loop idle (no batch drawn, no call made or awaited) for the stall
+limit, is declared departed: rounds and bounds stop counting it, and its later calls are
+refused.
 A watchdog thread checks deadlines and silences; it only completes Futures.
 
 Membership: all trainers start in the round set. A push marked ``final`` (the trainer's data has
@@ -102,10 +104,12 @@ class Coordinator:
         self.round_deadline = config.round_deadline
         self.min_contributors = config.min_contributors
         self.trainer_timeout = config.trainer_timeout
+        self.stall_limit = config.stall_limit
         self.max_message_bytes = int(config.max_message_mb * 2**20)
         self.members: set[int] = set(range(config.trainers))
         self.left: set[int] = set()
         self.departed: set[int] = set()
+        self.departure_reasons: dict[int, str] = {}
         self.last_step: dict[int, int] = {}
         self.applied_step: dict[int, int] = {}  # each trainer's newest call applied here
         # Silence is counted from a trainer's last call or heartbeat, or, before its first,
@@ -125,11 +129,13 @@ class Coordinator:
         self.lock = threading.Lock()
         self.checkpoints = ServerCheckpoints(shard, self._members_now, config.checkpoint_dir)
         self._stopped = threading.Event()
-        _start_watchdog(self)
+        self._watchdog = _start_watchdog(self)
 
     def close(self) -> None:
-        """Stop the watchdog thread."""
+        """Stop the watchdog thread; returns once it has ended. The shard stays readable."""
         self._stopped.set()
+        if self._watchdog is not threading.current_thread():
+            self._watchdog.join()
 
     # ---- the calls a trainer makes ----
 
@@ -235,17 +241,32 @@ class Coordinator:
             return failed(error)
         return completed(self._answer(request, train=False))
 
-    def heartbeat(self, trainer: int) -> Future:
-        """Note that ``trainer`` is alive; answers what this server takes it to be."""
+    def heartbeat(self, trainer: int, idle_s: float) -> Future:
+        """Note that ``trainer`` is alive, its loop idle for ``idle_s`` seconds; answers what
+        this server takes it to be (``member``, ``left`` or ``departed: REASON``). A member
+        idle past the stall limit is stuck (in its data, say): it is departed now."""
         if type(trainer) is not int or not 0 <= trainer < self.num_trainers:
             return failed(
                 ParamServerError(f"server {self.shard.server}: unknown trainer {trainer!r}")
             )
+        if type(idle_s) is not float or not 0.0 <= idle_s < float("inf"):
+            return failed(ParamServerError(f"server {self.shard.server}: bad idle time"))
         with self.lock:
             if trainer in self.departed:
-                return completed("departed")
+                return completed(f"departed: {self.departure_reasons[trainer]}")
             self._seen(trainer)  # also after leaving: the chief beats until the job ends
-            return completed("left" if trainer in self.left else "member")
+            if trainer in self.left:
+                return completed("left")
+        if idle_s <= self.stall_limit:
+            return completed("member")
+        reason = f"it made no progress for {idle_s:.1f} s, stuck in its data or its loop"
+        self._leave([trainer], departed=True, reason=reason)
+        with self.lock:
+            if trainer not in self.departed:  # its final push came first: it left
+                return completed("left")
+            self.liveness.silence_s[trainer] = idle_s
+        log.warning("server %d: trainer %d departed: %s", self.shard.server, trainer, reason)
+        return completed(f"departed: {reason}")
 
     def wait_all_left(self) -> Future:
         """A future completed once every trainer has left."""
@@ -265,7 +286,7 @@ class Coordinator:
 
     def remove_trainer(self, trainer: int) -> None:
         """Take ``trainer`` out of the job (it failed): it counts as departed."""
-        self._leave([trainer], departed=True)
+        self._leave([trainer], departed=True, reason="it failed")
 
     def check_liveness(self, now: float | None = None) -> None:
         """Declare silent trainers departed, close rounds past their deadline and release
@@ -280,8 +301,10 @@ class Coordinator:
             ]
             for t in silent:  # how long it had been silent: the detection time
                 self.liveness.silence_s[t] = now - self.last_seen.get(t, first or now)
-        if silent:
-            self._leave(silent, departed=True)
+        for t in silent:
+            silence = self.liveness.silence_s[t]
+            reason = f"silent (no call, no heartbeat) for {silence:.1f} s"
+            self._leave([t], departed=True, reason=reason)
         with self.lock:
             ready = self._ready_rounds(now)
         self._close_rounds(ready)
@@ -291,17 +314,18 @@ class Coordinator:
         with self.lock:
             return frozenset(self.members)
 
-    def chief_lost(self) -> bool:
-        """Whether the chief trainer, who ends the job, departed or went silent after leaving."""
+    def chief_lost(self) -> str | None:
+        """Why the chief trainer, who ends the job, is lost (it departed, or went silent after
+        leaving); None while it is not."""
         with self.lock:
             if 0 in self.departed:
-                return True
+                return f"it was declared departed: {self.departure_reasons[0]}"
             seen = self.last_seen.get(0)
-            return (
-                0 in self.left
-                and seen is not None
-                and (time.monotonic() - seen > self.trainer_timeout)
-            )
+            if 0 in self.left and seen is not None:
+                silence = time.monotonic() - seen
+                if silence > self.trainer_timeout:
+                    return f"it went silent for {silence:.1f} s after its last push"
+            return None
 
     def liveness_stats(self) -> dict[str, Any]:
         with self.lock:
@@ -336,9 +360,10 @@ class Coordinator:
             self._first_contact = now
 
     def _departed(self, trainer: int) -> TrainerDepartedError:
+        """Called with the lock held."""
         return TrainerDepartedError(
-            f"server {self.shard.server}: trainer {trainer} was declared departed (silent over "
-            f"{self.trainer_timeout} s or failed); its later calls are refused"
+            f"server {self.shard.server}: trainer {trainer} was declared departed "
+            f"({self.departure_reasons[trainer]}); its later calls are refused"
         )
 
     def _refusal(self, request: PushPullRequest, previous: int) -> ParamServerError | None:
@@ -531,13 +556,19 @@ class Coordinator:
         with self.lock:
             self.rounds.remove(step)
 
-    def _leave(self, trainers: list[int], *, departed: bool = False) -> None:
+    def _leave(self, trainers: list[int], *, departed: bool = False, reason: str = "") -> None:
+        """Take ``trainers`` out of the rounds and bounds: they left (their data ended) or,
+        with ``departed``, were declared departed for ``reason``."""
         with self.lock:
             for trainer in trainers:
                 if trainer not in self.members:
                     continue
                 self.members.discard(trainer)
-                (self.departed if departed else self.left).add(trainer)
+                if departed:
+                    self.departed.add(trainer)
+                    self.departure_reasons[trainer] = reason
+                else:
+                    self.left.add(trainer)
             gone = set(trainers)
             self.pool_specs = {k: v for k, v in self.pool_specs.items() if k[0] not in gone}
             self._read_at = {k: v for k, v in self._read_at.items() if k[0] not in gone}
@@ -552,7 +583,7 @@ class Coordinator:
             future.set_result(None)
 
 
-def _start_watchdog(coordinator: Coordinator) -> None:
+def _start_watchdog(coordinator: Coordinator) -> threading.Thread:
     """A daemon thread ticking ``check_liveness``; it holds the coordinator weakly, so it ends
     with it (or on ``close``)."""
     ref = weakref.ref(coordinator)
@@ -569,4 +600,6 @@ def _start_watchdog(coordinator: Coordinator) -> None:
                 log.exception("server %d: liveness check failed", target.shard.server)
             del target
 
-    threading.Thread(target=watch, name="paramserver-watchdog", daemon=True).start()
+    thread = threading.Thread(target=watch, name="paramserver-watchdog", daemon=True)
+    thread.start()
+    return thread

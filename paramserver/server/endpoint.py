@@ -28,7 +28,7 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "dense_check": (dict,),
     "fingerprint": (),
     "initial_buffers": (),
-    "heartbeat": (int,),
+    "heartbeat": (int, float),
     "departed": (),
     "finish_job": (bool,),
     "plan_checkpoint": (int,),
@@ -96,8 +96,8 @@ class ServerEndpoint:
     def _op_dense_check(self, checksums: dict) -> Future:
         return completed(self.shard.dense_check(checksums))
 
-    def _op_heartbeat(self, trainer: int) -> Future:
-        return self.coordinator.heartbeat(trainer)
+    def _op_heartbeat(self, trainer: int, idle_s: float) -> Future:
+        return self.coordinator.heartbeat(trainer, idle_s)
 
     def _op_plan_checkpoint(self, step: int) -> Future:
         return self.coordinator.checkpoints.plan(step)

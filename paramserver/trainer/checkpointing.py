@@ -1,7 +1,10 @@
 """A trainer's side of checkpoints: the schedule, its own part, and (the chief) the commit.
 
-Every ``--checkpoint-every`` steps (or seconds) the chief, holding the answer to its call ``c``,
-announces step ``k = c + 1`` to every server; servers pass the news on in every answer. In sync
+Every ``--checkpoint-every`` steps (or seconds) the chief, holding the answer to its call ``c``
+and the batches of a next step, announces step ``k = c + 1`` to every server; servers pass the
+news on in every answer. (Without a next step its next call is its last, whose answer it never
+trains on: a checkpoint announced then would never be taken, and an announced checkpoint keeps
+sync rounds from closing short.) In sync
 mode round ``k`` cannot close before the chief pushes, so every trainer learns of ``k`` with the
 answer that completes it, and every shard and every trainer is saved at the same step
 boundary. Each trainer saves its data position and RNG states at the first step ``>= k`` (in
@@ -10,7 +13,8 @@ async mode trainers are at different steps; each resumes from its own).
 The chief asks every server for its snapshot before it pushes step ``k``'s gradients, then
 continues training while a background thread waits for the servers' and trainers' parts and
 commits (see :mod:`paramserver.checkpoint`). A checkpoint that cannot be completed is logged and
-skipped; the previous one stays valid.
+skipped; the previous one stays valid. Every wait for a commit watches the heartbeat alarm, so
+a server lost while a checkpoint is written ends the job with its error instead of a hang.
 """
 
 from __future__ import annotations
@@ -19,13 +23,21 @@ import logging
 import random
 import threading
 import time
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 from torch import Tensor
+from torch.futures import Future
 
-from paramserver.checkpoint import Checkpoint, checkpoint_dir, commit, load_latest, write_part
+from paramserver.checkpoint import (
+    Checkpoint,
+    Part,
+    checkpoint_dir,
+    commit,
+    load_latest,
+    write_part,
+)
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError
 from paramserver.trainer.heartbeat import wait_all
@@ -75,7 +87,7 @@ def latest(config: TrainConfig) -> Checkpoint | None:
 
 
 class TrainerCheckpoints:
-    def __init__(self, config: TrainConfig, trainer: int, transport: Transport, alarm: Any):
+    def __init__(self, config: TrainConfig, trainer: int, transport: Transport, alarm: Future):
         self.config = config
         self.trainer = trainer
         self.transport = transport
@@ -84,7 +96,7 @@ class TrainerCheckpoints:
         self.planned = -1  # chief: the newest step it announced
         self.last_planned_at = time.monotonic()
         self.last_planned_step = 0
-        self._commits: list[threading.Thread] = []
+        self._commits: list[Future] = []  # completed when each commit ends, well or not
 
     @property
     def enabled(self) -> bool:
@@ -97,23 +109,26 @@ class TrainerCheckpoints:
         self.saved_through = self.planned = self.last_planned_step = step
 
     def after_reply(self, call: int, announced: int, steps_done: int, samples: int) -> None:
-        """Called with the answer to call ``call`` in hand, before this step computes."""
+        """Called with the answer to call ``call`` in hand, before this step computes and
+        before the next step's batches are drawn (the saved RNG states precede them)."""
         if not self.enabled:
             return
-        if self.trainer == 0:
-            self._maybe_announce(call)
         if announced > self.saved_through and call >= announced:
             self._save_own_part(announced, steps_done, samples)
             if self.trainer == 0:
                 self._take_and_commit(announced)
 
     def finish(self) -> None:
-        """Wait for the commits under way (the chief, at the end of the job)."""
-        for thread in self._commits:
-            thread.join()
+        """Wait for the commits under way (the chief, at the end of the job); a lost server
+        ends the wait with its error."""
+        wait_all(self._commits, self.alarm)
 
-    def _maybe_announce(self, call: int) -> None:
+    def announce_if_due(self, call: int) -> None:
+        """Chief: announce step ``call + 1`` if a checkpoint is due. Call it only with the
+        batches of that next step in hand (see the module docstring)."""
         config = self.config
+        if not self.enabled or self.trainer != 0:
+            return
         due = (
             config.checkpoint_every is not None
             and call + 1 - self.last_planned_step >= config.checkpoint_every
@@ -151,25 +166,27 @@ class TrainerCheckpoints:
         trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
         config = self.config
 
+        committed: Future = Future()
+
         def finish() -> None:
             try:
-                server_parts = [f.wait() for f in servers]
-                trainer_parts = trainers.wait()
+                answers = wait_all([*servers, trainers], self.alarm)
+                trainer_parts = cast(list[Part], answers.pop())
+                parts = [*cast(list[Part], answers), *trainer_parts]
                 meta = {
                     "servers": config.servers,
                     "trainers": config.trainers,
                     "mode": config.mode,
                 }
-                commit(
-                    root, step, [*server_parts, *trainer_parts], meta, keep=config.checkpoint_keep
-                )
+                commit(root, step, parts, meta, keep=config.checkpoint_keep)
                 log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
             except Exception:
                 log.exception("checkpoint %d not committed; the previous one stays", step)
+            finally:
+                committed.set_result(None)
 
-        thread = threading.Thread(target=finish, name=f"commit-{step}", daemon=True)
-        thread.start()
-        self._commits.append(thread)
+        self._commits = [c for c in self._commits if not c.done()] + [committed]
+        threading.Thread(target=finish, name=f"commit-{step}", daemon=True).start()
 
     def _committing(self) -> bool:
-        return any(thread.is_alive() for thread in self._commits)
+        return any(not c.done() for c in self._commits)

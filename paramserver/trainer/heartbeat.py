@@ -6,12 +6,18 @@ trainer notices a lost server at once when its connection breaks (a dead process
 ``timeout_s`` when it stops answering (a frozen one), not at the data call's RPC timeout. A lost
 server, or a server that declared this trainer departed, completes :attr:`Heartbeats.alarm`
 with the error; :func:`wait_all` gives up waiting on calls as soon as the alarm goes off.
+
+Heartbeats prove the process lives, not that it trains: a trainer blocked in its data (a hung
+read, a deadlocked DataLoader) would beat forever. So each heartbeat carries how long the
+trainer's loop has made no progress (:class:`Activity`: no batch drawn, no call to a server
+made, awaited or answered), and a server departs a trainer idle past the stall limit.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.futures import Future
@@ -23,12 +29,64 @@ from paramserver.transport.base import Transport
 ALARM_POLL_S = 0.05
 
 
+class Activity:
+    """When a trainer's loop last made progress. Thread-safe.
+
+    Idle time counts only once the loop has started (model building is not idle) and not
+    while a call to a server is outstanding: a trainer waiting on a server (a sync round
+    waiting for a straggler, say) is not the one stuck."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+        self._outstanding = 0
+        self._last = time.monotonic()
+
+    def start(self) -> None:
+        with self._lock:
+            self._started = True
+            self._last = time.monotonic()
+
+    def touch(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+
+    def call_started(self) -> None:
+        with self._lock:
+            self._outstanding += 1
+            self._last = time.monotonic()
+
+    def call_ended(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+            self._last = time.monotonic()
+
+    def idle_s(self) -> float:
+        """Seconds since the last progress (0 before the loop starts or while waiting)."""
+        with self._lock:
+            if not self._started or self._outstanding:
+                return 0.0
+            return time.monotonic() - self._last
+
+
 class Heartbeats:
-    def __init__(self, transport: Transport, trainer: int, interval: float, timeout_s: float):
+    def __init__(
+        self,
+        transport: Transport,
+        trainer: int,
+        interval: float,
+        timeout_s: float,
+        activity: Activity | None = None,
+        on_alarm: Callable[[BaseException], None] | None = None,
+    ):
+        """``activity``: the loop's progress, reported with every heartbeat; ``on_alarm`` is
+        called (from the heartbeat thread) with the error when the alarm goes off."""
         self.transport = transport
         self.trainer = trainer
         self.interval = interval
         self.timeout_s = timeout_s
+        self.activity = activity or Activity()
+        self.on_alarm = on_alarm
         self.alarm: Future = Future()
         self._alarm_lock = threading.Lock()
         self._stopped = threading.Event()
@@ -41,25 +99,37 @@ class Heartbeats:
         return self
 
     def stop(self) -> None:
+        """Stop beating; returns once the thread has ended (within one heartbeat's wait)."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(self.interval + ALARM_POLL_S)
 
     def _run(self) -> None:
         # One heartbeat in flight per server: a server slow to answer one (busy exporting a
-        # large shard, say) delays no other server's heartbeats.
-        in_flight: dict[int, Future] = {}
+        # large shard, say) delays no other server's heartbeats. A heartbeat unanswered past
+        # timeout_s is a lost server even where the transport itself never times out.
+        in_flight: dict[int, tuple[Future, float]] = {}
         while not self._stopped.is_set():
+            now = time.monotonic()
             for server in range(self.transport.num_servers):
-                call = in_flight.get(server)
+                call, sent = in_flight.get(server, (None, now))
                 if call is not None and not call.done():
-                    continue
+                    if now - sent <= self.timeout_s:
+                        continue
+                    call = failed(TimeoutError(f"no answer in {now - sent:.1f} s"))
                 if call is not None and not self._answered(server, call):
                     return
                 try:
-                    in_flight[server] = self.transport.call(
-                        server, "heartbeat", self.trainer, timeout_s=self.timeout_s
+                    call = self.transport.call(
+                        server,
+                        "heartbeat",
+                        self.trainer,
+                        self.activity.idle_s(),
+                        timeout_s=self.timeout_s,
                     )
                 except Exception as error:  # the transport itself is gone
-                    in_flight[server] = failed(error)
+                    call = failed(error)
+                in_flight[server] = (call, now)
             self._stopped.wait(self.interval)
 
     def _answered(self, server: int, call: Future) -> bool:
@@ -77,11 +147,12 @@ class Heartbeats:
                     )
                 )
             return False
-        if status == "departed":
+        if isinstance(status, str) and status.startswith("departed"):
+            reason = status.partition(":")[2].strip() or "it was silent too long"
             self._raise(
                 TrainerDepartedError(
-                    f"server {server} declared trainer {self.trainer} departed "
-                    "(it was silent too long); its pushes are refused"
+                    f"server {server} declared trainer {self.trainer} departed ({reason}); "
+                    "its pushes are refused"
                 )
             )
             return False
@@ -89,8 +160,11 @@ class Heartbeats:
 
     def _raise(self, error: Exception) -> None:
         with self._alarm_lock:
-            if not self.alarm.done():
-                self.alarm.set_exception(error)
+            if self.alarm.done():
+                return
+            self.alarm.set_exception(error)
+        if self.on_alarm is not None:
+            self.on_alarm(error)
 
 
 def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:

@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.futures import Future
 
 from paramserver.config import TrainConfig
 from paramserver.metrics import Evaluation
@@ -46,7 +45,7 @@ from paramserver.trainer.client import (
     gather_state,
     to_state_dict,
 )
-from paramserver.trainer.heartbeat import Heartbeats, wait_all
+from paramserver.trainer.heartbeat import Activity, Heartbeats, wait_all
 from paramserver.trainer.observer import Observer
 from paramserver.trainer.replica import Inputs, Replica, TablesOnMeta, describe
 from paramserver.transport.base import Transport
@@ -179,13 +178,24 @@ def run_trainer(
     transport: Transport,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
+    on_alarm: Callable[[BaseException], None] | None = None,
 ) -> TrainerOutcome:
-    transport = ProfiledTransport(transport)  # every call's latency and bytes, by operation
+    """Train until this trainer's data ends; the chief then gathers the job's results.
+    ``on_alarm`` hears (from the heartbeat thread) of a lost server or of this trainer's
+    departure, even while the loop is blocked in its data."""
+    activity = Activity()
+    # Every call's latency and bytes, by operation; every call is progress.
+    transport = ProfiledTransport(transport, activity=activity)
     # Heartbeats first: model building can take a while, and the servers count silence. A
     # server may take as long to answer one as servers wait for a silent trainer (a busy one,
     # exporting a large shard say, can take seconds; a dead one fails at once).
     heartbeats = Heartbeats(
-        transport, trainer, config.heartbeat_interval, config.trainer_timeout
+        transport,
+        trainer,
+        config.heartbeat_interval,
+        config.trainer_timeout,
+        activity,
+        on_alarm,
     ).start()
     try:
         return _train(
@@ -195,7 +205,7 @@ def run_trainer(
             data_fn,
             loss_fn,
             transport,
-            heartbeats.alarm,
+            heartbeats,
             on_progress,
             evaluation,
         )
@@ -210,10 +220,11 @@ def _train(
     data_fn: DataFn,
     loss_fn: LossFn,
     transport: ProfiledTransport,
-    alarm: Future,
+    heartbeats: Heartbeats,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> TrainerOutcome:
+    alarm = heartbeats.alarm
     model = trainer_model(model_fn, config.seed)
     plan = describe(model, config.servers)
     config.check_tables(plan.tables)
@@ -244,6 +255,7 @@ def _train(
 
     def record_next() -> Step | None:
         group = next(groups, None)
+        heartbeats.activity.touch()  # a batch drawn: the loop is not stuck in its data
         if group is None:
             return None
         ids, bags = replica.record([batch[0] for batch in group])
@@ -252,6 +264,7 @@ def _train(
     try:
         grads = Gradients()
         started = time.perf_counter()
+        heartbeats.activity.start()  # from here on, the servers hear how long it is idle
         current = record_next()
         in_flight = (
             client.push_pull({}, {}, current.ids, pool_bags=current.bags)
@@ -263,6 +276,8 @@ def _train(
             pulled = in_flight.wait()
             checkpoints.after_reply(pulled.step, pulled.checkpoint_at, steps, samples)
             following = record_next()
+            if following is not None:  # a checkpoint the chief can take: it has a next step
+                checkpoints.announce_if_due(pulled.step)
             if prefetch:
                 # Pull the next step's rows while this one computes, pushing what is ready now.
                 in_flight = grads.push(client, following)

@@ -1,4 +1,6 @@
-"""A transport that profiles every call it passes on: latency and bytes per operation."""
+"""A transport that profiles every call it passes on: latency and bytes per operation, and
+(given an :class:`~paramserver.trainer.heartbeat.Activity`-like tracker) marks each call other
+than a heartbeat as the trainer's progress."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from torch.futures import Future
 
@@ -15,14 +17,26 @@ from paramserver.protocol import payload_nbytes
 from paramserver.transport.base import Transport
 
 
+class CallTracker(Protocol):
+    def call_started(self) -> None: ...
+    def call_ended(self) -> None: ...
+
+
 class ProfiledTransport(Transport):
     """Wraps ``inner``; a call's latency runs from the call to its answer (or failure), and
-    its bytes are the tensor data of its arguments and answer (:func:`payload_nbytes`)."""
+    its bytes are the tensor data of its arguments and answer (:func:`payload_nbytes`).
+    ``activity`` hears of every call but heartbeats as it starts and ends."""
 
-    def __init__(self, inner: Transport, profile: CallProfile | None = None):
+    def __init__(
+        self,
+        inner: Transport,
+        profile: CallProfile | None = None,
+        activity: CallTracker | None = None,
+    ):
         self.inner = inner
         self.num_servers = inner.num_servers
         self.profile = profile or CallProfile()
+        self.activity = activity
         self._label = threading.local()
 
     @contextmanager
@@ -39,14 +53,24 @@ class ProfiledTransport(Transport):
         label = getattr(self._label, "value", None)
         name = f"{label}:{op}" if label else op
         self.profile.sent(name, payload_nbytes(args))
+        tracked = self.activity if op != "heartbeat" else None
+        if tracked is not None:
+            tracked.call_started()
         started = time.perf_counter()
-        answer = self.inner.call(server, op, *args, timeout_s=timeout_s)
+        try:
+            answer = self.inner.call(server, op, *args, timeout_s=timeout_s)
+        except BaseException:
+            if tracked is not None:
+                tracked.call_ended()
+            raise
 
         result: Future = Future()
 
         def record(done: Future) -> None:
             # Recorded before the caller's wait returns: ``result`` completes after.
             seconds = time.perf_counter() - started
+            if tracked is not None:
+                tracked.call_ended()
             try:
                 value = done.value()
             except BaseException as error:  # passed on with its type kept (as ``chain`` does)
