@@ -46,7 +46,10 @@ coordinate is sent once it has accumulated enough, and the sum of what was sent 
 always equals the sum of the true gradients (see :class:`ErrorFeedback`).
 
 A server must not trust an :class:`Encoded` from a peer: :func:`validate` checks one without
-raising, and :func:`decode` is safe on anything it accepted.
+raising, and :func:`decode` is safe on anything it accepted. Each path accepts only the codecs
+trainers use on it: any of :data:`CODECS` for dense gradients (top-k comes with error feedback
+there), :data:`ROW_CODECS` for embedding rows and pooled vectors, whose top-k encoding no trainer
+sends and which would decode to a tensor far larger than its message.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ import torch
 from torch import Tensor
 
 CODECS = ("none", "fp16", "bf16", "int8", "topk")
+ROW_CODECS = ("none", "fp16", "bf16", "int8")  # rows and pooled vectors: no top-k
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -158,9 +162,12 @@ def error_bound(codec: str, tensor: Tensor) -> Tensor:
     return x
 
 
-def validate(encoded: object, shape: tuple[int, ...]) -> str | None:
-    """None if ``encoded`` is a well-formed :class:`Encoded` that decodes to a finite float32
-    tensor of exactly ``shape``; otherwise a short reason. Never raises, whatever it is given.
+def validate(
+    encoded: object, shape: tuple[int, ...], codecs: tuple[str, ...] = CODECS
+) -> str | None:
+    """None if ``encoded`` is a well-formed :class:`Encoded` in one of ``codecs`` that decodes
+    to a finite float32 tensor of exactly ``shape``; otherwise a short reason. Never raises,
+    whatever it is given; its work and memory grow with the payload, not with ``shape``.
 
     Meant for a server reading a peer's message; ``shape`` is the server's own (trusted).
     """
@@ -172,6 +179,8 @@ def validate(encoded: object, shape: tuple[int, ...]) -> str | None:
     if type(codec) is not str or codec not in CODECS:
         what = repr(codec[:32]) if type(codec) is str else type(codec).__name__
         return f"unknown codec {what}; expected one of {', '.join(CODECS)}"
+    if codec not in codecs:
+        return f"codec {codec} is not used here; expected one of {', '.join(codecs)}"
     shape = tuple(shape)
     if type(claimed) is not tuple or not all(type(d) is int for d in claimed):
         return "shape must be a tuple of ints"

@@ -182,6 +182,56 @@ def payload_nbytes(message: Any, *, uncompressed: bool = False) -> int:
     return 0
 
 
+def message_nbytes(message: Any) -> int:
+    """An upper bound on the memory a peer's message holds once decoded, for a server's size
+    cap: every tensor's data (all ``numel`` elements, even when they share storage), each
+    encoded tensor's payload plus the float32 tensor its shape claims (``none`` decodes to its
+    payload), and strings and bytes by length.
+
+    Never raises and does not recurse, whatever the message: a peer's may hold cycles, deep
+    nesting or a claimed shape of absurd size.
+    """
+    total = 0
+    pending = [message]
+    seen: set[int] = set()  # objects reached twice (shared, or in a cycle) count once
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, str | bytes | bytearray):
+            total += len(item)
+        elif isinstance(item, Encoded):
+            if getattr(item, "codec", None) != "none":
+                total += _claimed_nbytes(getattr(item, "shape", None))
+            pending.append(getattr(item, "tensors", None))
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pending.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            pending.extend(item)
+    return total
+
+
+def _claimed_nbytes(shape: object) -> int:
+    """Bytes of the float32 tensor an encoded ``shape`` claims; 0 for a malformed shape (the
+    server refuses it before decoding) and at most 2^62."""
+    if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
+        return 0
+    if 0 in shape:
+        return 0
+    nbytes = 4
+    for dim in shape:
+        nbytes *= dim
+        if nbytes > 2**62:  # stop early: a product of many huge claims is slow to compute
+            return 2**62
+    return nbytes
+
+
 def clone_message(message: Any) -> Any:
     """A deep copy whose tensors share nothing with the original (an in-process 'wire')."""
     if isinstance(message, Tensor):

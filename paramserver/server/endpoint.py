@@ -2,10 +2,16 @@
 
 Transports deliver ``(op, args)`` here and nothing else; an op that is not listed in
 :data:`OPERATIONS` is refused. Every op returns a :class:`torch.futures.Future` and none blocks.
+
+Size cap (``--max-message-mb``): a call whose arguments hold more, once decoded, is refused
+before it runs. ``push_pull`` and ``pull`` are measured by the coordinator, with the rows their
+answers read (:meth:`~paramserver.server.shard.ServerShard.check_size`); the other answers are
+the server's own state or small.
 """
 
 from __future__ import annotations
 
+import reprlib
 import threading
 from typing import Any
 
@@ -14,6 +20,7 @@ from torch.futures import Future
 
 from paramserver.checkpoint import Part
 from paramserver.errors import ParamServerError
+from paramserver.protocol import message_nbytes
 from paramserver.server.consistency import Coordinator
 from paramserver.server.futures import completed, failed
 
@@ -37,6 +44,7 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "add_trainer_part": (int, int, Part),
     "trainer_parts": (int,),
 }
+SIZED_BY_COORDINATOR = ("push_pull", "pull")  # request and answer, naming the parameter
 
 
 class ServerEndpoint:
@@ -59,7 +67,17 @@ class ServerEndpoint:
             or not all(isinstance(a, t) for a, t in zip(args, expected, strict=True))
         ):
             return failed(
-                ParamServerError(f"server {self.shard.server}: bad arguments to {op}: {args!r:.80}")
+                ParamServerError(
+                    f"server {self.shard.server}: bad arguments to {op}: {reprlib.repr(args)}"
+                )
+            )
+        cap = self.coordinator.max_message_bytes
+        if op not in SIZED_BY_COORDINATOR and (held := message_nbytes(args)) > cap:
+            return failed(
+                ParamServerError(
+                    f"server {self.shard.server}: a {op} call holding {held} bytes exceeds the "
+                    f"cap of {cap} bytes (--max-message-mb)"
+                )
             )
         try:
             return getattr(self, f"_op_{op}")(*args)

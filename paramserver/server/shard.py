@@ -22,12 +22,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserver.compression import Encoded, decode, encode, plain, validate
+from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, plain, validate
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import ServerView, checksum
-from paramserver.protocol import BagBlock, PushPullReply, PushPullRequest, RowBlock, must_send
+from paramserver.protocol import (
+    BagBlock,
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    message_nbytes,
+    must_send,
+    payload_nbytes,
+)
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import Table, make_table
 from paramserver.sharding import ShardPlan
@@ -65,9 +73,6 @@ class ServerStats:
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }
-
-
-MAX_POOLED_BYTES = 1 << 28  # pooled vectors of one pull: what a peer can make a server allocate
 
 
 def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
@@ -116,26 +121,93 @@ class ServerShard:
 
     # ---- validation: a push is checked whole before anything is applied ----
 
+    def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
+        """Refuse a call that would make this server hold over ``max_bytes`` for it, before
+        anything in it is decoded or read; returns its bytes on the wire.
+
+        Two measures, each against ``max_bytes``: the request with its tensors decoded
+        (:func:`~paramserver.protocol.message_nbytes`), and the rows its answer reads (``n`` ids
+        of a ``dim``-wide table read ``n x dim`` values however few are sent; a pooled pull also
+        reads a row per id, then ``num_bags x dim`` sums). Dense values are not counted: their
+        size is the model's, not the caller's. Only the request's header (field types) must
+        have been checked; malformed contents count 0 here and are refused by :meth:`validate`.
+        """
+        held = message_nbytes(request)
+        if held > max_bytes:
+            raise self._reject(
+                _largest(self._request_nbytes(request)),
+                f"a call holding {held} bytes once decoded exceeds the cap of {max_bytes} "
+                "bytes (--max-message-mb)",
+            )
+        answer = self._answer_nbytes(request)
+        read = sum(answer.values())
+        if read > max_bytes:
+            raise self._reject(
+                _largest(answer),
+                f"an answer reading {read} bytes of rows exceeds the cap of {max_bytes} bytes "
+                "(--max-message-mb)",
+            )
+        return payload_nbytes(request)
+
+    @staticmethod
+    def _request_nbytes(request: PushPullRequest) -> dict[str, int]:
+        """:func:`message_nbytes` of each parameter's parts of ``request``."""
+        sizes: dict[str, int] = {}
+        for part in (
+            request.dense_grads,
+            request.row_grads,
+            request.pull_rows,
+            request.pull_versions,
+            request.pool_rows,
+            request.pooled_grads,
+        ):
+            for name, value in part.items():
+                sizes[name] = sizes.get(name, 0) + message_nbytes(value)
+        return sizes
+
+    def _answer_nbytes(self, request: PushPullRequest) -> dict[str, int]:
+        """Bytes of rows each table's part of the answer reads (see :meth:`check_size`)."""
+        sizes: dict[str, int] = {}
+        for name, ids in request.pull_rows.items():
+            table = self.tables.get(name)
+            if table is not None and isinstance(ids, Tensor):
+                version_bytes = 8 if name in request.pull_versions else 0
+                per_id = table.spec.dim * table.weight.element_size() + version_bytes
+                sizes[name] = ids.numel() * per_id
+        for name, block in request.pool_rows.items():
+            table = self.tables.get(name)
+            if (
+                table is not None
+                and type(block) is BagBlock
+                and isinstance(block.ids, Tensor)
+                and type(block.num_bags) is int
+            ):
+                rows = block.ids.numel() + max(block.num_bags, 0)
+                row_bytes = table.spec.dim * table.weight.element_size()
+                sizes[name] = sizes.get(name, 0) + rows * row_bytes
+        return sizes
+
     def decode_request(self, request: PushPullRequest) -> None:
         """Replace encoded gradients by their float32 values (before :meth:`validate`); raise
-        :class:`InvalidPushError` for an encoding that does not stand for the expected shape."""
+        :class:`InvalidPushError` for an encoding that does not stand for the expected shape,
+        in a codec trainers use there, or for row ids that are invalid (checked first: they
+        set the size a row gradient decodes to)."""
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if type(grad) is Encoded and slot is not None:
                 request.dense_grads[name] = self.decoded(name, grad, tuple(slot.value.shape))
         for name, block in request.row_grads.items():
             table = self.tables.get(name)
-            if (
-                type(block) is RowBlock
-                and type(block.values) is Encoded
-                and isinstance(block.ids, Tensor)
-                and table is not None
-            ):
+            if type(block) is RowBlock and type(block.values) is Encoded and table is not None:
+                self._check_ids(name, table, block.ids, sorted_unique=True)
                 shape = (block.ids.numel(), table.spec.dim)
                 block.values = self.decoded(name, block.values, shape)
 
     def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
-        problem = validate(encoded, shape)
+        """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
+        for ``name``: any for a dense gradient, no top-k for rows or pooled vectors."""
+        codecs = CODECS if name in self.dense else ROW_CODECS
+        problem = validate(encoded, shape, codecs)
         if problem is not None:
             raise self._reject(name, f"malformed encoding: {problem}")
         return decode(encoded)
@@ -190,13 +262,8 @@ class ServerShard:
     def _check_bags(self, name: str, table: Table, block: object) -> None:
         if type(block) is not BagBlock or type(block.num_bags) is not int:
             raise self._reject(name, "malformed bags: expected a BagBlock")
-        pooled_bytes = block.num_bags * table.spec.dim * table.weight.element_size()
-        if block.num_bags < 0 or pooled_bytes > MAX_POOLED_BYTES:
-            raise self._reject(
-                name,
-                f"num_bags {block.num_bags} is negative or its pooled vectors exceed "
-                f"{MAX_POOLED_BYTES} bytes",
-            )
+        if block.num_bags < 0:  # its size is capped with the answer's (check_size)
+            raise self._reject(name, f"negative num_bags {block.num_bags}")
         self._check_ids(name, table, block.ids, sorted_unique=False)
         count = block.ids.numel()
         bags = block.bags
@@ -414,3 +481,8 @@ class ServerShard:
                 digest.update(f"{name}/{key}".encode())
                 digest.update(tensor.contiguous().numpy().tobytes())
         return digest.hexdigest()
+
+
+def _largest(sizes: dict[str, int]) -> str | None:
+    """The name with the most bytes, to name in an error (None if there is none)."""
+    return max(sizes, key=lambda name: sizes[name]) if sizes else None
