@@ -71,28 +71,32 @@ def train(
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "processes"
     started = time.perf_counter()
-    if launcher == "threads":
-        from paramserver.launch.roles import summarize
-        from paramserver.launch.threads import run_threads
+    from paramserver.launch.roles import hold_checkpoint_dir
 
-        chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-        assert chief.state is not None
-        summary = summarize(chief, config, time.perf_counter() - started)
-        return _result(model_fn, config, chief.state, summary, evaluation)
-    if launcher == "torchrun":
-        from paramserver.launch.torchrun import run_torchrun_rank
+    # One job per --checkpoint-dir: refused here, before any process starts, if another holds it.
+    with hold_checkpoint_dir(config, launcher):
+        if launcher == "threads":
+            from paramserver.launch.roles import summarize
+            from paramserver.launch.threads import run_threads
 
-        outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-        if outcome is None:
-            return None
-        state, summary = outcome
+            chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+            assert chief.state is not None
+            summary = summarize(chief, config, time.perf_counter() - started)
+            return _result(model_fn, config, chief.state, summary, evaluation)
+        if launcher == "torchrun":
+            from paramserver.launch.torchrun import run_torchrun_rank
+
+            outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+            if outcome is None:
+                return None
+            state, summary = outcome
+            summary["wall_s"] = time.perf_counter() - started
+            return _result(model_fn, config, state, summary, evaluation)
+        from paramserver.launch.processes import run_processes
+
+        state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         summary["wall_s"] = time.perf_counter() - started
         return _result(model_fn, config, state, summary, evaluation)
-    from paramserver.launch.processes import run_processes
-
-    state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-    summary["wall_s"] = time.perf_counter() - started
-    return _result(model_fn, config, state, summary, evaluation)
 
 
 def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:

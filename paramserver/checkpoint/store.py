@@ -9,8 +9,9 @@ Layout under a checkpoint root ``ROOT``::
         trainer-0.pt
         trainer-0.json
         manifest.json       written last, at commit: every file with its size and sha256, the
-                            step and the job's metadata
+                            step, the job's metadata and the id of the job that committed it
       LATEST                the name of the newest committed checkpoint
+      LOCK                  the job that uses ROOT (see :mod:`paramserver.checkpoint.lock`)
 
 Each process writes its own parts with :func:`write_part` and hands the returned :class:`Part`
 (small and picklable, so it can travel by RPC) to one process, the chief, which calls
@@ -36,8 +37,12 @@ Why a crash at any instant leaves a loadable checkpoint:
 Every writer must see the same ``ROOT``: one local disk for a single host, a shared file system
 (NFS, Lustre, a FUSE mount of object storage with close-to-open consistency) across hosts. A
 writer closes its files before it returns its Part, and the chief opens them after, which is the
-point where such file systems guarantee the chief sees the writer's bytes. One chief commits into
-a ``ROOT`` at a time.
+point where such file systems guarantee the chief sees the writer's bytes.
+
+One job uses a ``ROOT`` at a time: it holds ``ROOT/LOCK`` (:mod:`paramserver.checkpoint.lock`),
+:func:`commit` refuses to commit while another live job holds it, and it never points ``LATEST``
+at a step older than the intact checkpoint ``LATEST`` names: a job that does not hold the lock
+(the store used on its own) still cannot turn a newer checkpoint into an older one.
 
 Tensors are loaded with ``torch.load(weights_only=True)``: a checkpoint from an untrusted place
 cannot run code, and metadata lives in JSON, not in pickles.
@@ -64,6 +69,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
+from paramserver.checkpoint.lock import committer_job
 from paramserver.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -100,6 +106,7 @@ class Checkpoint:
     meta: dict[str, Any]  # the job's metadata, as given to commit()
     part_names: tuple[str, ...]  # sorted
     files: FileDigests = field(repr=False)
+    job_id: str | None = None  # the job that committed it (None: committed without a lock)
 
     def read_part(self, name: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The tensors (on CPU) and metadata of part ``name``.
@@ -200,6 +207,11 @@ def commit(
     directories so that ``keep`` committed checkpoints remain (this one included), and every
     uncommitted directory older than this one. Directories of newer steps are never touched:
     another step may be being written there. Blocks for the hashing and fsyncs.
+
+    Raises :class:`CheckpointError`, committing nothing, if another live job holds ``ROOT/LOCK``
+    or if ``LATEST`` names an intact checkpoint of a later step (``LATEST`` never goes back).
+    The manifest records the id of the job holding the lock (see
+    :func:`~paramserver.checkpoint.lock.committer_job`).
     """
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 2:
         raise ValueError(
@@ -209,6 +221,8 @@ def commit(
         raise ValueError("commit needs at least one part")
     root = Path(root)
     directory = checkpoint_dir(root, step)
+    job_id = committer_job(root)
+    _check_not_older_than_latest(root, step)
     files: FileDigests = {}
     names: list[str] = []
     for part in parts:
@@ -236,6 +250,7 @@ def commit(
         "version": FORMAT_VERSION,
         "step": step,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "job_id": job_id,
         "meta": dict(meta),
         "parts": sorted(names),
         "files": [
@@ -296,7 +311,7 @@ def load_latest(root: str | os.PathLike[str]) -> Checkpoint | None:
     for path in candidates:
         manifest, problems = _inspect(path, hash_files=True)
         if manifest is not None and not problems:
-            return Checkpoint(path, manifest.step, manifest.meta, manifest.parts, manifest.files)
+            return manifest.checkpoint(path)
         logger.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
         failures.append(f"{path.name}: {'; '.join(problems)}")
     if not candidates:
@@ -311,7 +326,7 @@ def open_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
     manifest, problems = _inspect(path, hash_files=True)
     if manifest is None or problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems or ["no usable manifest"]))
-    return Checkpoint(path, manifest.step, manifest.meta, manifest.parts, manifest.files)
+    return manifest.checkpoint(path)
 
 
 @dataclass(frozen=True)
@@ -320,6 +335,29 @@ class _Manifest:
     meta: dict[str, Any]
     parts: tuple[str, ...]
     files: FileDigests
+    job_id: str | None
+
+    def checkpoint(self, directory: Path) -> Checkpoint:
+        return Checkpoint(directory, self.step, self.meta, self.parts, self.files, self.job_id)
+
+
+def _check_not_older_than_latest(root: Path, step: int) -> None:
+    """Refuse ``step`` if ``LATEST`` names an intact checkpoint of a later step: LATEST never
+    goes back. (A later one that does not verify is no checkpoint: a job resumed from the one
+    before it may commit, and LATEST then names what a reader would load anyway.)"""
+    if not root.is_dir():
+        return
+    _, latest_name, _ = _read_latest(root)
+    if latest_name is None or (_step_of(latest_name) or 0) <= step:
+        return
+    manifest, problems = _inspect(root / latest_name, hash_files=True)
+    if manifest is None or problems:
+        return
+    raise CheckpointError(
+        f"{root}: not committing step {step}: {LATEST} names {latest_name}, a later intact "
+        f"checkpoint (committed by job {manifest.job_id or 'unknown'}); {LATEST} never goes back. "
+        "Is another job writing into this --checkpoint-dir?"
+    )
 
 
 def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, list[str]]:
@@ -370,6 +408,9 @@ def _parse_manifest(document: Any) -> tuple[_Manifest | None, list[str]]:
     step: Any = document.get("step")
     if not _is_count(step):
         problems.append(f"{bad}: step is {step!r}")
+    job_id: Any = document.get("job_id")  # absent in manifests written before jobs had ids
+    if job_id is not None and not isinstance(job_id, str):
+        problems.append(f"{bad}: job_id is {job_id!r}")
     meta: Any = document.get("meta")
     if not isinstance(meta, dict):
         problems.append(f"{bad}: meta is not an object")
@@ -411,7 +452,7 @@ def _parse_manifest(document: Any) -> tuple[_Manifest | None, list[str]]:
         ]
     if problems:
         return None, problems
-    return _Manifest(step, meta, tuple(sorted(parts)), files), []
+    return _Manifest(step, meta, tuple(sorted(parts)), files, job_id), []
 
 
 def _prune(root: Path, step: int, keep: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from paramserver.checkpoint import lock_directory
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
@@ -75,6 +77,22 @@ def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainCon
     restore_shard(shard, saved())
     coordinator.resume_at(found.step)
     log.info("server %d resumed from %s", shard.server, found.directory)
+
+
+def hold_checkpoint_dir(
+    config: TrainConfig, launcher: str
+) -> contextlib.AbstractContextManager[object]:
+    """The lock on ``--checkpoint-dir`` (see :mod:`paramserver.checkpoint.lock`), taken now, for
+    the job to hold until it ends: by the launching process under the threads and processes
+    launchers (so ``--max-restarts`` keeps it), by the chief trainer's rank alone under torchrun
+    (a group torchrun restarts finds its dead chief's lock stale). A no-op without a checkpoint
+    directory and on the other torchrun ranks. Raises :class:`CheckpointError` naming the
+    directory if another job holds it."""
+    if config.checkpoint_dir is None:
+        return contextlib.nullcontext()
+    if launcher == "torchrun" and int(os.environ.get("RANK", "-1")) != config.servers:
+        return contextlib.nullcontext()
+    return lock_directory(config.checkpoint_dir)
 
 
 def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:
