@@ -7,7 +7,10 @@ so every row is saved together with its own optimizer state even while training 
 sync mode the chief takes the snapshots between two rounds, so all shards hold the same step.
 
 Restoring onto server ``s`` of ``S'`` reads every saved shard and keeps what the new plan
-gives ``s``: a checkpoint saved with ``S`` servers resumes on any ``S'``.
+gives ``s``: a checkpoint saved with ``S`` servers resumes on any ``S'``, unless a dynamic
+table's ``capacity`` (rows per server) cannot hold the rows that server then gets, as on fewer
+servers than were saved. That restore is refused rather than evicting restored rows at the first
+read, and rather than scaling ``capacity``, which the model sets as its memory bound.
 """
 
 from __future__ import annotations
@@ -62,7 +65,9 @@ def snapshot_shard(shard: ServerShard) -> Saved:
 
 def restore_shard(shard: ServerShard, saved: Iterable[Saved]) -> None:
     """Load this server's part of every saved shard into ``shard`` (freshly built, not yet
-    serving). Raises :class:`CheckpointError` if a saved shard does not fit the model."""
+    serving). Raises :class:`CheckpointError` if a saved shard does not fit the model, or if
+    a dynamic table's rows on this server would exceed its ``capacity``."""
+    saved_servers = None
     for tensors, meta in saved:
         try:
             _restore_one(shard, tensors, meta)
@@ -71,6 +76,25 @@ def restore_shard(shard: ServerShard, saved: Iterable[Saved]) -> None:
                 f"saved shard of server {meta.get('server')!r} does not fit this model: "
                 f"{type(error).__name__}: {error}"
             ) from error
+        saved_servers = meta.get("num_servers")
+    _check_capacity(shard, saved_servers)
+
+
+def _check_capacity(shard: ServerShard, saved_servers: Any) -> None:
+    """Refuse a restore that gives a dynamic table more rows on this server than its capacity:
+    its first read would evict them, silently."""
+    for name, table in shard.tables.items():
+        if not isinstance(table, DynamicTable) or table.options.capacity is None:
+            continue
+        rows, capacity = table.ids.num_rows, table.options.capacity
+        if rows > capacity:
+            raise CheckpointError(
+                f"table {name!r}: restored onto {shard.plan.num_servers} server(s), server "
+                f"{shard.server} would hold {rows} rows, over the table's capacity of "
+                f"{capacity} rows per server (the checkpoint was saved by {saved_servers} "
+                f"servers); resume on as many servers as it was saved by, or raise the "
+                f"DynamicEmbedding's capacity to at least {rows}"
+            )
 
 
 def _restore_one(shard: ServerShard, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
