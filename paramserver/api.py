@@ -94,8 +94,8 @@ def train(
             return _result(model_fn, config, state, summary, evaluation)
         from paramserver.launch.processes import run_processes
 
+        # Its wall_s is that of the run that finished (after a restart, the last attempt's).
         state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-        summary["wall_s"] = time.perf_counter() - started
         return _result(model_fn, config, state, summary, evaluation)
 
 
@@ -154,7 +154,9 @@ def _evaluate_final(
     ``eval_history`` (at the chief's last step) and of the chief's records in the run dir."""
     metrics = evaluation.score(model)
     summary.update(as_summary(metrics))
-    step = summary["trainer_steps"][0] if summary["trainer_steps"] else 0
+    # The chief's step in the job: the summary counts this run's, from where it resumed.
+    resumed = summary["resumed_from"]["trainer_steps"][0] if summary["resumed_from"] else 0
+    step = resumed + summary["trainer_steps"][0] if summary["trainer_steps"] else 0
     summary["eval_history"].append({"step": step, **metrics})
     if config.run_dir is not None:
         run_log = RunLog(config.run_dir, "trainer-0", config.tensorboard)

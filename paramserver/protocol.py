@@ -59,7 +59,12 @@ class PooledGrad:
 
 @dataclass
 class TrainerReport:
-    """What a trainer tells the servers when it leaves, for the job summary."""
+    """What a trainer tells the servers when it leaves, for the job summary.
+
+    Its counts and times cover this run: what the trainer did since it started or, after
+    ``--resume`` (or a restart), since the checkpoint it resumed from; ``resumed_*`` say where
+    that was.
+    """
 
     trainer: int
     steps: int
@@ -76,6 +81,9 @@ class TrainerReport:
     peak_rss_bytes: int = 0  # the trainer process's peak resident memory
     calls: dict[str, CallStats] = field(default_factory=dict)  # by operation
     consistency: dict[str, float] = field(default_factory=dict)  # replica checks, if any
+    resumed_at: int = -1  # the step of the checkpoint this run resumed from; -1: from the start
+    resumed_steps: int = 0  # the steps and samples this trainer had done by that checkpoint
+    resumed_samples: int = 0
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -90,6 +98,9 @@ class TrainerReport:
             self.cache_hits,
             self.cache_lookups,
             self.peak_rss_bytes,
+            self.resumed_at,
+            self.resumed_steps,
+            self.resumed_samples,
         )
         floats = (self.train_loss, self.train_seconds)
         return (

@@ -108,7 +108,9 @@ def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
     else:
         summary = outcome["result"].summary
         assert len(summary["restarts"]) == 1 and "server1" in summary["restarts"][0]
-        assert summary["trainer_steps"] == [60, 60]
+        # The summary covers the restarted run: from its checkpoint to the end of the data.
+        resumed = summary["resumed_from"]["trainer_steps"]
+        assert [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)] == [60, 60]
     assert children_of_launcher(os.getpid()) == []
 
 
@@ -181,5 +183,7 @@ def test_torchrun_restarts_a_job_whose_server_died_and_it_resumes(tmp_path: Path
         stop(job)
     output = log.read_text()
     assert job.returncode == 0, output[-3000:]
-    assert json.loads(summary.read_text())["trainer_steps"] == [200, 200]
+    finished = json.loads(summary.read_text())  # the restarted run's, from its checkpoint on
+    resumed = finished["resumed_from"]["trainer_steps"]
+    assert [a + b for a, b in zip(resumed, finished["trainer_steps"], strict=True)] == [200, 200]
     assert "resumed from" in output

@@ -56,6 +56,7 @@ def run_processes(
     resuming from the newest checkpoint (from the start if there is none yet)."""
     failures: list[str] = []
     while True:
+        started = time.perf_counter()
         try:
             state, summary = _run_group(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         except JobFailedError as error:
@@ -75,6 +76,7 @@ def run_processes(
             config = config.replace(resume=resumable)
             continue
         summary["restarts"] = failures
+        summary["wall_s"] = time.perf_counter() - started  # this run's, as its other figures
         return state, summary
 
 

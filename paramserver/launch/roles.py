@@ -96,7 +96,14 @@ def hold_checkpoint_dir(
 
 
 def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:
-    """The job summary (the ``--summary-json`` object) from the chief's gathered statistics."""
+    """The job summary (the ``--summary-json`` object) from the chief's gathered statistics.
+
+    Every figure covers this run, the work done since it started or resumed over the time
+    it took (a resumed run's rates are its own, not the whole job's samples over its seconds):
+    steps, samples, seconds, bytes, calls, server counters. ``resumed_from`` says where a
+    resumed run began. The ``tables`` counters are the exception: they belong to the tables,
+    are saved in checkpoints and count from the job's start.
+    """
     assert chief.server_stats is not None
     reports = {}
     for stats in chief.server_stats:
@@ -124,6 +131,15 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     for report in ordered:
         for op, stats in report.calls.items():
             calls.setdefault(op, CallStats()).merge(stats)
+    resumed_from = (
+        {
+            "checkpoint_step": chief.report.resumed_at,
+            "trainer_steps": [r.resumed_steps for r in ordered],
+            "samples": sum(r.resumed_samples for r in ordered),
+        }
+        if chief.report.resumed_at >= 0
+        else None
+    )
     return {
         "mode": config.mode,
         "servers": config.servers,
@@ -135,6 +151,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "train_seconds": train_seconds,
         "wall_s": wall_s,
+        "resumed_from": resumed_from,
         "bytes": {
             "trainers": {
                 "sent": sum(r.bytes_sent for r in ordered),

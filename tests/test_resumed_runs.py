@@ -1,0 +1,140 @@
+"""A resumed or restarted run: its summary covers its own work and time; a checkpoint restored
+onto fewer servers than a dynamic table's capacity allows is refused."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch import nn
+
+import paramserver as ps
+from paramserver.checkpoint import CheckpointError, load_latest
+from paramserver.launch.roles import build_server
+from paramserver.launch.threads import run_threads
+from paramserver.server.snapshot import restore_shard, snapshot_shard
+from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.test_dynamic import NUM_IDS, hashed_batches
+
+STEPS = 12
+SAVED_AT = 8
+BATCH = 6  # tiny_batches'
+
+
+def config(tmp_path: Path, **options: Any) -> ps.TrainConfig:
+    return ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", optimizer="adam", lr=0.01, launcher="threads",
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"),
+    ).replace(**options)  # fmt: skip
+
+
+def crashing_once(marker: Path, root: Path) -> Any:
+    """Trainer 0's data crashes at step ``SAVED_AT + 1`` once checkpoint ``SAVED_AT`` is
+    committed, the first time only (``marker`` then holds the time of the crash)."""
+
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        for index, batch in enumerate(tiny_batches(trainer, num_batches=STEPS)):
+            if trainer == 0 and index == SAVED_AT + 1 and not marker.exists():
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    found = load_latest(root) if (root / "LATEST").exists() else None
+                    if found is not None and found.step == SAVED_AT:
+                        break
+                    time.sleep(0.01)
+                marker.write_text(str(time.time()))
+                raise RuntimeError("crash")
+            yield batch
+
+    return data
+
+
+def assert_covers_the_resumed_run(summary: dict[str, Any], straight: dict[str, Any]) -> None:
+    """Counts, rates and per-step figures of the steps after the checkpoint, and where the
+    run resumed: consistent with each other and with a run that never stopped."""
+    assert summary["resumed_from"] == {
+        "checkpoint_step": SAVED_AT,
+        "trainer_steps": [SAVED_AT, SAVED_AT],
+        "samples": 2 * SAVED_AT * BATCH,
+    }
+    assert summary["trainer_steps"] == [STEPS - SAVED_AT] * 2
+    assert summary["steps"] == 2 * (STEPS - SAVED_AT)
+    assert summary["samples"] == summary["steps"] * BATCH
+    assert summary["samples_per_s"] == pytest.approx(summary["samples"] / summary["train_seconds"])
+    assert 0 < summary["train_seconds"] <= summary["wall_s"]
+    traffic = summary["bytes"]["trainers"]
+    assert summary["bytes_per_step"]["push"] == pytest.approx(traffic["sent"] / summary["steps"])
+    assert summary["bytes_per_step"]["pull"] == pytest.approx(
+        traffic["received"] / summary["steps"]
+    )
+    # Each step moves about what a step of the uninterrupted run moved.
+    for direction in ("push", "pull"):
+        ratio = summary["bytes_per_step"][direction] / straight["bytes_per_step"][direction]
+        assert 0.7 < ratio < 1.4, (direction, ratio)
+    assert 0.7 < summary["row_bytes_per_step"] / straight["row_bytes_per_step"] < 1.4
+    assert straight["resumed_from"] is None
+
+
+@pytest.mark.timeout(120)
+def test_a_resumed_runs_summary_covers_the_run_since_its_checkpoint(tmp_path: Path) -> None:
+    data = lambda t, n: tiny_batches(t, num_batches=STEPS)  # noqa: E731
+    straight = ps.train(TinyRecModel, data, mse, config(tmp_path / "a"))
+    job = config(tmp_path, checkpoint_every=SAVED_AT)
+    marker = tmp_path / "crashed"
+    with pytest.raises(ps.JobFailedError, match="crash"):
+        ps.train(TinyRecModel, crashing_once(marker, tmp_path / "ckpt"), mse, job)
+    resumed = ps.train(TinyRecModel, data, mse, job.replace(resume=True))
+    assert straight is not None and resumed is not None
+    assert_covers_the_resumed_run(resumed.summary, straight.summary)
+
+
+@pytest.mark.timeout(240)
+def test_a_restarted_runs_summary_covers_its_last_attempt(tmp_path: Path) -> None:
+    data = lambda t, n: tiny_batches(t, num_batches=STEPS)  # noqa: E731
+    straight = ps.train(TinyRecModel, data, mse, config(tmp_path / "a", servers=1))
+    job = config(
+        tmp_path, launcher="processes", servers=1, checkpoint_every=SAVED_AT, max_restarts=1
+    )
+    marker = tmp_path / "crashed"
+    result = ps.train(TinyRecModel, crashing_once(marker, tmp_path / "ckpt"), mse, job)
+    ended_at = time.time()
+    assert straight is not None and result is not None
+    summary = result.summary
+    assert len(summary["restarts"]) == 1 and "crash" in summary["restarts"][0]
+    assert_covers_the_resumed_run(summary, straight.summary)
+    # Its wall time is the last attempt's: it began after the first one crashed.
+    assert summary["wall_s"] < ended_at - float(marker.read_text())
+
+
+class CappedModel(nn.Module):
+    """A dynamic table holding at most 12 rows per server, fed many more ids than that."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 1)
+        self.emb = ps.DynamicEmbedding(4, mode="mean", capacity=12)
+
+    def forward(self, bags: Any) -> Any:
+        return self.out(self.emb(bags)).squeeze(1)
+
+
+def test_restoring_onto_fewer_servers_than_a_capacity_allows_is_refused() -> None:
+    assert NUM_IDS > 3 * 12
+    job = ps.TrainConfig(servers=3, trainers=2, launcher="threads", progress=False)
+    _, transport = run_threads(job, CappedModel, lambda t, n: hashed_batches(t), mse)
+    saved = [snapshot_shard(e.shard) for e in transport.endpoints]
+    rows = [e.shard.tables["emb.weight"].ids.num_rows for e in transport.endpoints]
+    assert all(10 <= r <= 12 for r in rows), rows  # each server at its capacity
+    for servers in (3, 4):  # as many servers or more: every server's rows fit
+        for server in range(servers):
+            restore_shard(
+                build_server(server, job.replace(servers=servers), CappedModel).shard, saved
+            )
+    fresh = build_server(0, job.replace(servers=1), CappedModel)
+    with pytest.raises(CheckpointError) as refused:
+        restore_shard(fresh.shard, saved)
+    message = str(refused.value)
+    assert "'emb.weight'" in message and f"{sum(rows)} rows" in message
+    assert "capacity of 12 rows per server" in message and "saved by 3 servers" in message
