@@ -21,6 +21,8 @@ from paramserver.transport.local import LocalTransport
 
 log = logging.getLogger(__name__)
 
+CHIEF_POLL_S = 0.2
+
 
 def run_threads(
     config: TrainConfig,
@@ -78,7 +80,14 @@ def _run_trainers(
     ]
     for thread in threads:
         thread.start()
-    threads[0].join()
+    while threads[0].is_alive():  # as a server process does: a lost chief fails the job
+        threads[0].join(CHIEF_POLL_S)
+        lost = endpoints[0].coordinator.chief_lost()
+        if lost is not None and threads[0].is_alive():
+            for endpoint in endpoints:  # the others' next calls are refused: they stop
+                for rank in range(config.trainers):
+                    endpoint.coordinator.remove_trainer(rank, "the job stopped without its chief")
+            raise JobFailedError(f"the chief trainer (trainer0) is lost: {lost}")
     # A chief that succeeded ended the job once every other trainer left or departed: those
     # still running after a grace period are departed and stuck in their data, and cannot be
     # stopped. A chief that failed left the job: the others train on to their end.

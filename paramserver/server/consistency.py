@@ -147,13 +147,7 @@ class Coordinator:
                 duplicate = request.step <= self.last_step.get(request.trainer, -1)
                 if request.trainer in self.departed:  # before its contents are looked at
                     raise self._departed(request.trainer)
-            received = payload_nbytes(request)
-            if received > self.max_message_bytes:
-                raise InvalidPushError(
-                    f"a call of {received} bytes exceeds the cap of {self.max_message_bytes} "
-                    "(--max-message-mb)",
-                    server=self.shard.server,
-                )
+            received = self.shard.check_size(request, self.max_message_bytes)
             if duplicate:
                 request.drop_gradients()  # already applied: only the reads are answered
             else:
@@ -236,6 +230,7 @@ class Coordinator:
                 raise ParamServerError(
                     f"server {self.shard.server}: a pull must carry no gradients; use push_pull"
                 )
+            self.shard.check_size(request, self.max_message_bytes)
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)
@@ -284,9 +279,9 @@ class Coordinator:
             self.applied_step = dict(self.last_step)
         self.checkpoints.planned = self.checkpoints.taken_through = step
 
-    def remove_trainer(self, trainer: int) -> None:
-        """Take ``trainer`` out of the job (it failed): it counts as departed."""
-        self._leave([trainer], departed=True, reason="it failed")
+    def remove_trainer(self, trainer: int, reason: str = "it failed") -> None:
+        """Take ``trainer`` out of the job: it counts as departed."""
+        self._leave([trainer], departed=True, reason=reason)
 
     def check_liveness(self, now: float | None = None) -> None:
         """Declare silent trainers departed, close rounds past their deadline and release
