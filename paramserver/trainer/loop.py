@@ -245,12 +245,13 @@ def _train(
     replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
 
     losses: deque[float] = deque(maxlen=100)
-    steps = samples = 0
     prefetch = config.prefetches
     groups = step_groups(data_fn, trainer, config.trainers, config)
     checkpoints = TrainerCheckpoints(config, trainer, transport, alarm)
+    resumed = Resumed()
     if config.resume:
-        steps, samples = resume_trainer(trainer, config, client, checkpoints, groups)
+        resumed = resume_trainer(trainer, config, client, checkpoints, groups)
+    steps, samples = resumed.steps, resumed.samples  # this trainer's position in the job
     observer = Observer(trainer, config, client, replica, evaluation, alarm, steps, samples)
 
     def record_next() -> Step | None:
@@ -310,10 +311,10 @@ def _train(
         observer.close()  # its logs and profiler, whatever ended the steps
         raise
     consistency = observer.finish(steps, samples)
-    report = TrainerReport(
+    report = TrainerReport(  # this run's work: from the start, or from the checkpoint
         trainer=trainer,
-        steps=steps,
-        samples=samples,
+        steps=steps - resumed.steps,
+        samples=samples - resumed.samples,
         train_loss=sum(losses) / len(losses) if losses else float("nan"),
         train_seconds=train_seconds,
         bytes_sent=0,
@@ -321,6 +322,9 @@ def _train(
         peak_rss_bytes=peak_rss_bytes(),
         calls=transport.profile.snapshot(),
         consistency=consistency,
+        resumed_at=resumed.at,
+        resumed_steps=resumed.steps,
+        resumed_samples=resumed.samples,
     )
     grads.push(client, None, final=True, report=report).wait()
     checkpoints.finish()
@@ -347,32 +351,42 @@ def _train(
     return TrainerOutcome(report, state, stats, graceful, observer.evals)
 
 
+@dataclass(frozen=True)
+class Resumed:
+    """Where a trainer starts: the checkpoint's step (-1: none, a fresh start) and the steps
+    and samples it had done by then (0 for a trainer that had left the job before it)."""
+
+    at: int = -1
+    steps: int = 0
+    samples: int = 0
+
+
 def resume_trainer(
     trainer: int,
     config: TrainConfig,
     client: PSClient,
     checkpoints: TrainerCheckpoints,
     groups: Iterator[list[Batch]],
-) -> tuple[int, int]:
+) -> Resumed:
     """Continue from the newest checkpoint: skip the data this trainer had trained on, then
-    restore its RNG states and call numbering; returns the steps and samples it had done
-    (none without a checkpoint). A trainer without a part there had left the job before it
-    was saved: its data is spent."""
+    restore its RNG states and call numbering; returns where it resumed (a fresh start
+    without a checkpoint). A trainer without a part there had left the job before it was
+    saved: its data is spent."""
     found = latest(config)
     if found is None:
-        return 0, 0
+        return Resumed()
     client.step = found.step + 1  # servers resume with every trainer at the saved step
     checkpoints.resumed_at(found.step)
     name = f"trainer-{trainer}"
     if name not in found.part_names:
         for _ in groups:
             pass
-        return 0, 0
+        return Resumed(found.step)
     tensors, meta = found.read_part(name)
     for _ in range(int(meta["steps_done"])):
         next(groups, None)
     set_rng_state(tensors, meta)  # after the replay: data_fn may draw from the same RNGs
-    return int(meta["steps_done"]), int(meta["samples"])
+    return Resumed(found.step, int(meta["steps_done"]), int(meta["samples"]))
 
 
 def _forward_backward(
