@@ -38,9 +38,11 @@ class TrainerDepartedError(ParamServerError):
 
 
 class ServerLostError(ParamServerError, ConnectionError):
-    """A server stopped answering heartbeats (it died, froze, or its host was cut off)."""
+    """A server died, froze or was cut off: its connection broke, or it left a call or a
+    heartbeat unanswered past the timeout. The message names the server; ``server`` is its
+    index (``None`` when rebuilt from a message alone)."""
 
-    def __init__(self, message: str, *, server: int):
+    def __init__(self, message: str, *, server: int | None = None):
         super().__init__(message)
         self.server = server
 

@@ -9,7 +9,13 @@ without it (its servers declare it departed). The
 children also die with the launcher itself (see :mod:`paramserver.launch.worker`).
 
 Loopback only: the RPC world meets through a file in a private temporary directory (no TCP
-rendezvous) and TensorPipe is bound to ``lo``.
+rendezvous) and TensorPipe and Gloo are bound to ``lo`` (see :mod:`paramserver.transport.rpc`).
+
+A fault the project handles is reported, not dumped: a process that fails with a
+:class:`~paramserver.errors.ParamServerError` (a trainer that lost a server, say) logs one line
+and exits with status 1, the launcher's error names the process and that line, and TensorPipe's
+C++ warnings about broken connections are off (``TORCH_CPP_LOG_LEVEL=ERROR`` unless set).
+Unexpected errors keep their traceback.
 """
 
 from __future__ import annotations
@@ -131,6 +137,9 @@ class ProcessGroup:
         env = dict(os.environ)
         env["PARAMSERVER_LAUNCHER_PID"] = str(os.getpid())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        # TensorPipe warns in C++ of every broken connection, faults the job reports itself
+        # (a lost server, a departed trainer): keep its raw lines out unless the user asks.
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         for rank in range(self.config.world_size):
             is_trainer = rank >= self.config.servers
             read_fd, write_fd = os.pipe() if is_trainer else (-1, -1)

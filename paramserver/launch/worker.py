@@ -20,10 +20,13 @@ from typing import IO
 import cloudpickle
 import torch
 
+from paramserver.errors import ParamServerError
 from paramserver.trainer.loop import Progress
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_INTERVAL_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -87,8 +90,16 @@ def main(argv: list[str]) -> int:
             on_progress=progress,
             evaluation=cloudpickle.loads(spec["evaluation"]) if rank == config.servers else None,
         )
+    except ParamServerError as error:
+        # A fault the project handles (a lost server, a refused push): the launcher names it in
+        # the error it raises, and this process says it in one line; a traceback would only
+        # show where the error surfaced.
+        reason = f"{type(error).__name__}: {error}"
+        (spec_path.parent / f"{role}.error").write_text(reason)
+        log.error("%s stops: %s", role, reason)
+        return 1
     except BaseException as error:
-        # The launcher puts this line in the error it raises; the traceback goes to stderr.
+        # Anything else is unexpected: the launcher names it, and its traceback goes to stderr.
         (spec_path.parent / f"{role}.error").write_text(f"{type(error).__name__}: {error}")
         raise
     if result is not None:

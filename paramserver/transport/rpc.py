@@ -8,6 +8,12 @@ RPC world and serves until every worker leaves. The one function exposed to peer
 :func:`_serve`, which hands ``(op, args)`` to the endpoint's registered operations and returns
 its Future (``async_execution``), so a waiting sync round never holds an RPC thread.
 
+Failures reach trainers as the project's typed errors. A server's own errors travel inside its
+answer (pickled whole) and are raised as they are. A call that fails in transit, because the
+server died (TensorPipe's ``EOF``, ``ECONNRESET``, ``EPIPE``...) or did not answer in time (the
+RPC timeout), raises :class:`~paramserver.errors.ServerLostError` naming the server, not
+TensorPipe's bare ``RuntimeError``; see :meth:`RpcTransport.call`.
+
 Local jobs listen on loopback only, from their first moment: they rendezvous through a file (no
 TCPStore, which would listen on every interface), and both listeners ``init_rpc`` opens are bound
 to ``lo``: TensorPipe's (``TP_SOCKET_IFNAME``) and that of the Gloo group it builds while the ranks
@@ -18,15 +24,15 @@ network address on most containers and cloud VMs). See :func:`start`.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from typing import Any
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from paramserver.errors import ParamServerError
+from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.futures import chain
 from paramserver.transport.base import Transport
 
 _ENDPOINT: ServerEndpoint | None = None
@@ -104,14 +110,54 @@ class RpcTransport(Transport):
         self._names = [server_name(i) for i in range(num_servers)]
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
+        """The server's answer, its own error as it raised it, or :class:`ServerLostError`
+        naming it when the call failed in transit (the server died, or did not answer within
+        the timeout)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        answer = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
-        return chain(answer, _raise_remote_error)
+        sent = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
+        answer: Future = Future()
+
+        def settle(done: Future) -> None:
+            try:
+                value = done.value()
+            except Exception as error:
+                answer.set_exception(_transit_error(error, server, op, timeout))
+                return
+            # An async_execution future completed with an exception arrives as the exception
+            # object itself (pickled whole, type and message intact): raise it, as the server
+            # meant.
+            if isinstance(value, BaseException):
+                answer.set_exception(value)
+            else:
+                answer.set_result(value)
+
+        sent.add_done_callback(settle)
+        return answer
 
 
-def _raise_remote_error(value: Any) -> Any:
-    # An async_execution future completed with an exception arrives as the exception object
-    # itself (pickled whole, type and message intact): raise it here, as the server meant.
-    if isinstance(value, BaseException):
-        raise value
-    return value
+# TensorPipe's messages: "RPCErr:1:RPC ran for more than set timeout (500 ms) ...", "EOF: end of
+# file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)".
+_RPC_ERROR_CODE = re.compile(r"^RPCErr:\d+:")
+_ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)")
+
+
+def _transit_error(error: Exception, server: int, op: str, timeout_s: float) -> Exception:
+    """The error a caller sees for a call that failed before the server could answer it.
+
+    Only TensorPipe's own failures (a ``RuntimeError``) mean the server is lost. An error
+    the RPC layer re-raised from the server's side (its message starts ``On WorkerInfo(``: the
+    server could not unpickle the call, say) and any other error is kept as it is.
+    """
+    message = str(error)
+    remote = isinstance(error, ParamServerError) or message.startswith("On WorkerInfo(")
+    if not isinstance(error, RuntimeError) or remote:
+        return error
+    first_line = message.splitlines()[0] if message else ""
+    cause = _ORIGIN.sub("", _RPC_ERROR_CODE.sub("", first_line)).strip() or "no message"
+    if "timeout" in cause or "timed out" in cause:
+        what = f"did not answer {op} within {timeout_s:g} s (it froze, was cut off or is stuck)"
+    else:
+        what = f"was lost: {op} failed with {cause} (its process died or its connection broke)"
+    lost = ServerLostError(f"server {server} {what}", server=server)
+    lost.__cause__ = error
+    return lost

@@ -1,0 +1,117 @@
+"""A lost server as trainers and users see it: a typed ServerLostError naming the server, not
+TensorPipe's bare RuntimeError, and one clear line where a traceback used to be."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from paramserver.errors import InvalidPushError, ServerLostError
+from paramserver.server.futures import completed, failed
+from paramserver.transport.rpc import RpcTransport
+from tests.procs import children_of_launcher
+from tests.test_multihost import stop
+from tests.test_processes import REPO, SMALL_JOB
+
+EOF_ERROR = (
+    "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)"
+)
+TIMEOUT_ERROR = (
+    "RPCErr:1:RPC ran for more than set timeout (500 ms) and will now be marked with an error"
+)
+
+
+def answered_with(monkeypatch: pytest.MonkeyPatch, future: Future) -> RpcTransport:
+    """An RpcTransport whose every call gets ``future`` from the RPC layer."""
+    monkeypatch.setattr(rpc, "rpc_async", lambda *args, **kwargs: future)
+    return RpcTransport(num_servers=2, timeout_s=60.0)
+
+
+def test_a_broken_connection_is_a_server_lost_error_naming_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transport = answered_with(monkeypatch, failed(RuntimeError(EOF_ERROR)))
+    with pytest.raises(ServerLostError) as caught:
+        transport.call(1, "push_pull", object()).wait()
+    assert caught.value.server == 1
+    message = str(caught.value)
+    assert message.startswith("server 1 was lost: push_pull failed with EOF: end of file"), message
+    assert "tensorpipe" not in message
+
+
+def test_a_call_past_its_timeout_is_a_server_lost_error_naming_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    transport = answered_with(monkeypatch, failed(RuntimeError(TIMEOUT_ERROR)))
+    with pytest.raises(ServerLostError, match=r"^server 0 did not answer pull within 0.5 s"):
+        transport.call(0, "pull", object(), timeout_s=0.5).wait()
+
+
+def test_errors_from_the_server_keep_their_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    rejected = InvalidPushError("NaN in gradient", param="mlp.0.weight", server=1)
+    transport = answered_with(monkeypatch, completed(rejected))
+    with pytest.raises(InvalidPushError, match="server 1: parameter 'mlp.0.weight': NaN"):
+        transport.call(1, "push_pull", object()).wait()
+    # Re-raised by the RPC layer from the server's side (it could not unpickle the call, say):
+    # the server is alive, so this is no ServerLostError.
+    remote = RuntimeError("On WorkerInfo(id=1, name=server1):\nRuntimeError('unpickling')")
+    transport = answered_with(monkeypatch, failed(remote))
+    with pytest.raises(RuntimeError, match="On WorkerInfo") as caught:
+        transport.call(1, "pull", object()).wait()
+    assert not isinstance(caught.value, ServerLostError)
+
+
+def test_server_lost_error_survives_pickling_and_a_message_alone() -> None:
+    # Errors cross RPC pickled; torch's RPC rebuilds some from their message alone.
+    lost = ServerLostError("server 1 was lost: push_pull failed with EOF", server=1)
+    again = pickle.loads(pickle.dumps(lost))
+    assert type(again) is ServerLostError
+    assert str(again) == str(lost) and again.server == 1
+    assert str(ServerLostError(str(lost))) == str(lost)
+
+
+def launcher_child(launcher: int, rank: int) -> int:
+    """The pid of rank ``rank`` of the local job launched by ``launcher``."""
+    module = b"paramserver.launch.worker"
+    for pid in children_of_launcher(launcher):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if module in argv and argv[argv.index(module) + 2] == str(rank).encode():
+            return pid
+    raise AssertionError(f"no process for rank {rank}")
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_server_is_named_with_no_traceback_or_tensorpipe_error(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    log = tmp_path / "job.log"
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the job
+        job = subprocess.Popen(
+            [sys.executable, "-m", "paramserver", "train", *SMALL_JOB, "--servers", "2",
+             "--trainers", "2", "--train-batches", "4000", "--progress", "false",
+             "--checkpoint-dir", str(root), "--checkpoint-every", "5"],
+            cwd=REPO, stdout=out, stderr=out, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (root / "LATEST").exists():  # training is under way
+            assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(launcher_child(job.pid, rank=1), signal.SIGKILL)
+        job.wait(timeout=60)
+    finally:
+        stop(job)
+    output = log.read_text()
+    assert job.returncode == 1, output[-3000:]
+    assert "paramserver: error: server1 (pid " in output and "was killed by SIGKILL" in output
+    assert "Traceback" not in output, output[-3000:]
+    assert "tensorpipe" not in output.lower(), output[-3000:]
+    assert children_of_launcher(job.pid) == []
