@@ -6,6 +6,9 @@ Fault classes (each ``--trials`` times, at a random moment of the job):
   declared departed, refused when it wakes, and the job must finish.
 - ``server_kill``: SIGKILL of server 1 with ``--max-restarts 1`` and a checkpoint every 50
   steps; the job must restart from the newest checkpoint and finish.
+- ``stuck``: trainer 1's data blocks for good at a random batch (a hung read) while its process
+  and heartbeats live; it must be declared departed after ``--stall-timeout`` and the job must
+  finish, its process gone.
 
 Per class it prints trials, jobs finished, detection time (trainers: the silence after which
 servers declared it departed; servers: from the kill to the launcher's restart), steps lost
@@ -41,6 +44,19 @@ from paramserver.models.dlrm import DLRM
 from paramserver.trainer.loop import Progress
 
 TRAINER_TIMEOUT = 3.0
+STALL_TIMEOUT = 2 * TRAINER_TIMEOUT
+
+
+def stuck_at(batches: Any, victim: int, at: int) -> Any:
+    """``batches`` (a data function), but trainer ``victim``'s blocks for good at batch ``at``."""
+
+    def data(trainer: int, num_trainers: int) -> Any:
+        for index, batch in enumerate(batches(trainer, num_trainers)):
+            if trainer == victim and index == at:
+                time.sleep(24 * 3600)
+            yield batch
+
+    return data
 
 
 def job_pids() -> dict[int, int]:
@@ -69,7 +85,7 @@ def run_trial(kind: str, rng: random.Random, args: argparse.Namespace) -> dict[s
         servers=2, trainers=3, progress=False, heartbeat_interval=0.5,
         trainer_timeout=TRAINER_TIMEOUT, checkpoint_dir=root,
         checkpoint_every=50 if kind == "server_kill" else None,
-        max_restarts=1 if kind == "server_kill" else 0,
+        max_restarts=1 if kind == "server_kill" else 0, stall_timeout=STALL_TIMEOUT,
     )  # fmt: skip
     chief_steps = [0]
     outcome: dict[str, Any] = {}
@@ -78,11 +94,16 @@ def run_trial(kind: str, rng: random.Random, args: argparse.Namespace) -> dict[s
         if p.trainer == 0:
             chief_steps[0] = p.steps
 
+    steps_per_trainer = args.train_batches // 3
+    batches = data.train_batches
+    if kind == "stuck":
+        batches = stuck_at(batches, 1, int(rng.uniform(0.2, 0.7) * steps_per_trainer))
+
     def job() -> None:
         try:
             model_fn = lambda: DLRM(table_rows=[spec.rows_per_table] * spec.num_tables)  # noqa: E731
             outcome["result"] = ps.train(
-                model_fn, data.train_batches, F.binary_cross_entropy_with_logits, config, progress
+                model_fn, batches, F.binary_cross_entropy_with_logits, config, progress
             )
         except Exception as error:
             outcome["error"] = f"{type(error).__name__}: {error}"
@@ -90,8 +111,7 @@ def run_trial(kind: str, rng: random.Random, args: argparse.Namespace) -> dict[s
     thread = threading.Thread(target=job)
     thread.start()
     trial: dict[str, Any] = {"kind": kind}
-    if kind != "none":
-        steps_per_trainer = args.train_batches // 3
+    if kind not in ("none", "stuck"):
         at = rng.uniform(0.2, 0.7) * steps_per_trainer
         while chief_steps[0] < at and thread.is_alive():
             time.sleep(0.01)
@@ -114,6 +134,7 @@ def run_trial(kind: str, rng: random.Random, args: argparse.Namespace) -> dict[s
                 time.sleep(0.01)
             trial["detected_s"] = time.monotonic() - killed  # until the restart began
     thread.join()
+    trial["processes_left"] = len(job_pids())  # the launcher must have stopped every one
     if "error" in outcome:
         trial.update(finished=False, error=outcome["error"])
         return trial
@@ -125,7 +146,7 @@ def run_trial(kind: str, rng: random.Random, args: argparse.Namespace) -> dict[s
         departed=summary["departed_trainers"],
         restarts=len(summary.get("restarts", [])),
     )
-    if kind in ("trainer_kill", "freeze"):
+    if kind in ("trainer_kill", "freeze", "stuck"):
         trial["detected_s"] = summary["departed_after_s"].get("1")
     return trial
 
@@ -142,7 +163,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     baseline = run_trial("none", rng, args)
     classes: dict[str, Any] = {}
-    for kind in ("trainer_kill", "freeze", "server_kill"):
+    for kind in ("trainer_kill", "freeze", "server_kill", "stuck"):
         trials = [run_trial(kind, rng, args) for _ in range(args.trials)]
         done = [t for t in trials if t["finished"]]
         detected = [t["detected_s"] for t in trials if t.get("detected_s") is not None]
@@ -152,11 +173,17 @@ def main() -> None:
             "finished": len(done),
             "detection_s_median": statistics.median(detected) if detected else None,
             "steps_lost_max": max(lost) if lost else 0,
+            "processes_left": sum(t["processes_left"] for t in trials),
             "auc_minus_fault_free": [t["auc"] - baseline["auc"] for t in done],
             "runs": trials,
         }
         print(kind, json.dumps({k: v for k, v in classes[kind].items() if k != "runs"}), flush=True)
-    report = {"fault_free_auc": baseline["auc"], "trainer_timeout_s": TRAINER_TIMEOUT, **classes}
+    report = {
+        "fault_free_auc": baseline["auc"],
+        "trainer_timeout_s": TRAINER_TIMEOUT,
+        "stall_timeout_s": STALL_TIMEOUT,
+        **classes,
+    }
     save(report, args.out, echo=False)
 
 

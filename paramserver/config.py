@@ -27,7 +27,7 @@ LAUNCHERS = ("auto", "processes", "torchrun", "threads")
 GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
 # A trainer stuck in its data or loop (heartbeats going on) is departed after this many
-# --trainer-timeout periods without progress: long enough for a slow batch or a model build.
+# --trainer-timeout periods without progress: long enough for a slow batch or evaluation.
 STALL_TIMEOUT_FACTOR = 6
 
 
