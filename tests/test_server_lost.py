@@ -8,17 +8,23 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from paramserver.errors import InvalidPushError, ServerLostError
+import paramserver as ps
+from paramserver.errors import InvalidPushError, JobFailedError, ServerLostError
 from paramserver.server.futures import completed, failed
 from paramserver.transport.rpc import RpcTransport
+from tests.helpers import TinyRecModel, mse, tiny_batches
 from tests.procs import children_of_launcher
+from tests.test_faults import rank_pid
 from tests.test_multihost import stop
 from tests.test_processes import REPO, SMALL_JOB
 
@@ -115,3 +121,46 @@ def test_a_killed_server_is_named_with_no_traceback_or_tensorpipe_error(tmp_path
     assert "Traceback" not in output, output[-3000:]
     assert "tensorpipe" not in output.lower(), output[-3000:]
     assert children_of_launcher(job.pid) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_server_is_named_first_in_the_job_error(tmp_path: Path) -> None:
+    running = tmp_path / "training"
+
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        for index, batch in enumerate(tiny_batches(trainer, num_batches=400)):
+            if index == 3:
+                running.touch()
+            time.sleep(0.02)
+            yield batch
+
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", launcher="processes", progress=False,
+        heartbeat_interval=0.2, trainer_timeout=2.0,
+    )  # fmt: skip
+    outcome: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            ps.train(TinyRecModel, data, mse, config)
+        except Exception as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=job)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not running.exists():
+        assert time.monotonic() < deadline and thread.is_alive(), "training never started"
+        time.sleep(0.02)
+    frozen = rank_pid(1)
+    os.kill(frozen, signal.SIGSTOP)  # the launcher SIGKILLs it when it stops the job
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    error = outcome["error"]
+    assert isinstance(error, JobFailedError)
+    message = str(error)
+    # Its process still runs: a trainer notices, and the error leads with the server it lost.
+    assert message.startswith("server1 was lost: trainer"), message
+    assert "ServerLostError: server 1 did not answer" in message
+    assert message.count("did not answer") == 1, message
+    assert children_of_launcher(os.getpid()) == []

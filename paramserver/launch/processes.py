@@ -13,9 +13,9 @@ rendezvous) and TensorPipe and Gloo are bound to ``lo`` (see :mod:`paramserver.t
 
 A fault the project handles is reported, not dumped: a process that fails with a
 :class:`~paramserver.errors.ParamServerError` (a trainer that lost a server, say) logs one line
-and exits with status 1, the launcher's error names the process and that line, and TensorPipe's
-C++ warnings about broken connections are off (``TORCH_CPP_LOG_LEVEL=ERROR`` unless set).
-Unexpected errors keep their traceback.
+and exits with status 1, the launcher's error names the process and that line (and leads with
+the server a trainer lost), and TensorPipe's C++ warnings about broken connections are off
+(``TORCH_CPP_LOG_LEVEL=ERROR`` unless set). Unexpected errors keep their traceback.
 """
 
 from __future__ import annotations
@@ -181,10 +181,7 @@ class ProcessGroup:
                 if code is None:
                     running += 1
                 elif code != 0 and not self._survivable(role, code):
-                    raise JobFailedError(
-                        f"{role} (pid {process.pid}) {describe_exit(code)}"
-                        f"{self.reason(role)}; stopped the job"
-                    )
+                    raise JobFailedError(self.failure(role, process.pid, code))
             if running == 0:
                 for fd in list(self.partial_lines):  # what was written before the exits
                     while fd in self.partial_lines:
@@ -218,6 +215,16 @@ class ProcessGroup:
         if on_progress is not None:
             for line in lines:
                 on_progress(Progress(**json.loads(line)))
+
+    def failure(self, role: str, pid: int, code: int) -> str:
+        """The job's error when ``role`` failed; led by the lost server when a trainer failed
+        because it lost one (a frozen server's process still runs: only the trainer exits)."""
+        failed = f"{role} (pid {pid}) {describe_exit(code)}{self.reason(role)}; stopped the job"
+        try:
+            lost = int((self.run_dir / f"{role}.lost").read_text())
+        except (FileNotFoundError, ValueError):
+            return failed
+        return f"server{lost} was lost: {failed}"
 
     def reason(self, role: str) -> str:
         """What the process said before it failed, if it could."""

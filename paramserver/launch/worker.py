@@ -20,7 +20,7 @@ from typing import IO
 import cloudpickle
 import torch
 
-from paramserver.errors import ParamServerError
+from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.trainer.loop import Progress
 
 PR_SET_PDEATHSIG = 1
@@ -96,6 +96,8 @@ def main(argv: list[str]) -> int:
         # show where the error surfaced.
         reason = f"{type(error).__name__}: {error}"
         (spec_path.parent / f"{role}.error").write_text(reason)
+        if isinstance(error, ServerLostError) and error.server is not None:
+            (spec_path.parent / f"{role}.lost").write_text(str(error.server))
         log.error("%s stops: %s", role, reason)
         return 1
     except BaseException as error:

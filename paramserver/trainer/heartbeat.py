@@ -137,7 +137,11 @@ class Heartbeats:
         try:
             status = call.wait()
         except Exception as error:
-            if not self._stopped.is_set():  # else the job is ending: servers go away
+            if self._stopped.is_set():  # the job is ending: servers go away
+                return False
+            if isinstance(error, ServerLostError):  # the transport said which and why
+                self._raise(error)
+            else:
                 self._raise(
                     ServerLostError(
                         f"server {server} did not answer a heartbeat within "
