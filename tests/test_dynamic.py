@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.futures import Future
 
 import paramserver as ps
 from paramserver.config import OptimizerConfig
+from paramserver.launch.roles import build_server
+from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.idmap import IdMap
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import DynamicTable, init_rows
@@ -121,6 +128,125 @@ def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> 
     row = int(t.ids.lookup(ids(5)))
     assert t.steps is not None and float(t.steps[row]) == 0
     assert float(t.state["momentum_buffer"][row].abs().sum()) == 0
+
+
+def test_reads_of_one_step_admit_alike_and_keep_each_others_rows() -> None:
+    """Admission counts the calls of earlier steps and the reading one, not the others of its
+    step, so first calls (step 0, in any order) answer alike; capacity spares the rows a
+    step's reads handed out, so a later read of the step does not evict an earlier one's."""
+
+    def first_calls(order: list[int]) -> tuple[list[Tensor], dict[str, int]]:
+        t = table(min_count=2, ttl_steps=100)
+        batches = [ids(1, 2), ids(2, 3)]
+        answers = {trainer: t.read(batches[trainer], train=True, clock=0) for trainer in order}
+        t.read(ids(2, 4), train=True, clock=1)  # 2 was seen at an earlier step: admitted
+        return [answers[0], answers[1]], t.stats()
+
+    answers, stats = first_calls([0, 1])
+    again, stats_again = first_calls([1, 0])
+    assert all(torch.equal(a, b) for a, b in zip(answers, again, strict=True))
+    assert stats == stats_again and (stats["rows"], stats["pending_ids"]) == (1, 3)
+    assert torch.equal(answers[0][1], torch.zeros(4))  # 2: seen twice at step 0, pending
+
+    t = table(capacity=4, ttl_steps=100)
+    t.read(ids(1, 2, 3, 4), train=True, clock=1)
+    t.read(ids(1, 5), train=True, clock=2)  # trainer 0: 2 and 3 go (5 rows, down to 95%)
+    t.read(ids(6, 7), train=True, clock=2)  # trainer 1: only 4 goes, not 0's rows 1 and 5
+    assert t.ids.live_rows()[0].tolist() == [1, 5, 6, 7]
+    assert t.stats()["evicted"] == 3
+
+
+def test_a_gradient_goes_only_to_the_row_it_was_computed_from() -> None:
+    """An id evicted and admitted again between a pull and its push has a new row: the push's
+    gradient, computed from the old one, is dropped, like one for an id pending at the pull;
+    the other ids' gradients apply. A push that names no pull goes to the current rows."""
+    t = table(min_count=2, ttl_steps=2)
+    t.read(ids(1, 2), train=True, clock=1)
+    t.read(ids(1, 2, 3), train=True, clock=2, pull=(0, 2))  # trainer 0's call 2: 3 pending
+    t.read(ids(2, 3), train=True, clock=5, pull=(1, 5))  # 1 expires, 3 is admitted
+    assert int(t.ids.lookup(ids(1))) == -1
+    t.read(ids(1), train=True, clock=6, pull=(1, 6))
+    t.read(ids(1), train=True, clock=7, pull=(1, 7))  # 1 is back: a new row
+    before = t.read(ids(1, 2, 3), train=False, clock=7)
+    grads = torch.ones(3, 4)
+    assert t.apply(ids(1, 2, 3), grads, clock=7, pull=(0, 2)) == 1  # only 2's
+    after = t.read(ids(1, 2, 3), train=False, clock=7)
+    assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
+    torch.testing.assert_close(after[1], before[1] - 1)
+    assert t.stats()["dropped_grads"] == 2
+    # The same check before a sync round sums trainers' gradients; the pull's record is spent.
+    t.read(ids(1, 2), train=True, clock=7, pull=(0, 7))
+    t.read(ids(4), train=True, clock=20, pull=(1, 20))  # 1 and 2 expire...
+    t.read(ids(1), train=True, clock=21, pull=(1, 21))
+    t.read(ids(1), train=True, clock=22, pull=(1, 22))  # ...and 1 comes back
+    kept = t.rows_still_pulled(ids(1, 2), (0, 7))
+    assert kept is not None and kept.tolist() == [False, False]
+    assert t.rows_still_pulled(ids(1, 2), (0, 7)) is None  # spent: no record left
+    before = t.read(ids(1), train=False, clock=22)
+    t.apply(ids(1), torch.ones(1, 4), clock=22)  # no pull named: the current row
+    torch.testing.assert_close(t.read(ids(1), train=False, clock=22), before - 1)
+
+
+class CappedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = ps.DynamicEmbedding(4, capacity=6, init_scale=0.1)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.emb(x)).squeeze(-1)
+
+
+def capped_server(mode: str, trainers: int, **overrides: Any) -> ServerEndpoint:
+    config = ps.TrainConfig(
+        servers=1, trainers=trainers, mode=mode, optimizer="sgd", lr=1.0, **overrides
+    )  # type: ignore[arg-type]
+    return build_server(0, config, CappedModel)
+
+
+def call(server: ServerEndpoint, trainer: int, step: int, **fields: Any) -> Future:
+    request = PushPullRequest(trainer, step, pull_dense=False, **fields)
+    return server.coordinator.push_pull(request)
+
+
+def test_an_async_push_skips_a_row_replaced_since_its_pull() -> None:
+    server = capped_server("async", trainers=2)
+    emb = server.shard.tables["emb.weight"]
+    x = ids(1000)
+    call(server, 0, 0, pull_rows={"emb.weight": x}).wait()  # trainer 0 reads x at step 0
+    call(server, 1, 0).wait()
+    call(server, 1, 1, pull_rows={"emb.weight": torch.arange(100, 106)}).wait()  # x evicted
+    assert int(emb.ids.lookup(x)) == -1
+    call(server, 1, 2, pull_rows={"emb.weight": x}).wait()  # x admitted again
+    fresh = emb.read(x, train=False, clock=2)
+    grads = {"emb.weight": RowBlock(x, torch.ones(1, 4))}
+    call(server, 0, 1, grads_step=0, row_grads=grads).wait()
+    assert torch.equal(emb.read(x, train=False, clock=2), fresh)
+    assert emb.stats()["dropped_grads"] == 1
+
+
+def test_a_sync_round_skips_a_row_replaced_since_its_pull() -> None:
+    """Round 1 closes at its deadline with trainer 0 alone, who reads x; before round 2 sums
+    its gradient, late calls of the others evict x (capacity 6) and admit it again."""
+    server = capped_server("sync", trainers=3, round_deadline=0.5, min_contributors=1)
+    emb = server.shard.tables["emb.weight"]
+    x = ids(1000)
+    for trainer in range(3):
+        call(server, trainer, 0).wait()
+    first = call(server, 0, 1, pull_rows={"emb.weight": x})
+    server.coordinator.check_liveness(time.monotonic() + 1.0)
+    first.wait()
+    grads = {"emb.weight": RowBlock(x, torch.ones(1, 4))}
+    pushed = call(server, 0, 2, grads_step=1, row_grads=grads)  # waits in round 2
+    call(server, 1, 1, pull_rows={"emb.weight": torch.arange(100, 106)}).wait()  # x evicted
+    assert int(emb.ids.lookup(x)) == -1
+    call(server, 2, 1, pull_rows={"emb.weight": x}).wait()  # x admitted again
+    fresh = emb.read(x, train=False, clock=2)
+    server.coordinator.check_liveness(time.monotonic() + 1.0)
+    pushed.wait()
+    assert torch.equal(emb.read(x, train=False, clock=2), fresh)
+    torch.testing.assert_close(fresh, init_rows("emb.weight", emb.options, x, 4))
+    assert emb.stats()["dropped_grads"] == 1
 
 
 def test_init_rule_is_a_pure_function_of_table_seed_and_id() -> None:

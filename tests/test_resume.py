@@ -1,4 +1,5 @@
-"""Checkpoints in a job: exact resume in sync mode, resume on another server count, export."""
+"""Checkpoints in a job: exact resume in sync mode (fixed and dynamic tables), resume on
+another server count, export."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
@@ -16,9 +18,47 @@ from paramserver.cli import main
 from paramserver.errors import JobFailedError
 from paramserver.launch.threads import run_threads
 from paramserver.trainer.client import gather_state
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import NUM_ROWS_A, TinyRecModel, mse, tiny_batches
 
 STEPS = 12
+COUNTERS = ("rows", "admitted", "evicted", "lookups", "pending_ids", "dropped_grads")
+
+
+class HashedRecModel(nn.Module):
+    """TinyRecModel with its item bags in a dynamic table that admits ids seen in 2 steps,
+    expires rows untouched for 3 steps and evicts above 24 rows a server: each rule acts in
+    a 12-step job of 2 trainers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(NUM_ROWS_A, 4)
+        self.items = ps.DynamicEmbedding(
+            4, mode="mean", min_count=2, ttl_steps=3, capacity=24, init_scale=0.1
+        )
+        self.mlp = nn.Sequential(nn.Linear(8 + 3, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, user: Tensor, items: Tensor, dense: Tensor) -> Tensor:
+        x = torch.cat([self.user(user), self.items(items), dense], dim=1)
+        return self.mlp(x).squeeze(1)
+
+
+def hashed_batches(trainer: int, num_batches: int) -> Iterator[Any]:
+    """tiny_batches with 90 item ids spread over the int64 range."""
+    for (user, items, dense), target in tiny_batches(trainer, num_batches=num_batches):
+        spread = (items + 30 * (user % 3).unsqueeze(1)) * 2_654_435_761 - 2**40
+        yield (user, spread, dense), target
+
+
+MODELS = {
+    "fixed": (TinyRecModel, tiny_batches, {}),
+    "dynamic": (HashedRecModel, hashed_batches, {}),
+    # The resumed first call's bags must be known again for the pooled gradients that follow.
+    "dynamic, pooled on the servers": (
+        HashedRecModel,
+        hashed_batches,
+        {"server_pooling": ("items.weight",)},
+    ),
+}
 
 
 def config(tmp_path: Path, **options: Any) -> ps.TrainConfig:
@@ -28,11 +68,11 @@ def config(tmp_path: Path, **options: Any) -> ps.TrainConfig:
     )  # fmt: skip
 
 
-def crashing_after(step: int, root: Path) -> Any:
+def crashing_after(step: int, root: Path, batches: Any = tiny_batches) -> Any:
     """Trainer 0's data ends in a crash at ``step + 1``, once checkpoint ``step`` is committed."""
 
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
-        for index, batch in enumerate(tiny_batches(trainer, num_batches=STEPS)):
+        for index, batch in enumerate(batches(trainer, num_batches=STEPS)):
             if trainer == 0 and index == step + 1:
                 deadline = time.monotonic() + 30
                 while time.monotonic() < deadline:
@@ -46,34 +86,78 @@ def crashing_after(step: int, root: Path) -> Any:
     return data
 
 
-def final_state(job: ps.TrainConfig, data: Any) -> dict[str, dict[str, torch.Tensor]]:
-    _, transport = run_threads(job, TinyRecModel, data, mse)
-    return gather_state(transport, transport.endpoints[0].shard.plan, with_optimizer=True)
+def final_state(
+    job: ps.TrainConfig, data: Any, model: Any = TinyRecModel
+) -> dict[str, dict[str, torch.Tensor]]:
+    return final_state_and_counters(job, data, model)[0]
 
 
+def final_state_and_counters(
+    job: ps.TrainConfig, data: Any, model: Any
+) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, int]]]:
+    """Every parameter with its optimizer state, and each dynamic table's counters summed
+    over the servers."""
+    _, transport = run_threads(job, model, data, mse)
+    state = gather_state(transport, transport.endpoints[0].shard.plan, with_optimizer=True)
+    counters: dict[str, dict[str, int]] = {}
+    for endpoint in transport.endpoints:
+        for name, stats in endpoint.shard.table_stats().items():
+            if "admitted" in stats:
+                total = counters.setdefault(name, dict.fromkeys(COUNTERS, 0))
+                for key in COUNTERS:
+                    total[key] += stats[key]
+    return state, counters
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("saved_at", [1, STEPS // 2])
-def test_sync_resume_is_exact(tmp_path: Path, saved_at: int) -> None:
-    data = lambda t, n: tiny_batches(t, num_batches=STEPS)  # noqa: E731
-    straight = final_state(config(tmp_path / "a"), data)
-    job = config(tmp_path, checkpoint_every=saved_at)
+def test_sync_resume_is_exact(tmp_path: Path, saved_at: int, kind: str) -> None:
+    """Stopped after checkpoint ``saved_at`` and resumed, a sync job ends bitwise where an
+    uninterrupted one does: values, optimizer state, dynamic rows and their counters."""
+    model, batches, options = MODELS[kind]
+    data = lambda t, n: batches(t, num_batches=STEPS)  # noqa: E731
+    straight_job = config(tmp_path / "a", **options)
+    straight, straight_counters = final_state_and_counters(straight_job, data, model)
+    job = config(tmp_path, checkpoint_every=saved_at, **options)
     with pytest.raises(JobFailedError, match="crash"):
-        run_threads(job, TinyRecModel, crashing_after(saved_at, tmp_path / "ckpt"), mse)
+        run_threads(job, model, crashing_after(saved_at, tmp_path / "ckpt", batches), mse)
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and found.step == saved_at
     manifest = (found.directory / "manifest.json").read_bytes()
-    resumed = final_state(job.replace(resume=True), data)
+    resumed, resumed_counters = final_state_and_counters(job.replace(resume=True), data, model)
     for name, entry in straight.items():
         for key, value in entry.items():
             assert torch.equal(value, resumed[name][key]), (name, key)
+    assert resumed_counters == straight_counters
+    if model is HashedRecModel:  # every rule acted
+        counted = straight_counters["items.weight"]
+        assert counted["evicted"] > 0 and counted["pending_ids"] > 0, counted
+        assert counted["admitted"] > counted["rows"], counted
     if found.directory.exists():  # not pruned: the resumed job did not write it again
         assert (found.directory / "manifest.json").read_bytes() == manifest
 
 
+def test_a_dynamic_sync_job_is_reproducible(tmp_path: Path) -> None:
+    """Trainers' first calls arrive in any order; admission and eviction do not depend on it."""
+    data = lambda t, n: hashed_batches(t, num_batches=STEPS)  # noqa: E731
+    first = final_state_and_counters(config(tmp_path / "a"), data, HashedRecModel)
+    for attempt in range(3):
+        again = final_state_and_counters(config(tmp_path / str(attempt)), data, HashedRecModel)
+        assert again[1] == first[1]
+        for name, entry in first[0].items():
+            for key, value in entry.items():
+                assert torch.equal(value, again[0][name][key]), (name, key)
+
+
+@pytest.mark.parametrize("left_after", [3, 6])
 def test_a_trainer_that_left_before_the_checkpoint_stays_finished_on_resume(
-    tmp_path: Path,
+    tmp_path: Path, left_after: int
 ) -> None:
+    """Trainer 1's data ends before checkpoint 6 (its last push, in round 3 or in round 6
+    itself): resumed, it leaves again without counting in any later round."""
+
     def uneven(trainer: int, num_trainers: int) -> Iterator[Any]:
-        return tiny_batches(trainer, num_batches=3 if trainer == 1 else STEPS)
+        return tiny_batches(trainer, num_batches=left_after if trainer == 1 else STEPS)
 
     def crashing(trainer: int, num_trainers: int) -> Iterator[Any]:
         return (

@@ -33,7 +33,9 @@ are the gradient's staleness (always 0 in sync mode), kept as a histogram.
 Idempotency: a trainer numbers its calls 0, 1, 2, ... and sends them one at a time, so a
 server accepts only the next number. ``(trainer, step)`` on this server is applied at most once:
 a duplicate of a push still waiting in a round gets that round's answer; a duplicate of an
-applied push is answered with current values (its reads validated, its gradients ignored).
+applied push is answered with current values (its reads validated, its gradients ignored). A
+repeat of a trainer's newest call is read as that call was, counting nothing again: a trainer
+resumed from a checkpoint at call ``k`` starts by repeating call ``k`` (see ``_answer_again``).
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class Coordinator:
             # answered with current values (the read, outside the lock, changes nothing).
             if original is not None:
                 return chain(original, lambda reply: reply)
-            return completed(self._answer(request, train=False))
+            return completed(self._answer_again(request))
         with self.lock:
             refusal = self._refusal(request, previous)
             if refusal is not None:
@@ -207,7 +209,8 @@ class Coordinator:
             if request.has_grads:
                 self._record_staleness([request])
                 dense = {name: plain(grad) for name, grad in request.dense_grads.items()}
-                self.shard.apply(dense, request.row_grads, clock, request.trainer)
+                pull = (request.trainer, request.grads_step)
+                self.shard.apply(dense, request.row_grads, clock, pull)
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
                 self.applied_step[request.trainer] = request.step
@@ -273,7 +276,8 @@ class Coordinator:
             return future
 
     def resume_at(self, step: int) -> None:
-        """Continue a job saved at ``step``: every trainer's next call is ``step + 1``."""
+        """Continue a job saved at ``step``: every trainer's next new call is ``step + 1``
+        (a trainer saved at ``step`` first repeats it: see :meth:`_answer_again`)."""
         with self.lock:
             self.last_step = dict.fromkeys(self.members, step)
             self.applied_step = dict(self.last_step)
@@ -444,14 +448,35 @@ class Coordinator:
             self.shard.check_tensor(name, grads, shape, table.weight.dtype)
             request.row_grads[name] = bag_grads_to_rows(spec, grads)  # type: ignore[arg-type]
 
-    def _answer(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
-        if train:
+    def _answer_again(self, request: PushPullRequest) -> PushPullReply:
+        """Answer a call already applied with current values, counting nothing again.
+
+        A repeat of the trainer's newest call is read as that call was, for the push to come
+        (its bags, staleness and rows are recorded again), and a final one leaves: so a trainer
+        resumed at checkpoint ``k`` repeats call ``k``, whose reads the servers' state already
+        counted, and continues as if never stopped; one whose data had ended leaves with it.
+        """
+        with self.lock:
+            newest = request.step == self.last_step.get(request.trainer)
+            if newest and request.report is not None:
+                self.reports[request.trainer] = request.report
+        reply = self._answer(request, train=False, again=newest)
+        if newest and request.final:
+            self._leave([request.trainer])
+        return reply
+
+    def _answer(
+        self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
+    ) -> PushPullReply:
+        """Read what ``request`` asks for; a ``train`` read (or one ``again``: see
+        :meth:`_answer_again`) is recorded for the gradients that will come back."""
+        if train or again:
             with self.lock:
                 if request.trainer in self.members:  # a leaver's pulls will never come back
                     self._read_at[(request.trainer, request.step)] = self.updates
                     for name, block in request.pool_rows.items():
                         self.pool_specs[(request.trainer, request.step, name)] = block
-        reply = self.shard.read(request, train=train, clock=clock)
+        reply = self.shard.read(request, train=train, clock=clock, again=again)
         reply.checkpoint_at = self.checkpoints.planned
         with self.shard.stats.lock:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
@@ -532,6 +557,8 @@ class Coordinator:
         error: Exception | None = None
         try:
             self._record_staleness([r for r in requests if r.has_grads])
+            for request in requests:  # each one's gradients go only to the rows it read
+                self.shard.drop_grads_of_replaced_rows(request)
             dense, rows = aggregate_mean(requests)
             self.shard.apply(dense, rows, clock=step)
             self._count_update()
@@ -540,14 +567,22 @@ class Coordinator:
         leaving = [r.trainer for r in requests if r.final]
         if leaving:
             self._leave(leaving)
+        # Every answer is read before any is sent: a checkpoint the chief takes once it holds
+        # its answer then sees every member's read of this round.
+        answers: dict[int, PushPullReply | Exception] = {}
         for trainer in trainers:
-            waiter = round_.waiters[trainer]
             try:
                 if error is not None:
                     raise error
-                waiter.set_result(self._answer(round_.requests[trainer], train=True, clock=step))
+                answers[trainer] = self._answer(round_.requests[trainer], train=True, clock=step)
             except Exception as failure:
-                waiter.set_exception(failure)
+                answers[trainer] = failure
+        for trainer, answer in answers.items():
+            waiter = round_.waiters[trainer]
+            if isinstance(answer, Exception):
+                waiter.set_exception(answer)
+            else:
+                waiter.set_result(answer)
         with self.lock:
             self.rounds.remove(step)
 

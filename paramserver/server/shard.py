@@ -37,7 +37,7 @@ from paramserver.protocol import (
     payload_nbytes,
 )
 from paramserver.server.optim import State, UpdateRule, make_rule
-from paramserver.server.tables import Table, make_table
+from paramserver.server.tables import Pull, Table, make_table
 from paramserver.sharding import ShardPlan
 
 
@@ -335,12 +335,13 @@ class ServerShard:
         dense_grads: Mapping[str, Tensor],
         row_grads: Mapping[str, RowBlock],
         clock: int = 0,
-        trainer: int | None = None,
+        pull: Pull | None = None,
     ) -> None:
         """Apply already-validated gradients. Each parameter is updated under its own lock.
 
-        ``trainer``: whose gradients these are (None for an aggregate), so dynamic tables can
-        reuse the rows they found when that trainer pulled the same ids.
+        ``pull``: the (trainer, call) whose answer the gradients were computed from (None for
+        a sync round's sum, checked by :meth:`drop_grads_of_replaced_rows` first), so dynamic
+        tables apply them only to the rows that call read.
         """
         start = time.perf_counter()
         rows = 0
@@ -351,18 +352,34 @@ class ServerShard:
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
-                rows += table.apply(block.ids, plain(block.values), clock, trainer)
+                rows += table.apply(block.ids, plain(block.values), clock, pull)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
             self.stats.update_seconds += time.perf_counter() - start
 
-    def read(self, request: PushPullRequest, *, train: bool, clock: int = 0) -> PushPullReply:
+    def drop_grads_of_replaced_rows(self, request: PushPullRequest) -> None:
+        """Drop the row gradients of ``request`` whose rows dynamic tables removed since its
+        call ``grads_step`` read them (before a sync round sums several trainers' gradients)."""
+        pull = (request.trainer, request.grads_step)
+        for name, block in request.row_grads.items():
+            table = self.tables[name]
+            with table.lock:
+                kept = table.rows_still_pulled(block.ids, pull)
+            if kept is not None and not bool(kept.all()):
+                request.row_grads[name] = RowBlock(block.ids[kept], plain(block.values)[kept])
+
+    def read(
+        self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
+    ) -> PushPullReply:
         """Snapshot the values ``request`` asks for (copies, owned by the caller).
 
         ``train`` reads may create rows of dynamic tables (and count toward admission);
-        other reads create and count nothing.
+        other reads create and count nothing. A ``train`` read, or one ``again`` (the read of
+        a call already counted, made again), records the rows it hands out for the gradients
+        that will come back.
         """
+        pull = (request.trainer, request.step) if train or again else None
         start = time.perf_counter()
         reply = PushPullReply()
         if request.pull_dense:
@@ -376,20 +393,18 @@ class ServerShard:
             cached = request.pull_versions.get(name)
             with table.lock:
                 if cached is None:
-                    values = table.read(ids, train=train, clock=clock, trainer=request.trainer)
+                    values = table.read(ids, train=train, clock=clock, pull=pull)
                 else:
                     assert self.version_gap is not None  # validated
                     values, versions = table.read_versioned(
-                        ids, train=train, clock=clock, trainer=request.trainer
+                        ids, train=train, clock=clock, pull=pull
                     )
                     values = values[must_send(cached, versions, self.version_gap)]
                     reply.row_versions[name] = versions
             reply.rows[name] = values
             rows += ids.numel()
         for name, block in request.pool_rows.items():
-            reply.pooled[name] = self._pool(
-                name, block, train=train, clock=clock, trainer=request.trainer
-            )
+            reply.pooled[name] = self._pool(name, block, train=train, clock=clock, pull=pull)
             rows += block.ids.numel()
         self._encode(reply)
         with self.stats.lock:
@@ -407,12 +422,14 @@ class ServerShard:
                 if codec != "none":
                     part[name] = encode(codec, value)  # type: ignore[arg-type]
 
-    def _pool(self, name: str, block: BagBlock, *, train: bool, clock: int, trainer: int) -> Tensor:
+    def _pool(
+        self, name: str, block: BagBlock, *, train: bool, clock: int, pull: Pull | None
+    ) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
         table = self.tables[name]
         unique, inverse = torch.unique(block.ids, return_inverse=True)
         with table.lock:
-            rows = table.read(unique, train=train, clock=clock, trainer=trainer)
+            rows = table.read(unique, train=train, clock=clock, pull=pull)
         members = rows[inverse]
         if block.weights is not None:
             members = members * block.weights.unsqueeze(1)

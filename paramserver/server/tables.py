@@ -2,8 +2,9 @@
 
 Both kinds answer the same calls, each made with the table's lock held by the caller:
 ``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
-``read_versioned`` (see below), ``snapshot``, ``restore`` and ``stats``. Optimizer state lives
-beside the rows it belongs to: slot tensors and per-row step counts indexed like the weight.
+``read_versioned`` (see below), ``rows_still_pulled`` (see below), ``snapshot``, ``restore``
+and ``stats``. Optimizer state lives beside the rows it belongs to: slot tensors and per-row
+step counts indexed like the weight.
 
 Versions (kept when trainers cache rows, ``version_gap`` set): each row counts the updates
 applied to it, so a trainer's cached copy can be judged by how many updates it missed. A
@@ -16,13 +17,31 @@ index ``r // S``.
 Dynamic tables accept any int64 id. A row is created the first time an admitted id is pulled
 for training, initialized by :func:`init_rows` (a pure function of the table's seed and the id,
 so it does not depend on the server or on arrival order), and kept in storage that grows by 15%
-at a time. Admission (``min_count``): an id is admitted once pulled for training in
-``min_count`` distinct calls; until then only its counter exists and its rows read as the
-default vector, and gradients for it are dropped. Eviction: rows untouched for ``ttl_steps``
-steps of the table's clock (the highest trainer step seen), and, above ``capacity`` rows, the
-least recently touched rows down to 95% of capacity; an evicted row's storage is reused, and an
-evicted id that returns starts again from the init rule. Reads that do not train (evaluation,
-the ``pull`` call) create and count nothing: unseen ids read as the default vector.
+at a time. Admission (``min_count``): a training read admits an id pulled for training in
+``min_count`` calls, counting those of earlier steps of the table's clock and its own, not
+other calls of its own step; until then only its counter exists and its rows read as the
+default vector. Eviction: rows untouched for ``ttl_steps`` steps of the table's clock (the
+highest trainer step seen), and, above ``capacity`` rows, the least recently touched rows down
+to 95% of capacity, sparing the rows of the current step unless they alone exceed it; an
+evicted row's storage is reused, and an evicted id that returns starts again from the init
+rule. Reads that do not train (evaluation, the ``pull`` call) create and count nothing: unseen
+ids read as the default vector.
+
+So every training read at step ``t`` admits the same ids whatever the order of that step's
+reads, and none evicts a row another read of step ``t`` handed out. Trainers' first calls
+(step 0, with nothing older to evict) then answer alike in any order, and a sync round answers
+in trainer order: a sync job is reproducible, and a checkpoint taken after round ``t``'s
+answers holds every row as each trainer read it, so a resumed trainer reads call ``t`` again
+from it without counting it (``train=False`` with ``pull``).
+
+Gradients go to the rows they were computed from, or nowhere. A read that gives ``pull`` (the
+trainer and call number) keeps a record of the row each id had (-1: none, the id pending); a
+row removed later is struck from every record. A push names the pull its gradients came from
+(``apply``'s ``pull``, or ``rows_still_pulled`` before a sync round sums several trainers'): a
+gradient whose id had no row at that pull (pending) or lost it since (evicted, even if admitted
+again: the new row is not the one the gradient is of) is dropped and counted in
+``dropped_grads``. A push whose pull left no record (one read outside a training pull, or older
+than the last few pulls of its trainer) goes to the id's current row, if any.
 """
 
 from __future__ import annotations
@@ -50,7 +69,7 @@ from paramserver.server.idmap import (
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 
-HANDED_OUT_KEPT = 3  # pulls in flight per trainer: this step's, the prefetched one, a retry
+PULLS_KEPT = 3  # pull records per trainer: this step's, the prefetched one, a retry
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
 
@@ -74,6 +93,18 @@ def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Ten
 @functools.cache
 def _column_multipliers(dim: int) -> np.ndarray:
     return mix64_array(np.arange(dim, dtype=np.int64)) | 1
+
+
+Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
+
+
+@dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
+class PullRecord:
+    """What one training read of a dynamic table handed out: the row of each id (-1: none)."""
+
+    step: int
+    ids: Tensor  # sorted, unique
+    rows: Tensor  # -1 also where the row was removed since
 
 
 @dataclass
@@ -114,10 +145,10 @@ class FixedTable:
             return f"row id {bad} out of range [0, {self.spec.num_rows})"
         return None
 
-    def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
+    def read(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None) -> Tensor:
         return self.weight.index_select(0, self.plan.local_rows(ids))
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, trainer: int | None = None) -> int:
+    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
         local = self.plan.local_rows(ids)
         apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
         if self.versions is not None:
@@ -125,12 +156,16 @@ class FixedTable:
         return ids.numel()
 
     def read_versioned(
-        self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None
+        self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None
     ) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version."""
         assert self.versions is not None
         local = self.plan.local_rows(ids)
         return self.weight.index_select(0, local), self.versions.index_select(0, local)
+
+    def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
+        """Fixed rows never change owner: every gradient applies (None: keep all)."""
+        return None
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
@@ -169,13 +204,12 @@ class DynamicTable:
         self.versions = torch.zeros(reserve, dtype=torch.int64) if tracks else None
         self.fresh_version = 0  # where a new row's version starts
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
-        self.pending_counts = torch.empty(0, dtype=torch.int32)
-        self.pending_seen = torch.empty(0, dtype=torch.int64)
+        self.pending_counts = torch.empty(0, dtype=torch.int32)  # training calls that saw it
+        self.pending_seen = torch.empty(0, dtype=torch.int64)  # the last step that saw it
+        self.pending_latest = torch.empty(0, dtype=torch.int32)  # its calls at that step
         self.counters = TableCounters()
         self.swept_at = 0
-        # Per trainer, the (ids, rows) of its last pulls that found every id: valid until a
-        # row is removed (creating rows moves no id), so that clears them.
-        self._handed_out: dict[int, deque[tuple[Tensor, Tensor]]] = {}
+        self._pulls: dict[int, deque[PullRecord]] = {}  # each trainer's last training reads
         self.lock = threading.Lock()
 
     # ---- calls ----
@@ -183,23 +217,29 @@ class DynamicTable:
     def check_ids(self, ids: Tensor) -> str | None:
         return None  # every int64 id is valid
 
-    def read(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None) -> Tensor:
-        return self._values(self._locate(ids, train=train, clock=clock, trainer=trainer))
+    def read(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None) -> Tensor:
+        """The rows of ``ids`` (sorted, unique), the default vector where an id has none.
+
+        ``train``: a training read, which admits, counts, touches and evicts (at step
+        ``clock``). ``pull``: the (trainer, call) whose gradients will come back for these
+        rows: recorded (see the module doc), also without ``train`` (a call read again).
+        """
+        return self._values(self._locate(ids, train=train, clock=clock, pull=pull))
 
     def read_versioned(
-        self, ids: Tensor, *, train: bool, clock: int, trainer: int | None = None
+        self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None
     ) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version (-1 where an id has no row)."""
         assert self.versions is not None
-        rows = self._locate(ids, train=train, clock=clock, trainer=trainer)
+        rows = self._locate(ids, train=train, clock=clock, pull=pull)
         present = rows >= 0
         versions = torch.full_like(rows, -1)
         versions[present] = self.versions[rows[present]]
         return self._values(rows), versions
 
-    def _locate(self, ids: Tensor, *, train: bool, clock: int, trainer: int | None) -> Tensor:
+    def _locate(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None) -> Tensor:
         """The row of each id (-1: none), after admitting, touching and evicting for a read
-        that trains."""
+        that trains; recorded for ``pull``."""
         found = self.ids.find(ids)
         rows = found.rows
         if train:
@@ -207,10 +247,12 @@ class DynamicTable:
             rows = self._admit(ids, found, clock)
             if self.last_touched is not None:
                 self.last_touched[rows[rows >= 0]] = clock
-            if self._evict(clock):  # this batch's rows are the newest: evicted last, if ever
+            if self._evict(clock):  # spares this step's rows, unless they alone overflow
                 rows = self.ids.lookup(ids)
-        if train and trainer is not None and bool((rows >= 0).all()):
-            self._handed_out.setdefault(trainer, deque(maxlen=HANDED_OUT_KEPT)).append((ids, rows))
+        if pull is not None:
+            trainer, step = pull
+            records = self._pulls.setdefault(trainer, deque(maxlen=PULLS_KEPT))
+            records.append(PullRecord(step, ids, rows.clone()))
         return rows
 
     def _values(self, rows: Tensor) -> Tensor:
@@ -224,13 +266,16 @@ class DynamicTable:
         out[present] = self.weight.index_select(0, rows[present])
         return out
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, trainer: int | None = None) -> int:
-        rows = self._rows_handed_out(trainer, ids)
+    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+        """Apply the gradients of ``ids`` (sorted, unique) computed from the read ``pull``
+        (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
+        by :meth:`rows_still_pulled`); returns the rows updated."""
+        rows = self._rows_at_pull(ids, pull) if pull is not None else None
         if rows is None:
             rows = self.ids.lookup(ids)
         present = rows >= 0
         dropped = ids.numel() - int(present.sum())
-        if dropped:  # ids still pending admission, or evicted since they were pulled
+        if dropped:  # no row at the pull (pending), or it was removed since
             self.counters.dropped_grads += dropped
             rows, grads = rows[present], grads[present]
         apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads)
@@ -240,15 +285,34 @@ class DynamicTable:
             self.versions[rows] += 1
         return rows.numel()
 
-    def _rows_handed_out(self, trainer: int | None, ids: Tensor) -> Tensor | None:
-        """The rows a recent pull of ``trainer`` found for exactly ``ids``, if any (its push of
-        the same step carries the same ids): saves a second lookup."""
-        recent = self._handed_out.get(trainer) if trainer is not None else None
-        for at, (pulled, rows) in enumerate(recent or ()):
-            if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
-                del recent[at]  # type: ignore[union-attr]
-                return rows
-        return None
+    def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
+        """Which gradients of ``ids`` (sorted, unique), computed from the read ``pull``, still
+        have their row (a mask); counts the others as dropped. None where the pull left no
+        record: keep all."""
+        rows = self._rows_at_pull(ids, pull)
+        if rows is None:
+            return None
+        kept = rows >= 0
+        self.counters.dropped_grads += ids.numel() - int(kept.sum())
+        return kept
+
+    def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
+        """The row each id had at the read ``pull`` and still has (-1: none), its record then
+        spent; ids that read did not hand out get their current rows. None: no record."""
+        trainer, step = pull
+        records = self._pulls.get(trainer)
+        record = next((r for r in reversed(records or ()) if r.step == step), None)
+        if records is None or record is None:
+            return None
+        records.remove(record)
+        pulled = record.ids
+        if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
+            return record.rows
+        if pulled.numel() == 0:
+            return self.ids.lookup(ids)
+        at = torch.searchsorted(pulled, ids).clamp_(max=pulled.numel() - 1)
+        handed_out = pulled[at] == ids
+        return torch.where(handed_out, record.rows[at], self.ids.lookup(ids))
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every live row with its state and bookkeeping, keyed by id, the pending
@@ -261,6 +325,7 @@ class DynamicTable:
         entries["pending.ids"] = pending_ids
         entries["pending.counts"] = self.pending_counts[slots]
         entries["pending.seen"] = self.pending_seen[slots]
+        entries["pending.latest"] = self.pending_latest[slots]
         meta = {
             "counters": dataclasses.asdict(self.counters),
             "swept_at": self.swept_at,
@@ -285,6 +350,10 @@ class DynamicTable:
             slots = self.pending.lookup(pending)
             self.pending_counts[slots] = saved["pending.counts"]
             self.pending_seen[slots] = saved["pending.seen"]
+            # Saved before this counter existed: 0, which matters only for a training read at
+            # the saved step itself, and a resumed job's first training reads come after it.
+            latest = saved.get("pending.latest")
+            self.pending_latest[slots] = 0 if latest is None else latest
         for name, value in meta["counters"].items():
             setattr(self.counters, name, getattr(self.counters, name) + int(value))
         self.swept_at = max(self.swept_at, int(meta["swept_at"]))
@@ -298,6 +367,7 @@ class DynamicTable:
             self.versions,
             self.pending_counts,
             self.pending_seen,
+            self.pending_latest,
             *self.state.values(),
         )
         return own + self.ids.nbytes() + self.pending.nbytes()
@@ -332,18 +402,26 @@ class DynamicTable:
         return rows
 
     def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
-        """Bump the counters of ``absent``; return a mask of those that reach ``min_count``
-        (their counters are dropped: from now on they are rows)."""
+        """Count this call's sighting of ``absent``; return a mask of those admitted: seen in
+        ``min_count`` calls counting this one and those of earlier steps (not the other calls
+        of step ``clock``, so the reads of one step admit alike in any order). Admitted ids'
+        counters are dropped: from now on they are rows."""
         slots = self.pending.lookup(absent)
         new = absent[slots < 0]
         if new.numel():
             self.pending.insert(new)
             self._fit_pending()
             slots = self.pending.lookup(absent)
-            self.pending_counts[self.pending.lookup(new)] = 0
+            fresh = self.pending.lookup(new)
+            self.pending_counts[fresh] = 0
+            self.pending_seen[fresh] = -1
+            self.pending_latest[fresh] = 0
+        this_step = self.pending_seen[slots] == clock
+        latest = torch.where(this_step, self.pending_latest[slots], 0)
+        admitted = self.pending_counts[slots] - latest + 1 >= self.options.min_count
         self.pending_counts[slots] += 1
+        self.pending_latest[slots] = latest + 1
         self.pending_seen[slots] = clock
-        admitted = self.pending_counts[slots] >= self.options.min_count
         self.pending.remove(absent[admitted])
         return admitted
 
@@ -352,6 +430,7 @@ class DynamicTable:
         if self.pending_counts.numel() < capacity:
             self.pending_counts = with_rows(self.pending_counts, capacity)
             self.pending_seen = with_rows(self.pending_seen, capacity)
+            self.pending_latest = with_rows(self.pending_latest, capacity)
 
     def _create(self, ids: Tensor, found: Found) -> Tensor:
         """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
@@ -399,10 +478,14 @@ class DynamicTable:
         capacity = self.options.capacity
         if capacity is not None and self.ids.num_rows > capacity:
             ids, rows = self.ids.live_rows()
-            keep = int(capacity * EVICT_TO)
             # Least recently touched first; ties go to the smaller id, so eviction is exact.
-            order = torch.argsort(self.last_touched[rows], stable=True)
-            self._remove(ids[order[: ids.numel() - keep]])
+            touched = self.last_touched[rows]
+            order = torch.argsort(touched, stable=True)
+            earlier = int((touched < clock).sum())  # rows of earlier steps come first
+            excess = ids.numel() - int(capacity * EVICT_TO)
+            # This step's rows go only if they alone exceed capacity (down to it, not 95%).
+            gone = max(min(excess, earlier), ids.numel() - capacity)
+            self._remove(ids[order[:gone]])
         return self.counters.evicted != evicted_before
 
     def _remove(self, ids: Tensor) -> None:
@@ -412,7 +495,17 @@ class DynamicTable:
             if self.versions is not None and self.version_gap is not None and rows.numel():
                 reached = int(self.versions[rows].max())
                 self.fresh_version = max(self.fresh_version, reached + self.version_gap + 1)
-            self._handed_out.clear()
+            self._strike_from_pulls(rows)
+
+    def _strike_from_pulls(self, removed: Tensor) -> None:
+        """Mark ``removed`` rows as gone in every pull record: their gradients are dropped."""
+        records = [record for kept in self._pulls.values() for record in kept]
+        if not records or removed.numel() == 0:
+            return
+        removed = removed.sort().values  # sorted once; each record then costs one search
+        for record in records:
+            at = torch.searchsorted(removed, record.rows).clamp_(max=removed.numel() - 1)
+            record.rows[removed[at] == record.rows] = -1
 
 
 def _nbytes(*tensors: Tensor | None) -> int:

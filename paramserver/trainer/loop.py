@@ -375,7 +375,11 @@ def resume_trainer(
     found = latest(config)
     if found is None:
         return Resumed()
-    client.step = found.step + 1  # servers resume with every trainer at the saved step
+    # Servers resume with every trainer at the saved call k, holding what each one's call k
+    # read: a trainer saved at k (all, in sync mode) repeats it, read again without being
+    # counted twice; one saved later (async) goes on at k + 1; one whose data had ended
+    # repeats k as its final call.
+    client.step = found.step
     checkpoints.resumed_at(found.step)
     name = f"trainer-{trainer}"
     if name not in found.part_names:
@@ -383,6 +387,8 @@ def resume_trainer(
             pass
         return Resumed(found.step)
     tensors, meta = found.read_part(name)
+    if int(meta["steps_done"]) != found.step:
+        client.step = found.step + 1
     for _ in range(int(meta["steps_done"])):
         next(groups, None)
     set_rng_state(tensors, meta)  # after the replay: data_fn may draw from the same RNGs
