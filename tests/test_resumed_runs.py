@@ -127,11 +127,10 @@ def test_restoring_onto_fewer_servers_than_a_capacity_allows_is_refused() -> Non
     saved = [snapshot_shard(e.shard) for e in transport.endpoints]
     rows = [e.shard.tables["emb.weight"].ids.num_rows for e in transport.endpoints]
     assert all(10 <= r <= 12 for r in rows), rows  # each server at its capacity
-    for servers in (3, 4):  # as many servers or more: every server's rows fit
-        for server in range(servers):
-            restore_shard(
-                build_server(server, job.replace(servers=servers), CappedModel).shard, saved
-            )
+    # As many servers: every server gets back its own rows, which fit. (On more servers the
+    # ids re-route through hash buckets, and one server may still get more than its capacity.)
+    for server in range(3):
+        restore_shard(build_server(server, job, CappedModel).shard, saved)
     fresh = build_server(0, job.replace(servers=1), CappedModel)
     with pytest.raises(CheckpointError) as refused:
         restore_shard(fresh.shard, saved)
