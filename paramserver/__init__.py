@@ -7,20 +7,23 @@ and backward, and push gradients back, one fused round trip per server per step.
 
 from paramserver import metrics
 from paramserver.api import TrainResult, train
-from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.config import OptimizerConfig, TableCodecs, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import (
+    CheckpointError,
     ConfigError,
     InvalidBatchError,
     InvalidPushError,
     JobFailedError,
     ModelError,
     ParamServerError,
+    ServerLostError,
     TrainerDepartedError,
 )
 from paramserver.metrics import Evaluation
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "DynamicEmbedding",
     "Evaluation",
@@ -30,6 +33,8 @@ __all__ = [
     "ModelError",
     "OptimizerConfig",
     "ParamServerError",
+    "ServerLostError",
+    "TableCodecs",
     "TrainConfig",
     "TrainResult",
     "TrainerDepartedError",

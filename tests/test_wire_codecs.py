@@ -89,3 +89,16 @@ def test_per_table_codecs_come_from_the_toml_file(tmp_path: Path) -> None:
     job.write_text('[tables."user.weight"]\npush_codec = "topk"\n')
     with pytest.raises(ps.ConfigError, match="tables.user.weight"):
         config_from_args(build_parser().parse_args(["train", "--config", str(job)]))
+
+
+def test_per_table_codecs_from_the_package_top_level_shrink_that_tables_bytes_only() -> None:
+    # What a user writes: everything from `import paramserver as ps`.
+    config = ps.TrainConfig(table_codecs={"items.weight": ps.TableCodecs(pull="bf16")})
+    assert config.codecs_for_table("items.weight") == ("none", "bf16")
+    assert config.codecs_for_table("user.weight") == ("none", "none")
+    ratio = run(table_codecs={"items.weight": ps.TableCodecs(pull="bf16")})["compression_ratio"]
+    assert ratio["push"] == 1.0  # type: ignore[index]
+    # Only that table's rows shrink (to half): the pull is smaller, far from half.
+    assert 0.5 < ratio["pull"] < 1.0  # type: ignore[index]
+    with pytest.raises(ps.ConfigError, match="choose from"):
+        ps.TableCodecs(push="topk")
