@@ -1,0 +1,83 @@
+"""Row-wise Adagrad, the one update rule written here (the others are torch.optim's functional
+steps, checked against torch.optim in test_parity.py), against its formula computed directly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from paramserver.config import OptimizerConfig
+from paramserver.server.optim import RowWiseAdagrad, apply_rows, make_rule
+
+NUM_ROWS, DIM = 6, 4
+# Rows touched at each step: rows 0 and 3 every time, row 5 never, the others now and then, so
+# rows reach different step counts and accumulator values.
+TOUCHED = [[0, 1, 3], [3, 0, 2], [4, 0, 3, 1], [0, 3]]
+
+
+def by_formula(
+    weight: Tensor, grads: list[Tensor], lr: float, eps: float, weight_decay: float, init: float
+) -> Tensor:
+    """FBGEMM's row-wise Adagrad, one row at a time in float64: g = grad + wd * w;
+    s += mean(g ** 2); w -= lr * g / (sqrt(s) + eps)."""
+    w = weight.double().clone()
+    s = torch.full((NUM_ROWS,), init, dtype=torch.float64)
+    for rows, grad in zip(TOUCHED, grads, strict=True):
+        for row, g in zip(rows, grad.double(), strict=True):
+            g = g + weight_decay * w[row]
+            s[row] += float((g * g).sum()) / DIM
+            w[row] -= lr * g / (s[row].sqrt() + eps)
+    return w
+
+
+@pytest.mark.parametrize(
+    ("weight_decay", "eps", "init"),
+    [(0.0, None, 0.0), (0.1, None, 0.0), (0.0, 0.5, 0.0), (0.05, 1e-3, 0.2)],
+)
+@pytest.mark.parametrize("keep_steps", [False, True])
+def test_rowwise_adagrad_follows_its_formula_row_by_row(
+    weight_decay: float, eps: float | None, init: float, keep_steps: bool
+) -> None:
+    config = OptimizerConfig(
+        name="rowwise_adagrad", lr=0.3, weight_decay=weight_decay, eps=eps,
+        initial_accumulator_value=init,
+    )  # fmt: skip
+    rule = make_rule(config)
+    assert isinstance(rule, RowWiseAdagrad) and not rule.needs_steps
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(NUM_ROWS, DIM, generator=g)
+    start = weight.clone()
+    state = rule.init_state(weight)
+    assert state["sum"].shape == (NUM_ROWS, 1)  # one accumulator per row
+    # Tables of this rule keep no step counts; given some (rows at different counts), the
+    # math must not change.
+    steps = torch.tensor([0.0, 7.0, 1.0, 2.0, 0.0, 3.0]) if keep_steps else None
+    grads = [torch.randn(len(rows), DIM, generator=g) * 3 for rows in TOUCHED]
+    for rows, grad in zip(TOUCHED, grads, strict=True):
+        apply_rows(rule, weight, state, steps, torch.tensor(rows), grad)
+    expected = by_formula(start, grads, 0.3, config.resolved_eps, weight_decay, init)
+    torch.testing.assert_close(weight.double(), expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(weight[5], start[5])  # never touched
+    touched_count = torch.zeros(NUM_ROWS)
+    for rows in TOUCHED:
+        touched_count[rows] += 1
+    if steps is not None:
+        assert steps.tolist() == [4.0, 9.0, 2.0, 6.0, 1.0, 3.0]
+    # The accumulator only grows where a row was touched, and holds the mean squared gradient.
+    assert bool((state["sum"][touched_count == 0] == init).all())
+    assert bool((state["sum"][touched_count > 0] > init).all())
+
+
+def test_rowwise_adagrad_first_step_moves_each_row_by_lr_over_its_rms() -> None:
+    """One step from a zero accumulator: w -= lr * g / (rms(g) + eps), so every row moves by
+    about lr in root-mean-square, whatever its gradient's scale."""
+    rule = make_rule(OptimizerConfig(name="rowwise_adagrad", lr=0.5))
+    weight = torch.zeros(3, DIM)
+    state = rule.init_state(weight)
+    grad = torch.tensor([[1.0, -1.0, 1.0, -1.0], [100.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    apply_rows(rule, weight, state, None, torch.arange(3), grad)
+    assert weight[0].tolist() == pytest.approx([-0.5, 0.5, -0.5, 0.5])
+    assert weight[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # rms of [100,0,0,0] = 50
+    assert weight[2].tolist() == [0.0] * DIM  # no gradient, no move (eps keeps it finite)
+    assert state["sum"].squeeze(1).tolist() == pytest.approx([1.0, 2500.0, 0.0])
