@@ -3,7 +3,7 @@
 Each trial forks a writer that commits checkpoints (about 3.5 MB each, every tensor a function
 of its step) into one shared root, waits for its first commit, kills it with SIGKILL after a
 delay uniform in ``[0, --max-delay]`` s, then loads the newest checkpoint as a restarted job
-would and checks it bit for bit (see tests/_checkpoint_writer.py). Prints JSON; ``failures``
+would and checks it bit for bit (see checkpoint_writer.py). Prints JSON; ``failures``
 must be 0. Usage:
 
     .venv/bin/python benchmarks/stress_checkpoint.py --trials 200
@@ -19,9 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests._checkpoint_writer
-
-from tests._checkpoint_writer import WriterZygote, kill_trial
+from checkpoint_writer import WriterZygote, kill_trial
 
 
 def main() -> None:

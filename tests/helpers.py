@@ -1,14 +1,25 @@
-"""Small models and data shared by the tests."""
+"""What several test modules share: small models and their data, test servers, checkpoints
+written by hand. Processes live in tests/procs.py, fault-injecting doubles in tests/fakes.py,
+fixtures in tests/conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+import paramserver as ps
+from paramserver.checkpoint import Part, checkpoint_dir, commit, write_part
+from paramserver.launch.roles import build_server
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.server.tables import init_rows
+from paramserver.sharding import DynamicOptions
+
 NUM_ROWS_A = 40
 NUM_ROWS_B = 30
+NUM_IDS = 50  # ids HashedModel's data draws
 
 
 class TinyRecModel(nn.Module):
@@ -44,3 +55,94 @@ def mse(output: Tensor, target: Tensor) -> Tensor:
 def nan_loss(output: Tensor, target: Tensor) -> Tensor:
     """A loss whose gradients are all NaN: servers must reject every push of it."""
     return (output * float("nan")).mean()
+
+
+class HashedModel(nn.Module):
+    """A bag of ids into a DynamicEmbedding (``dynamic``) or into a fixed table whose rows start
+    where the dynamic table's init rule puts them, then a linear layer."""
+
+    def __init__(self, dynamic: bool):
+        super().__init__()
+        self.out = nn.Linear(4, 1)  # first: both variants draw the same initial values for it
+        if dynamic:
+            self.emb: nn.Module = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1)
+        else:
+            self.emb = nn.EmbeddingBag(NUM_IDS, 4, mode="mean")
+            with torch.no_grad():
+                options = DynamicOptions(init_scale=0.1)
+                self.emb.weight.copy_(init_rows("emb.weight", options, torch.arange(NUM_IDS), 4))
+
+    def forward(self, bags: Tensor) -> Tensor:
+        return self.out(self.emb(bags)).squeeze(1)
+
+
+def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(trainer)
+    for _ in range(num_batches):
+        yield torch.randint(0, NUM_IDS, (8, 3), generator=g), torch.randn(8, generator=g)
+
+
+# ---- test servers: one server's endpoint in this process, called directly ----
+
+MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_server's arguments
+
+
+def new_server(
+    server: int = 0, servers: int = 2, trainers: int = 2, mode: str = "async", **overrides: object
+) -> ServerEndpoint:
+    """Server ``server`` of a TinyRecModel job (sgd, lr 1: an update is the gradient itself).
+    Its watchdog thread runs until ``endpoint.coordinator.close()``: tests take the
+    ``make_server`` fixture (tests/conftest.py), which closes it after the test."""
+    config = ps.TrainConfig(
+        servers=servers, trainers=trainers, mode=mode, optimizer="sgd", lr=1.0, **overrides
+    )  # type: ignore[arg-type]
+    return build_server(server, config, TinyRecModel)
+
+
+def own_ids(endpoint: ServerEndpoint, *ids: int) -> torch.Tensor:
+    """The ``ids``-th rows this server holds of a fixed table (rows go round-robin)."""
+    servers = endpoint.shard.plan.num_servers
+    return torch.tensor([i * servers + endpoint.shard.server for i in ids], dtype=torch.int64)
+
+
+def a_dense_name(endpoint: ServerEndpoint) -> str:
+    """A dense parameter this server holds."""
+    return sorted(endpoint.shard.dense)[0]
+
+
+# ---- checkpoints written by hand, and damage done to them ----
+
+
+def tensors_of(writer: int, step: int) -> dict[str, Tensor]:
+    """Writer ``writer``'s tensors at ``step``: every dtype and layout a part must carry."""
+    big = torch.arange(1000 * 8, dtype=torch.float32).reshape(1000, 8) + step
+    return {
+        "weight": torch.randn(5, 3, generator=torch.Generator().manual_seed(writer + 10 * step)),
+        "ids": torch.arange(7, dtype=torch.int64) * (writer + step),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(float(writer + step)),
+        "empty": torch.empty(0, 4),
+        "view": big[10:20:3, 1:5].t(),  # non-contiguous, a view into an 8000-element storage
+    }
+
+
+def write_step(root: Path, step: int, num_writers: int = 3) -> list[Part]:
+    directory = checkpoint_dir(root, step)
+    return [
+        write_part(directory, f"server-{w}", tensors_of(w, step), {"writer": w, "step": step})
+        for w in range(num_writers)
+    ]
+
+
+def commit_step(root: Path, step: int, keep: int = 2) -> Path:
+    return commit(root, step, write_step(root, step), {"step": step, "job": "test"}, keep=keep)
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    return sorted(int(p.name.removeprefix("ckpt-")) for p in root.glob("ckpt-*"))
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))

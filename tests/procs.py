@@ -1,9 +1,37 @@
-"""Finding the processes a job started, and their listening sockets, through /proc."""
+"""The processes of tests' jobs: a small CLI job, finding what a job started (through /proc),
+its listening sockets, waiting on it and stopping it. Tests kill only pids found here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+# CLI flags for a built-in job small enough for a test.
+SMALL_JOB = ("--rows-per-table", "2000", "--eval-samples", "4096", "--batch-size", "256")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` (another process's doing: nothing to wait on) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def children_of_launcher(launcher_pid: int) -> list[int]:
@@ -62,3 +90,44 @@ def is_loopback(address: str) -> bool:
         or ip == "0000:0000:0000:0000:0000:0000:0000:0001"
         or ip.startswith("0000:0000:0000:0000:0000:ffff:7f")
     )
+
+
+def rank_pid(rank: int, launcher: int | None = None) -> int:
+    """The pid of rank ``rank`` of the local job launched by ``launcher`` (this process by
+    default)."""
+    module = b"paramserver.launch.worker"
+    for pid in children_of_launcher(os.getpid() if launcher is None else launcher):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if module in argv and argv[argv.index(module) + 2] == str(rank).encode():
+            return pid
+    raise AssertionError(f"no process for rank {rank}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every live process below ``pid`` (torchrun's workers may leave its group)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
+
+
+def stop(*processes: subprocess.Popen[Any]) -> None:
+    """Kill what a test started, by pid: each process and everything below it."""
+    for process in processes:
+        for pid in [*descendants(process.pid), process.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=30)

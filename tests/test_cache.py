@@ -12,8 +12,7 @@ import paramserver as ps
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import PushPullRequest, RowBlock, must_send
 from paramserver.trainer.cache import RowCache
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_server import make_server, own_ids
+from tests.helpers import MakeServer, TinyRecModel, mse, own_ids, tiny_batches
 
 
 def test_row_cache_keeps_versions_and_evicts_least_recently_used() -> None:
@@ -47,7 +46,9 @@ def test_must_send_stale_uncached_and_missing_rows_only() -> None:
     assert must_send(cached, current, 2).tolist() == [True, False, False, True, True]
 
 
-def test_a_server_sends_only_rows_the_cache_cannot_serve_and_checks_the_versions() -> None:
+def test_a_server_sends_only_rows_the_cache_cannot_serve_and_checks_the_versions(
+    make_server: MakeServer,
+) -> None:
     server = make_server(mode="async", cache_rows=10, cache_staleness=1)
     ids = own_ids(server, 0, 1, 2)
     grads = {"user.weight": RowBlock(ids[:1], torch.ones(1, 4))}

@@ -19,8 +19,15 @@ import pytest
 import paramserver as ps
 from paramserver.checkpoint import CheckpointError, commit, load_latest, lock_directory
 from paramserver.checkpoint.lock import LOCK, read_holder
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_checkpoint_store import checkpoint_steps, commit_step, flip_byte, write_step
+from tests.helpers import (
+    TinyRecModel,
+    checkpoint_steps,
+    commit_step,
+    flip_byte,
+    mse,
+    tiny_batches,
+    write_step,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK_LOGGER = "paramserver.checkpoint.lock"

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import Tensor
 
+from benchmarks.checkpoint_writer import WriterZygote, kill_trial, same_tensors
 from paramserver.checkpoint import (
     CheckpointError,
     Part,
@@ -23,37 +22,9 @@ from paramserver.checkpoint import (
     verify,
     write_part,
 )
-from tests._checkpoint_writer import WriterZygote, kill_trial, same_tensors
+from tests.helpers import checkpoint_steps, commit_step, flip_byte, tensors_of, write_step
 
 STORE_LOGGER = "paramserver.checkpoint.store"
-
-
-def tensors_of(writer: int, step: int) -> dict[str, Tensor]:
-    big = torch.arange(1000 * 8, dtype=torch.float32).reshape(1000, 8) + step
-    return {
-        "weight": torch.randn(5, 3, generator=torch.Generator().manual_seed(writer + 10 * step)),
-        "ids": torch.arange(7, dtype=torch.int64) * (writer + step),
-        "mask": torch.tensor([True, False, True]),
-        "scalar": torch.tensor(float(writer + step)),
-        "empty": torch.empty(0, 4),
-        "view": big[10:20:3, 1:5].t(),  # non-contiguous, a view into an 8000-element storage
-    }
-
-
-def write_step(root: Path, step: int, num_writers: int = 3) -> list[Part]:
-    directory = checkpoint_dir(root, step)
-    return [
-        write_part(directory, f"server-{w}", tensors_of(w, step), {"writer": w, "step": step})
-        for w in range(num_writers)
-    ]
-
-
-def commit_step(root: Path, step: int, keep: int = 2) -> Path:
-    return commit(root, step, write_step(root, step), {"step": step, "job": "test"}, keep=keep)
-
-
-def checkpoint_steps(root: Path) -> list[int]:
-    return sorted(int(p.name.removeprefix("ckpt-")) for p in root.glob("ckpt-*"))
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -97,12 +68,6 @@ def test_keep_deletes_old_and_stale_but_not_newer_uncommitted(tmp_path: Path) ->
 def test_keep_below_two_is_rejected(tmp_path: Path, keep: int) -> None:
     with pytest.raises(ValueError, match="keep"):
         commit(tmp_path, 1, write_step(tmp_path, 1), {}, keep=keep)
-
-
-def flip_byte(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
 
 
 def truncate(path: Path) -> None:

@@ -18,9 +18,15 @@ import pytest
 
 import paramserver as ps
 from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.procs import children_of_launcher
-from tests.test_multihost import descendants, stop
-from tests.test_processes import REPO, SMALL_JOB, free_port
+from tests.procs import (
+    REPO,
+    SMALL_JOB,
+    children_of_launcher,
+    descendants,
+    free_port,
+    rank_pid,
+    stop,
+)
 
 
 def dying_at(step: int, victim: int = 1) -> Any:
@@ -50,20 +56,6 @@ def test_a_killed_trainer_is_left_out_and_the_job_finishes(mode: str) -> None:
     assert len(summary["trainer_steps"]) == 2  # the survivors' reports
     assert summary["trainer_steps"] == [30, 30]
     assert children_of_launcher(os.getpid()) == []
-
-
-def rank_pid(rank: int) -> int:
-    for pid in children_of_launcher(os.getpid()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (
-            b"paramserver.launch.worker" in argv
-            and argv[argv.index(b"paramserver.launch.worker") + 2] == str(rank).encode()
-        ):
-            return pid
-    raise AssertionError(f"no process for rank {rank}")
 
 
 def slow_data(trainer: int, num_trainers: int) -> Iterator[Any]:

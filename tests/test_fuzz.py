@@ -14,7 +14,7 @@ import torch
 from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock, TrainerReport
-from tests.test_server import a_dense_name, make_server, own_ids
+from tests.helpers import MakeServer, a_dense_name, own_ids
 
 GARBAGE: list[Any] = [
     None, 3, -1, 2**70, 1.5, float("nan"), "x", b"\x00", [], {}, (1,), object(),
@@ -78,7 +78,9 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
     ]
 
 
-def test_a_thousand_malformed_pushes_are_refused_and_change_nothing() -> None:
+def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
+    make_server: MakeServer,
+) -> None:
     rng = random.Random(0)
     endpoint = make_server()
     before = endpoint.shard.state_hash()
@@ -107,7 +109,7 @@ def junk_request(rng: random.Random) -> Any:
     return rng.choice([None, 1, "push", {"trainer": 0}, (0, 0), RowBlock(torch.ones(1), None)])  # type: ignore[arg-type]
 
 
-def test_a_call_over_the_size_cap_is_refused() -> None:
+def test_a_call_over_the_size_cap_is_refused(make_server: MakeServer) -> None:
     endpoint = make_server(max_message_mb=0.0002)  # 209 bytes
     before = endpoint.shard.state_hash()
     big = {"user.weight": RowBlock(own_ids(endpoint, *range(20)), torch.ones(20, 4))}

@@ -18,9 +18,8 @@ from paramserver.checkpoint import load_latest
 from paramserver.launch import threads as threads_launcher
 from paramserver.transport.base import Transport
 from tests.fakes import FaultyTransport
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import MakeServer, TinyRecModel, mse, tiny_batches
 from tests.procs import children_of_launcher
-from tests.test_server import make_server
 
 STALL_S = 3.0
 
@@ -90,7 +89,7 @@ def test_a_stuck_trainer_process_leaves_and_no_process_is_left_behind() -> None:
     assert children_of_launcher(os.getpid()) == []
 
 
-def test_a_heartbeat_reporting_an_idle_loop_departs_the_trainer() -> None:
+def test_a_heartbeat_reporting_an_idle_loop_departs_the_trainer(make_server: MakeServer) -> None:
     server = make_server(mode="sync", trainer_timeout=2.0, stall_timeout=5.0)
     assert server.coordinator.heartbeat(1, 4.9).wait() == "member"
     answer = server.coordinator.heartbeat(1, 5.5).wait()

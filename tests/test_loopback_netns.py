@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests._netns_job import HOST_ADDRESS
-from tests.procs import is_loopback
-from tests.test_processes import REPO, SMALL_JOB
+from tests.procs import REPO, SMALL_JOB, is_loopback
 
 NAMESPACES = ["unshare", "--net", "--uts", "--mount"]
 

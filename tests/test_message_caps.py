@@ -20,7 +20,7 @@ from paramserver.checkpoint import Part
 from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock
-from tests.test_server import make_server, own_ids
+from tests.helpers import MakeServer, own_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 # What a refused hostile call may add to the server's peak memory. Each claims 2 GB (about
@@ -64,7 +64,9 @@ def test_a_hostile_call_is_refused_within_a_memory_bound(
     assert result["state_unchanged"], result
 
 
-def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients() -> None:
+def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients(
+    make_server: MakeServer,
+) -> None:
     endpoint = make_server(servers=1, trainers=1)
     before = endpoint.shard.state_hash()
     rows = RowBlock(own_ids(endpoint, 0, 1), encode("topk", torch.ones(2, 4), topk_ratio=0.5))
@@ -92,7 +94,7 @@ def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients() 
     assert endpoint.shard.state_hash() != before
 
 
-def test_row_ids_are_checked_before_a_row_gradient_is_decoded() -> None:
+def test_row_ids_are_checked_before_a_row_gradient_is_decoded(make_server: MakeServer) -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
     # Valid int8 for 2 rows, so only the ids (routed to the other server) are wrong.
@@ -104,7 +106,9 @@ def test_row_ids_are_checked_before_a_row_gradient_is_decoded() -> None:
     assert endpoint.shard.state_hash() == before
 
 
-def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads() -> None:
+def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads(
+    make_server: MakeServer,
+) -> None:
     endpoint = make_server(servers=1, trainers=1, max_message_mb=1 / 4096)  # 256 bytes
     before = endpoint.shard.state_hash()
     # 12 rows of 4: 96 bytes of ids + 48 of int8 + 48 of scales on the wire, under the cap;
@@ -128,7 +132,7 @@ def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads() -
     assert endpoint.coordinator.last_step == {}  # the refused push_pull was not counted
 
 
-def test_every_operation_s_arguments_are_capped() -> None:
+def test_every_operation_s_arguments_are_capped(make_server: MakeServer) -> None:
     endpoint = make_server(max_message_mb=1 / 1024)  # 1 KiB
     big = Part("x" * 2000, {})  # type: ignore[arg-type]
     with pytest.raises(ParamServerError, match="add_trainer_part call holding .* exceeds the cap"):

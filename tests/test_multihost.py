@@ -8,21 +8,18 @@ created. Traffic stays inside the namespaces this test creates.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.test_processes import REPO, SMALL_JOB
+from tests.procs import REPO, SMALL_JOB, stop
 
 SUBNET = "10.213.77"
 
@@ -71,33 +68,6 @@ def torchrun(
         command, cwd=REPO, env=env, text=True, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
-
-
-def descendants(pid: int) -> list[int]:
-    """Pids of every live process below ``pid`` (torchrun's workers may leave its group)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        children = parents.get(todo.pop(), [])
-        found += children
-        todo += children
-    return found
-
-
-def stop(*processes: subprocess.Popen[Any]) -> None:
-    """Kill what this test started, by pid: each torchrun and everything below it."""
-    for process in processes:
-        for pid in [*descendants(process.pid), process.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        process.wait(timeout=30)
 
 
 @pytest.mark.timeout(240)

@@ -16,8 +16,7 @@ from paramserver.checkpoint import CheckpointError, load_latest
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.server.snapshot import restore_shard, snapshot_shard
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_dynamic import NUM_IDS, hashed_batches
+from tests.helpers import NUM_IDS, TinyRecModel, hashed_batches, mse, tiny_batches
 
 STEPS = 12
 SAVED_AT = 8

@@ -7,31 +7,11 @@ import threading
 import pytest
 import torch
 
-import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
-from paramserver.launch.roles import build_server
 from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.local import LocalTransport
-from tests.helpers import TinyRecModel
-
-
-def make_server(
-    server: int = 0, servers: int = 2, trainers: int = 2, mode: str = "async", **overrides: object
-) -> ServerEndpoint:
-    config = ps.TrainConfig(
-        servers=servers, trainers=trainers, mode=mode, optimizer="sgd", lr=1.0, **overrides
-    )  # type: ignore[arg-type]
-    return build_server(server, config, TinyRecModel)
-
-
-def own_ids(endpoint: ServerEndpoint, *ids: int) -> torch.Tensor:
-    servers = endpoint.shard.plan.num_servers
-    return torch.tensor([i * servers + endpoint.shard.server for i in ids], dtype=torch.int64)
-
-
-def a_dense_name(endpoint: ServerEndpoint) -> str:
-    return sorted(endpoint.shard.dense)[0]
+from tests.helpers import MakeServer, a_dense_name, new_server, own_ids
 
 
 def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
@@ -107,8 +87,16 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
     }
 
 
-@pytest.mark.parametrize("case", sorted(bad_requests(make_server())))
-def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
+def bad_request_names() -> list[str]:
+    endpoint = new_server()
+    try:
+        return sorted(bad_requests(endpoint))
+    finally:
+        endpoint.coordinator.close()
+
+
+@pytest.mark.parametrize("case", bad_request_names())
+def test_bad_push_is_rejected_whole_and_changes_nothing(case: str, make_server: MakeServer) -> None:
     endpoint = make_server()
     request = bad_requests(endpoint)[case]
     before = endpoint.shard.state_hash()
@@ -128,7 +116,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str) -> None:
     assert endpoint.shard.state_hash() != before
 
 
-def test_error_names_the_parameter() -> None:
+def test_error_names_the_parameter(make_server: MakeServer) -> None:
     endpoint = make_server()
     dense = a_dense_name(endpoint)
     request = PushPullRequest(trainer=0, step=1, dense_grads={dense: torch.ones(99)})
@@ -136,7 +124,7 @@ def test_error_names_the_parameter() -> None:
         endpoint.handle("push_pull", (request,)).wait()
 
 
-def test_malformed_calls_are_refused() -> None:
+def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
     junk_report = PushPullRequest(trainer=0, step=1, report="junk")  # type: ignore[arg-type]
@@ -165,7 +153,7 @@ def test_malformed_calls_are_refused() -> None:
     assert endpoint.coordinator.last_step == {}
 
 
-def test_randomized_malformed_pushes_never_change_state() -> None:
+def test_randomized_malformed_pushes_never_change_state(make_server: MakeServer) -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
     g = torch.Generator().manual_seed(0)
@@ -190,7 +178,7 @@ def test_randomized_malformed_pushes_never_change_state() -> None:
     assert endpoint.shard.state_hash() == before
 
 
-def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
+def test_concurrent_async_pushes_to_the_same_rows_lose_nothing(make_server: MakeServer) -> None:
     endpoint = make_server(server=0, servers=1, trainers=8)
     ids = torch.tensor([0, 3, 5, 7], dtype=torch.int64)
     start = endpoint.shard.tables["user.weight"].weight[ids].clone()
@@ -220,7 +208,7 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing() -> None:
     assert endpoint.shard.stats.pushes == 8 * pushes_per_trainer
 
 
-def test_duplicate_push_is_answered_not_applied_twice() -> None:
+def test_duplicate_push_is_answered_not_applied_twice(make_server: MakeServer) -> None:
     endpoint = make_server()
     ids = own_ids(endpoint, 2)
     request = PushPullRequest(
@@ -258,7 +246,9 @@ def sync_push(
     return endpoint.handle("push_pull", (request,))
 
 
-def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None:
+def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once(
+    make_server: MakeServer,
+) -> None:
     endpoint = make_server(mode="sync", trainers=3)
     start(endpoint, 3)
     initial = endpoint.shard.tables["user.weight"].weight[0].clone()
@@ -273,7 +263,7 @@ def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once() -> None
     assert endpoint.shard.stats.pushes == 1
 
 
-def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
+def test_sync_rounds_continue_without_a_trainer_that_left(make_server: MakeServer) -> None:
     endpoint = make_server(mode="sync", trainers=2)
     start(endpoint, 2)
     initial = endpoint.shard.tables["user.weight"].weight[0].clone()
@@ -292,7 +282,9 @@ def test_sync_rounds_continue_without_a_trainer_that_left() -> None:
     assert endpoint.handle("wait_all_left", ()).done()
 
 
-def test_a_trainer_leaving_without_gradients_completes_a_waiting_round() -> None:
+def test_a_trainer_leaving_without_gradients_completes_a_waiting_round(
+    make_server: MakeServer,
+) -> None:
     endpoint = make_server(mode="sync", trainers=2)
     start(endpoint, 1)  # trainer 1 has no data: its first call leaves
     waiting = sync_push(endpoint, 0, 1, 1.0)
@@ -302,7 +294,7 @@ def test_a_trainer_leaving_without_gradients_completes_a_waiting_round() -> None
     assert endpoint.shard.stats.pushes == 1
 
 
-def test_a_step_gap_is_refused_and_moves_no_clock() -> None:
+def test_a_step_gap_is_refused_and_moves_no_clock(make_server: MakeServer) -> None:
     endpoint = make_server()
     start(endpoint, 2)
     jump = PushPullRequest(trainer=1, step=10**6, pull_dense=False)
@@ -312,7 +304,9 @@ def test_a_step_gap_is_refused_and_moves_no_clock() -> None:
     assert endpoint.coordinator.last_step == {0: 0, 1: 0}
 
 
-def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures() -> None:
+def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures(
+    make_server: MakeServer,
+) -> None:
     endpoint = make_server()
     start(endpoint, 1)
     stale = PushPullRequest(trainer=0, step=0, pull_rows={"no.such.table": torch.tensor([0])})

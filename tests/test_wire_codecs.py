@@ -13,8 +13,7 @@ from paramserver.cli import build_parser, config_from_args
 from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import PushPullRequest, RowBlock
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_server import a_dense_name, make_server, own_ids
+from tests.helpers import MakeServer, TinyRecModel, a_dense_name, mse, own_ids, tiny_batches
 
 
 def run(**codecs: object) -> dict[str, object]:
@@ -52,7 +51,9 @@ def test_codecs_change_the_result_only_within_their_accuracy() -> None:
         assert abs(run(**codecs)["train_loss"] - baseline) < 0.05  # type: ignore[operator]
 
 
-def test_a_malformed_or_mismatched_encoding_is_refused_and_changes_nothing() -> None:
+def test_a_malformed_or_mismatched_encoding_is_refused_and_changes_nothing(
+    make_server: MakeServer,
+) -> None:
     server = make_server()
     dense = a_dense_name(server)
     shape = tuple(server.shard.dense[dense].value.shape)

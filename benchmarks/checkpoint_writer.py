@@ -5,8 +5,9 @@ then, per ``spawn ROOT`` line on stdin, forks a writer that commits checkpoints 
 from the newest one it finds) under ROOT forever; ``reap PID`` waits for a killed writer. The
 forked writer runs no code the zygote has not imported, and the zygote itself runs no torch op
 before forking, so the fork is safe. :class:`WriterZygote` drives it; :func:`kill_trial` runs
-one kill and checks what a reader then loads. Used by tests/test_checkpoint_store.py and
-benchmarks/stress_checkpoint.py.
+one kill and checks what a reader then loads. Used by benchmarks/stress_checkpoint.py (many
+trials) and tests/test_checkpoint_store.py (a few); it lives here because benchmarks import
+nothing from tests.
 """
 
 from __future__ import annotations

@@ -1,0 +1,55 @@
+"""Fixtures shared by the tests: test servers that are closed after the test, and threads-launcher
+jobs whose transport injects faults at exact calls (tests/fakes.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from paramserver.launch import threads as threads_launcher
+from paramserver.server.endpoint import ServerEndpoint
+from paramserver.transport.base import Transport
+from tests.fakes import FaultyTransport
+from tests.helpers import MakeServer, new_server
+
+Rig = Callable[[FaultyTransport], object]
+
+
+@pytest.fixture
+def make_server() -> Iterator[MakeServer]:
+    """Builds servers as :func:`tests.helpers.new_server` does (same arguments) and stops each
+    one's watchdog thread once the test ends, so that none ticks on through later tests."""
+    made: list[ServerEndpoint] = []
+
+    def make(*args: Any, **kwargs: Any) -> ServerEndpoint:
+        endpoint = new_server(*args, **kwargs)
+        made.append(endpoint)
+        return endpoint
+
+    yield make
+    for endpoint in made:
+        endpoint.coordinator.close()
+
+
+@pytest.fixture
+def faulty_jobs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Rig], list[FaultyTransport]]:
+    """``faulty_jobs(rig)``: from then on, jobs of the threads launcher in this test run over a
+    :class:`FaultyTransport` that ``rig`` sets up (its rules), one per job; returns the list
+    they are appended to, for the test to inspect (``transport.inner.endpoints``: the servers)."""
+
+    def install(rig: Rig) -> list[FaultyTransport]:
+        made: list[FaultyTransport] = []
+        local = threads_launcher.LocalTransport
+
+        def faulty(endpoints: Any) -> Transport:
+            transport = FaultyTransport(local(endpoints))
+            rig(transport)
+            made.append(transport)
+            return transport
+
+        monkeypatch.setattr(threads_launcher, "LocalTransport", faulty)
+        return made
+
+    return install
