@@ -22,8 +22,8 @@ from report import save
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.server.idmap import mix64
-from paramserver.trainer.loop import Progress
+from paramserver.hashing import mix64
+from paramserver.types import Progress
 
 IDS_PER_SAMPLE = 8
 DIM = 16

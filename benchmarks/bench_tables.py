@@ -36,10 +36,10 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.config import OptimizerConfig
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server.idmap import IdMap
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import DynamicTable
 from paramserver.sharding import DynamicOptions, TableSpec

@@ -41,7 +41,7 @@ from paramserver.checkpoint import load_latest
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.metrics import evaluate_binary
 from paramserver.models.dlrm import DLRM
-from paramserver.trainer.loop import Progress
+from paramserver.types import Progress
 
 TRAINER_TIMEOUT = 3.0
 STALL_TIMEOUT = 2 * TRAINER_TIMEOUT

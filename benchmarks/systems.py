@@ -46,9 +46,9 @@ import paramserver as ps
 from paramserver.baseline import make_optimizers, train_single_process
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import evaluate_binary
+from paramserver.modelplan import EMBEDDINGS, seeded_model
 from paramserver.observe import peak_rss_bytes
-from paramserver.trainer.loop import seeded_model
-from paramserver.trainer.replica import EMBEDDINGS, as_tuple
+from paramserver.types import as_tuple
 
 LOSS = F.binary_cross_entropy_with_logits
 

@@ -15,8 +15,9 @@ from torch.utils.data import RandomSampler
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
 from paramserver.metrics import Evaluation, as_summary
+from paramserver.modelplan import seeded_model
 from paramserver.observe.runlog import RunLog, write_summary
-from paramserver.trainer.loop import Batch, DataFn, LossFn, ModelFn, Progress, seeded_model
+from paramserver.types import Batch, DataFn, LossFn, ModelFn, Progress
 
 
 @dataclass

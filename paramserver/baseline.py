@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from paramserver.config import OptimizerConfig, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
-from paramserver.trainer.loop import DataFn, LossFn, ModelFn, seeded_model
-from paramserver.trainer.replica import EMBEDDINGS, as_tuple
+from paramserver.modelplan import EMBEDDINGS, seeded_model
+from paramserver.types import DataFn, LossFn, ModelFn, as_tuple
 
 
 def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:

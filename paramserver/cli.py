@@ -28,7 +28,7 @@ from torch import nn
 
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import check_model, train_single_process
-from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
+from paramserver.checkpoint import Checkpoint, gather_saved, load_latest, open_checkpoint
 from paramserver.config import TrainConfig, read_toml
 from paramserver.data import movielens
 from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
@@ -46,8 +46,8 @@ from paramserver.models.rating import RatingModel
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
-from paramserver.server.snapshot import gather_saved
-from paramserver.trainer.loop import LossFn, trainer_model
+from paramserver.trainer.loop import trainer_model
+from paramserver.types import LossFn
 
 log = logging.getLogger("paramserver")
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import BinaryAUROC
 
 from paramserver.errors import ConfigError
-from paramserver.trainer.replica import Inputs, as_tuple
+from paramserver.types import Inputs, as_tuple
 
 MetricFn = Callable[[Tensor, Tensor], dict[str, float]]
 

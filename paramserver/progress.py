@@ -8,7 +8,7 @@ import time
 
 from tqdm import tqdm
 
-from paramserver.trainer.loop import Progress
+from paramserver.types import Progress
 
 log = logging.getLogger("paramserver")
 

@@ -9,6 +9,13 @@ Any float32 tensor of gradients or values may travel encoded (a
 :class:`~paramserver.compression.Encoded`, per the job's codecs); the receiver decodes it, and a
 server validates it first.
 
+A trainer's :class:`TrainerReport` (sent with its last call) carries its per-operation call
+statistics (:class:`CallStats`) and the summary of its replica checks; :class:`ServerView` is a
+server's answer to one such check. Latencies go into fixed logarithmic buckets (16 per decade,
+from 10 us to 1,000 s), so trainers' statistics merge by adding counts and percentiles are read
+off the merged histogram: a percentile is reported as its bucket's geometric middle, within 8%
+of the true value.
+
 Ownership: once a message is handed to a transport the sender must not modify its tensors; the
 receiver owns what it receives.
 """
@@ -24,8 +31,6 @@ from typing import Any
 from torch import Tensor
 
 from paramserver.compression import Encoded
-from paramserver.observe.calls import CallStats
-from paramserver.observe.consistency import SUMMARY_KEYS
 
 
 @dataclass
@@ -55,6 +60,96 @@ class PooledGrad:
 
     pull_step: int
     grads: Tensor | Encoded
+
+
+BUCKETS_PER_DECADE = 16
+SMALLEST_S = 1e-5
+NUM_BUCKETS = 8 * BUCKETS_PER_DECADE + 2  # one below 10 us, one at or above 1,000 s
+
+
+def bucket_of(seconds: float) -> int:
+    if seconds < SMALLEST_S:
+        return 0
+    index = 1 + int(math.log10(seconds / SMALLEST_S) * BUCKETS_PER_DECADE)
+    return min(index, NUM_BUCKETS - 1)
+
+
+def bucket_middle(index: int) -> float:
+    """The geometric middle of bucket ``index``, in seconds."""
+    if index == 0:
+        return SMALLEST_S / 2
+    return SMALLEST_S * 10 ** ((index - 0.5) / BUCKETS_PER_DECADE)
+
+
+@dataclass
+class CallStats:
+    """One operation's calls (as a trainer made them); travels in the trainer's report."""
+
+    calls: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    max_s: float = 0.0
+    histogram: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
+
+    def add(self, seconds: float) -> None:
+        self.calls += 1
+        self.max_s = max(self.max_s, seconds)
+        self.histogram[bucket_of(seconds)] += 1
+
+    def merge(self, other: CallStats) -> None:
+        self.calls += other.calls
+        self.sent_bytes += other.sent_bytes
+        self.received_bytes += other.received_bytes
+        self.max_s = max(self.max_s, other.max_s)
+        self.histogram = [a + b for a, b in zip(self.histogram, other.histogram, strict=True)]
+
+    def percentile(self, q: float) -> float:
+        """The ``q``-th percentile latency in seconds (0 without calls)."""
+        timed = sum(self.histogram)
+        if not timed:
+            return 0.0
+        rank = max(1, math.ceil(q / 100 * timed))
+        seen = 0
+        for index, count in enumerate(self.histogram):
+            seen += count
+            if seen >= rank:
+                return min(bucket_middle(index), self.max_s)
+        return self.max_s
+
+    def is_well_formed(self) -> bool:
+        return (
+            all(type(v) is int and v >= 0 for v in (self.calls, self.sent_bytes))
+            and type(self.received_bytes) is int
+            and self.received_bytes >= 0
+            and type(self.max_s) is float
+            and math.isfinite(self.max_s)
+            and type(self.histogram) is list
+            and len(self.histogram) == NUM_BUCKETS
+            and all(type(c) is int and c >= 0 for c in self.histogram)
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "calls": self.calls,
+            "sent_bytes": self.sent_bytes,
+            "received_bytes": self.received_bytes,
+            "p50_ms": self.percentile(50) * 1e3,
+            "p90_ms": self.percentile(90) * 1e3,
+            "p99_ms": self.percentile(99) * 1e3,
+            "max_ms": self.max_s * 1e3,
+        }
+
+
+CONSISTENCY_KEYS = frozenset(  # of a trainer's replica-check summary (observe.consistency)
+    {
+        "checks",
+        "versions_behind_max",
+        "versions_behind_mean",
+        "max_abs_diff",
+        "rel_l2_diff_max",
+        "differing_at_same_version",
+    }
+)
 
 
 @dataclass
@@ -112,7 +207,7 @@ class TrainerReport:
                 for op, c in self.calls.items()
             )
             and type(self.consistency) is dict
-            and (not self.consistency or set(self.consistency) == SUMMARY_KEYS)
+            and (not self.consistency or set(self.consistency) == CONSISTENCY_KEYS)
             and all(type(v) in (int, float) for v in self.consistency.values())
         )
 
@@ -162,6 +257,15 @@ class PushPullReply:
     row_versions: dict[str, Tensor] = field(default_factory=dict)  # for pull_versions' tables
     checkpoint_at: int = -1  # the newest checkpoint step announced (see trainer.checkpointing)
     dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
+
+
+@dataclass
+class ServerView:
+    """A server's answer for one dense parameter in a replica check (``dense_check``)."""
+
+    version: int
+    checksum: str
+    value: Tensor | None  # sent only when the checksums differ
 
 
 def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:

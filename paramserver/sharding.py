@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import mix64
+from paramserver.hashing import mix64
 
 NUM_BUCKETS = 1 << 12
 _BUCKET_SALT = 0x5DEECE66D  # routing must not share bits with a server's own id-map hash

@@ -29,7 +29,7 @@ from paramserver.data.criteo import (
     write_synthetic_criteo,
 )
 from paramserver.errors import ConfigError, InvalidBatchError
-from paramserver.server.idmap import mix64
+from paramserver.hashing import mix64
 
 
 def criteo_line(label: str, ints: list[str], categorical: list[str]) -> str:

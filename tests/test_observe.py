@@ -19,13 +19,14 @@ import torch
 import paramserver as ps
 from paramserver.cli import main
 from paramserver.errors import ConfigError, ParamServerError
+from paramserver.futures import failed
+from paramserver.launch.roles import build_server
 from paramserver.metrics import Evaluation, regression_metrics
+from paramserver.modelplan import seeded_model
 from paramserver.observe import runlog
-from paramserver.observe.calls import NUM_BUCKETS, CallStats
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import RunLog, read_records
-from paramserver.protocol import PushPullRequest, TrainerReport
-from paramserver.server.futures import failed
+from paramserver.protocol import NUM_BUCKETS, CallStats, PushPullRequest, TrainerReport
 from paramserver.transport.base import Transport
 from paramserver.transport.local import LocalTransport
 from paramserver.transport.profiled import ProfiledTransport
@@ -117,9 +118,7 @@ class FailingTransport(Transport):
 def test_profiled_transport_counts_each_operation_and_keeps_error_types() -> None:
     result = tiny_job(steps=3)  # builds servers we can call directly
     assert result.summary["calls"]["push_pull"]["calls"] == 2 * 2 * (3 + 1)  # + the first pull
-    endpoints = [
-        ps.launch.roles.build_server(s, ps.TrainConfig(servers=1), TinyRecModel) for s in range(1)
-    ]
+    endpoints = [build_server(s, ps.TrainConfig(servers=1), TinyRecModel) for s in range(1)]
     profiled = ProfiledTransport(LocalTransport(endpoints))
     request = PushPullRequest(0, 0, pull_rows={"user.weight": torch.tensor([1, 2, 3])})
     reply = profiled.call(0, "pull", request).wait()
@@ -238,7 +237,7 @@ def test_held_out_metrics_during_training_match_the_final_model() -> None:
     during, final = result.summary["eval_history"]
     assert during["step"] == final["step"] == STEPS
     untrained = ps.metrics.evaluate(
-        ps.trainer.loop.seeded_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
+        seeded_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
     )
     assert during["rmse"] < untrained["rmse"]
     assert during["rmse"] == pytest.approx(final["rmse"], rel=0.05)
@@ -281,7 +280,7 @@ def test_consistency_shows_prefetch_staleness_and_codec_rounding(tmp_path: Path)
 
 
 def test_servers_refuse_malformed_consistency_checks() -> None:
-    endpoint = ps.launch.roles.build_server(0, ps.TrainConfig(servers=1), TinyRecModel)
+    endpoint = build_server(0, ps.TrainConfig(servers=1), TinyRecModel)
     for bad in ({"mlp.0.weight": 3}, {"no.such.param": "ab"}, {1: "ab"}):
         with pytest.raises(ParamServerError):
             endpoint.handle("dense_check", (bad,)).wait()

@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call
 
 import paramserver as ps
-from paramserver.trainer.loop import seeded_model
+from paramserver.modelplan import seeded_model
 from tests.helpers import TinyRecModel, mse, tiny_batches
 
 NUM_TRAINERS = 3

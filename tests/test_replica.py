@@ -7,7 +7,8 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.errors import InvalidBatchError, ModelError
-from paramserver.trainer.replica import MissingRows, Replica, describe
+from paramserver.modelplan import plan_of
+from paramserver.trainer.replica import MissingRows, Replica
 
 
 def run_remote(module: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -144,7 +145,7 @@ def test_plan_names_tables_and_dense_parameters_by_state_dict_name() -> None:
     model = nn.ModuleDict(
         {"emb": nn.Embedding(10, 4), "bag": nn.EmbeddingBag(7, 4), "lin": nn.Linear(4, 2)}
     )
-    plan = describe(model, num_servers=2)
+    plan = plan_of(model, num_servers=2)
     assert set(plan.tables) == {"emb.weight", "bag.weight"}
     assert set(plan.dense) == {"lin.weight", "lin.bias"}
     assert set(plan.dense) | set(plan.tables) == set(model.state_dict())

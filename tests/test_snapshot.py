@@ -7,12 +7,14 @@ import torch
 from torch import nn
 
 import paramserver as ps
+from paramserver.checkpoint import gather_saved
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
-from paramserver.server.snapshot import gather_saved, restore_shard, snapshot_shard
+from paramserver.server.snapshot import restore_shard, snapshot_shard
 from paramserver.trainer.client import gather_state
 from paramserver.transport.local import LocalTransport
-from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
+from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.test_dynamic import HashedModel, hashed_batches
 
 
 def trained(model_fn: type[nn.Module], data, servers: int, **options: object):  # type: ignore[no-untyped-def]

@@ -15,9 +15,10 @@ from paramserver.baseline import train_single_process
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.launch.roles import build_server
 from paramserver.metrics import evaluate_binary
+from paramserver.modelplan import seeded_model
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import payload_nbytes
-from paramserver.trainer.loop import run_trainer, seeded_model, trainer_model
+from paramserver.trainer.loop import run_trainer, trainer_model
 from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 

@@ -1,10 +1,12 @@
 """Checkpoints: atomic, verified, written by many processes and committed by one (the chief).
 
-See :mod:`paramserver.checkpoint.store` for the layout on disk and why it survives crashes, and
-:mod:`paramserver.checkpoint.lock` for how one job at a time holds a checkpoint directory.
+See :mod:`paramserver.checkpoint.store` for the layout on disk and why it survives crashes,
+:mod:`paramserver.checkpoint.lock` for how one job at a time holds a checkpoint directory, and
+:mod:`paramserver.checkpoint.resume` for reading one back (resuming, exporting).
 """
 
 from paramserver.checkpoint.lock import DirectoryLock, lock_directory
+from paramserver.checkpoint.resume import Saved, gather_saved, resume_from
 from paramserver.checkpoint.store import (
     Checkpoint,
     Part,
@@ -22,11 +24,14 @@ __all__ = [
     "CheckpointError",
     "DirectoryLock",
     "Part",
+    "Saved",
     "checkpoint_dir",
     "commit",
+    "gather_saved",
     "load_latest",
     "lock_directory",
     "open_checkpoint",
+    "resume_from",
     "verify",
     "write_part",
 ]

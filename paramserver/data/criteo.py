@@ -21,7 +21,7 @@ Batches are ``((dense, sparse), label)``, as in :mod:`paramserver.data.synthetic
 - ``sparse``: int64 ``[B, 26]``, one id per categorical column, for dynamic (hashed) tables such
   as :class:`paramserver.DynamicEmbedding`. Column ``c`` (0-based) turns the value ``v`` of its
   hex string into ``mix64(mix64(v) + seed_c)``, where ``seed_c = mix64(mix64(hash_salt) + c)``
-  and ``mix64`` is SplitMix64's finalizer (:func:`paramserver.server.idmap.mix64`), all in
+  and ``mix64`` is SplitMix64's finalizer (:func:`paramserver.hashing.mix64`), all in
   wrapping int64 arithmetic. For a fixed column the map is a bijection of int64, so two values
   of a column never share an id; across columns equal strings get unrelated ids, spread over all
   of int64. A missing value is hashed as ``v = MISSING_VALUE = 2**32``, which no hex string of
@@ -60,7 +60,7 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import ConfigError, InvalidBatchError
-from paramserver.server.idmap import mix64
+from paramserver.hashing import mix64
 
 Batch = tuple[tuple[Tensor, Tensor], Tensor]
 NUM_DENSE = 13

@@ -43,7 +43,7 @@ from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.metrics import Evaluation
-from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import DataFn, LossFn, ModelFn, Progress
 
 GRACE_S = 3.0
 

@@ -14,27 +14,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from paramserver.checkpoint import lock_directory
+from paramserver.checkpoint import Saved, lock_directory, resume_from
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
-from paramserver.observe.calls import CallStats
+from paramserver.modelplan import plan_of, seeded_model
 from paramserver.observe.consistency import merge_checks
-from paramserver.server.consistency import Coordinator
+from paramserver.protocol import CallStats
+from paramserver.server.coordinator import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
-from paramserver.server.snapshot import Saved, model_signature, restore_shard
-from paramserver.trainer.checkpointing import latest
-from paramserver.trainer.loop import (
-    DataFn,
-    LossFn,
-    ModelFn,
-    Progress,
-    TrainerOutcome,
-    run_trainer,
-    seeded_model,
-)
-from paramserver.trainer.replica import describe
+from paramserver.server.snapshot import model_signature, restore_shard
+from paramserver.trainer.loop import TrainerOutcome, run_trainer
+from paramserver.types import DataFn, LossFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +36,7 @@ LEAVE_ALONE_DELAY_S = 0.5
 def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
     """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``."""
     model = seeded_model(model_fn, config.seed)
-    plan = describe(model, config.servers)
+    plan = plan_of(model, config.servers)
     config.check_tables(plan.tables)
     initial = dict(model.named_parameters())
     shard = ServerShard(server, plan, initial, config)
@@ -58,7 +50,7 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
 
 def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:
     """Load this server's part of the newest valid checkpoint (saved with any server count)."""
-    found = latest(config)
+    found = resume_from(config)
     if found is None:
         return
     names = [n for n in found.part_names if n.startswith("server-")]

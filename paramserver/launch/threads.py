@@ -16,8 +16,9 @@ from paramserver.errors import JobFailedError, TrainerDepartedError
 from paramserver.launch.roles import build_server
 from paramserver.metrics import Evaluation
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress, TrainerOutcome, run_trainer
+from paramserver.trainer.loop import TrainerOutcome, run_trainer
 from paramserver.transport.local import LocalTransport
+from paramserver.types import DataFn, LossFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from paramserver.errors import ConfigError
 from paramserver.launch.roles import run_rank
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import Evaluation
-from paramserver.trainer.loop import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import DataFn, LossFn, ModelFn, Progress
 
 
 def run_torchrun_rank(

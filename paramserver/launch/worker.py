@@ -21,7 +21,7 @@ import cloudpickle
 import torch
 
 from paramserver.errors import ParamServerError, ServerLostError
-from paramserver.trainer.loop import Progress
+from paramserver.types import Progress
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_INTERVAL_S = 0.2

@@ -16,20 +16,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from paramserver.protocol import ServerView
+
 
 def checksum(tensor: Tensor) -> str:
     """A digest of the tensor's bytes (not of its dtype or shape)."""
     data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.blake2b(data.data, digest_size=16).hexdigest()
-
-
-@dataclass
-class ServerView:
-    """A server's answer for one dense parameter."""
-
-    version: int
-    checksum: str
-    value: Tensor | None  # sent only when the checksums differ
 
 
 @dataclass
@@ -72,18 +65,6 @@ def compare(
         norm_sq += float(view.value.double().square().sum())
     result.rel_l2_diff = (diff_sq / norm_sq) ** 0.5 if norm_sq else 0.0
     return result
-
-
-SUMMARY_KEYS = frozenset(
-    {
-        "checks",
-        "versions_behind_max",
-        "versions_behind_mean",
-        "max_abs_diff",
-        "rel_l2_diff_max",
-        "differing_at_same_version",
-    }
-)
 
 
 def summarize_checks(checks: list[Divergence]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Set
 from torch.futures import Future
 
 from paramserver.checkpoint import Part, checkpoint_dir, write_part
-from paramserver.server.futures import completed
+from paramserver.futures import completed
 from paramserver.server.shard import ServerShard
 from paramserver.server.snapshot import model_signature, snapshot_shard
 

@@ -20,9 +20,9 @@ from torch.futures import Future
 
 from paramserver.checkpoint import Part
 from paramserver.errors import ParamServerError
+from paramserver.futures import completed, failed
 from paramserver.protocol import message_nbytes
-from paramserver.server.consistency import Coordinator
-from paramserver.server.futures import completed, failed
+from paramserver.server.coordinator import Coordinator
 
 # Each registered operation and the types of its positional arguments.
 OPERATIONS: dict[str, tuple[type, ...]] = {
@@ -48,6 +48,9 @@ SIZED_BY_COORDINATOR = ("push_pull", "pull")  # request and answer, naming the p
 
 
 class ServerEndpoint:
+    """A server's :class:`~paramserver.transport.base.Endpoint`: checks each call's operation,
+    arguments and size, then runs it on the coordinator, the shard or the checkpoints."""
+
     def __init__(self, coordinator: Coordinator, buffers: dict[str, Tensor] | None = None):
         """``buffers``: the model's buffers as built (trainers build theirs without values)."""
         self.coordinator = coordinator

@@ -26,12 +26,13 @@ from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode,
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.observe import peak_rss_bytes
-from paramserver.observe.consistency import ServerView, checksum
+from paramserver.observe.consistency import checksum
 from paramserver.protocol import (
     BagBlock,
     PushPullReply,
     PushPullRequest,
     RowBlock,
+    ServerView,
     message_nbytes,
     must_send,
     payload_nbytes,

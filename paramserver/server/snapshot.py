@@ -20,12 +20,10 @@ from typing import Any
 
 from torch import Tensor
 
+from paramserver.checkpoint.resume import Saved
 from paramserver.errors import CheckpointError
 from paramserver.server.shard import ServerShard
 from paramserver.server.tables import DynamicTable
-from paramserver.sharding import merge_rows
-
-Saved = tuple[dict[str, Tensor], dict[str, Any]]
 
 
 def model_signature(shard: ServerShard) -> dict[str, Any]:
@@ -127,27 +125,3 @@ def _restore_one(shard: ServerShard, tensors: dict[str, Tensor], meta: dict[str,
                 }
         table.restore(rows, table_meta)
     shard.clock = max(shard.clock, int(meta["clock"]))
-
-
-def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
-    """A plain state_dict of the model from saved shards: dense values, fixed tables whole,
-    dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight`` (for ``paramserver export``)."""
-    state: dict[str, Tensor] = {}
-    rows: dict[str, list[dict[str, Tensor]]] = {}
-    dynamic: set[str] = set()
-    for tensors, meta in saved:
-        for name in meta["dense"]:
-            state[name] = tensors[f"dense/{name}/value"]
-        for name, table_meta in meta["tables"].items():
-            prefix = f"table/{name}/"
-            rows.setdefault(name, []).append(
-                {"ids": tensors[prefix + "ids"], "value": tensors[prefix + "value"]}
-            )
-            if table_meta["dynamic"]:
-                dynamic.add(name)
-    for name, parts in rows.items():
-        merged = merge_rows(parts)
-        state[name] = merged["value"]  # a fixed table: rows 0..N-1 in order
-        if name in dynamic:
-            state[name.removesuffix("weight") + "ids"] = merged["ids"]
-    return state

@@ -58,14 +58,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import (
-    REHASH_LOAD,
-    Found,
-    IdMap,
-    grown_rows,
-    mix64_array,
-    with_rows,
-)
+from paramserver.hashing import mix64_array
+from paramserver.idmap import REHASH_LOAD, Found, IdMap, grown_rows, with_rows
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from paramserver.server.idmap import IdMap, grown_rows, with_rows
+from paramserver.idmap import IdMap, grown_rows, with_rows
 
 EVICT_TO = 0.9
 

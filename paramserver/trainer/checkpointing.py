@@ -31,16 +31,13 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.checkpoint import (
-    Checkpoint,
     Part,
     checkpoint_dir,
     commit,
-    load_latest,
     write_part,
 )
 from paramserver.config import TrainConfig
-from paramserver.errors import CheckpointError
-from paramserver.trainer.heartbeat import wait_all
+from paramserver.futures import wait_all
 from paramserver.transport.base import Transport
 
 log = logging.getLogger(__name__)
@@ -66,24 +63,6 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
     np.random.set_state((kind, keys, position, has_gauss, gauss))
     version, internal, python_gauss = meta["random"]
     random.setstate((version, tuple(internal), python_gauss))
-
-
-def latest(config: TrainConfig) -> Checkpoint | None:
-    """The checkpoint ``--resume`` continues from; None if there is none yet (a job restarted
-    by torchrun passes ``--resume`` every time, also before its first checkpoint)."""
-    assert config.checkpoint_dir is not None
-    found = load_latest(config.checkpoint_dir)
-    if found is None:
-        log.warning("--resume: no checkpoint in %s yet; starting afresh", config.checkpoint_dir)
-        return None
-    saved = found.meta
-    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
-        raise CheckpointError(
-            f"--resume: {found.directory} was saved by a job with {saved.get('trainers')} "
-            f"trainers in {saved.get('mode')} mode; this job has {config.trainers} in "
-            f"{config.mode} mode (servers may differ, trainers and mode may not)"
-        )
-    return found
 
 
 class TrainerCheckpoints:

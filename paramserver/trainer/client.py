@@ -18,6 +18,7 @@ from torch.futures import Future
 from paramserver.compression import Encoded, ErrorFeedback, encode, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import ParamServerError
+from paramserver.futures import wait_all
 from paramserver.protocol import (
     BagBlock,
     PooledGrad,
@@ -30,7 +31,6 @@ from paramserver.protocol import (
 )
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
-from paramserver.trainer.heartbeat import wait_all
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
 

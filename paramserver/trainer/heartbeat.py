@@ -5,7 +5,8 @@ data calls, so a server notices a frozen or dead trainer within its ``trainer_ti
 trainer notices a lost server at once when its connection breaks (a dead process) or within
 ``timeout_s`` when it stops answering (a frozen one), not at the data call's RPC timeout. A lost
 server, or a server that declared this trainer departed, completes :attr:`Heartbeats.alarm`
-with the error; :func:`wait_all` gives up waiting on calls as soon as the alarm goes off.
+with the error; :func:`~paramserver.futures.wait_all` gives up waiting on calls as soon as the
+alarm goes off.
 
 Heartbeats prove the process lives, not that it trains: a trainer blocked in its data (a hung
 read, a deadlocked DataLoader) would beat forever. So each heartbeat carries how long the
@@ -17,16 +18,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-import torch
 from torch.futures import Future
 
 from paramserver.errors import ServerLostError, TrainerDepartedError
-from paramserver.server.futures import failed
+from paramserver.futures import ALARM_POLL_S, failed
 from paramserver.transport.base import Transport
-
-ALARM_POLL_S = 0.05
 
 
 class Activity:
@@ -169,18 +167,3 @@ class Heartbeats:
             self.alarm.set_exception(error)
         if self.on_alarm is not None:
             self.on_alarm(error)
-
-
-def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:
-    """The futures' values once all are done; raises the alarm's error if it goes off first.
-
-    The alarm is polled (every ALARM_POLL_S) rather than given a callback: a callback per
-    wait would pile up on the job-long alarm future."""
-    if alarm is None:
-        return [f.wait() for f in futures]
-    done = threading.Event()
-    torch.futures.collect_all(list(futures)).add_done_callback(lambda _: done.set())
-    while not done.wait(ALARM_POLL_S):
-        if alarm.done():
-            alarm.wait()  # raises the alarm's error
-    return [f.wait() for f in futures]

@@ -22,22 +22,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from paramserver.checkpoint import resume_from
 from paramserver.config import TrainConfig
+from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
+from paramserver.modelplan import plan_of, seeded_model
 from paramserver.observe import peak_rss_bytes
 from paramserver.protocol import BagBlock, TrainerReport
-from paramserver.trainer.checkpointing import TrainerCheckpoints, latest, set_rng_state
+from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
 from paramserver.trainer.client import (
     InFlight,
     PSClient,
@@ -45,26 +46,14 @@ from paramserver.trainer.client import (
     gather_state,
     to_state_dict,
 )
-from paramserver.trainer.heartbeat import Activity, Heartbeats, wait_all
+from paramserver.trainer.heartbeat import Activity, Heartbeats
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.replica import Inputs, Replica, TablesOnMeta, describe
+from paramserver.trainer.replica import Replica, TablesOnMeta
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
+from paramserver.types import Batch, DataFn, Inputs, LossFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
-
-ModelFn = Callable[[], nn.Module]
-Batch = tuple[Inputs, Tensor]
-DataFn = Callable[[int, int], Iterable[Batch]]
-LossFn = Callable[[Any, Tensor], Tensor]
-
-
-@dataclass
-class Progress:
-    trainer: int
-    steps: int
-    samples: int
-    loss: float
 
 
 @dataclass
@@ -121,17 +110,6 @@ class TrainerOutcome:
     server_stats: list[dict[str, Any]] | None = None  # chief only
     graceful: bool = True  # whether the RPC world can shut down together (no one departed)
     evals: list[dict[str, float]] = field(default_factory=list)  # chief only: held-out metrics
-
-
-def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
-    """``model_fn()`` under fixed seeds: every process that calls this gets the same values."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    model = model_fn()
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
-    return model
 
 
 def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:
@@ -226,7 +204,7 @@ def _train(
 ) -> TrainerOutcome:
     alarm = heartbeats.alarm
     model = trainer_model(model_fn, config.seed)
-    plan = describe(model, config.servers)
+    plan = plan_of(model, config.servers)
     config.check_tables(plan.tables)
     replica = Replica(model, config.server_pooling)
     replica.model.train()
@@ -372,7 +350,7 @@ def resume_trainer(
     restore its RNG states and call numbering; returns where it resumed (a fresh start
     without a checkpoint). A trainer without a part there had left the job before it was
     saved: its data is spent."""
-    found = latest(config)
+    found = resume_from(config)
     if found is None:
         return Resumed()
     # Servers resume with every trainer at the saved call k, holding what each one's call k

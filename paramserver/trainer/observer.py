@@ -28,11 +28,11 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.config import TrainConfig
+from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
 from paramserver.trainer.client import PSClient, Pulled
-from paramserver.trainer.heartbeat import wait_all
 from paramserver.trainer.replica import Inputs, Replica
 
 log = logging.getLogger(__name__)

@@ -30,13 +30,9 @@ from torch.overrides import TorchFunctionMode
 
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
+from paramserver.modelplan import Embedding, find_embeddings
 from paramserver.protocol import BagBlock
-from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
-
-EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-SERVED = (nn.Embedding, nn.EmbeddingBag, DynamicEmbedding)
-Embedding = nn.Embedding | nn.EmbeddingBag | DynamicEmbedding
-Inputs = Tensor | tuple[Tensor, ...] | list[Tensor]
+from paramserver.types import Inputs, as_tuple
 
 
 class MissingRows(Exception):
@@ -230,24 +226,6 @@ class RemoteEmbedding(nn.Module):
         return None
 
 
-def describe(model: nn.Module, num_servers: int) -> ShardPlan:
-    """The shard plan of ``model``: its embedding weights become tables, the rest dense."""
-    tables = _find_embeddings(model)
-    table_weights = {id(module.weight) for module in tables.values()}
-    dense = [
-        DenseSpec(name, tuple(p.shape), p.dtype)
-        for name, p in model.named_parameters()
-        if id(p) not in table_weights
-    ]
-    specs = [
-        TableSpec(name, 0, m.embedding_dim, m.weight.dtype, dynamic=m.options)
-        if isinstance(m, DynamicEmbedding)
-        else TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
-        for name, m in tables.items()
-    ]
-    return ShardPlan(dense, specs, num_servers)
-
-
 class TablesOnMeta(TorchFunctionMode):
     """While active (in this thread), ``nn.Embedding`` and ``nn.EmbeddingBag`` allocate their
     weights on the meta device: a model's structure without its tables' memory."""
@@ -267,7 +245,7 @@ class TablesOnMeta(TorchFunctionMode):
     def leaked(model: nn.Module) -> bool:
         """Whether a tensor other than a table's weight is on the meta device (a parameter,
         buffer or attribute computed from a table's values, which could not be given any)."""
-        weights = {id(m.weight) for m in _find_embeddings(model).values()}
+        weights = {id(m.weight) for m in find_embeddings(model).values()}
         for module in model.modules():
             tensors = [
                 *module._parameters.values(),
@@ -288,20 +266,12 @@ def _in_table_init() -> bool:
     return False
 
 
-def _find_embeddings(model: nn.Module) -> dict[str, Embedding]:
-    found: dict[str, Embedding] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, SERVED):
-            found[f"{name}.weight" if name else "weight"] = module
-    return found
-
-
 class Replica:
     """The trainer's model with remote tables, and the moves of one step: record ids, load
     pulled values, run forward, collect gradients."""
 
     def __init__(self, model: nn.Module, server_pooling: Sequence[str] = ()):
-        embeddings = _find_embeddings(model)
+        embeddings = find_embeddings(model)
         remotes = {id(m): RemoteEmbedding(name, m) for name, m in embeddings.items()}
         if id(model) in remotes:
             model = remotes[id(model)]
@@ -461,7 +431,3 @@ class Replica:
         leaves: list[Tensor] = [p for p in self.dense.values() if p.grad is not None]
         leaves += [r.rows for r in self.tables.values() if r.rows.grad is not None]
         return leaves
-
-
-def as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:
-    return tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)

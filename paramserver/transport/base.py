@@ -1,5 +1,11 @@
 """The transport interface: the only way a trainer talks to a server.
 
+Two sides, each a small interface. A trainer holds a :class:`Transport` and calls an operation
+by name on a server; the server's side is an :class:`Endpoint`, anything that handles
+``(op, args)`` and answers with a Future (the server's is
+:class:`~paramserver.server.endpoint.ServerEndpoint`). A transport only carries calls between
+the two: it never imports the server or the trainer.
+
 Calls return :class:`torch.futures.Future` at once; ``wait()`` on one returns the server's answer
 or raises the server's error (a :class:`~paramserver.errors.ParamServerError` subclass keeps its
 type). Implementations: :class:`~paramserver.transport.local.LocalTransport` (servers in this
@@ -10,11 +16,22 @@ process, for tests and notebooks) and :class:`~paramserver.transport.rpc.RpcTran
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Protocol
 
 from torch.futures import Future
 
 from paramserver.protocol import PushPullRequest
+
+
+class Endpoint(Protocol):
+    """A server's side of a transport: what calls are delivered to."""
+
+    def handle(self, op: object, args: object) -> Future:
+        """Run operation ``op`` with the positional ``args`` (a tuple, as the caller sent it).
+
+        Never raises and never blocks: every outcome, a refused call included, is the returned
+        Future's value or error, which the transport carries back to the caller."""
+        ...
 
 
 class Transport(ABC):

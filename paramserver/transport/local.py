@@ -6,18 +6,18 @@ never share a tensor. Used by the ``threads`` launcher and by most tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from torch.futures import Future
 
+from paramserver.futures import chain
 from paramserver.protocol import clone_message
-from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.futures import chain
-from paramserver.transport.base import Transport
+from paramserver.transport.base import Endpoint, Transport
 
 
 class LocalTransport(Transport):
-    def __init__(self, endpoints: list[ServerEndpoint]):
+    def __init__(self, endpoints: Sequence[Endpoint]):
         self.endpoints = endpoints
         self.num_servers = len(endpoints)
 

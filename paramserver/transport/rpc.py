@@ -3,10 +3,11 @@
 Worker names: servers are ``server0..server{S-1}`` (ranks ``0..S-1``), trainers are
 ``trainer0..trainer{T-1}`` (ranks ``S..S+T-1``).
 
-A server process exposes its :class:`~paramserver.server.endpoint.ServerEndpoint`, joins the
-RPC world and serves until every worker leaves. The one function exposed to peers is
-:func:`_serve`, which hands ``(op, args)`` to the endpoint's registered operations and returns
-its Future (``async_execution``), so a waiting sync round never holds an RPC thread.
+A server process exposes its :class:`~paramserver.transport.base.Endpoint` (the server's
+:class:`~paramserver.server.endpoint.ServerEndpoint`), joins the RPC world and serves until every
+worker leaves. The one function exposed to peers is :func:`_serve`, which hands ``(op, args)``
+to the endpoint and returns its Future (``async_execution``), so a waiting sync round never
+holds an RPC thread.
 
 Failures reach trainers as the project's typed errors. A server's own errors travel inside its
 answer (pickled whole) and are raised as they are. A call that fails in transit, because the
@@ -32,10 +33,9 @@ import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from paramserver.errors import ParamServerError, ServerLostError
-from paramserver.server.endpoint import ServerEndpoint
-from paramserver.transport.base import Transport
+from paramserver.transport.base import Endpoint, Transport
 
-_ENDPOINT: ServerEndpoint | None = None
+_ENDPOINT: Endpoint | None = None
 
 
 def server_name(index: int) -> str:
@@ -89,7 +89,7 @@ def start(
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
-def expose(endpoint: ServerEndpoint | None) -> None:
+def expose(endpoint: Endpoint | None) -> None:
     """Serve ``endpoint`` to peers. Call before :func:`start`: peers may call as soon as the
     RPC world is up."""
     global _ENDPOINT

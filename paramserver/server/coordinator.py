@@ -1,4 +1,4 @@
-"""Consistency policies, membership, liveness and idempotency for one server.
+"""One server's coordinator: consistency policies, membership, liveness and idempotency.
 
 ``async``: a push is applied on arrival (per-parameter locks make concurrent pushes to the same
 rows safe: each is applied whole, none is lost) and answered at once.
@@ -53,6 +53,7 @@ from torch.futures import Future
 from paramserver.compression import Encoded, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
+from paramserver.futures import chain, completed, failed
 from paramserver.protocol import (
     BagBlock,
     PooledGrad,
@@ -62,7 +63,6 @@ from paramserver.protocol import (
     payload_nbytes,
 )
 from paramserver.server.checkpointing import ServerCheckpoints
-from paramserver.server.futures import chain, completed, failed
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
 

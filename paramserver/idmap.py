@@ -1,4 +1,5 @@
-"""A vectorized, collisionless map from int64 ids to row numbers, for dynamic tables.
+"""A vectorized, collisionless map from int64 ids to row numbers: the index of a server's dynamic
+tables and of a trainer's row cache (a data structure of neither role, so both use it).
 
 Open addressing with linear probing over a power-of-two array of ``slots`` (int32 row numbers;
 -1 empty, -2 deleted). The keys are not stored in the slots: ``row_ids[row]`` holds each row's
@@ -14,8 +15,8 @@ and return torch tensors (shared memory, no copies): a step looks up a few hundr
 table, where numpy's per-operation cost is a fraction of torch's.
 
 Rows are numbered densely from 0; a deleted row's number is reused by a later insert, so the
-storage of an evicted row is reused rather than grown. Not thread-safe: the table's lock guards
-it.
+storage of an evicted row is reused rather than grown. Not thread-safe: its owner serializes
+calls (a table under its lock; a trainer's cache from the trainer's one loop).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver.hashing import GOLDEN_GAMMA
+
 EMPTY = -1
 DELETED = -2
 WINDOW = 8  # slots examined per id in one probe round
@@ -33,9 +36,6 @@ _WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
-_MIX_1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64
-_MIX_2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
-_MIX_3 = -7723592293110705685  # 0x94D049BB133111EB
 
 
 def grown_rows(held: int, needed: int) -> int:
@@ -49,24 +49,6 @@ def with_rows(tensor: Tensor, rows: int) -> Tensor:
     grown = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype)
     grown[: tensor.shape[0]] = tensor
     return grown
-
-
-def mix64(values: Tensor) -> Tensor:
-    """SplitMix64's finalizer on int64 tensors (wrapping arithmetic): a well-spread hash."""
-    return torch.from_numpy(mix64_array(values.numpy()))
-
-
-def mix64_array(x: np.ndarray) -> np.ndarray:
-    """:func:`mix64` on an int64 numpy array."""
-    x = x + np.int64(_MIX_1)
-    x = (x ^ _shift_right(x, 30)) * np.int64(_MIX_2)
-    x = (x ^ _shift_right(x, 27)) * np.int64(_MIX_3)
-    return x ^ _shift_right(x, 31)
-
-
-def _shift_right(x: np.ndarray, bits: int) -> np.ndarray:
-    """Logical right shift of int64 values (``>>`` is arithmetic on signed ints)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
 class Found(NamedTuple):
@@ -167,7 +149,7 @@ class IdMap:
     def _home(self, ids: np.ndarray) -> np.ndarray:
         # Fibonacci hashing: the top bits of id * 2^64/phi (wrapping multiply, well spread).
         bits = self.slots.size.bit_length() - 1
-        return ((ids * np.int64(_MIX_1)) >> (64 - bits)) & (self.slots.size - 1)
+        return ((ids * np.int64(GOLDEN_GAMMA)) >> (64 - bits)) & (self.slots.size - 1)
 
     def _window(self, where: np.ndarray) -> np.ndarray:
         return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)

@@ -1,0 +1,67 @@
+"""Reading committed checkpoints back: which one a resumed job continues from, and a model's
+plain state_dict assembled from its servers' saved shards.
+
+Servers and trainers both resume from :func:`resume_from`; ``paramserver export`` calls
+:func:`gather_saved`. What a saved shard holds is written by
+:func:`paramserver.server.snapshot.snapshot_shard`: dense values by name, table rows by global
+row id (fixed tables) or id (dynamic tables).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from torch import Tensor
+
+from paramserver.checkpoint.store import Checkpoint, load_latest
+from paramserver.config import TrainConfig
+from paramserver.errors import CheckpointError
+from paramserver.sharding import merge_rows
+
+log = logging.getLogger(__name__)
+
+Saved = tuple[dict[str, Tensor], dict[str, Any]]  # one part: its tensors and its JSON metadata
+
+
+def resume_from(config: TrainConfig) -> Checkpoint | None:
+    """The checkpoint ``--resume`` continues from; None if there is none yet (a job restarted
+    by torchrun passes ``--resume`` every time, also before its first checkpoint)."""
+    assert config.checkpoint_dir is not None
+    found = load_latest(config.checkpoint_dir)
+    if found is None:
+        log.warning("--resume: no checkpoint in %s yet; starting afresh", config.checkpoint_dir)
+        return None
+    saved = found.meta
+    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
+        raise CheckpointError(
+            f"--resume: {found.directory} was saved by a job with {saved.get('trainers')} "
+            f"trainers in {saved.get('mode')} mode; this job has {config.trainers} in "
+            f"{config.mode} mode (servers may differ, trainers and mode may not)"
+        )
+    return found
+
+
+def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
+    """A plain state_dict of the model from saved shards: dense values, fixed tables whole,
+    dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight`` (for ``paramserver export``)."""
+    state: dict[str, Tensor] = {}
+    rows: dict[str, list[dict[str, Tensor]]] = {}
+    dynamic: set[str] = set()
+    for tensors, meta in saved:
+        for name in meta["dense"]:
+            state[name] = tensors[f"dense/{name}/value"]
+        for name, table_meta in meta["tables"].items():
+            prefix = f"table/{name}/"
+            rows.setdefault(name, []).append(
+                {"ids": tensors[prefix + "ids"], "value": tensors[prefix + "value"]}
+            )
+            if table_meta["dynamic"]:
+                dynamic.add(name)
+    for name, parts in rows.items():
+        merged = merge_rows(parts)
+        state[name] = merged["value"]  # a fixed table: rows 0..N-1 in order
+        if name in dynamic:
+            state[name.removesuffix("weight") + "ids"] = merged["ids"]
+    return state
