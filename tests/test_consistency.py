@@ -16,8 +16,7 @@ from paramserver.futures import wait_all
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.heartbeat import Heartbeats
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_server import make_server, own_ids
+from tests.helpers import MakeServer, TinyRecModel, mse, own_ids, tiny_batches
 
 
 def push(endpoint: ServerEndpoint, trainer: int, step: int, **fields: Any) -> Future:
@@ -30,7 +29,9 @@ def row_grad(endpoint: ServerEndpoint) -> dict[str, RowBlock]:
 
 
 @pytest.mark.parametrize("bound", [0, 1, 3])
-def test_ssp_holds_a_trainer_exactly_while_it_is_more_than_s_ahead(bound: int) -> None:
+def test_ssp_holds_a_trainer_exactly_while_it_is_more_than_s_ahead(
+    bound: int, make_server: MakeServer
+) -> None:
     server = make_server(mode="ssp", staleness=bound, prefetch=False)
     slow_start = push(server, 1, 0)  # with s = 0 even call 0 waits for every trainer's
     assert slow_start.done() == (bound > 0)
@@ -46,7 +47,7 @@ def test_ssp_holds_a_trainer_exactly_while_it_is_more_than_s_ahead(bound: int) -
     assert server.coordinator.liveness_stats()["released_at_deadline"] == 0
 
 
-def test_ssp_with_prefetch_spends_one_step_of_the_bound() -> None:
+def test_ssp_with_prefetch_spends_one_step_of_the_bound(make_server: MakeServer) -> None:
     server = make_server(mode="ssp", staleness=2)  # prefetch on by default
     push(server, 1, 0).wait()
     assert [push(server, 0, c).done() for c in range(4)] == [True, True, False, False]
@@ -55,7 +56,9 @@ def test_ssp_with_prefetch_spends_one_step_of_the_bound() -> None:
     assert not ps.TrainConfig(mode="ssp", staleness=0).prefetches
 
 
-def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_deadline() -> None:
+def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_deadline(
+    make_server: MakeServer,
+) -> None:
     server = make_server(mode="ssp", staleness=0, prefetch=False, trainer_timeout=2.0)
     starts = [push(server, 0, 0), push(server, 1, 0)]
     assert all(f.done() for f in starts)
@@ -75,7 +78,9 @@ def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_dead
     assert timed.coordinator.liveness_stats()["released_at_deadline"] == 1
 
 
-def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied() -> None:
+def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied(
+    make_server: MakeServer,
+) -> None:
     server = make_server(mode="sync", round_deadline=0.5, min_contributors=1)
     push(server, 0, 0).wait()
     push(server, 1, 0).wait()
@@ -97,7 +102,7 @@ def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied() 
     assert second.done()
 
 
-def test_a_deadline_never_closes_a_round_below_min_contributors() -> None:
+def test_a_deadline_never_closes_a_round_below_min_contributors(make_server: MakeServer) -> None:
     server = make_server(mode="sync", trainers=3, round_deadline=0.5, min_contributors=2)
     for t in range(3):
         push(server, t, 0).wait()
@@ -109,7 +114,7 @@ def test_a_deadline_never_closes_a_round_below_min_contributors() -> None:
     assert first.done()
 
 
-def test_a_silent_trainer_departs_and_its_late_pushes_are_refused() -> None:
+def test_a_silent_trainer_departs_and_its_late_pushes_are_refused(make_server: MakeServer) -> None:
     server = make_server(mode="sync", trainer_timeout=2.0)
     push(server, 0, 0).wait()
     push(server, 1, 0).wait()
@@ -129,7 +134,9 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused() -> None:
     assert server.shard.state_hash() == before
 
 
-def test_staleness_is_zero_in_sync_mode_and_counts_updates_in_between_in_async() -> None:
+def test_staleness_is_zero_in_sync_mode_and_counts_updates_in_between_in_async(
+    make_server: MakeServer,
+) -> None:
     for mode, expected in (("sync", {0: 2}), ("async", {0: 1, 1: 1})):
         server = make_server(mode=mode)
         push(server, 0, 0).wait()

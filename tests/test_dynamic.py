@@ -19,7 +19,7 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import DynamicTable, init_rows
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
-from tests.helpers import mse
+from tests.helpers import HashedModel, hashed_batches, mse
 
 EXTREMES = [-(2**63), -1, 0, 1, 2**63 - 1, 123456789012345678, -987654321098765432]
 
@@ -273,31 +273,6 @@ def test_dynamic_ids_route_by_bucket_to_every_server() -> None:
     counts = torch.bincount(servers, minlength=3)
     assert int(counts.min()) > 800  # roughly balanced
     assert torch.equal(servers, plan.server_of_rows("t", values.clone()))
-
-
-NUM_IDS = 50
-
-
-class HashedModel(nn.Module):
-    def __init__(self, dynamic: bool):
-        super().__init__()
-        self.out = nn.Linear(4, 1)  # first: both variants draw the same initial values for it
-        if dynamic:
-            self.emb: nn.Module = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1)
-        else:
-            self.emb = nn.EmbeddingBag(NUM_IDS, 4, mode="mean")
-            with torch.no_grad():
-                options = DynamicOptions(init_scale=0.1)
-                self.emb.weight.copy_(init_rows("emb.weight", options, torch.arange(NUM_IDS), 4))
-
-    def forward(self, bags: Tensor) -> Tensor:
-        return self.out(self.emb(bags)).squeeze(1)
-
-
-def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(trainer)
-    for _ in range(num_batches):
-        yield torch.randint(0, NUM_IDS, (8, 3), generator=g), torch.randn(8, generator=g)
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam"])

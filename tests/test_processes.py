@@ -19,18 +19,17 @@ import torch
 import paramserver as ps
 from paramserver.types import Progress
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
-from tests.procs import children_of_launcher, is_loopback, listening_addresses
+from tests.procs import (
+    REPO,
+    SMALL_JOB,
+    children_of_launcher,
+    free_port,
+    is_loopback,
+    listening_addresses,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
-REPO = Path(__file__).resolve().parents[1]
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_sync_over_rpc_equals_the_in_process_run_and_ships_closures() -> None:
@@ -118,9 +117,6 @@ def run_cli(*args: str, **kwargs: Any) -> subprocess.Popen[str]:
         text=True,
         **kwargs,
     )
-
-
-SMALL_JOB = ("--rows-per-table", "2000", "--eval-samples", "4096", "--batch-size", "256")
 
 
 def test_cli_runs_a_job_and_writes_the_summary(tmp_path: Path) -> None:
@@ -219,11 +215,3 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
     assert summary["steps"] == 20
     for role in ("server0", "trainer0", "trainer1"):  # each rank's log lines name its role
         assert f"[{role}]" in process.stderr, role
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

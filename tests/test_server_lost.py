@@ -22,10 +22,7 @@ from paramserver.errors import InvalidPushError, JobFailedError, ServerLostError
 from paramserver.futures import completed, failed
 from paramserver.transport.rpc import RpcTransport
 from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.procs import children_of_launcher
-from tests.test_faults import rank_pid
-from tests.test_multihost import stop
-from tests.test_processes import REPO, SMALL_JOB
+from tests.procs import REPO, SMALL_JOB, children_of_launcher, rank_pid, stop
 
 EOF_ERROR = (
     "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)"
@@ -75,16 +72,6 @@ def test_errors_from_the_server_keep_their_type(monkeypatch: pytest.MonkeyPatch)
     assert not isinstance(caught.value, ServerLostError)
 
 
-def launcher_child(launcher: int, rank: int) -> int:
-    """The pid of rank ``rank`` of the local job launched by ``launcher``."""
-    module = b"paramserver.launch.worker"
-    for pid in children_of_launcher(launcher):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if module in argv and argv[argv.index(module) + 2] == str(rank).encode():
-            return pid
-    raise AssertionError(f"no process for rank {rank}")
-
-
 @pytest.mark.timeout(180)
 def test_a_killed_server_is_named_with_no_traceback_or_tensorpipe_error(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
@@ -101,7 +88,7 @@ def test_a_killed_server_is_named_with_no_traceback_or_tensorpipe_error(tmp_path
         while not (root / "LATEST").exists():  # training is under way
             assert time.monotonic() < deadline and job.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
-        os.kill(launcher_child(job.pid, rank=1), signal.SIGKILL)
+        os.kill(rank_pid(1, launcher=job.pid), signal.SIGKILL)
         job.wait(timeout=60)
     finally:
         stop(job)

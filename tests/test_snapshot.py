@@ -13,8 +13,7 @@ from paramserver.launch.threads import run_threads
 from paramserver.server.snapshot import restore_shard, snapshot_shard
 from paramserver.trainer.client import gather_state
 from paramserver.transport.local import LocalTransport
-from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.test_dynamic import HashedModel, hashed_batches
+from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
 
 
 def trained(model_fn: type[nn.Module], data, servers: int, **options: object):  # type: ignore[no-untyped-def]
