@@ -21,6 +21,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check paramserver tests benchmarks
 	$(BIN)/ruff format --check paramserver tests benchmarks
+	$(BIN)/lint-imports  # the layer contract in pyproject.toml (see ARCHITECTURE.md)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
