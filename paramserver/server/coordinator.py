@@ -142,69 +142,100 @@ class Coordinator:
     # ---- the calls a trainer makes ----
 
     def push_pull(self, request: PushPullRequest) -> Future:
-        """Validate, apply per the consistency mode and answer; never blocks on other calls."""
+        """Validate, apply per the consistency mode and answer; never blocks on other calls.
+
+        The request's path: check and decode it whole (a refusal changes nothing); answer a
+        repeat of a call already taken; admit the new call (membership, numbering, clock);
+        then, per mode, join its sync round or apply it at once and answer (an SSP answer
+        held back until the slowest trainer is within the bound)."""
         try:
-            self._check_header(request)
-            with self.lock:
-                duplicate = request.step <= self.last_step.get(request.trainer, -1)
-                if request.trainer in self.departed:  # before its contents are looked at
-                    raise self._departed(request.trainer)
-            received = self.shard.check_size(request, self.max_message_bytes)
-            if duplicate:
-                request.drop_gradients()  # already applied: only the reads are answered
-            else:
-                self.shard.decode_request(request)
-                self._expand_pooled_grads(request)
-            self.shard.validate(request)
+            received = self._check_and_decode(request)
         except ParamServerError as error:
             return failed(error)
         with self.shard.stats.lock:
             self.shard.stats.bytes_received += received
+        repeated = self._answer_repeat(request)
+        if repeated is not None:
+            return repeated
         with self.lock:
-            previous = self.last_step.get(request.trainer, -1)
-            if request.step <= previous:
-                original = self.rounds.waiter(request.trainer, request.step)
-                duplicate = True
-            else:
-                duplicate = False
-        if duplicate:
-            # A push still waiting in its round gets that round's answer; an applied one is
-            # answered with current values (the read, outside the lock, changes nothing).
-            if original is not None:
-                return chain(original, lambda reply: reply)
-            return completed(self._answer_again(request))
-        with self.lock:
-            refusal = self._refusal(request, previous)
-            if refusal is not None:
-                return failed(refusal)
-            spec_keys = [(request.trainer, p.pull_step, n) for n, p in request.pooled_grads.items()]
-            for key in spec_keys:
-                del self.pool_specs[key]
-            self.last_step[request.trainer] = request.step
-            self._seen(request.trainer)
-            # A trainer's later gradients come from reads at grads_step or after.
-            stale = [
-                k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_step
-            ]
-            for read in stale:
-                del self._read_at[read]
-            clock = self.shard.advance_clock(request.step)
-            if request.report is not None:
-                self.reports[request.trainer] = request.report
-            # In sync mode every push after the initial pull joins its round, gradients or
-            # not: the round waits for each member's step, whatever this server owns of it.
-            joins_round = self.mode == "sync" and request.step > 0
-            if joins_round and self.rounds.closed(request.step):
-                joins_round = False  # its round closed without it: too late to count
-                self.liveness.late_pushes += 1
-                self._read_at.pop((request.trainer, request.grads_step), None)
-                request.drop_gradients()
-            if joins_round:
+            try:
+                clock = self._admit(request)
+            except ParamServerError as error:
+                return failed(error)
+            if self._joins_round(request):
                 waiter = self.rounds.join(request)
                 ready = self._ready_rounds()
-        if joins_round:
+            else:
+                waiter = None
+        if waiter is not None:
             self._close_rounds(ready)
             return waiter
+        return self._apply_and_answer(request, clock)
+
+    def _check_and_decode(self, request: PushPullRequest) -> int:
+        """Check the request whole and decode its gradients (none for a repeat, already
+        applied); returns its size on the wire. Raises ParamServerError, changing nothing."""
+        self._check_header(request)
+        with self.lock:
+            repeat = request.step <= self.last_step.get(request.trainer, -1)
+            if request.trainer in self.departed:  # before its contents are looked at
+                raise self._departed(request.trainer)
+        received = self.shard.check_size(request, self.max_message_bytes)
+        if repeat:
+            request.drop_gradients()  # already applied: only the reads are answered
+        else:
+            self.shard.decode_request(request)
+            self._expand_pooled_grads(request)
+        self.shard.validate(request)
+        return received
+
+    def _answer_repeat(self, request: PushPullRequest) -> Future | None:
+        """The answer to a call this server already took, if it is one: a push still waiting
+        in its round gets that round's answer; an applied one is answered with current
+        values (the read, outside the lock, changes nothing)."""
+        with self.lock:
+            if request.step > self.last_step.get(request.trainer, -1):
+                return None
+            original = self.rounds.waiter(request.trainer, request.step)
+        if original is not None:
+            return chain(original, lambda reply: reply)
+        return completed(self._answer_again(request))
+
+    def _admit(self, request: PushPullRequest) -> int:
+        """Take a new call in order (raises why it is refused); returns the table clock it
+        runs at. Called with the lock held."""
+        refusal = self._refusal(request, self.last_step.get(request.trainer, -1))
+        if refusal is not None:
+            raise refusal
+        for name, pooled in request.pooled_grads.items():  # each pooled pull is used once
+            del self.pool_specs[(request.trainer, pooled.pull_step, name)]
+        self.last_step[request.trainer] = request.step
+        self._seen(request.trainer)
+        # A trainer's later gradients come from reads at grads_step or after.
+        stale = [k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_step]
+        for read in stale:
+            del self._read_at[read]
+        if request.report is not None:
+            self.reports[request.trainer] = request.report
+        return self.shard.advance_clock(request.step)
+
+    def _joins_round(self, request: PushPullRequest) -> bool:
+        """Whether an admitted call joins its sync round. In sync mode every push after the
+        initial pull does, gradients or not (the round waits for each member's step,
+        whatever this server owns of it), unless its round closed without it: then it is
+        late, and its gradients are dropped. Called with the lock held."""
+        if self.mode != "sync" or request.step == 0:
+            return False
+        if not self.rounds.closed(request.step):
+            return True
+        self.liveness.late_pushes += 1
+        self._read_at.pop((request.trainer, request.grads_step), None)
+        request.drop_gradients()
+        return False
+
+    def _apply_and_answer(self, request: PushPullRequest, clock: int) -> Future:
+        """Async and SSP (and a late or initial sync call): apply the gradients now, then
+        answer, under SSP once the slowest live trainer is within the bound."""
         try:
             if request.has_grads:
                 self._record_staleness([request])
