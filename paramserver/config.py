@@ -123,7 +123,13 @@ class TrainConfig:
         metadata=_doc("optimizer steps per trainer at most (default: until data ends)"),
     )
     epochs: int = field(default=1, metadata=_doc("passes over each trainer's data"))
-    batch_size: int = field(default=512, metadata=_doc("batch size of the built-in datasets"))
+    batch_size: int | None = field(
+        default=None,
+        metadata=_doc(
+            "samples per batch of paramserver train's datasets (default: 512); ps.train "
+            "refuses it: there data_fn makes the batches"
+        ),
+    )
     optimizer: str = field(
         default="adagrad", metadata=_doc("update rule for dense parameters", choices=OPTIMIZERS)
     )
@@ -154,7 +160,8 @@ class TrainConfig:
     )
     seed: int = field(default=0, metadata=_doc("seed of model init, data and every process's RNG"))
     clip_grad_norm: float | None = field(
-        default=None, metadata=_doc("clip each push's gradients to this global L2 norm")
+        default=None,
+        metadata=_doc("clip each push's gradients to this global L2 norm (default: no clipping)"),
     )
     accumulate: int = field(
         default=1, metadata=_doc("local batches whose gradients are averaged into one push")
@@ -247,13 +254,17 @@ class TrainConfig:
     )
     checkpoint_dir: str | None = field(
         default=None,
-        metadata=_doc("directory of checkpoints (shared by every host of a multi-host job)"),
+        metadata=_doc(
+            "directory of checkpoints (shared by every host of a multi-host job; default: "
+            "none, no checkpoints)"
+        ),
     )
     checkpoint_every: int | None = field(
-        default=None, metadata=_doc("checkpoint every this many steps (of the chief)")
+        default=None,
+        metadata=_doc("checkpoint every this many steps of the chief (default: not by steps)"),
     )
     checkpoint_every_s: float | None = field(
-        default=None, metadata=_doc("checkpoint every this many seconds")
+        default=None, metadata=_doc("checkpoint every this many seconds (default: not by time)")
     )
     checkpoint_keep: int = field(default=2, metadata=_doc("checkpoints kept (at least 2)"))
     resume: bool = field(
@@ -291,7 +302,13 @@ class TrainConfig:
             "too large for one process"
         ),
     )
-    progress: bool = field(default=True, metadata=_doc("show a progress bar or periodic log lines"))
+    progress: bool = field(
+        default=True,
+        metadata=_doc(
+            "show the job's progress: a bar on a terminal, else a log line every --log-every "
+            "seconds (ps.train: unless an on_progress callback is given)"
+        ),
+    )
     log_every: float = field(
         default=10.0, metadata=_doc("seconds between progress log lines when not on a terminal")
     )
@@ -299,7 +316,7 @@ class TrainConfig:
         default=None,
         metadata=_doc(
             "write the run's metrics (JSON lines, TensorBoard), traces and summary here; "
-            "`paramserver report RUN_DIR` plots them"
+            "`paramserver report RUN_DIR` plots them (default: none, nothing written)"
         ),
     )
     metrics_every: int = field(
@@ -315,14 +332,15 @@ class TrainConfig:
         default=None,
         metadata=_doc(
             "steps between held-out evaluations on the chief trainer during training "
-            "(the built-in datasets' held-out data; the API's `evaluation`)"
+            "(the built-in datasets' held-out data; the API's `evaluation`; default: only "
+            "the final model is evaluated)"
         ),
     )
     consistency_every: int | None = field(
         default=None,
         metadata=_doc(
             "steps between checks of each trainer's dense replica against the servers' "
-            "current values (how far apart, how many versions behind)"
+            "current values (how far apart, how many versions behind; default: never)"
         ),
     )
     profile_steps: int = field(
@@ -345,7 +363,6 @@ class TrainConfig:
             "servers",
             "trainers",
             "epochs",
-            "batch_size",
             "accumulate",
             "min_contributors",
             "rpc_threads",
@@ -358,6 +375,10 @@ class TrainConfig:
                 raise ConfigError(f"--{_flag(name)} must be an integer >= 1, got {value!r}")
         if self.steps is not None and self.steps < 1:
             raise ConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not self.log_every > 0:
+            raise ConfigError(f"--log-every must be > 0 seconds, got {self.log_every}")
         if self.mode not in MODES:
             raise ConfigError(f"--mode: unknown mode {self.mode!r}; choose from {MODES}")
         if self.launcher not in LAUNCHERS:

@@ -27,6 +27,37 @@ BAG_MODES = ("sum", "mean", "max")
 
 
 class DynamicEmbedding(nn.Module):
+    """An embedding table keyed by any int64 id, for hashed features; rows are created,
+    admitted and evicted on the servers.
+
+    Args:
+        embedding_dim: the width of each row.
+        mode: None for an ``nn.Embedding``-like lookup (one row per id, output shaped like the
+            ids plus ``embedding_dim``); ``"sum"``, ``"mean"`` or ``"max"`` for an
+            ``nn.EmbeddingBag``-like one (bags given by 2-D ids or by ``offsets``, with
+            optional ``per_sample_weights``). Sum and mean bags can be pooled on the servers
+            (``server_pooling``).
+        min_count: admission. An id gets a row once it has been pulled for training in this
+            many steps (calls), counting earlier steps and the current one; until then it reads
+            as the default vector and only a counter is kept. Above 1 it needs ``ttl_steps``,
+            so counters of ids never admitted expire.
+        ttl_steps: expiry. A row (or counter) untouched for this many steps of the table's
+            clock (the highest trainer step the server has seen) is evicted; None: never.
+        capacity: rows per server. Above it the least recently used rows are evicted, down to
+            95% of it, sparing the rows of the current step; None: no limit. A checkpoint
+            restored onto servers whose capacity cannot hold its rows is refused.
+        init_scale: a new row is drawn uniformly from ``[-init_scale, init_scale)`` by a rule
+            of (table name, ``seed``, id), so a run is reproducible and an evicted id that
+            returns starts from the same values.
+        default_value: the value of every entry of the vector read for an id without a row.
+        seed: the seed of that rule.
+
+    A gradient reaches only the row it was computed from: one for an id that had no row when
+    pulled, or whose row was evicted before the push, is dropped and counted (the summary's
+    ``tables``). Evaluation reads create nothing. The module itself holds only the rows it was
+    given (see the module docstring): it is a plain ``nn.Module`` outside a job.
+    """
+
     def __init__(
         self,
         embedding_dim: int,

@@ -42,7 +42,7 @@ def test_every_field_is_a_flag_and_flags_override_the_toml_file(tmp_path: Path) 
         '[tables."emb.weight"]\nname = "adam"\nlr = 0.001\nbetas = [0.8, 0.9]\n'
     )
     args = build_parser().parse_args(
-        ["train", "--config", str(job), "--lr", "0.25", "--trainers", "5", "--prefetch", "false"]
+        ["train", "--config", str(job), "--lr", "0.25", "--trainers", "5", "--no-prefetch"]
     )
     config = config_from_args(args)
     assert (config.servers, config.mode, config.rpc_threads) == (3, "sync", 4)

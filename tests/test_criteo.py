@@ -249,7 +249,7 @@ def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixtur
             "train", "--dataset", f"criteo:{train}", "--eval-data", str(held_out),
             "--launcher", "threads", "--servers", "2", "--trainers", "2", "--batch-size", "128",
             "--epochs", "5", "--mode", "sync",  # deterministic: async AUC here spans 0.57-0.73
-            "--progress", "false", "--summary-json", str(summary),
+            "--no-progress", "--summary-json", str(summary),
         ]
     )  # fmt: skip
     assert code == 0

@@ -150,8 +150,8 @@ def test_torchrun_restarts_a_job_whose_server_died_and_it_resumes(tmp_path: Path
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "--rdzv-backend", "static", "--node-rank", "0",
         "-m", "paramserver", "train", "--servers", "1", "--trainers", "2", *SMALL_JOB,
-        "--train-batches", "400", "--progress", "false", "--summary-json", str(summary),
-        "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--resume", "true",
+        "--train-batches", "400", "--no-progress", "--summary-json", str(summary),
+        "--checkpoint-dir", str(root), "--checkpoint-every", "20", "--resume",
     ]  # fmt: skip
     log = tmp_path / "torchrun.log"
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the workers

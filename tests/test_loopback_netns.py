@@ -43,7 +43,7 @@ def test_a_local_job_never_listens_beyond_loopback_where_the_hostname_resolves_o
         pytest.skip(reason)
     out = tmp_path / "sockets.json"
     train = [*SMALL_JOB, "--servers", "2", "--trainers", "2", "--train-batches", "40"]
-    poller = [sys.executable, "-m", "tests._netns_job", str(out), *train, "--progress", "false"]
+    poller = [sys.executable, "-m", "tests._netns_job", str(out), *train, "--no-progress"]
     subprocess.run([*NAMESPACES, *poller], cwd=REPO, check=True, timeout=200)
     result = json.loads(out.read_text())
     if result.get("skip"):

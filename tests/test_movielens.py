@@ -265,7 +265,7 @@ def test_cli_job_beats_the_global_mean_and_matches_one_process(
     code = main(
         [
             "train", "--dataset", "movielens", "--launcher", "threads", "--epochs", "1",
-            "--compare-single-process", "--progress", "false",
+            "--compare-single-process", "--no-progress",
             "--summary-json", str(summary_path),
         ]
     )  # fmt: skip

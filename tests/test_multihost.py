@@ -62,7 +62,7 @@ def torchrun(
         "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank),
         "--master-addr", f"{SUBNET}.1", "--master-port", str(port), "--rdzv-backend", "static",
         "-m", "paramserver", "train", "--servers", "2", "--trainers", "2", *SMALL_JOB,
-        "--progress", "false", "--summary-json", str(out), *extra,
+        "--no-progress", "--summary-json", str(out), *extra,
     ]  # fmt: skip
     return subprocess.Popen(
         command, cwd=REPO, env=env, text=True, start_new_session=True,

@@ -308,7 +308,7 @@ def test_cli_run_with_a_run_directory_and_its_report(
     code = main(
         [
             "train", "--train-batches", "120", "--rows-per-table", "2000", "--eval-samples",
-            "2000", "--batch-size", "128", "--progress", "false", "--run-dir", str(run_dir),
+            "2000", "--batch-size", "128", "--no-progress", "--run-dir", str(run_dir),
             "--metrics-every", "10", "--eval-every", "30", "--consistency-every", "20",
         ]
     )  # fmt: skip

@@ -85,7 +85,8 @@ def test_server_pooling_runs_async_with_prefetch() -> None:
 
 
 def test_server_pooling_rejects_what_it_cannot_pool() -> None:
-    with pytest.raises(ps.JobFailedError, match="ModelError: .*only sum and mean"):
+    # Refused before the job starts, naming the flag and the table.
+    with pytest.raises(ps.ConfigError, match="--server-pooling bag.weight: .*only sum and mean"):
         ps.train(
             lambda: BagModel("max", False),
             lambda t, n: long_bags(t, False),

@@ -210,6 +210,7 @@ def test_export_writes_a_plain_state_dict_and_check_verifies(
     victim.write_bytes(bytes(data))
     assert main(["check", str(newest.directory)]) == 1
     assert "server-0.pt" in capsys.readouterr().err
-    assert main(["check", str(root)]) == 0
+    assert main(["check", str(root)]) == 3  # the newest is damaged, an older one loads
     fallback = capsys.readouterr().out
+    assert f"{newest.directory}: DAMAGED" in fallback and "a resume loads ckpt-" in fallback
     assert "ok (step" in fallback and f"(step {newest.step}," not in fallback  # an older one

@@ -79,7 +79,7 @@ def test_a_killed_server_is_named_with_no_traceback_or_tensorpipe_error(tmp_path
     with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the job
         job = subprocess.Popen(
             [sys.executable, "-m", "paramserver", "train", *SMALL_JOB, "--servers", "2",
-             "--trainers", "2", "--train-batches", "4000", "--progress", "false",
+             "--trainers", "2", "--train-batches", "4000", "--no-progress",
              "--checkpoint-dir", str(root), "--checkpoint-every", "5"],
             cwd=REPO, stdout=out, stderr=out, start_new_session=True,
         )  # fmt: skip
