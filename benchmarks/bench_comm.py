@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from report import save
+from report import machine, save
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
@@ -123,7 +121,7 @@ def main() -> None:
             results["cache"]["row_bytes_per_step"] / reference["row_bytes_per_step"]
         )
     report = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "needed_bytes_per_step": needed,
         "seconds": time.perf_counter() - started,
         "results": results,

@@ -17,12 +17,11 @@ Writes JSON (``--out``) with samples/s of each and the ratios. Usage:
 from __future__ import annotations
 
 import argparse
-import platform
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from report import save
+from report import machine, save
 from torch import Tensor, nn
 
 import paramserver as ps
@@ -122,11 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "naive_steps": args.naive_steps,
         "repeats": args.repeats,
     }
-    results["machine"] = {
-        "cpus": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-    }
+    results["machine"] = machine()
     return results
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from report import save
+from report import machine, save
 from systems import START_METHODS, paramserver_job, run_ddp, run_isolated, single_process
 from workloads import ClickWorkload, MLPWorkload, Workload, num_parameters
 
@@ -196,11 +195,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "threads_per_process": 1,
+            **machine(),
+            "threads_per_process": 1,  # each entry's processes, not this driver's
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
         },
@@ -244,7 +240,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"## Bench suite, {results['date']}",
         "",
-        f"Machine: {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, torch {m['torch']}; "
+        f"Machine: {m['logical_cpus']} logical CPUs ({m['usable_cpus']} usable), "
+        f"{m['platform']}, Python {m['python']}, torch {m['torch']}; "
         f"{m['threads_per_process']} torch thread per process; load average "
         f"{m['load_average_before'][0]:.2f} before, {m['load_average_after'][0]:.2f} after. "
         f"Run took {results['seconds']:.0f} s.",

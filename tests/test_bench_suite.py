@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -90,5 +91,9 @@ def test_markdown_has_one_row_per_entry_and_the_machine(quick_run: tuple[dict, s
     keys = [(cells[0].strip(), cells[1].strip()) for cells in body]
     assert sorted(keys) == sorted(EXPECTED)
     machine = results["machine"]
-    assert machine["cpus"] and machine["torch"] and machine["platform"] and results["date"]
+    # Each count named for what it holds: not torch's thread count passed off as the CPUs.
+    assert machine["logical_cpus"] == os.cpu_count() and machine["usable_cpus"] >= 1
+    assert machine["torch_threads"] >= 1
+    assert machine["torch"] and machine["platform"] and results["date"]
+    assert f"{machine['logical_cpus']} logical CPUs" in table
     assert f"torch {machine['torch']}" in table and results["date"] in table
