@@ -12,20 +12,24 @@ from paramserver.launch import threads as threads_launcher
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.base import Transport
 from tests.fakes import FaultyTransport
-from tests.helpers import MakeServer, new_server
-
-Rig = Callable[[FaultyTransport], object]
+from tests.helpers import FaultyJobs, MakeServer, new_server
 
 
 @pytest.fixture
 def make_server() -> Iterator[MakeServer]:
     """Builds servers as :func:`tests.helpers.new_server` does (same arguments) and stops each
-    one's watchdog thread once the test ends, so that none ticks on through later tests."""
+    one's watchdog thread once the test ends, so that none ticks on through later tests.
+
+    ``watchdog=False``: stopped at once, so deadlines and silences are acted on only when the
+    test calls ``coordinator.check_liveness(now)`` with the time it chooses, never because the
+    machine was slow between two lines of the test."""
     made: list[ServerEndpoint] = []
 
-    def make(*args: Any, **kwargs: Any) -> ServerEndpoint:
+    def make(*args: Any, watchdog: bool = True, **kwargs: Any) -> ServerEndpoint:
         endpoint = new_server(*args, **kwargs)
         made.append(endpoint)
+        if not watchdog:
+            endpoint.coordinator.close()
         return endpoint
 
     yield make
@@ -34,12 +38,12 @@ def make_server() -> Iterator[MakeServer]:
 
 
 @pytest.fixture
-def faulty_jobs(monkeypatch: pytest.MonkeyPatch) -> Callable[[Rig], list[FaultyTransport]]:
+def faulty_jobs(monkeypatch: pytest.MonkeyPatch) -> FaultyJobs:
     """``faulty_jobs(rig)``: from then on, jobs of the threads launcher in this test run over a
     :class:`FaultyTransport` that ``rig`` sets up (its rules), one per job; returns the list
     they are appended to, for the test to inspect (``transport.inner.endpoints``: the servers)."""
 
-    def install(rig: Rig) -> list[FaultyTransport]:
+    def install(rig: Callable[[FaultyTransport], object]) -> list[FaultyTransport]:
         made: list[FaultyTransport] = []
         local = threads_launcher.LocalTransport
 

@@ -4,6 +4,7 @@ fixtures in tests/conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -11,11 +12,12 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.checkpoint import Part, checkpoint_dir, commit, write_part
+from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
 from paramserver.launch.roles import build_server
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.tables import init_rows
 from paramserver.sharding import DynamicOptions
+from tests.fakes import FaultyTransport
 
 NUM_ROWS_A = 40
 NUM_ROWS_B = 30
@@ -85,6 +87,8 @@ def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-unty
 # ---- test servers: one server's endpoint in this process, called directly ----
 
 MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_server's arguments
+# The faulty_jobs fixture: called with a rig that sets rules on each job's FaultyTransport.
+FaultyJobs = Callable[[Callable[[FaultyTransport], object]], list[FaultyTransport]]
 
 
 def new_server(
@@ -146,3 +150,19 @@ def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
+
+
+def wait_for_checkpoint(root: Path, step: int, timeout: float = 30.0) -> None:
+    """Return once checkpoint ``step`` is the newest committed under ``root`` (a job's commit
+    thread writes it: polled, every 10 ms); fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = load_latest(root) if (root / "LATEST").exists() else None
+        if found is not None and found.step == step:
+            return
+        if time.monotonic() > deadline:
+            newest = None if found is None else found.step
+            raise AssertionError(
+                f"checkpoint {step} not committed in {timeout} s (newest: {newest})"
+            )
+        time.sleep(0.01)

@@ -59,7 +59,9 @@ def test_ssp_with_prefetch_spends_one_step_of_the_bound(make_server: MakeServer)
 def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_deadline(
     make_server: MakeServer,
 ) -> None:
-    server = make_server(mode="ssp", staleness=0, prefetch=False, trainer_timeout=2.0)
+    server = make_server(
+        mode="ssp", staleness=0, prefetch=False, trainer_timeout=2.0, watchdog=False
+    )
     starts = [push(server, 0, 0), push(server, 1, 0)]
     assert all(f.done() for f in starts)
     held = push(server, 0, 1)
@@ -67,7 +69,7 @@ def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_dead
     server.coordinator.check_liveness(time.monotonic() + 60)  # both silent: both depart
     assert held.done() and server.coordinator.liveness_stats()["departed"] == [0, 1]
 
-    timed = make_server(mode="ssp", staleness=0, prefetch=False, round_deadline=0.5)
+    timed = make_server(mode="ssp", staleness=0, prefetch=False, round_deadline=0.5, watchdog=False)
     starts = [push(timed, 0, 0), push(timed, 1, 0)]
     assert all(f.done() for f in starts)
     waiting = push(timed, 0, 1)
@@ -81,7 +83,7 @@ def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_dead
 def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied(
     make_server: MakeServer,
 ) -> None:
-    server = make_server(mode="sync", round_deadline=0.5, min_contributors=1)
+    server = make_server(mode="sync", round_deadline=0.5, min_contributors=1, watchdog=False)
     push(server, 0, 0).wait()
     push(server, 1, 0).wait()
     first = push(server, 0, 1, row_grads=row_grad(server))
@@ -103,7 +105,9 @@ def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied(
 
 
 def test_a_deadline_never_closes_a_round_below_min_contributors(make_server: MakeServer) -> None:
-    server = make_server(mode="sync", trainers=3, round_deadline=0.5, min_contributors=2)
+    server = make_server(
+        mode="sync", trainers=3, round_deadline=0.5, min_contributors=2, watchdog=False
+    )
     for t in range(3):
         push(server, t, 0).wait()
     first = push(server, 0, 1)
@@ -115,7 +119,7 @@ def test_a_deadline_never_closes_a_round_below_min_contributors(make_server: Mak
 
 
 def test_a_silent_trainer_departs_and_its_late_pushes_are_refused(make_server: MakeServer) -> None:
-    server = make_server(mode="sync", trainer_timeout=2.0)
+    server = make_server(mode="sync", trainer_timeout=2.0, watchdog=False)
     push(server, 0, 0).wait()
     push(server, 1, 0).wait()
     waiting = push(server, 0, 1)

@@ -1,4 +1,5 @@
-"""Faults a job survives or reports: a killed trainer, a killed server."""
+"""Faults a job survives or reports: a killed trainer, a killed server (a process SIGKILLed, or a
+server lost at an exact call of an in-process job), a frozen trainer."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from typing import Any
 import pytest
 
 import paramserver as ps
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from paramserver.checkpoint import load_latest, verify
+from tests.fakes import FaultyTransport
+from tests.helpers import FaultyJobs, TinyRecModel, mse, tiny_batches
 from tests.procs import (
     REPO,
     SMALL_JOB,
@@ -104,6 +107,32 @@ def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
         resumed = summary["resumed_from"]["trainer_steps"]
         assert [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)] == [60, 60]
     assert children_of_launcher(os.getpid()) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_server_lost_while_a_checkpoint_is_written_fails_the_job_and_keeps_the_last_one(
+    tmp_path: Path, faulty_jobs: FaultyJobs
+) -> None:
+    def rig(transport: FaultyTransport) -> None:
+        # Server 1 dies when asked for its part of the checkpoint after 3 (at 6, or later
+        # where 3's commit was still under way at step 6): checkpoint 3 is the last whole one.
+        transport.crash_at(
+            1, lambda server, op, args: server == 1 and op == "checkpoint_part" and args[0] > 3
+        )
+
+    transports = faulty_jobs(rig)
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", optimizer="sgd", lr=0.05, launcher="threads",
+        progress=False, checkpoint_dir=str(tmp_path), checkpoint_every=3,
+    )  # fmt: skip
+    started = time.monotonic()
+    with pytest.raises(ps.JobFailedError, match="ServerLostError: server 1 was lost"):
+        ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=30), mse, config)
+    assert time.monotonic() - started < 30  # failed at the next call, not after a timeout
+    assert transports[0].crashed == {1}
+    found = load_latest(tmp_path)
+    assert found is not None and found.step == 3
+    assert verify(found.directory) == []
 
 
 @pytest.mark.timeout(120)

@@ -15,10 +15,8 @@ import pytest
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
-from paramserver.launch import threads as threads_launcher
-from paramserver.transport.base import Transport
 from tests.fakes import FaultyTransport
-from tests.helpers import MakeServer, TinyRecModel, mse, tiny_batches
+from tests.helpers import FaultyJobs, MakeServer, TinyRecModel, mse, tiny_batches
 from tests.procs import children_of_launcher
 
 STALL_S = 3.0
@@ -103,24 +101,9 @@ def test_a_heartbeat_reporting_an_idle_loop_departs_the_trainer(make_server: Mak
     server.coordinator.close()
 
 
-def with_transport(monkeypatch: pytest.MonkeyPatch, rig: Any) -> list[FaultyTransport]:
-    """Run threads-launcher jobs over a FaultyTransport set up by ``rig``; returns them."""
-    made: list[FaultyTransport] = []
-    local = threads_launcher.LocalTransport
-
-    def faulty(endpoints: Any) -> Transport:
-        transport = FaultyTransport(local(endpoints))
-        rig(transport)
-        made.append(transport)
-        return transport
-
-    monkeypatch.setattr(threads_launcher, "LocalTransport", faulty)
-    return made
-
-
 @pytest.mark.timeout(60)
 def test_a_server_frozen_while_the_last_checkpoint_is_written_fails_the_job(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, faulty_jobs: FaultyJobs
 ) -> None:
     def rig(transport: FaultyTransport) -> None:
         # Server 1's part is never reported (its write hangs), and it freezes once the
@@ -130,7 +113,7 @@ def test_a_server_frozen_while_the_last_checkpoint_is_written_fails_the_job(
             1, lambda server, op, args: op == "push_pull" and args[0].final and not args[0].trainer
         )
 
-    with_transport(monkeypatch, rig)
+    faulty_jobs(rig)
     config = stall_config(
         trainers=1, mode="async", checkpoint_dir=str(tmp_path), checkpoint_every=4
     )
@@ -142,9 +125,9 @@ def test_a_server_frozen_while_the_last_checkpoint_is_written_fails_the_job(
 
 @pytest.mark.timeout(60)
 def test_no_checkpoint_is_announced_at_the_chiefs_last_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, faulty_jobs: FaultyJobs
 ) -> None:
-    transports = with_transport(monkeypatch, lambda transport: None)
+    transports = faulty_jobs(lambda transport: None)
 
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         # The chief's 6 steps end where a checkpoint is due (every 3); trainer 1 goes on.
@@ -162,7 +145,7 @@ def test_no_checkpoint_is_announced_at_the_chiefs_last_step(
 
 @pytest.mark.timeout(60)
 def test_sync_lateness_is_decided_by_each_server_for_its_own_parameters(
-    monkeypatch: pytest.MonkeyPatch,
+    faulty_jobs: FaultyJobs,
 ) -> None:
     """Documented semantics: a push late at one server (its round there closed at the
     deadline) is dropped there only; a server it reached in time applies it."""
@@ -179,7 +162,7 @@ def test_sync_lateness_is_decided_by_each_server_for_its_own_parameters(
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         return tiny_batches(trainer, num_batches=6 if trainer == 0 else 3)
 
-    with_transport(monkeypatch, rig)
+    faulty_jobs(rig)
     config = stall_config(round_deadline=1.0, stall_timeout=None, trainer_timeout=5.0)
     result = ps.train(TinyRecModel, data, mse, config)
     assert result is not None

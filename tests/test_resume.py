@@ -3,7 +3,6 @@ another server count, export."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from paramserver.cli import main
 from paramserver.errors import JobFailedError
 from paramserver.launch.threads import run_threads
 from paramserver.trainer.client import gather_state
-from tests.helpers import NUM_ROWS_A, TinyRecModel, mse, tiny_batches
+from tests.helpers import NUM_ROWS_A, TinyRecModel, mse, tiny_batches, wait_for_checkpoint
 
 STEPS = 12
 COUNTERS = ("rows", "admitted", "evicted", "lookups", "pending_ids", "dropped_grads")
@@ -74,12 +73,7 @@ def crashing_after(step: int, root: Path, batches: Any = tiny_batches) -> Any:
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         for index, batch in enumerate(batches(trainer, num_batches=STEPS)):
             if trainer == 0 and index == step + 1:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    found = load_latest(root) if (root / "LATEST").exists() else None
-                    if found is not None and found.step == step:
-                        break
-                    time.sleep(0.01)
+                wait_for_checkpoint(root, step)
                 raise RuntimeError("crash")
             yield batch
 

@@ -12,11 +12,18 @@ import pytest
 from torch import nn
 
 import paramserver as ps
-from paramserver.checkpoint import CheckpointError, load_latest
+from paramserver.checkpoint import CheckpointError
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.server.snapshot import restore_shard, snapshot_shard
-from tests.helpers import NUM_IDS, TinyRecModel, hashed_batches, mse, tiny_batches
+from tests.helpers import (
+    NUM_IDS,
+    TinyRecModel,
+    hashed_batches,
+    mse,
+    tiny_batches,
+    wait_for_checkpoint,
+)
 
 STEPS = 12
 SAVED_AT = 8
@@ -37,12 +44,7 @@ def crashing_once(marker: Path, root: Path) -> Any:
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         for index, batch in enumerate(tiny_batches(trainer, num_batches=STEPS)):
             if trainer == 0 and index == SAVED_AT + 1 and not marker.exists():
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline:
-                    found = load_latest(root) if (root / "LATEST").exists() else None
-                    if found is not None and found.step == SAVED_AT:
-                        break
-                    time.sleep(0.01)
+                wait_for_checkpoint(root, SAVED_AT)
                 marker.write_text(str(time.time()))
                 raise RuntimeError("crash")
             yield batch
