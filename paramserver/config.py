@@ -35,6 +35,49 @@ def _doc(text: str, **extra: Any) -> dict[str, Any]:
     return {"help": text, **extra}
 
 
+# The settings each component owns, read from the one flat TrainConfig a user writes (flags and
+# TOML keys map to it one to one): a component is built from its own view, never the whole.
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsistencySettings:
+    mode: str
+    num_trainers: int
+    ssp_bound: int | None  # calls a trainer may run ahead, prefetch counted; None unless ssp
+    round_deadline: float | None
+    min_contributors: int
+    trainer_timeout: float
+    stall_limit: float
+    max_message_bytes: int
+    checkpoint_dir: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSettings:
+    root: str | None
+    every_steps: int | None
+    every_s: float | None
+    keep: int
+    job: Mapping[str, Any]  # what a checkpoint records of the job that saved it
+
+    @property
+    def enabled(self) -> bool:
+        return self.root is not None and (self.every_steps is not None or self.every_s is not None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObserveSettings:
+    num_servers: int
+    run_dir: str | None
+    tensorboard: bool
+    metrics_every: int
+    eval_every: int | None
+    consistency_every: int | None
+    profile_steps: int
+    profile_start: int
+    one_process: bool  # the threads launcher: trainers share one process (and one profiler)
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     """A server-side update rule and its hyper-parameters (torch.optim's names and defaults)."""
@@ -522,6 +565,48 @@ class TrainConfig:
     @property
     def world_size(self) -> int:
         return self.servers + self.trainers
+
+    @property
+    def consistency(self) -> ConsistencySettings:
+        """What a server's coordinator needs: when to apply and answer, whom to wait for."""
+        return ConsistencySettings(
+            mode=self.mode,
+            num_trainers=self.trainers,
+            # With prefetch a trainer computes one step past its last call: bound one less.
+            ssp_bound=self.staleness - int(self.prefetches) if self.mode == "ssp" else None,
+            round_deadline=self.round_deadline,
+            min_contributors=self.min_contributors,
+            trainer_timeout=self.trainer_timeout,
+            stall_limit=self.stall_limit,
+            max_message_bytes=int(self.max_message_mb * 2**20),
+            checkpoint_dir=self.checkpoint_dir,
+        )
+
+    @property
+    def checkpointing(self) -> CheckpointSettings:
+        """What a trainer needs to schedule, write and commit checkpoints."""
+        return CheckpointSettings(
+            root=self.checkpoint_dir,
+            every_steps=self.checkpoint_every,
+            every_s=self.checkpoint_every_s,
+            keep=self.checkpoint_keep,
+            job={"servers": self.servers, "trainers": self.trainers, "mode": self.mode},
+        )
+
+    @property
+    def observing(self) -> ObserveSettings:
+        """What a trainer's observer needs: metrics, evaluation, consistency checks, traces."""
+        return ObserveSettings(
+            num_servers=self.servers,
+            run_dir=self.run_dir,
+            tensorboard=self.tensorboard,
+            metrics_every=self.metrics_every,
+            eval_every=self.eval_every,
+            consistency_every=self.consistency_every,
+            profile_steps=self.profile_steps,
+            profile_start=self.profile_start,
+            one_process=self.launcher == "threads",
+        )
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)

@@ -20,7 +20,7 @@ from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedE
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import plan_of, seeded_model
 from paramserver.observe.consistency import merge_checks
-from paramserver.protocol import CallStats
+from paramserver.protocol import CallStats, TrainerReport
 from paramserver.server.coordinator import Coordinator
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
@@ -42,7 +42,7 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     shard = ServerShard(server, plan, initial, config)
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     del model, initial
-    coordinator = Coordinator(shard, config)
+    coordinator = Coordinator(shard, config.consistency)
     if config.resume:
         resume_server(shard, coordinator, config)
     return ServerEndpoint(coordinator, buffers)
@@ -97,103 +97,146 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
     are saved in checkpoints and count from the job's start.
     """
     assert chief.server_stats is not None
-    reports = {}
-    for stats in chief.server_stats:
-        reports.update(stats["reports"])
-    ordered = [reports[t] for t in sorted(reports)]
-    train_seconds = max((r.train_seconds for r in ordered), default=0.0)
-    samples = sum(r.samples for r in ordered)
-    losses = [r.train_loss for r in ordered if not math.isnan(r.train_loss)]
-    per_job = ("reports", "left", "tables", "departed", "staleness", "departed_after_silence_s")
-    servers = [{k: v for k, v in stats.items() if k not in per_job} for stats in chief.server_stats]
-    departed = sorted({t for stats in chief.server_stats for t in stats["departed"]})
-    # Each server measures the staleness of the gradients it receives.
-    staleness: dict[int, int] = {}
-    for stats in chief.server_stats:
-        for age, count in stats["staleness"].items():
-            staleness[age] = staleness.get(age, 0) + count
-    tables: dict[str, dict[str, int]] = {}
-    for stats in chief.server_stats:
-        for name, counters in stats["tables"].items():
-            total = tables.setdefault(name, {})
-            for key, value in counters.items():
-                total[key] = total.get(key, 0) + value
-    total_steps = sum(r.steps for r in ordered)
-    calls: dict[str, CallStats] = {}
-    for report in ordered:
-        for op, stats in report.calls.items():
-            calls.setdefault(op, CallStats()).merge(stats)
-    resumed_from = (
-        {
-            "checkpoint_step": chief.report.resumed_at,
-            "trainer_steps": [r.resumed_steps for r in ordered],
-            "samples": sum(r.resumed_samples for r in ordered),
-        }
-        if chief.report.resumed_at >= 0
-        else None
-    )
+    server_stats = chief.server_stats
+    reports = _trainer_reports(server_stats)
+    servers = [{k: v for k, v in s.items() if k not in _JOB_WIDE_STATS} for s in server_stats]
+    departed = sorted({t for stats in server_stats for t in stats["departed"]})
+    total_steps = sum(r.steps for r in reports)
     return {
         "mode": config.mode,
         "servers": config.servers,
         "trainers": config.trainers,
         "steps": total_steps,
-        "trainer_steps": [r.steps for r in ordered],
+        "trainer_steps": [r.steps for r in reports],
+        **_samples_loss_and_time(reports, wall_s),
+        "resumed_from": _resumed_from(chief.report.resumed_at, reports),
+        "bytes": _bytes_moved(reports, servers),
+        "bytes_per_step": {
+            "push": sum(r.bytes_sent for r in reports) / max(total_steps, 1),
+            "pull": sum(r.bytes_received for r in reports) / max(total_steps, 1),
+        },
+        # Under the threads launcher every trainer reports the one shared process.
+        "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in reports],
+        "row_bytes_per_step": sum(r.row_bytes_received for r in reports) / max(total_steps, 1),
+        "cache": _cache_figures(config, reports),
+        "compression_ratio": _compression_ratios(reports),
+        "server_stats": servers,
+        "tables": _summed_table_counters(server_stats),
+        "departed_trainers": departed,
+        # Per departed trainer, the longest silence after which a server declared it departed.
+        "departed_after_s": {
+            str(t): max(s["departed_after_silence_s"].get(t, 0.0) for s in server_stats)
+            for t in departed
+        },
+        "staleness": _staleness_histogram(server_stats),
+        # Per operation, over every trainer's calls: latency percentiles and bytes.
+        "calls": _call_summaries(reports),
+        "consistency": merge_checks([r.consistency for r in reports if r.consistency]),
+        "eval_history": chief.evals,
+    }
+
+
+# What a server reports about the whole job rather than about itself: summed or merged over the
+# servers into keys of their own, left out of each server's entry in ``server_stats``.
+_JOB_WIDE_STATS = ("reports", "left", "tables", "departed", "staleness", "departed_after_silence_s")
+
+
+def _trainer_reports(server_stats: list[dict[str, Any]]) -> list[TrainerReport]:
+    """Every trainer's report, in trainer order (each server holds those it received)."""
+    reports: dict[int, TrainerReport] = {}
+    for stats in server_stats:
+        reports.update(stats["reports"])
+    return [reports[t] for t in sorted(reports)]
+
+
+def _samples_loss_and_time(reports: list[TrainerReport], wall_s: float) -> dict[str, Any]:
+    train_seconds = max((r.train_seconds for r in reports), default=0.0)
+    samples = sum(r.samples for r in reports)
+    losses = [r.train_loss for r in reports if not math.isnan(r.train_loss)]
+    return {
         "samples": samples,
         "samples_per_s": samples / train_seconds if train_seconds > 0 else 0.0,
         "train_loss": sum(losses) / len(losses) if losses else float("nan"),
         "train_seconds": train_seconds,
         "wall_s": wall_s,
-        "resumed_from": resumed_from,
-        "bytes": {
-            "trainers": {
-                "sent": sum(r.bytes_sent for r in ordered),
-                "received": sum(r.bytes_received for r in ordered),
-            },
-            "servers": {
-                "sent": sum(s["bytes_sent"] for s in servers),
-                "received": sum(s["bytes_received"] for s in servers),
-            },
-        },
-        "bytes_per_step": {
-            "push": sum(r.bytes_sent for r in ordered) / max(total_steps, 1),
-            "pull": sum(r.bytes_received for r in ordered) / max(total_steps, 1),
-        },
-        # Under the threads launcher every trainer reports the one shared process.
-        "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in ordered],
-        "row_bytes_per_step": sum(r.row_bytes_received for r in ordered) / max(total_steps, 1),
-        "cache": {
-            "rows_per_table": config.cache_rows,
-            "staleness": config.cache_staleness,
-            "hit_rate": _ratio(
-                sum(r.cache_hits for r in ordered), sum(r.cache_lookups for r in ordered)
-            )
-            if config.cache_rows
-            else 0.0,
-        },
-        # Bytes on the wire over what the same messages would take without codecs.
-        "compression_ratio": {
-            "push": _ratio(
-                sum(r.bytes_sent for r in ordered), sum(r.uncompressed_bytes_sent for r in ordered)
-            ),
-            "pull": _ratio(
-                sum(r.bytes_received for r in ordered),
-                sum(r.uncompressed_bytes_received for r in ordered),
-            ),
-        },
-        "server_stats": servers,
-        "tables": tables,
-        "departed_trainers": departed,
-        # Per departed trainer, the longest silence after which a server declared it departed.
-        "departed_after_s": {
-            str(t): max(s["departed_after_silence_s"].get(t, 0.0) for s in chief.server_stats)
-            for t in departed
-        },
-        "staleness": dict(sorted(staleness.items())),
-        # Per operation, over every trainer's calls: latency percentiles and bytes.
-        "calls": {op: stats.summary() for op, stats in sorted(calls.items())},
-        "consistency": merge_checks([r.consistency for r in ordered if r.consistency]),
-        "eval_history": chief.evals,
     }
+
+
+def _resumed_from(checkpoint_step: int, reports: list[TrainerReport]) -> dict[str, Any] | None:
+    """Where a resumed run began (None for a run from the start)."""
+    if checkpoint_step < 0:
+        return None
+    return {
+        "checkpoint_step": checkpoint_step,
+        "trainer_steps": [r.resumed_steps for r in reports],
+        "samples": sum(r.resumed_samples for r in reports),
+    }
+
+
+def _bytes_moved(
+    reports: list[TrainerReport], servers: list[dict[str, Any]]
+) -> dict[str, dict[str, int]]:
+    return {
+        "trainers": {
+            "sent": sum(r.bytes_sent for r in reports),
+            "received": sum(r.bytes_received for r in reports),
+        },
+        "servers": {
+            "sent": sum(s["bytes_sent"] for s in servers),
+            "received": sum(s["bytes_received"] for s in servers),
+        },
+    }
+
+
+def _cache_figures(config: TrainConfig, reports: list[TrainerReport]) -> dict[str, Any]:
+    hits = sum(r.cache_hits for r in reports)
+    lookups = sum(r.cache_lookups for r in reports)
+    return {
+        "rows_per_table": config.cache_rows,
+        "staleness": config.cache_staleness,
+        "hit_rate": _ratio(hits, lookups) if config.cache_rows else 0.0,
+    }
+
+
+def _compression_ratios(reports: list[TrainerReport]) -> dict[str, float]:
+    """Bytes on the wire over what the same messages would take without codecs."""
+    return {
+        "push": _ratio(
+            sum(r.bytes_sent for r in reports), sum(r.uncompressed_bytes_sent for r in reports)
+        ),
+        "pull": _ratio(
+            sum(r.bytes_received for r in reports),
+            sum(r.uncompressed_bytes_received for r in reports),
+        ),
+    }
+
+
+def _summed_table_counters(server_stats: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Each table's counters, summed over the servers holding its rows."""
+    tables: dict[str, dict[str, int]] = {}
+    for stats in server_stats:
+        for name, counters in stats["tables"].items():
+            total = tables.setdefault(name, {})
+            for key, value in counters.items():
+                total[key] = total.get(key, 0) + value
+    return tables
+
+
+def _staleness_histogram(server_stats: list[dict[str, Any]]) -> dict[int, int]:
+    """How many gradients arrived at each age, over the servers (each measures its own)."""
+    staleness: dict[int, int] = {}
+    for stats in server_stats:
+        for age, count in stats["staleness"].items():
+            staleness[age] = staleness.get(age, 0) + count
+    return dict(sorted(staleness.items()))
+
+
+def _call_summaries(reports: list[TrainerReport]) -> dict[str, dict[str, Any]]:
+    calls: dict[str, CallStats] = {}
+    for report in reports:
+        for op, stats in report.calls.items():
+            calls.setdefault(op, CallStats()).merge(stats)
+    return {op: stats.summary() for op, stats in sorted(calls.items())}
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -248,8 +291,8 @@ def run_rank(
     else:
         name = rpc_transport.trainer_name(rank - config.servers)
     log.info("%s joining the job (%d servers, %d trainers)", name, config.servers, config.trainers)
-    if rank < config.servers:
-        endpoint = build_server(rank, config, model_fn)
+    endpoint = build_server(rank, config, model_fn) if rank < config.servers else None
+    if endpoint is not None:
         rpc_transport.expose(endpoint)
     rpc_transport.start(
         name,
@@ -260,24 +303,51 @@ def run_rank(
         timeout_s=config.rpc_timeout,
         loopback_only=loopback_only,
     )
-    if rank < config.servers:
-        # Serve until the chief has gathered the results; then leave with everyone (or alone,
-        # if a trainer departed: its process may be gone, and a joint shutdown would wait on it).
-        while not endpoint.finished.wait(1.0):
-            lost = endpoint.coordinator.chief_lost()
-            if lost is not None:  # no one is left to end the job
-                endpoint.coordinator.close()
-                rpc_transport.stop(graceful=False)
-                raise JobFailedError(
-                    f"{name}: the chief trainer (trainer0) is lost before ending the job: "
-                    f"{lost}; stopping"
-                )
-        endpoint.coordinator.close()
-        if not endpoint.graceful:
-            time.sleep(LEAVE_ALONE_DELAY_S)  # let the answer to finish_job go out first
-        rpc_transport.stop(graceful=endpoint.graceful)
-        rpc_transport.expose(None)
+    if endpoint is not None:
+        _serve(name, endpoint)
         return None
+    outcome = _train(rank, name, config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+    if outcome is None or outcome.state is None:
+        return None
+    return outcome.state, summarize(outcome, config, time.perf_counter() - started)
+
+
+def _serve(name: str, endpoint: ServerEndpoint) -> None:
+    """Serve until the chief has gathered the results; then leave with everyone (or alone, if a
+    trainer departed: its process may be gone, and a joint shutdown would wait on it)."""
+    from paramserver.transport import rpc as rpc_transport
+
+    while not endpoint.finished.wait(1.0):
+        lost = endpoint.coordinator.chief_lost()
+        if lost is not None:  # no one is left to end the job
+            endpoint.coordinator.close()
+            rpc_transport.stop(graceful=False)
+            raise JobFailedError(
+                f"{name}: the chief trainer (trainer0) is lost before ending the job: "
+                f"{lost}; stopping"
+            )
+    endpoint.coordinator.close()
+    if not endpoint.graceful:
+        time.sleep(LEAVE_ALONE_DELAY_S)  # let the answer to finish_job go out first
+    rpc_transport.stop(graceful=endpoint.graceful)
+    rpc_transport.expose(None)
+
+
+def _train(
+    rank: int,
+    name: str,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    data_fn: DataFn,
+    loss_fn: LossFn,
+    on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
+) -> TrainerOutcome | None:
+    """Train as trainer ``rank - S`` until the job ends, then leave the RPC world; None if this
+    trainer, not the chief, was declared departed and left the job."""
+    from paramserver.transport import rpc as rpc_transport
+
+    chief = rank == config.servers
     transport = rpc_transport.RpcTransport(config.servers, config.rpc_timeout)
     try:
         outcome = run_trainer(
@@ -289,11 +359,11 @@ def run_rank(
             transport,
             on_progress,
             evaluation,
-            on_alarm=None if rank == config.servers else _leave_if_stuck(name, config),
+            on_alarm=None if chief else _leave_if_stuck(name, config),
         )
     except TrainerDepartedError as error:
         rpc_transport.stop(graceful=False)
-        if rank == config.servers:  # the chief: the job cannot end well without it
+        if chief:  # the job cannot end well without it
             raise
         # Declared departed while frozen or cut off: the job went on without this trainer.
         log.warning("%s leaves the job: %s", name, error)
@@ -302,6 +372,4 @@ def run_rank(
         rpc_transport.stop(graceful=False)
         raise
     rpc_transport.stop(graceful=outcome.graceful)
-    if outcome.state is None:
-        return None
-    return outcome.state, summarize(outcome, config, time.perf_counter() - started)
+    return outcome

@@ -84,7 +84,8 @@ def _run_trainers(
     while threads[0].is_alive():  # as a server process does: a lost chief fails the job
         threads[0].join(CHIEF_POLL_S)
         lost = endpoints[0].coordinator.chief_lost()
-        if lost is not None and threads[0].is_alive():
+        # (A chief that failed is departed too, once its error is recorded: that error wins.)
+        if lost is not None and threads[0].is_alive() and 0 not in errors:
             for endpoint in endpoints:  # the others' next calls are refused: they stop
                 for rank in range(config.trainers):
                     endpoint.coordinator.remove_trainer(rank, "the job stopped without its chief")

@@ -12,7 +12,8 @@ slowest. ``s = 0`` is lock-step without aggregation; async is no bound.
 When the last one arrives the round's gradients are averaged (summed in trainer order, so the
 result does not depend on arrival order), applied once, and every trainer of the round is
 answered with the new values. Waiting is a :class:`torch.futures.Future` per trainer completed
-by the call that closes the round: no RPC thread blocks.
+by the call that closes the round: no RPC thread blocks. Dynamic tables' clock for a call is its
+step (not the highest step seen, which depends on arrival order), so a sync job is reproducible.
 
 Stragglers: with a ``round_deadline``, a sync round open that long closes with the pushes
 present (at least ``min_contributors``); a push for a round that closed without it is not
@@ -51,7 +52,7 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.compression import Encoded, plain
-from paramserver.config import TrainConfig
+from paramserver.config import ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.futures import chain, completed, failed
 from paramserver.protocol import (
@@ -95,20 +96,17 @@ class LivenessStats:
 class Coordinator:
     """Entry point of a server: routes each request through membership, dedup and the policy."""
 
-    def __init__(self, shard: ServerShard, config: TrainConfig):
+    def __init__(self, shard: ServerShard, settings: ConsistencySettings):
         self.shard = shard
-        self.mode = config.mode
-        self.num_trainers = config.trainers
-        # With prefetch a trainer computes one step past its last call: bound one less.
-        self.staleness_bound = (
-            config.staleness - int(config.prefetches) if config.mode == "ssp" else None
-        )
-        self.round_deadline = config.round_deadline
-        self.min_contributors = config.min_contributors
-        self.trainer_timeout = config.trainer_timeout
-        self.stall_limit = config.stall_limit
-        self.max_message_bytes = int(config.max_message_mb * 2**20)
-        self.members: set[int] = set(range(config.trainers))
+        self.mode = settings.mode
+        self.num_trainers = settings.num_trainers
+        self.staleness_bound = settings.ssp_bound
+        self.round_deadline = settings.round_deadline
+        self.min_contributors = settings.min_contributors
+        self.trainer_timeout = settings.trainer_timeout
+        self.stall_limit = settings.stall_limit
+        self.max_message_bytes = settings.max_message_bytes
+        self.members: set[int] = set(range(settings.num_trainers))
         self.left: set[int] = set()
         self.departed: set[int] = set()
         self.departure_reasons: dict[int, str] = {}
@@ -125,11 +123,11 @@ class Coordinator:
         self.updates = 0  # updates applied (pushes, or rounds in sync mode)
         self._read_at: dict[tuple[int, int], int] = {}  # (trainer, step) -> updates then
         self.liveness = LivenessStats()
-        self.rounds = SyncRounds(config.round_deadline, config.min_contributors)
+        self.rounds = SyncRounds(settings.round_deadline, settings.min_contributors)
         self._held: list[_Held] = []
         self._all_left: list[Future] = []
         self.lock = threading.Lock()
-        self.checkpoints = ServerCheckpoints(shard, self._members_now, config.checkpoint_dir)
+        self.checkpoints = ServerCheckpoints(shard, self._members_now, settings.checkpoint_dir)
         self._stopped = threading.Event()
         self._watchdog = _start_watchdog(self)
 
@@ -217,7 +215,12 @@ class Coordinator:
             del self._read_at[read]
         if request.report is not None:
             self.reports[request.trainer] = request.report
-        return self.shard.advance_clock(request.step)
+        clock = self.shard.advance_clock(request.step)
+        # Sync: a call runs at its own step, as its round does. The highest step seen depends
+        # on arrival: a trainer's call 0, answered outside any round, can come after a faster
+        # trainer's call 1 (waiting in round 1), and its reads would admit and touch rows at
+        # step 1 in some runs only.
+        return request.step if self.mode == "sync" else clock
 
     def _joins_round(self, request: PushPullRequest) -> bool:
         """Whether an admitted call joins its sync round. In sync mode every push after the

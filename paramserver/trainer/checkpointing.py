@@ -36,7 +36,7 @@ from paramserver.checkpoint import (
     commit,
     write_part,
 )
-from paramserver.config import TrainConfig
+from paramserver.config import CheckpointSettings
 from paramserver.futures import wait_all
 from paramserver.transport.base import Transport
 
@@ -66,8 +66,10 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
 
 
 class TrainerCheckpoints:
-    def __init__(self, config: TrainConfig, trainer: int, transport: Transport, alarm: Future):
-        self.config = config
+    def __init__(
+        self, settings: CheckpointSettings, trainer: int, transport: Transport, alarm: Future
+    ):
+        self.settings = settings
         self.trainer = trainer
         self.transport = transport
         self.alarm = alarm
@@ -77,12 +79,6 @@ class TrainerCheckpoints:
         self.last_planned_step = 0
         self._commits: list[Future] = []  # completed when each commit ends, well or not
 
-    @property
-    def enabled(self) -> bool:
-        return self.config.checkpoint_dir is not None and (
-            self.config.checkpoint_every is not None or self.config.checkpoint_every_s is not None
-        )
-
     def resumed_at(self, step: int) -> None:
         """The job continues from checkpoint ``step``: it is saved already."""
         self.saved_through = self.planned = self.last_planned_step = step
@@ -90,7 +86,7 @@ class TrainerCheckpoints:
     def after_reply(self, call: int, announced: int, steps_done: int, samples: int) -> None:
         """Called with the answer to call ``call`` in hand, before this step computes and
         before the next step's batches are drawn (the saved RNG states precede them)."""
-        if not self.enabled:
+        if not self.settings.enabled:
             return
         if announced > self.saved_through and call >= announced:
             self._save_own_part(announced, steps_done, samples)
@@ -105,15 +101,15 @@ class TrainerCheckpoints:
     def announce_if_due(self, call: int) -> None:
         """Chief: announce step ``call + 1`` if a checkpoint is due. Call it only with the
         batches of that next step in hand (see the module docstring)."""
-        config = self.config
-        if not self.enabled or self.trainer != 0:
+        settings = self.settings
+        if not settings.enabled or self.trainer != 0:
             return
         due = (
-            config.checkpoint_every is not None
-            and call + 1 - self.last_planned_step >= config.checkpoint_every
+            settings.every_steps is not None
+            and call + 1 - self.last_planned_step >= settings.every_steps
         ) or (
-            config.checkpoint_every_s is not None
-            and time.monotonic() - self.last_planned_at >= config.checkpoint_every_s
+            settings.every_s is not None
+            and time.monotonic() - self.last_planned_at >= settings.every_s
         )
         # One checkpoint at a time: a trainer saves only the newest announced step, so a new
         # one waits until the last is committed (or given up).
@@ -125,7 +121,7 @@ class TrainerCheckpoints:
         self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
 
     def _save_own_part(self, step: int, steps_done: int, samples: int) -> None:
-        root = self.config.checkpoint_dir
+        root = self.settings.root
         assert root is not None
         tensors, meta = rng_state()
         meta.update(step=step, steps_done=steps_done, samples=samples)
@@ -135,7 +131,7 @@ class TrainerCheckpoints:
 
     def _take_and_commit(self, step: int) -> None:
         """Chief: every server snapshots now; a thread commits once every part is written."""
-        root = self.config.checkpoint_dir
+        root = self.settings.root
         assert root is not None
         wait_all(
             self.transport.call_all("take_checkpoint", step),
@@ -143,8 +139,7 @@ class TrainerCheckpoints:
         )
         servers = self.transport.call_all("checkpoint_part", step, timeout_s=0)
         trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
-        config = self.config
-
+        settings = self.settings
         committed: Future = Future()
 
         def finish() -> None:
@@ -152,12 +147,7 @@ class TrainerCheckpoints:
                 answers = wait_all([*servers, trainers], self.alarm)
                 trainer_parts = cast(list[Part], answers.pop())
                 parts = [*cast(list[Part], answers), *trainer_parts]
-                meta = {
-                    "servers": config.servers,
-                    "trainers": config.trainers,
-                    "mode": config.mode,
-                }
-                commit(root, step, parts, meta, keep=config.checkpoint_keep)
+                commit(root, step, parts, dict(settings.job), keep=settings.keep)
                 log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
             except Exception:
                 log.exception("checkpoint %d not committed; the previous one stays", step)

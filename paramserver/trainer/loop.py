@@ -42,6 +42,7 @@ from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
 from paramserver.trainer.client import (
     InFlight,
     PSClient,
+    Pulled,
     PushCodecs,
     gather_state,
     to_state_dict,
@@ -202,131 +203,174 @@ def _train(
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> TrainerOutcome:
-    alarm = heartbeats.alarm
-    model = trainer_model(model_fn, config.seed)
-    plan = plan_of(model, config.servers)
-    config.check_tables(plan.tables)
-    replica = Replica(model, config.server_pooling)
-    replica.model.train()
-    torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
-    client = PSClient(
-        transport,
-        plan,
-        trainer,
-        alarm,
-        PushCodecs.of(config, plan.tables),
-        cache_rows=config.cache_rows,
-        cache_staleness=config.cache_staleness,
-    )
-    client.check_servers()
-    initial_buffers = wait_all([transport.call(0, "initial_buffers")], alarm)[0]
-    replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
-
-    losses: deque[float] = deque(maxlen=100)
-    prefetch = config.prefetches
+    run = _TrainerRun(trainer, config, model_fn, transport, heartbeats)
     groups = step_groups(data_fn, trainer, config.trainers, config)
-    checkpoints = TrainerCheckpoints(config, trainer, transport, alarm)
     resumed = Resumed()
     if config.resume:
-        resumed = resume_trainer(trainer, config, client, checkpoints, groups)
-    steps, samples = resumed.steps, resumed.samples  # this trainer's position in the job
-    observer = Observer(trainer, config, client, replica, evaluation, alarm, steps, samples)
-
-    def record_next() -> Step | None:
-        group = next(groups, None)
-        heartbeats.activity.touch()  # a batch drawn: the loop is not stuck in its data
-        if group is None:
-            return None
-        ids, bags = replica.record([batch[0] for batch in group])
-        return Step(group, ids, bags)
-
+        resumed = resume_trainer(trainer, config, run.client, run.checkpoints, groups)
+    run.steps, run.samples = resumed.steps, resumed.samples  # its position in the job
+    observer = Observer(
+        trainer, config.observing, run.client, run.replica, evaluation, heartbeats.alarm,
+        run.steps, run.samples,
+    )  # fmt: skip
     try:
-        grads = Gradients()
-        started = time.perf_counter()
-        heartbeats.activity.start()  # from here on, the servers hear how long it is idle
-        current = record_next()
-        in_flight = (
-            client.push_pull({}, {}, current.ids, pool_bags=current.bags)
-            if current is not None
-            else None
-        )
-        while current is not None:
-            assert in_flight is not None
-            pulled = in_flight.wait()
-            checkpoints.after_reply(pulled.step, pulled.checkpoint_at, steps, samples)
-            following = record_next()
-            if following is not None:  # a checkpoint the chief can take: it has a next step
-                checkpoints.announce_if_due(pulled.step)
-            if prefetch:
-                # Pull the next step's rows while this one computes, pushing what is ready now.
-                in_flight = grads.push(client, following)
-            replica.load(
-                pulled.dense,
-                pulled.rows,
-                {name: (pulled.pooled[name], bags) for name, bags in current.bags.items()},
-            )
-            step_loss = 0.0
-            for batch_inputs, target in current.batches:
-                step_loss += _forward_backward(
-                    replica, client, batch_inputs, target, loss_fn, len(current.batches)
-                )
-                samples += int(target.shape[0]) if target.dim() else 1
-            if config.clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), config.clip_grad_norm)
-            grads = Gradients.of(replica, pulled.step)
-            if not prefetch and following is not None:
-                in_flight = grads.push(client, following)
-            steps += 1
-            losses.append(step_loss)
-            observer.after_step(steps, samples, step_loss, pulled)
-            if on_progress is not None:
-                on_progress(Progress(trainer, steps, samples, step_loss))
-            current = following
-        if in_flight is not None:
-            in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
-        train_seconds = time.perf_counter() - started
+        grads, train_seconds = run.train(groups, loss_fn, observer, on_progress)
     except BaseException:
         observer.close()  # its logs and profiler, whatever ended the steps
         raise
-    consistency = observer.finish(steps, samples)
     report = TrainerReport(  # this run's work: from the start, or from the checkpoint
         trainer=trainer,
-        steps=steps - resumed.steps,
-        samples=samples - resumed.samples,
-        train_loss=sum(losses) / len(losses) if losses else float("nan"),
+        steps=run.steps - resumed.steps,
+        samples=run.samples - resumed.samples,
+        train_loss=sum(run.losses) / len(run.losses) if run.losses else float("nan"),
         train_seconds=train_seconds,
         bytes_sent=0,
         bytes_received=0,
         peak_rss_bytes=peak_rss_bytes(),
         calls=transport.profile.snapshot(),
-        consistency=consistency,
+        consistency=observer.finish(run.steps, run.samples),
         resumed_at=resumed.at,
         resumed_steps=resumed.steps,
         resumed_samples=resumed.samples,
     )
-    grads.push(client, None, final=True, report=report).wait()
-    checkpoints.finish()
-    # Wait for every other trainer to leave (or be declared departed), without a timeout.
-    wait_all(transport.call_all("wait_all_left", timeout_s=0), alarm)
-    if trainer != 0:
-        # The same decision as the chief's below: has any server declared anyone departed?
-        departed = wait_all(transport.call_all("departed"), alarm)
-        return TrainerOutcome(report, graceful=not any(departed))
-    state: dict[str, Tensor] = {}
-    if config.gather_model:
-        state = to_state_dict(gather_state(transport, plan), plan)
-        # Buffers (batch-norm statistics and the like) are not served: take this replica's.
-        buffers = replica.model.state_dict().items()
-        state.update({k: v for k, v in buffers if k not in replica.dense})
-    stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
-        transport.call_all("stats"), alarm
-    )
-    # A departed trainer's process may be gone: the RPC world cannot shut down together.
-    graceful = not any(s["departed"] for s in stats)
-    for call in transport.call_all("finish_job", graceful):
-        with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
-            call.wait()
-    return TrainerOutcome(report, state, stats, graceful, observer.evals)
+    grads.push(run.client, None, final=True, report=report).wait()
+    run.checkpoints.finish()
+    return run.end_job(report, observer.evals)
+
+
+class _TrainerRun:
+    """One trainer's part of a job: its replica and client, the step loop, and the end of
+    the job (the chief gathers the results)."""
+
+    def __init__(
+        self,
+        trainer: int,
+        config: TrainConfig,
+        model_fn: ModelFn,
+        transport: ProfiledTransport,
+        heartbeats: Heartbeats,
+    ):
+        self.trainer = trainer
+        self.config = config
+        self.transport = transport
+        self.activity = heartbeats.activity
+        self.alarm = heartbeats.alarm
+        model = trainer_model(model_fn, config.seed)
+        self.plan = plan_of(model, config.servers)
+        config.check_tables(self.plan.tables)
+        self.replica = Replica(model, config.server_pooling)
+        self.replica.model.train()
+        torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
+        self.client = PSClient(
+            transport,
+            self.plan,
+            trainer,
+            self.alarm,
+            PushCodecs.of(config, self.plan.tables),
+            cache_rows=config.cache_rows,
+            cache_staleness=config.cache_staleness,
+        )
+        self.client.check_servers()
+        initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
+        self.replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
+        self.checkpoints = TrainerCheckpoints(config.checkpointing, trainer, transport, self.alarm)
+        self.steps = self.samples = 0
+        self.losses: deque[float] = deque(maxlen=100)
+
+    def train(
+        self,
+        groups: Iterator[list[Batch]],
+        loss_fn: LossFn,
+        observer: Observer,
+        on_progress: Callable[[Progress], None] | None,
+    ) -> tuple[Gradients, float]:
+        """Every step of this trainer's data; returns the last gradients (not pushed yet)
+        and the seconds the steps took."""
+        client, prefetch = self.client, self.config.prefetches
+
+        def record_next() -> Step | None:
+            group = next(groups, None)
+            self.activity.touch()  # a batch drawn: the loop is not stuck in its data
+            if group is None:
+                return None
+            ids, bags = self.replica.record([batch[0] for batch in group])
+            return Step(group, ids, bags)
+
+        grads = Gradients()
+        started = time.perf_counter()
+        self.activity.start()  # from here on, the servers hear how long it is idle
+        current = record_next()
+        in_flight = (
+            client.push_pull({}, {}, current.ids, pool_bags=current.bags) if current else None
+        )
+        while current is not None:
+            assert in_flight is not None
+            pulled = in_flight.wait()
+            self.checkpoints.after_reply(
+                pulled.step, pulled.checkpoint_at, self.steps, self.samples
+            )
+            following = record_next()
+            if following is not None:  # a checkpoint the chief can take: it has a next step
+                self.checkpoints.announce_if_due(pulled.step)
+            if prefetch:
+                # Pull the next step's rows while this one computes, pushing what is ready now.
+                in_flight = grads.push(client, following)
+            grads = self._compute(current, pulled, loss_fn)
+            if not prefetch and following is not None:
+                in_flight = grads.push(client, following)
+            observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
+            if on_progress is not None:
+                on_progress(Progress(self.trainer, self.steps, self.samples, self.losses[-1]))
+            current = following
+        if in_flight is not None:
+            in_flight.wait()  # the last prefetch call (a no-op otherwise: waited above)
+        return grads, time.perf_counter() - started
+
+    def _compute(self, step: Step, pulled: Pulled, loss_fn: LossFn) -> Gradients:
+        """Forward and backward over the step's batches on the pulled values; returns the
+        step's gradients and counts the step, its samples and its loss."""
+        replica = self.replica
+        replica.load(
+            pulled.dense,
+            pulled.rows,
+            {name: (pulled.pooled[name], bags) for name, bags in step.bags.items()},
+        )
+        step_loss = 0.0
+        for batch_inputs, target in step.batches:
+            step_loss += _forward_backward(
+                replica, self.client, batch_inputs, target, loss_fn, len(step.batches)
+            )
+            self.samples += int(target.shape[0]) if target.dim() else 1
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), self.config.clip_grad_norm)
+        self.steps += 1
+        self.losses.append(step_loss)
+        return Gradients.of(replica, pulled.step)
+
+    def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
+        """Wait for every other trainer to leave (or be declared departed: the alarm bounds
+        the wait); the chief then gathers the final state and every server's statistics."""
+        transport, alarm = self.transport, self.alarm
+        wait_all(transport.call_all("wait_all_left", timeout_s=0), alarm)
+        if self.trainer != 0:
+            # The same decision as the chief's below: has any server declared anyone departed?
+            departed = wait_all(transport.call_all("departed"), alarm)
+            return TrainerOutcome(report, graceful=not any(departed))
+        state: dict[str, Tensor] = {}
+        if self.config.gather_model:
+            state = to_state_dict(gather_state(transport, self.plan), self.plan)
+            # Buffers (batch-norm statistics and the like) are not served: take this replica's.
+            buffers = self.replica.model.state_dict().items()
+            state.update({k: v for k, v in buffers if k not in self.replica.dense})
+        stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
+            transport.call_all("stats"), alarm
+        )
+        # A departed trainer's process may be gone: the RPC world cannot shut down together.
+        graceful = not any(s["departed"] for s in stats)
+        for call in transport.call_all("finish_job", graceful):
+            with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
+                call.wait()
+        return TrainerOutcome(report, state, stats, graceful, evals)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.config import TrainConfig
+from paramserver.config import ObserveSettings
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
@@ -44,7 +44,7 @@ class Observer:
     def __init__(
         self,
         trainer: int,
-        config: TrainConfig,
+        settings: ObserveSettings,
         client: PSClient,
         replica: Replica,
         evaluation: Evaluation | None,
@@ -54,19 +54,19 @@ class Observer:
     ):
         """``steps`` and ``samples``: where the trainer starts (after a resume, not 0)."""
         self.trainer = trainer
-        self.config = config
+        self.settings = settings
         self.client = client
         self.replica = replica
         self.alarm = alarm
         self.chief = trainer == 0
-        self.evaluation = evaluation if self.chief and config.eval_every else None
+        self.evaluation = evaluation if self.chief and settings.eval_every else None
         self.evals: list[dict[str, float]] = []  # the chief's: {"step": ..., metric: ...}
         self.checks: list[Divergence] = []
-        run_dir = config.run_dir
-        board = config.tensorboard
+        run_dir = settings.run_dir
+        board = settings.tensorboard
         self.log = RunLog(run_dir, f"trainer-{trainer}", board, steps) if run_dir else None
         self.server_logs = (
-            [RunLog(run_dir, f"server-{s}", board, steps) for s in range(config.servers)]
+            [RunLog(run_dir, f"server-{s}", board, steps) for s in range(settings.num_servers)]
             if run_dir and self.chief
             else []
         )
@@ -76,24 +76,24 @@ class Observer:
         self._losses: list[float] = []
         self._profiler: Any = None
         # The profiler is per process: under the threads launcher only the chief's runs.
-        self._profiles = bool(config.profile_steps) and (self.chief or config.launcher != "threads")
-        if self._profiles and config.profile_start <= steps < config.profile_start + (
-            config.profile_steps
+        self._profiles = bool(settings.profile_steps) and (self.chief or not settings.one_process)
+        if self._profiles and settings.profile_start <= steps < settings.profile_start + (
+            settings.profile_steps
         ):  # from the start, or resumed inside the profiled steps
             self._start_profiler()
 
     def after_step(self, steps: int, samples: int, loss: float, pulled: Pulled) -> None:
-        config = self.config
+        settings = self.settings
         self._losses.append(loss)
-        if self._profiler is not None and steps == config.profile_start + config.profile_steps:
+        if self._profiler is not None and steps == settings.profile_start + settings.profile_steps:
             self._stop_profiler()
-        elif self._profiles and steps == config.profile_start:
+        elif self._profiles and steps == settings.profile_start:
             self._start_profiler()
-        if steps % config.metrics_every == 0:
+        if steps % settings.metrics_every == 0:
             self._record(steps, samples)
-        if config.consistency_every and steps % config.consistency_every == 0:
+        if settings.consistency_every and steps % settings.consistency_every == 0:
             self._check(steps, pulled)
-        if self.evaluation is not None and steps % config.eval_every == 0:  # type: ignore[operator]
+        if self.evaluation is not None and steps % settings.eval_every == 0:  # type: ignore[operator]
             self._evaluate(steps)
 
     def finish(self, steps: int, samples: int) -> dict[str, float]:
@@ -224,8 +224,8 @@ class Observer:
     def _stop_profiler(self) -> None:
         profiler, self._profiler = self._profiler, None
         profiler.stop()
-        assert self.config.run_dir is not None  # validated with profile_steps
-        directory = Path(self.config.run_dir) / PROFILE_DIR
+        assert self.settings.run_dir is not None  # validated with profile_steps
+        directory = Path(self.settings.run_dir) / PROFILE_DIR
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"trainer-{self.trainer}.json"
         profiler.export_chrome_trace(str(path))
