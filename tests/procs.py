@@ -11,7 +11,9 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 # CLI flags for a built-in job small enough for a test.
@@ -25,13 +27,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
-    """Poll ``condition`` (another process's doing: nothing to wait on) until it holds."""
+def wait_until(condition: Callable[[], T | None], timeout: float, what: str) -> T:
+    """Poll ``condition`` (another process's doing: nothing to wait on) until it returns a true
+    value, and return that value."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+    return value
 
 
 def children_of_launcher(launcher_pid: int) -> list[int]:
@@ -90,6 +94,11 @@ def is_loopback(address: str) -> bool:
         or ip == "0000:0000:0000:0000:0000:0000:0000:0001"
         or ip.startswith("0000:0000:0000:0000:0000:ffff:7f")
     )
+
+
+def process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (R running, S sleeping, T stopped, Z zombie...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def rank_pid(rank: int, launcher: int | None = None) -> int:

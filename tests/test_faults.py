@@ -27,8 +27,10 @@ from tests.procs import (
     children_of_launcher,
     descendants,
     free_port,
+    process_state,
     rank_pid,
     stop,
+    wait_until,
 )
 
 
@@ -136,37 +138,47 @@ def test_a_server_lost_while_a_checkpoint_is_written_fails_the_job_and_keeps_the
 
 
 @pytest.mark.timeout(120)
-def test_a_frozen_trainer_is_declared_departed_and_refused_when_it_wakes(tmp_path: Path) -> None:
-    running = tmp_path / "trainer2-running"
+def test_a_frozen_trainer_is_declared_departed_and_refused_when_it_wakes() -> None:
+    freeze_at = 5
 
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         for index, batch in enumerate(slow_data(trainer, num_trainers)):
-            if trainer == 2 and index == 5:
-                running.touch()
+            if trainer == 2 and index == freeze_at:
+                os.kill(os.getpid(), signal.SIGSTOP)  # frozen at a known step until woken
             yield batch
 
     config = ps.TrainConfig(
         servers=1, trainers=3, mode="sync", optimizer="sgd", lr=0.05, launcher="processes",
         progress=False, heartbeat_interval=0.2, trainer_timeout=1.5,
     )  # fmt: skip
+    steps: dict[int, int] = {}
     outcome: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: outcome.update(result=ps.train(TinyRecModel, data, mse, config))
-    )
+
+    def job() -> None:
+        record = lambda p: steps.update({p.trainer: p.steps})  # noqa: E731
+        outcome.update(result=ps.train(TinyRecModel, data, mse, config, on_progress=record))
+
+    thread = threading.Thread(target=job)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not running.exists():
-        assert time.monotonic() < deadline, "trainer 2 never ran"
-        time.sleep(0.02)
-    pid = rank_pid(1 + 2)  # rank 3: trainer 2
-    os.kill(pid, signal.SIGSTOP)
-    time.sleep(3.0)  # past --trainer-timeout: the servers declare it departed
+    pid = wait_until(lambda: stopped_rank(1 + 2), 60, "trainer 2 (rank 3) to freeze")
+    # Sync rounds wait for trainer 2 until the server declares it departed (silent past
+    # --trainer-timeout): trainer 0 stepping well past where trainer 2 stopped proves it did.
+    wait_until(lambda: steps.get(0, 0) >= freeze_at + 4, 60, "trainer 0 to go on without it")
     os.kill(pid, signal.SIGCONT)  # it wakes, its next call is refused, it leaves
     thread.join(timeout=100)
     summary = outcome["result"].summary
     assert summary["departed_trainers"] == [2]
     assert summary["trainer_steps"] == [60, 60]
     assert children_of_launcher(os.getpid()) == []
+
+
+def stopped_rank(rank: int) -> int | None:
+    """The pid of rank ``rank`` of this process's job once it is stopped (SIGSTOP), else None."""
+    try:
+        pid = rank_pid(rank)
+    except AssertionError:  # not started yet
+        return None
+    return pid if process_state(pid) == "T" else None
 
 
 @pytest.mark.timeout(240)
