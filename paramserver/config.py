@@ -402,6 +402,18 @@ class TrainConfig:
         if not all(isinstance(n, str) for n in self.server_pooling):
             raise ConfigError("--server-pooling takes table names")
         _check_types(self)
+        self._check_counts()
+        self._check_consistency()
+        self._check_codecs()
+        self._check_checkpoints()
+        self._check_training()
+        self._check_observing()
+        # Building the optimizer configs validates their values with flag-named errors.
+        self.dense_optimizer()
+        self.table_optimizer_for("")
+
+    def _check_counts(self) -> None:
+        """Sizes and counts: the job's shape and its data."""
         positive = (
             "servers",
             "trainers",
@@ -422,6 +434,9 @@ class TrainConfig:
             raise ConfigError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not self.log_every > 0:
             raise ConfigError(f"--log-every must be > 0 seconds, got {self.log_every}")
+
+    def _check_consistency(self) -> None:
+        """Mode, launcher, rounds, and the limits of liveness."""
         if self.mode not in MODES:
             raise ConfigError(f"--mode: unknown mode {self.mode!r}; choose from {MODES}")
         if self.launcher not in LAUNCHERS:
@@ -450,6 +465,9 @@ class TrainConfig:
                 f"--stall-timeout ({self.stall_timeout} s) must be at least --trainer-timeout "
                 f"({self.trainer_timeout} s)"
             )
+
+    def _check_codecs(self) -> None:
+        """Codecs on the wire and the trainers' row cache."""
         for name, codecs in (
             ("dense_push_codec", GRADIENT_CODECS),
             ("dense_pull_codec", VALUE_CODECS),
@@ -470,6 +488,9 @@ class TrainConfig:
             raise ConfigError(
                 "--cache-rows needs --mode async or ssp: sync rounds promise current values"
             )
+
+    def _check_checkpoints(self) -> None:
+        """Checkpoints, restarts, and the RPC limits."""
         if (self.checkpoint_every or self.checkpoint_every_s or self.resume) and (
             self.checkpoint_dir is None
         ):
@@ -484,6 +505,9 @@ class TrainConfig:
             raise ConfigError(f"--max-message-mb must be > 0, got {self.max_message_mb}")
         if self.rpc_timeout <= 0:
             raise ConfigError(f"--rpc-timeout must be > 0 seconds, got {self.rpc_timeout}")
+
+    def _check_training(self) -> None:
+        """Update rules, clipping and server-side pooling."""
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise ConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.optimizer == "rowwise_adagrad":
@@ -496,6 +520,9 @@ class TrainConfig:
                 "--server-pooling works with --accumulate 1 and without --clip-grad-norm "
                 "(the trainer never sees those tables' row gradients)"
             )
+
+    def _check_observing(self) -> None:
+        """Evaluation, consistency checks and profiling."""
         for name in ("eval_every", "consistency_every"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -509,9 +536,6 @@ class TrainConfig:
                 "--eval-every does not work with --server-pooling tables (evaluation reads "
                 "rows, and those tables' trainers never hold rows)"
             )
-        # Building the optimizer configs validates their values with flag-named errors.
-        self.dense_optimizer()
-        self.table_optimizer_for("")
 
     def dense_optimizer(self) -> OptimizerConfig:
         return OptimizerConfig(
