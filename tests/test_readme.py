@@ -1,0 +1,445 @@
+"""The README is executable: every fenced block of README.md runs here, so a documented command
+cannot break unnoticed. Prose (inline commands such as the benchmark scripts') is not run.
+
+How each block is covered (``test_every_block_of_the_readme_is_covered`` fails on a block or
+command that has no entry below, so a new one needs a decision here):
+
+- ``sh`` blocks: every command (a line, ``\\`` continuations joined, comments dropped) has an
+  entry in ``COMMANDS``. ``paramserver ...`` commands run through ``paramserver.cli.main`` (what
+  the ``paramserver`` script calls) in one scratch directory, shortened with documented flags
+  appended (argparse keeps the last of a repeated flag, so ``--checkpoint-every 4`` after the
+  README's ``500`` wins): a small synthetic job (``SHORT``) or ``--steps``. Most run with
+  ``--launcher threads`` (the same job in one process: seconds instead of process start-ups);
+  the first command, the one that writes ``summary.json``, keeps the default processes launcher.
+  Commands that cannot run as written here have a stated equivalent: ``make`` (a dry run: it
+  builds the venv, and ``make test`` is the suite this test is part of), ``torchrun`` across two
+  hosts (both commands run at once on this host, ``HOST_A`` being 127.0.0.1 on a free port,
+  sockets on ``lo``), ``tensorboard`` (served on 127.0.0.1 and asked for its runs, then stopped).
+- ``python`` blocks: each runs as a script (``python FILE``) in the scratch directory, as written.
+- ``toml`` blocks: each is read by the config loader into a TrainConfig and is ``job.toml`` for
+  ``--config job.toml``.
+- Plain blocks: text (the file map), listed in ``TEXT_BLOCKS`` by their first line.
+
+The README's summary keys and flag lists are compared with a real summary and the real parser.
+Budget: about two minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from paramserver.cli import build_parser, main, switches
+from paramserver.config import TrainConfig, read_toml
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+BIN = Path(sys.executable).parent
+SHORT = (
+    "--train-batches", "24", "--rows-per-table", "1000", "--eval-samples", "1024",
+    "--batch-size", "128", "--no-progress",
+)  # fmt: skip
+THREADS = ("--launcher", "threads")
+
+
+@dataclass(frozen=True)
+class Block:
+    language: str
+    text: str
+    line: int  # where it starts in README.md
+
+
+def readme_blocks() -> list[Block]:
+    blocks, language, start, lines = [], None, 0, []
+    for number, line in enumerate(README.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if language is None:
+                language, start, lines = line[3:].strip(), number, []
+            else:
+                blocks.append(Block(language, "\n".join(lines) + "\n", start))
+                language = None
+        elif language is not None:
+            lines.append(line)
+    assert language is None, "README.md: a code block is not closed"
+    return blocks
+
+
+def commands_of(block: Block) -> list[str]:
+    """The commands of a shell block: continuations joined, comments and blank lines dropped."""
+    commands = []
+    for line in block.text.replace("\\\n", " ").splitlines():
+        command = " ".join(shlex.split(line, comments=True))
+        if command:
+            commands.append(command)
+    return commands
+
+
+def blocks_of(language: str) -> list[Block]:
+    return [b for b in readme_blocks() if b.language == language]
+
+
+# How each README command is covered: extra flags appended to a `paramserver` command, or
+# the name of the equivalent this file runs.
+@dataclass(frozen=True)
+class Run:
+    extra: tuple[str, ...] = ()
+    launcher_threads: bool = True
+    equivalent: str | None = None  # for commands not run as written: what is run instead
+
+
+COMMANDS: dict[str, Run] = {
+    "make run": Run(equivalent="`make -n run` shows it runs `paramserver train`"),
+    "make test": Run(equivalent="`make -n test` shows ruff, mypy and pytest (this suite)"),
+    "paramserver train": Run(SHORT),
+    "paramserver train --mode sync --trainers 3 --summary-json summary.json": Run(
+        SHORT, launcher_threads=False
+    ),
+    "paramserver train --config job.toml --lr 0.1": Run(SHORT),
+    "paramserver train --dataset criteo:day_0.gz --eval-data day_1.gz": Run(
+        ("--steps", "4", "--no-progress")
+    ),
+    "paramserver train --dataset movielens --compare-single-process": Run(
+        ("--steps", "4", "--no-progress")
+    ),
+    "paramserver train --help": Run(),
+    "torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --rdzv-backend static --master-addr "
+    "HOST_A --master-port 29500 -m paramserver train --servers 2 --trainers 2": Run(
+        SHORT, equivalent="both hosts' commands at once on loopback"
+    ),
+    "torchrun --nnodes 2 --nproc-per-node 2 --node-rank 1 --rdzv-backend static --master-addr "
+    "HOST_A --master-port 29500 -m paramserver train --servers 2 --trainers 2": Run(
+        SHORT, equivalent="both hosts' commands at once on loopback"
+    ),
+    "paramserver train --checkpoint-dir ckpt --checkpoint-every 500": Run(
+        (*SHORT, "--checkpoint-every", "4")
+    ),
+    "paramserver train --checkpoint-dir ckpt --resume": Run(SHORT),
+    "paramserver train --checkpoint-dir ckpt --checkpoint-every 500 --resume --max-restarts 3": Run(
+        (*SHORT, "--checkpoint-every", "4")
+    ),
+    "paramserver check ckpt": Run(),
+    "paramserver export ckpt model.pt": Run(),
+    "paramserver train --run-dir runs/a --eval-every 100 --consistency-every 50 "
+    "--profile-steps 5": Run(
+        (*SHORT, "--eval-every", "4", "--consistency-every", "4", "--profile-start", "2")
+    ),
+    "paramserver report runs/a": Run(),
+    "tensorboard --logdir runs/a/tensorboard": Run(
+        equivalent="served on 127.0.0.1:FREE_PORT, asked for its runs over HTTP, stopped"
+    ),
+}
+TEXT_BLOCKS = {"paramserver/": "the file map"}
+
+
+def sh_commands(section: str) -> list[str]:
+    """The commands of the shell blocks under the README heading ``## section``."""
+    text = README.read_text()
+    start = text.index(f"\n## {section}")
+    end = text.find("\n## ", start + 1)
+    first_line = text[:start].count("\n") + 2
+    last_line = first_line + text[start:end].count("\n")
+    return [
+        command
+        for block in blocks_of("sh")
+        if first_line <= block.line <= last_line
+        for command in commands_of(block)
+    ]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The directory a newcomer works in: the README's job.toml is there."""
+    directory = tmp_path_factory.mktemp("readme")
+    (directory / "job.toml").write_text(blocks_of("toml")[0].text)
+    return directory
+
+
+def paramserver(command: str, directory: Path, summary: str | None = None) -> int:
+    """Run a README `paramserver` command as covered in COMMANDS, in ``directory``; write the
+    summary to ``summary`` (a file name) unless the command names its own."""
+    run = COMMANDS[command]
+    argv = shlex.split(command)[1:] + list(run.extra)
+    if argv[0] == "train" and "--help" not in argv:
+        if run.launcher_threads:
+            argv += THREADS
+        if summary is not None and "--summary-json" not in argv:
+            argv += ["--summary-json", summary]
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        return main(argv)
+    except SystemExit as exit:  # --help
+        return int(exit.code or 0)
+    finally:
+        os.chdir(cwd)
+
+
+def run_script(text: str, directory: Path, name: str, timeout: float) -> str:
+    path = directory / name
+    path.write_text(text)
+    done = subprocess.run(
+        [sys.executable, str(path)], cwd=directory, capture_output=True, text=True,
+        timeout=timeout, env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )  # fmt: skip
+    assert done.returncode == 0, f"{name}:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    return done.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summary_keys_in_readme() -> tuple[set[str], set[str]]:
+    """The keys the README's summary list gives: (always present, present in some jobs). A
+    bullet's keys are the `names` before its first colon, outside parentheses."""
+    text = README.read_text()
+    part = text[text.index("**The summary.**") : text.index("Every figure covers this run")]
+    always_part, some_part = part.split("and only in some jobs:")
+
+    def keys(bullets: str) -> set[str]:
+        found = set()
+        for bullet in re.split(r"\n- ", bullets)[1:]:
+            head = re.sub(r"\([^()]*\)", "", " ".join(bullet.split())).split(":")[0]
+            found |= set(re.findall(r"`([a-z_]+)`", head))
+        return found
+
+    return keys(always_part), keys(some_part)
+
+
+# --- coverage -------------------------------------------------------------------------------
+
+
+def test_every_block_of_the_readme_is_covered() -> None:
+    blocks = readme_blocks()
+    languages = {b.language for b in blocks}
+    assert languages <= {"sh", "python", "toml", ""}, f"a block in a new language: {languages}"
+    listed = [c for b in blocks if b.language == "sh" for c in commands_of(b)]
+    missing = [c for c in listed if c not in COMMANDS]
+    assert not missing, f"README commands with no coverage in tests/test_readme.py: {missing}"
+    assert not set(COMMANDS) - set(listed), "COMMANDS lists commands the README no longer has"
+    for block in blocks:
+        if block.language == "":
+            first = block.text.splitlines()[0].strip()
+            assert first in TEXT_BLOCKS, f"README.md:{block.line}: a plain block not covered"
+    assert len(blocks_of("python")) == 3 and len(blocks_of("toml")) == 1  # each run below
+
+
+# --- Quickstart -----------------------------------------------------------------------------
+
+
+def test_make_targets_run_what_the_readme_says() -> None:
+    for target, expected in (("run", ["paramserver train"]), ("test", ["ruff", "mypy", "pytest"])):
+        assert f"make {target}" in COMMANDS
+        dry = subprocess.run(
+            ["make", "-n", target], cwd=REPO, capture_output=True, text=True, timeout=60
+        )
+        assert dry.returncode == 0, dry.stderr
+        for word in expected:
+            assert word in dry.stdout, (target, dry.stdout)
+
+
+# --- Command line ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_command_line_section_runs_and_its_lists_match_the_code(
+    scratch: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands = sh_commands("Command line")
+    assert len(commands) == 6
+    # The criteo command reads the files the README's first Python block writes.
+    run_script(blocks_of("python")[0].text, scratch, "write_criteo.py", timeout=120)
+    summaries: dict[str, dict[str, Any]] = {}
+    for number, command in enumerate(commands):
+        summary = f"summary-{number}.json"
+        assert paramserver(command, scratch, summary) == 0, command
+        if command.endswith("--help"):
+            assert "--resume, --no-resume" in capsys.readouterr().out
+            continue
+        path = scratch / ("summary.json" if "summary.json" in command else summary)
+        summaries[command] = json.loads(path.read_text())
+    configured = summaries[commands[2]]  # job.toml: 2 servers, 4 trainers, sync
+    assert (configured["servers"], configured["trainers"], configured["mode"]) == (2, 4, "sync")
+
+    always, some = summary_keys_in_readme()
+    expected = {  # the keys beyond `always` each run's summary has, as the README says
+        commands[1]: {"restarts", "eval_auc", "eval_logloss", "eval_auc_ceiling"},  # processes
+        commands[3]: {"eval_auc", "eval_logloss"},  # criteo with --eval-data
+        commands[4]: {"eval_rmse", "eval_mae", "eval_rmse_mean_predictor", "single_process"},
+    }
+    for command, extra in expected.items():
+        assert set(summaries[command]) == always | extra, command
+    assert some == set().union(*expected.values())
+    assert set(summaries[commands[4]]["single_process"]) >= {"samples_per_s", "eval_rmse"}
+
+
+def test_the_readme_flag_lists_are_the_parsers() -> None:
+    text = " ".join(README.read_text().split())
+    config_part = text[text.index("Every field of `paramserver.TrainConfig` is a flag") :]
+    config_part = config_part[: config_part.index("Besides these")]
+    own_part = text[text.index("Besides these, `train` takes") :]
+    own_part = own_part[: own_part.index("On/off settings")]
+    switch_part = text[text.index("On/off settings are switches") :]
+    switch_part = switch_part[: switch_part.index("A value after a switch")]
+
+    train = build_parser()._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    flags = {a.option_strings[0] for a in train._actions if a.option_strings[0] != "-h"}
+    config_flags = {f"--{f.name.replace('_', '-')}" for f in fields(TrainConfig)}
+    without_flag = {f.name for f in fields(TrainConfig) if not f.metadata.get("cli", True)}
+
+    assert set(re.findall(r"--[a-z-]+", config_part)) == config_flags & flags
+    assert set(re.findall(r"`([a-z_]+)`", config_part)) == without_flag
+    assert config_flags - flags == {f"--{n.replace('_', '-')}" for n in without_flag}
+    assert set(re.findall(r"--[a-z-]+", own_part)) == flags - config_flags
+    named = set(re.findall(r"`(--[a-z-]+[a-z])`", switch_part)) - {"--no-prefetch"}
+    assert named == set(switches())
+    for switch in switches():
+        negative = "--no-" + switch[2:]
+        assert negative in {s for a in train._actions for s in a.option_strings}
+
+
+def test_toml_blocks_load_as_job_configs() -> None:
+    for index, block in enumerate(blocks_of("toml")):
+        path = README.parent / f".readme-{os.getpid()}-{index}.toml"
+        try:
+            path.write_text(block.text)
+            values = read_toml(path)
+        finally:
+            path.unlink()
+        config = TrainConfig(**values)
+        assert config.table_optimizer_for("embeddings.0.weight").name == "rowwise_adagrad"
+        assert config.codecs_for_table("embeddings.0.weight") == ("none", "fp16")
+
+
+# --- Python API and tables keyed by hashed ids -----------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_python_blocks_run_as_scripts(scratch: Path) -> None:
+    api, tables = blocks_of("python")[1:]
+    assert "ps.train(" in api.text and "DynamicEmbedding(" in tables.text
+    out = run_script(api.text, scratch, "api.py", timeout=150)
+    assert float(out.strip().splitlines()[-1]) > 0  # the printed training loss
+    state = torch.load(scratch / "model.pt", weights_only=True)
+    assert set(state) == {"items.weight", "head.weight", "head.bias"}
+    run_script(tables.text, scratch, "tables.py", timeout=60)
+
+
+# --- Many machines: torchrun ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_commands_run_on_loopback(tmp_path: Path) -> None:
+    commands = sh_commands("Many machines: torchrun")
+    assert len(commands) == 2
+    port = str(free_port())
+    env = dict(os.environ, TP_SOCKET_IFNAME="lo", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(REPO))
+    processes = []
+    for host, command in enumerate(commands):
+        argv = shlex.split(command.replace("HOST_A", "127.0.0.1").replace("29500", port))
+        argv[0] = str(BIN / argv[0])
+        argv += [*COMMANDS[command].extra, "--summary-json", str(tmp_path / f"host{host}.json")]
+        started = subprocess.Popen(
+            argv, cwd=tmp_path, env=env, text=True, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        processes.append(started)
+    try:
+        outputs = [p.communicate(timeout=150)[0] for p in reversed(processes)]
+    finally:
+        for p in processes:  # everything this test started, by its process group
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    assert [p.returncode for p in processes] == [0, 0], "\n".join(outputs)[-6000:]
+    summary = json.loads((tmp_path / "host1.json").read_text())  # the chief trainer's host
+    assert (summary["servers"], summary["trainers"], sum(summary["trainer_steps"])) == (2, 2, 24)
+
+
+# --- Checkpoints and faults -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_checkpoint_commands_run_in_order(scratch: Path) -> None:
+    commands = sh_commands("Checkpoints and faults")
+    assert len(commands) == 5
+    directory = scratch / "checkpoints"
+    directory.mkdir()
+    first, resumed, restarting, check, export = commands
+    assert paramserver(first, directory, "first.json") == 0
+    assert (directory / "ckpt" / "LATEST").exists()
+    assert paramserver(resumed, directory, "resumed.json") == 0
+    assert json.loads((directory / "resumed.json").read_text())["resumed_from"] is not None
+    assert paramserver(restarting, directory, "restarting.json") == 0
+    assert paramserver(check, directory) == 0
+    assert paramserver(export, directory) == 0
+    state = torch.load(directory / "model.pt", weights_only=True)
+    assert "embeddings.0.weight" in state
+
+
+# --- Watching a run -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def serving(argv: list[str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        argv, cwd=cwd, text=True, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        yield process
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=30)
+
+
+@pytest.mark.timeout(150)
+def test_watching_a_run_commands(scratch: Path) -> None:
+    commands = sh_commands("Watching a run")
+    assert len(commands) == 3
+    train, report, tensorboard = commands
+    assert paramserver(train, scratch, "watched.json") == 0
+    assert (scratch / "runs/a/profile").is_dir() and (scratch / "runs/a/metrics").is_dir()
+    if find_spec("matplotlib") is None:
+        pytest.skip("paramserver report needs matplotlib (pip install 'paramserver[report]')")
+    assert paramserver(report, scratch) == 0
+    assert (scratch / "runs/a/report/report.md").exists()
+    assert (scratch / "runs/a/report/loss.png").exists()
+    if find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed (pip install 'paramserver[tensorboard]')")
+    port = free_port()
+    argv = [str(BIN / "tensorboard"), *shlex.split(tensorboard)[1:]]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
+    with serving(argv, scratch) as server:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/runs", timeout=5) as r:
+                    runs = json.loads(r.read())
+                if runs:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert time.monotonic() < deadline, "tensorboard never listed the run"
+            time.sleep(0.5)
+    assert any(name.startswith("trainer") for name in runs), runs
