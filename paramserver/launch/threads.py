@@ -81,15 +81,7 @@ def _run_trainers(
     ]
     for thread in threads:
         thread.start()
-    while threads[0].is_alive():  # as a server process does: a lost chief fails the job
-        threads[0].join(CHIEF_POLL_S)
-        lost = endpoints[0].coordinator.chief_lost()
-        # (A chief that failed is departed too, once its error is recorded: that error wins.)
-        if lost is not None and threads[0].is_alive() and 0 not in errors:
-            for endpoint in endpoints:  # the others' next calls are refused: they stop
-                for rank in range(config.trainers):
-                    endpoint.coordinator.remove_trainer(rank, "the job stopped without its chief")
-            raise JobFailedError(f"the chief trainer (trainer0) is lost: {lost}")
+    _wait_for_chief(threads[0], endpoints, errors)
     # A chief that succeeded ended the job once every other trainer left or departed: those
     # still running after a grace period are departed and stuck in their data, and cannot be
     # stopped. A chief that failed left the job: the others train on to their end.
@@ -102,3 +94,20 @@ def _run_trainers(
         rank, error = min(errors.items())
         raise JobFailedError(f"trainer {rank} failed: {type(error).__name__}: {error}") from error
     return outcomes[0], transport
+
+
+def _wait_for_chief(
+    chief: threading.Thread, endpoints: list[ServerEndpoint], errors: dict[int, BaseException]
+) -> None:
+    """Wait for the chief's thread, failing the job as a server process would if the servers
+    find the chief lost (stuck in its data, say): the other trainers' calls are then refused,
+    so they stop too. A chief that failed is departed as well, once its error is recorded in
+    ``errors``: that error, not its loss, is the job's."""
+    while chief.is_alive():
+        chief.join(CHIEF_POLL_S)
+        lost = endpoints[0].coordinator.chief_lost()
+        if lost is not None and chief.is_alive() and 0 not in errors:
+            for endpoint in endpoints:
+                for rank in range(endpoint.coordinator.num_trainers):
+                    endpoint.coordinator.remove_trainer(rank, "the job stopped without its chief")
+            raise JobFailedError(f"the chief trainer (trainer0) is lost: {lost}")
