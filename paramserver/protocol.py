@@ -23,10 +23,11 @@ receiver owns what it receives.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -274,39 +275,77 @@ def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:
     return (cached < 0) | (current < 0) | (current - cached > bound)
 
 
-def payload_nbytes(message: Any, *, uncompressed: bool = False) -> int:
-    """Bytes of tensor data in a message (dataclasses, mappings and sequences are walked).
+@dataclass(frozen=True)
+class PayloadSize:
+    """Bytes of tensor data in a message (see :func:`payload_size`)."""
+
+    nbytes: int  # as it travels: an encoded tensor by its payload
+    uncompressed_nbytes: int  # each encoded tensor counted as the float32 tensor it stands for
+
+
+def payload_size(message: Any) -> PayloadSize:
+    """Bytes of tensor data in a message, as sent and uncompressed, in one walk (dataclasses,
+    mappings and sequences are walked).
 
     This is what dominates the wire: TensorPipe ships tensor storage as separate buffers; the
     pickled skeleton around them is a few hundred bytes per call and is not counted.
-    ``uncompressed``: count each encoded tensor as the float32 tensor it stands for.
     """
+    return PayloadSize(*_payload_nbytes(message))
+
+
+def payload_nbytes(message: Any) -> int:
+    """:attr:`PayloadSize.nbytes` of a message: its tensor data as sent."""
+    return _payload_nbytes(message)[0]
+
+
+def _payload_nbytes(message: Any) -> tuple[int, int]:
     if isinstance(message, Tensor):
-        return message.numel() * message.element_size()
-    if uncompressed and isinstance(message, Encoded):
-        return math.prod(message.shape) * 4
-    if dataclasses.is_dataclass(message) and not isinstance(message, type):
-        return sum(
-            payload_nbytes(getattr(message, f.name), uncompressed=uncompressed)
-            for f in dataclasses.fields(message)
-        )
+        nbytes = message.numel() * message.element_size()
+        return nbytes, nbytes
+    if isinstance(message, Encoded):
+        return _payload_nbytes(message.tensors)[0], math.prod(message.shape) * 4
     if isinstance(message, Mapping):
-        return sum(payload_nbytes(v, uncompressed=uncompressed) for v in message.values())
-    if isinstance(message, list | tuple):
-        return sum(payload_nbytes(v, uncompressed=uncompressed) for v in message)
-    return 0
+        parts: Any = message.values()
+    elif isinstance(message, list | tuple):
+        parts = message
+    elif dataclasses.is_dataclass(message) and not isinstance(message, type):
+        parts = [getattr(message, name) for name in _field_names(type(message))]
+    else:
+        return 0, 0
+    sent = uncompressed = 0
+    for part in parts:
+        part_sent, part_uncompressed = _payload_nbytes(part)
+        sent += part_sent
+        uncompressed += part_uncompressed
+    return sent, uncompressed
+
+
+class MessageSizes(NamedTuple):
+    """A peer's message measured for a server (see :func:`message_sizes`)."""
+
+    held: int  # at most what it holds once decoded
+    sent: int  # its tensor data as sent (:func:`payload_nbytes` of a well-formed message)
 
 
 def message_nbytes(message: Any) -> int:
-    """An upper bound on the memory a peer's message holds once decoded, for a server's size
-    cap: every tensor's data (all ``numel`` elements, even when they share storage), each
-    encoded tensor's payload plus the float32 tensor its shape claims (``none`` decodes to its
-    payload), and strings and bytes by length.
+    """:attr:`MessageSizes.held` of a peer's message (see :func:`message_sizes`)."""
+    return message_sizes(message).held
+
+
+def message_sizes(message: Any) -> MessageSizes:
+    """A peer's message measured in one walk: an upper bound on the memory it holds once
+    decoded, for a server's size cap, and its tensor data as sent, for the server's traffic
+    figures.
+
+    ``held`` counts every tensor's data (all ``numel`` elements, even when they share storage),
+    each encoded tensor's payload plus the float32 tensor its shape claims (``none`` decodes to
+    its payload), and strings and bytes by length. ``sent`` counts tensor data alone; an object
+    reached twice counts once in both (a well-formed message shares none).
 
     Never raises and does not recurse, whatever the message: a peer's may hold cycles, deep
     nesting or a claimed shape of absurd size.
     """
-    total = 0
+    held = sent = 0
     pending = [message]
     seen: set[int] = set()  # objects reached twice (shared, or in a cycle) count once
     while pending:
@@ -315,21 +354,23 @@ def message_nbytes(message: Any) -> int:
             continue
         seen.add(id(item))
         if isinstance(item, Tensor):
-            total += item.numel() * item.element_size()
+            nbytes = item.numel() * item.element_size()
+            held += nbytes
+            sent += nbytes
         elif isinstance(item, str | bytes | bytearray):
-            total += len(item)
+            held += len(item)
         elif isinstance(item, Encoded):
             if getattr(item, "codec", None) != "none":
-                total += _claimed_nbytes(getattr(item, "shape", None))
+                held += _claimed_nbytes(getattr(item, "shape", None))
             pending.append(getattr(item, "tensors", None))
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            pending.extend(getattr(item, f.name, None) for f in dataclasses.fields(item))
+            pending.extend(getattr(item, name, None) for name in _field_names(type(item)))
         elif isinstance(item, dict):
             pending.extend(item.keys())
             pending.extend(item.values())
         elif isinstance(item, list | tuple | set | frozenset):
             pending.extend(item)
-    return total
+    return MessageSizes(held, sent)
 
 
 def _claimed_nbytes(shape: object) -> int:
@@ -347,6 +388,13 @@ def _claimed_nbytes(shape: object) -> int:
     return nbytes
 
 
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The fields of a dataclass (``dataclasses.fields`` rebuilds them at every call: slow
+    for walks over every message)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 def clone_message(message: Any) -> Any:
     """A deep copy whose tensors share nothing with the original (an in-process 'wire')."""
     if isinstance(message, Tensor):
@@ -354,9 +402,7 @@ def clone_message(message: Any) -> Any:
     if dataclasses.is_dataclass(message) and not isinstance(message, type):
         return dataclasses.replace(
             message,
-            **{
-                f.name: clone_message(getattr(message, f.name)) for f in dataclasses.fields(message)
-            },
+            **{name: clone_message(getattr(message, name)) for name in _field_names(type(message))},
         )
     if isinstance(message, dict):
         return {k: clone_message(v) for k, v in message.items()}

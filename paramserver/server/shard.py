@@ -34,8 +34,8 @@ from paramserver.protocol import (
     RowBlock,
     ServerView,
     message_nbytes,
+    message_sizes,
     must_send,
-    payload_nbytes,
 )
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import Pull, Table, make_table
@@ -124,16 +124,17 @@ class ServerShard:
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before
-        anything in it is decoded or read; returns its bytes on the wire.
+        anything in it is decoded or read; returns its bytes on the wire (measured in the same
+        walk: :func:`~paramserver.protocol.message_sizes`).
 
-        Two measures, each against ``max_bytes``: the request with its tensors decoded
-        (:func:`~paramserver.protocol.message_nbytes`), and the rows its answer reads (``n`` ids
-        of a ``dim``-wide table read ``n x dim`` values however few are sent; a pooled pull also
-        reads a row per id, then ``num_bags x dim`` sums). Dense values are not counted: their
-        size is the model's, not the caller's. Only the request's header (field types) must
-        have been checked; malformed contents count 0 here and are refused by :meth:`validate`.
+        Two measures, each against ``max_bytes``: the request with its tensors decoded, and
+        the rows its answer reads (``n`` ids of a ``dim``-wide table read ``n x dim`` values
+        however few are sent; a pooled pull also reads a row per id, then ``num_bags x dim``
+        sums). Dense values are not counted: their size is the model's, not the caller's. Only
+        the request's header (field types) must have been checked; malformed contents count 0
+        here and are refused by :meth:`validate`.
         """
-        held = message_nbytes(request)
+        held, sent = message_sizes(request)
         if held > max_bytes:
             raise self._reject(
                 _largest(self._request_nbytes(request)),
@@ -148,7 +149,7 @@ class ServerShard:
                 f"an answer reading {read} bytes of rows exceeds the cap of {max_bytes} bytes "
                 "(--max-message-mb)",
             )
-        return payload_nbytes(request)
+        return sent
 
     @staticmethod
     def _request_nbytes(request: PushPullRequest) -> dict[str, int]:

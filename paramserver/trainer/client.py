@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -21,6 +22,7 @@ from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
 from paramserver.protocol import (
     BagBlock,
+    PayloadSize,
     PooledGrad,
     PushPullReply,
     PushPullRequest,
@@ -28,6 +30,7 @@ from paramserver.protocol import (
     TrainerReport,
     must_send,
     payload_nbytes,
+    payload_size,
 )
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
@@ -45,13 +48,6 @@ class Traffic:
     uncompressed_sent: int = 0
     uncompressed_received: int = 0
     row_bytes_received: int = 0
-
-    def count_sent(self, messages: list[PushPullRequest]) -> None:
-        self.uncompressed_sent += sum(payload_nbytes(m, uncompressed=True) for m in messages)
-
-    def count_received(self, messages: list[PushPullReply]) -> None:
-        self.row_bytes_received += sum(payload_nbytes(m.rows) for m in messages)
-        self.uncompressed_received += sum(payload_nbytes(m, uncompressed=True) for m in messages)
 
 
 @dataclass(frozen=True)
@@ -249,18 +245,23 @@ class PSClient:
                 versions = cached_versions[name][1]
                 for server, part in enumerate(versions[order].split(counts)):
                     requests[server].pull_versions[name] = part
-        self.traffic.count_sent(requests)
+        # Each request is measured once: for the traffic, the report and the call profile.
+        sizes = [payload_size(r) for r in requests]
+        self.traffic.uncompressed_sent += sum(size.uncompressed_nbytes for size in sizes)
         if report is not None:
             # A leaving call pulls nothing, so these totals are final once it is sent.
             sent, received = self.wire_bytes()
-            report.bytes_sent = sent + sum(payload_nbytes(r) for r in requests)
+            report.bytes_sent = sent + sum(size.nbytes for size in sizes)
             report.bytes_received = received
             report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
             report.uncompressed_bytes_received = self.traffic.uncompressed_received
             report.row_bytes_received = self.traffic.row_bytes_received
             report.cache_hits = sum(c.hits for c in self.caches.values())
             report.cache_lookups = sum(c.lookups for c in self.caches.values())
-        futures = [self.transport.call(s, op, r) for s, r in enumerate(requests)]
+        futures = [
+            self.transport.call_sized(server, op, request, size.nbytes)
+            for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
+        ]
         return InFlight(self, futures, pull_ids, orders, step, pooled_shapes or {}, cached_versions)
 
 
@@ -293,8 +294,11 @@ class InFlight:
         return self.result
 
     def _assemble(self) -> Pulled:
-        replies: list[PushPullReply] = wait_all(self.futures, self.client.alarm)  # type: ignore[assignment]
-        self.client.traffic.count_received(replies)
+        alarm = self.client.alarm
+        answers = cast(list[tuple[PushPullReply, PayloadSize]], wait_all(self.futures, alarm))
+        replies = [reply for reply, _ in answers]
+        traffic = self.client.traffic
+        traffic.uncompressed_received += sum(size.uncompressed_nbytes for _, size in answers)
         pulled = Pulled(step=self.step, checkpoint_at=max(r.checkpoint_at for r in replies))
         for reply in replies:
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
@@ -307,6 +311,7 @@ class InFlight:
             pulled.pooled[name] = pooled
         for name, ids in self.pull_ids.items():
             order = self.orders[name]
+            traffic.row_bytes_received += sum(payload_nbytes(r.rows[name]) for r in replies)
             parts = torch.cat([plain(reply.rows[name]) for reply in replies])
             cached = self.cached_versions.get(name)
             if cached is None:

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 from torch.futures import Future
 
 from paramserver.observe.calls import CallProfile
-from paramserver.protocol import payload_nbytes
+from paramserver.protocol import payload_nbytes, payload_size
 from paramserver.transport.base import Transport
 
 
@@ -24,7 +24,8 @@ class CallTracker(Protocol):
 
 class ProfiledTransport(Transport):
     """Wraps ``inner``; a call's latency runs from the call to its answer (or failure), and
-    its bytes are the tensor data of its arguments and answer (:func:`payload_nbytes`).
+    its bytes are the tensor data of its arguments and answer (:func:`payload_nbytes`), each
+    measured once (:meth:`call_sized` takes the caller's measure and hands on the answer's).
     ``activity`` hears of every call but heartbeats as it starts and ends."""
 
     def __init__(
@@ -50,9 +51,35 @@ class ProfiledTransport(Transport):
             self._label.value = None
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
+        return self._call(server, op, args, payload_nbytes(args), timeout_s, sized=False)
+
+    def call_sized(
+        self,
+        server: int,
+        op: str,
+        message: Any,
+        nbytes: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> Future:
+        """:meth:`call` of ``op(message)`` for a caller that measured ``message`` itself
+        (``nbytes``: its :func:`payload_nbytes`) and wants its answer measured too: the
+        future's value is ``(answer, payload_size(answer))``. Each message is walked once."""
+        return self._call(server, op, (message,), nbytes, timeout_s, sized=True)
+
+    def _call(
+        self,
+        server: int,
+        op: str,
+        args: tuple[Any, ...],
+        nbytes: int,
+        timeout_s: float | None,
+        *,
+        sized: bool,
+    ) -> Future:
         label = getattr(self._label, "value", None)
         name = f"{label}:{op}" if label else op
-        self.profile.sent(name, payload_nbytes(args))
+        self.profile.sent(name, nbytes)
         tracked = self.activity if op != "heartbeat" else None
         if tracked is not None:
             tracked.call_started()
@@ -77,8 +104,9 @@ class ProfiledTransport(Transport):
                 self.profile.answered(name, seconds, 0)
                 result.set_exception(error)
             else:
-                self.profile.answered(name, seconds, payload_nbytes(value))
-                result.set_result(value)
+                size = payload_size(value)
+                self.profile.answered(name, seconds, size.nbytes)
+                result.set_result((value, size) if sized else value)
 
         answer.add_done_callback(record)
         return result
