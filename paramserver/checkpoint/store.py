@@ -223,41 +223,66 @@ def commit(
     directory = checkpoint_dir(root, step)
     job_id = committer_job(root)
     _check_not_older_than_latest(root, step)
+    files = _rehash_parts(directory, parts)
+    manifest = _manifest_document(step, job_id, meta, [part.name for part in parts], files)
+    _publish(root, directory, manifest)
+    _prune(root, step, keep)
+    return directory
+
+
+def _rehash_parts(directory: Path, parts: Sequence[Part]) -> FileDigests:
+    """Every part's files as found on disk, each checked against what its writer reported."""
     files: FileDigests = {}
-    names: list[str] = []
+    names: set[str] = set()
     for part in parts:
         _check_part(part)
         if part.name in names:
             raise ValueError(f"part {part.name!r} given twice")
-        names.append(part.name)
+        names.add(part.name)
         for file_name, expected in part.files.items():
-            path = directory / file_name
-            try:
-                with open(path, "rb") as f:
-                    found = _hash_stream(f)
-            except FileNotFoundError:
-                raise CheckpointError(f"{path}: missing (part {part.name!r} wrote it)") from None
-            except OSError as e:
-                raise CheckpointError(f"{path}: cannot read: {e}") from e
-            if found != tuple(expected):
-                raise CheckpointError(
-                    f"{path}: differs from what part {part.name!r} wrote "
-                    f"({found[0]} bytes on disk, {expected[0]} written; or a different sha256)"
-                )
-            files[file_name] = found
-    manifest = {
+            files[file_name] = _rehash_written(directory / file_name, part.name, expected)
+    return files
+
+
+def _rehash_written(path: Path, part_name: str, expected: tuple[int, str]) -> tuple[int, str]:
+    """``path``'s (size, sha256), which must be what part ``part_name`` wrote there."""
+    try:
+        with open(path, "rb") as f:
+            found = _hash_stream(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (part {part_name!r} wrote it)") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e}") from e
+    if found != tuple(expected):
+        raise CheckpointError(
+            f"{path}: differs from what part {part_name!r} wrote "
+            f"({found[0]} bytes on disk, {expected[0]} written; or a different sha256)"
+        )
+    return found
+
+
+def _manifest_document(
+    step: int, job_id: str | None, meta: Mapping[str, Any], parts: list[str], files: FileDigests
+) -> dict[str, Any]:
+    """The content of ``manifest.json`` (see :func:`_parse_manifest` for how it is read)."""
+    return {
         "format": FORMAT,
         "version": FORMAT_VERSION,
         "step": step,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "job_id": job_id,
         "meta": dict(meta),
-        "parts": sorted(names),
+        "parts": sorted(parts),
         "files": [
             {"name": n, "size": size, "sha256": digest}
             for n, (size, digest) in sorted(files.items())
         ],
     }
+
+
+def _publish(root: Path, directory: Path, manifest: Mapping[str, Any]) -> None:
+    """Commit ``directory``: its manifest, then ``LATEST`` naming it, each durable before the
+    next is written (the order the module docstring explains)."""
     manifest_json = _json_bytes(manifest)
     _write_atomic(directory / MANIFEST, lambda f: f.write(manifest_json))
     _fsync_dir(root)  # the checkpoint's own entry in ROOT, before LATEST may name it
@@ -265,8 +290,6 @@ def commit(
     for leftover in root.glob(f".{LATEST}.*.tmp"):  # from a chief killed mid-write
         with contextlib.suppress(OSError):
             leftover.unlink()
-    _prune(root, step, keep)
-    return directory
 
 
 def verify(directory: str | os.PathLike[str]) -> list[str]:
@@ -363,16 +386,9 @@ def _check_not_older_than_latest(root: Path, step: int) -> None:
 def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, list[str]]:
     """The parsed manifest (None if unusable) and every problem found. Without ``hash_files``
     only sizes are checked: cheap enough for deciding what to delete at each commit."""
-    try:
-        raw = (directory / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        return None, [f"no {MANIFEST} (never committed, or being written)"]
-    except (OSError, ValueError) as e:
-        return None, [f"cannot read {MANIFEST}: {e}"]
-    try:
-        document = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        return None, [f"invalid {MANIFEST}: not JSON ({type(e).__name__})"]
+    document, problem = _read_manifest_json(directory)
+    if problem is not None:
+        return None, [problem]
     manifest, problems = _parse_manifest(document)
     if manifest is None:
         return None, problems
@@ -380,79 +396,134 @@ def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, li
     if step is not None and step != manifest.step:
         problems.append(f"{MANIFEST} is for step {manifest.step}, the directory for step {step}")
     for name, (size, digest) in manifest.files.items():
-        path = directory / name
-        try:
-            info = path.lstat()
-            if not stat.S_ISREG(info.st_mode):
-                problems.append(f"{name}: not a regular file")
-            elif info.st_size != size:
-                problems.append(f"{name}: size mismatch ({info.st_size} bytes, expected {size})")
-            elif hash_files:
-                with open(path, "rb") as f:
-                    if _hash_stream(f) != (size, digest):
-                        problems.append(f"{name}: sha256 checksum mismatch")
-        except FileNotFoundError:
-            problems.append(f"{name}: missing file")
-        except OSError as e:
-            problems.append(f"{name}: unreadable ({e})")
+        problem = _file_problem(directory / name, size, digest, hash_files=hash_files)
+        if problem is not None:
+            problems.append(f"{name}: {problem}")
     return manifest, problems
 
 
+def _read_manifest_json(directory: Path) -> tuple[Any, str | None]:
+    """The JSON document in ``directory``'s manifest, or why there is none."""
+    try:
+        raw = (directory / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None, f"no {MANIFEST} (never committed, or being written)"
+    except (OSError, ValueError) as e:
+        return None, f"cannot read {MANIFEST}: {e}"
+    try:
+        return json.loads(raw), None
+    except (ValueError, RecursionError) as e:
+        return None, f"invalid {MANIFEST}: not JSON ({type(e).__name__})"
+
+
+def _file_problem(path: Path, size: int, digest: str, *, hash_files: bool) -> str | None:
+    """What is wrong with the file the manifest lists at ``path``, if anything."""
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode):
+            return "not a regular file"
+        if info.st_size != size:
+            return f"size mismatch ({info.st_size} bytes, expected {size})"
+        if hash_files:
+            with open(path, "rb") as f:
+                if _hash_stream(f) != (size, digest):
+                    return "sha256 checksum mismatch"
+    except FileNotFoundError:
+        return "missing file"
+    except OSError as e:
+        return f"unreadable ({e})"
+    return None
+
+
+_BAD_MANIFEST = f"invalid {MANIFEST}"
+
+
 def _parse_manifest(document: Any) -> tuple[_Manifest | None, list[str]]:
-    bad = f"invalid {MANIFEST}"
+    """The manifest in a decoded ``manifest.json``, or None and every problem found in it."""
     if not isinstance(document, dict):
-        return None, [f"{bad}: not a JSON object"]
+        return None, [f"{_BAD_MANIFEST}: not a JSON object"]
+    problems = _header_problems(document)
+    parts, part_problems = _parse_part_names(document.get("parts"))
+    files, file_problems = _parse_file_entries(document.get("files"))
+    problems += part_problems + file_problems
+    problems += [
+        f"part {part!r}: {n} not listed"
+        for part in parts
+        for n in (f"{part}.pt", f"{part}.json")
+        if n not in files
+    ]
+    if problems:
+        return None, problems
+    return (
+        _Manifest(
+            document["step"],
+            document["meta"],
+            tuple(sorted(parts)),
+            files,
+            document.get("job_id"),  # absent in manifests written before jobs had ids
+        ),
+        [],
+    )
+
+
+def _header_problems(document: dict[str, Any]) -> list[str]:
+    """What is wrong with the manifest's format, step, job id and metadata."""
     problems: list[str] = []
     if document.get("format") != FORMAT or document.get("version") != FORMAT_VERSION:
-        problems.append(f"{bad}: not a {FORMAT} version {FORMAT_VERSION} manifest")
+        problems.append(f"{_BAD_MANIFEST}: not a {FORMAT} version {FORMAT_VERSION} manifest")
     step: Any = document.get("step")
     if not _is_count(step):
-        problems.append(f"{bad}: step is {step!r}")
-    job_id: Any = document.get("job_id")  # absent in manifests written before jobs had ids
+        problems.append(f"{_BAD_MANIFEST}: step is {step!r}")
+    job_id: Any = document.get("job_id")
     if job_id is not None and not isinstance(job_id, str):
-        problems.append(f"{bad}: job_id is {job_id!r}")
-    meta: Any = document.get("meta")
-    if not isinstance(meta, dict):
-        problems.append(f"{bad}: meta is not an object")
-    parts = document.get("parts")
+        problems.append(f"{_BAD_MANIFEST}: job_id is {job_id!r}")
+    if not isinstance(document.get("meta"), dict):
+        problems.append(f"{_BAD_MANIFEST}: meta is not an object")
+    return problems
+
+
+def _parse_part_names(parts: Any) -> tuple[list[str], list[str]]:
+    """The manifest's part names (none if the list is unusable) and its problems."""
     if not isinstance(parts, list) or not all(
         isinstance(p, str) and _is_part_name(p) for p in parts
     ):
-        problems.append(f"{bad}: parts is not a list of part names")
-        parts = []
-    elif len(set(parts)) != len(parts):
-        problems.append(f"{bad}: a part is listed twice")
-    entries = document.get("files")
-    files: FileDigests = {}
+        return [], [f"{_BAD_MANIFEST}: parts is not a list of part names"]
+    if len(set(parts)) != len(parts):
+        return parts, [f"{_BAD_MANIFEST}: a part is listed twice"]
+    return parts, []
+
+
+def _parse_file_entries(entries: Any) -> tuple[FileDigests, list[str]]:
+    """The manifest's well-formed file entries, and a problem for each other one."""
     if not isinstance(entries, list):
-        problems.append(f"{bad}: files is not a list")
-        entries = []
+        return {}, [f"{_BAD_MANIFEST}: files is not a list"]
+    files: FileDigests = {}
+    problems: list[str] = []
     for entry in entries:
-        if not isinstance(entry, dict):
-            problems.append(f"{bad}: a files entry is not an object")
-            continue
-        name: Any = entry.get("name")
-        size: Any = entry.get("size")
-        digest: Any = entry.get("sha256")
-        if not isinstance(name, str) or not name:
-            problems.append(f"{bad}: a files entry has no name")
-        elif name in (".", "..", MANIFEST) or "\0" in name or Path(name).name != name:
-            problems.append(f"file {name!r}: path escapes the checkpoint directory")
-        elif name in files:
-            problems.append(f"file {name!r} listed twice")
-        elif not _is_count(size) or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-            problems.append(f"file {name!r}: invalid size or sha256")
+        problem = _file_entry_problem(entry, files)
+        if problem is None:
+            files[entry["name"]] = (entry["size"], entry["sha256"])
         else:
-            files[name] = (size, digest)
-    for part in parts:
-        problems += [
-            f"part {part!r}: {n} not listed"
-            for n in (f"{part}.pt", f"{part}.json")
-            if n not in files
-        ]
-    if problems:
-        return None, problems
-    return _Manifest(step, meta, tuple(sorted(parts)), files, job_id), []
+            problems.append(problem)
+    return files, problems
+
+
+def _file_entry_problem(entry: Any, listed: FileDigests) -> str | None:
+    """What is wrong with one entry of the manifest's files, given the entries before it."""
+    if not isinstance(entry, dict):
+        return f"{_BAD_MANIFEST}: a files entry is not an object"
+    name: Any = entry.get("name")
+    size: Any = entry.get("size")
+    digest: Any = entry.get("sha256")
+    if not isinstance(name, str) or not name:
+        return f"{_BAD_MANIFEST}: a files entry has no name"
+    if name in (".", "..", MANIFEST) or "\0" in name or Path(name).name != name:
+        return f"file {name!r}: path escapes the checkpoint directory"
+    if name in listed:
+        return f"file {name!r} listed twice"
+    if not _is_count(size) or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+        return f"file {name!r}: invalid size or sha256"
+    return None
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
