@@ -232,42 +232,71 @@ def write_synthetic_criteo(
     ``seed`` and ``lines`` (the gzip header's timestamp is fixed to 0).
     """
     g = torch.Generator().manual_seed(seed)
+    vocabularies = _draw_vocabularies(g)
+    with open(path, "wb") as raw:
+        out = GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if gzip else raw
+        for start in range(0, lines, _CHUNK_LINES):
+            out.write(_synthetic_lines(min(_CHUNK_LINES, lines - start), vocabularies, g))
+        if out is not raw:
+            out.close()
+
+
+@dataclass(frozen=True)
+class _Vocabularies:
+    """The synthetic files' categorical values: per column, its vocabulary of 8-digit hex
+    strings, and for each column of ``SIGNAL_CATEGORICAL``, each value's effect on the logit."""
+
+    values: list[list[str]]
+    effects: dict[int, Tensor]
+
+
+def _draw_vocabularies(g: torch.Generator) -> _Vocabularies:
     sizes = [
         SIGNAL_VOCABULARY if c in SIGNAL_CATEGORICAL else NOISE_VOCABULARY
         for c in range(NUM_CATEGORICAL)
     ]
-    vocabularies = [
+    values = [
         [f"{v:08x}" for v in torch.randint(0, 1 << 32, (size,), generator=g).tolist()]
         for size in sizes
     ]
     effects = {c: torch.randn(sizes[c], generator=g) for c in SIGNAL_CATEGORICAL}
-    weights = torch.tensor(SIGNAL_DENSE_WEIGHTS)
-    with open(path, "wb") as raw:
-        out = GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if gzip else raw
-        for start in range(0, lines, _CHUNK_LINES):
-            n = min(_CHUNK_LINES, lines - start)
-            ints = torch.exp(1.5 * torch.randn(n, NUM_DENSE, generator=g) + 0.5).floor().long() - 1
-            dense_missing = torch.rand(n, NUM_DENSE, generator=g) < MISSING_DENSE_RATE
-            features = transform_dense(ints.masked_fill(dense_missing, 0))
-            logits = -1.0 + (features[:, list(SIGNAL_DENSE)] - 1.0) @ weights
-            u = torch.rand(n, NUM_CATEGORICAL, generator=g)
-            ranks = (torch.tensor(sizes, dtype=torch.float64) ** u.double()).floor().long() - 1
-            categorical_missing = (
-                torch.rand(n, NUM_CATEGORICAL, generator=g) < MISSING_CATEGORICAL_RATE
-            )
-            for c in SIGNAL_CATEGORICAL:
-                effect = effects[c][ranks[:, c]].masked_fill(categorical_missing[:, c], 0.0)
-                logits = logits + effect
-            labels = torch.bernoulli(torch.sigmoid(logits), generator=g).long()
-            columns = [[str(x) for x in labels.tolist()]]
-            for j in range(NUM_DENSE):
-                column = zip(ints[:, j].tolist(), dense_missing[:, j].tolist(), strict=True)
-                columns.append(["" if missing else str(x) for x, missing in column])
-            for c in range(NUM_CATEGORICAL):
-                column = zip(ranks[:, c].tolist(), categorical_missing[:, c].tolist(), strict=True)
-                columns.append(["" if missing else vocabularies[c][r] for r, missing in column])
-            out.write(
-                "".join("\t".join(fields) + "\n" for fields in zip(*columns, strict=True)).encode()
-            )
-        if out is not raw:
-            out.close()
+    return _Vocabularies(values, effects)
+
+
+def _synthetic_lines(n: int, vocabularies: _Vocabularies, g: torch.Generator) -> bytes:
+    """``n`` lines: features drawn from ``g``, labels from the planted model."""
+    ints = torch.exp(1.5 * torch.randn(n, NUM_DENSE, generator=g) + 0.5).floor().long() - 1
+    dense_missing = torch.rand(n, NUM_DENSE, generator=g) < MISSING_DENSE_RATE
+    u = torch.rand(n, NUM_CATEGORICAL, generator=g)
+    sizes = torch.tensor([len(v) for v in vocabularies.values], dtype=torch.float64)
+    ranks = (sizes ** u.double()).floor().long() - 1  # log-uniform in each vocabulary
+    categorical_missing = torch.rand(n, NUM_CATEGORICAL, generator=g) < MISSING_CATEGORICAL_RATE
+    logits = _planted_logits(
+        ints.masked_fill(dense_missing, 0),
+        ranks,
+        categorical_missing,
+        vocabularies.effects,
+    )
+    labels = torch.bernoulli(torch.sigmoid(logits), generator=g).long()
+    columns = [[str(x) for x in labels.tolist()]]
+    for j in range(NUM_DENSE):
+        column = zip(ints[:, j].tolist(), dense_missing[:, j].tolist(), strict=True)
+        columns.append(["" if missing else str(x) for x, missing in column])
+    for c in range(NUM_CATEGORICAL):
+        values = vocabularies.values[c]
+        column = zip(ranks[:, c].tolist(), categorical_missing[:, c].tolist(), strict=True)
+        columns.append(["" if missing else values[r] for r, missing in column])
+    return "".join("\t".join(fields) + "\n" for fields in zip(*columns, strict=True)).encode()
+
+
+def _planted_logits(
+    ints: Tensor, ranks: Tensor, categorical_missing: Tensor, effects: dict[int, Tensor]
+) -> Tensor:
+    """The logistic model's logit of each line (see :func:`write_synthetic_criteo`), from its
+    integer features (0 where missing) and categorical ranks."""
+    features = transform_dense(ints)
+    logits = -1.0 + (features[:, list(SIGNAL_DENSE)] - 1.0) @ torch.tensor(SIGNAL_DENSE_WEIGHTS)
+    for c in SIGNAL_CATEGORICAL:
+        effect = effects[c][ranks[:, c]].masked_fill(categorical_missing[:, c], 0.0)
+        logits = logits + effect
+    return logits

@@ -150,6 +150,7 @@ def load_movielens(directory: str | Path | None = None) -> MovieLens100k:
     """Read and check the three files from ``directory`` (default: :func:`data_directory`)."""
     folder = Path(directory) if directory is not None else data_directory()
     users_path, movies_path = folder / USERS_FILE, folder / MOVIES_FILE
+    ratings_path = folder / RATINGS_FILE
     users = _read_columns(
         users_path,
         {"user_id": "int", "age": "int", "gender": "str", "occupation": "str"},
@@ -159,39 +160,12 @@ def load_movielens(directory: str | Path | None = None) -> MovieLens100k:
         {"movie_id": "int", "release_date": "str?", **dict.fromkeys(GENRES, "int")},
     )
     ratings = _read_columns(
-        folder / RATINGS_FILE,
+        ratings_path,
         {"user_id": "int", "movie_id": "int", "rating": "int", "timestamp": "int"},
     )
-
-    user_ids = _unique_ids(users_path, "user_id", users["user_id"])
-    if (users["age"] < 0).any():
-        _fail(users_path, "age", users["age"], users["age"] < 0, "a negative age")
-    genders, gender_index = np.unique(users["gender"], return_inverse=True)
-    occupations, occupation_index = np.unique(users["occupation"], return_inverse=True)
-    age_bucket = np.searchsorted(np.asarray(AGE_BUCKETS), users["age"], side="right")
-    order = np.argsort(users["user_id"])
-    user_features = np.stack([gender_index, occupation_index, age_bucket], axis=1)[order]
-
-    movie_ids = _unique_ids(movies_path, "movie_id", movies["movie_id"])
-    flags = np.stack([movies[genre] for genre in GENRES], axis=1)
-    for j, genre in enumerate(GENRES):
-        bad = (flags[:, j] != 0) & (flags[:, j] != 1)
-        if bad.any():
-            _fail(movies_path, genre, flags[:, j], bad, "a genre flag other than 0 or 1")
-    years = _release_years(movies_path, movies["release_date"])
-    movie_features = np.concatenate([flags, years[:, None]], axis=1)[np.argsort(movies["movie_id"])]
-
-    ratings_path = folder / RATINGS_FILE
-    stars = ratings["rating"]
-    out_of_range = (stars < MIN_RATING) | (stars > MAX_RATING)
-    if out_of_range.any():
-        _fail(
-            ratings_path,
-            "rating",
-            stars,
-            out_of_range,
-            f"a rating outside {MIN_RATING}..{MAX_RATING}",
-        )
+    user_ids, user_features, genders, occupations = _users_table(users_path, users)
+    movie_ids, movie_features = _movies_table(movies_path, movies)
+    stars = _checked_stars(ratings_path, ratings["rating"])
     user_index = _index_of(ratings_path, "user_id", ratings["user_id"], user_ids, users_path)
     movie_index = _index_of(ratings_path, "movie_id", ratings["movie_id"], movie_ids, movies_path)
     return MovieLens100k(
@@ -322,6 +296,43 @@ def _read_columns(path: Path, kinds: dict[str, str]) -> dict[str, np.ndarray]:
         values: Any = column.to_numpy(zero_copy_only=False)
         columns[name] = values.astype(np.int64) if kind == "int" else values
     return columns
+
+
+def _users_table(
+    path: Path, users: dict[str, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The sorted user ids; per user, in id order, its (gender, occupation, age bucket) indices;
+    and the sorted distinct genders and occupations those indices number."""
+    user_ids = _unique_ids(path, "user_id", users["user_id"])
+    if (users["age"] < 0).any():
+        _fail(path, "age", users["age"], users["age"] < 0, "a negative age")
+    genders, gender_index = np.unique(users["gender"], return_inverse=True)
+    occupations, occupation_index = np.unique(users["occupation"], return_inverse=True)
+    age_bucket = np.searchsorted(np.asarray(AGE_BUCKETS), users["age"], side="right")
+    order = np.argsort(users["user_id"])
+    user_features = np.stack([gender_index, occupation_index, age_bucket], axis=1)[order]
+    return user_ids, user_features, genders, occupations
+
+
+def _movies_table(path: Path, movies: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted movie ids and, per movie in id order, its genre flags and release year."""
+    movie_ids = _unique_ids(path, "movie_id", movies["movie_id"])
+    flags = np.stack([movies[genre] for genre in GENRES], axis=1)
+    for j, genre in enumerate(GENRES):
+        bad = (flags[:, j] != 0) & (flags[:, j] != 1)
+        if bad.any():
+            _fail(path, genre, flags[:, j], bad, "a genre flag other than 0 or 1")
+    years = _release_years(path, movies["release_date"])
+    movie_features = np.concatenate([flags, years[:, None]], axis=1)[np.argsort(movies["movie_id"])]
+    return movie_ids, movie_features
+
+
+def _checked_stars(path: Path, stars: np.ndarray) -> np.ndarray:
+    """``stars``, after checking that each is a rating in ``MIN_RATING..MAX_RATING``."""
+    out_of_range = (stars < MIN_RATING) | (stars > MAX_RATING)
+    if out_of_range.any():
+        _fail(path, "rating", stars, out_of_range, f"a rating outside {MIN_RATING}..{MAX_RATING}")
+    return stars
 
 
 def _fail(path: Path, column: str, values: np.ndarray, bad: np.ndarray, what: str) -> None:
