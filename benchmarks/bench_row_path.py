@@ -5,7 +5,8 @@ timed step by step in one process, at the core benchmark's sizes (DLRM, 8 tables
 Each step runs on the same requests a training step sends (the ids of real synthetic batches
 and gradients of their shape), ``--calls`` times; the figure is the median per call and per
 pulled row (one call carries a step's rows of all 8 tables), in CPU time of the calling thread
-(every step runs in it: the figures hold on a loaded machine, where wall time would not). Steps, in a row's order:
+(every step runs in it: the figures hold on a loaded machine, where wall time would not).
+Steps, in a row's order:
 
 - ``client.push_pull``: route gradients and ids to servers, encode, measure, send (a transport
   that answers at once with a prepared reply: the client's own time only);

@@ -77,6 +77,23 @@ class Pulled:
     dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
 
 
+@dataclass(frozen=True)
+class Route:
+    """How one table's ids split over the servers: ``ids[order]`` lists server 0's first, then
+    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server)."""
+
+    ids: Tensor
+    order: Tensor
+    counts: list[int]
+
+    def split(self, values: Tensor) -> tuple[Tensor, ...]:
+        """``values`` (aligned with ``ids``) as every server's part, in server order."""
+        return values[self.order].split(self.counts)
+
+
+ROUTED_CALLS_KEPT = 2  # gradients ride on the next call, or with prefetch on the one after
+
+
 class PSClient:
     """Not thread-safe: one client per trainer, one call in flight at a time."""
 
@@ -117,6 +134,9 @@ class PSClient:
         self.step = 0
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
+        # The routes of the last calls' pulls, by call number: the gradients of those rows
+        # go to the same servers.
+        self._routes: dict[int, dict[str, Route]] = {}
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
@@ -147,6 +167,8 @@ class PSClient:
         ``row_grads`` and ``pull_ids`` hold sorted unique ids per table. The answer holds the
         dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``. Call
         ``wait()`` before starting the next push: a trainer's pushes reach a server in order.
+        Row gradients whose ids are the very tensor the answer of call ``grads_step`` holds
+        (``Pulled.rows``) go where that call's pull routed them, without routing them again.
 
         Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
         ``pooled``), and ``pooled_grads`` maps a table to ``(pull_step, gradient of the pooled
@@ -164,6 +186,18 @@ class PSClient:
             )
             for _ in range(self.plan.num_servers)
         ]
+        self._add_dense_grads(requests, dense_grads)
+        self._add_row_grads(requests, row_grads, grads_step)
+        self._add_pooled_grads(requests, pooled_grads or {})
+        pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
+        self.step += 1
+        return self._start(
+            "push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes, cached=True
+        )
+
+    def _add_dense_grads(
+        self, requests: list[PushPullRequest], dense_grads: dict[str, Tensor]
+    ) -> None:
         codecs = self.codecs
         for name, grad in dense_grads.items():
             requests[self.plan.dense_server[name]].dense_grads[name] = (
@@ -171,31 +205,48 @@ class PSClient:
                 if codecs.dense == "none"
                 else self.feedback.compress(name, grad, codecs.dense, codecs.topk_ratio)
             )
+
+    def _add_row_grads(
+        self, requests: list[PushPullRequest], row_grads: RowsById, grads_step: int
+    ) -> None:
+        routed = self._routes.get(grads_step, {})
         for name, (ids, grads) in row_grads.items():
-            for server, (part_ids, part_grads) in self._by_server(name, ids, grads):
+            route = routed.get(name)
+            if route is None or route.ids is not ids:  # rows added since: route them anew
+                route = self._route(name, ids)
+            for server, (part_ids, part_grads) in self._by_server(route, grads):
                 requests[server].row_grads[name] = RowBlock(
                     part_ids, self._encode_rows(name, part_grads)
                 )
-        for name, (pull_step, grads) in (pooled_grads or {}).items():
+
+    def _add_pooled_grads(
+        self, requests: list[PushPullRequest], pooled_grads: dict[str, tuple[int, Tensor]]
+    ) -> None:
+        """Each table's gradient of pooled sums goes to the servers that pooled them."""
+        for name, (pull_step, grads) in pooled_grads.items():
             encoded = self._encode_rows(name, grads)
             for server in self._pool_servers.pop((pull_step, name)):
                 requests[server].pooled_grads[name] = PooledGrad(pull_step, encoded)
+
+    def _add_pool_bags(
+        self, requests: list[PushPullRequest], pool_bags: dict[str, BagBlock]
+    ) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
+        """Each server's part of the bags to pool; returns the shape and dtype of each table's
+        pooled sums."""
         pooled_shapes = {}
-        for name, bags in (pool_bags or {}).items():
+        for name, bags in pool_bags.items():
             spec = self.plan.tables[name]
             pooled_shapes[name] = ((bags.num_bags, spec.dim), spec.dtype)
-            parts = [bags.ids, bags.bags] + ([] if bags.weights is None else [bags.weights])
+            aligned = [bags.bags] + ([] if bags.weights is None else [bags.weights])
             servers = []
-            for server, (part_ids, part_bags, *weights) in self._by_server(name, *parts):
+            route = self._route(name, bags.ids)
+            for server, (part_ids, part_bags, *weights) in self._by_server(route, *aligned):
                 requests[server].pool_rows[name] = BagBlock(
                     part_ids, part_bags, bags.num_bags, weights[0] if weights else None
                 )
                 servers.append(server)
             self._pool_servers[(self.step, name)] = servers
-        self.step += 1
-        return self._start(
-            "push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes, cached=True
-        )
+        return pooled_shapes
 
     def wire_bytes(self) -> tuple[int, int]:
         """Bytes sent and received by this client's data calls so far."""
@@ -212,13 +263,15 @@ class PSClient:
         codec = self.codecs.tables.get(table, "none")
         return values if codec == "none" else encode(codec, values)
 
-    def _by_server(
-        self, table: str, ids: Tensor, *aligned: Tensor
-    ) -> list[tuple[int, list[Tensor]]]:
-        """Each server's non-empty part of ``ids`` and of the tensors aligned with them, as
-        ``(server, [ids, *aligned])``."""
-        order, counts = self.plan.split_by_server(table, ids)
-        split = [t[order].split(counts) for t in (ids, *aligned)]
+    def _route(self, table: str, ids: Tensor) -> Route:
+        return Route(ids, *self.plan.split_by_server(table, ids))
+
+    @staticmethod
+    def _by_server(route: Route, *aligned: Tensor) -> list[tuple[int, list[Tensor]]]:
+        """Each server's non-empty part of the route's ids and of the tensors aligned with
+        them, as ``(server, [ids, *aligned])``."""
+        split = [route.split(t) for t in (route.ids, *aligned)]
+        counts = route.counts
         return [(s, [t[s] for t in split]) for s in range(len(counts)) if counts[s]]
 
     def _start(
@@ -231,20 +284,23 @@ class PSClient:
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
         cached: bool = False,
     ) -> InFlight:
-        orders = {}
+        routes = {}
         cached_versions = {}
         for name, ids in pull_ids.items():
             # Every server gets its part, empty or not: the answers are reassembled in order.
-            order, counts = self.plan.split_by_server(name, ids)
-            orders[name] = order
-            for server, part in enumerate(ids[order].split(counts)):
+            routes[name] = route = self._route(name, ids)
+            for server, part in enumerate(route.split(ids)):
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:
                 cached_versions[name] = cache.lookup(ids)
                 versions = cached_versions[name][1]
-                for server, part in enumerate(versions[order].split(counts)):
+                for server, part in enumerate(route.split(versions)):
                     requests[server].pull_versions[name] = part
+        if step >= 0:  # a step's pull: its rows' gradients follow
+            self._routes[step] = routes
+            for old in [s for s in self._routes if s <= step - ROUTED_CALLS_KEPT]:
+                del self._routes[old]
         # Each request is measured once: for the traffic, the report and the call profile.
         sizes = [payload_size(r) for r in requests]
         self.traffic.uncompressed_sent += sum(size.uncompressed_nbytes for size in sizes)
@@ -262,6 +318,7 @@ class PSClient:
             self.transport.call_sized(server, op, request, size.nbytes)
             for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
         ]
+        orders = {name: route.order for name, route in routes.items()}
         return InFlight(self, futures, pull_ids, orders, step, pooled_shapes or {}, cached_versions)
 
 
