@@ -109,14 +109,13 @@ def test_a_second_job_is_refused_naming_the_directory_and_a_dead_ones_lock_is_ta
     assert {name: t for name, t in files_of(root).items() if name in before} == before
 
     other_job.kill()  # gone without releasing: its lock is stale
-    with caplog.at_level(logging.WARNING, logger=LOCK_LOGGER):
-        result = ps.train(TinyRecModel, data, mse, job_config(root))
-    assert result is not None
+    with caplog.at_level(logging.WARNING, logger=LOCK_LOGGER), lock_directory(root) as lock:
+        commit_step(root, 6)
     assert any("stale lock" in r.getMessage() and other_job.job_id in r.getMessage()
                for r in caplog.records)  # fmt: skip
     found = load_latest(root)
-    assert found is not None and found.step > 5 and found.job_id not in (None, other_job.job_id)
-    assert not (root / LOCK).exists()  # released when the job ended
+    assert found is not None and found.step == 6 and found.job_id == lock.job_id
+    assert not (root / LOCK).exists()  # released when the lock's holder ended
 
 
 @pytest.mark.timeout(120)
@@ -159,9 +158,22 @@ def test_jobs_of_one_process_take_turns_and_a_failed_one_releases_the_directory(
         raise RuntimeError("crash")
 
     with pytest.raises(ps.JobFailedError, match="crash"):
-        ps.train(TinyRecModel, crashing, mse, job_config(root))
+        ps.train(TinyRecModel, crashing, mse, job_config(root, resume=True))
     assert not (root / LOCK).exists()
     assert ps.train(TinyRecModel, data, mse, job_config(root, resume=True)) is not None
+
+
+def test_a_fresh_job_is_refused_where_checkpoints_were_committed(tmp_path: Path) -> None:
+    """Its commits could never become the newest (LATEST never goes back): refused at start,
+    before anything runs; with --resume it continues the saved job."""
+    with lock_directory(tmp_path):
+        commit_step(tmp_path, 3)
+    with pytest.raises(ps.ConfigError, match=f"{tmp_path} already holds .* step 3.*--resume"):
+        ps.train(TinyRecModel, data, mse, job_config(tmp_path))
+    assert load_latest(tmp_path).step == 3  # type: ignore[union-attr]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ps.train(TinyRecModel, data, mse, job_config(empty)) is not None
 
 
 def test_commits_record_the_job_holding_the_lock(tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ See :mod:`paramserver.checkpoint.store` for the layout on disk and why it surviv
 """
 
 from paramserver.checkpoint.lock import DirectoryLock, lock_directory
-from paramserver.checkpoint.resume import Saved, gather_saved, resume_from
+from paramserver.checkpoint.resume import Saved, check_fresh_start, gather_saved, resume_from
 from paramserver.checkpoint.store import (
     Checkpoint,
     Part,
@@ -25,6 +25,7 @@ __all__ = [
     "DirectoryLock",
     "Part",
     "Saved",
+    "check_fresh_start",
     "checkpoint_dir",
     "commit",
     "gather_saved",

@@ -11,18 +11,34 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
-from paramserver.checkpoint.store import Checkpoint, load_latest
+from paramserver.checkpoint.store import MANIFEST, Checkpoint, _checkpoint_dirs, load_latest
 from paramserver.config import TrainConfig
-from paramserver.errors import CheckpointError
+from paramserver.errors import CheckpointError, ConfigError
 from paramserver.sharding import merge_rows
 
 log = logging.getLogger(__name__)
 
 Saved = tuple[dict[str, Tensor], dict[str, Any]]  # one part: its tensors and its JSON metadata
+
+
+def check_fresh_start(config: TrainConfig) -> None:
+    """Refuse a job that starts afresh (no ``--resume``) in a ``--checkpoint-dir`` holding a
+    committed checkpoint: its commits could never become the newest (``LATEST`` never moves
+    back), and it would train with no checkpoint at all. Cheap: manifests are not verified."""
+    root = config.checkpoint_dir
+    if config.resume or root is None or not Path(root).is_dir():
+        return
+    committed = [step for step, path in _checkpoint_dirs(Path(root)) if (path / MANIFEST).exists()]
+    if committed:
+        raise ConfigError(
+            f"--checkpoint-dir {root} already holds checkpoints (the newest at step "
+            f"{max(committed)}): pass --resume to continue that job, or give an empty directory"
+        )
 
 
 def resume_from(config: TrainConfig) -> Checkpoint | None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from paramserver.checkpoint import Saved, lock_directory, resume_from
+from paramserver.checkpoint import Saved, check_fresh_start, lock_directory, resume_from
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
@@ -79,12 +79,20 @@ def hold_checkpoint_dir(
     launchers (so ``--max-restarts`` keeps it), by the chief trainer's rank alone under torchrun
     (a group torchrun restarts finds its dead chief's lock stale). A no-op without a checkpoint
     directory and on the other torchrun ranks. Raises :class:`CheckpointError` naming the
-    directory if another job holds it."""
+    directory if another job holds it, and ConfigError if a job that starts afresh finds
+    committed checkpoints there."""
     if config.checkpoint_dir is None:
         return contextlib.nullcontext()
     if launcher == "torchrun" and int(os.environ.get("RANK", "-1")) != config.servers:
+        check_fresh_start(config)
         return contextlib.nullcontext()
-    return lock_directory(config.checkpoint_dir)
+    lock = lock_directory(config.checkpoint_dir)  # first: a live job's lock is the reason
+    try:
+        check_fresh_start(config)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict[str, Any]:
