@@ -1,5 +1,6 @@
 """The row path does each transformation once: a pull's routing serves the push of its rows'
-gradients, and the result is what routing them again gives."""
+gradients (the result is what routing them again gives); a server decodes a request's gradients
+in one step, and nothing after it decodes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import pytest
 import torch
 
+from paramserver.compression import encode
+from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
 from tests.helpers import MakeServer
@@ -46,3 +49,19 @@ def test_the_push_of_pulled_rows_reuses_the_pulls_routing(
     again = client.push_pull({}, {TABLE: (ids.clone(), grads)}, {TABLE: ids}, grads_step=1).wait()
     assert routed == [5, 5, 5, 5]
     assert torch.equal(again.rows[TABLE][1], after.rows[TABLE][1] - grads)
+
+
+def test_gradients_are_decoded_once_where_they_are_checked(make_server: MakeServer) -> None:
+    endpoint = make_server(0, servers=1, trainers=1)
+    shard = endpoint.shard
+    ids = torch.tensor([0, 3])
+    grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    before = shard.export_state()[TABLE]["value"][ids]
+    request = PushPullRequest(0, 0, row_grads={TABLE: RowBlock(ids, encode("fp16", grads))})
+    shard.decode_request(request)
+    assert type(request.row_grads[TABLE].values) is torch.Tensor
+    shard.apply({}, request.row_grads)
+    assert torch.equal(shard.export_state()[TABLE]["value"][ids], before - grads)  # sgd, lr 1
+    # Past that step nothing decodes: an encoded gradient there is a bug, not a peer's error.
+    with pytest.raises(TypeError, match="past decoding"):
+        shard.apply({}, {TABLE: RowBlock(ids, encode("fp16", grads))})

@@ -51,7 +51,7 @@ from typing import Any
 
 from torch.futures import Future
 
-from paramserver.compression import Encoded, plain
+from paramserver.compression import Encoded
 from paramserver.config import ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.futures import chain, completed, failed
@@ -242,9 +242,8 @@ class Coordinator:
         try:
             if request.has_grads:
                 self._record_staleness([request])
-                dense = {name: plain(grad) for name, grad in request.dense_grads.items()}
                 pull = (request.trainer, request.grads_step)
-                self.shard.apply(dense, request.row_grads, clock, pull)
+                self.shard.apply(request.dense_grads, request.row_grads, clock, pull)
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
                 self.applied_step[request.trainer] = request.step

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from paramserver.compression import plain
 from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.server.shard import already_decoded
 
 
 @dataclass
@@ -83,7 +83,8 @@ class SyncRounds:
 def aggregate_mean(
     requests: list[PushPullRequest],
 ) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
-    """The mean of the requests' gradients, summed in the order given.
+    """The mean of the requests' gradients (decoded: see ServerShard.decode_request), summed
+    in the order given.
 
     Every request counts in the denominator, including those that did not touch a parameter or a
     row: the mean gradient of the global batch, where the others contributed zero.
@@ -93,9 +94,9 @@ def aggregate_mean(
     for request in requests:
         for name, grad in request.dense_grads.items():
             if name in dense:
-                dense[name] += plain(grad)
+                dense[name] += already_decoded(grad)
             else:
-                dense[name] = plain(grad).clone()
+                dense[name] = already_decoded(grad).clone()
     for total in dense.values():
         total.div_(count)
     rows: dict[str, RowBlock] = {}
@@ -103,7 +104,7 @@ def aggregate_mean(
     for name in tables:
         blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
         ids = torch.cat([b.ids for b in blocks])
-        values = torch.cat([plain(b.values) for b in blocks])
+        values = torch.cat([already_decoded(b.values) for b in blocks])
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
         summed.index_add_(0, inverse, values)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, plain, validate
+from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, validate
 from paramserver.config import TrainConfig
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.observe import peak_rss_bytes
@@ -74,6 +74,15 @@ class ServerStats:
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }
+
+
+def already_decoded(value: Tensor | Encoded) -> Tensor:
+    """A gradient of a request past :meth:`ServerShard.decode_request`, which decoded every
+    encoded one, once, after checking it: the tensor itself. Nothing after that step decodes
+    (an encoded value here is a bug: raises TypeError)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"an encoded gradient past decoding: {type(value).__name__}")
+    return value
 
 
 def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
@@ -190,7 +199,8 @@ class ServerShard:
         return sizes
 
     def decode_request(self, request: PushPullRequest) -> None:
-        """Replace encoded gradients by their float32 values (before :meth:`validate`); raise
+        """Replace encoded gradients by their float32 values (before :meth:`validate`), the one
+        place a request's gradients are decoded (pooled ones: as they are expanded); raise
         :class:`InvalidPushError` for an encoding that does not stand for the expected shape,
         in a codec trainers use there, or for row ids that are invalid (checked first: they
         set the size a row gradient decodes to)."""
@@ -334,12 +344,13 @@ class ServerShard:
     @torch.no_grad()
     def apply(
         self,
-        dense_grads: Mapping[str, Tensor],
+        dense_grads: Mapping[str, Tensor | Encoded],
         row_grads: Mapping[str, RowBlock],
         clock: int = 0,
         pull: Pull | None = None,
     ) -> None:
-        """Apply already-validated gradients. Each parameter is updated under its own lock.
+        """Apply gradients decoded (:meth:`decode_request`) and validated (:meth:`validate`).
+        Each parameter is updated under its own lock.
 
         ``pull``: the (trainer, call) whose answer the gradients were computed from (None for
         a sync round's sum, checked by :meth:`drop_grads_of_replaced_rows` first), so dynamic
@@ -350,11 +361,11 @@ class ServerShard:
         for name, grad in dense_grads.items():
             slot = self.dense[name]
             with slot.lock:
-                slot.rule.step(slot.value, grad, slot.state, slot.step)
+                slot.rule.step(slot.value, already_decoded(grad), slot.state, slot.step)
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
-                rows += table.apply(block.ids, plain(block.values), clock, pull)
+                rows += table.apply(block.ids, already_decoded(block.values), clock, pull)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
@@ -369,7 +380,8 @@ class ServerShard:
             with table.lock:
                 kept = table.rows_still_pulled(block.ids, pull)
             if kept is not None and not bool(kept.all()):
-                request.row_grads[name] = RowBlock(block.ids[kept], plain(block.values)[kept])
+                values = already_decoded(block.values)
+                request.row_grads[name] = RowBlock(block.ids[kept], values[kept])
 
     def read(
         self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
