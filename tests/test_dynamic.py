@@ -253,6 +253,43 @@ def test_a_sync_round_skips_a_row_replaced_since_its_pull() -> None:
     assert emb.stats()["dropped_grads"] == 1
 
 
+class AdmittingModel(nn.Module):
+    """One dynamic table that admits an id seen in 2 calls (within 100 steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = ps.DynamicEmbedding(4, min_count=2, ttl_steps=100, init_scale=0.1)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.emb(x)).squeeze(-1)
+
+
+@pytest.mark.parametrize("overtaken", [False, True])
+def test_a_sync_initial_read_counts_at_step_0_whatever_arrived_before_it(overtaken: bool) -> None:
+    """Trainer 0's call 0 reads x at step 0 even when trainer 1's call 1 (waiting in round 1)
+    reached the server first, so trainer 1's read of x in round 1 is its second sighting from
+    an earlier step: x is admitted in either arrival order."""
+    config = ps.TrainConfig(servers=1, trainers=2, mode="sync", optimizer="sgd", lr=1.0)
+    server = build_server(0, config, AdmittingModel)
+    try:
+        emb = server.shard.tables["emb.weight"]
+        x = ids(1000)
+        if not overtaken:
+            call(server, 0, 0, pull_rows={"emb.weight": x}).wait()
+        call(server, 1, 0).wait()
+        round_1 = call(server, 1, 1, pull_rows={"emb.weight": x})
+        if overtaken:
+            call(server, 0, 0, pull_rows={"emb.weight": x}).wait()
+        call(server, 0, 1).wait()  # closes round 1
+        read = round_1.wait().rows["emb.weight"]
+        torch.testing.assert_close(read, init_rows("emb.weight", emb.options, x, 4))
+        stats = emb.stats()
+        assert (stats["rows"], stats["admitted"], stats["pending_ids"]) == (1, 1, 0)
+    finally:
+        server.coordinator.close()
+
+
 def test_init_rule_is_a_pure_function_of_table_seed_and_id() -> None:
     options = DynamicOptions(init_scale=0.5, seed=3)
     a = init_rows("t", options, ids(1, 2, 3), 8)

@@ -12,8 +12,9 @@ slowest. ``s = 0`` is lock-step without aggregation; async is no bound.
 When the last one arrives the round's gradients are averaged (summed in trainer order, so the
 result does not depend on arrival order), applied once, and every trainer of the round is
 answered with the new values. Waiting is a :class:`torch.futures.Future` per trainer completed
-by the call that closes the round: no RPC thread blocks. Dynamic tables' clock for a call is its
-step (not the highest step seen, which depends on arrival order), so a sync job is reproducible.
+by the call that closes the round: no RPC thread blocks. Dynamic tables' clock for a round, and
+for the initial calls, is their step (not the highest step seen, which depends on arrival order),
+so a sync job is reproducible.
 
 Stragglers: with a ``round_deadline``, a sync round open that long closes with the pushes
 present (at least ``min_contributors``); a push for a round that closed without it is not
@@ -216,11 +217,12 @@ class Coordinator:
         if request.report is not None:
             self.reports[request.trainer] = request.report
         clock = self.shard.advance_clock(request.step)
-        # Sync: a call runs at its own step, as its round does. The highest step seen depends
-        # on arrival: a trainer's call 0, answered outside any round, can come after a faster
-        # trainer's call 1 (waiting in round 1), and its reads would admit and touch rows at
-        # step 1 in some runs only.
-        return request.step if self.mode == "sync" else clock
+        if self.mode == "sync" and request.step == 0:
+            # Initial reads run at step 0, as round t's run at t. The highest step seen depends
+            # on arrival: a faster trainer's call 1 (waiting in round 1) can come before a
+            # slower one's call 0. A late call, outside its round, takes the highest step seen.
+            return 0
+        return clock
 
     def _joins_round(self, request: PushPullRequest) -> bool:
         """Whether an admitted call joins its sync round. In sync mode every push after the

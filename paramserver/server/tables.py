@@ -20,19 +20,20 @@ so it does not depend on the server or on arrival order), and kept in storage th
 at a time. Admission (``min_count``): a training read admits an id pulled for training in
 ``min_count`` calls, counting those of earlier steps of the table's clock and its own, not
 other calls of its own step; until then only its counter exists and its rows read as the
-default vector. Eviction: rows untouched for ``ttl_steps`` steps of the table's clock (the
-highest trainer step seen), and, above ``capacity`` rows, the least recently touched rows down
-to 95% of capacity, sparing the rows of the current step unless they alone exceed it; an
-evicted row's storage is reused, and an evicted id that returns starts again from the init
-rule. Reads that do not train (evaluation, the ``pull`` call) create and count nothing: unseen
-ids read as the default vector.
+default vector. Eviction: rows untouched for ``ttl_steps`` steps of the table's clock (in sync
+mode a round's step, 0 for trainers' initial calls; otherwise the highest trainer step seen),
+and, above ``capacity`` rows, the least recently touched rows down to 95% of capacity, sparing
+the rows of the current step unless they alone exceed it; an evicted row's storage is reused,
+and an evicted id that returns starts again from the init rule. Reads that do not train
+(evaluation, the ``pull`` call) create and count nothing: unseen ids read as the default vector.
 
 So every training read at step ``t`` admits the same ids whatever the order of that step's
 reads, and none evicts a row another read of step ``t`` handed out. Trainers' first calls
-(step 0, with nothing older to evict) then answer alike in any order, and a sync round answers
-in trainer order: a sync job is reproducible, and a checkpoint taken after round ``t``'s
-answers holds every row as each trainer read it, so a resumed trainer reads call ``t`` again
-from it without counting it (``train=False`` with ``pull``).
+(step 0, with nothing older to evict) then answer alike in any order, at clock 0 even after a
+faster trainer's call 1 arrived (not at the highest step seen, which depends on arrival), and
+a sync round answers in trainer order: a sync job is reproducible, and a checkpoint taken after
+round ``t``'s answers holds every row as each trainer read it, so a resumed trainer reads call
+``t`` again from it without counting it (``train=False`` with ``pull``).
 
 Gradients go to the rows they were computed from, or nowhere. A read that gives ``pull`` (the
 trainer and call number) keeps a record of the row each id had (-1: none, the id pending); a
