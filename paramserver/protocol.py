@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor
 
 from paramserver.compression import Encoded
@@ -52,6 +53,20 @@ class BagBlock:
     bags: Tensor
     num_bags: int
     weights: Tensor | None = None
+
+    @functools.cached_property
+    def distinct(self) -> tuple[Tensor, Tensor]:
+        """The distinct ids, sorted, and each id's index among them: computed once per block,
+        at its first use (a server reads the bags' rows with it at the pull and sums the
+        gradient of their pooled vectors into rows with it at the push). Derived by the
+        receiver from validated ids: never pickled, and one in a peer's message is dropped."""
+        return torch.unique(self.ids, return_inverse=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "distinct"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update({k: v for k, v in state.items() if k != "distinct"})
 
 
 @dataclass

@@ -4,13 +4,15 @@ in one step, and nothing after it decodes."""
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import pytest
 import torch
 
 from paramserver.compression import encode
-from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock
+from paramserver.server.rounds import aggregate_mean
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
 from tests.helpers import MakeServer
@@ -65,3 +67,54 @@ def test_gradients_are_decoded_once_where_they_are_checked(make_server: MakeServ
     # Past that step nothing decodes: an encoded gradient there is a bug, not a peer's error.
     with pytest.raises(TypeError, match="past decoding"):
         shard.apply({}, {TABLE: RowBlock(ids, encode("fp16", grads))})
+
+
+def test_a_pooled_pulls_distinct_ids_serve_its_gradients_push(
+    make_server: MakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    endpoint = make_server(0, servers=1, trainers=1, server_pooling=("items.weight",))
+    coordinator = endpoint.coordinator
+    uniques = []
+    unique = torch.unique
+
+    def counted(ids: torch.Tensor, **options: Any) -> Any:
+        uniques.append(ids.tolist())
+        return unique(ids, **options)
+
+    monkeypatch.setattr(torch, "unique", counted)
+    bags = BagBlock(torch.tensor([5, 2, 2, 1]), torch.tensor([0, 0, 1, 1]), num_bags=2)
+    pull = PushPullRequest(0, 0, pull_dense=False, pool_rows={"items.weight": bags})
+    rows = coordinator.shard.export_state()["items.weight"]["value"]
+    pooled = coordinator.push_pull(pull).wait().pooled["items.weight"]
+    assert torch.equal(pooled, torch.stack([rows[5] + rows[2], rows[2] + rows[1]]))
+    grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
+    push = PushPullRequest(0, 1, pooled_grads={"items.weight": PooledGrad(0, grads)}, grads_step=0)
+    coordinator.push_pull(push).wait()
+    assert uniques == [[5, 2, 2, 1]]  # once, at the pull
+    after = coordinator.shard.export_state()["items.weight"]["value"]
+    summed = torch.stack([grads[1], grads[0] + grads[1], grads[0]])  # rows 1, 2, 5's bags
+    assert torch.equal(after[[1, 2, 5]], rows[[1, 2, 5]] - summed)  # sgd, lr 1
+
+
+def test_distinct_ids_are_never_sent_and_a_peers_are_dropped() -> None:
+    bags = BagBlock(torch.tensor([3, 1, 3]), torch.tensor([0, 0, 0]), num_bags=1)
+    assert [t.tolist() for t in bags.distinct] == [[1, 3], [1, 0, 1]]
+    assert "distinct" not in pickle.loads(pickle.dumps(bags)).__dict__
+    # A peer's pickle may carry a state of its choosing; unpickling hands it to __setstate__.
+    received = BagBlock.__new__(BagBlock)
+    forged = (torch.tensor([99]), torch.tensor([0]))
+    received.__setstate__({**pickle.loads(pickle.dumps(bags)).__dict__, "distinct": forged})
+    assert received.distinct[0].tolist() == [1, 3]
+
+
+def test_a_rounds_mean_of_one_push_is_bitwise_the_summed_mean() -> None:
+    ids = torch.tensor([0, 2, 7])
+    values = torch.tensor([[-0.0, 1.0], [3.0, -0.0], [0.1, -2.5]])
+    requests = [
+        PushPullRequest(0, 1, row_grads={TABLE: RowBlock(ids, values)}),
+        PushPullRequest(1, 1),
+    ]
+    _, rows = aggregate_mean(requests)
+    summed = torch.zeros(3, 2).index_add_(0, torch.arange(3), values).div_(2)
+    assert torch.equal(rows[TABLE].ids, ids)
+    assert rows[TABLE].values.numpy().tobytes() == summed.numpy().tobytes()  # +0.0, not -0.0

@@ -91,7 +91,7 @@ def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
     members = grads[block.bags]
     if block.weights is not None:
         members = members * block.weights.unsqueeze(1)
-    unique, inverse = torch.unique(block.ids, return_inverse=True)
+    unique, inverse = block.distinct
     summed = torch.zeros(unique.numel(), grads.shape[1], dtype=grads.dtype)
     return RowBlock(unique, summed.index_add_(0, inverse, members))
 
@@ -441,7 +441,7 @@ class ServerShard:
     ) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
         table = self.tables[name]
-        unique, inverse = torch.unique(block.ids, return_inverse=True)
+        unique, inverse = block.distinct
         with table.lock:
             rows = table.read(unique, train=train, clock=clock, pull=pull)
         members = rows[inverse]
