@@ -249,7 +249,7 @@ class PushPullRequest:
     pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
     grads_step: int = -1  # the call whose answer the gradients were computed from
     # Per table, aligned with pull_rows: the version of each row the trainer has cached (-1:
-    # none); the server sends only the rows that must_send picks.
+    # none); the server sends only the rows that must_send picks (see row_versions).
     pull_versions: dict[str, Tensor] = field(default_factory=dict)
 
     def drop_gradients(self) -> None:
@@ -270,7 +270,9 @@ class PushPullReply:
     dense: dict[str, Tensor | Encoded] = field(default_factory=dict)
     rows: dict[str, Tensor | Encoded] = field(default_factory=dict)
     pooled: dict[str, Tensor | Encoded] = field(default_factory=dict)  # [bags, dim] partial sums
-    row_versions: dict[str, Tensor] = field(default_factory=dict)  # for pull_versions' tables
+    # For pull_versions' tables, per id: the version of the row the trainer holds once it has
+    # this answer: the row's current version where it is sent, else the cached one echoed back.
+    row_versions: dict[str, Tensor] = field(default_factory=dict)
     checkpoint_at: int = -1  # the newest checkpoint step announced (see trainer.checkpointing)
     dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
 
@@ -286,8 +288,17 @@ class ServerView:
 
 def must_send(cached: Tensor, current: Tensor, bound: int) -> Tensor:
     """Which rows a server sends a trainer that caches: those it has not cached, those without
-    a row (their default vector is not cached), and those more than ``bound`` updates behind."""
+    a row (their default vector is not cached), and those more than ``bound`` (>= 0) updates
+    behind. Decided by the server alone: the trainer reads it off the answer (:func:`rows_sent`)."""
     return (cached < 0) | (current < 0) | (current - cached > bound)
+
+
+def rows_sent(cached: Tensor, held: Tensor) -> Tensor:
+    """Which rows an answer carries, read off the versions it holds (``row_versions``): a row
+    the trainer had not cached, or whose version changed. Those :func:`must_send` picks, without
+    its bound: a cached row sent is missing (-1) or over ``bound >= 0`` updates newer, so its
+    version differs from the cached one; a row not sent comes back with the cached version."""
+    return (cached < 0) | (held != cached)
 
 
 @dataclass(frozen=True)

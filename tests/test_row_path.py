@@ -1,6 +1,7 @@
 """The row path does each transformation once: a pull's routing serves the push of its rows'
 gradients (the result is what routing them again gives); a server decodes a request's gradients
-in one step, and nothing after it decodes."""
+in one step, and nothing after it decodes; which rows a trainer's cache serves is decided by the
+server alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 
 from paramserver.compression import encode
-from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock
+from paramserver.protocol import (
+    BagBlock,
+    PooledGrad,
+    PushPullRequest,
+    RowBlock,
+    must_send,
+    rows_sent,
+)
 from paramserver.server.rounds import aggregate_mean
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
@@ -118,3 +126,16 @@ def test_a_rounds_mean_of_one_push_is_bitwise_the_summed_mean() -> None:
     summed = torch.zeros(3, 2).index_add_(0, torch.arange(3), values).div_(2)
     assert torch.equal(rows[TABLE].ids, ids)
     assert rows[TABLE].values.numpy().tobytes() == summed.numpy().tobytes()  # +0.0, not -0.0
+
+
+@pytest.mark.parametrize("bound", [0, 1, 3])
+def test_the_trainer_reads_which_rows_came_off_the_versions_the_server_decided_on(
+    bound: int,
+) -> None:
+    g = torch.Generator().manual_seed(bound)
+    cached = torch.randint(-1, 8, (2000,), generator=g)
+    current = torch.randint(-1, 12, (2000,), generator=g)
+    chosen = must_send(cached, current, bound)  # the server's decision, made there alone
+    held = torch.where(chosen, current, cached)  # the answer's row_versions
+    assert torch.equal(rows_sent(cached, held), chosen)
+    assert 0 < int(chosen.sum()) < chosen.numel()

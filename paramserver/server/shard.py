@@ -413,8 +413,9 @@ class ServerShard:
                     values, versions = table.read_versioned(
                         ids, train=train, clock=clock, pull=pull
                     )
-                    values = values[must_send(cached, versions, self.version_gap)]
-                    reply.row_versions[name] = versions
+                    sending = must_send(cached, versions, self.version_gap)
+                    values = values[sending]
+                    reply.row_versions[name] = torch.where(sending, versions, cached)
             reply.rows[name] = values
             rows += ids.numel()
         for name, block in request.pool_rows.items():

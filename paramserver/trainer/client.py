@@ -28,9 +28,9 @@ from paramserver.protocol import (
     PushPullRequest,
     RowBlock,
     TrainerReport,
-    must_send,
     payload_nbytes,
     payload_size,
+    rows_sent,
 )
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
@@ -105,12 +105,11 @@ class PSClient:
         alarm: Future | None = None,
         codecs: PushCodecs | None = None,
         cache_rows: int = 0,
-        cache_staleness: int = 0,
     ):
         """``alarm``: a future that fails when the job is lost (see :mod:`.heartbeat`); waits
         on calls end at once when it does. ``codecs``: how to encode pushes (default: none);
         dense gradients are encoded with error feedback. ``cache_rows``: rows of each table
-        to cache (see :mod:`.cache`), used while at most ``cache_staleness`` updates behind."""
+        to cache (see :mod:`.cache`; which rows the cache serves is the servers' decision)."""
         if transport.num_servers != plan.num_servers:
             raise ParamServerError(
                 f"transport reaches {transport.num_servers} servers but the "
@@ -125,7 +124,6 @@ class PSClient:
         self.alarm = alarm
         self.codecs = codecs or PushCodecs()
         self.feedback = ErrorFeedback()
-        self.cache_staleness = cache_staleness
         self.caches = {
             name: RowCache(cache_rows, spec.dim, spec.dtype)
             for name, spec in plan.tables.items()
@@ -393,7 +391,7 @@ class InFlight:
         """Every row of ``ids``: those the servers sent (in server order), the rest from the
         cache; then the cache learns the new rows."""
         cache = self.client.caches[name]
-        sent = must_send(cached, versions, self.client.cache_staleness)
+        sent = rows_sent(cached, versions)
         order = self.orders[name]
         rows = torch.empty(ids.numel(), sent_rows.shape[1], dtype=sent_rows.dtype)
         rows[order[sent[order]]] = sent_rows

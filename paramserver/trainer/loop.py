@@ -268,7 +268,6 @@ class _TrainerRun:
             self.alarm,
             PushCodecs.of(config, self.plan.tables),
             cache_rows=config.cache_rows,
-            cache_staleness=config.cache_staleness,
         )
         self.client.check_servers()
         initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
