@@ -230,28 +230,37 @@ class ServerShard:
     def validate(self, request: PushPullRequest) -> None:
         """Raise :class:`InvalidPushError` if any part of ``request`` is malformed.
 
-        The request's header (field types) was checked by the coordinator; this checks contents.
+        The request's header (field types) was checked by the coordinator; this checks contents:
+        the gradients, then the reads.
         """
+        self._check_grads(request)
+        self._check_reads(request)
+
+    def _table(self, name: str) -> Table:
+        """The table ``name``, or the refusal of a request naming one this server lacks."""
+        table = self.tables.get(name)
+        if table is None:
+            raise self._reject(name, self._not_here(name))
+        return table
+
+    def _check_grads(self, request: PushPullRequest) -> None:
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if slot is None:
                 raise self._reject(name, self._not_here(name))
             self.check_tensor(name, grad, slot.value.shape, slot.value.dtype)
         for name, block in request.row_grads.items():
-            table = self.tables.get(name)
-            if table is None:
-                raise self._reject(name, self._not_here(name))
+            table = self._table(name)
             if type(block) is not RowBlock:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, sorted_unique=True)
             self.check_tensor(
                 name, block.values, (block.ids.numel(), table.spec.dim), table.weight.dtype
             )
+
+    def _check_reads(self, request: PushPullRequest) -> None:
         for name, ids in request.pull_rows.items():
-            table = self.tables.get(name)
-            if table is None:
-                raise self._reject(name, self._not_here(name))
-            self._check_ids(name, table, ids, sorted_unique=True)
+            self._check_ids(name, self._table(name), ids, sorted_unique=True)
         for name, cached in request.pull_versions.items():
             pulled = request.pull_rows.get(name)
             if pulled is None or self.version_gap is None:
@@ -266,10 +275,7 @@ class ServerShard:
             ):
                 raise self._reject(name, "cached versions must be int64 >= -1, one per id")
         for name, bags in request.pool_rows.items():
-            table = self.tables.get(name)
-            if table is None:
-                raise self._reject(name, self._not_here(name))
-            self._check_bags(name, table, bags)
+            self._check_bags(name, self._table(name), bags)
 
     def _check_bags(self, name: str, table: Table, block: object) -> None:
         if type(block) is not BagBlock or type(block.num_bags) is not int:
