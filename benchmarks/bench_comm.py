@@ -46,7 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16": codec("bf16"),
     "int8": codec("int8"),
     "topk_1pct": codec("topk"),
-    "cache": {"cache_rows": 50_000, "cache_staleness": 32},
+    "cache": {"cache_rows": 50_000, "cache_lag": 32},
 }
 
 

@@ -33,7 +33,7 @@ from paramserver.api import train, under_torchrun
 from paramserver.baseline import check_model, train_single_process
 from paramserver.checkpoint import Checkpoint, gather_saved, load_latest, open_checkpoint
 from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
-from paramserver.config import TrainConfig, read_toml
+from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
 from paramserver.data import movielens
 from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
@@ -80,6 +80,16 @@ def refuse_switch_values(argv: Sequence[str]) -> None:
                 f"--no-{positive[2:]} to turn it off ({positive[2:]} = true or false in a "
                 "--config file)"
             )
+
+
+def refuse_renamed_flags(argv: Sequence[str]) -> None:
+    """A flag whose field was renamed (``RENAMED_FIELDS``) is refused naming the new flag,
+    rather than by argparse's 'unrecognized arguments'."""
+    renamed = {f"--{_flag(old)}": f"--{_flag(new)}" for old, new in RENAMED_FIELDS.items()}
+    for word in argv:
+        name = word.partition("=")[0]
+        if name in renamed:
+            raise ConfigError(f"{name} was renamed {renamed[name]}")
 
 
 def _is_bool(f: Field[Any]) -> bool:
@@ -575,6 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         refuse_switch_values(argv)
+        refuse_renamed_flags(argv)
         args = build_parser().parse_args(argv)
         if args.command == "train":
             return run_train(args)

@@ -291,9 +291,12 @@ class TrainConfig:
             "go first; 0: no cache)"
         ),
     )
-    cache_staleness: int = field(
+    cache_lag: int = field(
         default=8,
-        metadata=_doc("a cached row is used while it misses at most this many updates"),
+        metadata=_doc(
+            "cache lag: a cached row is used while it misses at most this many updates "
+            "(was --cache-staleness)"
+        ),
     )
     checkpoint_dir: str | None = field(
         default=None,
@@ -480,7 +483,7 @@ class TrainConfig:
                 )
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
-        for name in ("cache_rows", "cache_staleness", "max_restarts"):
+        for name in ("cache_rows", "cache_lag", "max_restarts"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"--{_flag(name)} must be an integer >= 0, got {value!r}")
@@ -566,11 +569,6 @@ class TrainConfig:
                 f"the job names tables {unknown}, which the model does not have; its tables are "
                 f"{sorted(tables)}"
             )
-
-    @property
-    def version_gap(self) -> int | None:
-        """How stale a trainer's cached row may be (None: trainers cache nothing)."""
-        return self.cache_staleness if self.cache_rows else None
 
     @property
     def stall_limit(self) -> float:
@@ -665,6 +663,11 @@ def config_fields() -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(TrainConfig))
 
 
+# Fields given a new name (one name per idea), old -> new: the old name, as a flag or a TOML
+# key, is refused with a message naming the new one.
+RENAMED_FIELDS = {"cache_staleness": "cache_lag"}
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """Read a TOML job file into TrainConfig keyword arguments (flags are applied on top).
 
@@ -682,6 +685,10 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
+        if name in RENAMED_FIELDS:
+            raise ConfigError(
+                f"--config: key {key!r} in {path} was renamed {RENAMED_FIELDS[name]!r}"
+            )
         if name == "tables":
             if not isinstance(value, dict):
                 raise ConfigError(f"--config: [tables] in {path} must be a table of tables")

@@ -1,14 +1,17 @@
-"""The trainer's hot-row cache: exact bookkeeping, bounded staleness, fewer bytes."""
+"""The trainer's hot-row cache: exact bookkeeping, a bounded lag, fewer bytes."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import paramserver as ps
+from paramserver.cli import main
+from paramserver.config import read_toml
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import PushPullRequest, RowBlock, must_send
 from paramserver.trainer.cache import RowCache
@@ -49,7 +52,7 @@ def test_must_send_stale_uncached_and_missing_rows_only() -> None:
 def test_a_server_sends_only_rows_the_cache_cannot_serve_and_checks_the_versions(
     make_server: MakeServer,
 ) -> None:
-    server = make_server(mode="async", cache_rows=10, cache_staleness=1)
+    server = make_server(mode="async", cache_rows=10, cache_lag=1)
     ids = own_ids(server, 0, 1, 2)
     grads = {"user.weight": RowBlock(ids[:1], torch.ones(1, 4))}
     for step in range(2):  # row 0 gets an update at step 1, another with the pull at step 2
@@ -80,13 +83,13 @@ def run(**options: object) -> ps.TrainResult:
     return ps.train(TinyRecModel, skewed, mse, config)
 
 
-def test_a_cache_with_no_staleness_changes_nothing_and_a_bound_saves_bytes() -> None:
+def test_a_cache_with_no_lag_changes_nothing_and_a_bound_saves_bytes() -> None:
     plain = run()
-    exact = run(cache_rows=100, cache_staleness=0)
+    exact = run(cache_rows=100, cache_lag=0)
     assert exact.summary["cache"]["hit_rate"] == 0.0  # every used row was updated since
     for name, value in plain.model.state_dict().items():
         assert torch.equal(value, exact.model.state_dict()[name]), name
-    bounded = run(cache_rows=100, cache_staleness=4)
+    bounded = run(cache_rows=100, cache_lag=4)
     assert bounded.summary["cache"]["hit_rate"] > 0.5
     assert bounded.summary["row_bytes_per_step"] < 0.6 * plain.summary["row_bytes_per_step"]
     assert abs(bounded.summary["train_loss"] - plain.summary["train_loss"]) < 0.1
@@ -95,3 +98,20 @@ def test_a_cache_with_no_staleness_changes_nothing_and_a_bound_saves_bytes() -> 
 def test_the_cache_needs_a_mode_that_allows_stale_reads() -> None:
     with pytest.raises(ps.ConfigError, match="--cache-rows"):
         ps.TrainConfig(mode="sync", cache_rows=10)
+
+
+@pytest.mark.parametrize("words", [["--cache-staleness", "4"], ["--cache-staleness=4"]])
+def test_the_old_name_of_the_cache_lag_is_refused_naming_the_new_one(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--cache-rows", "10", *words]) == 2
+    assert "--cache-staleness was renamed --cache-lag" in capsys.readouterr().err
+
+
+def test_the_old_key_of_the_cache_lag_is_refused_in_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text("cache_rows = 10\ncache_staleness = 4\n")
+    with pytest.raises(ps.ConfigError, match="'cache_staleness' .* was renamed 'cache_lag'"):
+        read_toml(path)
+    path.write_text("cache_rows = 10\ncache_lag = 4\n")
+    assert ps.TrainConfig(**read_toml(path)).cache_lag == 4

@@ -201,7 +201,7 @@ def _cache_figures(config: TrainConfig, reports: list[TrainerReport]) -> dict[st
     lookups = sum(r.cache_lookups for r in reports)
     return {
         "rows_per_table": config.cache_rows,
-        "staleness": config.cache_staleness,
+        "lag": config.cache_lag,
         "hit_rate": _ratio(hits, lookups) if config.cache_rows else 0.0,
     }
 

@@ -112,6 +112,8 @@ class ServerShard:
             value = initial[name].detach().clone().contiguous()
             rule = make_rule(config.dense_optimizer())
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
+        # The cache lag trainers' caches are served with (None: they cache nothing).
+        self.cache_lag = config.cache_lag if config.cache_rows else None
         self.tables: dict[str, Table] = {
             name: make_table(
                 spec,
@@ -119,11 +121,10 @@ class ServerShard:
                 server,
                 initial.get(name),
                 make_rule(config.table_optimizer_for(name)),
-                config.version_gap,
+                self.cache_lag,
             )
             for name, spec in plan.tables.items()
         }
-        self.version_gap = config.version_gap
         self.dense_pull_codec = config.dense_pull_codec
         self.table_pull_codecs = {name: config.codecs_for_table(name)[1] for name in plan.tables}
         self.clock = 0  # the highest trainer step seen: dynamic tables' time
@@ -263,7 +264,7 @@ class ServerShard:
             self._check_ids(name, self._table(name), ids, sorted_unique=True)
         for name, cached in request.pull_versions.items():
             pulled = request.pull_rows.get(name)
-            if pulled is None or self.version_gap is None:
+            if pulled is None or self.cache_lag is None:
                 raise self._reject(name, "cached versions without a pull, or caching is off")
             if (
                 not isinstance(cached, Tensor)
@@ -415,11 +416,11 @@ class ServerShard:
                 if cached is None:
                     values = table.read(ids, train=train, clock=clock, pull=pull)
                 else:
-                    assert self.version_gap is not None  # validated
+                    assert self.cache_lag is not None  # validated
                     values, versions = table.read_versioned(
                         ids, train=train, clock=clock, pull=pull
                     )
-                    sending = must_send(cached, versions, self.version_gap)
+                    sending = must_send(cached, versions, self.cache_lag)
                     values = values[sending]
                     reply.row_versions[name] = torch.where(sending, versions, cached)
             reply.rows[name] = values

@@ -6,9 +6,9 @@ Both kinds answer the same calls, each made with the table's lock held by the ca
 and ``stats``. Optimizer state lives beside the rows it belongs to: slot tensors and per-row
 step counts indexed like the weight.
 
-Versions (kept when trainers cache rows, ``version_gap`` set): each row counts the updates
+Versions (kept when trainers cache rows, ``cache_lag`` set): each row counts the updates
 applied to it, so a trainer's cached copy can be judged by how many updates it missed. A
-dynamic row created anew starts ``version_gap + 1`` past any version an evicted row reached,
+dynamic row created anew starts ``cache_lag + 1`` past any version an evicted row reached,
 so no copy cached before an eviction passes for fresh.
 
 Fixed tables hold the rows the cyclic rule gives this server (``r % S == server``) at local
@@ -118,7 +118,7 @@ class FixedTable:
         server: int,
         initial: Tensor,
         rule: UpdateRule,
-        version_gap: int | None = None,
+        cache_lag: int | None = None,
     ):
         self.spec = spec
         self.plan = plan
@@ -129,7 +129,7 @@ class FixedTable:
         self.steps = (
             torch.zeros(self.weight.shape[0], dtype=torch.float32) if rule.needs_steps else None
         )
-        tracks = version_gap is not None
+        tracks = cache_lag is not None
         self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64) if tracks else None
         self.lock = threading.Lock()
 
@@ -180,7 +180,7 @@ class FixedTable:
 
 
 class DynamicTable:
-    def __init__(self, spec: TableSpec, rule: UpdateRule, version_gap: int | None = None):
+    def __init__(self, spec: TableSpec, rule: UpdateRule, cache_lag: int | None = None):
         assert spec.dynamic is not None
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
@@ -194,8 +194,8 @@ class DynamicTable:
         # When each row was last read or updated, kept only where eviction needs it.
         evicts = self.options.ttl_steps is not None or self.options.capacity is not None
         self.last_touched = torch.zeros(reserve, dtype=torch.int32) if evicts else None
-        self.version_gap = version_gap
-        tracks = version_gap is not None
+        self.cache_lag = cache_lag
+        tracks = cache_lag is not None
         self.versions = torch.zeros(reserve, dtype=torch.int64) if tracks else None
         self.fresh_version = 0  # where a new row's version starts
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
@@ -487,9 +487,9 @@ class DynamicTable:
         if ids.numel():
             rows = self.ids.remove(ids)
             self.counters.evicted += ids.numel()
-            if self.versions is not None and self.version_gap is not None and rows.numel():
+            if self.versions is not None and self.cache_lag is not None and rows.numel():
                 reached = int(self.versions[rows].max())
-                self.fresh_version = max(self.fresh_version, reached + self.version_gap + 1)
+                self.fresh_version = max(self.fresh_version, reached + self.cache_lag + 1)
             self._strike_from_pulls(rows)
 
     def _strike_from_pulls(self, removed: Tensor) -> None:
@@ -555,9 +555,9 @@ def make_table(
     server: int,
     initial: Tensor | None,
     rule: UpdateRule,
-    version_gap: int | None = None,
+    cache_lag: int | None = None,
 ) -> Table:
     if spec.dynamic is not None:
-        return DynamicTable(spec, rule, version_gap)
+        return DynamicTable(spec, rule, cache_lag)
     assert initial is not None
-    return FixedTable(spec, plan, server, initial, rule, version_gap)
+    return FixedTable(spec, plan, server, initial, rule, cache_lag)

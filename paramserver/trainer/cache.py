@@ -1,9 +1,9 @@
-"""A trainer's cache of hot embedding rows with bounded staleness (after HET, VLDB 2022).
+"""A trainer's cache of hot embedding rows with a bounded lag (after HET, VLDB 2022).
 
 Recommendation ids are heavily skewed: a few rows appear in nearly every batch. A trainer keeps
 copies of the rows it used most recently, each with the server's version of the row (its count of
 applied updates) when fetched. Each step it sends the servers those versions with the ids it
-needs; a server sends back a row only if the copy misses more than ``cache_staleness`` updates
+needs; a server sends back a row only if the copy misses more than ``--cache-lag`` updates
 (:func:`~paramserver.protocol.must_send`, decided there alone), plus the version of every row
 the trainer then holds (the cached one, for a row not sent), from which the trainer reads which
 rows came (:func:`~paramserver.protocol.rows_sent`). Gradients still go to the servers every
