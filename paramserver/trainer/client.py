@@ -80,11 +80,19 @@ class Pulled:
 @dataclass(frozen=True)
 class Route:
     """How one table's ids split over the servers: ``ids[order]`` lists server 0's first, then
-    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server)."""
+    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server);
+    ``parts`` holds each server's ids, the same tensors in the pull and in the push of their
+    gradients (neither changes them once sent)."""
 
     ids: Tensor
     order: Tensor
     counts: list[int]
+    parts: tuple[Tensor, ...]
+
+    @classmethod
+    def of(cls, plan: ShardPlan, table: str, ids: Tensor) -> Route:
+        order, counts = plan.split_by_server(table, ids)
+        return cls(ids, order, counts, ids[order].split(counts))
 
     def split(self, values: Tensor) -> tuple[Tensor, ...]:
         """``values`` (aligned with ``ids``) as every server's part, in server order."""
@@ -262,13 +270,13 @@ class PSClient:
         return values if codec == "none" else encode(codec, values)
 
     def _route(self, table: str, ids: Tensor) -> Route:
-        return Route(ids, *self.plan.split_by_server(table, ids))
+        return Route.of(self.plan, table, ids)
 
     @staticmethod
     def _by_server(route: Route, *aligned: Tensor) -> list[tuple[int, list[Tensor]]]:
         """Each server's non-empty part of the route's ids and of the tensors aligned with
         them, as ``(server, [ids, *aligned])``."""
-        split = [route.split(t) for t in (route.ids, *aligned)]
+        split = [route.parts, *(route.split(t) for t in aligned)]
         counts = route.counts
         return [(s, [t[s] for t in split]) for s in range(len(counts)) if counts[s]]
 
@@ -287,7 +295,7 @@ class PSClient:
         for name, ids in pull_ids.items():
             # Every server gets its part, empty or not: the answers are reassembled in order.
             routes[name] = route = self._route(name, ids)
-            for server, part in enumerate(route.split(ids)):
+            for server, part in enumerate(route.parts):
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:
