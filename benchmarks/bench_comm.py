@@ -41,7 +41,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "async": {},
     "async_no_prefetch": {"prefetch": False},
     "sync": {"mode": "sync"},
-    "ssp_s2": {"mode": "ssp", "staleness": 2},
+    "ssp_s2": {"mode": "ssp", "ssp_bound": 2},
     "fp16": codec("fp16"),
     "bf16": codec("bf16"),
     "int8": codec("int8"),

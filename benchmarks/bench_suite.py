@@ -9,7 +9,7 @@ parameters on data a random teacher network labels. On each, the same data and A
   pushed each step): paramserver serving a copy whose tables are plain dense parameters;
 - ``ddp_sparse`` / ``ddp_dense``: DistributedDataParallel over gloo with ``--trainers`` ranks,
   embedding gradients sparse (its fastest form) or dense; the MLP has one form, ``ddp``;
-- ``ps_async``, ``ps_sync``, ``ps_ssp`` (staleness 2): paramserver, ``--servers`` x ``--trainers``.
+- ``ps_async``, ``ps_sync``, ``ps_ssp`` (SSP bound 2): paramserver, ``--servers`` x ``--trainers``.
 
 Every entry runs in new processes of its own, with one torch thread each (see :mod:`systems`);
 repeats (``--repeats``) alternate the order of entries and report medians. Reported per entry:
@@ -44,7 +44,7 @@ import paramserver as ps
 PS_MODES: dict[str, dict[str, Any]] = {
     "ps_async": {"mode": "async"},
     "ps_sync": {"mode": "sync"},
-    "ps_ssp": {"mode": "ssp", "staleness": 2},
+    "ps_ssp": {"mode": "ssp", "ssp_bound": 2},
 }
 QUICK = {
     "rows": 10_000,

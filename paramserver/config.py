@@ -156,8 +156,8 @@ class TrainConfig:
     mode: str = field(
         default="async",
         metadata=_doc(
-            "consistency: async (no bound) | sync (aggregated rounds) | ssp (bounded "
-            "staleness, see --staleness)",
+            "consistency: async (no bound) | sync (aggregated rounds) | ssp (stale synchronous "
+            "parallel, bounded by --ssp-bound)",
             choices=MODES,
         ),
     )
@@ -212,14 +212,16 @@ class TrainConfig:
     prefetch: bool = field(
         default=True,
         metadata=_doc(
-            "async and ssp (staleness >= 1): pull the next step's rows while this step computes "
+            "async and ssp (--ssp-bound >= 1): pull the next step's rows while this step computes "
             "(they then miss this trainer's own latest push; ssp counts that step in its "
             "bound); sync never prefetches"
         ),
     )
-    staleness: int = field(
+    ssp_bound: int = field(
         default=2,
-        metadata=_doc("ssp: steps a trainer may run ahead of the slowest live trainer"),
+        metadata=_doc(
+            "ssp: steps a trainer may run ahead of the slowest live trainer (was --staleness)"
+        ),
     )
     round_deadline: float | None = field(
         default=None,
@@ -446,8 +448,8 @@ class TrainConfig:
             raise ConfigError(
                 f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}"
             )
-        if not isinstance(self.staleness, int) or self.staleness < 0:
-            raise ConfigError(f"--staleness must be an integer >= 0, got {self.staleness!r}")
+        if not isinstance(self.ssp_bound, int) or self.ssp_bound < 0:
+            raise ConfigError(f"--ssp-bound must be an integer >= 0, got {self.ssp_bound!r}")
         if self.round_deadline is not None and not self.round_deadline > 0:
             raise ConfigError(f"--round-deadline must be > 0 seconds, got {self.round_deadline}")
         if self.min_contributors > self.trainers:
@@ -581,7 +583,7 @@ class TrainConfig:
     def prefetches(self) -> bool:
         """Whether trainers prefetch: sync never does, ssp only with a bound to spend on it."""
         return self.prefetch and (
-            self.mode == "async" or (self.mode == "ssp" and self.staleness >= 1)
+            self.mode == "async" or (self.mode == "ssp" and self.ssp_bound >= 1)
         )
 
     @property
@@ -595,7 +597,7 @@ class TrainConfig:
             mode=self.mode,
             num_trainers=self.trainers,
             # With prefetch a trainer computes one step past its last call: bound one less.
-            ssp_bound=self.staleness - int(self.prefetches) if self.mode == "ssp" else None,
+            ssp_bound=self.ssp_bound - int(self.prefetches) if self.mode == "ssp" else None,
             round_deadline=self.round_deadline,
             min_contributors=self.min_contributors,
             trainer_timeout=self.trainer_timeout,
@@ -665,7 +667,7 @@ def config_fields() -> list[dataclasses.Field[Any]]:
 
 # Fields given a new name (one name per idea), old -> new: the old name, as a flag or a TOML
 # key, is refused with a message naming the new one.
-RENAMED_FIELDS = {"cache_staleness": "cache_lag"}
+RENAMED_FIELDS = {"cache_staleness": "cache_lag", "staleness": "ssp_bound"}
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

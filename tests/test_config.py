@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import paramserver as ps
-from paramserver.cli import build_parser, config_from_args
-from paramserver.config import TrainConfig
+from paramserver.cli import build_parser, config_from_args, main
+from paramserver.config import TrainConfig, read_toml
 
 
 @pytest.mark.parametrize(
@@ -28,6 +28,7 @@ from paramserver.config import TrainConfig
         ({"steps": "10"}, "--steps must be of type"),
         ({"lr": "fast"}, "--lr must be of type"),
         ({"progress": 1}, "--progress must be of type"),
+        ({"ssp_bound": -1}, "--ssp-bound must be an integer >= 0"),
     ],
 )
 def test_invalid_values_name_the_flag_to_change(changes: dict[str, object], flag: str) -> None:
@@ -91,3 +92,21 @@ def test_cli_reports_bad_configuration_without_a_traceback(
     err = capsys.readouterr().err
     assert "paramserver: error: --servers must be an integer >= 1" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("words", [["--staleness", "1"], ["--staleness=1"]])
+def test_the_old_name_of_the_ssp_bound_is_refused_naming_the_new_one(
+    words: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--mode", "ssp", *words]) == 2
+    assert "--staleness was renamed --ssp-bound" in capsys.readouterr().err
+
+
+def test_the_old_key_of_the_ssp_bound_is_refused_in_a_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text('mode = "ssp"\nstaleness = 1\n')
+    with pytest.raises(ps.ConfigError, match="'staleness' .* was renamed 'ssp_bound'"):
+        read_toml(path)
+    path.write_text('mode = "ssp"\nssp_bound = 1\n')
+    config = TrainConfig(**read_toml(path))
+    assert config.ssp_bound == 1 and config.consistency.ssp_bound == 0  # prefetch spends one

@@ -1,4 +1,4 @@
-"""Bounded staleness, stragglers, departures and heartbeats."""
+"""SSP bounds, gradient staleness, stragglers, departures and heartbeats."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def row_grad(endpoint: ServerEndpoint) -> dict[str, RowBlock]:
 def test_ssp_holds_a_trainer_exactly_while_it_is_more_than_s_ahead(
     bound: int, make_server: MakeServer
 ) -> None:
-    server = make_server(mode="ssp", staleness=bound, prefetch=False)
+    server = make_server(mode="ssp", ssp_bound=bound, prefetch=False)
     slow_start = push(server, 1, 0)  # with s = 0 even call 0 waits for every trainer's
     assert slow_start.done() == (bound > 0)
     calls = [push(server, 0, c) for c in range(bound + 3)]  # trainer 1 stays at call 0
@@ -48,19 +48,19 @@ def test_ssp_holds_a_trainer_exactly_while_it_is_more_than_s_ahead(
 
 
 def test_ssp_with_prefetch_spends_one_step_of_the_bound(make_server: MakeServer) -> None:
-    server = make_server(mode="ssp", staleness=2)  # prefetch on by default
+    server = make_server(mode="ssp", ssp_bound=2)  # prefetch on by default
     push(server, 1, 0).wait()
     assert [push(server, 0, c).done() for c in range(4)] == [True, True, False, False]
     with pytest.raises(ps.ConfigError):
         ps.TrainConfig(min_contributors=3, trainers=2)
-    assert not ps.TrainConfig(mode="ssp", staleness=0).prefetches
+    assert not ps.TrainConfig(mode="ssp", ssp_bound=0).prefetches
 
 
 def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_deadline(
     make_server: MakeServer,
 ) -> None:
     server = make_server(
-        mode="ssp", staleness=0, prefetch=False, trainer_timeout=2.0, watchdog=False
+        mode="ssp", ssp_bound=0, prefetch=False, trainer_timeout=2.0, watchdog=False
     )
     starts = [push(server, 0, 0), push(server, 1, 0)]
     assert all(f.done() for f in starts)
@@ -69,7 +69,7 @@ def test_ssp_releases_a_held_answer_when_the_slow_trainer_departs_or_at_the_dead
     server.coordinator.check_liveness(time.monotonic() + 60)  # both silent: both depart
     assert held.done() and server.coordinator.liveness_stats()["departed"] == [0, 1]
 
-    timed = make_server(mode="ssp", staleness=0, prefetch=False, round_deadline=0.5, watchdog=False)
+    timed = make_server(mode="ssp", ssp_bound=0, prefetch=False, round_deadline=0.5, watchdog=False)
     starts = [push(timed, 0, 0), push(timed, 1, 0)]
     assert all(f.done() for f in starts)
     waiting = push(timed, 0, 1)
@@ -191,7 +191,7 @@ def slow_data(delays: dict[int, float]) -> Any:
 
 def test_ssp_job_keeps_the_bound_and_reports_staleness() -> None:
     config = ps.TrainConfig(
-        servers=2, trainers=3, mode="ssp", staleness=1, optimizer="sgd", lr=0.05,
+        servers=2, trainers=3, mode="ssp", ssp_bound=1, optimizer="sgd", lr=0.05,
         launcher="threads", progress=False,
     )  # fmt: skip
     result = ps.train(TinyRecModel, slow_data({2: 0.02}), mse, config)

@@ -231,7 +231,8 @@ def _summed_table_counters(server_stats: list[dict[str, Any]]) -> dict[str, dict
 
 
 def _staleness_histogram(server_stats: list[dict[str, Any]]) -> dict[int, int]:
-    """How many gradients arrived at each age, over the servers (each measures its own)."""
+    """How many gradients arrived at each age, over the servers (each measures its own): the
+    summary's ``staleness``, the one thing that word names (the SSP bound is ``ssp_bound``)."""
     staleness: dict[int, int] = {}
     for stats in server_stats:
         for age, count in stats["staleness"].items():

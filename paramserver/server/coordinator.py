@@ -101,7 +101,7 @@ class Coordinator:
         self.shard = shard
         self.mode = settings.mode
         self.num_trainers = settings.num_trainers
-        self.staleness_bound = settings.ssp_bound
+        self.ssp_bound = settings.ssp_bound
         self.round_deadline = settings.round_deadline
         self.min_contributors = settings.min_contributors
         self.trainer_timeout = settings.trainer_timeout
@@ -249,7 +249,7 @@ class Coordinator:
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
                 self.applied_step[request.trainer] = request.step
-            if self.staleness_bound is not None and not request.final:
+            if self.ssp_bound is not None and not request.final:
                 return self._answer_within_bound(request, clock)
             return completed(self._answer(request, train=True, clock=clock))
         except Exception as error:  # a server fault: the caller must hear of it
@@ -257,7 +257,7 @@ class Coordinator:
         finally:
             if request.final:
                 self._leave([request.trainer])
-            elif self.staleness_bound is not None:
+            elif self.ssp_bound is not None:
                 self._release_held()
 
     def pull(self, request: PushPullRequest) -> Future:
@@ -532,9 +532,9 @@ class Coordinator:
 
     def _within_bound(self, step: int) -> bool:
         """Whether every live trainer has made call ``step - s``. Called with the lock held."""
-        assert self.staleness_bound is not None
+        assert self.ssp_bound is not None
         slowest = min((self.applied_step.get(t, -1) for t in self.members), default=step)
-        return slowest >= step - self.staleness_bound
+        return slowest >= step - self.ssp_bound
 
     def _answer_within_bound(self, request: PushPullRequest, clock: int) -> Future:
         with self.lock:
