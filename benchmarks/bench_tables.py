@@ -40,8 +40,9 @@ from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.server.dynamic import DynamicTable
 from paramserver.server.optim import make_rule
-from paramserver.server.tables import DynamicTable
+from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, TableSpec
 
 
@@ -74,7 +75,7 @@ def bench_memory_per_row(rows: int) -> dict[str, Any]:
         table = DynamicTable(spec, make_rule(OptimizerConfig(name=name, lr=0.1)))
         ids = torch.randint(-(2**62), 2**62, (rows,)).unique()
         for step, chunk in enumerate(ids.split(65536)):
-            table.read(chunk, train=True, clock=step)
+            table.read(chunk, Reading(train=True, clock=step))
         id_map = table.ids.nbytes() + table.pending.nbytes()
         live = table.stats()["rows"]
         results[name] = {

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
 from paramserver.launch.roles import build_server
+from paramserver.server.dynamic import init_rows
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.tables import init_rows
 from paramserver.sharding import DynamicOptions
 from tests.fakes import FaultyTransport
 

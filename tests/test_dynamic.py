@@ -15,9 +15,10 @@ from paramserver.config import OptimizerConfig
 from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.server.dynamic import DynamicTable, init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
-from paramserver.server.tables import DynamicTable, init_rows
+from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 from tests.helpers import HashedModel, hashed_batches, mse
 
@@ -96,38 +97,38 @@ def ids(*values: int) -> Tensor:
 def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
     t = table(min_count=3, ttl_steps=1000, default_value=-1.0)
     default = torch.full((1, 4), -1.0)
-    assert torch.equal(t.read(ids(10, 20), train=True, clock=1), default.expand(2, 4))
-    assert torch.equal(t.read(ids(10), train=True, clock=2), default)
+    assert torch.equal(t.read(ids(10, 20), Reading(train=True, clock=1)), default.expand(2, 4))
+    assert torch.equal(t.read(ids(10), Reading(train=True, clock=2)), default)
     assert t.stats()["rows"] == 0 and t.stats()["pending_ids"] == 2
     # Gradients for ids still pending are dropped: nothing is kept but their counters.
     assert t.apply(ids(10), torch.ones(1, 4), clock=2) == 0
-    row = t.read(ids(10, 20), train=True, clock=3)  # third sighting of 10: admitted
+    row = t.read(ids(10, 20), Reading(train=True, clock=3))  # third sighting of 10: admitted
     torch.testing.assert_close(row[0], init_rows("emb.weight", t.options, ids(10), 4)[0])
     assert torch.equal(row[1], default[0])
     stats = t.stats()
     assert (stats["rows"], stats["admitted"], stats["pending_ids"]) == (1, 1, 1)
     assert stats["lookups"] == 5 and stats["dropped_grads"] == 1
     # Evaluation reads create and count nothing.
-    assert torch.equal(t.read(ids(20, 30), train=False, clock=4), default.expand(2, 4))
+    assert torch.equal(t.read(ids(20, 30), Reading(train=False, clock=4)), default.expand(2, 4))
     assert t.stats()["lookups"] == 5 and t.stats()["pending_ids"] == 1
 
 
 def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> None:
     t = table(momentum=0.9, ttl_steps=4, capacity=20)
-    t.read(torch.arange(10), train=True, clock=1)
+    t.read(torch.arange(10), Reading(train=True, clock=1))
     t.apply(torch.arange(10), torch.ones(10, 4), clock=1)  # rows move away from init
-    t.read(torch.arange(5, 15), train=True, clock=3)  # touches 5..9, creates 10..14
+    t.read(torch.arange(5, 15), Reading(train=True, clock=3))  # touches 5..9, creates 10..14
     assert t.stats()["rows"] == 15
-    t.read(ids(100), train=True, clock=6)  # sweep: untouched since clock 1 (< 6 - 4): 0..4
+    t.read(ids(100), Reading(train=True, clock=6))  # sweep: untouched since clock 1 (< 6 - 4): 0..4
     assert t.stats()["rows"] == 11 and t.stats()["evicted"] == 5
     assert (t.ids.lookup(torch.arange(5)) == -1).all()
     # Above capacity 20, the least recently touched rows go, down to 95% (19 rows).
-    t.read(torch.arange(200, 210), train=True, clock=7)  # 21 rows
+    t.read(torch.arange(200, 210), Reading(train=True, clock=7))  # 21 rows
     assert t.stats()["rows"] == 19 and t.stats()["evicted"] == 7
     assert (t.ids.lookup(ids(5, 6)) == -1).all()  # touched at clock 3, the oldest
     assert (t.ids.lookup(ids(7, 8, 9, 10, 100)) >= 0).all()
     # An evicted id that returns starts again from the init rule, with fresh optimizer state.
-    again = t.read(ids(5), train=True, clock=8)
+    again = t.read(ids(5), Reading(train=True, clock=8))
     torch.testing.assert_close(again, init_rows("emb.weight", t.options, ids(5), 4))
     row = int(t.ids.lookup(ids(5)))
     assert t.steps is not None and float(t.steps[row]) == 0
@@ -142,8 +143,10 @@ def test_reads_of_one_step_admit_alike_and_keep_each_others_rows() -> None:
     def first_calls(order: list[int]) -> tuple[list[Tensor], dict[str, int]]:
         t = table(min_count=2, ttl_steps=100)
         batches = [ids(1, 2), ids(2, 3)]
-        answers = {trainer: t.read(batches[trainer], train=True, clock=0) for trainer in order}
-        t.read(ids(2, 4), train=True, clock=1)  # 2 was seen at an earlier step: admitted
+        answers = {
+            trainer: t.read(batches[trainer], Reading(train=True, clock=0)) for trainer in order
+        }
+        t.read(ids(2, 4), Reading(train=True, clock=1))  # 2 was seen at an earlier step: admitted
         return [answers[0], answers[1]], t.stats()
 
     answers, stats = first_calls([0, 1])
@@ -153,9 +156,9 @@ def test_reads_of_one_step_admit_alike_and_keep_each_others_rows() -> None:
     assert torch.equal(answers[0][1], torch.zeros(4))  # 2: seen twice at step 0, pending
 
     t = table(capacity=4, ttl_steps=100)
-    t.read(ids(1, 2, 3, 4), train=True, clock=1)
-    t.read(ids(1, 5), train=True, clock=2)  # trainer 0: 2 and 3 go (5 rows, down to 95%)
-    t.read(ids(6, 7), train=True, clock=2)  # trainer 1: only 4 goes, not 0's rows 1 and 5
+    t.read(ids(1, 2, 3, 4), Reading(train=True, clock=1))
+    t.read(ids(1, 5), Reading(train=True, clock=2))  # trainer 0: 2 and 3 go (5 rows, down to 95%)
+    t.read(ids(6, 7), Reading(train=True, clock=2))  # trainer 1: only 4 goes, not 0's rows 1 and 5
     assert t.ids.live_rows()[0].tolist() == [1, 5, 6, 7]
     assert t.stats()["evicted"] == 3
 
@@ -165,30 +168,30 @@ def test_a_gradient_goes_only_to_the_row_it_was_computed_from() -> None:
     gradient, computed from the old one, is dropped, like one for an id pending at the pull;
     the other ids' gradients apply. A push that names no pull goes to the current rows."""
     t = table(min_count=2, ttl_steps=2)
-    t.read(ids(1, 2), train=True, clock=1)
-    t.read(ids(1, 2, 3), train=True, clock=2, pull=(0, 2))  # trainer 0's call 2: 3 pending
-    t.read(ids(2, 3), train=True, clock=5, pull=(1, 5))  # 1 expires, 3 is admitted
+    t.read(ids(1, 2), Reading(train=True, clock=1))
+    t.read(ids(1, 2, 3), Reading(train=True, clock=2, pull=(0, 2)))  # trainer 0's call 2: 3 pending
+    t.read(ids(2, 3), Reading(train=True, clock=5, pull=(1, 5)))  # 1 expires, 3 is admitted
     assert int(t.ids.lookup(ids(1))) == -1
-    t.read(ids(1), train=True, clock=6, pull=(1, 6))
-    t.read(ids(1), train=True, clock=7, pull=(1, 7))  # 1 is back: a new row
-    before = t.read(ids(1, 2, 3), train=False, clock=7)
+    t.read(ids(1), Reading(train=True, clock=6, pull=(1, 6)))
+    t.read(ids(1), Reading(train=True, clock=7, pull=(1, 7)))  # 1 is back: a new row
+    before = t.read(ids(1, 2, 3), Reading(train=False, clock=7))
     grads = torch.ones(3, 4)
     assert t.apply(ids(1, 2, 3), grads, clock=7, pull=(0, 2)) == 1  # only 2's
-    after = t.read(ids(1, 2, 3), train=False, clock=7)
+    after = t.read(ids(1, 2, 3), Reading(train=False, clock=7))
     assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
     torch.testing.assert_close(after[1], before[1] - 1)
     assert t.stats()["dropped_grads"] == 2
     # The same check before a sync round sums trainers' gradients; the pull's record is spent.
-    t.read(ids(1, 2), train=True, clock=7, pull=(0, 7))
-    t.read(ids(4), train=True, clock=20, pull=(1, 20))  # 1 and 2 expire...
-    t.read(ids(1), train=True, clock=21, pull=(1, 21))
-    t.read(ids(1), train=True, clock=22, pull=(1, 22))  # ...and 1 comes back
+    t.read(ids(1, 2), Reading(train=True, clock=7, pull=(0, 7)))
+    t.read(ids(4), Reading(train=True, clock=20, pull=(1, 20)))  # 1 and 2 expire...
+    t.read(ids(1), Reading(train=True, clock=21, pull=(1, 21)))
+    t.read(ids(1), Reading(train=True, clock=22, pull=(1, 22)))  # ...and 1 comes back
     kept = t.rows_still_pulled(ids(1, 2), (0, 7))
     assert kept is not None and kept.tolist() == [False, False]
     assert t.rows_still_pulled(ids(1, 2), (0, 7)) is None  # spent: no record left
-    before = t.read(ids(1), train=False, clock=22)
+    before = t.read(ids(1), Reading(train=False, clock=22))
     t.apply(ids(1), torch.ones(1, 4), clock=22)  # no pull named: the current row
-    torch.testing.assert_close(t.read(ids(1), train=False, clock=22), before - 1)
+    torch.testing.assert_close(t.read(ids(1), Reading(train=False, clock=22)), before - 1)
 
 
 class CappedModel(nn.Module):
@@ -222,10 +225,10 @@ def test_an_async_push_skips_a_row_replaced_since_its_pull() -> None:
     call(server, 1, 1, pull_rows={"emb.weight": torch.arange(100, 106)}).wait()  # x evicted
     assert int(emb.ids.lookup(x)) == -1
     call(server, 1, 2, pull_rows={"emb.weight": x}).wait()  # x admitted again
-    fresh = emb.read(x, train=False, clock=2)
+    fresh = emb.read(x, Reading(train=False, clock=2))
     grads = {"emb.weight": RowBlock(x, torch.ones(1, 4))}
     call(server, 0, 1, grads_step=0, row_grads=grads).wait()
-    assert torch.equal(emb.read(x, train=False, clock=2), fresh)
+    assert torch.equal(emb.read(x, Reading(train=False, clock=2)), fresh)
     assert emb.stats()["dropped_grads"] == 1
 
 
@@ -245,10 +248,10 @@ def test_a_sync_round_skips_a_row_replaced_since_its_pull() -> None:
     call(server, 1, 1, pull_rows={"emb.weight": torch.arange(100, 106)}).wait()  # x evicted
     assert int(emb.ids.lookup(x)) == -1
     call(server, 2, 1, pull_rows={"emb.weight": x}).wait()  # x admitted again
-    fresh = emb.read(x, train=False, clock=2)
+    fresh = emb.read(x, Reading(train=False, clock=2))
     server.coordinator.check_liveness(time.monotonic() + 1.0)
     pushed.wait()
-    assert torch.equal(emb.read(x, train=False, clock=2), fresh)
+    assert torch.equal(emb.read(x, Reading(train=False, clock=2)), fresh)
     torch.testing.assert_close(fresh, init_rows("emb.weight", emb.options, x, 4))
     assert emb.stats()["dropped_grads"] == 1
 
@@ -376,7 +379,9 @@ def test_memory_per_row_stays_within_the_bound(
     g = torch.Generator().manual_seed(0)
     bound = 1.25 * (16 * 4 + slot_bytes)
     for step in range(1, 60):
-        t.read(torch.randint(-(2**62), 2**62, (1500,), generator=g), train=True, clock=step)
+        t.read(
+            torch.randint(-(2**62), 2**62, (1500,), generator=g), Reading(train=True, clock=step)
+        )
         rows = t.stats()["rows"]
         id_map = t.ids.nbytes() + t.pending.nbytes()
         assert (t.nbytes() - id_map) / rows <= bound

@@ -37,9 +37,10 @@ from paramserver.protocol import (
     message_sizes,
     must_send,
 )
+from paramserver.server.dynamic import DynamicTable
 from paramserver.server.optim import State, UpdateRule, make_rule
-from paramserver.server.tables import Pull, Table, make_table
-from paramserver.sharding import ShardPlan
+from paramserver.server.tables import FixedTable, Pull, Reading, TableShard
+from paramserver.sharding import ShardPlan, TableSpec
 
 
 @dataclass
@@ -114,7 +115,7 @@ class ServerShard:
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         # The cache lag trainers' caches are served with (None: they cache nothing).
         self.cache_lag = config.cache_lag if config.cache_rows else None
-        self.tables: dict[str, Table] = {
+        self.tables: dict[str, TableShard] = {
             name: make_table(
                 spec,
                 plan,
@@ -237,7 +238,7 @@ class ServerShard:
         self._check_grads(request)
         self._check_reads(request)
 
-    def _table(self, name: str) -> Table:
+    def _table(self, name: str) -> TableShard:
         """The table ``name``, or the refusal of a request naming one this server lacks."""
         table = self.tables.get(name)
         if table is None:
@@ -278,7 +279,7 @@ class ServerShard:
         for name, bags in request.pool_rows.items():
             self._check_bags(name, self._table(name), bags)
 
-    def _check_bags(self, name: str, table: Table, block: object) -> None:
+    def _check_bags(self, name: str, table: TableShard, block: object) -> None:
         if type(block) is not BagBlock or type(block.num_bags) is not int:
             raise self._reject(name, "malformed bags: expected a BagBlock")
         if block.num_bags < 0:  # its size is capped with the answer's (check_size)
@@ -322,7 +323,7 @@ class ServerShard:
         if not math.isfinite(float(value.sum())) and not bool(torch.isfinite(value).all()):
             raise self._reject(name, "gradient contains NaN or Inf")
 
-    def _check_ids(self, name: str, table: Table, ids: object, *, sorted_unique: bool) -> None:
+    def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
         if (
             not isinstance(ids, Tensor)
             or ids.dtype != torch.int64
@@ -401,6 +402,7 @@ class ServerShard:
         that will come back.
         """
         pull = (request.trainer, request.step) if train or again else None
+        reading = Reading(train=train, clock=clock, pull=pull)
         start = time.perf_counter()
         reply = PushPullReply()
         if request.pull_dense:
@@ -414,19 +416,17 @@ class ServerShard:
             cached = request.pull_versions.get(name)
             with table.lock:
                 if cached is None:
-                    values = table.read(ids, train=train, clock=clock, pull=pull)
+                    values = table.read(ids, reading)
                 else:
                     assert self.cache_lag is not None  # validated
-                    values, versions = table.read_versioned(
-                        ids, train=train, clock=clock, pull=pull
-                    )
+                    values, versions = table.read_versioned(ids, reading)
                     sending = must_send(cached, versions, self.cache_lag)
                     values = values[sending]
                     reply.row_versions[name] = torch.where(sending, versions, cached)
             reply.rows[name] = values
             rows += ids.numel()
         for name, block in request.pool_rows.items():
-            reply.pooled[name] = self._pool(name, block, train=train, clock=clock, pull=pull)
+            reply.pooled[name] = self._pool(name, block, reading)
             rows += block.ids.numel()
         self._encode(reply)
         with self.stats.lock:
@@ -444,14 +444,12 @@ class ServerShard:
                 if codec != "none":
                     part[name] = encode(codec, value)  # type: ignore[arg-type]
 
-    def _pool(
-        self, name: str, block: BagBlock, *, train: bool, clock: int, pull: Pull | None
-    ) -> Tensor:
+    def _pool(self, name: str, block: BagBlock, reading: Reading) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
         table = self.tables[name]
         unique, inverse = block.distinct
         with table.lock:
-            rows = table.read(unique, train=train, clock=clock, pull=pull)
+            rows = table.read(unique, reading)
         members = rows[inverse]
         if block.weights is not None:
             members = members * block.weights.unsqueeze(1)
@@ -462,7 +460,8 @@ class ServerShard:
 
     def export_state(self, with_optimizer: bool = False) -> dict[str, dict[str, Tensor]]:
         """Copies of this shard's values (and optionally optimizer state and step counts);
-        table rows keyed by global row id or id (``"ids"``), as :meth:`Table.snapshot` has them."""
+        table rows keyed by global row id or id (``"ids"``), as
+        :meth:`TableShard.snapshot` has them."""
         out: dict[str, dict[str, Tensor]] = {}
         for name, slot in self.dense.items():
             with slot.lock:
@@ -525,3 +524,18 @@ class ServerShard:
 def _largest(sizes: dict[str, int]) -> str | None:
     """The name with the most bytes, to name in an error (None if there is none)."""
     return max(sizes, key=lambda name: sizes[name]) if sizes else None
+
+
+def make_table(
+    spec: TableSpec,
+    plan: ShardPlan,
+    server: int,
+    initial: Tensor | None,
+    rule: UpdateRule,
+    cache_lag: int | None = None,
+) -> TableShard:
+    """This server's shard of the table ``spec``: dynamic, or fixed from ``initial``."""
+    if spec.dynamic is not None:
+        return DynamicTable(spec, rule, cache_lag)
+    assert initial is not None
+    return FixedTable(spec, plan, server, initial, rule, cache_lag)

@@ -22,8 +22,8 @@ from torch import Tensor
 
 from paramserver.checkpoint.resume import Saved
 from paramserver.errors import CheckpointError
+from paramserver.server.dynamic import DynamicTable
 from paramserver.server.shard import ServerShard
-from paramserver.server.tables import DynamicTable
 
 
 def model_signature(shard: ServerShard) -> dict[str, Any]:

@@ -1,116 +1,117 @@
-"""A server's part of one embedding table: fixed (a row range) or dynamic (hashed ids).
+"""A server's part of one embedding table: the contract every kind answers, and fixed tables.
 
-Both kinds answer the same calls, each made with the table's lock held by the caller:
-``check_ids`` (validation), ``read`` (rows for ids, copies), ``apply`` (gradients of rows),
-``read_versioned`` (see below), ``rows_still_pulled`` (see below), ``snapshot``, ``restore``
-and ``stats``. Optimizer state lives beside the rows it belongs to: slot tensors and per-row
-step counts indexed like the weight.
+A table shard (:class:`TableShard`) holds rows with their optimizer state beside them (slot
+tensors and per-row step counts indexed like the weight) and answers one server's calls for
+them: ``check_ids`` (validation), ``read`` and ``read_versioned`` (rows for ids),
+``rows_still_pulled`` and ``apply`` (gradients of rows), ``snapshot`` and ``restore``
+(checkpoints), ``nbytes`` and ``stats``. Two kinds answer it: :class:`FixedTable` here (a row
+range, cyclic over servers) and ``DynamicTable`` in server/dynamic.py (any int64 id, with
+admission and eviction).
+
+What a read is for travels as one :class:`Reading` (training or not, the table's clock, the
+pull it answers): a dynamic table admits, evicts and records by it; a fixed table's rows are
+the same for every reading. A push names its pull for the same reason: a dynamic table applies
+a gradient only to the row that pull handed out (server/dynamic.py says why).
 
 Versions (kept when trainers cache rows, ``cache_lag`` set): each row counts the updates
-applied to it, so a trainer's cached copy can be judged by how many updates it missed. A
-dynamic row created anew starts ``cache_lag + 1`` past any version an evicted row reached,
-so no copy cached before an eviction passes for fresh.
-
-Fixed tables hold the rows the cyclic rule gives this server (``r % S == server``) at local
-index ``r // S``.
-
-Dynamic tables accept any int64 id. A row is created the first time an admitted id is pulled
-for training, initialized by :func:`init_rows` (a pure function of the table's seed and the id,
-so it does not depend on the server or on arrival order), and kept in storage that grows by 15%
-at a time. Admission (``min_count``): a training read admits an id pulled for training in
-``min_count`` calls, counting those of earlier steps of the table's clock and its own, not
-other calls of its own step; until then only its counter exists and its rows read as the
-default vector. Eviction: rows untouched for ``ttl_steps`` steps of the table's clock (in sync
-mode a round's step, 0 for trainers' initial calls; otherwise the highest trainer step seen),
-and, above ``capacity`` rows, the least recently touched rows down to 95% of capacity, sparing
-the rows of the current step unless they alone exceed it; an evicted row's storage is reused,
-and an evicted id that returns starts again from the init rule. Reads that do not train
-(evaluation, the ``pull`` call) create and count nothing: unseen ids read as the default vector.
-
-So every training read at step ``t`` admits the same ids whatever the order of that step's
-reads, and none evicts a row another read of step ``t`` handed out. Trainers' first calls
-(step 0, with nothing older to evict) then answer alike in any order, at clock 0 even after a
-faster trainer's call 1 arrived (not at the highest step seen, which depends on arrival), and
-a sync round answers in trainer order: a sync job is reproducible, and a checkpoint taken after
-round ``t``'s answers holds every row as each trainer read it, so a resumed trainer reads call
-``t`` again from it without counting it (``train=False`` with ``pull``).
-
-Gradients go to the rows they were computed from, or nowhere. A read that gives ``pull`` (the
-trainer and call number) keeps a record of the row each id had (-1: none, the id pending); a
-row removed later is struck from every record. A push names the pull its gradients came from
-(``apply``'s ``pull``, or ``rows_still_pulled`` before a sync round sums several trainers'): a
-gradient whose id had no row at that pull (pending) or lost it since (evicted, even if admitted
-again: the new row is not the one the gradient is of) is dropped and counted in
-``dropped_grads``. A push whose pull left no record (one read outside a training pull, or older
-than the last few pulls of its trainer) goes to the id's current row, if any.
+applied to it, so a trainer's cached copy can be judged by how many updates it missed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import threading
-import zlib
-from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.hashing import mix64_array
-from paramserver.idmap import REHASH_LOAD, Found, IdMap, grown_rows, with_rows
 from paramserver.server.optim import State, UpdateRule, apply_rows
-from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
-
-PULLS_KEPT = 3  # pull records per trainer: this step's, the prefetched one, a retry
-EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
-
-
-def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Tensor:
-    """The initial rows of ``ids``: uniform in ``[-init_scale, init_scale)``, a pure function
-    of (table name, seed, id, column).
-
-    Each id gets a well-mixed 64-bit seed; column ``j`` takes the top 24 bits of that seed
-    times an odd constant of its own (one multiply per value, not a full hash). Computed with
-    numpy: a step creates a few hundred rows per table, where numpy's per-call cost is lower.
-    """
-    salt = zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
-    seeds = mix64_array(ids.numpy().astype(np.int64) + np.int64(salt))
-    bits = seeds[:, None] * _column_multipliers(dim)
-    unit = ((bits >> 40) & 0xFFFFFF).astype(np.float32) * np.float32(1.0 / (1 << 24))
-    return torch.from_numpy(
-        unit * np.float32(2 * options.init_scale) - np.float32(options.init_scale)
-    )
-
-
-@functools.cache
-def _column_multipliers(dim: int) -> np.ndarray:
-    return mix64_array(np.arange(dim, dtype=np.int64)) | 1
-
+from paramserver.sharding import ShardPlan, TableSpec
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 
 
-@dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
-class PullRecord:
-    """What one training read of a dynamic table handed out: the row of each id (-1: none)."""
+@dataclass(frozen=True)
+class Reading:
+    """What a read of table rows is for.
 
-    step: int
-    ids: Tensor  # sorted, unique
-    rows: Tensor  # -1 also where the row was removed since
+    ``train``: a training read, which may create, admit, count and evict rows of a dynamic
+    table at step ``clock`` of the table's clock; other reads create and count nothing.
+    ``pull``: the (trainer, call) whose gradients will come back for the rows read (None:
+    none will), recorded so they go only to the rows this read handed out.
+    """
+
+    train: bool = False
+    clock: int = 0
+    pull: Pull | None = None
 
 
-@dataclass
-class TableCounters:
-    admitted: int = 0
-    evicted: int = 0
-    lookups: int = 0
-    dropped_grads: int = 0
+class TableShard(Protocol):
+    """A server's rows of one embedding table, as the server's shard calls them.
+
+    Thread-safety: no method locks; the caller holds :attr:`lock` around every call but
+    ``check_ids`` (which reads only the ids and the spec) and every use of :attr:`weight` but
+    its dtype. Ids given are a non-empty 1-D int64 tensor, valid but for ``check_ids``; where
+    a method says sorted and unique, the caller has checked it. Returned tensors are new
+    (copies), owned by the caller; tensors given are only read, and kept only where a method
+    says so.
+    """
+
+    spec: TableSpec
+    lock: threading.Lock
+    weight: Tensor  # the row storage: its dtype is the rows' (a dynamic table's has spare rows)
+
+    def check_ids(self, ids: Tensor) -> str | None:
+        """What is wrong with ``ids`` for this table (None: nothing); changes nothing."""
+        ...
+
+    def read(self, ids: Tensor, reading: Reading) -> Tensor:
+        """The rows of ``ids`` (sorted, unique), ``[len(ids), dim]``, for ``reading``
+        (which a dynamic table admits, evicts and records by; its ids are kept by the
+        table as the pull's record)."""
+        ...
+
+    def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
+        """:meth:`read`, and each row's version (int64; -1 for an id without a row). Only
+        with versions kept (``cache_lag`` set)."""
+        ...
+
+    def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
+        """Which gradients of ``ids`` (sorted, unique), computed from the read ``pull``, still
+        have that read's row (a bool mask; the others counted as dropped). None: keep all."""
+        ...
+
+    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+        """One update of the rows of ``ids`` (sorted, unique) with ``grads`` (decoded,
+        ``[len(ids), dim]``), computed from the read ``pull`` (None: from the rows' current
+        values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
+        ``clock``; returns the rows updated."""
+        ...
+
+    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Copies of every row with its state, keyed by global row id or id (``"ids"``), and
+        JSON-ready metadata (for checkpoints)."""
+        ...
+
+    def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Take this server's rows of ``saved`` and ``meta`` (from :meth:`snapshot`, of any
+        shard layout); copies them."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes of every tensor the table holds."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the job summary (``rows``, ``memory_bytes``, and a kind's own)."""
+        ...
 
 
 class FixedTable:
+    """The rows ``r`` of a table with ``r % num_servers == server``, at local index
+    ``r // num_servers``; a :class:`TableShard`."""
+
     def __init__(
         self,
         spec: TableSpec,
@@ -140,19 +141,20 @@ class FixedTable:
             return f"row id {bad} out of range [0, {self.spec.num_rows})"
         return None
 
-    def read(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None) -> Tensor:
+    def read(self, ids: Tensor, reading: Reading) -> Tensor:
+        """Copies of the rows of ``ids``; a fixed table's rows are there for every reading."""
         return self.weight.index_select(0, self.plan.local_rows(ids))
 
     def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+        """Rows never move: every gradient applies to its row, whatever ``clock`` and
+        ``pull``."""
         local = self.plan.local_rows(ids)
         apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
         if self.versions is not None:
             self.versions[local] += 1
         return ids.numel()
 
-    def read_versioned(
-        self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None
-    ) -> tuple[Tensor, Tensor]:
+    def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version."""
         assert self.versions is not None
         local = self.plan.local_rows(ids)
@@ -165,349 +167,25 @@ class FixedTable:
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
         ids = torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
-        return _row_entries(ids, self.weight, self.state, self.steps, self.versions), {}
+        return row_entries(ids, self.weight, self.state, self.steps, self.versions), {}
 
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Take the rows of ``saved`` (this server's, any shard layout it came from)."""
         local = self.plan.local_rows(saved["ids"])
-        _put_rows(local, saved, self.weight, self.state, self.steps, self.versions)
+        put_rows(local, saved, self.weight, self.state, self.steps, self.versions)
 
     def nbytes(self) -> int:
-        return _nbytes(self.weight, self.steps, self.versions, *self.state.values())
+        return nbytes_of(self.weight, self.steps, self.versions, *self.state.values())
 
     def stats(self) -> dict[str, int]:
         return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
 
 
-class DynamicTable:
-    def __init__(self, spec: TableSpec, rule: UpdateRule, cache_lag: int | None = None):
-        assert spec.dynamic is not None
-        self.spec = spec
-        self.options: DynamicOptions = spec.dynamic
-        self.rule = rule
-        # With a capacity, storage for it is reserved up front (no growth copies later).
-        reserve = self.options.capacity or 0
-        self.ids = IdMap(initial_slots=max(1024, int(reserve / REHASH_LOAD)))
-        self.weight = torch.empty(reserve, spec.dim, dtype=spec.dtype)
-        self.state: State = rule.init_state(self.weight)
-        self.steps = torch.zeros(reserve, dtype=torch.float32) if rule.needs_steps else None
-        # When each row was last read or updated, kept only where eviction needs it.
-        evicts = self.options.ttl_steps is not None or self.options.capacity is not None
-        self.last_touched = torch.zeros(reserve, dtype=torch.int32) if evicts else None
-        self.cache_lag = cache_lag
-        tracks = cache_lag is not None
-        self.versions = torch.zeros(reserve, dtype=torch.int64) if tracks else None
-        self.fresh_version = 0  # where a new row's version starts
-        self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
-        self.pending_counts = torch.empty(0, dtype=torch.int32)  # training calls that saw it
-        self.pending_seen = torch.empty(0, dtype=torch.int64)  # the last step that saw it
-        self.pending_latest = torch.empty(0, dtype=torch.int32)  # its calls at that step
-        self.counters = TableCounters()
-        self.swept_at = 0
-        self._pulls: dict[int, deque[PullRecord]] = {}  # each trainer's last training reads
-        self.lock = threading.Lock()
-
-    # ---- calls ----
-
-    def check_ids(self, ids: Tensor) -> str | None:
-        return None  # every int64 id is valid
-
-    def read(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None) -> Tensor:
-        """The rows of ``ids`` (sorted, unique), the default vector where an id has none.
-
-        ``train``: a training read, which admits, counts, touches and evicts (at step
-        ``clock``). ``pull``: the (trainer, call) whose gradients will come back for these
-        rows: recorded (see the module doc), also without ``train`` (a call read again).
-        """
-        return self._values(self._locate(ids, train=train, clock=clock, pull=pull))
-
-    def read_versioned(
-        self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None = None
-    ) -> tuple[Tensor, Tensor]:
-        """:meth:`read`, and each row's version (-1 where an id has no row)."""
-        assert self.versions is not None
-        rows = self._locate(ids, train=train, clock=clock, pull=pull)
-        present = rows >= 0
-        versions = torch.full_like(rows, -1)
-        versions[present] = self.versions[rows[present]]
-        return self._values(rows), versions
-
-    def _locate(self, ids: Tensor, *, train: bool, clock: int, pull: Pull | None) -> Tensor:
-        """The row of each id (-1: none), after admitting, touching and evicting for a read
-        that trains; recorded for ``pull``."""
-        found = self.ids.find(ids)
-        rows = found.rows
-        if train:
-            self.counters.lookups += ids.numel()
-            rows = self._admit(ids, found, clock)
-            if self.last_touched is not None:
-                self.last_touched[rows[rows >= 0]] = clock
-            if self._evict(clock):  # spares this step's rows, unless they alone overflow
-                rows = self.ids.lookup(ids)
-        if pull is not None:
-            trainer, step = pull
-            records = self._pulls.setdefault(trainer, deque(maxlen=PULLS_KEPT))
-            records.append(PullRecord(step, ids, rows.clone()))
-        return rows
-
-    def _values(self, rows: Tensor) -> Tensor:
-        """The values of ``rows``; the default vector where a row is -1."""
-        present = rows >= 0
-        if bool(present.all()):
-            return self.weight.index_select(0, rows)
-        out = torch.full(
-            (rows.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
-        )
-        out[present] = self.weight.index_select(0, rows[present])
-        return out
-
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
-        """Apply the gradients of ``ids`` (sorted, unique) computed from the read ``pull``
-        (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
-        by :meth:`rows_still_pulled`); returns the rows updated."""
-        rows = self._rows_at_pull(ids, pull) if pull is not None else None
-        if rows is None:
-            rows = self.ids.lookup(ids)
-        present = rows >= 0
-        dropped = ids.numel() - int(present.sum())
-        if dropped:  # no row at the pull (pending), or it was removed since
-            self.counters.dropped_grads += dropped
-            rows, grads = rows[present], grads[present]
-        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads)
-        if self.last_touched is not None:
-            self.last_touched[rows] = clock
-        if self.versions is not None:
-            self.versions[rows] += 1
-        return rows.numel()
-
-    def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
-        """Which gradients of ``ids`` (sorted, unique), computed from the read ``pull``, still
-        have their row (a mask); counts the others as dropped. None where the pull left no
-        record: keep all."""
-        rows = self._rows_at_pull(ids, pull)
-        if rows is None:
-            return None
-        kept = rows >= 0
-        self.counters.dropped_grads += ids.numel() - int(kept.sum())
-        return kept
-
-    def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
-        """The row each id had at the read ``pull`` and still has (-1: none), its record then
-        spent; ids that read did not hand out get their current rows. None: no record."""
-        trainer, step = pull
-        records = self._pulls.get(trainer)
-        record = next((r for r in reversed(records or ()) if r.step == step), None)
-        if records is None or record is None:
-            return None
-        records.remove(record)
-        pulled = record.ids
-        if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
-            return record.rows
-        if pulled.numel() == 0:
-            return self.ids.lookup(ids)
-        at = torch.searchsorted(pulled, ids).clamp_(max=pulled.numel() - 1)
-        handed_out = pulled[at] == ids
-        return torch.where(handed_out, record.rows[at], self.ids.lookup(ids))
-
-    def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
-        """Copies of every live row with its state and bookkeeping, keyed by id, the pending
-        ids' counters, and the counters (for checkpoints)."""
-        ids, rows = self.ids.live_rows()
-        entries = _row_entries(
-            ids, self.weight, self.state, self.steps, self.versions, rows, self.last_touched
-        )
-        pending_ids, slots = self.pending.live_rows()
-        entries["pending.ids"] = pending_ids
-        entries["pending.counts"] = self.pending_counts[slots]
-        entries["pending.seen"] = self.pending_seen[slots]
-        entries["pending.latest"] = self.pending_latest[slots]
-        meta = {
-            "counters": dataclasses.asdict(self.counters),
-            "swept_at": self.swept_at,
-            "fresh_version": self.fresh_version,
-        }
-        return entries, meta
-
-    def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
-        """Add the rows and pending ids of ``saved`` (this server's, from any shard layout)
-        with their state; add its counters to this table's."""
-        ids = saved["ids"]
-        if ids.numel():
-            rows = self.ids.insert(ids)
-            self._fit_rows()
-            _put_rows(rows, saved, self.weight, self.state, self.steps, self.versions)
-            if self.last_touched is not None and "last_touched" in saved:
-                self.last_touched[rows] = saved["last_touched"]
-        pending = saved["pending.ids"]
-        if pending.numel():
-            self.pending.insert(pending)
-            self._fit_pending()
-            slots = self.pending.lookup(pending)
-            self.pending_counts[slots] = saved["pending.counts"]
-            self.pending_seen[slots] = saved["pending.seen"]
-            # Saved before this counter existed: 0, which matters only for a training read at
-            # the saved step itself, and a resumed job's first training reads come after it.
-            latest = saved.get("pending.latest")
-            self.pending_latest[slots] = 0 if latest is None else latest
-        for name, value in meta["counters"].items():
-            setattr(self.counters, name, getattr(self.counters, name) + int(value))
-        self.swept_at = max(self.swept_at, int(meta["swept_at"]))
-        self.fresh_version = max(self.fresh_version, int(meta["fresh_version"]))
-
-    def nbytes(self) -> int:
-        own = _nbytes(
-            self.weight,
-            self.steps,
-            self.last_touched,
-            self.versions,
-            self.pending_counts,
-            self.pending_seen,
-            self.pending_latest,
-            *self.state.values(),
-        )
-        return own + self.ids.nbytes() + self.pending.nbytes()
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "rows": self.ids.num_rows,
-            "admitted": self.counters.admitted,
-            "evicted": self.counters.evicted,
-            "lookups": self.counters.lookups,
-            "pending_ids": self.pending.num_rows,
-            "dropped_grads": self.counters.dropped_grads,
-            "memory_bytes": self.nbytes(),
-            "id_map_bytes": self.ids.nbytes(),
-        }
-
-    # ---- admission and eviction ----
-
-    def _admit(self, ids: Tensor, found: Found, clock: int) -> Tensor:
-        """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``
-        (``ids`` unique; -1 for ids still pending)."""
-        rows = found.rows
-        absent_at = (rows < 0).nonzero().squeeze(1)
-        if absent_at.numel() == 0:
-            return rows
-        if self.options.min_count > 1:
-            admitted = self._count_pending(ids[absent_at], clock)
-            absent_at = absent_at[admitted]
-        if absent_at.numel():
-            rows = rows.clone()
-            rows[absent_at] = self._create(ids[absent_at], found.subset(absent_at))
-        return rows
-
-    def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
-        """Count this call's sighting of ``absent``; return a mask of those admitted: seen in
-        ``min_count`` calls counting this one and those of earlier steps (not the other calls
-        of step ``clock``, so the reads of one step admit alike in any order). Admitted ids'
-        counters are dropped: from now on they are rows."""
-        slots = self.pending.lookup(absent)
-        new = absent[slots < 0]
-        if new.numel():
-            self.pending.insert(new)
-            self._fit_pending()
-            slots = self.pending.lookup(absent)
-            fresh = self.pending.lookup(new)
-            self.pending_counts[fresh] = 0
-            self.pending_seen[fresh] = -1
-            self.pending_latest[fresh] = 0
-        this_step = self.pending_seen[slots] == clock
-        latest = torch.where(this_step, self.pending_latest[slots], 0)
-        admitted = self.pending_counts[slots] - latest + 1 >= self.options.min_count
-        self.pending_counts[slots] += 1
-        self.pending_latest[slots] = latest + 1
-        self.pending_seen[slots] = clock
-        self.pending.remove(absent[admitted])
-        return admitted
-
-    def _fit_pending(self) -> None:
-        capacity = self.pending.capacity_rows
-        if self.pending_counts.numel() < capacity:
-            self.pending_counts = with_rows(self.pending_counts, capacity)
-            self.pending_seen = with_rows(self.pending_seen, capacity)
-            self.pending_latest = with_rows(self.pending_latest, capacity)
-
-    def _create(self, ids: Tensor, found: Found) -> Tensor:
-        """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
-        rows = self.ids.insert(ids, found)
-        self._fit_rows()
-        if self.versions is not None:
-            self.versions[rows] = self.fresh_version
-        self.weight.index_copy_(
-            0, rows, init_rows(self.spec.name, self.options, ids, self.spec.dim)
-        )
-        for value in self.state.values():
-            value.index_fill_(0, rows, self.rule.initial_value)
-        if self.steps is not None:
-            self.steps.index_fill_(0, rows, 0)
-        self.counters.admitted += ids.numel()
-        return rows
-
-    def _fit_rows(self) -> None:
-        """Grow row storage to every row number the id map has handed out."""
-        if self.ids.used_rows > self.weight.shape[0]:
-            capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
-            self.weight = with_rows(self.weight, capacity)
-            self.state = {k: with_rows(v, capacity) for k, v in self.state.items()}
-            if self.steps is not None:
-                self.steps = with_rows(self.steps, capacity)
-            if self.last_touched is not None:
-                self.last_touched = with_rows(self.last_touched, capacity)
-            if self.versions is not None:
-                self.versions = with_rows(self.versions, capacity)
-
-    def _evict(self, clock: int) -> bool:
-        """Apply the TTL and capacity rules; returns whether any row went."""
-        if self.last_touched is None:  # neither rule is configured
-            return False
-        evicted_before = self.counters.evicted
-        ttl = self.options.ttl_steps
-        if ttl is not None and clock - self.swept_at >= max(1, ttl // 4):
-            self.swept_at = clock
-            ids, rows = self.ids.live_rows()
-            stale = self.last_touched[rows] < clock - ttl
-            self._remove(ids[stale])
-            if self.pending.num_rows:
-                pending_ids, slots = self.pending.live_rows()
-                self.pending.remove(pending_ids[self.pending_seen[slots] < clock - ttl])
-        capacity = self.options.capacity
-        if capacity is not None and self.ids.num_rows > capacity:
-            ids, rows = self.ids.live_rows()
-            # Least recently touched first; ties go to the smaller id, so eviction is exact.
-            touched = self.last_touched[rows]
-            order = torch.argsort(touched, stable=True)
-            earlier = int((touched < clock).sum())  # rows of earlier steps come first
-            excess = ids.numel() - int(capacity * EVICT_TO)
-            # This step's rows go only if they alone exceed capacity (down to it, not 95%).
-            gone = max(min(excess, earlier), ids.numel() - capacity)
-            self._remove(ids[order[:gone]])
-        return self.counters.evicted != evicted_before
-
-    def _remove(self, ids: Tensor) -> None:
-        if ids.numel():
-            rows = self.ids.remove(ids)
-            self.counters.evicted += ids.numel()
-            if self.versions is not None and self.cache_lag is not None and rows.numel():
-                reached = int(self.versions[rows].max())
-                self.fresh_version = max(self.fresh_version, reached + self.cache_lag + 1)
-            self._strike_from_pulls(rows)
-
-    def _strike_from_pulls(self, removed: Tensor) -> None:
-        """Mark ``removed`` rows as gone in every pull record: their gradients are dropped."""
-        records = [record for kept in self._pulls.values() for record in kept]
-        if not records or removed.numel() == 0:
-            return
-        removed = removed.sort().values  # sorted once; each record then costs one search
-        for record in records:
-            at = torch.searchsorted(removed, record.rows).clamp_(max=removed.numel() - 1)
-            record.rows[removed[at] == record.rows] = -1
-
-
-def _nbytes(*tensors: Tensor | None) -> int:
+def nbytes_of(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _row_entries(
+def row_entries(
     ids: Tensor,
     weight: Tensor,
     state: State,
@@ -529,7 +207,7 @@ def _row_entries(
     return entries
 
 
-def _put_rows(
+def put_rows(
     rows: Tensor,
     saved: dict[str, Tensor],
     weight: Tensor,
@@ -544,20 +222,3 @@ def _put_rows(
         steps[rows] = saved["steps"]
     if versions is not None:
         versions[rows] = saved.get("versions", 0)
-
-
-Table = FixedTable | DynamicTable
-
-
-def make_table(
-    spec: TableSpec,
-    plan: ShardPlan,
-    server: int,
-    initial: Tensor | None,
-    rule: UpdateRule,
-    cache_lag: int | None = None,
-) -> Table:
-    if spec.dynamic is not None:
-        return DynamicTable(spec, rule, cache_lag)
-    assert initial is not None
-    return FixedTable(spec, plan, server, initial, rule, cache_lag)
