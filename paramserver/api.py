@@ -70,18 +70,8 @@ def train(
     trainer); other torchrun ranks get ``None``.
     """
     config = config or TrainConfig()
-    if config.batch_size is not None:
-        raise ConfigError(
-            f"batch_size={config.batch_size}: train() takes the batches data_fn yields as they "
-            "are; batch_size sizes paramserver train's datasets only: leave it unset and make "
-            "the batches in data_fn"
-        )
-    if config.eval_every is not None and evaluation is None:
-        raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
-    if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
-        raise ConfigError("evaluation: the held-out data yielded no batches")
+    _check_job(config, model_fn, evaluation)
     data_fn = as_data_fn(data_fn)
-    check_model_fits(model_fn, config)
     launcher = config.launcher
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "processes"
@@ -94,6 +84,21 @@ def train(
     finally:
         if display is not None:
             display.close()
+
+
+def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | None) -> None:
+    """What train() refuses before anything starts, each with a ConfigError saying why."""
+    if config.batch_size is not None:
+        raise ConfigError(
+            f"batch_size={config.batch_size}: train() takes the batches data_fn yields as they "
+            "are; batch_size sizes paramserver train's datasets only: leave it unset and make "
+            "the batches in data_fn"
+        )
+    if config.eval_every is not None and evaluation is None:
+        raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
+    if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
+        raise ConfigError("evaluation: the held-out data yielded no batches")
+    check_model_fits(model_fn, config)
 
 
 def _launch(

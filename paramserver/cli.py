@@ -163,6 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_train(commands)
+    _add_checkpoint_commands(commands)
+    report = commands.add_parser(
+        "report", help="plot a run directory's metrics (PNG) and summarize it (markdown)"
+    )
+    report.add_argument("run_dir", type=Path, help="a job's --run-dir")
+    report.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
+    return parser
+
+
+def _add_train(commands: Any) -> None:
+    """``paramserver train``: its own flags, the data's, and every TrainConfig field's."""
     run = commands.add_parser(
         "train",
         help="train a model on servers and trainers: a DLRM on synthetic click logs (the "
@@ -182,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --no-compare-single-process)",
     )
     run.set_defaults(compare_single_process=False)
+    _add_data_flags(run)
+    add_config_flags(run)
+
+
+def _add_data_flags(run: argparse.ArgumentParser) -> None:
+    """Which data ``train`` reads, and the synthetic click logs' sizes."""
     data = run.add_argument_group("data")
     data.add_argument(
         "--dataset",
@@ -214,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=spec.eval_samples,
         help=f"held-out samples (default: {spec.eval_samples})",
     )
-    add_config_flags(run)
+
+
+def _add_checkpoint_commands(commands: Any) -> None:
+    """``paramserver export`` and ``paramserver check``."""
     export = commands.add_parser(
         "export",
         help="write a checkpoint's model as a plain PyTorch state_dict (loads with torch.load)",
@@ -231,12 +252,6 @@ def build_parser() -> argparse.ArgumentParser:
         "error; 3 the newest is damaged or unfinished and a resume would load an older one.",
     )
     check.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
-    report = commands.add_parser(
-        "report", help="plot a run directory's metrics (PNG) and summarize it (markdown)"
-    )
-    report.add_argument("run_dir", type=Path, help="a job's --run-dir")
-    report.add_argument("--out", type=Path, help="where to write (default: RUN_DIR/report)")
-    return parser
 
 
 def find_checkpoint(path: Path) -> Checkpoint:
