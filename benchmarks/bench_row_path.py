@@ -117,7 +117,7 @@ def run(calls: int, codec: str) -> dict[str, Any]:
         waiting.append(time.thread_time() - start)
         grads = {name: (pulled.rows[name][0], g) for name, g in row_grads.items()}
         start = time.thread_time()
-        pending = client.push_pull(dense, grads, ids, grads_step=pulled.step)
+        pending = client.push_pull(dense, grads, ids, grads_call=pulled.call)
         building.append(time.thread_time() - start)
     figures = {
         "client.push_pull": statistics.median(building) * 1e6,
@@ -128,8 +128,8 @@ def run(calls: int, codec: str) -> dict[str, Any]:
     sent = transport.sent
     assert sent is not None
 
-    def request(step: int) -> PushPullRequest:
-        return replace(clone_message(sent), step=step, grads_step=step - 1)
+    def request(call: int) -> PushPullRequest:
+        return replace(clone_message(sent), call=call, grads_call=call - 1)
 
     cap = coordinator.max_message_bytes
     prepared = [request(1) for _ in range(calls)]

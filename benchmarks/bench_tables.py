@@ -199,7 +199,7 @@ def bench_server_cpu(steps: int) -> dict[str, Any]:
             started = time.process_time()
             for sparse in batches:
                 ids = {n: sparse[:, t].unique() for t, n in enumerate(names)}
-                request = PushPullRequest(0, step, pull_rows=ids, grads_step=step - 1)
+                request = PushPullRequest(0, step, pull_rows=ids, grads_call=step - 1)
                 if previous:
                     request.row_grads = {
                         n: RowBlock(i, torch.full((i.numel(), 32), 0.01))

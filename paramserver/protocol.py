@@ -1,9 +1,14 @@
 """Messages between trainers and servers.
 
-A trainer sends each server one :class:`PushPullRequest` per step: the gradients of its last
-step go up and the values it needs for the next step come back in the same round trip
-(:class:`PushPullReply`). Row ids on the wire are *global* row ids of a table; each server owns
-the rows the routing rule gives it (see :mod:`paramserver.sharding`).
+A trainer sends each server one :class:`PushPullRequest` per training step, each numbered
+call ``0, 1, 2, ...`` (call 0 is the initial pull): the gradients of its last step go up and
+the values it needs for the next step come back in the same round trip (:class:`PushPullReply`).
+Words kept apart: a *call* is that number; a parameter's or row's *version* is how many updates
+the server applied to it; *step* is a trainer's training step (and, in the optimizer, its per-row
+step count); a checkpoint's *step* is the call number at which it was saved.
+
+Row ids on the wire are *global* row ids of a table; each server owns the rows the routing rule
+gives it (see :mod:`paramserver.sharding`).
 
 Any float32 tensor of gradients or values may travel encoded (a
 :class:`~paramserver.compression.Encoded`, per the job's codecs); the receiver decodes it, and a
@@ -72,9 +77,9 @@ class BagBlock:
 @dataclass
 class PooledGrad:
     """The gradient of one table's pooled vectors ``[num_bags, dim]``, for the bags pulled by
-    this trainer's call number ``pull_step``."""
+    this trainer's call number ``pull_call``."""
 
-    pull_step: int
+    pull_call: int
     grads: Tensor | Encoded
 
 
@@ -232,13 +237,13 @@ class TrainerReport:
 class PushPullRequest:
     """One fused push+pull from a trainer to one server.
 
-    ``(trainer, step)`` plus the destination server is the idempotency key: a server applies the
-    gradients of a key at most once and answers a duplicate without applying it again. ``step`` is
-    the trainer's call counter (0 is the initial pull and carries no gradients).
+    ``(trainer, call)`` plus the destination server is the idempotency key: a server applies the
+    gradients of a key at most once and answers a duplicate without applying it again. ``call`` is
+    the trainer's call number (0 is the initial pull and carries no gradients).
     """
 
     trainer: int
-    step: int
+    call: int
     dense_grads: dict[str, Tensor | Encoded] = field(default_factory=dict)
     row_grads: dict[str, RowBlock] = field(default_factory=dict)
     pull_dense: bool = True
@@ -247,7 +252,7 @@ class PushPullRequest:
     report: TrainerReport | None = None
     pool_rows: dict[str, BagBlock] = field(default_factory=dict)
     pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
-    grads_step: int = -1  # the call whose answer the gradients were computed from
+    grads_call: int = -1  # the call whose answer the gradients were computed from
     # Per table, aligned with pull_rows: the version of each row the trainer has cached (-1:
     # none); the server sends only the rows that must_send picks (see row_versions).
     pull_versions: dict[str, Tensor] = field(default_factory=dict)
@@ -273,7 +278,7 @@ class PushPullReply:
     # For pull_versions' tables, per id: the version of the row the trainer holds once it has
     # this answer: the row's current version where it is sent, else the cached one echoed back.
     row_versions: dict[str, Tensor] = field(default_factory=dict)
-    checkpoint_at: int = -1  # the newest checkpoint step announced (see trainer.checkpointing)
+    checkpoint_at: int = -1  # the newest checkpoint announced: its call (trainer.checkpointing)
     dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
 
 

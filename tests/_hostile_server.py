@@ -82,7 +82,7 @@ def reset_peak() -> None:
 def state_of(endpoint: ServerEndpoint) -> tuple[dict[str, dict[str, Tensor]], str]:
     coordinator = endpoint.coordinator
     with coordinator.lock:
-        calls = repr((coordinator.last_step, sorted(coordinator.pool_specs), coordinator.updates))
+        calls = repr((coordinator.last_call, sorted(coordinator.pool_specs), coordinator.updates))
     return endpoint.shard.export_state(with_optimizer=True), calls
 
 

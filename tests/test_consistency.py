@@ -92,7 +92,7 @@ def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied(
     server.coordinator.check_liveness(time.monotonic() + 1.0)
     first.wait()
     before = server.shard.state_hash()
-    late = push(server, 1, 1, row_grads=row_grad(server), grads_step=0)
+    late = push(server, 1, 1, row_grads=row_grad(server), grads_call=0)
     late.wait()  # answered at once with current values...
     assert server.shard.state_hash() == before  # ...and its gradients dropped
     stats = server.coordinator.liveness_stats()
@@ -134,7 +134,7 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused(make_server: M
     assert server.coordinator.heartbeat(1, 0.0).wait().startswith("departed: silent")
     before = server.shard.state_hash()
     with pytest.raises(TrainerDepartedError, match="declared departed"):
-        push(server, 1, 1, row_grads=row_grad(server), grads_step=0).wait()
+        push(server, 1, 1, row_grads=row_grad(server), grads_call=0).wait()
     assert server.shard.state_hash() == before
 
 
@@ -145,8 +145,8 @@ def test_staleness_is_zero_in_sync_mode_and_counts_updates_in_between_in_async(
         server = make_server(mode=mode)
         push(server, 0, 0).wait()
         push(server, 1, 0).wait()
-        a = push(server, 0, 1, row_grads=row_grad(server), grads_step=0)
-        b = push(server, 1, 1, row_grads=row_grad(server), grads_step=0)
+        a = push(server, 0, 1, row_grads=row_grad(server), grads_call=0)
+        b = push(server, 1, 1, row_grads=row_grad(server), grads_call=0)
         a.wait()
         b.wait()
         assert server.coordinator.liveness_stats()["staleness"] == expected, mode

@@ -227,7 +227,7 @@ def test_an_async_push_skips_a_row_replaced_since_its_pull() -> None:
     call(server, 1, 2, pull_rows={"emb.weight": x}).wait()  # x admitted again
     fresh = emb.read(x, Reading(train=False, clock=2))
     grads = {"emb.weight": RowBlock(x, torch.ones(1, 4))}
-    call(server, 0, 1, grads_step=0, row_grads=grads).wait()
+    call(server, 0, 1, grads_call=0, row_grads=grads).wait()
     assert torch.equal(emb.read(x, Reading(train=False, clock=2)), fresh)
     assert emb.stats()["dropped_grads"] == 1
 
@@ -244,7 +244,7 @@ def test_a_sync_round_skips_a_row_replaced_since_its_pull() -> None:
     server.coordinator.check_liveness(time.monotonic() + 1.0)
     first.wait()
     grads = {"emb.weight": RowBlock(x, torch.ones(1, 4))}
-    pushed = call(server, 0, 2, grads_step=1, row_grads=grads)  # waits in round 2
+    pushed = call(server, 0, 2, grads_call=1, row_grads=grads)  # waits in round 2
     call(server, 1, 1, pull_rows={"emb.weight": torch.arange(100, 106)}).wait()  # x evicted
     assert int(emb.ids.lookup(x)) == -1
     call(server, 2, 1, pull_rows={"emb.weight": x}).wait()  # x admitted again

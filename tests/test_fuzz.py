@@ -56,8 +56,8 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
 
     return [
         lambda r: setattr(r, "trainer", rng.choice([-1, 7, "0", None, 1.0, True])),
-        lambda r: setattr(r, "step", rng.choice([-5, "1", None, 2.0, 10**6])),
-        lambda r: setattr(r, "grads_step", rng.choice([5, -2, "x", None])),
+        lambda r: setattr(r, "call", rng.choice([-5, "1", None, 2.0, 10**6])),
+        lambda r: setattr(r, "grads_call", rng.choice([5, -2, "x", None])),
         lambda r: setattr(r, "final", junk()),
         lambda r: setattr(r, rng.choice(["dense_grads", "row_grads", "pull_rows"]), junk()),
         lambda r: r.dense_grads.update({dense: spoiled_grad()}),
@@ -89,7 +89,7 @@ def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
     for _ in range(1200):
         request = PushPullRequest(
             trainer=0,
-            step=0,
+            call=0,
             row_grads={"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 4))},
             pull_rows={"items.weight": own_ids(endpoint, 0)},
         )

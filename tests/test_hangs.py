@@ -155,7 +155,7 @@ def test_sync_lateness_is_decided_by_each_server_for_its_own_parameters(
         transport.delay(
             2.5,
             lambda server, op, args: (
-                server == 0 and op == "push_pull" and args[0].trainer == 1 and args[0].step == 3
+                server == 0 and op == "push_pull" and args[0].trainer == 1 and args[0].call == 3
             ),
         )
 

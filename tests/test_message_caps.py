@@ -82,7 +82,7 @@ def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients(
     endpoint.handle("push_pull", (PushPullRequest(0, 0, pool_rows={"items.weight": bags}),)).wait()
     before = endpoint.shard.state_hash()
     pooled = PooledGrad(0, encode("topk", torch.ones(2, 4), topk_ratio=0.5))
-    request = PushPullRequest(0, 1, grads_step=0, pooled_grads={"items.weight": pooled})
+    request = PushPullRequest(0, 1, grads_call=0, pooled_grads={"items.weight": pooled})
     with pytest.raises(InvalidPushError, match="codec topk is not used here"):
         endpoint.handle("push_pull", (request,)).wait()
     assert endpoint.shard.state_hash() == before
@@ -90,7 +90,7 @@ def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients(
     # Dense gradients may come top-k encoded (with error feedback on the trainer).
     name, slot = next(iter(endpoint.shard.dense.items()))
     dense = {name: encode("topk", torch.ones(slot.value.shape), topk_ratio=0.5)}
-    endpoint.handle("push_pull", (PushPullRequest(0, 1, grads_step=0, dense_grads=dense),)).wait()
+    endpoint.handle("push_pull", (PushPullRequest(0, 1, grads_call=0, dense_grads=dense),)).wait()
     assert endpoint.shard.state_hash() != before
 
 
@@ -129,7 +129,7 @@ def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads(
         with pytest.raises(InvalidPushError, match=r"'items.weight'.*answer reading 320 bytes"):
             endpoint.handle(op, (many,)).wait()
     assert endpoint.shard.state_hash() == before
-    assert endpoint.coordinator.last_step == {}  # the refused push_pull was not counted
+    assert endpoint.coordinator.last_call == {}  # the refused push_pull was not counted
 
 
 def test_every_operation_s_arguments_are_capped(make_server: MakeServer) -> None:

@@ -52,11 +52,11 @@ def test_the_push_of_pulled_rows_reuses_the_pulls_routing(
     grads = torch.arange(10.0).view(5, 2).repeat(1, 2)
     pulled_ids = pulled.rows[TABLE][0]
     # The answer's ids (the tensor that was pulled): routed once, for the pull alone.
-    after = client.push_pull({}, {TABLE: (pulled_ids, grads)}, {TABLE: ids}, grads_step=0).wait()
+    after = client.push_pull({}, {TABLE: (pulled_ids, grads)}, {TABLE: ids}, grads_call=0).wait()
     assert routed == [5, 5]
     assert torch.equal(after.rows[TABLE][1], before - grads)  # sgd, lr 1: every row on its own
     # Equal ids in another tensor (as when rows were added since the pull): routed again.
-    again = client.push_pull({}, {TABLE: (ids.clone(), grads)}, {TABLE: ids}, grads_step=1).wait()
+    again = client.push_pull({}, {TABLE: (ids.clone(), grads)}, {TABLE: ids}, grads_call=1).wait()
     assert routed == [5, 5, 5, 5]
     assert torch.equal(again.rows[TABLE][1], after.rows[TABLE][1] - grads)
 
@@ -96,7 +96,7 @@ def test_a_pooled_pulls_distinct_ids_serve_its_gradients_push(
     pooled = coordinator.push_pull(pull).wait().pooled["items.weight"]
     assert torch.equal(pooled, torch.stack([rows[5] + rows[2], rows[2] + rows[1]]))
     grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
-    push = PushPullRequest(0, 1, pooled_grads={"items.weight": PooledGrad(0, grads)}, grads_step=0)
+    push = PushPullRequest(0, 1, pooled_grads={"items.weight": PooledGrad(0, grads)}, grads_call=0)
     coordinator.push_pull(push).wait()
     assert uniques == [[5, 2, 2, 1]]  # once, at the pull
     after = coordinator.shard.export_state()["items.weight"]["value"]

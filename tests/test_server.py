@@ -23,7 +23,7 @@ def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
     def request(**fields: object) -> PushPullRequest:
         base: dict[str, object] = {"row_grads": dict(good_rows)}
         base.update(fields)
-        return PushPullRequest(trainer=0, step=0, **base)  # type: ignore[arg-type]
+        return PushPullRequest(trainer=0, call=0, **base)  # type: ignore[arg-type]
 
     other_dense = next(
         n for n, s in endpoint.shard.plan.dense_server.items() if s != endpoint.shard.server
@@ -109,7 +109,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str, make_server: 
     # The server still works: the same trainer's valid push applies afterwards.
     good = PushPullRequest(
         trainer=0,
-        step=0,
+        call=0,
         row_grads={"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))},
     )
     transport.push_pull(0, good).wait()
@@ -119,7 +119,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str, make_server: 
 def test_error_names_the_parameter(make_server: MakeServer) -> None:
     endpoint = make_server()
     dense = a_dense_name(endpoint)
-    request = PushPullRequest(trainer=0, step=1, dense_grads={dense: torch.ones(99)})
+    request = PushPullRequest(trainer=0, call=1, dense_grads={dense: torch.ones(99)})
     with pytest.raises(InvalidPushError, match=f"parameter '{dense}'.*shape"):
         endpoint.handle("push_pull", (request,)).wait()
 
@@ -127,22 +127,22 @@ def test_error_names_the_parameter(make_server: MakeServer) -> None:
 def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()
-    junk_report = PushPullRequest(trainer=0, step=1, report="junk")  # type: ignore[arg-type]
+    junk_report = PushPullRequest(trainer=0, call=1, report="junk")  # type: ignore[arg-type]
     cases = [
         ("drop_tables", ()),
         (7, ()),
         ("push_pull", "not a tuple"),
         ("push_pull", (42,)),
         ("push_pull", ()),
-        ("push_pull", (PushPullRequest(trainer=7, step=1),)),
-        ("push_pull", (PushPullRequest(trainer=True, step=1),)),
-        ("push_pull", (PushPullRequest(trainer=0, step=-1),)),
-        ("push_pull", (PushPullRequest(trainer=0, step=1.5),)),  # type: ignore[arg-type]
-        ("push_pull", (PushPullRequest(trainer=0, step=1, final=1),)),  # type: ignore[arg-type]
-        ("push_pull", (PushPullRequest(trainer=0, step=1, dense_grads=[]),)),  # type: ignore[arg-type]
-        ("push_pull", (PushPullRequest(trainer=0, step=1, row_grads={1: None}),)),  # type: ignore[dict-item]
+        ("push_pull", (PushPullRequest(trainer=7, call=1),)),
+        ("push_pull", (PushPullRequest(trainer=True, call=1),)),
+        ("push_pull", (PushPullRequest(trainer=0, call=-1),)),
+        ("push_pull", (PushPullRequest(trainer=0, call=1.5),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, call=1, final=1),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, call=1, dense_grads=[]),)),  # type: ignore[arg-type]
+        ("push_pull", (PushPullRequest(trainer=0, call=1, row_grads={1: None}),)),  # type: ignore[dict-item]
         ("push_pull", (junk_report,)),
-        ("pull", (PushPullRequest(trainer=0, step=0, final=True),)),
+        ("pull", (PushPullRequest(trainer=0, call=0, final=True),)),
         ("export_state", (1, 2, 3)),
         ("export_state", ("yes",)),
     ]
@@ -150,7 +150,27 @@ def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
         with pytest.raises(ParamServerError):
             endpoint.handle(op, args).wait()
     assert endpoint.shard.state_hash() == before
-    assert endpoint.coordinator.last_step == {}
+    assert endpoint.coordinator.last_call == {}
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"call": -1}, "bad call -1"),
+        ({"call": "1"}, "bad call '1'"),
+        ({"call": 1, "grads_call": 1}, "bad grads_call 1"),
+        ({"call": 1, "grads_call": -2}, "bad grads_call -2"),
+        ({"call": 1, "grads_call": None}, "bad grads_call None"),
+    ],
+)
+def test_a_bad_call_number_is_refused_naming_its_field(
+    make_server: MakeServer, fields: dict[str, object], message: str
+) -> None:
+    endpoint = make_server()
+    request = PushPullRequest(trainer=0, **fields)  # type: ignore[arg-type]
+    with pytest.raises(ParamServerError, match=message):
+        endpoint.handle("push_pull", (request,)).wait()
+    assert endpoint.coordinator.last_call == {}
 
 
 def test_randomized_malformed_pushes_never_change_state(make_server: MakeServer) -> None:
@@ -160,14 +180,14 @@ def test_randomized_malformed_pushes_never_change_state(make_server: MakeServer)
     dense = a_dense_name(endpoint)
     shape = endpoint.shard.dense[dense].value.shape
     rejected = 0
-    for step in range(1, 301):
+    for call in range(1, 301):
         garbage = torch.randn(shape, generator=g)
         garbage.view(-1)[int(torch.randint(0, garbage.numel(), (1,), generator=g))] = float("nan")
         ids = torch.randint(-50, 100, (3,), generator=g)
         rows = torch.randn(3, int(torch.randint(3, 6, (1,), generator=g)), generator=g)
         request = PushPullRequest(
             trainer=0,
-            step=step,
+            call=call,
             dense_grads={dense: garbage},
             row_grads={"user.weight": RowBlock(ids, rows)},
         )
@@ -187,11 +207,11 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing(make_server: Make
 
     def pusher(trainer: int) -> None:
         barrier.wait()
-        for step in range(pushes_per_trainer):
+        for call in range(pushes_per_trainer):
             grad = torch.full((4, 4), 0.001 * (trainer + 1))
             request = PushPullRequest(
                 trainer=trainer,
-                step=step,
+                call=call,
                 pull_dense=False,
                 row_grads={"user.weight": RowBlock(ids, grad)},
             )
@@ -213,7 +233,7 @@ def test_duplicate_push_is_answered_not_applied_twice(make_server: MakeServer) -
     ids = own_ids(endpoint, 2)
     request = PushPullRequest(
         trainer=1,
-        step=0,
+        call=0,
         row_grads={"user.weight": RowBlock(ids, torch.ones(1, 4))},
         pull_rows={"user.weight": ids},
     )
@@ -225,19 +245,19 @@ def test_duplicate_push_is_answered_not_applied_twice(make_server: MakeServer) -
 
 
 def start(endpoint: ServerEndpoint, trainers: int) -> None:
-    """Each trainer's first call (step 0): the initial pull."""
+    """Each trainer's first call (number 0): the initial pull."""
     for trainer in range(trainers):
-        request = PushPullRequest(trainer=trainer, step=0, pull_dense=False)
+        request = PushPullRequest(trainer=trainer, call=0, pull_dense=False)
         endpoint.handle("push_pull", (request,)).wait()
 
 
 def sync_push(
-    endpoint: ServerEndpoint, trainer: int, step: int, value: float, final: bool = False
+    endpoint: ServerEndpoint, trainer: int, call: int, value: float, final: bool = False
 ) -> torch.futures.Future:
     ids = own_ids(endpoint, 0)
     request = PushPullRequest(
         trainer=trainer,
-        step=step,
+        call=call,
         final=final,
         pull_dense=False,
         row_grads={"user.weight": RowBlock(ids, torch.full((1, 4), value))},
@@ -288,20 +308,20 @@ def test_a_trainer_leaving_without_gradients_completes_a_waiting_round(
     endpoint = make_server(mode="sync", trainers=2)
     start(endpoint, 1)  # trainer 1 has no data: its first call leaves
     waiting = sync_push(endpoint, 0, 1, 1.0)
-    leave = PushPullRequest(trainer=1, step=0, final=True, pull_dense=False)
+    leave = PushPullRequest(trainer=1, call=0, final=True, pull_dense=False)
     endpoint.handle("push_pull", (leave,)).wait()
     waiting.wait()
     assert endpoint.shard.stats.pushes == 1
 
 
-def test_a_step_gap_is_refused_and_moves_no_clock(make_server: MakeServer) -> None:
+def test_a_call_number_gap_is_refused_and_moves_no_clock(make_server: MakeServer) -> None:
     endpoint = make_server()
     start(endpoint, 2)
-    jump = PushPullRequest(trainer=1, step=10**6, pull_dense=False)
-    with pytest.raises(ParamServerError, match="sent step 1000000 after 0"):
+    jump = PushPullRequest(trainer=1, call=10**6, pull_dense=False)
+    with pytest.raises(ParamServerError, match="sent call 1000000 after 0"):
         endpoint.handle("push_pull", (jump,)).wait()
     assert endpoint.shard.clock == 0
-    assert endpoint.coordinator.last_step == {0: 0, 1: 0}
+    assert endpoint.coordinator.last_call == {0: 0, 1: 0}
 
 
 def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures(
@@ -309,12 +329,12 @@ def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures(
 ) -> None:
     endpoint = make_server()
     start(endpoint, 1)
-    stale = PushPullRequest(trainer=0, step=0, pull_rows={"no.such.table": torch.tensor([0])})
+    stale = PushPullRequest(trainer=0, call=0, pull_rows={"no.such.table": torch.tensor([0])})
     future = endpoint.handle("push_pull", (stale,))  # must not raise here
     with pytest.raises(InvalidPushError, match="unknown parameter or table"):
         future.wait()
     repeated = PushPullRequest(
-        trainer=0, step=1, pull_rows={"user.weight": own_ids(endpoint, 3, 3)}
+        trainer=0, call=1, pull_rows={"user.weight": own_ids(endpoint, 3, 3)}
     )
     with pytest.raises(InvalidPushError, match="sorted and unique"):
         endpoint.handle("push_pull", (repeated,)).wait()

@@ -102,7 +102,7 @@ class Checkpoint:
     """A committed checkpoint that verified when :func:`load_latest` found it."""
 
     directory: Path
-    step: int
+    step: int  # the call number it was saved at (in sync mode, the training steps done)
     meta: dict[str, Any]  # the job's metadata, as given to commit()
     part_names: tuple[str, ...]  # sorted
     files: FileDigests = field(repr=False)

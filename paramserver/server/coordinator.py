@@ -8,12 +8,12 @@ the answer to a trainer's call ``c`` (the values it computes its next step with)
 every live trainer has made call ``c - s``: no trainer runs more than ``s`` steps ahead of the
 slowest. ``s = 0`` is lock-step without aggregation; async is no bound.
 
-``sync``: the pushes of step ``t`` from every trainer still in the round set form round ``t``.
+``sync``: the calls numbered ``t`` from every trainer still in the round set form round ``t``.
 When the last one arrives the round's gradients are averaged (summed in trainer order, so the
 result does not depend on arrival order), applied once, and every trainer of the round is
 answered with the new values. Waiting is a :class:`torch.futures.Future` per trainer completed
 by the call that closes the round: no RPC thread blocks. Dynamic tables' clock for a round, and
-for the initial calls, is their step (not the highest step seen, which depends on arrival order),
+for the initial calls, is their call number (not the highest seen, which depends on arrival order),
 so a sync job is reproducible.
 
 Stragglers: with a ``round_deadline``, a sync round open that long closes with the pushes
@@ -29,11 +29,11 @@ Membership: all trainers start in the round set. A push marked ``final`` (the tr
 ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
 
 Staleness: each answer that trains records how many updates this server had applied; when the
-gradients computed from it arrive (``grads_step`` names that call), the updates applied since
+gradients computed from it arrive (``grads_call`` names that call), the updates applied since
 are the gradient's staleness (always 0 in sync mode), kept as a histogram.
 
 Idempotency: a trainer numbers its calls 0, 1, 2, ... and sends them one at a time, so a
-server accepts only the next number. ``(trainer, step)`` on this server is applied at most once:
+server accepts only the next number. ``(trainer, call)`` on this server is applied at most once:
 a duplicate of a push still waiting in a round gets that round's answer; a duplicate of an
 applied push is answered with current values (its reads validated, its gradients ignored). A
 repeat of a trainer's newest call is read as that call was, counting nothing again: a trainer
@@ -111,18 +111,18 @@ class Coordinator:
         self.left: set[int] = set()
         self.departed: set[int] = set()
         self.departure_reasons: dict[int, str] = {}
-        self.last_step: dict[int, int] = {}
-        self.applied_step: dict[int, int] = {}  # each trainer's newest call applied here
+        self.last_call: dict[int, int] = {}
+        self.applied_call: dict[int, int] = {}  # each trainer's newest call applied here
         # Silence is counted from a trainer's last call or heartbeat, or, before its first,
         # from the first contact of any trainer (all start together, after the RPC barrier).
         self.last_seen: dict[int, float] = {}
         self._first_contact: float | None = None
         self.reports: dict[int, TrainerReport] = {}
         # The bags each trainer pulled for server-side pooling, until their gradients come
-        # back: (trainer, pull step, table) -> bags.
+        # back: (trainer, pull call, table) -> bags.
         self.pool_specs: dict[tuple[int, int, str], BagBlock] = {}
         self.updates = 0  # updates applied (pushes, or rounds in sync mode)
-        self._read_at: dict[tuple[int, int], int] = {}  # (trainer, step) -> updates then
+        self._read_at: dict[tuple[int, int], int] = {}  # (trainer, call) -> updates then
         self.liveness = LivenessStats()
         self.rounds = SyncRounds(settings.round_deadline, settings.min_contributors)
         self._held: list[_Held] = []
@@ -176,7 +176,7 @@ class Coordinator:
         applied); returns its size on the wire. Raises ParamServerError, changing nothing."""
         self._check_header(request)
         with self.lock:
-            repeat = request.step <= self.last_step.get(request.trainer, -1)
+            repeat = request.call <= self.last_call.get(request.trainer, -1)
             if request.trainer in self.departed:  # before its contents are looked at
                 raise self._departed(request.trainer)
         received = self.shard.check_size(request, self.max_message_bytes)
@@ -193,9 +193,9 @@ class Coordinator:
         in its round gets that round's answer; an applied one is answered with current
         values (the read, outside the lock, changes nothing)."""
         with self.lock:
-            if request.step > self.last_step.get(request.trainer, -1):
+            if request.call > self.last_call.get(request.trainer, -1):
                 return None
-            original = self.rounds.waiter(request.trainer, request.step)
+            original = self.rounds.waiter(request.trainer, request.call)
         if original is not None:
             return chain(original, lambda reply: reply)
         return completed(self._answer_again(request))
@@ -203,38 +203,38 @@ class Coordinator:
     def _admit(self, request: PushPullRequest) -> int:
         """Take a new call in order (raises why it is refused); returns the table clock it
         runs at. Called with the lock held."""
-        refusal = self._refusal(request, self.last_step.get(request.trainer, -1))
+        refusal = self._refusal(request, self.last_call.get(request.trainer, -1))
         if refusal is not None:
             raise refusal
         for name, pooled in request.pooled_grads.items():  # each pooled pull is used once
-            del self.pool_specs[(request.trainer, pooled.pull_step, name)]
-        self.last_step[request.trainer] = request.step
+            del self.pool_specs[(request.trainer, pooled.pull_call, name)]
+        self.last_call[request.trainer] = request.call
         self._seen(request.trainer)
-        # A trainer's later gradients come from reads at grads_step or after.
-        stale = [k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_step]
+        # A trainer's later gradients come from reads at grads_call or after.
+        stale = [k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_call]
         for read in stale:
             del self._read_at[read]
         if request.report is not None:
             self.reports[request.trainer] = request.report
-        clock = self.shard.advance_clock(request.step)
-        if self.mode == "sync" and request.step == 0:
-            # Initial reads run at step 0, as round t's run at t. The highest step seen depends
+        clock = self.shard.advance_clock(request.call)
+        if self.mode == "sync" and request.call == 0:
+            # Initial reads run at call 0, as round t's run at t. The highest call seen depends
             # on arrival: a faster trainer's call 1 (waiting in round 1) can come before a
-            # slower one's call 0. A late call, outside its round, takes the highest step seen.
+            # slower one's call 0. A late call, outside its round, takes the highest call seen.
             return 0
         return clock
 
     def _joins_round(self, request: PushPullRequest) -> bool:
         """Whether an admitted call joins its sync round. In sync mode every push after the
-        initial pull does, gradients or not (the round waits for each member's step,
+        initial pull does, gradients or not (the round waits for each member's call,
         whatever this server owns of it), unless its round closed without it: then it is
         late, and its gradients are dropped. Called with the lock held."""
-        if self.mode != "sync" or request.step == 0:
+        if self.mode != "sync" or request.call == 0:
             return False
-        if not self.rounds.closed(request.step):
+        if not self.rounds.closed(request.call):
             return True
         self.liveness.late_pushes += 1
-        self._read_at.pop((request.trainer, request.grads_step), None)
+        self._read_at.pop((request.trainer, request.grads_call), None)
         request.drop_gradients()
         return False
 
@@ -244,11 +244,11 @@ class Coordinator:
         try:
             if request.has_grads:
                 self._record_staleness([request])
-                pull = (request.trainer, request.grads_step)
+                pull = (request.trainer, request.grads_call)
                 self.shard.apply(request.dense_grads, request.row_grads, clock, pull)
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
-                self.applied_step[request.trainer] = request.step
+                self.applied_call[request.trainer] = request.call
             if self.ssp_bound is not None and not request.final:
                 return self._answer_within_bound(request, clock)
             return completed(self._answer(request, train=True, clock=clock))
@@ -314,8 +314,8 @@ class Coordinator:
         """Continue a job saved at ``step``: every trainer's next new call is ``step + 1``
         (a trainer saved at ``step`` first repeats it: see :meth:`_answer_again`)."""
         with self.lock:
-            self.last_step = dict.fromkeys(self.members, step)
-            self.applied_step = dict(self.last_step)
+            self.last_call = dict.fromkeys(self.members, step)
+            self.applied_call = dict(self.last_call)
         self.checkpoints.planned = self.checkpoints.taken_through = step
 
     def remove_trainer(self, trainer: int, reason: str = "it failed") -> None:
@@ -409,12 +409,12 @@ class Coordinator:
             return TrainerDepartedError(f"server {server}: trainer {trainer} already left")
         # A trainer's calls reach a server one at a time and numbered 0, 1, 2, ...: a gap
         # is a peer's error (and would let one call move every table's clock far ahead).
-        if request.step != previous + 1:
+        if request.call != previous + 1:
             return ParamServerError(
-                f"server {server}: trainer {trainer} sent step {request.step} after {previous}"
+                f"server {server}: trainer {trainer} sent call {request.call} after {previous}"
             )
         if not all(
-            (trainer, p.pull_step, n) in self.pool_specs for n, p in request.pooled_grads.items()
+            (trainer, p.pull_call, n) in self.pool_specs for n, p in request.pooled_grads.items()
         ):
             return InvalidPushError(
                 "pooled gradients for bags that were already used", server=server
@@ -428,10 +428,10 @@ class Coordinator:
             raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
         if type(request.trainer) is not int or not 0 <= request.trainer < self.num_trainers:
             raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
-        if type(request.step) is not int or request.step < 0:
-            raise ParamServerError(f"server {server}: bad step {request.step!r}")
-        if type(request.grads_step) is not int or not -1 <= request.grads_step < request.step:
-            raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
+        if type(request.call) is not int or request.call < 0:
+            raise ParamServerError(f"server {server}: bad call {request.call!r}")
+        if type(request.grads_call) is not int or not -1 <= request.grads_call < request.call:
+            raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
         if type(request.final) is not bool or type(request.pull_dense) is not bool:
             raise ParamServerError(f"server {server}: malformed request: flags must be bools")
         for name in (
@@ -459,15 +459,15 @@ class Coordinator:
         """Turn gradients of pooled vectors into row gradients, using the bags this trainer
         pulled; raises InvalidPushError (and changes nothing) if they do not match."""
         for name, pooled in request.pooled_grads.items():
-            if type(pooled) is not PooledGrad or type(pooled.pull_step) is not int:
+            if type(pooled) is not PooledGrad or type(pooled.pull_call) is not int:
                 raise InvalidPushError(
                     "malformed pooled gradient", param=name, server=self.shard.server
                 )
             with self.lock:
-                spec = self.pool_specs.get((request.trainer, pooled.pull_step, name))
+                spec = self.pool_specs.get((request.trainer, pooled.pull_call, name))
             if spec is None:
                 raise InvalidPushError(
-                    f"no pooled pull at step {pooled.pull_step} to match",
+                    f"no pooled pull at call {pooled.pull_call} to match",
                     param=name,
                     server=self.shard.server,
                 )
@@ -492,7 +492,7 @@ class Coordinator:
         counted, and continues as if never stopped; one whose data had ended leaves with it.
         """
         with self.lock:
-            newest = request.step == self.last_step.get(request.trainer)
+            newest = request.call == self.last_call.get(request.trainer)
             if newest and request.report is not None:
                 self.reports[request.trainer] = request.report
         reply = self._answer(request, train=False, again=newest)
@@ -508,9 +508,9 @@ class Coordinator:
         if train or again:
             with self.lock:
                 if request.trainer in self.members:  # a leaver's pulls will never come back
-                    self._read_at[(request.trainer, request.step)] = self.updates
+                    self._read_at[(request.trainer, request.call)] = self.updates
                     for name, block in request.pool_rows.items():
-                        self.pool_specs[(request.trainer, request.step, name)] = block
+                        self.pool_specs[(request.trainer, request.call, name)] = block
         reply = self.shard.read(request, train=train, clock=clock, again=again)
         reply.checkpoint_at = self.checkpoints.planned
         with self.shard.stats.lock:
@@ -520,7 +520,7 @@ class Coordinator:
     def _record_staleness(self, requests: list[PushPullRequest]) -> None:
         with self.lock:
             for request in requests:
-                read_at = self._read_at.pop((request.trainer, request.grads_step), None)
+                read_at = self._read_at.pop((request.trainer, request.grads_call), None)
                 if read_at is not None:
                     self.liveness.staleness[self.updates - read_at] += 1
 
@@ -530,15 +530,15 @@ class Coordinator:
 
     # ---- SSP ----
 
-    def _within_bound(self, step: int) -> bool:
-        """Whether every live trainer has made call ``step - s``. Called with the lock held."""
+    def _within_bound(self, call: int) -> bool:
+        """Whether every live trainer has made call ``call - s``. Called with the lock held."""
         assert self.ssp_bound is not None
-        slowest = min((self.applied_step.get(t, -1) for t in self.members), default=step)
-        return slowest >= step - self.ssp_bound
+        slowest = min((self.applied_call.get(t, -1) for t in self.members), default=call)
+        return slowest >= call - self.ssp_bound
 
     def _answer_within_bound(self, request: PushPullRequest, clock: int) -> Future:
         with self.lock:
-            if not self._within_bound(request.step):
+            if not self._within_bound(request.call):
                 held = _Held(request, Future(), clock)
                 self._held.append(held)
                 self.liveness.held_answers += 1
@@ -554,7 +554,7 @@ class Coordinator:
                 return
             released, kept = [], []
             for held in self._held:
-                if self._within_bound(held.request.step):
+                if self._within_bound(held.request.call):
                     released.append(held)
                 elif deadline is not None and now - held.since >= deadline:
                     released.append(held)
@@ -574,17 +574,17 @@ class Coordinator:
 
     def _ready_rounds(self, now: float | None = None) -> list[tuple[int, Round]]:
         """Called with the lock held. While an announced checkpoint's snapshot is not taken,
-        no later round closes short: the snapshot must see exactly the rounds up to its step."""
+        no later round closes short: the snapshot must see exactly the rounds up to its call."""
         pending = self.checkpoints.pending_snapshot()
         ready, short = self.rounds.pop_ready(self.members, now, pending)
         self.liveness.short_rounds += short
         return ready
 
     def _close_rounds(self, ready: list[tuple[int, Round]]) -> None:
-        for step, round_ in ready:
-            self._close_round(step, round_)
+        for call, round_ in ready:
+            self._close_round(call, round_)
 
-    def _close_round(self, step: int, round_: Round) -> None:
+    def _close_round(self, call: int, round_: Round) -> None:
         """Apply a complete round and answer each of its trainers; every waiter completes,
         with an error if the round could not be applied."""
         trainers = sorted(round_.requests)
@@ -595,7 +595,7 @@ class Coordinator:
             for request in requests:  # each one's gradients go only to the rows it read
                 self.shard.drop_grads_of_replaced_rows(request)
             dense, rows = aggregate_mean(requests)
-            self.shard.apply(dense, rows, clock=step)
+            self.shard.apply(dense, rows, clock=call)
             self._count_update()
         except Exception as failure:
             error = failure
@@ -609,7 +609,7 @@ class Coordinator:
             try:
                 if error is not None:
                     raise error
-                answers[trainer] = self._answer(round_.requests[trainer], train=True, clock=step)
+                answers[trainer] = self._answer(round_.requests[trainer], train=True, clock=call)
             except Exception as failure:
                 answers[trainer] = failure
         for trainer, answer in answers.items():
@@ -619,7 +619,7 @@ class Coordinator:
             else:
                 waiter.set_result(answer)
         with self.lock:
-            self.rounds.remove(step)
+            self.rounds.remove(call)
 
     def _leave(self, trainers: list[int], *, departed: bool = False, reason: str = "") -> None:
         """Take ``trainers`` out of the rounds and bounds: they left (their data ended) or,

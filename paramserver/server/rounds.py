@@ -1,8 +1,9 @@
-"""Sync-mode rounds: which pushes form step ``t``'s round, when it may close, and its mean.
+"""Sync-mode rounds: which pushes form round ``t``, when it may close, and its mean.
 
-A round collects the pushes of one step from the trainers in the round set. It may close when
-every member has pushed, or, with a deadline, once it has been open that long and holds at
-least ``min_contributors`` pushes (a short round). Rounds close oldest first; a push for a
+Round ``t`` collects the calls numbered ``t`` (a trainer's call ``t`` carries the gradients of
+its ``t``-th training step) of the trainers in the round set. It may close when every member
+has pushed, or, with a deadline, once it has been open that long and holds at least
+``min_contributors`` pushes (a short round). Rounds close oldest first; a push for a
 round that already closed is late. Not thread-safe: the coordinator's lock guards it.
 """
 
@@ -32,22 +33,22 @@ class SyncRounds:
         self.deadline = deadline
         self.min_contributors = min_contributors
         self.open: dict[int, Round] = {}
-        self.closed_through = 0  # every round up to this step has closed
+        self.closed_through = 0  # every round up to this call number has closed
 
-    def closed(self, step: int) -> bool:
-        return step <= self.closed_through
+    def closed(self, call: int) -> bool:
+        return call <= self.closed_through
 
     def join(self, request: PushPullRequest) -> Future:
         """Add ``request`` to its round; returns the future of its answer."""
-        round_ = self.open.setdefault(request.step, Round())
+        round_ = self.open.setdefault(request.call, Round())
         round_.requests[request.trainer] = request
         waiter: Future = Future()
         round_.waiters[request.trainer] = waiter
         return waiter
 
-    def waiter(self, trainer: int, step: int) -> Future | None:
-        """The answer ``trainer`` awaits for ``step``'s round, if that round is still open."""
-        round_ = self.open.get(step)
+    def waiter(self, trainer: int, call: int) -> Future | None:
+        """The answer ``trainer`` awaits for round ``call``, if that round is still open."""
+        round_ = self.open.get(call)
         return None if round_ is None else round_.waiters.get(trainer)
 
     def pop_ready(
@@ -58,26 +59,26 @@ class SyncRounds:
         ``short_through`` (if given) close only complete."""
         now = time.monotonic() if now is None else now
         ready, short = [], 0
-        for step, round_ in self.open.items():
+        for call, round_ in self.open.items():
             if round_.closing:
                 continue
             if members <= round_.requests.keys():
-                ready.append((step, round_))
+                ready.append((call, round_))
             elif (
                 self.deadline is not None
-                and (short_through is None or step <= short_through)
+                and (short_through is None or call <= short_through)
                 and now - round_.opened_at >= self.deadline
                 and len(round_.requests) >= self.min_contributors
             ):
-                ready.append((step, round_))
+                ready.append((call, round_))
                 short += 1
-        for step, round_ in ready:
+        for call, round_ in ready:
             round_.closing = True
-            self.closed_through = max(self.closed_through, step)
+            self.closed_through = max(self.closed_through, call)
         return sorted(ready, key=lambda item: item[0]), short
 
-    def remove(self, step: int) -> None:
-        del self.open[step]
+    def remove(self, call: int) -> None:
+        del self.open[call]
 
 
 def aggregate_mean(

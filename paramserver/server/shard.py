@@ -48,7 +48,8 @@ class DenseSlot:
     value: Tensor
     rule: UpdateRule
     state: State
-    step: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
+    # Updates applied: the value's version, and the step count its update rule reads.
+    version: Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float32))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -128,7 +129,7 @@ class ServerShard:
         }
         self.dense_pull_codec = config.dense_pull_codec
         self.table_pull_codecs = {name: config.codecs_for_table(name)[1] for name in plan.tables}
-        self.clock = 0  # the highest trainer step seen: dynamic tables' time
+        self.clock = 0  # the highest call number seen: dynamic tables' time
         self._clock_lock = threading.Lock()
 
     # ---- validation: a push is checked whole before anything is applied ----
@@ -344,9 +345,9 @@ class ServerShard:
 
     # ---- applying and reading ----
 
-    def advance_clock(self, step: int) -> int:
+    def advance_clock(self, call: int) -> int:
         with self._clock_lock:
-            self.clock = max(self.clock, step)
+            self.clock = max(self.clock, call)
             return self.clock
 
     @torch.no_grad()
@@ -369,7 +370,7 @@ class ServerShard:
         for name, grad in dense_grads.items():
             slot = self.dense[name]
             with slot.lock:
-                slot.rule.step(slot.value, already_decoded(grad), slot.state, slot.step)
+                slot.rule.step(slot.value, already_decoded(grad), slot.state, slot.version)
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
@@ -381,8 +382,8 @@ class ServerShard:
 
     def drop_grads_of_replaced_rows(self, request: PushPullRequest) -> None:
         """Drop the row gradients of ``request`` whose rows dynamic tables removed since its
-        call ``grads_step`` read them (before a sync round sums several trainers' gradients)."""
-        pull = (request.trainer, request.grads_step)
+        call ``grads_call`` read them (before a sync round sums several trainers' gradients)."""
+        pull = (request.trainer, request.grads_call)
         for name, block in request.row_grads.items():
             table = self.tables[name]
             with table.lock:
@@ -401,7 +402,7 @@ class ServerShard:
         a call already counted, made again), records the rows it hands out for the gradients
         that will come back.
         """
-        pull = (request.trainer, request.step) if train or again else None
+        pull = (request.trainer, request.call) if train or again else None
         reading = Reading(train=train, clock=clock, pull=pull)
         start = time.perf_counter()
         reply = PushPullReply()
@@ -409,7 +410,7 @@ class ServerShard:
             for name, slot in self.dense.items():
                 with slot.lock:
                     reply.dense[name] = slot.value.clone()
-                    reply.dense_versions[name] = int(slot.step)
+                    reply.dense_versions[name] = int(slot.version)
         rows = 0
         for name, ids in request.pull_rows.items():
             table = self.tables[name]
@@ -468,7 +469,7 @@ class ServerShard:
                 entry = {"value": slot.value.clone()}
                 if with_optimizer:
                     entry.update({f"state.{k}": v.clone() for k, v in slot.state.items()})
-                    entry["steps"] = slot.step.clone()
+                    entry["steps"] = slot.version.clone()
             out[name] = entry
         kept = ("ids", "value", "steps") if with_optimizer else ("ids", "value")
         for name, table in self.tables.items():
@@ -499,7 +500,7 @@ class ServerShard:
         for name, theirs in checksums.items():
             slot = self.dense[name]
             with slot.lock:
-                value, version = slot.value.clone(), int(slot.step)
+                value, version = slot.value.clone(), int(slot.version)
             ours = checksum(value)
             views[name] = ServerView(version, ours, None if ours == theirs else value)
         return views

@@ -52,7 +52,7 @@ def snapshot_shard(shard: ServerShard) -> Saved:
         with slot.lock:
             tensors[f"dense/{name}/value"] = slot.value.clone()
             tensors.update({f"dense/{name}/state.{k}": v.clone() for k, v in slot.state.items()})
-            tensors[f"dense/{name}/step"] = slot.step.clone()
+            tensors[f"dense/{name}/step"] = slot.version.clone()
     for name, table in shard.tables.items():
         with table.lock:
             entries, table_meta = table.snapshot()
@@ -104,7 +104,7 @@ def _restore_one(shard: ServerShard, tensors: dict[str, Tensor], meta: dict[str,
         slot.value.copy_(tensors[f"dense/{name}/value"])
         for key, value in slot.state.items():
             value.copy_(tensors[f"dense/{name}/state.{key}"])
-        slot.step.copy_(tensors[f"dense/{name}/step"])
+        slot.version.copy_(tensors[f"dense/{name}/step"])
     # Counters are per server: each new server takes those of the old servers it replaces.
     takes_counters = meta["server"] % plan.num_servers == shard.server
     for name, table_meta in meta["tables"].items():

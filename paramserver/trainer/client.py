@@ -72,8 +72,8 @@ class Pulled:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: RowsById = field(default_factory=dict)
     pooled: dict[str, Tensor] = field(default_factory=dict)  # server-pooled sums per table
-    step: int = -1
-    checkpoint_at: int = -1  # the newest checkpoint step the servers announced
+    call: int = -1  # the number of the call this answers (-1: a pull outside the calls)
+    checkpoint_at: int = -1  # the newest checkpoint the servers announced, a call number
     dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
 
 
@@ -137,7 +137,7 @@ class PSClient:
             for name, spec in plan.tables.items()
             if cache_rows
         }
-        self.step = 0
+        self.next_call = 0  # the number of this trainer's next push_pull
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
         # The routes of the last calls' pulls, by call number: the gradients of those rows
@@ -166,39 +166,39 @@ class PSClient:
         pull_dense: bool = True,
         final: bool = False,
         report: TrainerReport | None = None,
-        grads_step: int = -1,
+        grads_call: int = -1,
     ) -> InFlight:
         """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
         ``row_grads`` and ``pull_ids`` hold sorted unique ids per table. The answer holds the
         dense values and, per table, ``(ids, rows)`` in the order of ``pull_ids``. Call
         ``wait()`` before starting the next push: a trainer's pushes reach a server in order.
-        Row gradients whose ids are the very tensor the answer of call ``grads_step`` holds
+        Row gradients whose ids are the very tensor the answer of call ``grads_call`` holds
         (``Pulled.rows``) go where that call's pull routed them, without routing them again.
 
         Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
-        ``pooled``), and ``pooled_grads`` maps a table to ``(pull_step, gradient of the pooled
-        sums)`` for the bags pulled by the call numbered ``pull_step`` (``Pulled.step``).
-        ``grads_step``: the call whose answer the gradients were computed from.
+        ``pooled``), and ``pooled_grads`` maps a table to ``(pull_call, gradient of the pooled
+        sums)`` for the bags pulled by the call numbered ``pull_call`` (``Pulled.call``).
+        ``grads_call``: the call whose answer the gradients were computed from.
         """
         requests = [
             PushPullRequest(
                 self.trainer,
-                self.step,
+                self.next_call,
                 pull_dense=pull_dense,
                 final=final,
                 report=report,
-                grads_step=grads_step,
+                grads_call=grads_call,
             )
             for _ in range(self.plan.num_servers)
         ]
         self._add_dense_grads(requests, dense_grads)
-        self._add_row_grads(requests, row_grads, grads_step)
+        self._add_row_grads(requests, row_grads, grads_call)
         self._add_pooled_grads(requests, pooled_grads or {})
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
-        self.step += 1
+        self.next_call += 1
         return self._start(
-            "push_pull", requests, pull_ids, report, self.step - 1, pooled_shapes, cached=True
+            "push_pull", requests, pull_ids, report, self.next_call - 1, pooled_shapes, cached=True
         )
 
     def _add_dense_grads(
@@ -213,9 +213,9 @@ class PSClient:
             )
 
     def _add_row_grads(
-        self, requests: list[PushPullRequest], row_grads: RowsById, grads_step: int
+        self, requests: list[PushPullRequest], row_grads: RowsById, grads_call: int
     ) -> None:
-        routed = self._routes.get(grads_step, {})
+        routed = self._routes.get(grads_call, {})
         for name, (ids, grads) in row_grads.items():
             route = routed.get(name)
             if route is None or route.ids is not ids:  # rows added since: route them anew
@@ -229,10 +229,10 @@ class PSClient:
         self, requests: list[PushPullRequest], pooled_grads: dict[str, tuple[int, Tensor]]
     ) -> None:
         """Each table's gradient of pooled sums goes to the servers that pooled them."""
-        for name, (pull_step, grads) in pooled_grads.items():
+        for name, (pull_call, grads) in pooled_grads.items():
             encoded = self._encode_rows(name, grads)
-            for server in self._pool_servers.pop((pull_step, name)):
-                requests[server].pooled_grads[name] = PooledGrad(pull_step, encoded)
+            for server in self._pool_servers.pop((pull_call, name)):
+                requests[server].pooled_grads[name] = PooledGrad(pull_call, encoded)
 
     def _add_pool_bags(
         self, requests: list[PushPullRequest], pool_bags: dict[str, BagBlock]
@@ -251,7 +251,7 @@ class PSClient:
                     part_ids, part_bags, bags.num_bags, weights[0] if weights else None
                 )
                 servers.append(server)
-            self._pool_servers[(self.step, name)] = servers
+            self._pool_servers[(self.next_call, name)] = servers
         return pooled_shapes
 
     def wire_bytes(self) -> tuple[int, int]:
@@ -286,7 +286,7 @@ class PSClient:
         requests: list[PushPullRequest],
         pull_ids: dict[str, Tensor],
         report: TrainerReport | None = None,
-        step: int = -1,
+        call: int = -1,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
         cached: bool = False,
     ) -> InFlight:
@@ -303,9 +303,9 @@ class PSClient:
                 versions = cached_versions[name][1]
                 for server, part in enumerate(route.split(versions)):
                     requests[server].pull_versions[name] = part
-        if step >= 0:  # a step's pull: its rows' gradients follow
-            self._routes[step] = routes
-            for old in [s for s in self._routes if s <= step - ROUTED_CALLS_KEPT]:
+        if call >= 0:  # a numbered call's pull: its rows' gradients follow
+            self._routes[call] = routes
+            for old in [c for c in self._routes if c <= call - ROUTED_CALLS_KEPT]:
                 del self._routes[old]
         # Each request is measured once: for the traffic, the report and the call profile.
         sizes = [payload_size(r) for r in requests]
@@ -325,7 +325,7 @@ class PSClient:
             for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
         ]
         orders = {name: route.order for name, route in routes.items()}
-        return InFlight(self, futures, pull_ids, orders, step, pooled_shapes or {}, cached_versions)
+        return InFlight(self, futures, pull_ids, orders, call, pooled_shapes or {}, cached_versions)
 
 
 class InFlight:
@@ -337,7 +337,7 @@ class InFlight:
         futures: list[Future],
         pull_ids: dict[str, Tensor],
         orders: dict[str, Tensor],
-        step: int,
+        call: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
         cached_versions: dict[str, tuple[Tensor, Tensor]],
     ):
@@ -345,7 +345,7 @@ class InFlight:
         self.futures = futures
         self.pull_ids = pull_ids
         self.orders = orders
-        self.step = step  # the call number (-1 for a pull outside the steps)
+        self.call = call  # the call number (-1 for a pull outside the calls)
         self.pooled_shapes = pooled_shapes
         self.cached_versions = cached_versions  # per cached table: its slots, versions sent
         self.result: Pulled | None = None
@@ -362,7 +362,7 @@ class InFlight:
         replies = [reply for reply, _ in answers]
         traffic = self.client.traffic
         traffic.uncompressed_received += sum(size.uncompressed_nbytes for _, size in answers)
-        pulled = Pulled(step=self.step, checkpoint_at=max(r.checkpoint_at for r in replies))
+        pulled = Pulled(call=self.call, checkpoint_at=max(r.checkpoint_at for r in replies))
         for reply in replies:
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
             pulled.dense_versions.update(reply.dense_versions)

@@ -73,13 +73,13 @@ class Gradients:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
-    pull_step: int = -1  # the call whose answer they were computed from
+    pull_call: int = -1  # the call whose answer they were computed from
 
     @classmethod
-    def of(cls, replica: Replica, pull_step: int) -> Gradients:
+    def of(cls, replica: Replica, pull_call: int) -> Gradients:
         dense, rows = replica.gradients()
-        pooled = {name: (pull_step, g) for name, g in replica.pooled_gradients().items()}
-        return cls(dense, rows, pooled, pull_step)
+        pooled = {name: (pull_call, g) for name, g in replica.pooled_gradients().items()}
+        return cls(dense, rows, pooled, pull_call)
 
     def push(
         self,
@@ -98,9 +98,9 @@ class Gradients:
             pull_dense=following is not None,
             final=final,
             report=report,
-            grads_step=self.pull_step,
+            grads_call=self.pull_call,
         )
-        self.dense, self.rows, self.pooled, self.pull_step = {}, {}, {}, -1
+        self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
         return in_flight
 
 
@@ -306,11 +306,11 @@ class _TrainerRun:
             assert in_flight is not None
             pulled = in_flight.wait()
             self.checkpoints.after_reply(
-                pulled.step, pulled.checkpoint_at, self.steps, self.samples
+                pulled.call, pulled.checkpoint_at, self.steps, self.samples
             )
             following = record_next()
             if following is not None:  # a checkpoint the chief can take: it has a next step
-                self.checkpoints.announce_if_due(pulled.step)
+                self.checkpoints.announce_if_due(pulled.call)
             if prefetch:
                 # Pull the next step's rows while this one computes, pushing what is ready now.
                 in_flight = grads.push(client, following)
@@ -344,7 +344,7 @@ class _TrainerRun:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), self.config.clip_grad_norm)
         self.steps += 1
         self.losses.append(step_loss)
-        return Gradients.of(replica, pulled.step)
+        return Gradients.of(replica, pulled.call)
 
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
@@ -374,8 +374,9 @@ class _TrainerRun:
 
 @dataclass(frozen=True)
 class Resumed:
-    """Where a trainer starts: the checkpoint's step (-1: none, a fresh start) and the steps
-    and samples it had done by then (0 for a trainer that had left the job before it)."""
+    """Where a trainer starts: the checkpoint's step, the call number it was saved at (-1:
+    none, a fresh start), and the training steps and samples the trainer had done by then (0
+    for a trainer that had left the job before it)."""
 
     at: int = -1
     steps: int = 0
@@ -400,20 +401,22 @@ def resume_trainer(
     # read: a trainer saved at k (all, in sync mode) repeats it, read again without being
     # counted twice; one saved later (async) goes on at k + 1; one whose data had ended
     # repeats k as its final call.
-    client.step = found.step
-    checkpoints.resumed_at(found.step)
+    saved_at = found.step  # a checkpoint's step is the call number it was saved at
+    client.next_call = saved_at
+    checkpoints.resumed_at(saved_at)
     name = f"trainer-{trainer}"
     if name not in found.part_names:
         for _ in groups:
             pass
-        return Resumed(found.step)
+        return Resumed(saved_at)
     tensors, meta = found.read_part(name)
-    if int(meta["steps_done"]) != found.step:
-        client.step = found.step + 1
-    for _ in range(int(meta["steps_done"])):
+    steps_done = int(meta["steps_done"])
+    if steps_done != saved_at:  # its training steps ran past call k: it goes on at k + 1
+        client.next_call = saved_at + 1
+    for _ in range(steps_done):
         next(groups, None)
     set_rng_state(tensors, meta)  # after the replay: data_fn may draw from the same RNGs
-    return Resumed(found.step, int(meta["steps_done"]), int(meta["samples"]))
+    return Resumed(saved_at, steps_done, int(meta["samples"]))
 
 
 def _forward_backward(
