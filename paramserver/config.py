@@ -668,6 +668,19 @@ def config_fields() -> list[dataclasses.Field[Any]]:
 # Fields given a new name (one name per idea), old -> new: the old name, as a flag or a TOML
 # key, is refused with a message naming the new one.
 RENAMED_FIELDS = {"cache_staleness": "cache_lag", "staleness": "ssp_bound"}
+_dataclass_init = TrainConfig.__init__
+
+
+def _init_naming_renamed_fields(self: TrainConfig, **fields: Any) -> None:
+    """TrainConfig(...) as the dataclass builds it, but a renamed field is a ConfigError
+    naming its new name (not Python's bare "unexpected keyword")."""
+    for old, new in RENAMED_FIELDS.items():
+        if old in fields:
+            raise ConfigError(f"TrainConfig: {old!r} was renamed {new!r}")
+    _dataclass_init(self, **fields)
+
+
+TrainConfig.__init__ = _init_naming_renamed_fields  # type: ignore[method-assign]
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

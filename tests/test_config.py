@@ -110,3 +110,11 @@ def test_the_old_key_of_the_ssp_bound_is_refused_in_a_config_file(tmp_path: Path
     path.write_text('mode = "ssp"\nssp_bound = 1\n')
     config = TrainConfig(**read_toml(path))
     assert config.ssp_bound == 1 and config.consistency.ssp_bound == 0  # prefetch spends one
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("staleness", "ssp_bound"), ("cache_staleness", "cache_lag")]
+)
+def test_a_renamed_field_is_refused_in_python_naming_the_new_one(old: str, new: str) -> None:
+    with pytest.raises(ps.ConfigError, match=f"'{old}' was renamed '{new}'"):
+        ps.TrainConfig(**{old: 2})
