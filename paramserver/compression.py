@@ -173,6 +173,23 @@ def validate(
     """
     if type(encoded) is not Encoded:
         return f"expected an Encoded, got {type(encoded).__name__}"
+    shape = tuple(shape)
+    problem = _header_problem(encoded, shape, codecs)
+    if problem is not None:
+        return problem
+    codec, tensors = encoded.codec, encoded.tensors
+    if codec == "int8":
+        return _int8_problem(tensors[0], tensors[1], shape)
+    if codec == "topk":
+        return _topk_problem(tensors[0], tensors[1], math.prod(shape))
+    return _plain_payload_problem(codec, tensors[0], shape)
+
+
+def _header_problem(
+    encoded: Encoded, shape: tuple[int, ...], codecs: tuple[str, ...]
+) -> str | None:
+    """What is wrong with ``encoded``'s codec, claimed shape or payload tensors, if anything
+    (each payload tensor checked as a plain tensor; the codec's own rules come after)."""
     codec = getattr(encoded, "codec", None)
     claimed = getattr(encoded, "shape", None)
     tensors = getattr(encoded, "tensors", None)
@@ -181,7 +198,6 @@ def validate(
         return f"unknown codec {what}; expected one of {', '.join(CODECS)}"
     if codec not in codecs:
         return f"codec {codec} is not used here; expected one of {', '.join(codecs)}"
-    shape = tuple(shape)
     if type(claimed) is not tuple or not all(type(d) is int for d in claimed):
         return "shape must be a tuple of ints"
     if claimed != shape:
@@ -191,15 +207,11 @@ def validate(
     expected_count = 2 if codec in ("int8", "topk") else 1
     if len(tensors) != expected_count:
         return f"{codec} takes {expected_count} payload tensor(s), got {len(tensors)}"
-    for t in tensors:
-        problem = _plain_tensor_problem(t)
-        if problem is not None:
-            return problem
-    if codec == "int8":
-        return _int8_problem(tensors[0], tensors[1], shape)
-    if codec == "topk":
-        return _topk_problem(tensors[0], tensors[1], math.prod(shape))
-    (values,) = tensors
+    return next(filter(None, (_plain_tensor_problem(t) for t in tensors)), None)
+
+
+def _plain_payload_problem(codec: str, values: Tensor, shape: tuple[int, ...]) -> str | None:
+    """fp16 / bf16 / none: one tensor of the codec's dtype and exactly ``shape``, finite."""
     if values.dtype != _DENSE_DTYPES[codec]:
         return f"{codec} payload must be {_DENSE_DTYPES[codec]}, got {values.dtype}"
     if tuple(values.shape) != shape:
