@@ -53,6 +53,15 @@ class ConsistencySettings:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ShardSettings:
+    dense_rule: OptimizerConfig
+    table_rules: Mapping[str, OptimizerConfig]  # every table of the model
+    table_pull_codecs: Mapping[str, str]
+    dense_pull_codec: str
+    cache_lag: int | None  # the lag trainers' caches are served with; None: they cache nothing
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSettings:
     root: str | None
     every_steps: int | None
@@ -604,6 +613,16 @@ class TrainConfig:
             stall_limit=self.stall_limit,
             max_message_bytes=int(self.max_message_mb * 2**20),
             checkpoint_dir=self.checkpoint_dir,
+        )
+
+    def shard_settings(self, tables: Collection[str]) -> ShardSettings:
+        """What a server's shard needs: each parameter's update rule and pull codec."""
+        return ShardSettings(
+            dense_rule=self.dense_optimizer(),
+            table_rules={name: self.table_optimizer_for(name) for name in tables},
+            table_pull_codecs={name: self.codecs_for_table(name)[1] for name in tables},
+            dense_pull_codec=self.dense_pull_codec,
+            cache_lag=self.cache_lag if self.cache_rows else None,
         )
 
     @property

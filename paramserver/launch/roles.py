@@ -39,7 +39,7 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     plan = plan_of(model, config.servers)
     config.check_tables(plan.tables)
     initial = dict(model.named_parameters())
-    shard = ServerShard(server, plan, initial, config)
+    shard = ServerShard(server, plan, initial, config.shard_settings(plan.tables))
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     del model, initial
     coordinator = Coordinator(shard, config.consistency)

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, validate
-from paramserver.config import TrainConfig
+from paramserver.config import ShardSettings
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
@@ -102,7 +102,11 @@ class ServerShard:
     """Holds server ``server``'s parameters; validates, applies and answers pushes and pulls."""
 
     def __init__(
-        self, server: int, plan: ShardPlan, initial: Mapping[str, Tensor], config: TrainConfig
+        self,
+        server: int,
+        plan: ShardPlan,
+        initial: Mapping[str, Tensor],
+        settings: ShardSettings,
     ):
         """``initial`` holds the starting values of the dense parameters and fixed tables
         (dynamic tables start empty)."""
@@ -112,23 +116,22 @@ class ServerShard:
         self.dense: dict[str, DenseSlot] = {}
         for name in plan.dense_on(server):
             value = initial[name].detach().clone().contiguous()
-            rule = make_rule(config.dense_optimizer())
+            rule = make_rule(settings.dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
-        # The cache lag trainers' caches are served with (None: they cache nothing).
-        self.cache_lag = config.cache_lag if config.cache_rows else None
+        self.cache_lag = settings.cache_lag
         self.tables: dict[str, TableShard] = {
             name: make_table(
                 spec,
                 plan,
                 server,
                 initial.get(name),
-                make_rule(config.table_optimizer_for(name)),
+                make_rule(settings.table_rules[name]),
                 self.cache_lag,
             )
             for name, spec in plan.tables.items()
         }
-        self.dense_pull_codec = config.dense_pull_codec
-        self.table_pull_codecs = {name: config.codecs_for_table(name)[1] for name in plan.tables}
+        self.dense_pull_codec = settings.dense_pull_codec
+        self.table_pull_codecs = dict(settings.table_pull_codecs)
         self.clock = 0  # the highest call number seen: dynamic tables' time
         self._clock_lock = threading.Lock()
 
