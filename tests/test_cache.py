@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import paramserver as ps
-from paramserver.cli import main
-from paramserver.config import read_toml
 from paramserver.errors import InvalidPushError
 from paramserver.protocol import PushPullRequest, RowBlock, must_send
 from paramserver.trainer.cache import RowCache
@@ -98,20 +95,3 @@ def test_a_cache_with_no_lag_changes_nothing_and_a_bound_saves_bytes() -> None:
 def test_the_cache_needs_a_mode_that_allows_stale_reads() -> None:
     with pytest.raises(ps.ConfigError, match="--cache-rows"):
         ps.TrainConfig(mode="sync", cache_rows=10)
-
-
-@pytest.mark.parametrize("words", [["--cache-staleness", "4"], ["--cache-staleness=4"]])
-def test_the_old_name_of_the_cache_lag_is_refused_naming_the_new_one(
-    words: list[str], capsys: pytest.CaptureFixture[str]
-) -> None:
-    assert main(["train", "--cache-rows", "10", *words]) == 2
-    assert "--cache-staleness was renamed --cache-lag" in capsys.readouterr().err
-
-
-def test_the_old_key_of_the_cache_lag_is_refused_in_a_config_file(tmp_path: Path) -> None:
-    path = tmp_path / "job.toml"
-    path.write_text("cache_rows = 10\ncache_staleness = 4\n")
-    with pytest.raises(ps.ConfigError, match="'cache_staleness' .* was renamed 'cache_lag'"):
-        read_toml(path)
-    path.write_text("cache_rows = 10\ncache_lag = 4\n")
-    assert ps.TrainConfig(**read_toml(path)).cache_lag == 4

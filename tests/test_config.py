@@ -94,22 +94,45 @@ def test_cli_reports_bad_configuration_without_a_traceback(
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("words", [["--staleness", "1"], ["--staleness=1"]])
-def test_the_old_name_of_the_ssp_bound_is_refused_naming_the_new_one(
-    words: list[str], capsys: pytest.CaptureFixture[str]
+# Each renamed field: its old name, what the job needs for it to apply (as flags and as a TOML
+# line), and its new name.
+RENAMED = [
+    ("staleness", ["--mode", "ssp"], 'mode = "ssp"', "ssp_bound"),
+    ("cache_staleness", ["--cache-rows", "10"], "cache_rows = 10", "cache_lag"),
+]
+
+
+@pytest.mark.parametrize(("old", "needs", "setting", "new"), RENAMED)
+@pytest.mark.parametrize("joined", [False, True])
+def test_an_old_flag_is_refused_naming_the_new_one(
+    old: str,
+    needs: list[str],
+    setting: str,
+    new: str,
+    joined: bool,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["train", "--mode", "ssp", *words]) == 2
-    assert "--staleness was renamed --ssp-bound" in capsys.readouterr().err
+    flag = f"--{old.replace('_', '-')}"
+    words = [f"{flag}=1"] if joined else [flag, "1"]
+    assert main(["train", *needs, *words]) == 2
+    assert f"{flag} was renamed --{new.replace('_', '-')}" in capsys.readouterr().err
 
 
-def test_the_old_key_of_the_ssp_bound_is_refused_in_a_config_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("old", "needs", "setting", "new"), RENAMED)
+def test_an_old_key_is_refused_in_a_config_file(
+    old: str, needs: list[str], setting: str, new: str, tmp_path: Path
+) -> None:
     path = tmp_path / "job.toml"
-    path.write_text('mode = "ssp"\nstaleness = 1\n')
-    with pytest.raises(ps.ConfigError, match="'staleness' .* was renamed 'ssp_bound'"):
+    path.write_text(f"{setting}\n{old} = 1\n")
+    with pytest.raises(ps.ConfigError, match=f"'{old}' .* was renamed '{new}'"):
         read_toml(path)
-    path.write_text('mode = "ssp"\nssp_bound = 1\n')
-    config = TrainConfig(**read_toml(path))
-    assert config.ssp_bound == 1 and config.consistency.ssp_bound == 0  # prefetch spends one
+    path.write_text(f"{setting}\n{new} = 1\n")
+    assert getattr(TrainConfig(**read_toml(path)), new) == 1
+
+
+def test_the_ssp_bound_counts_prefetch() -> None:
+    config = TrainConfig(mode="ssp", ssp_bound=1)
+    assert config.consistency.ssp_bound == 0  # prefetch spends one step of the bound
 
 
 @pytest.mark.parametrize(
