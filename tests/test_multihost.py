@@ -103,7 +103,7 @@ def test_a_job_runs_across_two_hosts_and_a_cut_link_stops_it(
     finally:
         stop(servers, trainers)
     assert trainers.returncode != 0 and servers.returncode != 0
-    assert "did not answer a heartbeat" in out_b, out_b[-2000:]
+    assert "did not answer heartbeat within" in out_b, out_b[-2000:]
     assert "the chief trainer (trainer0) is lost" in out_a, out_a[-2000:]
     assert stopped_in < 60
     assert not (tmp_path / "never.json").exists()
