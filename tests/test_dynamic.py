@@ -388,6 +388,32 @@ def test_memory_per_row_stays_within_the_bound(
         assert t.ids.nbytes() / rows <= 32
 
 
+def test_a_capacity_is_a_bound_not_a_reservation() -> None:
+    """A 500-row table with a 50M-row capacity holds storage for its rows, not 50M (which
+    would be 50M x (128 + 128) bytes with Adagrad's state): within the per-row bound of the
+    test above; and its storage never grows past the capacity (plus the rows one step creates
+    before eviction makes room) when rows keep coming."""
+    capacity = 50_000_000
+    spec = TableSpec(
+        "t", 0, 32, torch.float32, dynamic=DynamicOptions(capacity=capacity, ttl_steps=10**6)
+    )
+    t = DynamicTable(spec, make_rule(OptimizerConfig(name="adagrad", lr=0.1)))
+    t.read(torch.arange(500, dtype=torch.int64) * 7919, Reading(train=True, clock=1))
+    assert t.stats()["rows"] == 500
+    id_map = t.ids.nbytes() + t.pending.nbytes()
+    assert (t.nbytes() - id_map) / 500 <= 1.25 * (32 * 4 * 2)
+    assert t.nbytes() < 1_000_000  # was about 13 GB reserved up front
+    small = DynamicTable(
+        TableSpec("s", 0, 4, torch.float32, dynamic=DynamicOptions(capacity=100, ttl_steps=10**6)),
+        make_rule(OptimizerConfig(name="sgd", lr=0.1)),
+    )
+    for step in range(1, 6):
+        small.read(torch.arange(60, dtype=torch.int64) + 60 * step, Reading(train=True, clock=step))
+        # Rows are created before eviction makes room: one step's 60 may come on top.
+        assert small.weight.shape[0] <= 100 + 60
+        assert small.stats()["rows"] <= 100
+
+
 def test_bad_dynamic_options_and_state_dicts_are_refused() -> None:
     with pytest.raises(ValueError, match="needs ttl_steps"):
         ps.DynamicEmbedding(4, min_count=2)

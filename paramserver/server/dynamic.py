@@ -53,7 +53,7 @@ import torch
 from torch import Tensor
 
 from paramserver.hashing import mix64_array
-from paramserver.idmap import REHASH_LOAD, Found, IdMap, grown_rows, with_rows
+from paramserver.idmap import Found, IdMap, grown_rows, with_rows
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.server.tables import Pull, Reading, nbytes_of, put_rows, row_entries
 from paramserver.sharding import DynamicOptions, TableSpec
@@ -109,18 +109,17 @@ class DynamicTable:
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
         self.rule = rule
-        # With a capacity, storage for it is reserved up front (no growth copies later).
-        reserve = self.options.capacity or 0
-        self.ids = IdMap(initial_slots=max(1024, int(reserve / REHASH_LOAD)))
-        self.weight = torch.empty(reserve, spec.dim, dtype=spec.dtype)
+        # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
+        self.ids = IdMap(initial_slots=1024)
+        self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
         self.state: State = rule.init_state(self.weight)
-        self.steps = torch.zeros(reserve, dtype=torch.float32) if rule.needs_steps else None
+        self.steps = torch.zeros(0, dtype=torch.float32) if rule.needs_steps else None
         # When each row was last read or updated, kept only where eviction needs it.
         evicts = self.options.ttl_steps is not None or self.options.capacity is not None
-        self.last_touched = torch.zeros(reserve, dtype=torch.int32) if evicts else None
+        self.last_touched = torch.zeros(0, dtype=torch.int32) if evicts else None
         self.cache_lag = cache_lag
         tracks = cache_lag is not None
-        self.versions = torch.zeros(reserve, dtype=torch.int64) if tracks else None
+        self.versions = torch.zeros(0, dtype=torch.int64) if tracks else None
         self.fresh_version = 0  # where a new row's version starts
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
         self.pending_counts = torch.empty(0, dtype=torch.int32)  # training calls that saw it
@@ -371,6 +370,8 @@ class DynamicTable:
         """Grow row storage to every row number the id map has handed out."""
         if self.ids.used_rows > self.weight.shape[0]:
             capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
+            if self.options.capacity is not None:  # grow no further than the bound needs
+                capacity = max(self.ids.used_rows, min(capacity, self.options.capacity))
             self.weight = with_rows(self.weight, capacity)
             self.state = {k: with_rows(v, capacity) for k, v in self.state.items()}
             if self.steps is not None:
