@@ -113,7 +113,7 @@ def test_a_killed_server_stops_the_job_or_it_resumes_from_the_last_checkpoint(
 
 @pytest.mark.timeout(60)
 def test_a_server_lost_while_a_checkpoint_is_written_fails_the_job_and_keeps_the_last_one(
-    tmp_path: Path, faulty_jobs: FaultyJobs
+    tmp_path: Path, faulty_jobs: FaultyJobs, caplog: pytest.LogCaptureFixture
 ) -> None:
     def rig(transport: FaultyTransport) -> None:
         # Server 1 dies when asked for its part of the checkpoint after 3 (at 6, or later
@@ -135,6 +135,9 @@ def test_a_server_lost_while_a_checkpoint_is_written_fails_the_job_and_keeps_the
     found = load_latest(tmp_path)
     assert found is not None and found.step == 3
     assert verify(found.directory) == []
+    # The lost server is reported in one line, the job's own error, not as a traceback.
+    (uncommitted,) = [r for r in caplog.records if "not committed" in r.getMessage()]
+    assert "server 1 was lost" in uncommitted.getMessage() and uncommitted.exc_info is None
 
 
 @pytest.mark.timeout(120)

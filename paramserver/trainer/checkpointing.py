@@ -37,6 +37,7 @@ from paramserver.checkpoint import (
     write_part,
 )
 from paramserver.config import CheckpointSettings
+from paramserver.errors import ServerLostError
 from paramserver.futures import wait_all
 from paramserver.transport.base import Transport
 
@@ -149,6 +150,8 @@ class TrainerCheckpoints:
                 parts = [*cast(list[Part], answers), *trainer_parts]
                 commit(root, step, parts, dict(settings.job), keep=settings.keep)
                 log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
+            except ServerLostError as lost:  # the job stops on its own report; no traceback
+                log.warning("checkpoint %d not committed (%s); the previous one stays", step, lost)
             except Exception:
                 log.exception("checkpoint %d not committed; the previous one stays", step)
             finally:
