@@ -7,7 +7,7 @@ import gzip
 import io
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 from torchmetrics.functional.classification import binary_auroc
 
 from paramserver.cli import main
-from paramserver.data import criteo
+from paramserver.data import criteo, splits
 from paramserver.data.criteo import (
     MISSING_VALUE,
     NUM_CATEGORICAL,
@@ -28,7 +28,7 @@ from paramserver.data.criteo import (
     hash_categorical,
     write_synthetic_criteo,
 )
-from paramserver.errors import ConfigError, InvalidBatchError
+from paramserver.errors import InvalidBatchError
 from paramserver.hashing import mix64
 
 
@@ -114,25 +114,167 @@ def test_writer_is_deterministic(tmp_path: Path) -> None:
     assert (tmp_path / "a").read_bytes() != (tmp_path / "c").read_bytes()
 
 
-def test_trainers_split_batches_without_overlap(tmp_path: Path) -> None:
-    # two files, so batches also span a file boundary
-    write_synthetic_criteo(tmp_path / "part_0", 600, seed=1)
-    write_synthetic_criteo(tmp_path / "part_1", 400, seed=2, gzip=True)
-    files = CriteoFiles([tmp_path / "part_0", tmp_path / "part_1"], batch_size=64)
-    whole = list(files.train_batches(0, 1))
-    assert len(whole) == 16 and whole[-1][1].shape[0] == 1000 - 15 * 64
-    shares = [list(files.train_batches(t, 3)) for t in range(3)]
-    assert [len(share) for share in shares] == [6, 5, 5]
-    # trainer t's k-th batch is batch t + 3k of the single reader: every line exactly once
-    for t, share in enumerate(shares):
-        for k, ((dense, sparse), label) in enumerate(share):
-            (whole_dense, whole_sparse), whole_label = whole[t + 3 * k]
-            assert torch.equal(dense, whole_dense)
-            assert torch.equal(sparse, whole_sparse)
-            assert torch.equal(label, whole_label)
-    assert sum(label.numel() for share in shares for _, label in share) == 1000
-    with pytest.raises(ConfigError, match="trainer"):
-        next(files.train_batches(3, 3))
+def numbered_line(number: int) -> str:
+    """A good line whose first integer feature is ``number`` (read back by line_numbers)."""
+    return criteo_line("1", [str(number)], [f"{number:x}"])
+
+
+def line_numbers(batches: Iterable[criteo.Batch]) -> list[int]:
+    """The ``number`` of each numbered_line read, in order."""
+    dense = [dense for (dense, _), _ in batches]
+    if not dense:
+        return []
+    return torch.expm1(torch.cat(dense)[:, 0].double()).round().long().tolist()
+
+
+def write_uneven_files(directory: Path) -> list[Path]:
+    """Files of uneven sizes holding lines numbered 0, 1, ... in order: plain with empty
+    lines, gzip, empty, CRLF endings, two lines without a final newline, and a larger one."""
+    contents = [("a.txt", 537, "plain"), ("b.gz", 300, "gzip"), ("c.txt", 0, "plain")]
+    contents += [("d.txt", 211, "crlf"), ("e.txt", 2, "no final newline")]
+    contents += [("f.txt", 1000, "plain")]
+    paths, number = [], 0
+    for name, count, kind in contents:
+        lines = [numbered_line(n) for n in range(number, number + count)]
+        number += count
+        path = directory / name
+        paths.append(path)
+        if kind == "gzip":
+            path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+        elif kind == "crlf":
+            path.write_bytes(("\r\n".join(lines) + "\r\n").encode())
+        elif kind == "no final newline":
+            path.write_text("\n".join(lines))
+        else:  # an empty line every 50 lines, and two at the end
+            path.write_text(
+                "".join(line + "\n" + "\n" * (i % 50 == 0) for i, line in enumerate(lines))
+                + "\n" * 2 * bool(lines)
+            )
+    return paths
+
+
+@pytest.mark.parametrize("num_trainers", [1, 2, 3])
+def test_every_line_is_read_once_by_exactly_one_trainer(tmp_path: Path, num_trainers: int) -> None:
+    paths = write_uneven_files(tmp_path)
+    total_lines = 537 + 300 + 211 + 2 + 1000
+    files = CriteoFiles(paths, batch_size=64)
+    shares, input_bytes = [], []
+    for t in range(num_trainers):
+        batches = files.train_batches(t, num_trainers)
+        share = list(batches)
+        input_bytes.append(batches.input_bytes)
+        # each trainer cuts its own lines into batches: only its last one may be short
+        assert all(label.numel() == 64 for _, label in share[:-1])
+        shares.append(line_numbers(share))
+    # the shares laid end to end are the files' lines in order: every line exactly once
+    assert [n for share in shares for n in share] == list(range(total_lines))
+    assert sum(input_bytes) == sum(path.stat().st_size for path in paths)
+    if num_trainers > 1:
+        assert all(shares), "every trainer has lines to read"
+    # a gzip file goes whole to one trainer
+    splits = [files.splits(t, num_trainers) for t in range(num_trainers)]
+    gzip_splits = [s for share in splits for s in share if s.path.name == "b.gz"]
+    assert len(gzip_splits) == 1 and gzip_splits[0].is_gzip
+    assert (gzip_splits[0].start, gzip_splits[0].end) == (0, paths[1].stat().st_size)
+    assert not any(s.path.name == "c.txt" for share in splits for s in share)  # empty: no one
+
+
+def test_a_file_with_fewer_lines_than_trainers(tmp_path: Path) -> None:
+    path = tmp_path / "two_lines"
+    path.write_text(numbered_line(0) + "\n" + numbered_line(1) + "\n")
+    files = CriteoFiles([path], batch_size=8)
+    shares = [line_numbers(files.train_batches(t, 5)) for t in range(5)]
+    assert [n for share in shares for n in share] == [0, 1]
+    assert sum(map(len, shares)) == 2 and max(map(len, shares)) == 1
+
+
+@pytest.mark.parametrize("num_trainers", [2, 3, 6])
+def test_a_cut_at_a_line_start_gives_that_line_to_the_later_range(
+    tmp_path: Path, num_trainers: int
+) -> None:
+    path = tmp_path / "even"
+    lines = [numbered_line(n) for n in range(10, 16)]  # all of one length
+    path.write_text("".join(line + "\n" for line in lines))
+    files = CriteoFiles([path], batch_size=8)
+    cuts = [files.splits(t, num_trainers)[0].start for t in range(num_trainers)]
+    assert all(cut % (len(lines[0]) + 1) == 0 for cut in cuts)  # every cut at a line start
+    shares = [line_numbers(files.train_batches(t, num_trainers)) for t in range(num_trainers)]
+    per_trainer = 6 // num_trainers
+    assert shares == [
+        list(range(10 + t * per_trainer, 10 + (t + 1) * per_trainer)) for t in range(num_trainers)
+    ]
+
+
+class CountingFileIO(io.FileIO):
+    """A file that counts the bytes read from it, whatever the buffering above it."""
+
+    bytes_read = 0
+
+    def readinto(self, buffer: Any) -> int | None:
+        n = super().readinto(buffer)
+        CountingFileIO.bytes_read += n or 0
+        return n
+
+
+@pytest.mark.parametrize("num_trainers", [2, 3, 4, 7])
+def test_one_large_plain_file_is_shared_evenly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, num_trainers: int
+) -> None:
+    path = tmp_path / "day_0"
+    write_synthetic_criteo(path, 6000, seed=4)
+    size = path.stat().st_size
+
+    def counting_open(file: Path, mode: str = "rb", buffering: int = -1) -> Any:
+        raw = CountingFileIO(file, mode)
+        return raw if buffering == 0 else io.BufferedReader(raw)
+
+    monkeypatch.setattr(splits, "open", counting_open, raising=False)
+    files = CriteoFiles([path], batch_size=4096)
+    input_bytes = []
+    for t in range(num_trainers):
+        CountingFileIO.bytes_read = 0
+        batches = files.train_batches(t, num_trainers)
+        for _ in batches:
+            pass
+        share = batches.input_bytes
+        assert 0.9 * size / num_trainers <= share <= 1.1 * size / num_trainers
+        # what it read from disk: its share, the line it skips and a buffer's read-ahead
+        assert share <= CountingFileIO.bytes_read <= share + 3 * 8192, t
+        input_bytes.append(share)
+    assert sum(input_bytes) == size
+
+
+def test_a_bad_line_deep_in_a_later_share_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "day_0.tsv"
+    # empty lines and CRLF endings before the bad line: each still counts as one line
+    lines = [numbered_line(n) + ("\r" if n % 7 == 0 else "") for n in range(3000)]
+    for n in range(0, 3000, 97):
+        lines[n] = ""
+
+    def bad_at(number: int) -> CriteoFiles:
+        """The file with line ``number`` (1-based) made bad by a label of 2 (same length)."""
+        bad = list(lines)
+        assert bad[number - 1].startswith("1")
+        bad[number - 1] = "2" + bad[number - 1][1:]
+        path.write_text("\n".join(bad) + "\n")
+        assert path.stat().st_size == size
+        return CriteoFiles([path], batch_size=128)
+
+    path.write_text("\n".join(lines) + "\n")
+    size = path.stat().st_size
+    # line 2500 deep in trainer 1's half, and the first line trainer 1 of 2 owns
+    cut = CriteoFiles([path]).splits(1, 2)[0].start
+    data = path.read_bytes()
+    first_owned = data.count(b"\n", 0, data.index(b"\n", cut - 1) + 1) + 1
+    assert 1500 < first_owned < 1600
+    for number in (2500, first_owned):
+        files = bad_at(number)
+        assert len(line_numbers(files.train_batches(0, 2))) > 1000  # trainer 0 reads no bad line
+        with pytest.raises(InvalidBatchError, match=f"day_0.tsv, line {number}: .*label"):
+            list(files.train_batches(1, 2))
+    files = bad_at(2500)
+    with pytest.raises(InvalidBatchError, match="line 2500:"):
+        list(files.train_batches(2, 3))
 
 
 def test_reading_streams_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,14 +289,14 @@ def test_reading_streams_lines(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         opened.append(f)
         return f
 
-    monkeypatch.setattr(criteo, "open", recording_open, raising=False)
+    monkeypatch.setattr(splits, "open", recording_open, raising=False)
     batches = CriteoFiles([path], batch_size=64).train_batches(0, 1)
     _, label = next(batches)
     assert label.shape == (64,)
-    assert len(opened) == 1
-    assert opened[0].tell() < 64 * 1024 < size // 100
+    assert len(opened) == 2  # one look at the magic bytes, then the reading
+    assert opened[1].tell() < 64 * 1024 < size // 100
     batches.close()
-    assert opened[0].closed
+    assert all(f.closed for f in opened)
 
 
 @pytest.mark.parametrize(
@@ -179,10 +321,15 @@ def test_bad_lines_name_file_and_line(tmp_path: Path, bad_line: str, what: str) 
     with pytest.raises(InvalidBatchError, match="line 4") as raised:
         list(CriteoFiles([path], batch_size=2).train_batches(0, 1))
     assert "broken.tsv" in str(raised.value) and what in str(raised.value)
-    # the bad line sits in batch 1 (lines 4-5): only the trainer owning that batch raises
-    assert len(list(CriteoFiles([path], batch_size=2).train_batches(0, 2))) == 1
-    with pytest.raises(InvalidBatchError, match="line 4"):
-        list(CriteoFiles([path], batch_size=2).train_batches(1, 2))
+    # on 2 trainers, only the one whose share holds line 4 reads it and raises
+    raised_by = []
+    for t in range(2):
+        try:
+            list(CriteoFiles([path], batch_size=2).train_batches(t, 2))
+        except InvalidBatchError as e:
+            assert "broken.tsv, line 4:" in str(e) and what in str(e)
+            raised_by.append(t)
+    assert len(raised_by) == 1
 
 
 def test_corrupt_gzip_raises(tmp_path: Path) -> None:
@@ -240,13 +387,17 @@ def test_planted_signal_is_learnable(tmp_path: Path) -> None:
 
 
 def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    train, held_out = tmp_path / "train.gz", tmp_path / "eval.txt"
-    write_synthetic_criteo(train, 6000, seed=1, gzip=True)
+    plain, train, held_out = tmp_path / "train.txt", tmp_path / "train.gz", tmp_path / "eval.txt"
+    write_synthetic_criteo(plain, 3000, seed=3)
+    write_synthetic_criteo(train, 3000, seed=1, gzip=True)
     write_synthetic_criteo(held_out, 2000, seed=2)
+    files = CriteoFiles([plain, train], batch_size=128)
+    shares = [files.train_batches(t, 2) for t in range(2)]
+    batches_per_epoch = sum(len(list(share)) for share in shares)
     summary = tmp_path / "summary.json"
     code = main(
         [
-            "train", "--dataset", f"criteo:{train}", "--eval-data", str(held_out),
+            "train", "--dataset", f"criteo:{plain},{train}", "--eval-data", str(held_out),
             "--launcher", "threads", "--servers", "2", "--trainers", "2", "--batch-size", "128",
             "--epochs", "5", "--mode", "sync",  # deterministic: async AUC here spans 0.57-0.73
             "--no-progress", "--summary-json", str(summary),
@@ -254,7 +405,7 @@ def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixtur
     )  # fmt: skip
     assert code == 0
     result = json.loads(summary.read_text())
-    assert sum(result["trainer_steps"]) == 5 * -(-6000 // 128)
+    assert sum(result["trainer_steps"]) == 5 * batches_per_epoch
     assert result["eval_auc"] > 0.6  # the planted signal, learned through hashed ids
     assert result["tables"]["embeddings.0.weight"]["rows"] > 0
     assert main(["train", "--dataset", "criteo:/no/such/file"]) == 2

@@ -29,19 +29,27 @@ Batches are ``((dense, sparse), label)``, as in :mod:`paramserver.data.synthetic
   The hashing runs as tensor ops on a whole batch (:func:`hash_categorical`).
 - ``label``: float32 ``[B]``, 0.0 or 1.0.
 
-The files are one stream of lines (in the order given), cut into batches of ``batch_size``
-lines; the last batch may be shorter. Trainer ``t`` of ``T`` takes batches ``t, t + T, t + 2T,
-...``, so the trainers split the data without overlap, every line is used exactly once, and a
-trainer's batches do not depend on how fast the others read. Each trainer reads every line but
-parses only its own batches, so reading costs I/O on every trainer; to split I/O as well, give
-each trainer its own files. A file is never loaded whole: lines are read one at a time and a
-batch holds at most ``batch_size`` of them.
+Each trainer reads only its share of the files (:mod:`paramserver.data.splits`): plain-text
+files are cut into byte ranges at line starts, gzip files go whole to one trainer, and the
+shares balance bytes (as stored), not lines. Trainer ``t`` of ``T`` gets the ``t``-th of ``T``
+consecutive stretches of the files' lines (in the order given) and cuts its own lines into
+batches of ``batch_size``, its last batch possibly shorter. So every line is used exactly once
+per pass, a trainer's batches do not depend on how fast the others read, and which lines share
+a batch depends on ``T``: with one trainer, batch ``k`` holds the stream's non-empty lines
+``k * batch_size`` to ``(k + 1) * batch_size - 1`` (counted from 0); with several, each
+trainer's batches start afresh at its share's first line, and every trainer may end with a
+short batch. A gzip file is read by one trainer alone: to spread it over several, split it or
+decompress it. The iterator that :meth:`CriteoFiles.train_batches` returns counts, in
+``input_bytes``, the bytes of the files its trainer has read. A file is never loaded whole:
+lines are read one at a time and a batch holds at most ``batch_size`` of them.
 
 A malformed line (a wrong number of fields, a label other than 0/1, a non-integer in an integer
 field, a non-hex categorical) and a corrupt gzip stream raise
-:class:`paramserver.errors.InvalidBatchError`, naming the file, the line number (1-based) and
-what was wrong. Only the trainer that owns a line parses it, so the trainer that owns the batch
-holding a bad line is the one that raises.
+:class:`paramserver.errors.InvalidBatchError`, naming the file, the line number (1-based, in
+the whole file, whichever trainer reads it) and what was wrong. Only the trainer whose share
+holds a line parses it, so that trainer is the one that raises. Splitting and reading lines
+(:mod:`paramserver.data.splits`) are kept apart from parsing them (``CriteoFiles._parse`` turns a
+batch of lines into tensors), so either can change alone.
 
 :func:`write_synthetic_criteo` writes files in this format with a planted signal, for tests and
 demos.
@@ -49,25 +57,28 @@ demos.
 
 from __future__ import annotations
 
+import functools
+import logging
 import re
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass
-from gzip import BadGzipFile, GzipFile
+from gzip import GzipFile
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from paramserver.data.splits import InputSplit, Line, ShareReader, plan_splits
 from paramserver.errors import ConfigError, InvalidBatchError
 from paramserver.hashing import mix64
+
+log = logging.getLogger(__name__)
 
 Batch = tuple[tuple[Tensor, Tensor], Tensor]
 NUM_DENSE = 13
 NUM_CATEGORICAL = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
 MISSING_VALUE = 1 << 32  # hashed in place of a missing categorical: no 8-digit hex reaches it
-GZIP_MAGIC = b"\x1f\x8b"
 
 _INT = rb"-?[0-9]{1,18}"  # 18 digits always fit in int64
 _HEX = rb"[0-9a-fA-F]{1,8}"
@@ -82,7 +93,7 @@ _HEX_FIELD = re.compile(_HEX)
 
 @dataclass(frozen=True)
 class CriteoFiles:
-    """Criteo-format files read as a stream of batches (see the module docstring).
+    """Criteo-format files, each trainer's share read as batches (see the module docstring).
 
     ``hash_salt`` changes every categorical id (for example to decorrelate two models' tables).
     Reading is stateless: each call of :meth:`train_batches` opens the files afresh, so any
@@ -101,37 +112,43 @@ class CriteoFiles:
         if self.batch_size < 1:
             raise ConfigError(f"CriteoFiles.batch_size must be at least 1, got {self.batch_size}")
 
-    def train_batches(self, trainer: int, num_trainers: int) -> Iterator[Batch]:
-        """Batches ``trainer, trainer + num_trainers, ...`` of the stream, the last one possibly
-        short. Raises InvalidBatchError on a malformed line of one of these batches."""
+    def splits(self, trainer: int, num_trainers: int) -> list[InputSplit]:
+        """The parts of the files trainer ``trainer`` of ``num_trainers`` reads."""
         if num_trainers < 1 or not 0 <= trainer < num_trainers:
             raise ConfigError(
                 f"trainer must be in [0, num_trainers); got trainer={trainer}, "
                 f"num_trainers={num_trainers}"
             )
-        for index, lines in enumerate(self._raw_batches()):
-            if index % num_trainers == trainer:
-                yield self._parse(lines)
+        return plan_splits([Path(p) for p in self.paths], num_trainers)[trainer]
 
-    def _raw_batches(self) -> Iterator[list[tuple[Path, int, bytes]]]:
-        """The stream's non-empty lines, without line endings, in lists of ``batch_size``."""
-        batch: list[tuple[Path, int, bytes]] = []
-        for path in map(Path, self.paths):
-            for lineno, line in _read_lines(path):
-                batch.append((path, lineno, line))
-                if len(batch) == self.batch_size:
-                    yield batch
-                    batch = []
+    def train_batches(self, trainer: int, num_trainers: int) -> CriteoBatches:
+        """One pass over this trainer's share, in batches, the last one possibly short.
+        Raises InvalidBatchError on a malformed line of the share."""
+        splits = self.splits(trainer, num_trainers)
+        if not splits:
+            _warn_no_input(trainer, num_trainers)
+        return CriteoBatches(self, ShareReader(splits))
+
+    def _batches(self, lines: Iterator[Line]) -> Generator[Batch, None, None]:
+        """The lines, ``batch_size`` at a time, parsed."""
+        batch: list[Line] = []
+        for line in lines:
+            batch.append(line)
+            if len(batch) == self.batch_size:
+                yield self._parse(batch)
+                batch = []
         if batch:
-            yield batch
+            yield self._parse(batch)
 
-    def _parse(self, lines: list[tuple[Path, int, bytes]]) -> Batch:
+    def _parse(self, lines: list[Line]) -> Batch:
+        """The tensors of a batch of lines; InvalidBatchError names a malformed one."""
         labels: list[bool] = []
         dense: list[list[int]] = []
         categorical: list[list[int]] = []
-        for path, lineno, line in lines:
+        for start, index, line in lines:
             if _LINE.fullmatch(line) is None:
-                raise InvalidBatchError(f"{path}, line {lineno}: {_diagnose(line)}")
+                where = f"{start.path}, line {start.line_number(index)}"
+                raise InvalidBatchError(f"{where}: {_diagnose(line)}")
             fields = line.split(b"\t")
             labels.append(fields[0] == b"1")
             dense.append([int(x) if x else 0 for x in fields[1 : 1 + NUM_DENSE]])
@@ -148,6 +165,38 @@ class CriteoFiles:
         )
 
 
+class CriteoBatches(Iterator[Batch]):
+    """One trainer's batches for one pass over its share (see :meth:`CriteoFiles.train_batches`).
+
+    ``input_bytes`` is the bytes of the files read so far (:class:`ShareReader`): over a whole
+    pass, the share's size. ``close()`` closes the file being read.
+    """
+
+    def __init__(self, files: CriteoFiles, reader: ShareReader):
+        self._reader = reader
+        self._batches = files._batches(reader.lines())
+
+    @property
+    def input_bytes(self) -> int:
+        return self._reader.input_bytes
+
+    def __next__(self) -> Batch:
+        return next(self._batches)
+
+    def close(self) -> None:
+        self._batches.close()
+
+
+@functools.cache  # once per process, not every epoch
+def _warn_no_input(trainer: int, num_trainers: int) -> None:
+    log.warning(
+        "criteo: trainer %d of %d has no input (a gzip file is read whole by one trainer; "
+        "give more files, or plain text, to keep every trainer busy)",
+        trainer,
+        num_trainers,
+    )
+
+
 def transform_dense(values: Tensor) -> Tensor:
     """``log(1 + max(x, 0))`` of int64 features (missing ones given as 0), as float32."""
     return values.clamp(min=0).double().log1p().float()
@@ -160,22 +209,6 @@ def hash_categorical(values: Tensor, hash_salt: int = 0) -> Tensor:
     salt = torch.tensor([(hash_salt + 2**63) % 2**64 - 2**63], dtype=torch.int64)
     seeds = mix64(mix64(salt) + torch.arange(NUM_CATEGORICAL, dtype=torch.int64))
     return mix64(mix64(values.reshape(-1, NUM_CATEGORICAL)) + seeds)
-
-
-def _read_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """Numbered non-empty lines of a plain or gzip file, streamed, line endings removed."""
-    with open(path, "rb") as raw:
-        is_gzip = raw.read(2) == GZIP_MAGIC
-        raw.seek(0)
-        stream: Iterable[bytes] = GzipFile(fileobj=raw, mode="rb") if is_gzip else raw
-        lineno = 0
-        try:
-            for lineno, line in enumerate(stream, 1):
-                line = line.rstrip(b"\r\n")
-                if line:
-                    yield lineno, line
-        except (EOFError, BadGzipFile, zlib.error) as e:
-            raise InvalidBatchError(f"{path}: corrupt gzip data after line {lineno}: {e}") from e
 
 
 def _diagnose(line: bytes) -> str:
