@@ -46,7 +46,7 @@ import paramserver as ps
 from paramserver.baseline import make_optimizers, train_single_process
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import evaluate_binary
-from paramserver.modelplan import EMBEDDINGS, seeded_model
+from paramserver.modelplan import EMBEDDINGS, initial_model
 from paramserver.observe import peak_rss_bytes
 from paramserver.types import as_tuple
 
@@ -220,7 +220,7 @@ def ddp_rank(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        model = seeded_model(workload.model, config.seed)
+        model = initial_model(workload.model, config.seed)
         optimizers = make_optimizers(model, config)  # marks the tables sparse
         for module in model.modules():
             if isinstance(module, EMBEDDINGS):

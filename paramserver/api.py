@@ -15,7 +15,7 @@ from torch.utils.data import RandomSampler
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
-from paramserver.modelplan import seeded_model
+from paramserver.modelplan import build_model
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, Progress
@@ -198,8 +198,8 @@ def _result(
 ) -> TrainResult:
     model = None
     if config.gather_model:
-        model = seeded_model(model_fn, config.seed)
-        model.load_state_dict(state)
+        model = build_model(model_fn, config.seed, table_values=False).model
+        model.load_state_dict(state, assign=True)  # the tables' meta weights take the state's
         if evaluation is not None:
             _evaluate_final(model, evaluation, config, summary)
     if config.run_dir is not None:

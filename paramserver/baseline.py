@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from paramserver.config import OptimizerConfig, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
-from paramserver.modelplan import EMBEDDINGS, seeded_model
+from paramserver.modelplan import EMBEDDINGS, initial_model
 from paramserver.types import DataFn, LossFn, ModelFn, as_tuple
 
 
@@ -88,7 +88,7 @@ def train_single_process(
 ) -> tuple[nn.Module, dict[str, Any]]:
     """Train on every trainer's batches in one process; returns the model and throughput."""
     torch.set_num_threads(config.threads_per_process)
-    model = seeded_model(model_fn, config.seed)
+    model = initial_model(model_fn, config.seed)
     check_model(model)
     model.train()
     optimizers = make_optimizers(model, config)

@@ -1,8 +1,12 @@
 """What every process of a job derives the same way from the user's ``model_fn``: the seeded
 model, its embedding tables and its shard plan.
 
-Servers and trainers never exchange the model. Each calls :func:`seeded_model` with the job's
-seed and gets the same initial values; each calls :func:`plan_of` on its build and gets the same
+Servers and trainers never exchange the model. Each calls :func:`build_model` with the job's
+seed: the model with its fixed tables on the meta device, and each table's
+:class:`~paramserver.tableinit.RowInit`, from which a server makes the rows it owns (and the
+single-process reference the whole table): the same values everywhere, whatever the number of
+servers. Dense parameters and buffers are built by ``model_fn`` itself, under the same seeds.
+Each process calls :func:`plan_of` on its build and gets the same
 :class:`~paramserver.sharding.ShardPlan`, whose fingerprint they compare at start-up. Tables are
 the model's ``nn.Embedding``, ``nn.EmbeddingBag`` and
 :class:`~paramserver.embedding.DynamicEmbedding` modules, named by their weights' state_dict
@@ -11,15 +15,20 @@ names (``emb.0.weight``); every other parameter is dense.
 
 from __future__ import annotations
 
+import logging
 import random
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from paramserver.embedding import DynamicEmbedding
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
+from paramserver.tableinit import RecordingTables, RowInit
 from paramserver.types import ModelFn
+
+log = logging.getLogger(__name__)
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)  # torch's own embedding layers
 SERVED = (nn.Embedding, nn.EmbeddingBag, DynamicEmbedding)  # every layer that becomes a table
@@ -35,6 +44,100 @@ def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
     return model
+
+
+@dataclass
+class BuiltModel:
+    """A model as every process of a job builds it: fixed tables on the meta device, unless
+    ``model_fn`` needs their values, and how each fixed table's rows start."""
+
+    model: nn.Module
+    inits: dict[str, RowInit]
+
+
+def build_model(model_fn: ModelFn, seed: int, *, table_values: bool = True) -> BuiltModel:
+    """``model_fn()`` under fixed seeds with its fixed tables' weights on the meta device and
+    their initialisation recorded (see :mod:`paramserver.tableinit`).
+
+    Where ``model_fn`` cannot build without its tables' values (it reads them, or computes
+    another tensor from them), the model is built whole; where a table's initialisation cannot
+    be replayed row by row, it is built whole once for that table's values (unless
+    ``table_values`` is False: a trainer's build, whose ``inits`` then lack those tables). Both
+    are logged with the memory they take."""
+    try:
+        with RecordingTables() as recorder:
+            model = seeded_model(model_fn, seed)
+    except Exception as error:
+        return _built_whole(
+            model_fn, seed, f"model_fn failed with them on the meta device ({error})"
+        )
+    if _leaked(model):
+        return _built_whole(model_fn, seed, "model_fn computes other tensors from their values")
+    inits: dict[str, RowInit] = {}
+    unreplayable: dict[str, str] = {}
+    for name, module in _fixed_tables(model).items():
+        weight = module.weight
+        if not weight.is_meta:  # values model_fn gave (from_pretrained, _weight=...)
+            inits[name] = RowInit.given(name, weight)
+            continue
+        recording = recorder.of(weight)
+        if recording.unreplayable is not None:
+            unreplayable[name] = recording.unreplayable
+        else:
+            shape = (module.num_embeddings, module.embedding_dim)
+            inits[name] = RowInit(name, shape, weight.dtype, recording.steps, seed)
+    if unreplayable and table_values:
+        inits.update(_tables_built_whole(model_fn, seed, unreplayable))
+    return BuiltModel(model, inits)
+
+
+def _built_whole(model_fn: ModelFn, seed: int, why: str) -> BuiltModel:
+    model = seeded_model(model_fn, seed)
+    tables = _fixed_tables(model)
+    megabytes = sum(m.weight.numel() * m.weight.element_size() for m in tables.values()) / 2**20
+    log.info("tables built whole (%.0f MB in this process): %s", megabytes, why)
+    return BuiltModel(model, {name: RowInit.given(name, m.weight) for name, m in tables.items()})
+
+
+def _tables_built_whole(model_fn: ModelFn, seed: int, why: dict[str, str]) -> dict[str, RowInit]:
+    """The given tables' values from one whole build of the model (its other tables dropped)."""
+    whole = _fixed_tables(seeded_model(model_fn, seed))
+    for name, reason in why.items():
+        weight = whole[name].weight
+        log.warning(
+            "table %s: its initialisation cannot be replayed row by row (%s), so every process "
+            "that needs its values builds the model whole once (%.0f MB for this table); use "
+            "nn.init's normal_, uniform_, trunc_normal_ or constant_ on it to avoid this",
+            name, reason, weight.numel() * weight.element_size() / 2**20,
+        )  # fmt: skip
+    return {name: RowInit.given(name, whole[name].weight) for name in why}
+
+
+def _fixed_tables(model: nn.Module) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    return {n: m for n, m in find_embeddings(model).items() if isinstance(m, EMBEDDINGS)}
+
+
+def _leaked(model: nn.Module) -> bool:
+    """Whether a tensor other than a table's weight is on the meta device (a parameter,
+    buffer or attribute computed from a table's values, which could not be given any)."""
+    weights = {id(m.weight) for m in find_embeddings(model).values()}
+    for module in model.modules():
+        tensors = [*module._parameters.values(), *module._buffers.values(), *vars(module).values()]
+        if any(isinstance(t, Tensor) and t.is_meta and id(t) not in weights for t in tensors):
+            return True
+    return False
+
+
+def initial_model(model_fn: ModelFn, seed: int) -> nn.Module:
+    """The model a job with this seed starts from, whole: :func:`build_model`'s, with every
+    fixed table's weight made from its :class:`~paramserver.tableinit.RowInit` (the
+    single-process reference starts here)."""
+    built = build_model(model_fn, seed)
+    for name, module in _fixed_tables(built.model).items():
+        if module.weight.is_meta:
+            rows = built.inits[name].rows(torch.arange(module.num_embeddings))
+            module.weight = nn.Parameter(rows, requires_grad=module.weight.requires_grad)
+    return built.model
 
 
 def find_embeddings(model: nn.Module) -> dict[str, Embedding]:

@@ -12,7 +12,6 @@ server's state changed. Every call would read or decode one 64-wide float32 row 
 from __future__ import annotations
 
 import json
-import re
 import resource
 from collections.abc import Iterator
 
@@ -25,6 +24,7 @@ from paramserver.embedding import DynamicEmbedding
 from paramserver.launch.roles import build_server
 from paramserver.protocol import BagBlock, PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
+from tests.procs import reset_peak, vm_kib
 
 DIM = 64
 HOSTILE_IDS = 8_000_000  # x DIM x 4 bytes = 2.05 GB; the ids themselves are 64 MB
@@ -64,19 +64,6 @@ def hostile_calls() -> Iterator[tuple[str, str, PushPullRequest]]:
         "push_pull",
         PushPullRequest(0, 0, pool_rows={"fixed.weight": BagBlock(zeros, zeros.clone(), 1)}),
     )
-
-
-def vm_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        found = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
-    assert found is not None, field
-    return int(found.group(1))
-
-
-def reset_peak() -> None:
-    """Make VmHWM (the peak resident size) the current size (Linux >= 4.0)."""
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")
 
 
 def state_of(endpoint: ServerEndpoint) -> tuple[dict[str, dict[str, Tensor]], str]:

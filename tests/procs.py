@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -140,3 +141,17 @@ def stop(*processes: subprocess.Popen[Any]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         process.wait(timeout=30)
+
+
+def vm_kib(field: str) -> int:
+    """A field of this process's /proc/self/status, in KiB (``VmRSS``, ``VmHWM``...)."""
+    with open("/proc/self/status") as status:
+        found = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    assert found is not None, field
+    return int(found.group(1))
+
+
+def reset_peak() -> None:
+    """Make VmHWM (the peak resident size) the current size (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")

@@ -22,7 +22,7 @@ from paramserver.errors import ConfigError, ParamServerError
 from paramserver.futures import failed
 from paramserver.launch.roles import build_server
 from paramserver.metrics import Evaluation, regression_metrics
-from paramserver.modelplan import seeded_model
+from paramserver.modelplan import initial_model
 from paramserver.observe import runlog
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import RunLog, read_records
@@ -237,7 +237,7 @@ def test_held_out_metrics_during_training_match_the_final_model() -> None:
     during, final = result.summary["eval_history"]
     assert during["step"] == final["step"] == STEPS
     untrained = ps.metrics.evaluate(
-        seeded_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
+        initial_model(TinyRecModel, 0), evaluation.data_fn(), regression_metrics
     )
     assert during["rmse"] < untrained["rmse"]
     assert during["rmse"] == pytest.approx(final["rmse"], rel=0.05)

@@ -8,7 +8,7 @@ from torch import nn
 from torch.func import functional_call
 
 import paramserver as ps
-from paramserver.modelplan import seeded_model
+from paramserver.modelplan import initial_model
 from tests.helpers import TinyRecModel, mse, tiny_batches
 
 NUM_TRAINERS = 3
@@ -24,7 +24,7 @@ def single_process_reference(name: str) -> dict[str, torch.Tensor]:
     """Plain torch.optim on the concatenated global batch. Each table row is its own
     Parameter whose grad is None when the batch does not touch it, so torch.optim skips it:
     the lazy per-row semantics a parameter server has (per-row Adam step counts included)."""
-    model = seeded_model(TinyRecModel, seed=0)
+    model = initial_model(TinyRecModel, seed=0)
     tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
     rows = {
         t: [nn.Parameter(w.detach()[i].clone()) for i in range(w.shape[0])]
@@ -72,7 +72,7 @@ def test_sync_equals_single_process(optimizer: str) -> None:
     expected = single_process_reference(optimizer)
     got = result.model.state_dict()
     assert set(got) == set(expected)
-    initial = seeded_model(TinyRecModel, seed=0).state_dict()
+    initial = initial_model(TinyRecModel, seed=0).state_dict()
     for name, value in expected.items():
         assert not torch.equal(value, initial[name]), f"{name} never moved: the test is vacuous"
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)

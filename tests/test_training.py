@@ -15,7 +15,7 @@ from paramserver.baseline import train_single_process
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.launch.roles import build_server
 from paramserver.metrics import evaluate_binary
-from paramserver.modelplan import seeded_model
+from paramserver.modelplan import initial_model
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import payload_nbytes
 from paramserver.trainer.loop import run_trainer, trainer_model
@@ -37,14 +37,14 @@ def test_async_two_trainers_learn_as_well_as_single_process_on_the_default_job()
         DLRM, data.train_batches, F.binary_cross_entropy_with_logits, config
     )
     single = evaluate_binary(reference, held_out)["auc"]
-    untrained = evaluate_binary(seeded_model(DLRM, 0), held_out)["auc"]
+    untrained = evaluate_binary(initial_model(DLRM, 0), held_out)["auc"]
     assert single > untrained + 0.2, "the reference did not learn: the comparison is vacuous"
     assert abs(distributed - single) <= 0.01, (distributed, single)
 
 
 def reference_sgd(batches_per_step: int, clip: float | None, steps: int) -> dict[str, Any]:
     """Single process, plain SGD (lazy and dense updates agree for SGD without momentum)."""
-    model = seeded_model(TinyRecModel, 0)
+    model = initial_model(TinyRecModel, 0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     stream = tiny_batches(0, num_batches=steps * batches_per_step)
     for _ in range(steps):
@@ -273,7 +273,7 @@ def test_trainers_build_their_model_without_table_memory() -> None:
     data = lambda t, n: tiny_batches(t, num_batches=4)  # noqa: E731
     result = ps.train(DrawnBuffer, data, mse, config)
     assert result is not None
-    assert torch.equal(result.model.noise, seeded_model(DrawnBuffer, 0).noise)
+    assert torch.equal(result.model.noise, initial_model(DrawnBuffer, 0).noise)
     reference, _ = train_single_process(DrawnBuffer, data, mse, config)
     for name, value in reference.state_dict().items():
         assert torch.allclose(result.model.state_dict()[name], value, atol=1e-5), name

@@ -18,7 +18,7 @@ from paramserver.checkpoint import Saved, check_fresh_start, lock_directory, res
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
-from paramserver.modelplan import plan_of, seeded_model
+from paramserver.modelplan import build_model, plan_of
 from paramserver.observe.consistency import merge_checks
 from paramserver.protocol import CallStats, TrainerReport
 from paramserver.server.coordinator import Coordinator
@@ -34,14 +34,18 @@ LEAVE_ALONE_DELAY_S = 0.5
 
 
 def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
-    """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``."""
-    model = seeded_model(model_fn, config.seed)
-    plan = plan_of(model, config.servers)
+    """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``: the dense
+    parameters placed on it and its own rows of each table (the model's tables are never built
+    whole, see :func:`~paramserver.modelplan.build_model`). Server 0 keeps the buffers, which
+    trainers fetch from it at their start."""
+    built = build_model(model_fn, config.seed)
+    plan = plan_of(built.model, config.servers)
     config.check_tables(plan.tables)
-    initial = dict(model.named_parameters())
-    shard = ServerShard(server, plan, initial, config.shard_settings(plan.tables))
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    del model, initial
+    dense = {n: p for n, p in built.model.named_parameters() if n in plan.dense}
+    settings = config.shard_settings(plan.tables)
+    shard = ServerShard(server, plan, dense, built.inits, settings)
+    buffers = {n: b.detach().clone() for n, b in built.model.named_buffers()} if server == 0 else {}
+    del built, dense
     coordinator = Coordinator(shard, config.consistency)
     if config.resume:
         resume_server(shard, coordinator, config)

@@ -41,6 +41,7 @@ from paramserver.server.dynamic import DynamicTable
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import FixedTable, Pull, Reading, TableShard
 from paramserver.sharding import ShardPlan, TableSpec
+from paramserver.tableinit import RowInit
 
 
 @dataclass
@@ -105,17 +106,19 @@ class ServerShard:
         self,
         server: int,
         plan: ShardPlan,
-        initial: Mapping[str, Tensor],
+        dense: Mapping[str, Tensor],
+        table_inits: Mapping[str, RowInit],
         settings: ShardSettings,
     ):
-        """``initial`` holds the starting values of the dense parameters and fixed tables
-        (dynamic tables start empty)."""
+        """``dense`` holds the starting values of the dense parameters (those placed here are
+        copied), ``table_inits`` how each fixed table's rows start (this server makes its own
+        rows only); dynamic tables start empty."""
         self.server = server
         self.plan = plan
         self.stats = ServerStats()
         self.dense: dict[str, DenseSlot] = {}
         for name in plan.dense_on(server):
-            value = initial[name].detach().clone().contiguous()
+            value = dense[name].detach().clone().contiguous()
             rule = make_rule(settings.dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         self.cache_lag = settings.cache_lag
@@ -124,7 +127,7 @@ class ServerShard:
                 spec,
                 plan,
                 server,
-                initial.get(name),
+                table_inits.get(name),
                 make_rule(settings.table_rules[name]),
                 self.cache_lag,
             )
@@ -534,12 +537,12 @@ def make_table(
     spec: TableSpec,
     plan: ShardPlan,
     server: int,
-    initial: Tensor | None,
+    init: RowInit | None,
     rule: UpdateRule,
     cache_lag: int | None = None,
 ) -> TableShard:
-    """This server's shard of the table ``spec``: dynamic, or fixed from ``initial``."""
+    """This server's shard of the table ``spec``: dynamic, or fixed with rows from ``init``."""
     if spec.dynamic is not None:
         return DynamicTable(spec, rule, cache_lag)
-    assert initial is not None
-    return FixedTable(spec, plan, server, initial, rule, cache_lag)
+    assert init is not None
+    return FixedTable(spec, plan, server, init, rule, cache_lag)

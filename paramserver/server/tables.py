@@ -28,6 +28,7 @@ from torch import Tensor
 
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.sharding import ShardPlan, TableSpec
+from paramserver.tableinit import RowInit
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 
@@ -117,15 +118,18 @@ class FixedTable:
         spec: TableSpec,
         plan: ShardPlan,
         server: int,
-        initial: Tensor,
+        init: RowInit,
         rule: UpdateRule,
         cache_lag: int | None = None,
     ):
+        """Makes this server's rows, and only those, from ``init``."""
         self.spec = spec
         self.plan = plan
         self.server = server
         self.rule = rule
-        self.weight = initial.detach()[server :: plan.num_servers].clone().contiguous()
+        ids = self.global_ids()
+        self.weight = torch.empty(ids.numel(), spec.dim, dtype=spec.dtype)
+        init.fill(self.weight, ids)
         self.state: State = rule.init_state(self.weight)
         self.steps = (
             torch.zeros(self.weight.shape[0], dtype=torch.float32) if rule.needs_steps else None
@@ -133,6 +137,10 @@ class FixedTable:
         tracks = cache_lag is not None
         self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64) if tracks else None
         self.lock = threading.Lock()
+
+    def global_ids(self) -> Tensor:
+        """The global ids of this server's rows, in local order."""
+        return torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
 
     def check_ids(self, ids: Tensor) -> str | None:
         low, high = int(ids.min()), int(ids.max())
@@ -166,8 +174,9 @@ class FixedTable:
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
-        ids = torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
-        return row_entries(ids, self.weight, self.state, self.steps, self.versions), {}
+        return row_entries(
+            self.global_ids(), self.weight, self.state, self.steps, self.versions
+        ), {}
 
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Take the rows of ``saved`` (this server's, any shard layout it came from)."""

@@ -35,7 +35,7 @@ from paramserver.checkpoint import resume_from
 from paramserver.config import TrainConfig
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
-from paramserver.modelplan import plan_of, seeded_model
+from paramserver.modelplan import build_model, plan_of
 from paramserver.observe import peak_rss_bytes
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
@@ -49,7 +49,7 @@ from paramserver.trainer.client import (
 )
 from paramserver.trainer.heartbeat import Activity, Heartbeats
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.replica import Replica, TablesOnMeta
+from paramserver.trainer.replica import Replica
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
 from paramserver.types import Batch, DataFn, Inputs, LossFn, ModelFn, Progress
@@ -114,19 +114,11 @@ class TrainerOutcome:
 
 
 def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:
-    """A trainer's model: :func:`seeded_model` with the weights of its ``nn.Embedding(Bag)``
-    tables on the meta device (a trainer never holds a table whole), unless ``model_fn`` needs
-    their values. Without the tables' draws the random stream differs from the servers': dense
-    values come with the first pull, buffers from :meth:`Replica.load_buffers`."""
-    try:
-        with TablesOnMeta():
-            model = seeded_model(model_fn, seed)
-    except Exception as error:  # model_fn reads its tables' values: build them in memory
-        log.debug("model_fn failed with tables on the meta device (%s); building them", error)
-        return seeded_model(model_fn, seed)
-    if TablesOnMeta.leaked(model):  # something else was built from a table's values
-        return seeded_model(model_fn, seed)
-    return model
+    """A trainer's model: :func:`~paramserver.modelplan.build_model`'s, with the weights of its
+    ``nn.Embedding(Bag)`` tables on the meta device (a trainer never holds a table whole)
+    unless ``model_fn`` needs their values. Dense values come with the first pull, buffers from
+    :meth:`Replica.load_buffers`."""
+    return build_model(model_fn, seed, table_values=False).model
 
 
 def step_groups(

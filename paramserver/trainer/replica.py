@@ -18,15 +18,12 @@ parameter names are their state_dict names: an export loads into the user's mode
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
@@ -224,46 +221,6 @@ class RemoteEmbedding(nn.Module):
         if position < self.ids.numel() and int(self.ids[position]) == self.padding_idx:
             return position
         return None
-
-
-class TablesOnMeta(TorchFunctionMode):
-    """While active (in this thread), ``nn.Embedding`` and ``nn.EmbeddingBag`` allocate their
-    weights on the meta device: a model's structure without its tables' memory."""
-
-    TABLE_INITS = frozenset({nn.Embedding.__init__.__code__, nn.EmbeddingBag.__init__.__code__})
-    FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in self.FACTORIES and kwargs.get("device") is None and _in_table_init():
-            kwargs = {**kwargs, "device": "meta"}
-        return func(*args, **kwargs)
-
-    @staticmethod
-    def leaked(model: nn.Module) -> bool:
-        """Whether a tensor other than a table's weight is on the meta device (a parameter,
-        buffer or attribute computed from a table's values, which could not be given any)."""
-        weights = {id(m.weight) for m in find_embeddings(model).values()}
-        for module in model.modules():
-            tensors = [
-                *module._parameters.values(),
-                *module._buffers.values(),
-                *vars(module).values(),
-            ]
-            if any(isinstance(t, Tensor) and t.is_meta and id(t) not in weights for t in tensors):
-                return True
-        return False
-
-
-def _in_table_init() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code in TablesOnMeta.TABLE_INITS:
-            return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 class Replica:
