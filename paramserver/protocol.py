@@ -195,6 +195,7 @@ class TrainerReport:
     cache_hits: int = 0  # rows served from the trainer's cache...
     cache_lookups: int = 0  # ...of the rows its steps needed from cached tables
     peak_rss_bytes: int = 0  # the trainer process's peak resident memory
+    input_bytes: int | None = None  # bytes of input its data read; None: the data does not say
     calls: dict[str, CallStats] = field(default_factory=dict)  # by operation
     consistency: dict[str, float] = field(default_factory=dict)  # replica checks, if any
     resumed_at: int = -1  # the step of the checkpoint this run resumed from; -1: from the start
@@ -221,6 +222,7 @@ class TrainerReport:
         floats = (self.train_loss, self.train_seconds)
         return (
             all(type(v) is int for v in ints)
+            and (self.input_bytes is None or type(self.input_bytes) is int)
             and all(type(v) is float for v in floats)
             and type(self.calls) is dict
             and all(

@@ -5,7 +5,9 @@ back while it runs. Every layer speaks these, so they belong to none of the role
   the same seeds (:func:`paramserver.modelplan.seeded_model`), so all build the same values.
 - ``data_fn(trainer, num_trainers)`` (:data:`DataFn`) yields this trainer's ``(inputs,
   target)`` batches; ``inputs`` (:data:`Inputs`) is one tensor or a tuple or list of them,
-  passed to the model's forward as positional arguments (:func:`as_tuple`).
+  passed to the model's forward as positional arguments (:func:`as_tuple`). An iterable that
+  counts the bytes of input it has read in an ``input_bytes`` attribute (an int, as
+  :class:`paramserver.data.criteo.CriteoBatches` does) has them reported in the job summary.
 - ``loss_fn(outputs, target) -> Tensor`` (:data:`LossFn`) gives the scalar loss.
 - :class:`Progress` is what a trainer reports as it goes (``on_progress`` callbacks).
 """

@@ -30,6 +30,8 @@ from paramserver.data.criteo import (
 )
 from paramserver.errors import InvalidBatchError
 from paramserver.hashing import mix64
+from paramserver.protocol import TrainerReport
+from paramserver.trainer.loop import input_bytes_read
 
 
 def criteo_line(label: str, ints: list[str], categorical: list[str]) -> str:
@@ -363,6 +365,25 @@ def fit_auc(dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> f
     return float(binary_auroc(logits, label[test].long()))
 
 
+def test_input_bytes_are_read_from_epochs_that_count_them(tmp_path: Path) -> None:
+    path = tmp_path / "day_0"
+    write_synthetic_criteo(path, 500, seed=0)
+    files = CriteoFiles([path], batch_size=100)
+    epochs = [files.train_batches(1, 2), files.train_batches(1, 2)]
+    for epoch in epochs:
+        for _ in epoch:
+            pass
+    assert input_bytes_read(epochs) == 2 * epochs[0].input_bytes > 0
+    assert input_bytes_read([*epochs, []]) is None  # a list does not count its bytes
+    assert input_bytes_read([]) is None
+
+
+def test_a_reports_input_bytes_are_an_int_or_none() -> None:
+    assert TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0).is_well_formed()  # None: not counted
+    assert TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0, input_bytes=123).is_well_formed()
+    assert not TrainerReport(0, 1, 1, 0.5, 1.0, 0, 0, input_bytes=1.5).is_well_formed()  # type: ignore[arg-type]
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     # The fit's tensors are tiny: extra intra-op threads only add synchronisation, which is
@@ -406,6 +427,9 @@ def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert code == 0
     result = json.loads(summary.read_text())
     assert sum(result["trainer_steps"]) == 5 * batches_per_epoch
+    # each trainer read its own share once per epoch: the files' bytes 5 times over, in all
+    assert result["input_bytes"] == [5 * share.input_bytes for share in shares]
+    assert sum(result["input_bytes"]) == 5 * (plain.stat().st_size + train.stat().st_size)
     assert result["eval_auc"] > 0.6  # the planted signal, learned through hashed ids
     assert result["tables"]["embeddings.0.weight"]["rows"] > 0
     assert main(["train", "--dataset", "criteo:/no/such/file"]) == 2

@@ -40,8 +40,9 @@ a batch depends on ``T``: with one trainer, batch ``k`` holds the stream's non-e
 trainer's batches start afresh at its share's first line, and every trainer may end with a
 short batch. A gzip file is read by one trainer alone: to spread it over several, split it or
 decompress it. The iterator that :meth:`CriteoFiles.train_batches` returns counts, in
-``input_bytes``, the bytes of the files its trainer has read. A file is never loaded whole:
-lines are read one at a time and a batch holds at most ``batch_size`` of them.
+``input_bytes``, the bytes of the files its trainer has read (the job summary's
+``input_bytes``). A file is never loaded whole: lines are read one at a time and a batch holds
+at most ``batch_size`` of them.
 
 A malformed line (a wrong number of fields, a label other than 0/1, a non-integer in an integer
 field, a non-hex categorical) and a corrupt gzip stream raise

@@ -129,6 +129,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         },
         # Under the threads launcher every trainer reports the one shared process.
         "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in reports],
+        "input_bytes": _input_bytes(reports),
         "row_bytes_per_step": sum(r.row_bytes_received for r in reports) / max(total_steps, 1),
         "cache": _cache_figures(config, reports),
         "compression_ratio": _compression_ratios(reports),
@@ -198,6 +199,12 @@ def _bytes_moved(
             "received": sum(s["bytes_received"] for s in servers),
         },
     }
+
+
+def _input_bytes(reports: list[TrainerReport]) -> list[int] | None:
+    """Per trainer, the bytes of input it read; None unless every trainer's data counted them."""
+    counted = [r.input_bytes for r in reports if r.input_bytes is not None]
+    return counted if len(counted) == len(reports) else None
 
 
 def _cache_figures(config: TrainConfig, reports: list[TrainerReport]) -> dict[str, Any]:

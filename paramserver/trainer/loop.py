@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,13 +122,21 @@ def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:
 
 
 def step_groups(
-    data_fn: DataFn, trainer: int, num_trainers: int, config: TrainConfig
+    data_fn: DataFn,
+    trainer: int,
+    num_trainers: int,
+    config: TrainConfig,
+    opened: list[Iterable[Batch]] | None = None,
 ) -> Iterator[list[Batch]]:
-    """This trainer's batches, ``accumulate`` at a time, over ``epochs``, at most ``steps``."""
+    """This trainer's batches, ``accumulate`` at a time, over ``epochs``, at most ``steps``;
+    each epoch's iterable is appended to ``opened`` (for :func:`input_bytes_read`)."""
     group: list[Batch] = []
     produced = 0
     for _ in range(config.epochs):
-        for batch in data_fn(trainer, num_trainers):
+        epoch = data_fn(trainer, num_trainers)
+        if opened is not None:
+            opened.append(epoch)
+        for batch in epoch:
             group.append(batch)
             if len(group) == config.accumulate:
                 yield group
@@ -138,6 +146,14 @@ def step_groups(
                     return
     if group:
         yield group
+
+
+def input_bytes_read(opened: Sequence[Iterable[Batch]]) -> int | None:
+    """The bytes of input the iterables read, if each counts them (an int ``input_bytes``
+    attribute, see :mod:`paramserver.types`); None otherwise."""
+    counts = [getattr(epoch, "input_bytes", None) for epoch in opened]
+    counted = [count for count in counts if isinstance(count, int)]
+    return sum(counted) if counted and len(counted) == len(counts) else None
 
 
 def run_trainer(
@@ -196,7 +212,8 @@ def _train(
     evaluation: Evaluation | None,
 ) -> TrainerOutcome:
     run = _TrainerRun(trainer, config, model_fn, transport, heartbeats)
-    groups = step_groups(data_fn, trainer, config.trainers, config)
+    opened: list[Iterable[Batch]] = []  # each epoch's data, for the bytes it read
+    groups = step_groups(data_fn, trainer, config.trainers, config, opened)
     resumed = Resumed()
     if config.resume:
         resumed = resume_trainer(trainer, config, run.client, run.checkpoints, groups)
@@ -219,6 +236,7 @@ def _train(
         bytes_sent=0,
         bytes_received=0,
         peak_rss_bytes=peak_rss_bytes(),
+        input_bytes=input_bytes_read(opened),
         calls=transport.profile.snapshot(),
         consistency=observer.finish(run.steps, run.samples),
         resumed_at=resumed.at,
