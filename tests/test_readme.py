@@ -112,7 +112,7 @@ COMMANDS: dict[str, Run] = {
         SHORT, launcher_threads=False
     ),
     "paramserver train --config job.toml --lr 0.1": Run(SHORT),
-    "paramserver train --dataset criteo:day_0.gz --eval-data day_1.gz": Run(
+    "paramserver train --dataset criteo:day_0 --eval-data day_1": Run(
         ("--steps", "4", "--no-progress")
     ),
     "paramserver train --dataset movielens --compare-single-process": Run(
