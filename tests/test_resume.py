@@ -14,9 +14,10 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.checkpoint import load_latest
+from paramserver.checkpoint import Checkpoint, load_latest
 from paramserver.cli import main
 from paramserver.errors import JobFailedError
+from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.trainer.client import gather_state
 from tests.helpers import NUM_ROWS_A, TinyRecModel, mse, tiny_batches, wait_for_checkpoint
@@ -229,3 +230,24 @@ def test_export_writes_a_plain_state_dict_and_check_verifies(
     fallback = capsys.readouterr().out
     assert f"{newest.directory}: DAMAGED" in fallback and "a resume loads ckpt-" in fallback
     assert "ok (step" in fallback and f"(step {newest.step}," not in fallback  # an older one
+
+
+def test_a_server_reads_only_its_own_part_when_the_server_count_is_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = config(tmp_path, checkpoint_every=4)
+    with pytest.raises(JobFailedError):
+        run_threads(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
+    read: list[str] = []
+    original = Checkpoint.read_part
+
+    def reading(self: Checkpoint, name: str) -> Any:
+        read.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(Checkpoint, "read_part", reading)
+    for servers, parts in [(2, ["server-1"]), (3, ["server-0", "server-1"])]:
+        read.clear()
+        endpoint = build_server(1, job.replace(resume=True, servers=servers), TinyRecModel)
+        endpoint.coordinator.close()
+        assert read == parts, servers

@@ -53,11 +53,15 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
 
 
 def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:
-    """Load this server's part of the newest valid checkpoint (saved with any server count)."""
+    """Load this server's part of the newest valid checkpoint (saved with any server count):
+    its own saved part where the server count is the same, else its rows of every part, one
+    part at a time."""
     found = resume_from(config)
     if found is None:
         return
     names = [n for n in found.part_names if n.startswith("server-")]
+    if found.meta.get("servers") == config.servers:  # the same layout: its own part has its rows
+        names = [f"server-{shard.server}"]
     signature = model_signature(shard)
 
     def saved() -> Iterator[Saved]:
