@@ -27,6 +27,7 @@ and takes that table's values from it, logging which table, why, and the memory 
 
 from __future__ import annotations
 
+import hashlib
 import math
 import sys
 from collections.abc import Iterator
@@ -84,12 +85,6 @@ class RowInit:
         rows, dim = values.shape
         return cls(table, (rows, dim), values.dtype, [Step("copy", source=values.detach())], 0)
 
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of the values ``model_fn`` gave that this recipe keeps (0 for a replay)."""
-        sources = [s.source for s in self.steps if s.source is not None and s.row is None]
-        return sum(s.numel() * s.element_size() for s in sources)
-
     def rows(self, ids: Tensor) -> Tensor:
         """The initial values of rows ``ids`` (int64, any order)."""
         out = torch.empty(ids.numel(), self.shape[1], dtype=self.dtype)
@@ -105,14 +100,15 @@ class RowInit:
             out[start : start + chunk.numel()] = self._chunk(chunk)
 
     def _chunk(self, ids: Tensor) -> Tensor:
-        values = torch.zeros(ids.numel(), self.shape[1], dtype=torch.float32)
+        working = torch.float64 if self.dtype == torch.float64 else torch.float32
+        values = torch.zeros(ids.numel(), self.shape[1], dtype=working)
         for index, step in enumerate(self.steps[self._first_step :], start=self._first_step):
             if step.row is None:
-                values = _apply(step, values, ids, self.key + index)
+                values = _apply(step, values, ids, self.key + index).to(working)
             else:
                 hit = ids == step.row
                 if bool(hit.any()):
-                    values[hit] = _apply(step, values[hit], ids[hit], self.key + index)
+                    values[hit] = _apply(step, values[hit], ids[hit], self.key + index).to(working)
         return values.to(self.dtype)
 
 
@@ -137,15 +133,13 @@ def _apply(step: Step, values: Tensor, ids: Tensor, key: int) -> Tensor:
         return values.erfinv_()
     assert step.op == "copy" and step.source is not None, step
     source = step.source if step.row is not None else step.source[ids]
-    return source.to(torch.float32).expand_as(values).clone()
+    return source.to(values.dtype).expand_as(values).clone()
 
 
 def _name_key(table: str) -> int:
-    codes = np.frombuffer(table.encode().ljust(8 * (len(table) // 8 + 1), b"\0"), dtype=np.int64)
-    key = np.int64(0)
-    for code in codes:
-        key = mix64_array(np.array([key ^ code], dtype=np.int64))[0]
-    return int(key)
+    """A 64-bit key of the table's name (the same in every process, unlike ``hash``)."""
+    digest = hashlib.blake2b(table.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
 
 
 def _bits(key: int, ids: Tensor, dim: int) -> np.ndarray:

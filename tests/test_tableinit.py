@@ -201,3 +201,15 @@ def test_a_server_allocates_about_its_share_of_a_table() -> None:
 def test_a_trainers_memory_does_not_grow_with_its_tables() -> None:
     small, large = build_peak("trainer", 1_000, 1), build_peak("trainer", 1_000_000, 1)
     assert large["growth_mib"] - small["growth_mib"] < 8, (small, large)
+
+
+def test_given_values_keep_their_dtype_exactly() -> None:
+    thirds = torch.arange(30, dtype=torch.float64).view(10, 3) / 3
+
+    class Given(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Embedding.from_pretrained(thirds, freeze=False)
+
+    init = build_model(Given, seed=0).inits["table.weight"]
+    assert torch.equal(init.rows(torch.tensor([4, 0])), thirds[[4, 0]])
