@@ -18,6 +18,7 @@ from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import build_model
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.progress import ProgressDisplay
+from paramserver.sharding import ShardPlan
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, Progress
 
 
@@ -150,13 +151,54 @@ def check_model_fits(model_fn: ModelFn, config: TrainConfig) -> None:
     from paramserver.trainer.replica import Replica
 
     model = trainer_model(model_fn, config.seed)
-    config.check_tables(plan_of(model, config.servers).tables)
+    plan = plan_of(model, config.servers)
+    config.check_tables(plan.tables)
+    check_gather_fits(plan, config)
     replica = Replica(model)  # ModelError for a layer no server can hold (max_norm, tied)
     for table in config.server_pooling:
         try:
             replica.tables[table].pool_on_servers()
         except ModelError as error:
             raise ConfigError(f"--server-pooling {table}: {error}") from None
+
+
+GATHER_MEMORY_SHARE = 0.5
+"""``gather_model`` is refused for a model whose parameters exceed this share of the memory
+available: the gathering process holds the pieces it receives and the assembled copy at once."""
+
+
+def check_gather_fits(plan: ShardPlan, config: TrainConfig) -> None:
+    """Refuse ``gather_model`` for a model too large to gather into one process, before any
+    process starts: when its fixed tables and dense parameters take more than
+    :data:`GATHER_MEMORY_SHARE` of :func:`available_memory`. Dynamic tables are not counted
+    (they grow with the data)."""
+    if not config.gather_model:
+        return
+    needed = sum(spec.nbytes for spec in plan.dense.values()) + sum(
+        t.num_rows * t.dim * t.dtype.itemsize for t in plan.tables.values() if t.dynamic is None
+    )
+    available = available_memory()
+    if needed > GATHER_MEMORY_SHARE * available:
+        raise ConfigError(
+            f"gather_model: the model's parameters take {needed / 2**30:.1f} GiB, more than "
+            f"{GATHER_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory available "
+            "to gather them into one process: pass gather_model=False (--no-gather-model), "
+            "save checkpoints with --checkpoint-dir, and write a checkpoint's model with "
+            "`paramserver export CHECKPOINT_DIR model.pt` (it holds one table shard at a time)"
+        )
+
+
+def available_memory() -> int:
+    """Bytes of memory available on this host now: ``MemAvailable`` in ``/proc/meminfo``, or the
+    physical memory where that is unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the figure is in kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:

@@ -31,7 +31,8 @@ from torch import nn
 
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import check_model, train_single_process
-from paramserver.checkpoint import Checkpoint, gather_saved, load_latest, open_checkpoint
+from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
+from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
 from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
 from paramserver.data import movielens
@@ -239,9 +240,16 @@ def _add_checkpoint_commands(commands: Any) -> None:
     export = commands.add_parser(
         "export",
         help="write a checkpoint's model as a plain PyTorch state_dict (loads with torch.load)",
+        description="Write the model of a checkpoint (a checkpoint directory, or the newest "
+        "under a job's root) as one torch.save file of its state_dict: torch.load(OUT, "
+        "weights_only=True) returns it, and mmap=True reads a model larger than memory lazily. "
+        "It streams: tables are copied a window of rows at a time from every server's part, "
+        "and it never holds more than one table shard (a DynamicEmbedding's rows are sorted by "
+        "id one server's shard at a time, through a temporary file beside OUT), so a model "
+        "too large for this machine's memory exports too.",
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a job's root")
-    export.add_argument("out", type=Path, help="the .pt file to write")
+    export.add_argument("out", type=Path, help="the .pt file to write (replaced when complete)")
     check = commands.add_parser(
         "check",
         help="verify a checkpoint, or say which checkpoint under a job's root a resume loads",
@@ -267,10 +275,8 @@ def find_checkpoint(path: Path) -> Checkpoint:
 
 def run_export(args: argparse.Namespace) -> int:
     found = find_checkpoint(args.checkpoint)
-    servers = sorted(n for n in found.part_names if n.startswith("server-"))
-    state = gather_saved(found.read_part(name) for name in servers)
-    torch.save(state, args.out)
-    print(f"wrote {len(state)} tensors of checkpoint {found.step} to {args.out}")
+    written = export_checkpoint(found, args.out)
+    print(f"wrote {written} tensors of checkpoint {found.step} to {args.out}")
     return 0
 
 

@@ -355,8 +355,10 @@ class TrainConfig:
     gather_model: bool = field(
         default=True,
         metadata=_doc(
-            "gather the final parameters into one process (result.model); turn off for tables "
-            "too large for one process"
+            "gather the final parameters into one process (result.model); refused before the "
+            "job starts when the fixed tables and dense parameters take over half the memory "
+            "available (MemAvailable in /proc/meminfo): turn off, keep checkpoints with "
+            "--checkpoint-dir and write a model with paramserver export"
         ),
     )
     progress: bool = field(

@@ -2,7 +2,8 @@
 
 See :mod:`paramserver.checkpoint.store` for the layout on disk and why it survives crashes,
 :mod:`paramserver.checkpoint.lock` for how one job at a time holds a checkpoint directory, and
-:mod:`paramserver.checkpoint.resume` for reading one back (resuming, exporting).
+:mod:`paramserver.checkpoint.resume` for reading one back to resume, and
+:mod:`paramserver.checkpoint.export` for writing its model as one state_dict file.
 """
 
 from paramserver.checkpoint.lock import DirectoryLock, lock_directory

@@ -1,8 +1,9 @@
 """Reading committed checkpoints back: which one a resumed job continues from, and a model's
 plain state_dict assembled from its servers' saved shards.
 
-Servers and trainers both resume from :func:`resume_from`; ``paramserver export`` calls
-:func:`gather_saved`. What a saved shard holds is written by
+Servers and trainers both resume from :func:`resume_from`; :func:`gather_saved` assembles a
+model's state_dict in memory (``paramserver export`` streams it instead, see
+:mod:`paramserver.checkpoint.export`). What a saved shard holds is written by
 :func:`paramserver.server.snapshot.snapshot_shard`: dense values by name, table rows by global
 row id (fixed tables) or id (dynamic tables).
 """
@@ -61,7 +62,7 @@ def resume_from(config: TrainConfig) -> Checkpoint | None:
 
 def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
     """A plain state_dict of the model from saved shards: dense values, fixed tables whole,
-    dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight`` (for ``paramserver export``)."""
+    dynamic tables as ``NAME.ids`` (sorted) and ``NAME.weight``; held whole in memory."""
     state: dict[str, Tensor] = {}
     rows: dict[str, list[dict[str, Tensor]]] = {}
     dynamic: set[str] = set()

@@ -122,19 +122,33 @@ class Checkpoint:
                 tensors = torch.load(f, weights_only=True, map_location="cpu")
             except Exception as e:  # a verified file should load; say which one did not
                 raise CheckpointError(f"{self.directory / f'{name}.pt'}: cannot load: {e}") from e
-        with self._open_verified(f"{name}.json") as f:
-            try:
-                meta = json.loads(f.read())
-            except (ValueError, RecursionError) as e:
-                raise CheckpointError(f"{self.directory / f'{name}.json'}: invalid JSON") from e
         if not (
             isinstance(tensors, dict)
             and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in tensors.items())
         ):
             raise CheckpointError(f"{self.directory / f'{name}.pt'}: not a dict of tensors")
+        return tensors, self._read_meta(name)
+
+    @contextlib.contextmanager
+    def open_part(self, name: str) -> Iterator[tuple[IO[bytes], dict[str, Any]]]:
+        """Part ``name``'s tensor file, verified (as :meth:`read_part` does) and open for
+        reading in pieces, and its metadata. The file is read from this open handle, so the
+        bytes read are the bytes verified. Raises ``KeyError`` if there is no such part."""
+        if name not in self.part_names:
+            raise KeyError(f"{self.directory} has no part {name!r}; it has {list(self.part_names)}")
+        meta = self._read_meta(name)
+        with self._open_verified(f"{name}.pt") as f:
+            yield f, meta
+
+    def _read_meta(self, name: str) -> dict[str, Any]:
+        with self._open_verified(f"{name}.json") as f:
+            try:
+                meta = json.loads(f.read())
+            except (ValueError, RecursionError) as e:
+                raise CheckpointError(f"{self.directory / f'{name}.json'}: invalid JSON") from e
         if not isinstance(meta, dict):
             raise CheckpointError(f"{self.directory / f'{name}.json'}: not a JSON object")
-        return tensors, meta
+        return meta
 
     @contextlib.contextmanager
     def _open_verified(self, file_name: str) -> Iterator[IO[bytes]]:
