@@ -36,11 +36,18 @@ _WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
+_SPACE_STRIDE = -7046029254386353131  # spaces' offsets: odd multiples of 2^64/phi
 
 
 def grown_rows(held: int, needed: int) -> int:
     """The row capacity to grow storage of ``held`` rows to, when ``needed`` rows must fit."""
     return max(needed, int(held * ROW_GROWTH) + 16)
+
+
+def _grown(array: np.ndarray, size: int) -> np.ndarray:
+    grown = np.empty(size, dtype=array.dtype)
+    grown[: array.size] = array
+    return grown
 
 
 def with_rows(tensor: Tensor, rows: int) -> Tensor:
@@ -63,11 +70,14 @@ class Found(NamedTuple):
 
 
 class IdMap:
-    def __init__(self, initial_slots: int = 1024):
-        """``initial_slots`` is rounded up to a power of two; the map grows as needed."""
+    def __init__(self, initial_slots: int = 1024, *, keyed_by_space: bool = False):
+        """``initial_slots`` is rounded up to a power of two; the map grows as needed.
+        ``keyed_by_space``: keys are (space, id) pairs, every call passing each id's space (a
+        small int), as :class:`FusedIdMap` uses it."""
         size = 1 << max(4, (initial_slots - 1).bit_length())
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.row_ids = np.empty(0, dtype=np.int64)  # capacity_rows long
+        self.row_spaces = np.empty(0, dtype=np.int16) if keyed_by_space else None
         self.used_rows = 0  # row numbers handed out so far (live plus free)
         self.free_rows = np.empty(0, dtype=np.int64)  # deleted row numbers, reused first
         self.num_rows = 0  # live rows
@@ -80,21 +90,24 @@ class IdMap:
         return self.row_ids.size
 
     def nbytes(self) -> int:
-        return self.slots.nbytes + self.row_ids.nbytes + self.free_rows.nbytes
+        spaces = 0 if self.row_spaces is None else self.row_spaces.nbytes
+        return self.slots.nbytes + self.row_ids.nbytes + self.free_rows.nbytes + spaces
 
-    # ---- calls: torch tensors in and out ----
+    # ---- calls: torch tensors in and out; ``spaces`` only for a map keyed by space ----
 
-    def lookup(self, ids: Tensor) -> Tensor:
+    def lookup(self, ids: Tensor, spaces: np.ndarray | None = None) -> Tensor:
         """Row of each id, -1 where the id is absent."""
-        return torch.from_numpy(self._probe(ids.numpy())[0])
+        return torch.from_numpy(self._probe(ids.numpy(), spaces)[0])
 
-    def find(self, ids: Tensor) -> Found:
+    def find(self, ids: Tensor, spaces: np.ndarray | None = None) -> Found:
         """Like :meth:`lookup`, also remembering where each search ended, so that inserting
         the absent ids right after needs no second search."""
-        rows, ends = self._probe(ids.numpy())
+        rows, ends = self._probe(ids.numpy(), spaces)
         return Found(torch.from_numpy(rows), ends, self.layout)
 
-    def insert(self, ids: Tensor, found: Found | None = None) -> Tensor:
+    def insert(
+        self, ids: Tensor, found: Found | None = None, spaces: np.ndarray | None = None
+    ) -> Tensor:
         """Add ``ids`` (unique, all absent) and return their new rows. ``found``: what
         :meth:`find` returned for exactly these ids, if nothing was inserted since."""
         keys = ids.numpy()
@@ -108,23 +121,26 @@ class IdMap:
         self.used_rows += fresh.size
         if self.used_rows > self.row_ids.size:
             grown = grown_rows(self.row_ids.size, self.used_rows)
-            row_ids = np.empty(grown, dtype=np.int64)
-            row_ids[: self.row_ids.size] = self.row_ids
-            self.row_ids = row_ids
+            self.row_ids = _grown(self.row_ids, grown)
+            if self.row_spaces is not None:
+                self.row_spaces = _grown(self.row_spaces, grown)
         rows = np.concatenate([reused, fresh])
         self.row_ids[rows] = keys
+        if self.row_spaces is not None:
+            assert spaces is not None, "a map keyed by space needs each id's space"
+            self.row_spaces[rows] = spaces
         if found is None:
-            self._place(keys, rows)
+            self._place(keys, rows, spaces)
         else:
             left = self._claim_ends(found, rows)
             if left.any():
-                self._place(keys[left], rows[left])
+                self._place(keys[left], rows[left], None if spaces is None else spaces[left])
         self.num_rows += count
         return torch.from_numpy(rows)
 
-    def remove(self, ids: Tensor) -> Tensor:
+    def remove(self, ids: Tensor, spaces: np.ndarray | None = None) -> Tensor:
         """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
-        rows, positions = self._probe(ids.numpy())
+        rows, positions = self._probe(ids.numpy(), spaces)
         present = rows >= 0
         rows, positions = rows[present], positions[present]
         self.slots[positions] = DELETED
@@ -146,15 +162,18 @@ class IdMap:
         order = np.argsort(ids, kind="stable")
         return ids[order], occupied[order]
 
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        # Fibonacci hashing: the top bits of id * 2^64/phi (wrapping multiply, well spread).
+    def _home(self, ids: np.ndarray, spaces: np.ndarray | None) -> np.ndarray:
+        # Fibonacci hashing: the top bits of id * 2^64/phi (wrapping multiply, well spread); a
+        # space moves its ids' homes apart (the same id in two tables lands elsewhere).
+        if spaces is not None:
+            ids = ids ^ (spaces.astype(np.int64) * np.int64(_SPACE_STRIDE))
         bits = self.slots.size.bit_length() - 1
         return ((ids * np.int64(GOLDEN_GAMMA)) >> (64 - bits)) & (self.slots.size - 1)
 
     def _window(self, where: np.ndarray) -> np.ndarray:
         return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)
 
-    def _probe(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _probe(self, ids: np.ndarray, spaces: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """For each id, its row (-1 if absent) and the slot where its search ended: its own,
         or the empty slot that proved it absent (-1 for every id if the map is empty).
 
@@ -168,11 +187,15 @@ class IdMap:
             return rows, positions
         pending = np.arange(ids.size)
         keys = ids
-        where = self._home(ids)
+        where = self._home(ids, spaces)
         while pending.size:
             window = self._window(where)
             found = self.slots[window]
-            match = (self.row_ids[np.maximum(found, 0)] == keys[:, None]) & (found >= 0)
+            entries = np.maximum(found, 0)
+            match = (self.row_ids[entries] == keys[:, None]) & (found >= 0)
+            if spaces is not None:
+                assert self.row_spaces is not None
+                match &= self.row_spaces[entries] == spaces[pending][:, None]
             stop = match | (found == EMPTY)
             first = stop.argmax(axis=1)
             each = np.arange(pending.size)
@@ -207,11 +230,11 @@ class IdMap:
         self.slots[ends[claim]] = rows[claim]
         return left
 
-    def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
+    def _place(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
         """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
         the same slot in a round: the lowest index takes it, the others look on from there."""
         pending = np.arange(ids.size)
-        where = self._home(ids)
+        where = self._home(ids, spaces)
         while pending.size:
             window = self._window(where)
             free = self.slots[window] < 0
@@ -245,4 +268,125 @@ class IdMap:
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
         self.layout += 1
-        self._place(ids, rows)
+        self._place(ids, rows, None if self.row_spaces is None else self.row_spaces[rows])
+
+
+class FusedIdMap:
+    """One id map for several tables (a server's dynamic tables): keys are (table, id), and each
+    table numbers its rows densely from 0 on its own, so each keeps its own row storage. A
+    request's ids of every table are searched, and its new ones inserted, in one call each,
+    whatever the number of tables.
+
+    Inside, an :class:`IdMap` keyed by space holds *entries*; ``entry_rows`` gives each entry's
+    row in its table, and each table hands out, frees and reuses its own row numbers. Not
+    thread-safe: the tables sharing it share one lock.
+    """
+
+    def __init__(self, num_tables: int, initial_slots: int = 1024):
+        self.entries = IdMap(initial_slots, keyed_by_space=True)
+        self.entry_rows = np.empty(0, dtype=np.int64)
+        self.used_rows = [0] * num_tables  # row numbers handed out per table (live plus free)
+        self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_tables)]
+        self.num_rows = [0] * num_tables
+
+    def table(self, space: int) -> TableIds:
+        """Table ``space``'s view: the single-table calls of an :class:`IdMap`."""
+        return TableIds(self, space)
+
+    def nbytes(self) -> int:
+        free = sum(f.nbytes for f in self.free_rows)
+        return self.entries.nbytes() + self.entry_rows.nbytes + free
+
+    def find(self, spaces: np.ndarray, ids: Tensor) -> Found:
+        """Each id's row in its table (-1: absent), and where its search ended."""
+        found = self.entries.find(ids, spaces)
+        return found._replace(rows=self._rows_of(found.rows))
+
+    def lookup(self, spaces: np.ndarray, ids: Tensor) -> Tensor:
+        return self._rows_of(self.entries.lookup(ids, spaces))
+
+    def insert(self, spaces: np.ndarray, ids: Tensor, found: Found | None = None) -> Tensor:
+        """Add ``ids`` (unique per table, all absent) of tables ``spaces``; returns each one's
+        new row in its table. ``found``: :meth:`find`'s answer for exactly these, if nothing
+        was inserted since."""
+        entries = self.entries.insert(ids, found, spaces).numpy()
+        if self.entry_rows.size < self.entries.row_ids.size:
+            self.entry_rows = _grown(self.entry_rows, self.entries.row_ids.size)
+        rows = np.empty(entries.size, dtype=np.int64)
+        for space in np.unique(spaces).tolist():
+            at = np.flatnonzero(spaces == space)
+            rows[at] = self._new_rows(space, at.size)
+        self.entry_rows[entries] = rows
+        return torch.from_numpy(rows)
+
+    def remove(self, space: int, ids: Tensor) -> Tensor:
+        """Delete table ``space``'s ``ids``; returns their freed rows (absent ids ignored)."""
+        entries = self.entries.remove(ids, np.full(ids.numel(), space, dtype=np.int16)).numpy()
+        rows = self.entry_rows[entries]
+        self.free_rows[space] = np.concatenate([self.free_rows[space], rows])
+        self.num_rows[space] -= rows.size
+        return torch.from_numpy(rows)
+
+    def live_rows(self, space: int) -> tuple[Tensor, Tensor]:
+        """Table ``space``'s ids and rows, sorted by id."""
+        slots = self.entries.slots
+        occupied = slots[slots >= 0].astype(np.int64)
+        assert self.entries.row_spaces is not None
+        occupied = occupied[self.entries.row_spaces[occupied] == space]
+        ids = self.entries.row_ids[occupied]
+        order = np.argsort(ids, kind="stable")
+        return torch.from_numpy(ids[order]), torch.from_numpy(self.entry_rows[occupied[order]])
+
+    def _rows_of(self, entries: Tensor) -> Tensor:
+        found = entries.numpy()
+        present = found >= 0
+        rows = np.full(found.size, EMPTY, dtype=np.int64)
+        rows[present] = self.entry_rows[found[present]]
+        return torch.from_numpy(rows)
+
+    def _new_rows(self, space: int, count: int) -> np.ndarray:
+        free = self.free_rows[space]
+        reused, self.free_rows[space] = free[:count], free[count:]
+        start = self.used_rows[space]
+        self.used_rows[space] += count - reused.size
+        self.num_rows[space] += count
+        return np.concatenate([reused, np.arange(start, self.used_rows[space])])
+
+
+class TableIds:
+    """One table's view of a :class:`FusedIdMap`: :class:`IdMap`'s single-table calls."""
+
+    def __init__(self, fused: FusedIdMap, space: int):
+        self.fused = fused
+        self.space = space
+
+    def _spaces(self, ids: Tensor) -> np.ndarray:
+        return np.full(ids.numel(), self.space, dtype=np.int16)
+
+    @property
+    def num_rows(self) -> int:
+        return self.fused.num_rows[self.space]
+
+    @property
+    def used_rows(self) -> int:
+        return self.fused.used_rows[self.space]
+
+    def nbytes(self) -> int:
+        """This table's share of the fused map's bytes (by its share of the live rows)."""
+        live = sum(self.fused.num_rows)
+        return self.fused.nbytes() * self.num_rows // live if live else 0
+
+    def find(self, ids: Tensor) -> Found:
+        return self.fused.find(self._spaces(ids), ids)
+
+    def lookup(self, ids: Tensor) -> Tensor:
+        return self.fused.lookup(self._spaces(ids), ids)
+
+    def insert(self, ids: Tensor, found: Found | None = None) -> Tensor:
+        return self.fused.insert(self._spaces(ids), ids, found)
+
+    def remove(self, ids: Tensor) -> Tensor:
+        return self.fused.remove(self.space, ids)
+
+    def live_rows(self) -> tuple[Tensor, Tensor]:
+        return self.fused.live_rows(self.space)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -12,7 +13,7 @@ from torch.futures import Future
 
 import paramserver as ps
 from paramserver.config import OptimizerConfig
-from paramserver.idmap import IdMap
+from paramserver.idmap import FusedIdMap, IdMap
 from paramserver.launch.roles import build_server
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable, init_rows
@@ -64,6 +65,44 @@ def test_id_map_inserts_after_a_search_land_where_lookups_find_them() -> None:
     ids_hinted, rows_hinted = hinted.live_rows()
     assert torch.equal(ids_hinted, plain.live_rows()[0])
     assert torch.equal(hinted.lookup(ids_hinted), rows_hinted)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_fused_id_map_behaves_like_one_map_per_table(seed: int) -> None:
+    """Random inserts (with and without what a search learned), lookups and removals over
+    several tables, the same ids in several of them: each table's rows, ids and free-row reuse
+    are those of a map of its own."""
+    g = torch.Generator().manual_seed(seed)
+    tables = 5
+    fused = FusedIdMap(tables, initial_slots=16)
+    own = [IdMap(initial_slots=16) for _ in range(tables)]
+    for _ in range(60):
+        spaces = torch.randint(0, tables, (200,), generator=g).numpy().astype(np.int16)
+        ids = torch.randint(-50, 400, (200,), generator=g)
+        ids[::7] = torch.tensor(EXTREMES)[torch.arange(ids[::7].numel()) % len(EXTREMES)]
+        keys = np.unique(np.stack([spaces.astype(np.int64), ids.numpy()]), axis=1)
+        spaces, ids = keys[0].astype(np.int16), torch.from_numpy(keys[1].copy())
+        found = fused.find(spaces, ids)
+        absent = (found.rows < 0).nonzero().squeeze(1)
+        hinted = bool(torch.rand((), generator=g) < 0.5)
+        new = fused.insert(
+            spaces[absent.numpy()], ids[absent], found.subset(absent) if hinted else None
+        )
+        for table, map_ in enumerate(own):
+            mine = torch.from_numpy(spaces == table)
+            assert torch.equal(found.rows[mine], map_.lookup(ids[mine]))
+            expected = map_.insert(ids[mine][map_.lookup(ids[mine]) < 0])
+            assert torch.equal(new[torch.from_numpy(spaces[absent.numpy()] == table)], expected)
+            gone = ids[mine][torch.rand(int(mine.sum()), generator=g) < 0.2]
+            assert torch.equal(
+                fused.remove(table, gone).sort().values, map_.remove(gone).sort().values
+            )
+    for table, map_ in enumerate(own):
+        ids, rows = fused.live_rows(table)
+        assert torch.equal(ids, map_.live_rows()[0]) and torch.equal(rows, map_.live_rows()[1])
+        view = fused.table(table)
+        assert view.num_rows == map_.num_rows and view.used_rows == map_.used_rows
+        assert torch.equal(view.lookup(ids), rows)
 
 
 def test_id_map_reuses_freed_rows_and_stays_small() -> None:
