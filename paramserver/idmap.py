@@ -70,14 +70,15 @@ class Found(NamedTuple):
 
 
 class IdMap:
-    def __init__(self, initial_slots: int = 1024, *, keyed_by_space: bool = False):
+    def __init__(self, initial_slots: int = 1024, *, spaces: int = 0):
         """``initial_slots`` is rounded up to a power of two; the map grows as needed.
-        ``keyed_by_space``: keys are (space, id) pairs, every call passing each id's space (a
-        small int), as :class:`FusedIdMap` uses it."""
+        ``spaces``: with more than 0, keys are (space, id) pairs, every call passing each id's
+        space in ``range(spaces)`` (as :class:`FusedIdMap` uses it)."""
         size = 1 << max(4, (initial_slots - 1).bit_length())
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.row_ids = np.empty(0, dtype=np.int64)  # capacity_rows long
-        self.row_spaces = np.empty(0, dtype=np.int16) if keyed_by_space else None
+        space_type = np.int8 if spaces <= 128 else np.int16
+        self.row_spaces = np.empty(0, dtype=space_type) if spaces else None
         self.used_rows = 0  # row numbers handed out so far (live plus free)
         self.free_rows = np.empty(0, dtype=np.int64)  # deleted row numbers, reused first
         self.num_rows = 0  # live rows
@@ -193,9 +194,11 @@ class IdMap:
             found = self.slots[window]
             entries = np.maximum(found, 0)
             match = (self.row_ids[entries] == keys[:, None]) & (found >= 0)
-            if spaces is not None:
+            if spaces is not None:  # the same id in another table is no match
                 assert self.row_spaces is not None
-                match &= self.row_spaces[entries] == spaces[pending][:, None]
+                at, column = np.nonzero(match)  # few: check only their spaces
+                other = self.row_spaces[entries[at, column]] != spaces[pending[at]]
+                match[at[other], column[other]] = False
             stop = match | (found == EMPTY)
             first = stop.argmax(axis=1)
             each = np.arange(pending.size)
@@ -283,8 +286,8 @@ class FusedIdMap:
     """
 
     def __init__(self, num_tables: int, initial_slots: int = 1024):
-        self.entries = IdMap(initial_slots, keyed_by_space=True)
-        self.entry_rows = np.empty(0, dtype=np.int64)
+        self.entries = IdMap(initial_slots, spaces=num_tables)
+        self.entry_rows = np.empty(0, dtype=np.int32)  # a table's rows on one server < 2^31
         self.used_rows = [0] * num_tables  # row numbers handed out per table (live plus free)
         self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_tables)]
         self.num_rows = [0] * num_tables
@@ -322,7 +325,7 @@ class FusedIdMap:
     def remove(self, space: int, ids: Tensor) -> Tensor:
         """Delete table ``space``'s ``ids``; returns their freed rows (absent ids ignored)."""
         entries = self.entries.remove(ids, np.full(ids.numel(), space, dtype=np.int16)).numpy()
-        rows = self.entry_rows[entries]
+        rows = self.entry_rows[entries].astype(np.int64)
         self.free_rows[space] = np.concatenate([self.free_rows[space], rows])
         self.num_rows[space] -= rows.size
         return torch.from_numpy(rows)
@@ -335,13 +338,14 @@ class FusedIdMap:
         occupied = occupied[self.entries.row_spaces[occupied] == space]
         ids = self.entries.row_ids[occupied]
         order = np.argsort(ids, kind="stable")
-        return torch.from_numpy(ids[order]), torch.from_numpy(self.entry_rows[occupied[order]])
+        rows = self.entry_rows[occupied[order]].astype(np.int64)
+        return torch.from_numpy(ids[order]), torch.from_numpy(rows)
 
     def _rows_of(self, entries: Tensor) -> Tensor:
         found = entries.numpy()
         present = found >= 0
         rows = np.full(found.size, EMPTY, dtype=np.int64)
-        rows[present] = self.entry_rows[found[present]]
+        rows[present] = self.entry_rows[found[present]]  # int32 widened
         return torch.from_numpy(rows)
 
     def _new_rows(self, space: int, count: int) -> np.ndarray:

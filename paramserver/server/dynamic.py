@@ -45,6 +45,7 @@ import functools
 import threading
 import zlib
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ import torch
 from torch import Tensor
 
 from paramserver.hashing import mix64_array
-from paramserver.idmap import Found, IdMap, grown_rows, with_rows
+from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
 from paramserver.server.optim import State, UpdateRule, apply_rows
 from paramserver.server.tables import Pull, Reading, nbytes_of, put_rows, row_entries
 from paramserver.sharding import DynamicOptions, TableSpec
@@ -84,6 +85,41 @@ def _column_multipliers(dim: int) -> np.ndarray:
     return mix64_array(np.arange(dim, dtype=np.int64)) | 1
 
 
+def locate_together(
+    tables: Mapping[str, DynamicTable],
+    wanted: Mapping[str, Tensor],
+    shared: FusedIdMap,
+    reading: Reading,
+) -> dict[str, Tensor]:
+    """The rows of the ids ``wanted`` of each table, as each table's own read locates them,
+    for tables sharing the id map ``shared`` (their lock held): all their ids searched in one
+    call, and their admitted ids inserted in one."""
+    names = list(wanted)
+    ids = torch.cat([wanted[n] for n in names])
+    counts = [wanted[n].numel() for n in names]
+    spaces = np.repeat(np.array([tables[n].ids.space for n in names], dtype=np.int16), counts)
+    found = shared.find(spaces, ids)
+    rows = found.rows
+    starts = np.cumsum([0, *counts]).tolist()
+    if reading.train:
+        admits = [
+            tables[n].to_admit(wanted[n], rows[starts[i] : starts[i + 1]], reading.clock)
+            + starts[i]
+            for i, n in enumerate(names)
+        ]
+        admit = torch.cat(admits)
+        if admit.numel():
+            rows = rows.clone()
+            rows[admit] = shared.insert(spaces[admit.numpy()], ids[admit], found.subset(admit))
+            for name, at in zip(names, admits, strict=True):
+                if at.numel():
+                    tables[name].created(ids[at], rows[at])
+    return {
+        n: tables[n].settle(wanted[n], rows[starts[i] : starts[i + 1]], reading)
+        for i, n in enumerate(names)
+    }
+
+
 @dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
 class PullRecord:
     """What one training read of a dynamic table handed out: the row of each id (-1: none)."""
@@ -104,13 +140,23 @@ class TableCounters:
 class DynamicTable:
     """A table of hashed ids with admission and eviction; a :class:`TableShard`."""
 
-    def __init__(self, spec: TableSpec, rule: UpdateRule, cache_lag: int | None = None):
+    def __init__(
+        self,
+        spec: TableSpec,
+        rule: UpdateRule,
+        cache_lag: int | None = None,
+        shared: tuple[TableIds, threading.Lock] | None = None,
+    ):
+        """``shared``: this table's view of the id map its server's dynamic tables share, and
+        their shared lock (see :meth:`ServerShard.read`); by default a map and lock of its
+        own."""
         assert spec.dynamic is not None
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
         self.rule = rule
+        ids, lock = shared or (FusedIdMap(1).table(0), threading.Lock())
         # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
-        self.ids = IdMap(initial_slots=1024)
+        self.ids = ids
         self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
         self.state: State = rule.init_state(self.weight)
         self.steps = torch.zeros(0, dtype=torch.float32) if rule.needs_steps else None
@@ -128,7 +174,7 @@ class DynamicTable:
         self.counters = TableCounters()
         self.swept_at = 0
         self._pulls: dict[int, deque[PullRecord]] = {}  # each trainer's last training reads
-        self.lock = threading.Lock()
+        self.lock = lock
 
     # ---- calls ----
 
@@ -143,16 +189,20 @@ class DynamicTable:
         these rows) is recorded (see the module doc), also without ``train`` (a call read
         again).
         """
-        return self._values(self._locate(ids, reading))
+        return self.values(self._locate(ids, reading))
 
     def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version (-1 where an id has no row)."""
-        assert self.versions is not None
         rows = self._locate(ids, reading)
+        return self.values(rows), self.versions_of(rows)
+
+    def versions_of(self, rows: Tensor) -> Tensor:
+        """The version of each of ``rows`` (-1 where a row is -1)."""
+        assert self.versions is not None
         present = rows >= 0
         versions = torch.full_like(rows, -1)
         versions[present] = self.versions[rows[present]]
-        return self._values(rows), versions
+        return versions
 
     def _locate(self, ids: Tensor, reading: Reading) -> Tensor:
         """The row of each id (-1: none), after admitting, touching and evicting for a read
@@ -160,12 +210,47 @@ class DynamicTable:
         found = self.ids.find(ids)
         rows = found.rows
         if reading.train:
-            clock = reading.clock
-            self.counters.lookups += ids.numel()
-            rows = self._admit(ids, found, clock)
+            admit = self.to_admit(ids, rows, reading.clock)
+            if admit.numel():
+                rows = rows.clone()
+                rows[admit] = self.ids.insert(ids[admit], found.subset(admit))
+                self.created(ids[admit], rows[admit])
+        return self.settle(ids, rows, reading)
+
+    # The three parts of a read, for a server reading several dynamic tables at once (one
+    # search and one insert in their shared id map between them, see ServerShard.read).
+
+    def to_admit(self, ids: Tensor, rows: Tensor, clock: int) -> Tensor:
+        """A training read of ``ids`` (unique; ``rows`` their rows, -1 where absent): the
+        positions of the absent ids admitted now, whose rows the caller inserts and passes to
+        :meth:`created`."""
+        self.counters.lookups += ids.numel()
+        absent_at = (rows < 0).nonzero().squeeze(1)
+        if absent_at.numel() and self.options.min_count > 1:
+            absent_at = absent_at[self._count_pending(ids[absent_at], clock)]
+        return absent_at
+
+    def created(self, ids: Tensor, rows: Tensor) -> None:
+        """Initialize the new ``rows`` of ``ids`` (just inserted in the id map)."""
+        self._fit_rows()
+        if self.versions is not None:
+            self.versions[rows] = self.fresh_version
+        self.weight.index_copy_(
+            0, rows, init_rows(self.spec.name, self.options, ids, self.spec.dim)
+        )
+        for value in self.state.values():
+            value.index_fill_(0, rows, self.rule.initial_value)
+        if self.steps is not None:
+            self.steps.index_fill_(0, rows, 0)
+        self.counters.admitted += ids.numel()
+
+    def settle(self, ids: Tensor, rows: Tensor, reading: Reading) -> Tensor:
+        """After a read found or made ``rows`` for ``ids``: touch and evict (a training read),
+        record them for the read's pull; returns the rows of ``ids`` now."""
+        if reading.train:
             if self.last_touched is not None:
-                self.last_touched[rows[rows >= 0]] = clock
-            if self._evict(clock):  # spares this step's rows, unless they alone overflow
+                self.last_touched[rows[rows >= 0]] = reading.clock
+            if self._evict(reading.clock):  # spares this step's rows, unless they alone overflow
                 rows = self.ids.lookup(ids)
         if reading.pull is not None:
             trainer, call = reading.pull
@@ -173,7 +258,7 @@ class DynamicTable:
             records.append(PullRecord(call, ids, rows.clone()))
         return rows
 
-    def _values(self, rows: Tensor) -> Tensor:
+    def values(self, rows: Tensor) -> Tensor:
         """The values of ``rows``; the default vector where a row is -1."""
         present = rows >= 0
         if bool(present.all()):
@@ -304,21 +389,6 @@ class DynamicTable:
 
     # ---- admission and eviction ----
 
-    def _admit(self, ids: Tensor, found: Found, clock: int) -> Tensor:
-        """Create rows for absent ids that reach ``min_count``; returns the rows of ``ids``
-        (``ids`` unique; -1 for ids still pending)."""
-        rows = found.rows
-        absent_at = (rows < 0).nonzero().squeeze(1)
-        if absent_at.numel() == 0:
-            return rows
-        if self.options.min_count > 1:
-            admitted = self._count_pending(ids[absent_at], clock)
-            absent_at = absent_at[admitted]
-        if absent_at.numel():
-            rows = rows.clone()
-            rows[absent_at] = self._create(ids[absent_at], found.subset(absent_at))
-        return rows
-
     def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
         """Count this call's sighting of ``absent``; return a mask of those admitted: seen in
         ``min_count`` calls counting this one and those of earlier steps (not the other calls
@@ -349,22 +419,6 @@ class DynamicTable:
             self.pending_counts = with_rows(self.pending_counts, capacity)
             self.pending_seen = with_rows(self.pending_seen, capacity)
             self.pending_latest = with_rows(self.pending_latest, capacity)
-
-    def _create(self, ids: Tensor, found: Found) -> Tensor:
-        """New rows for ``ids`` (unique, absent, as ``found``), initialized; returns them."""
-        rows = self.ids.insert(ids, found)
-        self._fit_rows()
-        if self.versions is not None:
-            self.versions[rows] = self.fresh_version
-        self.weight.index_copy_(
-            0, rows, init_rows(self.spec.name, self.options, ids, self.spec.dim)
-        )
-        for value in self.state.values():
-            value.index_fill_(0, rows, self.rule.initial_value)
-        if self.steps is not None:
-            self.steps.index_fill_(0, rows, 0)
-        self.counters.admitted += ids.numel()
-        return rows
 
     def _fit_rows(self) -> None:
         """Grow row storage to every row number the id map has handed out."""

@@ -25,6 +25,7 @@ from torch import Tensor
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, validate
 from paramserver.config import ShardSettings
 from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.idmap import FusedIdMap, TableIds
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
 from paramserver.protocol import (
@@ -37,7 +38,7 @@ from paramserver.protocol import (
     message_sizes,
     must_send,
 )
-from paramserver.server.dynamic import DynamicTable
+from paramserver.server.dynamic import DynamicTable, locate_together
 from paramserver.server.optim import State, UpdateRule, make_rule
 from paramserver.server.tables import FixedTable, Pull, Reading, TableShard
 from paramserver.sharding import ShardPlan, TableSpec
@@ -122,6 +123,12 @@ class ServerShard:
             rule = make_rule(settings.dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         self.cache_lag = settings.cache_lag
+        # The dynamic tables share one id map, so that a request's ids of all of them cost one
+        # search and one insert (see read), and so one lock.
+        dynamic = [name for name, spec in plan.tables.items() if spec.dynamic is not None]
+        self.dynamic_ids = FusedIdMap(len(dynamic))
+        self.dynamic_lock = threading.Lock()
+        shared = {n: (self.dynamic_ids.table(i), self.dynamic_lock) for i, n in enumerate(dynamic)}
         self.tables: dict[str, TableShard] = {
             name: make_table(
                 spec,
@@ -130,9 +137,11 @@ class ServerShard:
                 table_inits.get(name),
                 make_rule(settings.table_rules[name]),
                 self.cache_lag,
+                shared.get(name),
             )
             for name, spec in plan.tables.items()
         }
+        self.dynamic_tables = {n: t for n, t in self.tables.items() if isinstance(t, DynamicTable)}
         self.dense_pull_codec = settings.dense_pull_codec
         self.table_pull_codecs = dict(settings.table_pull_codecs)
         self.clock = 0  # the highest call number seen: dynamic tables' time
@@ -418,20 +427,25 @@ class ServerShard:
                     reply.dense[name] = slot.value.clone()
                     reply.dense_versions[name] = int(slot.version)
         rows = 0
+        dynamic = {n: ids for n, ids in request.pull_rows.items() if n in self.dynamic_tables}
+        if dynamic:
+            with self.dynamic_lock:
+                located = locate_together(self.dynamic_tables, dynamic, self.dynamic_ids, reading)
+                for name, found in located.items():
+                    hashed = self.dynamic_tables[name]
+                    versions = hashed.versions_of(found) if name in request.pull_versions else None
+                    self._answer(reply, request, name, hashed.values(found), versions)
         for name, ids in request.pull_rows.items():
-            table = self.tables[name]
-            cached = request.pull_versions.get(name)
-            with table.lock:
-                if cached is None:
-                    values = table.read(ids, reading)
-                else:
-                    assert self.cache_lag is not None  # validated
-                    values, versions = table.read_versioned(ids, reading)
-                    sending = must_send(cached, versions, self.cache_lag)
-                    values = values[sending]
-                    reply.row_versions[name] = torch.where(sending, versions, cached)
-            reply.rows[name] = values
             rows += ids.numel()
+            if name in dynamic:
+                continue
+            table = self.tables[name]
+            with table.lock:
+                if name in request.pull_versions:
+                    values, versions = table.read_versioned(ids, reading)
+                    self._answer(reply, request, name, values, versions)
+                else:
+                    self._answer(reply, request, name, table.read(ids, reading), None)
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
             rows += block.ids.numel()
@@ -440,6 +454,25 @@ class ServerShard:
             self.stats.rows_pulled += rows
             self.stats.read_seconds += time.perf_counter() - start
         return reply
+
+    def _answer(
+        self,
+        reply: PushPullReply,
+        request: PushPullRequest,
+        name: str,
+        values: Tensor,
+        versions: Tensor | None,
+    ) -> None:
+        """Put the rows read for ``name`` in ``reply``: with versions (the trainer caches), only
+        those its cached copies are too old for."""
+        if versions is None:
+            reply.rows[name] = values
+            return
+        assert self.cache_lag is not None  # validated
+        cached = request.pull_versions[name]
+        sending = must_send(cached, versions, self.cache_lag)
+        reply.rows[name] = values[sending]
+        reply.row_versions[name] = torch.where(sending, versions, cached)
 
     def _encode(self, reply: PushPullReply) -> None:
         if self.dense_pull_codec != "none":
@@ -540,9 +573,11 @@ def make_table(
     init: RowInit | None,
     rule: UpdateRule,
     cache_lag: int | None = None,
+    shared: tuple[TableIds, threading.Lock] | None = None,
 ) -> TableShard:
-    """This server's shard of the table ``spec``: dynamic, or fixed with rows from ``init``."""
+    """This server's shard of the table ``spec``: dynamic (``shared``: its view of the id map
+    the server's dynamic tables share, and their lock), or fixed with rows from ``init``."""
     if spec.dynamic is not None:
-        return DynamicTable(spec, rule, cache_lag)
+        return DynamicTable(spec, rule, cache_lag, shared)
     assert init is not None
     return FixedTable(spec, plan, server, init, rule, cache_lag)
