@@ -8,7 +8,10 @@ the server applied to it; *step* is a trainer's training step (and, in the optim
 step count); a checkpoint's *step* is the call number at which it was saved.
 
 Row ids on the wire are *global* row ids of a table; each server owns the rows the routing rule
-gives it (see :mod:`paramserver.sharding`).
+gives it (see :mod:`paramserver.sharding`). The sorted unique ids of a push's rows and of a pull
+travel compactly, as a plain int64 tensor or a :class:`~paramserver.idcodec.PackedIds` (see
+:mod:`paramserver.idcodec`); a server validates and unpacks them before anything else of the
+request is decoded.
 
 Any float32 tensor of gradients or values may travel encoded (a
 :class:`~paramserver.compression.Encoded`, per the job's codecs); the receiver decodes it, and a
@@ -38,14 +41,16 @@ import torch
 from torch import Tensor
 
 from paramserver.compression import Encoded
+from paramserver.idcodec import FIRST_NBYTES, PackedIds, num_ids
 
 
 @dataclass
 class RowBlock:
-    """Rows of one table: ``ids`` is a 1-D int64 tensor of sorted unique global row ids, ``values``
-    the matching ``[len(ids), dim]`` rows (gradients in a request, parameters in a reply)."""
+    """Rows of one table: ``ids`` holds sorted unique global row ids (1-D int64, or packed on
+    the wire), ``values`` the matching ``[len(ids), dim]`` rows (gradients in a request,
+    parameters in a reply)."""
 
-    ids: Tensor
+    ids: Tensor | PackedIds
     values: Tensor | Encoded
 
 
@@ -249,7 +254,7 @@ class PushPullRequest:
     dense_grads: dict[str, Tensor | Encoded] = field(default_factory=dict)
     row_grads: dict[str, RowBlock] = field(default_factory=dict)
     pull_dense: bool = True
-    pull_rows: dict[str, Tensor] = field(default_factory=dict)
+    pull_rows: dict[str, Tensor | PackedIds] = field(default_factory=dict)  # sorted unique ids
     final: bool = False
     report: TrainerReport | None = None
     pool_rows: dict[str, BagBlock] = field(default_factory=dict)
@@ -312,8 +317,9 @@ def rows_sent(cached: Tensor, held: Tensor) -> Tensor:
 class PayloadSize:
     """Bytes of tensor data in a message (see :func:`payload_size`)."""
 
-    nbytes: int  # as it travels: an encoded tensor by its payload
+    nbytes: int  # as it travels: an encoded tensor by its payload, packed ids as packed
     uncompressed_nbytes: int  # each encoded tensor counted as the float32 tensor it stands for
+    # (packed ids count as they travel: packing is the wire format, not a codec)
 
 
 def payload_size(message: Any) -> PayloadSize:
@@ -337,6 +343,8 @@ def _payload_nbytes(message: Any) -> tuple[int, int]:
         return nbytes, nbytes
     if isinstance(message, Encoded):
         return _payload_nbytes(message.tensors)[0], math.prod(message.shape) * 4
+    if isinstance(message, PackedIds):
+        return message.nbytes, message.nbytes
     if isinstance(message, Mapping):
         parts: Any = message.values()
     elif isinstance(message, list | tuple):
@@ -372,7 +380,8 @@ def message_sizes(message: Any) -> MessageSizes:
 
     ``held`` counts every tensor's data (all ``numel`` elements, even when they share storage),
     each encoded tensor's payload plus the float32 tensor its shape claims (``none`` decodes to
-    its payload), and strings and bytes by length. ``sent`` counts tensor data alone; an object
+    its payload), packed ids' payload plus the int64 ids they unpack to, and strings and bytes by
+    length. ``sent`` counts tensor data alone (and a packed ``first`` id as 8 bytes); an object
     reached twice counts once in both (a well-formed message shares none).
 
     Never raises and does not recurse, whatever the message: a peer's may hold cycles, deep
@@ -396,6 +405,10 @@ def message_sizes(message: Any) -> MessageSizes:
             if getattr(item, "codec", None) != "none":
                 held += _claimed_nbytes(getattr(item, "shape", None))
             pending.append(getattr(item, "tensors", None))
+        elif isinstance(item, PackedIds):
+            held += FIRST_NBYTES + num_ids(item) * 8
+            sent += FIRST_NBYTES
+            pending.append(getattr(item, "steps", None))
         elif dataclasses.is_dataclass(item) and not isinstance(item, type):
             pending.extend(getattr(item, name, None) for name in _field_names(type(item)))
         elif isinstance(item, dict):

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.compression import Encoded
 from paramserver.embedding import DynamicEmbedding
+from paramserver.idcodec import compact_ids
 from paramserver.launch.roles import build_server
 from paramserver.protocol import BagBlock, PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
@@ -57,6 +58,11 @@ def hostile_calls() -> Iterator[tuple[str, str, PushPullRequest]]:
         "pull of 8M ids",
         "pull",
         PushPullRequest(0, 0, pull_dense=False, pull_rows={"hashed.weight": many}),
+    )
+    yield (  # 8 MB on the wire: one uint8 step per id
+        "pull of 8M packed ids",
+        "pull",
+        PushPullRequest(0, 0, pull_dense=False, pull_rows={"hashed.weight": compact_ids(many)}),
     )
     zeros = torch.zeros(HOSTILE_IDS, dtype=torch.int64)  # row 0, 8M times, in bag 0
     yield (

@@ -1,5 +1,6 @@
 """Randomized malformed calls from a peer: each is refused with a typed error and changes
-nothing; a call over the size cap is refused too."""
+nothing; a call over the size cap is refused too. Row ids come plain or packed
+(paramserver.idcodec), and packed ids are spoiled as any other field."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.idcodec import PackedIds, compact_ids
 from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock, TrainerReport
 from tests.helpers import MakeServer, a_dense_name, own_ids
 
@@ -41,6 +43,29 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
             ]
         )
 
+    def bad_packed(count: int = 2) -> PackedIds:
+        """Packed ids that are wrong whatever the rest of the request (``count`` of them, if
+        they unpack at all)."""
+        good = compact_ids(own_ids(endpoint, *range(count)))
+        assert type(good) is PackedIds
+        first, steps = good.first, good.steps
+        wrong_step = steps.to(torch.int16).clone()
+        at = rng.randrange(count)  # a negative step anywhere, a step of 0 past the first
+        wrong_step[at] = rng.choice([-1, -(2**15)] + ([0] if at else []))
+        return rng.choice(
+            [
+                PackedIds(first, wrong_step),  # negative or repeated
+                PackedIds(first, steps.to(rng.choice([torch.int64, torch.int8, torch.float32]))),
+                PackedIds(2**63 - 1, steps.int()),  # past int64
+                PackedIds(first + 1, steps),  # another server's rows
+                PackedIds(first + 10**9, steps),  # out of range
+                PackedIds(-1 - 2 * rng.randrange(100), steps),  # negative
+                PackedIds(junk(), steps),
+                PackedIds(first, junk()),
+                PackedIds(first, steps.reshape(1, -1)),
+            ]
+        )
+
     def spoiled_grad() -> Any:
         bad = torch.ones(shape)
         bad.view(-1)[rng.randrange(bad.numel())] = rng.choice([float("nan"), float("inf")])
@@ -63,6 +88,11 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
         lambda r: r.dense_grads.update({dense: spoiled_grad()}),
         lambda r: r.dense_grads.update({"no.such": torch.ones(1)}),
         lambda r: r.row_grads.update({"user.weight": RowBlock(bad_ids(), torch.ones(1, 4))}),
+        lambda r: r.row_grads.update({"user.weight": RowBlock(bad_packed(), torch.ones(2, 4))}),
+        lambda r: r.row_grads.update(  # packed ids well formed, but not one per row
+            {"user.weight": RowBlock(compact_ids(own_ids(endpoint, 0, 1, 2)), torch.ones(2, 4))}
+        ),
+        lambda r: r.pull_rows.update({"items.weight": bad_packed(rng.randint(1, 3))}),
         lambda r: r.row_grads.update({"user.weight": junk()}),
         lambda r: r.row_grads.update(
             {"user.weight": RowBlock(own_ids(endpoint, 0), rng.choice(GARBAGE[12:]))}
@@ -87,11 +117,12 @@ def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
     spoilers = corruptions(endpoint, rng)
     kinds: dict[str, int] = {}
     for _ in range(1200):
+        pack = rng.choice([lambda ids: ids, compact_ids])  # plain or packed, as trainers send
         request = PushPullRequest(
             trainer=0,
             call=0,
-            row_grads={"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 4))},
-            pull_rows={"items.weight": own_ids(endpoint, 0)},
+            row_grads={"user.weight": RowBlock(pack(own_ids(endpoint, 0, 1)), torch.ones(2, 4))},
+            pull_rows={"items.weight": pack(own_ids(endpoint, 0))},
         )
         for spoil in rng.sample(spoilers, rng.randint(1, 3)):
             with contextlib.suppress(AttributeError, TypeError):  # a field already junk
@@ -112,10 +143,12 @@ def junk_request(rng: random.Random) -> Any:
 def test_a_call_over_the_size_cap_is_refused(make_server: MakeServer) -> None:
     endpoint = make_server(max_message_mb=0.0002)  # 209 bytes
     before = endpoint.shard.state_hash()
-    big = {"user.weight": RowBlock(own_ids(endpoint, *range(20)), torch.ones(20, 4))}
+    ids = own_ids(endpoint, *range(20))
     small = {"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))}
-    with pytest.raises(InvalidPushError, match="exceeds the cap"):
-        endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=big)).wait()
+    for wire in (ids, compact_ids(ids)):  # packed: 28 bytes on the wire, 160 once unpacked
+        big = {"user.weight": RowBlock(wire, torch.ones(20, 4))}
+        with pytest.raises(InvalidPushError, match="exceeds the cap"):
+            endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=big)).wait()
     assert endpoint.shard.state_hash() == before
     endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=small)).wait()
     assert endpoint.shard.state_hash() != before

@@ -45,6 +45,7 @@ def hostile_results() -> dict[str, dict[str, Any]]:
 HOSTILE_CASES = {
     "top-k row gradient of 8M ids": "fixed.weight",
     "pull of 8M ids": "hashed.weight",
+    "pull of 8M packed ids": "hashed.weight",
     "push_pull pooling one row 8M times": "fixed.weight",
 }
 

@@ -172,8 +172,9 @@ class Coordinator:
         return self._apply_and_answer(request, clock)
 
     def _check_and_decode(self, request: PushPullRequest) -> int:
-        """Check the request whole and decode its gradients (none for a repeat, already
-        applied); returns its size on the wire. Raises ParamServerError, changing nothing."""
+        """Check the request whole and decode its ids and gradients (a repeat's gradients,
+        already applied, are dropped first); returns its size on the wire. Raises
+        ParamServerError, changing nothing."""
         self._check_header(request)
         with self.lock:
             repeat = request.call <= self.last_call.get(request.trainer, -1)
@@ -182,9 +183,8 @@ class Coordinator:
         received = self.shard.check_size(request, self.max_message_bytes)
         if repeat:
             request.drop_gradients()  # already applied: only the reads are answered
-        else:
-            self.shard.decode_request(request)
-            self._expand_pooled_grads(request)
+        self.shard.decode_request(request)
+        self._expand_pooled_grads(request)
         self.shard.validate(request)
         return received
 
@@ -269,6 +269,7 @@ class Coordinator:
                     f"server {self.shard.server}: a pull must carry no gradients; use push_pull"
                 )
             self.shard.check_size(request, self.max_message_bytes)
+            self.shard.decode_request(request)  # its ids: it carries no gradients
             self.shard.validate(request)
         except ParamServerError as error:
             return failed(error)

@@ -17,7 +17,7 @@ import torch
 from torch.futures import Future
 
 from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server.shard import already_decoded
+from paramserver.server.shard import already_decoded, already_unpacked
 
 
 @dataclass
@@ -110,7 +110,7 @@ def aggregate_mean(
             only = blocks[0]
             rows[name] = RowBlock(only.ids, already_decoded(only.values).add(0.0).div_(count))
             continue
-        ids = torch.cat([b.ids for b in blocks])
+        ids = torch.cat([already_unpacked(b.ids) for b in blocks])
         values = torch.cat([already_decoded(b.values) for b in blocks])
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)

@@ -25,6 +25,7 @@ from torch import Tensor
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, encode, validate
 from paramserver.config import ShardSettings
 from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
 from paramserver.idmap import FusedIdMap, TableIds
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
@@ -87,6 +88,14 @@ def already_decoded(value: Tensor | Encoded) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"an encoded gradient past decoding: {type(value).__name__}")
     return value
+
+
+def already_unpacked(ids: Tensor | PackedIds) -> Tensor:
+    """Row ids of a request past :meth:`ServerShard.decode_request`, which unpacked every
+    packed one after checking it: the tensor itself (packed ids here are a bug: TypeError)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"packed ids past decoding: {type(ids).__name__}")
+    return ids
 
 
 def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
@@ -199,10 +208,10 @@ class ServerShard:
         sizes: dict[str, int] = {}
         for name, ids in request.pull_rows.items():
             table = self.tables.get(name)
-            if table is not None and isinstance(ids, Tensor):
+            if table is not None:
                 version_bytes = 8 if name in request.pull_versions else 0
                 per_id = table.spec.dim * table.weight.element_size() + version_bytes
-                sizes[name] = ids.numel() * per_id
+                sizes[name] = num_ids(ids) * per_id
         for name, block in request.pool_rows.items():
             table = self.tables.get(name)
             if (
@@ -217,11 +226,14 @@ class ServerShard:
         return sizes
 
     def decode_request(self, request: PushPullRequest) -> None:
-        """Replace encoded gradients by their float32 values (before :meth:`validate`), the one
-        place a request's gradients are decoded (pooled ones: as they are expanded); raise
-        :class:`InvalidPushError` for an encoding that does not stand for the expected shape,
-        in a codec trainers use there, or for row ids that are invalid (checked first: they
-        set the size a row gradient decodes to)."""
+        """Replace packed row ids by int64 ids and encoded gradients by their float32 values
+        (before :meth:`validate`), the one place a request's ids and gradients are decoded
+        (pooled ones: as they are expanded); raise :class:`InvalidPushError` for packed ids
+        that are malformed (checked before they are unpacked, and first of all), for an
+        encoding that does not stand for the expected shape, in a codec trainers use there,
+        or for row ids that are invalid (checked before a row gradient is decoded: they set
+        the size it decodes to). A request without gradients has its ids unpacked alone."""
+        self._unpack_ids(request)
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if type(grad) is Encoded and slot is not None:
@@ -230,8 +242,25 @@ class ServerShard:
             table = self.tables.get(name)
             if type(block) is RowBlock and type(block.values) is Encoded and table is not None:
                 self._check_ids(name, table, block.ids, sorted_unique=True)
-                shape = (block.ids.numel(), table.spec.dim)
+                shape = (num_ids(block.ids), table.spec.dim)
                 block.values = self.decoded(name, block.values, shape)
+
+    def _unpack_ids(self, request: PushPullRequest) -> None:
+        """Unpack the packed ids of row gradients and pulls, each checked first; others stay
+        as they are (plain ids, or anything else, which :meth:`validate` refuses)."""
+        for name, block in request.row_grads.items():
+            if type(block) is RowBlock:
+                block.ids = self._unpacked(name, block.ids)
+        for name, ids in request.pull_rows.items():
+            request.pull_rows[name] = self._unpacked(name, ids)
+
+    def _unpacked(self, name: str, ids: Tensor | PackedIds) -> Tensor | PackedIds:
+        if type(ids) is not PackedIds:
+            return ids
+        problem = packed_problem(ids)
+        if problem is not None:
+            raise self._reject(name, f"malformed packed ids: {problem}")
+        return unpack_ids(ids)
 
     def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
         """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
@@ -273,7 +302,7 @@ class ServerShard:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, sorted_unique=True)
             self.check_tensor(
-                name, block.values, (block.ids.numel(), table.spec.dim), table.weight.dtype
+                name, block.values, (num_ids(block.ids), table.spec.dim), table.weight.dtype
             )
 
     def _check_reads(self, request: PushPullRequest) -> None:
@@ -286,7 +315,7 @@ class ServerShard:
             if (
                 not isinstance(cached, Tensor)
                 or cached.dtype != torch.int64
-                or tuple(cached.shape) != tuple(pulled.shape)
+                or tuple(cached.shape) != (num_ids(pulled),)
                 or cached.layout != torch.strided
                 or cached.device.type != "cpu"
                 or (cached.numel() and int(cached.min()) < -1)
@@ -389,7 +418,8 @@ class ServerShard:
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
-                rows += table.apply(block.ids, already_decoded(block.values), clock, pull)
+                ids = already_unpacked(block.ids)
+                rows += table.apply(ids, already_decoded(block.values), clock, pull)
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
@@ -401,11 +431,12 @@ class ServerShard:
         pull = (request.trainer, request.grads_call)
         for name, block in request.row_grads.items():
             table = self.tables[name]
+            ids = already_unpacked(block.ids)
             with table.lock:
-                kept = table.rows_still_pulled(block.ids, pull)
+                kept = table.rows_still_pulled(ids, pull)
             if kept is not None and not bool(kept.all()):
                 values = already_decoded(block.values)
-                request.row_grads[name] = RowBlock(block.ids[kept], values[kept])
+                request.row_grads[name] = RowBlock(ids[kept], values[kept])
 
     def read(
         self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
@@ -427,7 +458,8 @@ class ServerShard:
                     reply.dense[name] = slot.value.clone()
                     reply.dense_versions[name] = int(slot.version)
         rows = 0
-        dynamic = {n: ids for n, ids in request.pull_rows.items() if n in self.dynamic_tables}
+        pulls = {name: already_unpacked(ids) for name, ids in request.pull_rows.items()}
+        dynamic = {n: ids for n, ids in pulls.items() if n in self.dynamic_tables}
         if dynamic:
             with self.dynamic_lock:
                 located = locate_together(self.dynamic_tables, dynamic, self.dynamic_ids, reading)
@@ -435,7 +467,7 @@ class ServerShard:
                     hashed = self.dynamic_tables[name]
                     versions = hashed.versions_of(found) if name in request.pull_versions else None
                     self._answer(reply, request, name, hashed.values(found), versions)
-        for name, ids in request.pull_rows.items():
+        for name, ids in pulls.items():
             rows += ids.numel()
             if name in dynamic:
                 continue

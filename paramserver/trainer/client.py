@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import cast
 
 import torch
@@ -20,6 +21,7 @@ from paramserver.compression import Encoded, ErrorFeedback, encode, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
+from paramserver.idcodec import PackedIds, compact_ids
 from paramserver.protocol import (
     BagBlock,
     PayloadSize,
@@ -82,7 +84,7 @@ class Route:
     """How one table's ids split over the servers: ``ids[order]`` lists server 0's first, then
     server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server);
     ``parts`` holds each server's ids, the same tensors in the pull and in the push of their
-    gradients (neither changes them once sent)."""
+    gradients (neither changes them once sent), and ``packed`` the same as they travel."""
 
     ids: Tensor
     order: Tensor
@@ -93,6 +95,12 @@ class Route:
     def of(cls, plan: ShardPlan, table: str, ids: Tensor) -> Route:
         order, counts = plan.split_by_server(table, ids)
         return cls(ids, order, counts, ids[order].split(counts))
+
+    @cached_property
+    def packed(self) -> tuple[Tensor | PackedIds, ...]:
+        """Each server's ids compacted for the wire (:func:`compact_ids`), once for the pull
+        and the push of its rows' gradients. Only for sorted unique ids."""
+        return tuple(compact_ids(part) for part in self.parts)
 
     def split(self, values: Tensor) -> tuple[Tensor, ...]:
         """``values`` (aligned with ``ids``) as every server's part, in server order."""
@@ -220,9 +228,9 @@ class PSClient:
             route = routed.get(name)
             if route is None or route.ids is not ids:  # rows added since: route them anew
                 route = self._route(name, ids)
-            for server, (part_ids, part_grads) in self._by_server(route, grads):
+            for server, (_, part_grads) in self._by_server(route, grads):
                 requests[server].row_grads[name] = RowBlock(
-                    part_ids, self._encode_rows(name, part_grads)
+                    route.packed[server], self._encode_rows(name, part_grads)
                 )
 
     def _add_pooled_grads(
@@ -295,7 +303,7 @@ class PSClient:
         for name, ids in pull_ids.items():
             # Every server gets its part, empty or not: the answers are reassembled in order.
             routes[name] = route = self._route(name, ids)
-            for server, part in enumerate(route.parts):
+            for server, part in enumerate(route.packed):
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:

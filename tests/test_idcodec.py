@@ -1,0 +1,306 @@
+"""Row ids packed for the wire: every set of sorted unique int64 ids comes back exactly, in the
+narrowest step type; a peer's malformed packing is named, never raised on; servers check and
+unpack packed ids before anything else of a request, within the size cap; and a job's bytes per
+step come within 1.05x of the least its rows, dense parameters and id sets need."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import pickle
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import paramserver as ps
+from paramserver.errors import InvalidPushError
+from paramserver.idcodec import (
+    STEP_DTYPES,
+    PackedIds,
+    compact_ids,
+    min_id_nbytes,
+    num_ids,
+    packed_problem,
+    unpack_ids,
+)
+from paramserver.protocol import PushPullRequest, RowBlock, clone_message, message_sizes
+from tests.helpers import MakeServer, own_ids
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def random_id_sets(rng: random.Random) -> Iterator[tuple[str, list[int]]]:
+    """(kind, sorted unique ids) covering the shapes id sets take, and their edges."""
+    yield "empty", []
+    yield "int64 min and max", [INT64_MIN, INT64_MAX]
+    yield "one int64 max", [INT64_MAX]
+    yield "one int64 min", [INT64_MIN]
+    for _ in range(40):
+        n = rng.choice([1, 2, 3, 50, 1000])
+        start = rng.choice([0, rng.randrange(2**20), INT64_MAX - 2 * n, INT64_MIN, -(2**40)])
+        yield "dense range", list(range(start, start + n))
+        universe = rng.choice([300, 70_000, 10**9, 2**40, 2**62])
+        yield "sparse range", sorted(rng.sample(range(universe), min(n, universe)))
+        near_top = INT64_MAX - rng.choice([10**4, 2**31, 2**40])
+        yield "huge ids near 2^63", sorted(rng.sample(range(near_top, INT64_MAX + 1), n))
+        yield "anywhere in int64", sorted({rng.randint(INT64_MIN, INT64_MAX) for _ in range(n)})
+        yield "one id", [rng.randint(INT64_MIN, INT64_MAX)]
+        # Steps just at and past each type's edge: 255/256, 32767/32768, 2^31 - 1 / 2^31.
+        edge = rng.choice([255, 256, 2**15 - 1, 2**15, 2**31 - 1, 2**31])
+        yield "a step at a type's edge", [7, 7 + edge, 7 + edge + 1]
+
+
+def narrowest(steps: list[int]) -> torch.dtype | None:
+    largest = max(steps, default=0)
+    return next((t for t in STEP_DTYPES if largest <= torch.iinfo(t).max), None)
+
+
+def test_every_id_set_round_trips_in_the_narrowest_step_type() -> None:
+    rng = random.Random(14)
+    kinds: dict[str, int] = {}
+    for kind, id_list in random_id_sets(rng):
+        ids = torch.tensor(id_list, dtype=torch.int64)
+        original = ids.clone()
+        sent = compact_ids(ids)
+        received = pickle.loads(pickle.dumps(clone_message(sent)))  # as a wire would carry it
+        steps = [b - a for a, b in itertools.pairwise(id_list)]
+        expected = narrowest(steps)
+        if expected is None:  # no step type holds them: the int64 ids themselves travel
+            assert type(received) is Tensor and torch.equal(received, ids), kind
+            continue
+        assert type(received) is PackedIds, kind
+        assert packed_problem(received) is None, kind
+        assert received.steps.dtype == expected, (kind, id_list[:4])
+        assert received.nbytes == 8 + len(id_list) * expected.itemsize
+        unpacked = unpack_ids(received)
+        assert unpacked.dtype == torch.int64 and torch.equal(unpacked, ids), kind
+        assert num_ids(received) == len(id_list)
+        assert torch.equal(ids, original)  # the sender's ids are left as they were
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert set(kinds) >= {"empty", "one id", "dense range", "sparse range", "huge ids near 2^63"}
+
+
+def test_a_dense_range_costs_a_byte_an_id_and_an_int64_spread_travels_as_ids() -> None:
+    dense = compact_ids(torch.arange(1000) + (INT64_MAX - 999))
+    assert type(dense) is PackedIds and dense.steps.dtype == torch.uint8
+    assert dense.nbytes == 8 + 1000
+    spread = torch.tensor([INT64_MIN, 0, INT64_MAX])
+    assert compact_ids(spread) is spread
+
+
+def test_min_id_nbytes_is_log2_of_the_number_of_sets() -> None:
+    assert min_id_nbytes(0, 100) == 0.0
+    assert min_id_nbytes(100, 100) == 0.0
+    assert min_id_nbytes(1, 256) == pytest.approx(1.0)  # 256 choices: 8 bits
+    assert min_id_nbytes(3, 50) == pytest.approx(math.log2(math.comb(50, 3)) / 8)
+    with pytest.raises(ValueError, match="distinct ids"):
+        min_id_nbytes(5, 4)
+
+
+def malformed() -> list[tuple[str, object, str]]:
+    """(what is wrong, a peer's object, the reason named)."""
+    good = PackedIds(10, torch.tensor([0, 3, 4], dtype=torch.int16))
+
+    def with_steps(steps: Any, first: Any = 10) -> PackedIds:
+        return PackedIds(first, steps)
+
+    class Subclass(PackedIds):
+        pass
+
+    return [
+        ("a tensor", torch.arange(3), "expected PackedIds"),
+        ("a dict", {"first": 0, "steps": torch.zeros(1)}, "expected PackedIds"),
+        ("a subclass", Subclass(0, good.steps), "expected PackedIds"),
+        ("no fields", object.__new__(PackedIds), "first id"),
+        ("float first", with_steps(good.steps, 1.0), "first id"),
+        ("bool first", with_steps(good.steps, True), "first id"),
+        ("tensor first", with_steps(good.steps, torch.tensor(1)), "first id"),
+        ("first past int64", with_steps(good.steps, 2**63), "first id"),
+        ("first below int64", with_steps(good.steps, -(2**63) - 1), "first id"),
+        ("list steps", with_steps([0, 1]), "1-D dense CPU tensor"),
+        ("2-D steps", with_steps(torch.zeros(2, 2, dtype=torch.uint8)), "1-D dense CPU tensor"),
+        ("sparse steps", with_steps(torch.ones(3, dtype=torch.int16).to_sparse()), "1-D dense"),
+        ("meta steps", with_steps(torch.ones(3, dtype=torch.int16, device="meta")), "1-D dense"),
+        ("int64 steps", with_steps(torch.tensor([0, 1])), "uint8, int16 or int32"),
+        ("int8 steps", with_steps(torch.tensor([0, 1], dtype=torch.int8)), "uint8, int16"),
+        ("float steps", with_steps(torch.tensor([0.0, 1.0])), "uint8, int16 or int32"),
+        ("negative step", with_steps(torch.tensor([0, 5, -2], dtype=torch.int16)), "negative"),
+        ("negative first step", with_steps(torch.tensor([-1, 1], dtype=torch.int32)), "negative"),
+        ("repeated id", with_steps(torch.tensor([0, 1, 0], dtype=torch.uint8)), "unique"),
+        (
+            "ids past int64",
+            with_steps(
+                torch.tensor([0, 2**31 - 1, 2**31 - 1, 2], dtype=torch.int32), 2**63 - 2**32
+            ),
+            "past int64",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("what", "packed", "reason"), malformed(), ids=[m[0] for m in malformed()])
+def test_a_malformed_packing_is_named_not_raised(what: str, packed: object, reason: str) -> None:
+    problem = packed_problem(packed)
+    assert problem is not None and reason in problem, (what, problem)
+
+
+def test_the_edges_of_int64_are_accepted() -> None:
+    top = PackedIds(
+        INT64_MAX - 2**32 + 2, torch.tensor([0, 2**31 - 1, 2**31 - 1], dtype=torch.int32)
+    )
+    assert packed_problem(top) is None
+    assert int(unpack_ids(top)[-1]) == INT64_MAX
+    bottom = PackedIds(INT64_MIN, torch.tensor([0, 1], dtype=torch.uint8))
+    assert unpack_ids(bottom).tolist() == [INT64_MIN, INT64_MIN + 1]
+
+
+# ---- a server takes packed ids like any other field ----
+
+
+def test_a_server_applies_and_answers_packed_ids_as_it_does_plain_ones(
+    make_server: MakeServer,
+) -> None:
+    plain, packed = make_server(servers=2), make_server(servers=2)
+    ids, items = own_ids(plain, 0, 3, 19), own_ids(plain, 0, 3, 14)  # 40 and 30 rows
+    grads = torch.arange(12.0).view(3, 4)
+    answers = []
+    for endpoint, pack in ((plain, lambda t: t), (packed, compact_ids)):
+        wire = pack(ids)
+        assert type(wire) is (Tensor if endpoint is plain else PackedIds)
+        request = PushPullRequest(
+            0,
+            0,
+            row_grads={"user.weight": RowBlock(wire, grads)},
+            pull_rows={"items.weight": pack(items)},
+        )
+        answers.append(endpoint.handle("push_pull", (request,)).wait())
+        repeat = PushPullRequest(0, 0, pull_rows={"items.weight": compact_ids(items)})
+        again = endpoint.handle("push_pull", (repeat,)).wait()  # a repeat: its reads only
+        assert torch.equal(again.rows["items.weight"], answers[-1].rows["items.weight"])
+        read = PushPullRequest(0, 0, pull_dense=False, pull_rows={"user.weight": wire})
+        assert endpoint.handle("pull", (read,)).wait().rows["user.weight"].shape == (3, 4)
+    assert torch.equal(answers[0].rows["items.weight"], answers[1].rows["items.weight"])
+    assert plain.shard.state_hash() == packed.shard.state_hash()
+
+
+def spoiled_packings(endpoint: Any) -> list[tuple[str, PackedIds, str]]:
+    """(what, packed ids for 2 rows of user.weight, reason): each fatal to a request."""
+    mine = own_ids(endpoint, 0, 1)
+    good = compact_ids(mine)
+    assert type(good) is PackedIds
+    first, steps = good.first, good.steps
+
+    def packed(steps: Tensor, first: int = first) -> PackedIds:
+        return PackedIds(first, steps)
+
+    return [
+        ("negative step", packed(torch.tensor([0, -2], dtype=torch.int16)), "negative step"),
+        ("repeat", packed(torch.tensor([0, 0], dtype=torch.uint8)), "unique"),
+        ("int64 steps", packed(steps.long()), "uint8, int16 or int32"),
+        ("float steps", packed(steps.float()), "uint8, int16 or int32"),
+        ("overflow", packed(steps.int(), INT64_MAX - 1), "past int64"),
+        ("more ids than values", packed(torch.cat([steps, steps[1:]])), "shape"),
+        ("fewer ids than values", packed(steps[:1]), "shape"),
+        ("another server's rows", packed(steps, first + 1), "wrong server"),
+        ("past the table", packed(steps, 10**6), "out of range"),
+        ("negative ids", packed(steps, -(2**40)), "out of range"),
+    ]
+
+
+@pytest.mark.parametrize("where", ["row_grads", "pull_rows"])
+def test_a_malformed_packing_is_refused_whole_and_changes_nothing(
+    make_server: MakeServer, where: str
+) -> None:
+    endpoint = make_server()
+    before = endpoint.shard.state_hash()
+    for what, bad, reason in spoiled_packings(endpoint):
+        grads = torch.ones(2, 4)
+        if where == "row_grads":
+            request = PushPullRequest(0, 0, row_grads={"user.weight": RowBlock(bad, grads)})
+        elif reason == "shape":  # a pull has no values to disagree with
+            continue
+        else:
+            request = PushPullRequest(0, 0, pull_rows={"user.weight": bad})
+        with pytest.raises(InvalidPushError, match=reason) as caught:
+            endpoint.handle("push_pull", (request,)).wait()
+        assert "'user.weight'" in str(caught.value) and "server 0" in str(caught.value), what
+    assert endpoint.shard.state_hash() == before
+    assert endpoint.coordinator.last_call == {}  # no call was taken
+
+
+def test_packed_ids_count_unpacked_against_the_cap_before_they_are_unpacked(
+    make_server: MakeServer,
+) -> None:
+    endpoint = make_server(servers=1, trainers=1, max_message_mb=1 / 4096)  # 256 bytes
+    before = endpoint.shard.state_hash()
+    # 40 ids: 48 bytes on the wire, 320 once unpacked (and 640 of rows the pull would read).
+    many = compact_ids(torch.arange(40))
+    assert type(many) is PackedIds and many.nbytes == 48
+    assert message_sizes(many) == (48 + 320, 48)
+    request = PushPullRequest(0, 0, pull_dense=False, pull_rows={"items.weight": many})
+    with pytest.raises(InvalidPushError, match=r"'items.weight'.*holding \d+ bytes.*exceeds"):
+        endpoint.handle("pull", (request,)).wait()
+    assert request.pull_rows["items.weight"] is many  # refused before it was unpacked
+
+    # 10 ids read 160 bytes of rows (under the cap); 20 would read 320.
+    def pull_of(count: int) -> PushPullRequest:
+        ids = compact_ids(torch.arange(count))
+        return PushPullRequest(0, 0, pull_dense=False, pull_rows={"items.weight": ids})
+
+    assert endpoint.handle("pull", (pull_of(10),)).wait().rows["items.weight"].shape == (10, 4)
+    with pytest.raises(InvalidPushError, match="answer reading 320 bytes"):
+        endpoint.handle("push_pull", (pull_of(20),)).wait()
+    assert endpoint.shard.state_hash() == before
+
+
+# ---- a job's bytes per step ----
+
+ROWS, DIM, BATCH, STEPS = 20_000, 16, 256, 12
+
+
+class OneTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(ROWS, DIM)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.emb(ids)).squeeze(1)
+
+
+def uniform_batches(trainer: int, trainers: int) -> Iterator[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(trainer)
+    for _ in range(STEPS):
+        yield torch.randint(0, ROWS, (BATCH,), generator=g), torch.rand(BATCH, generator=g)
+
+
+def test_a_jobs_bytes_per_step_come_within_1_05x_of_the_least_it_needs() -> None:
+    servers, trainers = 2, 2
+    config = ps.TrainConfig(
+        servers=servers, trainers=trainers, optimizer="sgd", lr=0.05, launcher="threads",
+        progress=False,
+    )  # fmt: skip
+    mse = nn.functional.mse_loss
+    summary = ps.train(OneTable, uniform_batches, mse, config).summary
+    # What a step needs: its distinct rows, the dense parameters, and (pushed) the two id sets
+    # naming its rows per server, their gradients' and the next pull's, at log2 C(N, k) bits.
+    dense = (DIM + 1) * 4
+    rows = ids_bound = 0.0
+    for trainer in range(trainers):
+        for ids, _ in uniform_batches(trainer, trainers):
+            unique = ids.unique()
+            rows += unique.numel() * DIM * 4
+            for server in range(servers):
+                owned = int((unique % servers == server).sum())
+                ids_bound += 2 * min_id_nbytes(owned, ROWS // servers)
+    steps = trainers * STEPS
+    assert summary["steps"] == steps
+    least_push = (rows + ids_bound) / steps + dense
+    least_pull = rows / steps + dense
+    push, pull = summary["bytes_per_step"]["push"], summary["bytes_per_step"]["pull"]
+    assert least_push <= push <= 1.05 * least_push, (push, least_push)
+    assert least_pull <= pull <= 1.05 * least_pull, (pull, least_pull)
+    assert summary["compression_ratio"] == {"push": 1.0, "pull": 1.0}  # ids are not a codec
