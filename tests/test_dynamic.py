@@ -461,3 +461,34 @@ def test_bad_dynamic_options_and_state_dicts_are_refused() -> None:
         module.load_state_dict({"ids": ids(3, 1), "weight": torch.zeros(2, 4)})
     with pytest.raises(ValueError, match="one per row"):
         module.load_state_dict({"ids": ids(1, 3), "weight": torch.zeros(3, 4)})
+
+
+class ThreeHashedTables(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = ps.DynamicEmbedding(4, init_scale=0.1)
+        self.b = ps.DynamicEmbedding(4, init_scale=0.5, seed=3)
+        self.c = ps.DynamicEmbedding(8)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.a(ids).sum(1) + self.b(ids).sum(1) + self.c(ids).sum(1)
+
+
+def test_one_read_of_several_tables_makes_each_tables_own_rows() -> None:
+    """A request reading every dynamic table of a server (one search and one insert in their
+    shared id map) gives each table the rows its own read would: its init rule, its row
+    numbers; the same id in several tables is a row of each."""
+    endpoint = build_server(0, ps.TrainConfig(servers=1, trainers=1), ThreeHashedTables)
+    try:
+        wanted = {"a.weight": ids(1, 5, 9), "b.weight": ids(5, 7), "c.weight": ids(-3, 5)}
+        reply = endpoint.coordinator.push_pull(PushPullRequest(0, 0, pull_rows=wanted)).wait()
+        for name, table_ids in wanted.items():
+            table = endpoint.shard.tables[name]
+            expected = init_rows(name, table.options, table_ids, table.spec.dim)
+            torch.testing.assert_close(reply.rows[name], expected, rtol=0, atol=0)
+            assert table.stats()["rows"] == table_ids.numel()
+            assert torch.equal(
+                table.ids.live_rows()[1].sort().values, torch.arange(table_ids.numel())
+            )
+    finally:
+        endpoint.coordinator.close()

@@ -71,13 +71,43 @@ def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Ten
     times an odd constant of its own (one multiply per value, not a full hash). Computed with
     numpy: a step creates a few hundred rows per table, where numpy's per-call cost is lower.
     """
-    salt = zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
-    seeds = mix64_array(ids.numpy().astype(np.int64) + np.int64(salt))
+    salts = np.array([_salt(table, options)], dtype=np.int64)
+    scales = np.array([options.init_scale], dtype=np.float32)
+    return _uniform_rows(salts, ids.numpy(), dim, scales)
+
+
+def _salt(table: str, options: DynamicOptions) -> int:
+    return zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
+
+
+def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarray) -> Tensor:
+    """:func:`init_rows` of ``ids``, each with its table's salt and scale (or one of each for
+    all)."""
+    seeds = mix64_array(ids.astype(np.int64) + salts)
     bits = seeds[:, None] * _column_multipliers(dim)
     unit = ((bits >> 40) & 0xFFFFFF).astype(np.float32) * np.float32(1.0 / (1 << 24))
-    return torch.from_numpy(
-        unit * np.float32(2 * options.init_scale) - np.float32(options.init_scale)
-    )
+    scales = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
+    return torch.from_numpy(unit * (2 * scales) - scales)
+
+
+def _new_rows(
+    tables: Mapping[str, DynamicTable], admitted: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """:func:`init_rows` of each table's ``admitted`` ids, computed once for all tables of one
+    width."""
+    widths: dict[int, list[str]] = {}
+    for name in admitted:
+        widths.setdefault(tables[name].spec.dim, []).append(name)
+    values: dict[str, Tensor] = {}
+    for dim, names in widths.items():
+        counts = [admitted[n].numel() for n in names]
+        options = [tables[n].options for n in names]
+        salts = np.repeat([_salt(n, o) for n, o in zip(names, options, strict=True)], counts)
+        scales = np.repeat(np.array([o.init_scale for o in options], np.float32), counts)
+        ids = torch.cat([admitted[n] for n in names]).numpy()
+        together = _uniform_rows(salts.astype(np.int64), ids, dim, scales)
+        values.update(zip(names, torch.split(together, counts), strict=True))
+    return values
 
 
 @functools.cache
@@ -111,9 +141,10 @@ def locate_together(
         if admit.numel():
             rows = rows.clone()
             rows[admit] = shared.insert(spaces[admit.numpy()], ids[admit], found.subset(admit))
-            for name, at in zip(names, admits, strict=True):
-                if at.numel():
-                    tables[name].created(ids[at], rows[at])
+            admitted = {n: at for n, at in zip(names, admits, strict=True) if at.numel()}
+            values = _new_rows(tables, {n: ids[at] for n, at in admitted.items()})
+            for name, at in admitted.items():
+                tables[name].created(ids[at], rows[at], values[name])
     return {
         n: tables[n].settle(wanted[n], rows[starts[i] : starts[i + 1]], reading)
         for i, n in enumerate(names)
@@ -230,14 +261,15 @@ class DynamicTable:
             absent_at = absent_at[self._count_pending(ids[absent_at], clock)]
         return absent_at
 
-    def created(self, ids: Tensor, rows: Tensor) -> None:
-        """Initialize the new ``rows`` of ``ids`` (just inserted in the id map)."""
+    def created(self, ids: Tensor, rows: Tensor, values: Tensor | None = None) -> None:
+        """Initialize the new ``rows`` of ``ids`` (just inserted in the id map) to ``values``,
+        their :func:`init_rows` (computed here if None)."""
         self._fit_rows()
         if self.versions is not None:
             self.versions[rows] = self.fresh_version
-        self.weight.index_copy_(
-            0, rows, init_rows(self.spec.name, self.options, ids, self.spec.dim)
-        )
+        if values is None:
+            values = init_rows(self.spec.name, self.options, ids, self.spec.dim)
+        self.weight.index_copy_(0, rows, values)
         for value in self.state.values():
             value.index_fill_(0, rows, self.rule.initial_value)
         if self.steps is not None:
