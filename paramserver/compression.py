@@ -9,7 +9,7 @@ codec     bytes on the wire                            bound on ``|x - x̂|``
 none      4 per element                                0
 fp16      2 per element                                ``|x|·2^-11 + 2^-25``
 bf16      2 per element                                ``|x|·2^-8 + 2^-126``
-int8      1 per element + 4 per row (a float32 scale)  ``scale_row·(1/2 + 2^-16)``
+int8      1 per element + 2 per row (a bf16 scale)     ``scale_row·(1/2 + 2^-16)``
 topk      8 per kept entry (12 past 2^31 elements)     0 where kept, ``|x|`` where dropped
 ========  ===========================================  ==========================================
 
@@ -25,13 +25,15 @@ Where the bounds come from:
   subnormals to zero, as x86's AVX512-BF16 instructions do. Values past bfloat16's max (about
   3.39e38) would round to inf, so such tensors go as ``none``.
 * int8 views the tensor as rows (a 2-D tensor's rows; 1-D and 0-d: one row; N-D: the first dim,
-  the rest flattened), sends ``scale_row = max|row| / 127`` in float32 and
-  ``q = round(x / scale_row)`` in ``[-127, 127]``. Rounding to the integer costs ``scale_row/2``;
-  the float32 division and the decoder's ``q·scale_row`` each round by at most ``127·2^-24`` of
-  ``scale_row``, which ``2^-16`` covers. A nonzero scale below ``2^-126`` is raised to ``2^-126``
-  so that the division never runs on subnormals; a row of zeros has scale 0 and decodes to
-  zeros. Tensors with ``|x|`` above float32 max / 128 go as ``none`` so ``q·scale`` cannot
-  overflow.
+  the rest flattened), sends ``scale_row``, ``max|row| / 127`` rounded up to a bfloat16, and
+  ``q = round(x / scale_row)`` in ``[-127, 127]``. Rounded up, the scale still covers the row's
+  peak, and is at most ``2^-7`` of itself above ``max|row| / 127`` (bfloat16 keeps 8
+  significant bits and float32's range; a float32 scale would add 2 bytes a row: an eighth of an
+  int8 row of 16). Rounding to the integer costs ``scale_row/2``; the float32 division and the
+  decoder's ``q·scale_row`` each round by at most ``127·2^-24`` of ``scale_row``, which
+  ``2^-16`` covers. A nonzero scale below ``2^-126`` is raised to ``2^-126`` so that the
+  division never runs on subnormals; a row of zeros has scale 0 and decodes to zeros. Tensors
+  with ``|x|`` above float32 max / 128 go as ``none`` so ``q·scale`` cannot overflow.
 * topk keeps the ``k = max(1, ceil(topk_ratio·numel))`` entries of largest magnitude (0 for an
   empty tensor) exactly and sends their flat indices, strictly increasing, as int32 (int64 when
   the tensor has more than 2^31 elements) plus float32 values.
@@ -77,7 +79,7 @@ class Encoded:
     """One encoded float32 tensor of ``shape``, as it travels (it pickles through torch RPC).
 
     ``tensors`` by codec: none, fp16, bf16: the values as float32, float16 or bfloat16, of
-    ``shape``; int8: ``(q, scales)``, int8 ``[rows, cols]`` and float32 ``[rows]``; topk:
+    ``shape``; int8: ``(q, scales)``, int8 ``[rows, cols]`` and bfloat16 ``[rows]``; topk:
     ``(indices, values)``, ``[k]`` strictly increasing flat indices and float32 values.
     """
 
@@ -130,7 +132,7 @@ def decode(encoded: Encoded) -> Tensor:
         return tensors[0].float()
     if codec == "int8":
         q, scales = tensors
-        return (q.float() * scales[:, None]).reshape(shape)
+        return q.float().mul_(scales[:, None]).reshape(shape)
     if codec == "topk":
         indices, values = tensors
         out = torch.zeros(math.prod(shape), dtype=torch.float32)
@@ -307,7 +309,12 @@ def _row_peaks(rows: Tensor) -> Tensor:
 
 
 def _int8_scales(peaks: Tensor) -> Tensor:
-    scales = (peaks / _INT8_LEVELS).clamp_min(_F32_TINY)
+    """Each row's scale, as float32 holding a bfloat16 value exactly: ``peak / 127`` (at least
+    ``2^-126``) rounded up to a bfloat16; 0 for a row of zeros."""
+    scales = (peaks / _INT8_LEVELS).clamp_min_(_F32_TINY)
+    # A positive float32 rounds up to bfloat16 by carrying its low 16 bits into the high 16:
+    # no overflow, as scales stay far below float32 max (see _INT8_MAX_ABS).
+    scales.view(torch.int32).add_(0xFFFF).bitwise_and_(-0x10000)
     return torch.where(peaks > 0, scales, torch.zeros_like(scales))
 
 
@@ -322,7 +329,7 @@ def _encode_int8(x: Tensor) -> Encoded:
     divisors = torch.where(scales > 0, scales, torch.ones_like(scales))
     # |x / scale| <= 127 up to rounding, so the clamp only guards the int8 cast.
     q = torch.round(rows / divisors[:, None]).clamp_(-_INT8_LEVELS, _INT8_LEVELS)
-    return Encoded("int8", shape, (q.to(torch.int8), scales))
+    return Encoded("int8", shape, (q.to(torch.int8), scales.to(torch.bfloat16)))
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -367,12 +374,12 @@ def _int8_problem(q: Tensor, scales: Tensor, shape: tuple[int, ...]) -> str | No
     num_rows, num_cols = _rows_of(shape)
     if q.dtype != torch.int8 or tuple(q.shape) != (num_rows, num_cols):
         return f"int8 values must be int8 of shape ({num_rows}, {num_cols})"
-    if scales.dtype != torch.float32 or tuple(scales.shape) != (num_rows,):
-        return f"int8 scales must be float32 of shape ({num_rows},)"
+    if scales.dtype != torch.bfloat16 or tuple(scales.shape) != (num_rows,):
+        return f"int8 scales must be bfloat16 of shape ({num_rows},)"
     if q.numel() and int(q.min()) < -_INT8_LEVELS:
         return f"int8 values must lie in [-{_INT8_LEVELS}, {_INT8_LEVELS}]"
     # 127·scale finite bounds every decoded q·scale; NaN fails both tests.
-    if not bool((scales >= 0).all()) or not _all_finite(scales * _INT8_LEVELS):
+    if not bool((scales >= 0).all()) or not _all_finite(scales.float() * _INT8_LEVELS):
         return "int8 scales must be finite, >= 0 and small enough that 127·scale is finite"
     return None
 
