@@ -135,8 +135,13 @@ def test_a_server_lost_while_a_checkpoint_is_written_fails_the_job_and_keeps_the
     found = load_latest(tmp_path)
     assert found is not None and found.step == 3
     assert verify(found.directory) == []
-    # The lost server is reported in one line, the job's own error, not as a traceback.
-    (uncommitted,) = [r for r in caplog.records if "not committed" in r.getMessage()]
+    # The lost server is reported in one line, the job's own error, not as a traceback (by
+    # the chief's commit thread, which may log after the job has failed).
+    uncommitted = wait_until(
+        lambda: next((r for r in caplog.records if "not committed" in r.getMessage()), None),
+        timeout=10,
+        what="the uncommitted checkpoint's log line",
+    )
     assert "server 1 was lost" in uncommitted.getMessage() and uncommitted.exc_info is None
 
 
