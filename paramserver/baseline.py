@@ -4,10 +4,18 @@ The fastest plain-PyTorch way for models with large tables: embeddings produce s
 gradients (``sparse=True``) and the optimizer updates only touched rows (SGD and Adagrad take
 sparse gradients; Adam's tables use SparseAdam). Batches of all trainers are interleaved in
 the order a sync job would see them.
+
+:class:`~paramserver.DynamicEmbedding` tables are trained with the servers' own table code,
+in this process: each a :class:`~paramserver.server.dynamic.DynamicTable` with its update
+rule. A forward pass loads the rows its ids read (admitting and creating them as a server's
+training read does, at the step's clock: the sync round), and their gradients are applied
+after the backward pass, summed per id, at the next step's clock (a trainer pushes them with
+its next call). So a Criteo job on hashed ids has a reference too.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from collections.abc import Sequence
@@ -20,8 +28,11 @@ from torch import Tensor, nn
 from paramserver.config import OptimizerConfig, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
-from paramserver.modelplan import EMBEDDINGS, initial_model
-from paramserver.types import DataFn, LossFn, ModelFn, as_tuple
+from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model, plan_of
+from paramserver.server.dynamic import DynamicTable
+from paramserver.server.optim import make_rule
+from paramserver.server.tables import Reading
+from paramserver.types import Batch, DataFn, LossFn, ModelFn, as_tuple
 
 
 def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.Optimizer]:
@@ -34,7 +45,9 @@ def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
         for name, m in model.named_modules()
         if isinstance(m, EMBEDDINGS)
     }
-    table_ids = {id(m.weight) for m in tables.values()}
+    # A DynamicEmbedding's weight is the rows a step loaded (InProcessTables updates them).
+    hashed = [m.weight for m in model.modules() if isinstance(m, DynamicEmbedding)]
+    table_ids = {id(w) for w in [*[m.weight for m in tables.values()], *hashed]}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     optimizers = [_optimizer(dense, config.dense_optimizer(), sparse=False)]
     for name, module in tables.items():
@@ -73,14 +86,58 @@ def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> to
     )
 
 
-def check_model(model: nn.Module) -> None:
-    """ConfigError unless this reference can train ``model``: its tables must be fixed-size
-    (a DynamicEmbedding's rows exist only on servers)."""
-    if any(isinstance(m, DynamicEmbedding) for m in model.modules()):
-        raise ConfigError(
-            "the single-process reference trains fixed-size tables only, and this model has "
-            "DynamicEmbedding tables"
-        )
+class InProcessTables:
+    """The model's DynamicEmbedding tables, each a server's table in this process (see the
+    module docstring)."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig):
+        found = find_embeddings(model)
+        self.modules = {n: m for n, m in found.items() if isinstance(m, DynamicEmbedding)}
+        plan = plan_of(model, 1)
+        rules = config.shard_settings(plan.tables).table_rules
+        self.tables = {n: DynamicTable(plan.tables[n], make_rule(rules[n])) for n in self.modules}
+        self.loaded: dict[str, list[tuple[Tensor, nn.Parameter]]] = {n: [] for n in self.modules}
+        self.clock = 0
+        self._hooks = [
+            module.register_forward_pre_hook(functools.partial(self._load, name))
+            for name, module in self.modules.items()
+        ]
+
+    def _load(self, name: str, module: DynamicEmbedding, args: tuple[Any, ...]) -> None:
+        """Before ``module`` runs: give it the rows of the ids it is called with."""
+        ids = torch.unique(args[0].to(torch.int64))
+        reading = Reading(train=module.training, clock=self.clock)
+        values = self.tables[name].read(ids, reading)
+        weight = nn.Parameter(values, requires_grad=module.training)
+        module.ids, module.weight = ids, weight
+        if module.training:
+            self.loaded[name].append((ids, weight))
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """After a backward pass: each table's gradients, summed per id, through its rule."""
+        for name, loaded in self.loaded.items():
+            if loaded:
+                ids = torch.cat([ids for ids, _ in loaded])
+                grads = torch.cat([_grad_of(w) for _, w in loaded])
+                unique, inverse = torch.unique(ids, return_inverse=True)
+                summed = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
+                # A server applies a step's gradients with the next call, at its clock.
+                self.tables[name].apply(unique, summed, self.clock + 1)
+                loaded.clear()
+
+    def finish(self) -> None:
+        """Every table's rows into its module (a plain model, as one gathered from servers)."""
+        for hook in self._hooks:
+            hook.remove()
+        for name, module in self.modules.items():
+            table = self.tables[name]
+            ids, rows = table.ids.live_rows()
+            module.ids, module.weight = ids, nn.Parameter(table.weight[rows].clone())
+
+
+def _grad_of(weight: nn.Parameter) -> Tensor:
+    return torch.zeros_like(weight) if weight.grad is None else weight.grad
 
 
 def train_single_process(
@@ -89,30 +146,24 @@ def train_single_process(
     """Train on every trainer's batches in one process; returns the model and throughput."""
     torch.set_num_threads(config.threads_per_process)
     model = initial_model(model_fn, config.seed)
-    check_model(model)
     model.train()
+    dynamic = InProcessTables(model, config)
     optimizers = make_optimizers(model, config)
-    samples = steps = 0
+    samples = steps = rounds = 0
     started = time.perf_counter()
     for _ in range(config.epochs):
         streams = [data_fn(t, config.trainers) for t in range(config.trainers)]
         for batches in zip_longest(*streams):
+            dynamic.clock = rounds  # a sync round's step: the servers' clock
             for batch in batches:
-                if batch is None:
-                    continue
-                inputs, target = batch
-                for optimizer in optimizers:
-                    optimizer.zero_grad(set_to_none=True)
-                loss_fn(model(*as_tuple(inputs)), target).backward()
-                with warnings.catch_warnings():  # torch warns at each sparse step: noise here
-                    warnings.filterwarnings("ignore", message="Sparse invariant checks")
-                    for optimizer in optimizers:
-                        optimizer.step()
-                samples += int(target.shape[0])
-                steps += 1
+                if batch is not None:
+                    samples += _step(model, batch, loss_fn, optimizers, dynamic)
+                    steps += 1
+            rounds += 1
             if config.steps is not None and steps >= config.steps * config.trainers:
                 break
     seconds = time.perf_counter() - started
+    dynamic.finish()
     for module in model.modules():
         if isinstance(module, EMBEDDINGS):
             module.sparse = False
@@ -122,3 +173,23 @@ def train_single_process(
         "seconds": seconds,
         "samples_per_s": samples / seconds if seconds else 0.0,
     }
+
+
+def _step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizers: list[torch.optim.Optimizer],
+    dynamic: InProcessTables,
+) -> int:
+    """One batch's update; returns its samples."""
+    inputs, target = batch
+    for optimizer in optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    loss_fn(model(*as_tuple(inputs)), target).backward()
+    dynamic.apply()
+    with warnings.catch_warnings():  # torch warns at each sparse step: noise here
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        for optimizer in optimizers:
+            optimizer.step()
+    return int(target.shape[0])

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paramserver.api import train, under_torchrun
-from paramserver.baseline import check_model, train_single_process
+from paramserver.baseline import train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
@@ -51,7 +51,6 @@ from paramserver.models.rating import RatingModel
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
-from paramserver.trainer.loop import trainer_model
 from paramserver.types import LossFn
 
 log = logging.getLogger("paramserver")
@@ -509,8 +508,6 @@ def run_train(args: argparse.Namespace) -> int:
         role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
         log_as(role, force=True)
     job = build_job(args, config)
-    if args.compare_single_process:  # fail before the job, not after it
-        check_model(trainer_model(job.model_fn, config.seed))
     if config.eval_every is not None and job.evaluation is None:
         raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
     # The job's own display knows how many steps to expect; train()'s would not.

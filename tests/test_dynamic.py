@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 import paramserver as ps
+from paramserver.baseline import train_single_process
 from paramserver.config import OptimizerConfig
 from paramserver.idmap import FusedIdMap, IdMap
 from paramserver.launch.roles import build_server
@@ -21,7 +22,7 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
-from tests.helpers import HashedModel, hashed_batches, mse
+from tests.helpers import NUM_IDS, HashedModel, hashed_batches, mse
 
 EXTREMES = [-(2**63), -1, 0, 1, 2**63 - 1, 123456789012345678, -987654321098765432]
 
@@ -492,3 +493,36 @@ def test_one_read_of_several_tables_makes_each_tables_own_rows() -> None:
             )
     finally:
         endpoint.coordinator.close()
+
+
+class AdmittedAndExpiring(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(4, 1)
+        self.emb = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1, min_count=2, ttl_steps=4)
+
+    def forward(self, bags: Tensor) -> Tensor:
+        return self.out(self.emb(bags)).squeeze(1)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_the_single_process_reference_trains_dynamic_tables_as_servers_do(optimizer: str) -> None:
+    """One trainer in sync mode applies each step's gradients before its next read, as the
+    reference does: the same rows (admitted at the second sighting, expired after 4 idle
+    steps), the same values."""
+    config = ps.TrainConfig(
+        servers=2, trainers=1, mode="sync", optimizer=optimizer, lr=0.1, launcher="threads",
+        progress=False,
+    )  # fmt: skip
+    data = lambda t, n: hashed_batches(t, num_batches=30)  # noqa: E731
+    result = ps.train(AdmittedAndExpiring, data, mse, config)
+    assert result.model is not None
+    reference, _ = train_single_process(AdmittedAndExpiring, data, mse, config)
+    served, local = result.model.state_dict(), reference.state_dict()
+    assert served.keys() == local.keys()
+    assert 0 < served["emb.ids"].numel() < NUM_IDS  # some admitted, some pending or expired
+    assert torch.equal(served["emb.ids"], local["emb.ids"])
+    for name, value in served.items():
+        torch.testing.assert_close(local[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    stats = result.summary["tables"]["emb.weight"]
+    assert stats["evicted"] > 0 and stats["admitted"] > stats["rows"]
