@@ -34,3 +34,16 @@ def mix64_array(x: np.ndarray) -> np.ndarray:
 def _shift_right(x: np.ndarray, bits: int) -> np.ndarray:
     """Logical right shift of int64 values (``>>`` is arithmetic on signed ints)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64_in_place(x: np.ndarray, scratch: np.ndarray) -> None:
+    """:func:`mix64_array` on a uint64 array, in place: the same bits as on its int64 view,
+    without temporaries (``scratch``, of its shape and dtype, is overwritten), for large
+    arrays. uint64's ``>>`` is the logical shift."""
+    x += np.uint64(GOLDEN_GAMMA % 2**64)
+    for bits, multiplier in ((30, _MIX_2), (27, _MIX_3)):
+        np.right_shift(x, np.uint64(bits), out=scratch)
+        x ^= scratch
+        x *= np.uint64(multiplier % 2**64)
+    np.right_shift(x, np.uint64(31), out=scratch)
+    x ^= scratch

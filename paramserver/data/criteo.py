@@ -26,7 +26,6 @@ Batches are ``((dense, sparse), label)``, as in :mod:`paramserver.data.synthetic
   of a column never share an id; across columns equal strings get unrelated ids, spread over all
   of int64. A missing value is hashed as ``v = MISSING_VALUE = 2**32``, which no hex string of
   at most 8 digits reaches: each column has one fixed missing id, distinct from all its values.
-  The hashing runs as tensor ops on a whole batch (:func:`hash_categorical`).
 - ``label``: float32 ``[B]``, 0.0 or 1.0.
 
 Each trainer reads only its share of the files (:mod:`paramserver.data.splits`): plain-text
@@ -40,17 +39,30 @@ a batch depends on ``T``: with one trainer, batch ``k`` holds the stream's non-e
 trainer's batches start afresh at its share's first line, and every trainer may end with a
 short batch. A gzip file is read by one trainer alone: to spread it over several, split it or
 decompress it. The iterator that :meth:`CriteoFiles.train_batches` returns counts, in
-``input_bytes``, the bytes of the files its trainer has read (the job summary's
-``input_bytes``). A file is never loaded whole: lines are read one at a time and a batch holds
-at most ``batch_size`` of them.
+``input_bytes``, the bytes of the files behind the batches it has handed out (the job
+summary's ``input_bytes``).
+
+How a share is read, fast: a block of about ``BLOCK_BYTES`` of whole lines at a time
+(:meth:`ShareReader.blocks <paramserver.data.splits.ShareReader.blocks>`), parsed in one go by
+numpy operations on the whole block (:func:`paramserver.data.blockparse.parse_block`: no Python
+work per line or per field), its categorical values hashed as array operations on whole
+columns, its rows cut into batches. A background thread does all of that
+(:class:`paramserver.data.readahead.ReadAhead`), up to ``READ_AHEAD_BLOCKS`` parsed blocks
+ahead of the trainer, so reading overlaps training; it starts at the first ``next()`` and ends
+with the pass, with ``close()``, or when the iterator is dropped. A file is never loaded whole:
+a few blocks of it at most are in memory. The batches are those of the line-by-line reader
+(:meth:`CriteoFiles.reference_batches`), tensor for tensor.
 
 A malformed line (a wrong number of fields, a label other than 0/1, a non-integer in an integer
 field, a non-hex categorical) and a corrupt gzip stream raise
 :class:`paramserver.errors.InvalidBatchError`, naming the file, the line number (1-based, in
-the whole file, whichever trainer reads it) and what was wrong. Only the trainer whose share
-holds a line parses it, so that trainer is the one that raises. Splitting and reading lines
-(:mod:`paramserver.data.splits`) are kept apart from parsing them (``CriteoFiles._parse`` turns a
-batch of lines into tensors), so either can change alone.
+the whole file, whichever trainer reads it) and what was wrong; the batches before the one
+holding the bad line are handed out first, as by the line-by-line reader, and the error is
+raised in the trainer's thread by its ``next()``. A block the fast parse refuses is parsed
+again line by line to find and name its first bad line (a block of good lines it leaves to the
+slow path, such as one with a line ending ``\\r\\r\\n``, is read that way). A corrupt gzip
+stream is found a block at a time: the error names the last line of the blocks read before it.
+Only the trainer whose share holds a line parses it, so that trainer is the one that raises.
 
 :func:`write_synthetic_criteo` writes files in this format with a planted signal, for tests and
 demos.
@@ -61,17 +73,29 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Generator, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import KW_ONLY, dataclass
 from gzip import GzipFile
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.data.splits import InputSplit, Line, ShareReader, plan_splits
+from paramserver.data.blockparse import keep_freed_memory, parse_block
+from paramserver.data.readahead import ReadAhead
+from paramserver.data.splits import (
+    Block,
+    InputSplit,
+    Line,
+    ShareReader,
+    share_out,
+    whole_files,
+)
 from paramserver.errors import ConfigError, InvalidBatchError
-from paramserver.hashing import mix64
+from paramserver.hashing import mix64, mix64_in_place
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +104,8 @@ NUM_DENSE = 13
 NUM_CATEGORICAL = 26
 NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
 MISSING_VALUE = 1 << 32  # hashed in place of a missing categorical: no 8-digit hex reaches it
+BLOCK_BYTES = 1 << 20  # parsed in one go: lines enough to amortise the calls, few MiB of arrays
+READ_AHEAD_BLOCKS = 2  # parsed blocks waiting for the trainer
 
 _INT = rb"-?[0-9]{1,18}"  # 18 digits always fit in int64
 _HEX = rb"[0-9a-fA-F]{1,8}"
@@ -120,7 +146,7 @@ class CriteoFiles:
                 f"trainer must be in [0, num_trainers); got trainer={trainer}, "
                 f"num_trainers={num_trainers}"
             )
-        return plan_splits([Path(p) for p in self.paths], num_trainers)[trainer]
+        return share_out(whole_files([Path(p) for p in self.paths]), num_trainers)[trainer]
 
     def train_batches(self, trainer: int, num_trainers: int) -> CriteoBatches:
         """One pass over this trainer's share, in batches, the last one possibly short.
@@ -128,64 +154,165 @@ class CriteoFiles:
         splits = self.splits(trainer, num_trainers)
         if not splits:
             _warn_no_input(trainer, num_trainers)
-        return CriteoBatches(self, ShareReader(splits))
+        return CriteoBatches(self, splits)
 
-    def _batches(self, lines: Iterator[Line]) -> Generator[Batch, None, None]:
-        """The lines, ``batch_size`` at a time, parsed."""
+    def reference_batches(self, trainer: int, num_trainers: int) -> Iterator[Batch]:
+        """The same batches as :meth:`train_batches`, read line by line in this thread, with
+        a regular expression and ``int()`` per field: the slow reader the fast one is tested
+        and benchmarked against."""
         batch: list[Line] = []
-        for line in lines:
+        for line in ShareReader(self.splits(trainer, num_trainers)).lines():
             batch.append(line)
             if len(batch) == self.batch_size:
-                yield self._parse(batch)
+                yield _parse_lines(batch, self.hash_salt)
                 batch = []
         if batch:
-            yield self._parse(batch)
-
-    def _parse(self, lines: list[Line]) -> Batch:
-        """The tensors of a batch of lines; InvalidBatchError names a malformed one."""
-        labels: list[bool] = []
-        dense: list[list[int]] = []
-        categorical: list[list[int]] = []
-        for start, index, line in lines:
-            if _LINE.fullmatch(line) is None:
-                where = f"{start.path}, line {start.line_number(index)}"
-                raise InvalidBatchError(f"{where}: {_diagnose(line)}")
-            fields = line.split(b"\t")
-            labels.append(fields[0] == b"1")
-            dense.append([int(x) if x else 0 for x in fields[1 : 1 + NUM_DENSE]])
-            categorical.append(
-                [int(x, 16) if x else MISSING_VALUE for x in fields[1 + NUM_DENSE :]]
-            )
-        values = torch.tensor(categorical, dtype=torch.int64)
-        return (
-            (
-                transform_dense(torch.tensor(dense, dtype=torch.int64)),
-                hash_categorical(values, self.hash_salt),
-            ),
-            torch.tensor(labels, dtype=torch.float32),
-        )
+            yield _parse_lines(batch, self.hash_salt)
 
 
 class CriteoBatches(Iterator[Batch]):
-    """One trainer's batches for one pass over its share (see :meth:`CriteoFiles.train_batches`).
+    """One pass over some splits of :class:`CriteoFiles`, in batches, read ahead by a thread
+    (see :meth:`CriteoFiles.train_batches` and the module docstring).
 
-    ``input_bytes`` is the bytes of the files read so far (:class:`ShareReader`): over a whole
-    pass, the share's size. ``close()`` closes the file being read.
+    ``input_bytes`` is the bytes of the files behind the batches handed out so far (a block's
+    bytes count from its first batch): over a whole pass, the splits' size. ``close()`` stops
+    the reading thread and closes the file being read; dropping the iterator does the same.
+    A batch's tensors are the caller's: views of its block's rows, which no other block
+    shares. One consumer at a time.
     """
 
-    def __init__(self, files: CriteoFiles, reader: ShareReader):
-        self._reader = reader
-        self._batches = files._batches(reader.lines())
-
-    @property
-    def input_bytes(self) -> int:
-        return self._reader.input_bytes
+    def __init__(self, files: CriteoFiles, splits: Sequence[InputSplit]):
+        # The thread's work holds no reference to this iterator: dropping it ends the thread.
+        self._produce = functools.partial(_share_batches, files, ShareReader(splits))
+        self._read_ahead: ReadAhead[tuple[list[Batch], int]] | None = None
+        self._ready: deque[Batch] = deque()
+        self._closed = False
+        self.input_bytes = 0
 
     def __next__(self) -> Batch:
-        return next(self._batches)
+        while not self._ready:
+            if self._closed:
+                raise StopIteration
+            if self._read_ahead is None:
+                keep_freed_memory()
+                self._read_ahead = ReadAhead(self._produce, READ_AHEAD_BLOCKS, "criteo-reader")
+            batches, self.input_bytes = next(self._read_ahead)
+            self._ready.extend(batches)
+        return self._ready.popleft()
 
     def close(self) -> None:
-        self._batches.close()
+        self._closed = True
+        self._ready.clear()
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+
+
+class _Rows(NamedTuple):
+    """Parsed lines: dense features ``[n, 13]``, categorical ids ``[n, 26]``, labels ``[n]``."""
+
+    dense: Tensor
+    sparse: Tensor
+    labels: Tensor
+
+    def batch(self, start: int, end: int) -> Batch:
+        """Rows ``[start, end)`` as a batch: contiguous views of these rows' tensors (a block's
+        own, shared with no other block)."""
+        return (self.dense[start:end], self.sparse[start:end]), self.labels[start:end]
+
+
+def _share_batches(files: CriteoFiles, reader: ShareReader) -> Iterator[tuple[list[Batch], int]]:
+    """The reading thread's work: the batches each block completes, with the bytes read by
+    then. A block with a bad line completes the batches before that line's, then raises."""
+    cutter = _BatchCutter(files.batch_size)
+    for block in reader.blocks(BLOCK_BYTES):
+        rows, error = _parse_block(block, files.hash_salt)
+        yield cutter.add(rows), reader.input_bytes
+        if error is not None:
+            raise error
+    yield cutter.finish(), reader.input_bytes
+
+
+class _BatchCutter:
+    """Cuts a stream of rows, given a block at a time, into batches of ``batch_size``."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.rest: _Rows | None = None  # the start of the next batch
+
+    def add(self, rows: _Rows) -> list[Batch]:
+        batches, start, size = [], 0, len(rows.labels)
+        if self.rest is not None:
+            start = min(self.batch_size - len(self.rest.labels), size)
+            head = _Rows(*(torch.cat([a, b[:start]]) for a, b in zip(self.rest, rows, strict=True)))
+            self.rest = None
+            if len(head.labels) < self.batch_size:
+                self.rest = head
+                return []
+            batches.append(head.batch(0, self.batch_size))
+        end = start + (size - start) // self.batch_size * self.batch_size
+        batches += [rows.batch(i, i + self.batch_size) for i in range(start, end, self.batch_size)]
+        if end < size:
+            self.rest = _Rows(*(t[end:] for t in rows))
+        return batches
+
+    def finish(self) -> list[Batch]:
+        """The last batch, short, if rows are left."""
+        rest, self.rest = self.rest, None
+        return [] if rest is None else [rest.batch(0, len(rest.labels))]
+
+
+def _parse_block(block: Block, hash_salt: int) -> tuple[_Rows, InvalidBatchError | None]:
+    """A block's rows, parsed in one call; where that fails, line by line: the rows before its
+    first bad line, and the error naming that line (None if every line is good)."""
+    columns = parse_block(block.data, NUM_DENSE, NUM_CATEGORICAL, MISSING_VALUE)
+    if columns is None:
+        return _parse_until_bad(block, hash_salt)
+    return _Rows(
+        transform_dense(torch.from_numpy(columns.ints)),
+        torch.from_numpy(_hash_columns(columns.hex_values, hash_salt)),
+        torch.from_numpy(columns.labels),
+    ), None
+
+
+def _parse_until_bad(block: Block, hash_salt: int) -> tuple[_Rows, InvalidBatchError | None]:
+    """A block's lines parsed one by one: the rows up to its first bad line, and that line's
+    error (None if there is none)."""
+    good: list[Line] = []
+    error = None
+    for line in block.lines():
+        if _LINE.fullmatch(line[2]) is None:
+            error = _bad_line(line)
+            break
+        good.append(line)
+    (dense, sparse), labels = _parse_lines(good, hash_salt)
+    return _Rows(dense, sparse, labels), error
+
+
+def _parse_lines(lines: list[Line], hash_salt: int) -> Batch:
+    """The tensors of lines, parsed one by one; InvalidBatchError names a malformed one."""
+    labels: list[bool] = []
+    dense: list[list[int]] = []
+    categorical: list[list[int]] = []
+    for line in lines:
+        if _LINE.fullmatch(line[2]) is None:
+            raise _bad_line(line)
+        fields = line[2].split(b"\t")
+        labels.append(fields[0] == b"1")
+        dense.append([int(x) if x else 0 for x in fields[1 : 1 + NUM_DENSE]])
+        categorical.append([int(x, 16) if x else MISSING_VALUE for x in fields[1 + NUM_DENSE :]])
+    values = torch.tensor(categorical, dtype=torch.int64).reshape(-1, NUM_CATEGORICAL)
+    return (
+        (
+            transform_dense(torch.tensor(dense, dtype=torch.int64).reshape(-1, NUM_DENSE)),
+            hash_categorical(values, hash_salt),
+        ),
+        torch.tensor(labels, dtype=torch.float32),
+    )
+
+
+def _bad_line(line: Line) -> InvalidBatchError:
+    start, index, text = line
+    return InvalidBatchError(f"{start.path}, line {start.line_number(index)}: {_diagnose(text)}")
 
 
 @functools.cache  # once per process, not every epoch
@@ -207,9 +334,23 @@ def hash_categorical(values: Tensor, hash_salt: int = 0) -> Tensor:
     """Ids of int64 categorical values ``[B, 26]`` (``MISSING_VALUE`` where missing): column
     ``c``'s value ``v`` becomes ``mix64(mix64(v) + seed_c)``, ``seed_c = mix64(mix64(salt) + c)``.
     """
+    return mix64(mix64(values.reshape(-1, NUM_CATEGORICAL)) + _column_seeds(hash_salt))
+
+
+def _column_seeds(hash_salt: int) -> Tensor:
+    """``seed_c`` of every column ``c`` (see :func:`hash_categorical`), int64 ``[26]``."""
     salt = torch.tensor([(hash_salt + 2**63) % 2**64 - 2**63], dtype=torch.int64)
-    seeds = mix64(mix64(salt) + torch.arange(NUM_CATEGORICAL, dtype=torch.int64))
-    return mix64(mix64(values.reshape(-1, NUM_CATEGORICAL)) + seeds)
+    return mix64(mix64(salt) + torch.arange(NUM_CATEGORICAL, dtype=torch.int64))
+
+
+def _hash_columns(values: np.ndarray, hash_salt: int) -> np.ndarray:
+    """:func:`hash_categorical` of uint64 values given column-major, ``[26, n]``, computed in
+    place on whole columns: int64 ``[n, 26]``."""
+    scratch = np.empty_like(values)
+    mix64_in_place(values, scratch)
+    values += _column_seeds(hash_salt).numpy().view(np.uint64)[:, None]
+    mix64_in_place(values, scratch)
+    return np.ascontiguousarray(values.T).view(np.int64)
 
 
 def _diagnose(line: bytes) -> str:
