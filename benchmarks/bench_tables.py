@@ -179,7 +179,9 @@ def bench_dynamic_vs_fixed(steps: int, repeats: int) -> dict[str, Any]:
 def bench_server_cpu(steps: int) -> dict[str, Any]:
     """Server CPU seconds per step for the dynamic_vs_fixed model, in this process, one thread:
     the exact calls a trainer makes, over the data once (dynamic tables create their rows) and
-    again (every row exists)."""
+    again (every row exists). Rows per second of server CPU: those read and updated in a warm
+    step (each pulled row is also updated, from the step before), and, for dynamic tables,
+    those made while filling (over the whole filling pass, reads of existing rows included)."""
     torch.set_num_threads(1)
     config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
     data = SyntheticClickLogs(
@@ -194,8 +196,10 @@ def bench_server_cpu(steps: int) -> dict[str, Any]:
         dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.dense.items()}
         step = 0
         passes = []
+        rows_per_pass = 0
         for _ in ("fill", "warm"):
             previous: dict[str, Tensor] = {}
+            rows_per_pass = 0
             started = time.process_time()
             for sparse in batches:
                 ids = {n: sparse[:, t].unique() for t, n in enumerate(names)}
@@ -208,8 +212,17 @@ def bench_server_cpu(steps: int) -> dict[str, Any]:
                     request.dense_grads = dict(dense)  # type: ignore[arg-type]
                 endpoint.coordinator.push_pull(request).wait()
                 previous, step = ids, step + 1
+                rows_per_pass += sum(i.numel() for i in ids.values())
             passes.append((time.process_time() - started) / len(batches))
-        results[kind] = {"fill_ms_per_step": 1e3 * passes[0], "warm_ms_per_step": 1e3 * passes[1]}
+        made = sum(t.stats()["rows"] for t in endpoint.shard.tables.values())
+        endpoint.coordinator.close()
+        results[kind] = {
+            "fill_ms_per_step": 1e3 * passes[0],
+            "warm_ms_per_step": 1e3 * passes[1],
+            # A warm step reads and updates rows that exist; a filling one also makes rows.
+            "warm_rows_per_s": rows_per_pass / (passes[1] * len(batches)),
+            "fill_new_rows_per_s": made / (passes[0] * len(batches)) if kind == "dynamic" else None,
+        }
     results["dynamic_vs_fixed_cpu"] = {
         phase: results["dynamic"][phase] / results["fixed"][phase]
         for phase in ("fill_ms_per_step", "warm_ms_per_step")
