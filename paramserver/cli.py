@@ -16,6 +16,7 @@ on the command line override it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -211,6 +212,12 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--eval-data",
         help="criteo: Criteo-format file(s) held out for evaluation (comma-separated)",
+    )
+    data.add_argument(
+        "--eval-fraction",
+        type=float,
+        help="criteo: hold out the last FRACTION of the --dataset files for evaluation instead "
+        "(by bytes, cut at a line start; a gzip file goes whole to one side)",
     )
     synthetic = run.add_argument_group("synthetic click logs (--dataset synthetic)")
     spec = SyntheticSpec()
@@ -409,22 +416,46 @@ def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
 
 
 def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    """A DLRM with one dynamic table per categorical column, on Criteo-format files."""
+    """A DLRM with one dynamic table per categorical column, on Criteo-format files; held out:
+    the --eval-data files, or the last --eval-fraction of the --dataset files."""
     paths = [p for p in args.dataset.removeprefix("criteo:").split(",") if p]
     held_out = args.eval_data.split(",") if args.eval_data else []
     for path in paths + held_out:
         if not Path(path).is_file():
             raise ConfigError(f"--dataset/--eval-data: no such file: {path}")
+    fraction = args.eval_fraction
+    if fraction is not None and not 0.0 < fraction < 1.0:
+        raise ConfigError(f"--eval-fraction must be in (0, 1), got {fraction}")
+    if held_out and fraction is not None:
+        raise ConfigError("--eval-data and --eval-fraction: give one of them")
 
     def model_fn() -> DLRM:
         return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
 
-    def held_out_batches() -> Iterator[Any]:
-        return CriteoFiles(held_out, 8192).train_batches(0, 1)
+    data = CriteoFiles(paths, batch_size=batch_size(config), eval_fraction=fraction or 0.0)
+    if held_out:
+        files = CriteoFiles(held_out, EVAL_BATCH_SIZE)
+        evaluation = Evaluation(lambda: files.train_batches(0, 1), binary_metrics)
+        return Job(model_fn, data.train_batches, None, evaluation)
+    return Job(model_fn, data.train_batches, None, held_out_part(data))
 
-    data = CriteoFiles(paths, batch_size=batch_size(config))
-    evaluation = Evaluation(held_out_batches, binary_metrics) if held_out else None
-    return Job(model_fn, data.train_batches, None, evaluation)
+
+EVAL_BATCH_SIZE = 8192  # held-out Criteo lines are scored this many at a time
+
+
+def held_out_part(data: CriteoFiles) -> Evaluation | None:
+    """The evaluation on the held-out part of ``data`` (``--eval-fraction``), if any; a
+    ConfigError where the cut leaves one side without lines."""
+    if not data.eval_fraction:
+        return None
+    flag = f"--eval-fraction {data.eval_fraction}"
+    gzip_note = "a gzip file is never cut: it goes whole to the side holding its middle byte"
+    if not data.eval_splits():
+        raise ConfigError(f"{flag} holds out nothing ({gzip_note}); give plain text or more files")
+    if not data.splits(0, 1):
+        raise ConfigError(f"{flag} leaves nothing to train on ({gzip_note})")
+    scored = dataclasses.replace(data, batch_size=EVAL_BATCH_SIZE)
+    return Evaluation(scored.eval_batches, binary_metrics)
 
 
 MOVIELENS_DEFAULTS: dict[str, Any] = {
@@ -474,6 +505,8 @@ def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
 
 def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     """A fresh job for ``--dataset`` (its data iterators start from the first epoch)."""
+    if args.eval_fraction is not None and not args.dataset.startswith("criteo:"):
+        raise ConfigError("--eval-fraction holds out part of criteo:PATH files, only")
     if args.dataset == "synthetic":
         return synthetic_job(args, config)
     if args.dataset.startswith("criteo:"):
@@ -509,7 +542,9 @@ def run_train(args: argparse.Namespace) -> int:
         log_as(role, force=True)
     job = build_job(args, config)
     if config.eval_every is not None and job.evaluation is None:
-        raise ConfigError("--eval-every needs held-out data (for criteo:PATH, --eval-data)")
+        raise ConfigError(
+            "--eval-every needs held-out data (for criteo:PATH, --eval-data or --eval-fraction)"
+        )
     # The job's own display knows how many steps to expect; train()'s would not.
     display = (
         ProgressDisplay(job.total_steps, log_every_s=config.log_every) if config.progress else None

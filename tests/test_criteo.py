@@ -9,6 +9,7 @@ import io
 import json
 import math
 import random
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -34,7 +35,7 @@ from paramserver.data.criteo import (
     hash_categorical,
     write_synthetic_criteo,
 )
-from paramserver.errors import InvalidBatchError
+from paramserver.errors import ConfigError, InvalidBatchError
 from paramserver.hashing import mix64, mix64_array, mix64_in_place
 from paramserver.protocol import TrainerReport
 from paramserver.trainer.loop import input_bytes_read
@@ -680,3 +681,66 @@ def test_a_cli_job_that_stops_early_leaves_no_reading_thread(tmp_path: Path) -> 
     assert main([*common, "--steps", "3", "--trainers", "2", "--batch-size", "64"]) == 0
     gc.collect()
     assert not reader_threads()
+
+
+# ---- a held-out fraction ----
+
+
+@pytest.mark.parametrize("num_trainers", [1, 2, 3])
+def test_eval_fraction_holds_out_the_last_lines(tmp_path: Path, num_trainers: int) -> None:
+    path = tmp_path / "day_0"
+    path.write_text("".join(numbered_line(n) + "\n" for n in range(1000, 2000)))  # one length
+    files = CriteoFiles([path], batch_size=100, eval_fraction=0.25)
+    trained = [line_numbers(files.train_batches(t, num_trainers)) for t in range(num_trainers)]
+    held_out = line_numbers(files.eval_batches())
+    assert [n for share in trained for n in share] + held_out == list(range(1000, 2000))
+    assert held_out == list(range(1750, 2000))  # the cut falls at a line start here
+    assert len({len(share) for share in trained}) == 1  # the rest shared evenly
+    assert line_numbers(files.eval_batches()) == held_out  # deterministic
+    assert line_numbers(CriteoFiles([path]).eval_batches()) == []
+
+
+def test_eval_fraction_never_cuts_a_gzip_file(tmp_path: Path) -> None:
+    paths = write_uneven_files(tmp_path)  # a.txt 537 lines, b.gz 300, d.txt 211, e, f 1000
+    files = CriteoFiles(paths, batch_size=64, eval_fraction=0.5)
+    trained = line_numbers(files.train_batches(0, 1))
+    held_out = line_numbers(files.eval_batches())
+    assert trained + held_out == list(range(537 + 300 + 211 + 2 + 1000))
+    assert 0 < len(held_out) < len(trained) + len(held_out)
+    # b.gz lies whole on one side; a cut inside a plain file falls at a line start.
+    assert {s.path.name for s in files.eval_splits()} <= {"d.txt", "e.txt", "f.txt"}
+    only_gzip = CriteoFiles([paths[1]], eval_fraction=0.4)
+    assert only_gzip.eval_splits() == [] and only_gzip.splits(0, 1)[0].path == paths[1]
+    for fraction in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="eval_fraction"):
+            CriteoFiles(paths, eval_fraction=fraction)
+
+
+def test_cli_eval_fraction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, packed = tmp_path / "day_0", tmp_path / "day_0.gz"
+    write_synthetic_criteo(path, 4000, seed=0)
+    write_synthetic_criteo(packed, 4000, seed=0, gzip=True)
+    summary = tmp_path / "summary.json"
+    common = ["train", "--launcher", "threads", "--no-progress", "--batch-size", "128"]
+    code = main(
+        [*common, "--dataset", f"criteo:{path}", "--eval-fraction", "0.25", "--mode", "sync",
+         "--epochs", "5", "--summary-json", str(summary)]
+    )  # fmt: skip
+    assert code == 0
+    result = json.loads(summary.read_text())
+    assert result["eval_auc"] > 0.6  # the planted signal, on held-out lines
+    # The trainers read the first 75% of the file (to the held-out part's first line), 5 times.
+    held_out = CriteoFiles([path], eval_fraction=0.25).eval_batches()
+    assert 900 < sum(len(label) for _, label in held_out) < 1100
+    assert sum(result["input_bytes"]) == 5 * (path.stat().st_size - held_out.input_bytes)
+    plain, gz = ["--dataset", f"criteo:{path}"], ["--dataset", f"criteo:{packed}"]
+    refused = {
+        r"--eval-fraction must be in \(0, 1\)": [*plain, "--eval-fraction", "1.5"],
+        "give one of them": [*plain, "--eval-fraction", "0.1", "--eval-data", str(path)],
+        "criteo:PATH files, only": ["--eval-fraction", "0.1"],
+        "holds out nothing": [*gz, "--eval-fraction", "0.1"],
+        "leaves nothing to train on": [*gz, "--eval-fraction", "0.9"],
+    }
+    for message, flags in refused.items():
+        assert main([*common, *flags]) == 2, message
+        assert re.search(message, capsys.readouterr().err), message

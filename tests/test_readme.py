@@ -115,6 +115,9 @@ COMMANDS: dict[str, Run] = {
     "paramserver train --dataset criteo:day_0 --eval-data day_1": Run(
         ("--steps", "4", "--no-progress")
     ),
+    "paramserver train --dataset criteo:day_0 --eval-fraction 0.1": Run(
+        ("--steps", "4", "--no-progress")
+    ),
     "paramserver train --dataset movielens --compare-single-process": Run(
         ("--steps", "4", "--no-progress")
     ),
@@ -265,8 +268,8 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
     scratch: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     commands = sh_commands("Command line")
-    assert len(commands) == 6
-    # The criteo command reads the files the README's first Python block writes.
+    assert len(commands) == 7
+    # The criteo commands read the files the README's first Python block writes.
     run_script(blocks_of("python")[0].text, scratch, "write_criteo.py", timeout=120)
     summaries: dict[str, dict[str, Any]] = {}
     for number, command in enumerate(commands):
@@ -284,12 +287,13 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
     expected = {  # the keys beyond `always` each run's summary has, as the README says
         commands[1]: {"restarts", "eval_auc", "eval_logloss", "eval_auc_ceiling"},  # processes
         commands[3]: {"eval_auc", "eval_logloss"},  # criteo with --eval-data
-        commands[4]: {"eval_rmse", "eval_mae", "eval_rmse_mean_predictor", "single_process"},
+        commands[4]: {"eval_auc", "eval_logloss"},  # criteo with --eval-fraction
+        commands[5]: {"eval_rmse", "eval_mae", "eval_rmse_mean_predictor", "single_process"},
     }
     for command, extra in expected.items():
         assert set(summaries[command]) == always | extra, command
     assert some == set().union(*expected.values())
-    assert set(summaries[commands[4]]["single_process"]) >= {"samples_per_s", "eval_rmse"}
+    assert set(summaries[commands[5]]["single_process"]) >= {"samples_per_s", "eval_rmse"}
 
 
 def test_the_readme_flag_lists_are_the_parsers() -> None:

@@ -42,6 +42,14 @@ decompress it. The iterator that :meth:`CriteoFiles.train_batches` returns count
 ``input_bytes``, the bytes of the files behind the batches it has handed out (the job
 summary's ``input_bytes``).
 
+``eval_fraction`` holds out the last fraction of the input for evaluation
+(:meth:`CriteoFiles.eval_batches`): the files laid end to end are cut at that fraction of
+their bytes from the end, at a line start (a gzip file is never cut: it goes whole to the side
+holding its middle byte), the trainers share the lines before the cut and the held-out part
+is the lines after it. The cut is a function of the files' sizes alone, so every process
+agrees on it, and like Criteo's own split (the last day held out) it holds out the latest
+lines of time-ordered logs.
+
 How a share is read, fast: a block of about ``BLOCK_BYTES`` of whole lines at a time
 (:meth:`ShareReader.blocks <paramserver.data.splits.ShareReader.blocks>`), parsed in one go by
 numpy operations on the whole block (:func:`paramserver.data.blockparse.parse_block`: no Python
@@ -91,6 +99,7 @@ from paramserver.data.splits import (
     InputSplit,
     Line,
     ShareReader,
+    hold_out,
     share_out,
     whole_files,
 )
@@ -123,14 +132,17 @@ class CriteoFiles:
     """Criteo-format files, each trainer's share read as batches (see the module docstring).
 
     ``hash_salt`` changes every categorical id (for example to decorrelate two models' tables).
-    Reading is stateless: each call of :meth:`train_batches` opens the files afresh, so any
-    number of iterators (one per trainer thread, say) may run at once.
+    ``eval_fraction`` (in [0, 1)) holds out the last fraction of the files' bytes, cut at a
+    line start, for :meth:`eval_batches`; the trainers share the rest. Reading is stateless:
+    each call of :meth:`train_batches` opens the files afresh, so any number of iterators (one
+    per trainer thread, say) may run at once.
     """
 
     paths: Sequence[str | Path]
     batch_size: int = 512
     _: KW_ONLY
     hash_salt: int = 0
+    eval_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "paths", tuple(self.paths))
@@ -138,6 +150,10 @@ class CriteoFiles:
             raise ConfigError("CriteoFiles.paths: give at least one file")
         if self.batch_size < 1:
             raise ConfigError(f"CriteoFiles.batch_size must be at least 1, got {self.batch_size}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(
+                f"CriteoFiles.eval_fraction must be in [0, 1), got {self.eval_fraction}"
+            )
 
     def splits(self, trainer: int, num_trainers: int) -> list[InputSplit]:
         """The parts of the files trainer ``trainer`` of ``num_trainers`` reads."""
@@ -146,7 +162,16 @@ class CriteoFiles:
                 f"trainer must be in [0, num_trainers); got trainer={trainer}, "
                 f"num_trainers={num_trainers}"
             )
-        return share_out(whole_files([Path(p) for p in self.paths]), num_trainers)[trainer]
+        return share_out(self._parts()[0], num_trainers)[trainer]
+
+    def eval_splits(self) -> list[InputSplit]:
+        """The held-out parts of the files (none without ``eval_fraction``)."""
+        return self._parts()[1]
+
+    def _parts(self) -> tuple[list[InputSplit], list[InputSplit]]:
+        """The files cut in two: what the trainers share, and what is held out."""
+        files = whole_files([Path(p) for p in self.paths])
+        return hold_out(files, self.eval_fraction) if self.eval_fraction else (files, [])
 
     def train_batches(self, trainer: int, num_trainers: int) -> CriteoBatches:
         """One pass over this trainer's share, in batches, the last one possibly short.
@@ -155,6 +180,10 @@ class CriteoFiles:
         if not splits:
             _warn_no_input(trainer, num_trainers)
         return CriteoBatches(self, splits)
+
+    def eval_batches(self) -> CriteoBatches:
+        """One pass over the held-out lines (``eval_fraction``), in batches."""
+        return CriteoBatches(self, self.eval_splits())
 
     def reference_batches(self, trainer: int, num_trainers: int) -> Iterator[Batch]:
         """The same batches as :meth:`train_batches`, read line by line in this thread, with

@@ -21,7 +21,9 @@ at most the largest gzip file's size where gzip files sit at the cuts. Bytes are
 not lines: a gzip file holds several times the lines of plain text of its size.
 
 :func:`divide` does that cutting for any pieces laid end to end (whole files, or ranges of them)
-at any stream offsets: :func:`share_out` cuts them into ``T`` equal shares.
+at any stream offsets: :func:`share_out` cuts them into ``T`` equal shares, :func:`hold_out`
+into a first and a last part (a held-out fraction: the same rules, so a gzip file near that cut
+goes whole to one side and the parts are cut at line starts).
 
 :class:`ShareReader` reads one share, streamed (never a file whole), line by line
 (:meth:`ShareReader.lines`) or a block of whole lines at a time (:meth:`ShareReader.blocks`,
@@ -108,6 +110,17 @@ def plan_splits(paths: Sequence[Path], num_trainers: int) -> list[list[InputSpli
     """Every trainer's splits of the files (see the module docstring), in trainer order, each
     share's splits in the files' order."""
     return share_out(whole_files(paths), num_trainers)
+
+
+def hold_out(
+    pieces: Sequence[InputSplit], fraction: float
+) -> tuple[list[InputSplit], list[InputSplit]]:
+    """The pieces cut in two: the first ``1 - fraction`` of their bytes and the last
+    ``fraction``, at a line start (a gzip piece goes whole to the part holding its middle
+    byte, so a part may be empty); a function of the pieces' sizes and kinds alone."""
+    total = sum(piece.end - piece.start for piece in pieces)
+    kept, held = divide(pieces, [0, total - round(total * fraction), total])
+    return kept, held
 
 
 @dataclass(frozen=True)
