@@ -390,27 +390,36 @@ def test_corrupt_gzip_raises(tmp_path: Path) -> None:
         list(CriteoFiles([path], batch_size=256).train_batches(0, 1))
 
 
-def fit_auc(dense: torch.Tensor, sparse: torch.Tensor, label: torch.Tensor) -> float:
-    """Held-out AUC of a logistic regression on the dense features plus a learned bias per
-    hashed id (ids taken mod a prime) of the signal columns."""
+Rows = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense, sparse, label
+
+
+def fit_auc(train: Rows, test: Rows) -> float:
+    """Held-out AUC on ``test`` of a logistic regression fit on ``train``: the dense features
+    plus a learned bias per hashed id (ids taken mod a prime) of the signal columns."""
     torch.manual_seed(0)
     prime = 1009
     columns = list(SIGNAL_CATEGORICAL)
-    buckets = sparse[:, columns].remainder(prime) + prime * torch.arange(len(columns))
+
+    def buckets(sparse: torch.Tensor) -> torch.Tensor:
+        return sparse[:, columns].remainder(prime) + prime * torch.arange(len(columns))
+
     linear = nn.Linear(NUM_DENSE, 1)
     bias = nn.EmbeddingBag(prime * len(columns), 1, mode="sum")
     nn.init.zeros_(bias.weight)
     optimizer = torch.optim.Adam([*linear.parameters(), *bias.parameters()], lr=0.1)
-    train = slice(0, 4000)
-    test = slice(4000, None)
     for _ in range(100):
         optimizer.zero_grad()
-        logits = linear(dense[train]).squeeze(1) + bias(buckets[train]).squeeze(1)
-        nn.functional.binary_cross_entropy_with_logits(logits, label[train]).backward()
+        logits = linear(train[0]).squeeze(1) + bias(buckets(train[1])).squeeze(1)
+        nn.functional.binary_cross_entropy_with_logits(logits, train[2]).backward()
         optimizer.step()
     with torch.no_grad():
-        logits = linear(dense[test]).squeeze(1) + bias(buckets[test]).squeeze(1)
-    return float(binary_auroc(logits, label[test].long()))
+        logits = linear(test[0]).squeeze(1) + bias(buckets(test[1])).squeeze(1)
+    return float(binary_auroc(logits, test[2].long()))
+
+
+def split_rows(rows: Rows, at: int) -> tuple[Rows, Rows]:
+    first = (rows[0][:at], rows[1][:at], rows[2][:at])
+    return first, (rows[0][at:], rows[1][at:], rows[2][at:])
 
 
 def test_input_bytes_are_read_from_epochs_that_count_them(tmp_path: Path) -> None:
@@ -448,11 +457,36 @@ def test_planted_signal_is_learnable(tmp_path: Path) -> None:
     dense, sparse, label = read_all(CriteoFiles([tmp_path / "signal"], batch_size=4096))
     assert 0.15 < float(label.mean()) < 0.5
     assert (dense[:, list(SIGNAL_DENSE)] == 0).float().mean() > 0.1  # missing and -1 values
-    auc = fit_auc(dense, sparse, label)
+    auc = fit_auc(*split_rows((dense, sparse, label), 4000))
     shuffled = label[torch.randperm(label.numel(), generator=torch.Generator().manual_seed(0))]
-    chance_auc = fit_auc(dense, sparse, shuffled)
+    chance_auc = fit_auc(*split_rows((dense, sparse, shuffled), 4000))
     assert auc > 0.7, auc
     assert chance_auc < 0.56, chance_auc
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_files_of_other_seeds_share_the_planted_signal_unless_told_otherwise(
+    tmp_path: Path,
+) -> None:
+    write_synthetic_criteo(tmp_path / "train", 4000, seed=1)
+    write_synthetic_criteo(tmp_path / "held_out", 2000, seed=2)  # signal_seed=0 as well
+    write_synthetic_criteo(tmp_path / "other", 2000, seed=2, signal_seed=7)
+    train, held_out, other = (
+        read_all(CriteoFiles([tmp_path / name], batch_size=4096))
+        for name in ("train", "held_out", "other")
+    )
+    # Other lines, from the same vocabularies (or, with another signal seed, other ones).
+    assert not torch.equal(train[2][:2000], held_out[2])
+    for column in range(NUM_CATEGORICAL):
+        seen = train[1][:, column]
+        assert torch.isin(held_out[1][:, column], seen).float().mean() > 0.5
+        assert torch.isin(other[1][:, column], seen).float().mean() < 0.1  # missing ids only
+    # A model of the training file scores held-out lines of the same signal better: their
+    # categorical values carry the same effects (the dense features' weights are fixed).
+    same, changed = fit_auc(train, held_out), fit_auc(train, other)
+    assert same > 0.78 and same > changed + 0.05, (same, changed)
+    # The same seed and another signal: the same integer features, other categorical values.
+    assert torch.equal(held_out[0], other[0])
 
 
 def test_a_criteo_job_is_compared_with_its_single_process_reference(tmp_path: Path) -> None:

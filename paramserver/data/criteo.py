@@ -418,25 +418,31 @@ NOISE_VOCABULARY = 5000
 MISSING_DENSE_RATE = 0.1
 MISSING_CATEGORICAL_RATE = 0.05
 _CHUNK_LINES = 8192
+_LINES_SEED_OFFSET = 1 << 32  # the lines' generator is never seeded as the signal's (seeds < 2**32)
 
 
 def write_synthetic_criteo(
-    path: str | Path, lines: int, *, seed: int = 0, gzip: bool = False
+    path: str | Path, lines: int, *, seed: int = 0, signal_seed: int = 0, gzip: bool = False
 ) -> None:
     """Write ``lines`` Criteo-format lines to ``path`` (gzip-compressed if ``gzip``).
 
-    The labels follow a logistic model: the logit is ``-1`` plus ``SIGNAL_DENSE_WEIGHTS`` times
-    the transformed features ``SIGNAL_DENSE`` (centred at 1), plus a per-value effect, drawn
-    from N(0, 1), of each of the columns ``SIGNAL_CATEGORICAL``; the label is a Bernoulli draw
-    of its sigmoid. Integer features are ``floor(exp(1.5 z + 0.5)) - 1`` for standard normal
-    ``z`` (so some are -1); categorical values are log-uniform ranks in a fixed per-column
-    vocabulary of random 8-digit hex strings. About ``MISSING_DENSE_RATE`` of the integer fields
-    and ``MISSING_CATEGORICAL_RATE`` of the categorical ones are empty; a missing value has no
-    effect on the logit beyond its transformed value of 0. The file's bytes are a function of
-    ``seed`` and ``lines`` (the gzip header's timestamp is fixed to 0).
+    The labels follow a logistic model, the planted signal, drawn from ``signal_seed``: the
+    logit is ``-1`` plus ``SIGNAL_DENSE_WEIGHTS`` times the transformed features
+    ``SIGNAL_DENSE`` (centred at 1), plus a per-value effect, drawn from N(0, 1), of each of
+    the columns ``SIGNAL_CATEGORICAL``; the label is a Bernoulli draw of its sigmoid.
+    Categorical values are log-uniform ranks in a fixed per-column vocabulary of random 8-digit
+    hex strings, also drawn from ``signal_seed``. The lines are drawn from ``seed``: integer
+    features are ``floor(exp(1.5 z + 0.5)) - 1`` for standard normal ``z`` (so some are -1);
+    about ``MISSING_DENSE_RATE`` of the integer fields and ``MISSING_CATEGORICAL_RATE`` of the
+    categorical ones are empty; a missing value has no effect on the logit beyond its
+    transformed value of 0. So files written with the same ``signal_seed`` (the default) and
+    other ``seed`` values are samples of one distribution: training and held-out data. The
+    two draws use separate generators (the lines' seeded with ``seed + 2**32``), and the
+    file's bytes are a function of ``seed``, ``signal_seed`` and ``lines`` (the gzip header's
+    timestamp is fixed to 0).
     """
-    g = torch.Generator().manual_seed(seed)
-    vocabularies = _draw_vocabularies(g)
+    vocabularies = _draw_vocabularies(torch.Generator().manual_seed(signal_seed))
+    g = torch.Generator().manual_seed(seed + _LINES_SEED_OFFSET)
     with open(path, "wb") as raw:
         out = GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if gzip else raw
         for start in range(0, lines, _CHUNK_LINES):
