@@ -52,8 +52,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (glibc's m
 @dataclass(frozen=True)
 class Columns:
     """A block's lines as arrays: ``labels`` float32 ``[n]``; ``ints`` int64 ``[n, num_ints]``
-    (0 where empty); ``hex_values`` uint64 ``[num_hex, n]``, column-major (``missing`` where
-    empty). The arrays are the caller's."""
+    (0 where empty); ``hex_values`` uint64 ``[n, num_hex]`` (``missing`` where empty). The
+    arrays are the caller's."""
 
     labels: np.ndarray
     ints: np.ndarray
@@ -75,10 +75,10 @@ def parse_block(data: bytes, num_ints: int, num_hex: int, missing: int) -> Colum
     words = _words(text)
     labels = _labels(text, starts[:, 0], lengths[:, 0])
     ints = _ints(text, words, starts[:, 1 : 1 + num_ints], lengths[:, 1 : 1 + num_ints])
-    hex_values = _hex_values(words, starts[:, 1 + num_ints :].T, lengths[:, 1 + num_ints :].T)
+    hex_values = _hex_values(words, starts[:, 1 + num_ints :], lengths[:, 1 + num_ints :])
     if labels is None or ints is None or hex_values is None:
         return None
-    hex_values[lengths[:, 1 + num_ints :].T == 0] = missing
+    hex_values[lengths[:, 1 + num_ints :] == 0] = missing
     return Columns(labels, ints, hex_values)
 
 
@@ -113,8 +113,8 @@ def _allowed_bytes(text: np.ndarray) -> bool:
     allowed |= scratch < 6
     np.subtract(text, np.uint8(ord("\t")), out=scratch)
     allowed |= scratch < 2  # tab, newline
-    allowed |= text == ord("\r")
-    allowed |= text == ord("-")
+    np.bitwise_and(text, np.uint8(0xDF), out=scratch)
+    allowed |= scratch == ord("\r")  # "\r" (0x0D) or "-" (0x2D)
     return bool(allowed.all())
 
 
@@ -186,7 +186,7 @@ def _labels(text: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.nda
 
 
 def _hex_values(words: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray | None:
-    """Hex fields ``[k, n]`` as uint64 ``[k, n]`` (garbage where empty); None unless each is
+    """Hex fields ``[n, k]`` as uint64 ``[n, k]`` (garbage where empty); None unless each is
     1 to 8 hex digits or empty."""
     if (lengths > WORD).any():
         return None

@@ -373,13 +373,13 @@ def _column_seeds(hash_salt: int) -> Tensor:
 
 
 def _hash_columns(values: np.ndarray, hash_salt: int) -> np.ndarray:
-    """:func:`hash_categorical` of uint64 values given column-major, ``[26, n]``, computed in
-    place on whole columns: int64 ``[n, 26]``."""
+    """:func:`hash_categorical` of uint64 values ``[n, 26]``, computed in place on the whole
+    array: int64 ``[n, 26]``, the same memory."""
     scratch = np.empty_like(values)
     mix64_in_place(values, scratch)
-    values += _column_seeds(hash_salt).numpy().view(np.uint64)[:, None]
+    values += _column_seeds(hash_salt).numpy().view(np.uint64)
     mix64_in_place(values, scratch)
-    return np.ascontiguousarray(values.T).view(np.int64)
+    return values.view(np.int64)
 
 
 def _diagnose(line: bytes) -> str:
