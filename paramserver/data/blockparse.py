@@ -97,7 +97,7 @@ def keep_freed_memory() -> bool:
     """
     try:
         mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # no C library to load, or no mallopt in it
         return False
     kept = mallopt(_M_MMAP_THRESHOLD, 32 << 20) == 1 and mallopt(_M_TRIM_THRESHOLD, 64 << 20) == 1
     log.debug("malloc keeps freed memory for reuse: %s", kept)
