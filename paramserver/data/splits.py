@@ -106,12 +106,6 @@ def share_out(pieces: Sequence[InputSplit], num_trainers: int) -> list[list[Inpu
     return divide(pieces, [total * t // num_trainers for t in range(num_trainers + 1)])
 
 
-def plan_splits(paths: Sequence[Path], num_trainers: int) -> list[list[InputSplit]]:
-    """Every trainer's splits of the files (see the module docstring), in trainer order, each
-    share's splits in the files' order."""
-    return share_out(whole_files(paths), num_trainers)
-
-
 def hold_out(
     pieces: Sequence[InputSplit], fraction: float
 ) -> tuple[list[InputSplit], list[InputSplit]]:
