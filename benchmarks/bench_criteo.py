@@ -1,0 +1,120 @@
+"""Criteo-format click logs end to end: paramserver next to its single-process reference and to
+what a user would try first, plain PyTorch.
+
+On one file of ``--lines`` lines written by ``write_synthetic_criteo`` (200,000 by default),
+batches of 512, one epoch, each entry ``--repeats`` times in alternation:
+
+- ``paramserver``: ``paramserver train --dataset criteo:FILE --servers 1 --trainers 1
+  --compare-single-process`` (async; a DLRM with one ``DynamicEmbedding`` per categorical
+  column), in a fresh process: the job's samples/s, and its reference's (the same model and
+  reader in one process, its dynamic tables trained with the servers' own table code), both
+  from the job's summary.
+- ``plain_pytorch``: the file parsed up front into batches (by the same reader), then the same
+  DLRM with 26 fixed ``nn.Embedding(200_000, 16, sparse=True)`` tables (ids modulo 200,000)
+  and Adagrad (sparse for the tables), one torch thread, in this process: samples/s over the
+  pass (training only: parsing is not timed).
+
+Reported: medians, and the ratios paramserver / reference and paramserver / plain PyTorch
+(goals of issue 14: both >= 1.0). The machine is shared and noisy: compare within one run.
+
+    .venv/bin/python benchmarks/bench_criteo.py --out benchmarks/results/bench_criteo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from report import machine, save
+
+from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles, write_synthetic_criteo
+from paramserver.models import DLRM
+
+BATCH = 512
+PLAIN_ROWS = 200_000
+
+
+def paramserver_job(path: Path) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as work:
+        summary_path = Path(work) / "summary.json"
+        subprocess.run(
+            [sys.executable, "-m", "paramserver", "train", "--dataset", f"criteo:{path}",
+             "--servers", "1", "--trainers", "1", "--batch-size", str(BATCH),
+             "--compare-single-process", "--no-progress", "--summary-json", str(summary_path)],
+            check=True, capture_output=True, timeout=3600,
+        )  # fmt: skip
+        summary = json.loads(summary_path.read_text())
+    return {
+        "paramserver": summary["samples_per_s"],
+        "reference": summary["single_process"]["samples_per_s"],
+    }
+
+
+def plain_pytorch(batches: list[Any]) -> float:
+    """Samples/s of plain PyTorch on the parsed batches (see the module docstring)."""
+    torch.manual_seed(0)
+    model = DLRM(num_dense=NUM_DENSE, table_rows=[PLAIN_ROWS] * NUM_CATEGORICAL)
+    for table in model.embeddings:
+        table.sparse = True  # type: ignore[union-attr]
+    tables = [p for t in model.embeddings for p in t.parameters()]
+    dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
+    optimizers = [torch.optim.Adagrad(dense, lr=0.01), torch.optim.Adagrad(tables, lr=0.01)]
+    samples = 0
+    started = time.perf_counter()
+    for (dense_x, sparse_x), label in batches:
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        logits = model(dense_x, torch.remainder(sparse_x, PLAIN_ROWS))
+        F.binary_cross_entropy_with_logits(logits, label).backward()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse invariant checks")
+            for optimizer in optimizers:
+                optimizer.step()
+        samples += int(label.shape[0])
+    return samples / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lines", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="bench_criteo.json")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs: dict[str, list[float]] = {"paramserver": [], "reference": [], "plain_pytorch": []}
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work) / "day_0"
+        write_synthetic_criteo(path, args.lines, seed=0)
+        batches = list(CriteoFiles([path], batch_size=BATCH).train_batches(0, 1))
+        for _ in range(args.repeats):
+            job = paramserver_job(path)
+            runs["paramserver"].append(job["paramserver"])
+            runs["reference"].append(job["reference"])
+            runs["plain_pytorch"].append(plain_pytorch(batches))
+            print(json.dumps({k: round(v[-1]) for k, v in runs.items()}), flush=True)
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    save(
+        {
+            "machine": machine(),
+            "lines": args.lines,
+            "runs_samples_per_s": runs,
+            "median_samples_per_s": median,
+            "paramserver_vs_reference": median["paramserver"] / median["reference"],
+            "paramserver_vs_plain_pytorch": median["paramserver"] / median["plain_pytorch"],
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
