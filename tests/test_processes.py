@@ -26,6 +26,7 @@ from tests.procs import (
     free_port,
     is_loopback,
     listening_addresses,
+    stop,
     wait_until,
 )
 
@@ -152,16 +153,28 @@ def test_cli_runs_a_job_and_writes_the_summary(tmp_path: Path) -> None:
     assert "held-out AUC" in output
 
 
+def default_sigint() -> None:
+    """In the child: Ctrl-C's default action, whatever this run inherited (a shell's background
+    job starts with SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_every_process_it_started() -> None:
-    process = run_cli("train", *SMALL_JOB, "--train-batches", "100000", "--log-every", "0.2")
-    assert process.stdout is not None
-    wait_until(lambda: len(children_of_launcher(process.pid)) == 4, 60, "the job's processes")
-    children = children_of_launcher(process.pid)
-    for line in process.stdout:  # wait until training runs, so RPC is up everywhere
-        if "samples/s" in line:
-            break
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=30)
+    process = run_cli(
+        "train", *SMALL_JOB, "--train-batches", "100000", "--log-every", "0.2",
+        preexec_fn=default_sigint,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        wait_until(lambda: len(children_of_launcher(process.pid)) == 4, 60, "the job's processes")
+        children = children_of_launcher(process.pid)
+        for line in process.stdout:  # wait until training runs, so RPC is up everywhere
+            if "samples/s" in line:
+                break
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        stop(process)  # a failed wait must not leave the job training
     assert process.returncode == 130, output
     assert "interrupted" in output
     for pid in children:
