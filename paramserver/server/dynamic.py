@@ -102,7 +102,8 @@ def _new_rows(
     for dim, names in widths.items():
         counts = [admitted[n].numel() for n in names]
         options = [tables[n].options for n in names]
-        salts = np.repeat([_salt(n, o) for n, o in zip(names, options, strict=True)], counts)
+        specs = [tables[n].spec.name for n in names]
+        salts = np.repeat([_salt(n, o) for n, o in zip(specs, options, strict=True)], counts)
         scales = np.repeat(np.array([o.init_scale for o in options], np.float32), counts)
         ids = torch.cat([admitted[n] for n in names]).numpy()
         together = _uniform_rows(salts.astype(np.int64), ids, dim, scales)
@@ -238,15 +239,8 @@ class DynamicTable:
     def _locate(self, ids: Tensor, reading: Reading) -> Tensor:
         """The row of each id (-1: none), after admitting, touching and evicting for a read
         that trains; recorded for the read's pull."""
-        found = self.ids.find(ids)
-        rows = found.rows
-        if reading.train:
-            admit = self.to_admit(ids, rows, reading.clock)
-            if admit.numel():
-                rows = rows.clone()
-                rows[admit] = self.ids.insert(ids[admit], found.subset(admit))
-                self.created(ids[admit], rows[admit])
-        return self.settle(ids, rows, reading)
+        name = self.spec.name
+        return locate_together({name: self}, {name: ids}, self.ids.fused, reading)[name]
 
     # The three parts of a read, for a server reading several dynamic tables at once (one
     # search and one insert in their shared id map between them, see ServerShard.read).
