@@ -16,19 +16,14 @@ on the command line override it.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, Field, fields
 from pathlib import Path
 from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
 
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import train_single_process
@@ -36,23 +31,12 @@ from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
 from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
-from paramserver.data import movielens
-from paramserver.data.criteo import NUM_CATEGORICAL, NUM_DENSE, CriteoFiles
-from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
-from paramserver.metrics import (
-    Evaluation,
-    as_summary,
-    auc_of_scores,
-    binary_metrics,
-    regression_metrics,
-)
-from paramserver.models.dlrm import DLRM
-from paramserver.models.rating import RatingModel
+from paramserver.jobs import DATASET_DEFAULTS, build_job
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.progress import ProgressDisplay
-from paramserver.types import LossFn
 
 log = logging.getLogger("paramserver")
 
@@ -356,166 +340,6 @@ def config_from_args(
         {f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)}
     )
     return TrainConfig(**values)
-
-
-@dataclass
-class Job:
-    """What ``paramserver train`` trains, on which data, and how it evaluates the result."""
-
-    model_fn: Callable[[], nn.Module]
-    data_fn: Callable[[int, int], Iterator[Any]]
-    total_steps: int | None  # for the progress bar; None: a stream of unknown length
-    evaluation: Evaluation | None  # held-out data: during training and of the final model
-    loss_fn: LossFn = F.binary_cross_entropy_with_logits
-    # Figures to judge the held-out metrics by (the ground truth's AUC, a trivial predictor's).
-    references: dict[str, float] = field(default_factory=dict)
-
-    def evaluate(self, model: nn.Module) -> dict[str, float]:
-        """The held-out metrics of ``model`` (``eval_*``), with the references."""
-        if self.evaluation is None:
-            return {}
-        return {**as_summary(self.evaluation.score(model)), **self.references}
-
-
-DEFAULT_BATCH_SIZE = 512
-
-
-def batch_size(config: TrainConfig) -> int:
-    """The samples per batch of the job's data: ``--batch-size``, else 512."""
-    return DEFAULT_BATCH_SIZE if config.batch_size is None else config.batch_size
-
-
-def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    spec = SyntheticSpec(
-        rows_per_table=args.rows_per_table,
-        batch_size=batch_size(config),
-        train_batches=args.train_batches,
-        eval_samples=args.eval_samples,
-        seed=config.seed,
-    )
-    data = SyntheticClickLogs(spec)
-    steps_per_trainer = -(-spec.train_batches // config.trainers) * config.epochs
-    steps_per_trainer = -(-steps_per_trainer // config.accumulate)
-    if config.steps is not None:
-        steps_per_trainer = min(steps_per_trainer, config.steps)
-    rows = spec.rows_per_table
-
-    def model_fn() -> DLRM:
-        return DLRM(table_rows=[rows] * spec.num_tables)
-
-    held_out = list(data.eval_batches())
-    truth = torch.cat([logits for _, logits in held_out]).sigmoid()
-    labels = torch.cat([batch[1] for batch, _ in held_out])
-    return Job(
-        model_fn,
-        data.train_batches,
-        steps_per_trainer * config.trainers,
-        Evaluation(lambda: [batch for batch, _ in held_out], binary_metrics),
-        references={"eval_auc_ceiling": auc_of_scores(truth, labels)},
-    )
-
-
-def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    """A DLRM with one dynamic table per categorical column, on Criteo-format files; held out:
-    the --eval-data files, or the last --eval-fraction of the --dataset files."""
-    paths = [p for p in args.dataset.removeprefix("criteo:").split(",") if p]
-    held_out = args.eval_data.split(",") if args.eval_data else []
-    for path in paths + held_out:
-        if not Path(path).is_file():
-            raise ConfigError(f"--dataset/--eval-data: no such file: {path}")
-    fraction = args.eval_fraction
-    if fraction is not None and not 0.0 < fraction < 1.0:
-        raise ConfigError(f"--eval-fraction must be in (0, 1), got {fraction}")
-    if held_out and fraction is not None:
-        raise ConfigError("--eval-data and --eval-fraction: give one of them")
-
-    def model_fn() -> DLRM:
-        return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
-
-    data = CriteoFiles(paths, batch_size=batch_size(config), eval_fraction=fraction or 0.0)
-    if held_out:
-        files = CriteoFiles(held_out, EVAL_BATCH_SIZE)
-        evaluation = Evaluation(lambda: files.train_batches(0, 1), binary_metrics)
-        return Job(model_fn, data.train_batches, None, evaluation)
-    return Job(model_fn, data.train_batches, None, held_out_part(data))
-
-
-EVAL_BATCH_SIZE = 8192  # held-out Criteo lines are scored this many at a time
-
-
-def held_out_part(data: CriteoFiles) -> Evaluation | None:
-    """The evaluation on the held-out part of ``data`` (``--eval-fraction``), if any; a
-    ConfigError where the cut leaves one side without lines."""
-    if not data.eval_fraction:
-        return None
-    flag = f"--eval-fraction {data.eval_fraction}"
-    gzip_note = "a gzip file is never cut: it goes whole to the side holding its middle byte"
-    if not data.eval_splits():
-        raise ConfigError(f"{flag} holds out nothing ({gzip_note}); give plain text or more files")
-    if not data.splits(0, 1):
-        raise ConfigError(f"{flag} leaves nothing to train on ({gzip_note})")
-    scored = dataclasses.replace(data, batch_size=EVAL_BATCH_SIZE)
-    return Evaluation(scored.eval_batches, binary_metrics)
-
-
-MOVIELENS_DEFAULTS: dict[str, Any] = {
-    "epochs": 4,
-    "batch_size": 512,
-    "optimizer": "adagrad",
-    "lr": 0.05,
-    "prefetch": False,
-}
-"""What the movielens job trains with where neither a flag nor ``--config`` says otherwise. The
-held-out RMSE bottoms out after about 4 epochs (the model then starts to overfit). Without
-prefetch: with 943 users, a batch of 512 touches most of the rows the trainer's previous batch
-updated, and a prefetched pull misses that update (held-out RMSE about 0.92 instead of 0.905,
-for a few percent of throughput)."""
-DATASET_DEFAULTS = {"movielens": MOVIELENS_DEFAULTS}
-
-
-def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    """A rating model (matrix factorization with side features, plus an MLP) on MovieLens 100k,
-    trained on the squared error and evaluated by held-out RMSE and MAE."""
-    directory = args.dataset.removeprefix("movielens").removeprefix(":") or None
-    data = movielens.MovieLensRatings(
-        movielens.load_movielens(directory), batch_size=batch_size(config), seed=config.seed
-    )
-    table_rows, mean_rating = data.data.table_rows(), data.mean_rating
-    held_out = torch.cat([rating for _, rating in data.eval_batches()])
-    mean_predictor = regression_metrics(torch.full_like(held_out, mean_rating), held_out)
-
-    def model_fn() -> RatingModel:
-        return RatingModel(table_rows, movielens.NUM_DENSE, mean_rating=mean_rating)
-
-    steps = [
-        -(-batches * config.epochs // config.accumulate)
-        for batches in data.num_train_batches(config.trainers)
-    ]
-    if config.steps is not None:
-        steps = [min(s, config.steps) for s in steps]
-    return Job(
-        model_fn,
-        data.train_batches,
-        sum(steps),
-        Evaluation(data.eval_batches, regression_metrics),
-        F.mse_loss,
-        {"eval_rmse_mean_predictor": mean_predictor["rmse"]},
-    )
-
-
-def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    """A fresh job for ``--dataset`` (its data iterators start from the first epoch)."""
-    if args.eval_fraction is not None and not args.dataset.startswith("criteo:"):
-        raise ConfigError("--eval-fraction holds out part of criteo:PATH files, only")
-    if args.dataset == "synthetic":
-        return synthetic_job(args, config)
-    if args.dataset.startswith("criteo:"):
-        return criteo_job(args, config)
-    if args.dataset.partition(":")[0] == "movielens":
-        return movielens_job(args, config)
-    raise ConfigError(
-        f"--dataset: unknown dataset {args.dataset!r}; synthetic, criteo:PATH or movielens[:DIR]"
-    )
 
 
 def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dict[str, Any]:

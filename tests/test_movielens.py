@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver.cli import MOVIELENS_DEFAULTS, build_parser, config_from_args, main
+from paramserver.cli import build_parser, config_from_args, main
 from paramserver.data import movielens
 from paramserver.data.movielens import (
     AGE,
@@ -32,6 +32,7 @@ from paramserver.data.movielens import (
     load_movielens,
 )
 from paramserver.errors import ConfigError, InvalidBatchError
+from paramserver.jobs import MOVIELENS_DEFAULTS
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
