@@ -11,6 +11,11 @@ rule. A forward pass loads the rows its ids read (admitting and creating them as
 training read does, at the step's clock: the sync round), and their gradients are applied
 after the backward pass, summed per id, at the next step's clock (a trainer pushes them with
 its next call). So a Criteo job on hashed ids has a reference too.
+
+Learning-rate schedules apply as on the servers: every batch of round ``r`` (one batch of each
+trainer) is trainer step ``r // accumulate`` and is applied at that step's rate, through
+``torch.optim.lr_scheduler.LambdaLR`` for the optimizers and the rule's own rate for dynamic
+tables.
 """
 
 from __future__ import annotations
@@ -40,6 +45,14 @@ def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
 
     Row-wise Adagrad has no torch.optim counterpart; plain Adagrad stands in for it here.
     """
+    return [optimizer for optimizer, _ in optimizers_by_group(model, config).values()]
+
+
+def optimizers_by_group(
+    model: nn.Module, config: TrainConfig
+) -> dict[str, tuple[torch.optim.Optimizer, OptimizerConfig]]:
+    """:func:`make_optimizers`' optimizers by group (``"dense"``, each fixed table by name),
+    each with the rule it follows."""
     tables = {
         f"{name}.weight" if name else "weight": m
         for name, m in model.named_modules()
@@ -49,13 +62,23 @@ def make_optimizers(model: nn.Module, config: TrainConfig) -> list[torch.optim.O
     hashed = [m.weight for m in model.modules() if isinstance(m, DynamicEmbedding)]
     table_ids = {id(w) for w in [*[m.weight for m in tables.values()], *hashed]}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
-    optimizers = [_optimizer(dense, config.dense_optimizer(), sparse=False)]
+    rule = config.dense_optimizer()
+    optimizers = {"dense": (_optimizer(dense, rule, sparse=False), rule)}
     for name, module in tables.items():
         module.sparse = True
-        optimizers.append(
-            _optimizer([module.weight], config.table_optimizer_for(name), sparse=True)
-        )
+        rule = config.table_optimizer_for(name)
+        optimizers[name] = (_optimizer([module.weight], rule, sparse=True), rule)
     return optimizers
+
+
+def lr_schedulers(
+    optimizers: dict[str, tuple[torch.optim.Optimizer, OptimizerConfig]],
+) -> list[torch.optim.lr_scheduler.LambdaLR]:
+    """A LambdaLR per optimizer, following its rule's schedule (at step 0 once made)."""
+    return [
+        torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(rule.lr_factor, group=name))
+        for name, (optimizer, rule) in optimizers.items()
+    ]
 
 
 def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> torch.optim.Optimizer:
@@ -72,7 +95,7 @@ def _optimizer(params: Sequence[Tensor], c: OptimizerConfig, sparse: bool) -> to
         return torch.optim.Adagrad(
             params,
             lr=c.lr,
-            lr_decay=c.lr_decay,
+            lr_decay=c.adagrad_lr_decay,
             weight_decay=c.weight_decay,
             initial_accumulator_value=c.initial_accumulator_value,
             eps=c.resolved_eps,
@@ -98,6 +121,7 @@ class InProcessTables:
         self.tables = {n: DynamicTable(plan.tables[n], make_rule(rules[n])) for n in self.modules}
         self.loaded: dict[str, list[tuple[Tensor, nn.Parameter]]] = {n: [] for n in self.modules}
         self.clock = 0
+        self.step = 0  # the training step whose learning rate applies
         self._hooks = [
             module.register_forward_pre_hook(functools.partial(self._load, name))
             for name, module in self.modules.items()
@@ -123,7 +147,9 @@ class InProcessTables:
                 unique, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
                 # A server applies a step's gradients with the next call, at its clock.
-                self.tables[name].apply(unique, summed, self.clock + 1)
+                table = self.tables[name]
+                lr = table.rule.lr_at(self.step, name)
+                table.apply(unique, summed, self.clock + 1, lr=lr)
                 loaded.clear()
 
     def finish(self) -> None:
@@ -148,18 +174,24 @@ def train_single_process(
     model = initial_model(model_fn, config.seed)
     model.train()
     dynamic = InProcessTables(model, config)
-    optimizers = make_optimizers(model, config)
+    by_group = optimizers_by_group(model, config)
+    optimizers = [optimizer for optimizer, _ in by_group.values()]
+    schedulers = lr_schedulers(by_group)
     samples = steps = rounds = 0
     started = time.perf_counter()
     for _ in range(config.epochs):
         streams = [data_fn(t, config.trainers) for t in range(config.trainers)]
         for batches in zip_longest(*streams):
             dynamic.clock = rounds  # a sync round's step: the servers' clock
+            dynamic.step = rounds // config.accumulate  # the trainers' step: its lr
             for batch in batches:
                 if batch is not None:
                     samples += _step(model, batch, loss_fn, optimizers, dynamic)
                     steps += 1
             rounds += 1
+            if rounds % config.accumulate == 0:
+                for scheduler in schedulers:  # the next trainer step's learning rate
+                    scheduler.step()
             if config.steps is not None and steps >= config.steps * config.trainers:
                 break
     seconds = time.perf_counter() - started

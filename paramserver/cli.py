@@ -8,9 +8,9 @@
     torchrun --nnodes 2 --nproc-per-node 2 ... -m paramserver train --servers 2 --trainers 2
 
 Every TrainConfig field but the per-table mappings (table_optimizers, table_codecs: [tables.NAME]
-sections of a TOML file) is a flag: rpc_threads is --rpc-threads, and a boolean is a switch
-(--resume / --no-resume). A TOML file given with --config sets the same keys, and flags given
-on the command line override it.
+sections of a TOML file) and lr_schedule (a Python function) is a flag: rpc_threads is
+--rpc-threads, and a boolean is a switch (--resume / --no-resume). A TOML file given with
+--config sets the same keys, and flags given on the command line override it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from paramserver.baseline import train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
-from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
+from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml, refuse_numeric_lr_decay
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
 from paramserver.jobs import DATASET_DEFAULTS, build_job
@@ -77,6 +77,21 @@ def refuse_renamed_flags(argv: Sequence[str]) -> None:
             raise ConfigError(f"{name} was renamed {renamed[name]}")
 
 
+def refuse_numeric_lr_decay_flag(argv: Sequence[str]) -> None:
+    """``--lr-decay`` names the schedule's decay; a number after it (torch Adagrad's per-step
+    decay, which ``lr_decay`` named before) is refused naming ``adagrad_lr_decay``, rather
+    than by argparse's 'invalid choice'."""
+    for word, after in zip(argv, [*argv[1:], ""], strict=True):
+        name, equals, value = word.partition("=")
+        if name == "--lr-decay":
+            given = value if equals else after
+            try:
+                number = float(given)
+            except ValueError:
+                continue
+            refuse_numeric_lr_decay(number)
+
+
 def _is_bool(f: Field[Any]) -> bool:
     return str(f.type) == "bool"
 
@@ -105,9 +120,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "job (TrainConfig)",
         "A --config TOML file sets the same keys (name_with_underscores = value; switches true "
-        "or false) and flags override it. Its [tables.NAME] sections set one table's optimizer "
-        "and codecs: TrainConfig.table_optimizers and table_codecs, the two fields without a "
-        "flag.",
+        "or false) and flags override it. Its [tables.NAME] sections set one table's optimizer, "
+        "schedule and codecs: TrainConfig.table_optimizers and table_codecs, fields without a "
+        "flag like lr_schedule (a Python function of the step).",
     )
     for f in fields(TrainConfig):
         if not f.metadata.get("cli", True):
@@ -463,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         refuse_switch_values(argv)
         refuse_renamed_flags(argv)
+        refuse_numeric_lr_decay_flag(argv)
         args = build_parser().parse_args(argv)
         if args.command == "train":
             return run_train(args)

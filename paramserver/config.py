@@ -8,13 +8,21 @@ keys, and flags override it. Errors name the flag to change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from paramserver.errors import ConfigError
+from paramserver.schedule import (
+    DECAYS,
+    DEFAULT_DECAY_RATE,
+    LrSchedule,
+    Schedule,
+    checked_factor,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,6 +93,7 @@ class ObserveSettings:
     profile_steps: int
     profile_start: int
     one_process: bool  # the threads launcher: trainers share one process (and one profiler)
+    learning_rates: LearningRates  # each group's lr at a step, for the metric records
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,10 +108,24 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float | None = None
-    lr_decay: float = 0.0
+    adagrad_lr_decay: float = 0.0  # torch Adagrad's lr_decay (was lr_decay here)
     initial_accumulator_value: float = 0.0
+    # The learning-rate schedule (paramserver.schedule): the built-in's keys, or lr_schedule,
+    # a function of the step returning a factor of lr. None: not set (a table's rule then
+    # takes the job's schedule, see TrainConfig.table_optimizer_for).
+    lr_warmup_steps: int | None = None
+    lr_decay: str | None = None
+    lr_decay_steps: int | None = None
+    lr_decay_rate: float | None = None
+    lr_min: float | None = None
+    lr_min_ratio: float | None = None
+    lr_schedule: LrSchedule | None = None
 
     def __post_init__(self) -> None:
+        self._check_rule()
+        self._check_schedule()
+
+    def _check_rule(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ConfigError(
                 f"--optimizer: unknown optimizer {self.name!r}; choose from {OPTIMIZERS}"
@@ -117,8 +140,65 @@ class OptimizerConfig:
             raise ConfigError(f"betas must lie in [0, 1), got {self.betas}")
         if self.eps is not None and self.eps <= 0:
             raise ConfigError(f"eps must be > 0, got {self.eps}")
-        if self.name == "rowwise_adagrad" and self.lr_decay:
-            raise ConfigError("rowwise_adagrad has no lr_decay; remove it or use adagrad")
+        if self.name == "rowwise_adagrad" and self.adagrad_lr_decay:
+            raise ConfigError("rowwise_adagrad has no adagrad_lr_decay; remove it or use adagrad")
+
+    def _check_schedule(self) -> None:
+        refuse_numeric_lr_decay(self.lr_decay)
+        if self.lr_schedule is None:
+            self.builtin_schedule.check_base_lr(self.lr)
+            return
+        if not callable(self.lr_schedule):
+            raise ConfigError(
+                f"lr_schedule must be a function of the step (Python only), got "
+                f"{self.lr_schedule!r}; a TOML file sets the built-in schedule's keys"
+            )
+        given = [f"lr_{k}" for k, v in self._builtin_keys().items() if v is not None]
+        if given:
+            raise ConfigError(f"lr_schedule and {', '.join(given)} both set a schedule: give one")
+
+    def _builtin_keys(self) -> dict[str, Any]:
+        """The built-in schedule's keys as :class:`Schedule` names them (``lr_`` dropped)."""
+        return {
+            "warmup_steps": self.lr_warmup_steps,
+            "decay": self.lr_decay,
+            "decay_steps": self.lr_decay_steps,
+            "decay_rate": self.lr_decay_rate,
+            "min": self.lr_min,
+            "min_ratio": self.lr_min_ratio,
+        }
+
+    @property
+    def sets_schedule(self) -> bool:
+        """Whether any schedule key is set here (else a table's rule takes the job's)."""
+        return self.lr_schedule is not None or any(
+            v is not None for v in self._builtin_keys().values()
+        )
+
+    @functools.cached_property  # made once (a frozen dataclass keeps it in its __dict__)
+    def builtin_schedule(self) -> Schedule:
+        """The built-in schedule of these keys (unset ones at their defaults: no warm-up, no
+        decay); the constant factor 1 when none is set."""
+        return Schedule(
+            warmup_steps=0 if self.lr_warmup_steps is None else self.lr_warmup_steps,
+            decay="none" if self.lr_decay is None else self.lr_decay,
+            decay_steps=self.lr_decay_steps,
+            decay_rate=self.lr_decay_rate,
+            min_lr=self.lr_min,
+            min_ratio=self.lr_min_ratio,
+        )
+
+    def lr_factor(self, step: int, group: str = "") -> float:
+        """The factor of ``lr`` at training step ``step`` (0 for the first update; see
+        :mod:`paramserver.schedule` for which step an update sees): ``lr_schedule(step)``,
+        checked (a ConfigError naming ``group`` and the step), or the built-in's."""
+        if self.lr_schedule is not None:
+            return checked_factor(self.lr_schedule, step, group)
+        return self.builtin_schedule.factor(step, self.lr)
+
+    def lr_at(self, step: int, group: str = "") -> float:
+        """The learning rate the update of training step ``step`` is applied with."""
+        return self.lr * self.lr_factor(step, group)
 
     @property
     def resolved_eps(self) -> float:
@@ -137,7 +217,42 @@ class OptimizerConfig:
         values = dict(values)
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
+
+
+def refuse_numeric_lr_decay(value: object) -> None:
+    """``lr_decay`` names the schedule's decay; torch Adagrad's per-step decay, which it
+    named before, is ``adagrad_lr_decay``: a number there is refused saying so."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        raise ConfigError(
+            f"lr_decay = {value!r}: lr_decay is the learning-rate schedule's decay, one of "
+            f"{DECAYS}; torch Adagrad's per-step decay (a number) is now adagrad_lr_decay"
+        )
+
+
+# The built-in schedule's keys at their "not set" values, as TrainConfig's defaults have them.
+_BUILTIN_UNSET: dict[str, Any] = {"warmup_steps": 0, "decay": "none"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearningRates:
+    """The rule of every group, for the learning rate each applies at a training step:
+    ``dense`` (the dense parameters'), ``own`` (tables with their own rule) and ``default``
+    (every other table's)."""
+
+    dense: OptimizerConfig
+    own: Mapping[str, OptimizerConfig]
+    default: OptimizerConfig
+
+    def at(self, step: int, tables: Iterable[str]) -> dict[str, float]:
+        """The lr of ``"dense"`` and of each of ``tables`` at training step ``step``."""
+        lrs = {"dense": self.dense.lr_at(step, "dense")}
+        for table in tables:
+            lrs[table] = self.own.get(table, self.default).lr_at(step, table)
+        return lrs
 
 
 @dataclass(frozen=True)
@@ -197,10 +312,74 @@ class TrainConfig:
     table_lr: float | None = field(
         default=None, metadata=_doc("learning rate for embedding tables (default: --lr)")
     )
+    lr_warmup_steps: int = field(
+        default=0,
+        metadata=_doc(
+            "learning-rate warm-up: step s < N (0 for a trainer's first step) is applied at "
+            "(s + 1) / N of the lr; dense parameters and tables alike, unless a [tables.NAME] "
+            "section sets a schedule of its own"
+        ),
+    )
+    lr_decay: str = field(
+        default="none",
+        metadata=_doc(
+            "learning-rate decay after the warm-up, over --lr-decay-steps: linear and cosine "
+            "go from the lr down to the floor (--lr-min or --lr-min-ratio, default 0) and stay "
+            "there; exponential multiplies it by --lr-decay-rate every --lr-decay-steps steps, "
+            "smoothly, step by whole periods; both floored. A step is a trainer's training "
+            "step: in sync mode a round's, in async and ssp each push's own trainer's; it "
+            "continues on resume",
+            choices=DECAYS,
+        ),
+    )
+    lr_decay_steps: int | None = field(
+        default=None,
+        metadata=_doc(
+            "steps of the decay: linear and cosine reach the floor after them; exponential and "
+            "step decay by --lr-decay-rate per this many steps (needed by every --lr-decay but "
+            "none)"
+        ),
+    )
+    lr_decay_rate: float | None = field(
+        default=None,
+        metadata=_doc(
+            "exponential and step decay: the factor per --lr-decay-steps steps, in (0, 1] "
+            f"(default: {DEFAULT_DECAY_RATE})"
+        ),
+    )
+    lr_min: float | None = field(
+        default=None,
+        metadata=_doc(
+            "the floor of the decay as a learning rate, for each group at most its lr "
+            "(default: 0; or --lr-min-ratio)"
+        ),
+    )
+    lr_min_ratio: float | None = field(
+        default=None,
+        metadata=_doc(
+            "the floor of the decay as a ratio of each group's lr, in [0, 1] (default: 0; or "
+            "--lr-min)"
+        ),
+    )
+    lr_schedule: LrSchedule | None = field(
+        default=None,
+        metadata=_doc(
+            "Python only: a function of the training step (0 for the first update, as "
+            "torch.optim.lr_scheduler.LambdaLR's) returning a factor of the lr, for dense "
+            "parameters and tables (unless a table's OptimizerConfig sets its own), instead of "
+            "the built-in schedule (--lr-warmup-steps, --lr-decay ...); checked at step 0 when "
+            "the config is made, and at every step on the servers: a factor that is not a "
+            "finite number >= 0 stops the job with a ConfigError naming the step and the "
+            "group, the update not applied",
+            cli=False,
+        ),
+    )
     table_optimizers: Mapping[str, OptimizerConfig] = field(
         default_factory=dict,
         metadata=_doc(
-            "per-table optimizers by table name (TOML [tables.NAME] sections)", cli=False
+            "per-table optimizers, with their schedules, by table name (TOML [tables.NAME] "
+            "sections; a table whose rule sets no schedule key takes the job's schedule)",
+            cli=False,
         ),
     )
     server_pooling: tuple[str, ...] = field(
@@ -417,6 +596,7 @@ class TrainConfig:
             object.__setattr__(self, "server_pooling", tuple(n for n in names if n))
         if not all(isinstance(n, str) for n in self.server_pooling):
             raise ConfigError("--server-pooling takes table names")
+        refuse_numeric_lr_decay(self.lr_decay)
         _check_types(self)
         self._check_counts()
         self._check_consistency()
@@ -424,9 +604,7 @@ class TrainConfig:
         self._check_checkpoints()
         self._check_training()
         self._check_observing()
-        # Building the optimizer configs validates their values with flag-named errors.
-        self.dense_optimizer()
-        self.table_optimizer_for("")
+        self._check_schedules()
 
     def _check_counts(self) -> None:
         """Sizes and counts: the job's shape and its data."""
@@ -553,19 +731,74 @@ class TrainConfig:
                 "rows, and those tables' trainers never hold rows)"
             )
 
+    def _check_schedules(self) -> None:
+        """Every group's update rule and schedule (building a rule checks its values with
+        flag-named errors), and each group's factor at step 0: a bad ``lr_schedule`` is
+        refused before the job starts."""
+        builtin = {
+            f"lr_{k}": v
+            for k, v in self._schedule_keys(builtin=True).items()
+            if v != _BUILTIN_UNSET.get(k)
+        }
+        if self.lr_schedule is not None and builtin:
+            raise ConfigError(
+                f"lr_schedule and {', '.join(sorted(builtin))} both set a schedule: give one"
+            )
+        self.dense_optimizer().lr_factor(0, "dense")
+        self.table_optimizer_for("").lr_factor(0, "tables")
+        for table in self.table_optimizers:
+            try:
+                rule = self.table_optimizer_for(table)
+            except ConfigError as error:
+                raise ConfigError(f"table {table!r} ([tables.{table}]): {error}") from None
+            rule.lr_factor(0, table)
+
+    def _schedule_keys(self, builtin: bool = False) -> dict[str, Any]:
+        """The job's schedule as OptimizerConfig keys (``builtin``: the built-in's keys, as
+        :class:`Schedule` names them, even with ``lr_schedule`` set)."""
+        if self.lr_schedule is not None and not builtin:
+            return {"lr_schedule": self.lr_schedule}
+        keys = {
+            "warmup_steps": self.lr_warmup_steps,
+            "decay": self.lr_decay,
+            "decay_steps": self.lr_decay_steps,
+            "decay_rate": self.lr_decay_rate,
+            "min": self.lr_min,
+            "min_ratio": self.lr_min_ratio,
+        }
+        return keys if builtin else {f"lr_{k}": v for k, v in keys.items()}
+
     def dense_optimizer(self) -> OptimizerConfig:
         return OptimizerConfig(
-            name=self.optimizer, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            name=self.optimizer,
+            lr=self.lr,
+            momentum=self.momentum,
+            weight_decay=self.weight_decay,
+            **self._schedule_keys(),
         )
 
     def table_optimizer_for(self, table: str) -> OptimizerConfig:
-        if table in self.table_optimizers:
-            return self.table_optimizers[table]
+        """The rule of ``table``: its own (``table_optimizers``; with the job's schedule
+        unless it sets one), else the job's table rule (``--table-optimizer``, ``--table-lr``)
+        with the job's schedule."""
+        own = self.table_optimizers.get(table)
+        if own is not None:
+            return own if own.sets_schedule else dataclasses.replace(own, **self._schedule_keys())
         return OptimizerConfig(
             name=self.table_optimizer or self.optimizer,
             lr=self.table_lr if self.table_lr is not None else self.lr,
             momentum=self.momentum,
             weight_decay=self.weight_decay,
+            **self._schedule_keys(),
+        )
+
+    @property
+    def learning_rates(self) -> LearningRates:
+        """Each group's rule, for the learning rate it applies at a step."""
+        return LearningRates(
+            dense=self.dense_optimizer(),
+            own={name: self.table_optimizer_for(name) for name in self.table_optimizers},
+            default=self.table_optimizer_for(""),
         )
 
     def codecs_for_table(self, table: str) -> tuple[str, str]:
@@ -651,6 +884,7 @@ class TrainConfig:
             profile_steps=self.profile_steps,
             profile_start=self.profile_start,
             one_process=self.launcher == "threads",
+            learning_rates=self.learning_rates,
         )
 
     def replace(self, **changes: Any) -> TrainConfig:

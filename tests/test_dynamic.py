@@ -141,7 +141,7 @@ def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
     assert torch.equal(t.read(ids(10), Reading(train=True, clock=2)), default)
     assert t.stats()["rows"] == 0 and t.stats()["pending_ids"] == 2
     # Gradients for ids still pending are dropped: nothing is kept but their counters.
-    assert t.apply(ids(10), torch.ones(1, 4), clock=2) == 0
+    assert t.apply(ids(10), torch.ones(1, 4), clock=2, lr=1.0) == 0
     row = t.read(ids(10, 20), Reading(train=True, clock=3))  # third sighting of 10: admitted
     torch.testing.assert_close(row[0], init_rows("emb.weight", t.options, ids(10), 4)[0])
     assert torch.equal(row[1], default[0])
@@ -156,7 +156,7 @@ def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:
 def test_ttl_and_capacity_eviction_are_exact_and_returning_ids_start_fresh() -> None:
     t = table(momentum=0.9, ttl_steps=4, capacity=20)
     t.read(torch.arange(10), Reading(train=True, clock=1))
-    t.apply(torch.arange(10), torch.ones(10, 4), clock=1)  # rows move away from init
+    t.apply(torch.arange(10), torch.ones(10, 4), clock=1, lr=1.0)  # rows move away from init
     t.read(torch.arange(5, 15), Reading(train=True, clock=3))  # touches 5..9, creates 10..14
     assert t.stats()["rows"] == 15
     t.read(ids(100), Reading(train=True, clock=6))  # sweep: untouched since clock 1 (< 6 - 4): 0..4
@@ -216,7 +216,7 @@ def test_a_gradient_goes_only_to_the_row_it_was_computed_from() -> None:
     t.read(ids(1), Reading(train=True, clock=7, pull=(1, 7)))  # 1 is back: a new row
     before = t.read(ids(1, 2, 3), Reading(train=False, clock=7))
     grads = torch.ones(3, 4)
-    assert t.apply(ids(1, 2, 3), grads, clock=7, pull=(0, 2)) == 1  # only 2's
+    assert t.apply(ids(1, 2, 3), grads, clock=7, pull=(0, 2), lr=1.0) == 1  # only 2's
     after = t.read(ids(1, 2, 3), Reading(train=False, clock=7))
     assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
     torch.testing.assert_close(after[1], before[1] - 1)
@@ -230,7 +230,7 @@ def test_a_gradient_goes_only_to_the_row_it_was_computed_from() -> None:
     assert kept is not None and kept.tolist() == [False, False]
     assert t.rows_still_pulled(ids(1, 2), (0, 7)) is None  # spent: no record left
     before = t.read(ids(1), Reading(train=False, clock=22))
-    t.apply(ids(1), torch.ones(1, 4), clock=22)  # no pull named: the current row
+    t.apply(ids(1), torch.ones(1, 4), clock=22, lr=1.0)  # no pull named: the current row
     torch.testing.assert_close(t.read(ids(1), Reading(train=False, clock=22)), before - 1)
 
 

@@ -55,7 +55,7 @@ def test_rowwise_adagrad_follows_its_formula_row_by_row(
     steps = torch.tensor([0.0, 7.0, 1.0, 2.0, 0.0, 3.0]) if keep_steps else None
     grads = [torch.randn(len(rows), DIM, generator=g) * 3 for rows in TOUCHED]
     for rows, grad in zip(TOUCHED, grads, strict=True):
-        apply_rows(rule, weight, state, steps, torch.tensor(rows), grad)
+        apply_rows(rule, weight, state, steps, torch.tensor(rows), grad, config.lr)
     expected = by_formula(start, grads, 0.3, config.resolved_eps, weight_decay, init)
     torch.testing.assert_close(weight.double(), expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(weight[5], start[5])  # never touched
@@ -76,7 +76,7 @@ def test_rowwise_adagrad_first_step_moves_each_row_by_lr_over_its_rms() -> None:
     weight = torch.zeros(3, DIM)
     state = rule.init_state(weight)
     grad = torch.tensor([[1.0, -1.0, 1.0, -1.0], [100.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
-    apply_rows(rule, weight, state, None, torch.arange(3), grad)
+    apply_rows(rule, weight, state, None, torch.arange(3), grad, 0.5)
     assert weight[0].tolist() == pytest.approx([-0.5, 0.5, -0.5, 0.5])
     assert weight[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # rms of [100,0,0,0] = 50
     assert weight[2].tolist() == [0.0] * DIM  # no gradient, no move (eps keeps it finite)

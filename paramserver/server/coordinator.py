@@ -28,6 +28,12 @@ A watchdog thread checks deadlines and silences; it only completes Futures.
 Membership: all trainers start in the round set. A push marked ``final`` (the trainer's data has
 ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
 
+Learning rates: an update is applied at the rate its group's schedule gives for the training
+step of its gradients (:mod:`paramserver.schedule`): a push's ``grads_call`` in async and ssp
+(its own trainer's step), ``t - 1`` for the round of call ``t`` in sync (every trainer's step
+``t - 1``). A schedule that gives no valid factor fails the push (or the round) with a
+ConfigError before anything is changed.
+
 Staleness: each answer that trains records how many updates this server had applied; when the
 gradients computed from it arrive (``grads_call`` names that call), the updates applied since
 are the gradient's staleness (always 0 in sync mode), kept as a histogram.
@@ -245,7 +251,8 @@ class Coordinator:
             if request.has_grads:
                 self._record_staleness([request])
                 pull = (request.trainer, request.grads_call)
-                self.shard.apply(request.dense_grads, request.row_grads, clock, pull)
+                step = max(request.grads_call, 0)  # its trainer's step: the schedule's
+                self.shard.apply(request.dense_grads, request.row_grads, clock, pull, step)
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
                 self.applied_call[request.trainer] = request.call
@@ -596,7 +603,8 @@ class Coordinator:
             for request in requests:  # each one's gradients go only to the rows it read
                 self.shard.drop_grads_of_replaced_rows(request)
             dense, rows = aggregate_mean(requests)
-            self.shard.apply(dense, rows, clock=call)
+            # Round ``call`` holds the gradients of step ``call - 1`` (read by call - 1).
+            self.shard.apply(dense, rows, clock=call, step=call - 1)
             self._count_update()
         except Exception as failure:
             error = failure

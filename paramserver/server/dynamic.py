@@ -295,10 +295,12 @@ class DynamicTable:
         out[present] = self.weight.index_select(0, rows[present])
         return out
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+    def apply(
+        self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
+    ) -> int:
         """Apply the gradients of ``ids`` (sorted, unique) computed from the read ``pull``
         (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
-        by :meth:`rows_still_pulled`); returns the rows updated."""
+        by :meth:`rows_still_pulled`) at learning rate ``lr``; returns the rows updated."""
         rows = self._rows_at_pull(ids, pull) if pull is not None else None
         if rows is None:
             rows = self.ids.lookup(ids)
@@ -307,7 +309,7 @@ class DynamicTable:
         if dropped:  # no row at the pull (pending), or it was removed since
             self.counters.dropped_grads += dropped
             rows, grads = rows[present], grads[present]
-        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads)
+        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads, lr)
         if self.last_touched is not None:
             self.last_touched[rows] = clock
         if self.versions is not None:

@@ -7,6 +7,10 @@ row; :func:`apply_rows` groups the touched rows by the part of their step count 
 math (see :meth:`UpdateRule.step_group`) and runs one fused step per group, so lazy Adam's bias
 correction uses each row's own count.
 
+Learning rates: the caller passes each step's ``lr`` (the rule's base lr times its schedule's
+factor at the training step of the gradients, :meth:`UpdateRule.lr_at`; see
+:mod:`paramserver.schedule`), one float per block, as torch.optim's functional rules take it.
+
 Row-wise Adagrad is the one rule written here: torch.optim has no row-wise variant (it is
 FBGEMM's rule for embedding tables: one accumulator per row, the mean of the squared gradient).
 """
@@ -53,10 +57,16 @@ class UpdateRule(ABC):
         when the step count does not enter the math (all rows share one step)."""
         return steps
 
+    def lr_at(self, step: int, group: str) -> float:
+        """The lr of the update of training step ``step`` (the schedule's step, not a row's
+        count of updates) for ``group`` (``"dense"`` or the table, named in a ConfigError if
+        the schedule gives no valid factor)."""
+        return self.config.lr_at(step, group)
+
     @abstractmethod
-    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
-        """Update ``param`` and ``state`` in place; ``step`` is the block's 0-d float32 count
-        *before* this update, and it is incremented in place."""
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
+        """Update ``param`` and ``state`` in place at learning rate ``lr``; ``step`` is the
+        block's 0-d float32 count *before* this update, and it is incremented in place."""
 
 
 class SGD(UpdateRule):
@@ -73,7 +83,7 @@ class SGD(UpdateRule):
         # Only the first step differs (torch starts the momentum buffer from the gradient).
         return (steps > 0).to(steps.dtype) if self.config.momentum else None
 
-    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
         buffers: list[Tensor | None] = [None]
         if c.momentum and step.item() > 0:
@@ -84,7 +94,7 @@ class SGD(UpdateRule):
             buffers,
             weight_decay=c.weight_decay,
             momentum=c.momentum,
-            lr=c.lr,
+            lr=lr,
             dampening=c.dampening,
             nesterov=c.nesterov,
             maximize=False,
@@ -109,13 +119,13 @@ class Adagrad(UpdateRule):
 
     @property
     def needs_steps(self) -> bool:
-        return bool(self.config.lr_decay)
+        return bool(self.config.adagrad_lr_decay)
 
     def step_group(self, steps: Tensor) -> Tensor | None:
-        # The step count enters the math only through lr_decay.
-        return steps if self.config.lr_decay else None
+        # The step count enters the math only through adagrad_lr_decay.
+        return steps if self.config.adagrad_lr_decay else None
 
-    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
         adagrad(
             [param],
@@ -123,9 +133,9 @@ class Adagrad(UpdateRule):
             [state["sum"]],
             [step],
             fused=True,
-            lr=c.lr,
+            lr=lr,
             weight_decay=c.weight_decay,
-            lr_decay=c.lr_decay,
+            lr_decay=c.adagrad_lr_decay,
             eps=c.resolved_eps,
             maximize=False,
         )
@@ -134,7 +144,7 @@ class Adagrad(UpdateRule):
 class Adam(UpdateRule):
     slots = ("exp_avg", "exp_avg_sq")
 
-    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
         beta1, beta2 = c.betas
         adam(
@@ -147,7 +157,7 @@ class Adam(UpdateRule):
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
-            lr=c.lr,
+            lr=lr,
             weight_decay=c.weight_decay,
             eps=c.resolved_eps,
             maximize=False,
@@ -179,13 +189,13 @@ class RowWiseAdagrad(UpdateRule):
     def needs_steps(self) -> bool:
         return False
 
-    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor) -> None:
+    def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
         if c.weight_decay:
             grad = grad.add(param, alpha=c.weight_decay)
         accumulator = state["sum"]
         accumulator.add_(grad.square().mean(dim=1, keepdim=True))
-        param.addcdiv_(grad, accumulator.sqrt().add_(c.resolved_eps), value=-c.lr)
+        param.addcdiv_(grad, accumulator.sqrt().add_(c.resolved_eps), value=-lr)
         step.add_(1)
 
 
@@ -208,9 +218,10 @@ def apply_rows(
     steps: Tensor | None,
     rows: Tensor,
     grads: Tensor,
+    lr: float,
 ) -> None:
-    """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) and the rows' state and step counts
-    (``steps`` is None for a rule whose math ignores them).
+    """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) at learning rate ``lr``, and the
+    rows' state and step counts (``steps`` is None for a rule whose math ignores them).
 
     Gathers the rows and their state, runs one fused step per step-count group, scatters back.
     Not thread-safe: the caller holds the table's lock.
@@ -234,7 +245,7 @@ def apply_rows(
     block_state = {slot: value.index_select(0, rows) for slot, value in state.items()}
     for start, end in bounds:
         group_state = {slot: value[start:end] for slot, value in block_state.items()}
-        rule.step(block[start:end], grads[start:end], group_state, row_steps[start].clone())
+        rule.step(block[start:end], grads[start:end], group_state, row_steps[start].clone(), lr)
     weight.index_copy_(0, rows, block)
     for slot, value in block_state.items():
         state[slot].index_copy_(0, rows, value)

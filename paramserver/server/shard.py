@@ -401,29 +401,48 @@ class ServerShard:
         row_grads: Mapping[str, RowBlock],
         clock: int = 0,
         pull: Pull | None = None,
+        step: int = 0,
     ) -> None:
         """Apply gradients decoded (:meth:`decode_request`) and validated (:meth:`validate`).
         Each parameter is updated under its own lock.
 
         ``pull``: the (trainer, call) whose answer the gradients were computed from (None for
         a sync round's sum, checked by :meth:`drop_grads_of_replaced_rows` first), so dynamic
-        tables apply them only to the rows that call read.
+        tables apply them only to the rows that call read. ``step``: the gradients' training
+        step, whose learning rate each group's schedule gives (a schedule that gives none
+        raises ConfigError before anything is changed).
         """
         start = time.perf_counter()
+        dense_lr, table_lrs = self.learning_rates(step, dense_grads, row_grads)
         rows = 0
         for name, grad in dense_grads.items():
             slot = self.dense[name]
             with slot.lock:
-                slot.rule.step(slot.value, already_decoded(grad), slot.state, slot.version)
+                slot.rule.step(
+                    slot.value, already_decoded(grad), slot.state, slot.version, dense_lr
+                )
         for name, block in row_grads.items():
             table = self.tables[name]
             with table.lock:
                 ids = already_unpacked(block.ids)
-                rows += table.apply(ids, already_decoded(block.values), clock, pull)
+                grads = already_decoded(block.values)
+                rows += table.apply(ids, grads, clock, pull, lr=table_lrs[name])
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
             self.stats.update_seconds += time.perf_counter() - start
+
+    def learning_rates(
+        self, step: int, dense_grads: Mapping[str, object], row_grads: Mapping[str, object]
+    ) -> tuple[float, dict[str, float]]:
+        """The lr of training step ``step`` for the dense parameters (group ``"dense"``: one
+        rule for all) and for each table of ``row_grads``; raises ConfigError naming the group
+        and the step where a schedule gives no valid factor."""
+        dense_lr = 0.0
+        if dense_grads:
+            dense_lr = self.dense[next(iter(dense_grads))].rule.lr_at(step, "dense")
+        table_lrs = {name: self.tables[name].rule.lr_at(step, name) for name in row_grads}
+        return dense_lr, table_lrs
 
     def drop_grads_of_replaced_rows(self, request: PushPullRequest) -> None:
         """Drop the row gradients of ``request`` whose rows dynamic tables removed since its

@@ -62,6 +62,7 @@ class TableShard(Protocol):
     spec: TableSpec
     lock: threading.Lock
     weight: Tensor  # the row storage: its dtype is the rows' (a dynamic table's has spare rows)
+    rule: UpdateRule  # the table's update rule, with its learning-rate schedule
 
     def check_ids(self, ids: Tensor) -> str | None:
         """What is wrong with ``ids`` for this table (None: nothing); changes nothing."""
@@ -83,11 +84,14 @@ class TableShard(Protocol):
         have that read's row (a bool mask; the others counted as dropped). None: keep all."""
         ...
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+    def apply(
+        self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
+    ) -> int:
         """One update of the rows of ``ids`` (sorted, unique) with ``grads`` (decoded,
         ``[len(ids), dim]``), computed from the read ``pull`` (None: from the rows' current
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
-        ``clock``; returns the rows updated."""
+        ``clock`` of the table's clock, at learning rate ``lr`` (the schedule's, for the
+        gradients' training step); returns the rows updated."""
         ...
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -153,11 +157,13 @@ class FixedTable:
         """Copies of the rows of ``ids``; a fixed table's rows are there for every reading."""
         return self.weight.index_select(0, self.plan.local_rows(ids))
 
-    def apply(self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None) -> int:
+    def apply(
+        self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
+    ) -> int:
         """Rows never move: every gradient applies to its row, whatever ``clock`` and
         ``pull``."""
         local = self.plan.local_rows(ids)
-        apply_rows(self.rule, self.weight, self.state, self.steps, local, grads)
+        apply_rows(self.rule, self.weight, self.state, self.steps, local, grads, lr)
         if self.versions is not None:
             self.versions[local] += 1
         return ids.numel()
