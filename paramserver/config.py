@@ -98,7 +98,10 @@ class ObserveSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """A server-side update rule and its hyper-parameters (torch.optim's names and defaults)."""
+    """A server-side update rule and its hyper-parameters (torch.optim's names and defaults),
+    with its learning-rate schedule: the built-in's keys (``lr_warmup_steps``, ``lr_decay``,
+    ``lr_decay_steps``, ``lr_decay_rate``, ``lr_min``, ``lr_min_ratio``, as TrainConfig's) or
+    ``lr_schedule``; a table's rule that sets none of them takes the job's schedule."""
 
     name: str = "adagrad"
     lr: float = 0.01
@@ -370,7 +373,8 @@ class TrainConfig:
             "the built-in schedule (--lr-warmup-steps, --lr-decay ...); checked at step 0 when "
             "the config is made, and at every step on the servers: a factor that is not a "
             "finite number >= 0 stops the job with a ConfigError naming the step and the "
-            "group, the update not applied",
+            "group, the update not applied. Servers call it from several threads at once: "
+            "keep it a pure function of the step",
             cli=False,
         ),
     )
