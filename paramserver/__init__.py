@@ -5,8 +5,10 @@ apply updates with torch.optim's math; trainers pull the rows their batch touche
 and backward, and push gradients back, one fused round trip per server per step.
 """
 
+from typing import Any
+
 from paramserver import metrics
-from paramserver.api import TrainResult, train
+from paramserver.api import TrainResult, run, train
 from paramserver.config import OptimizerConfig, TableCodecs, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import (
@@ -15,6 +17,7 @@ from paramserver.errors import (
     InvalidBatchError,
     InvalidPushError,
     JobFailedError,
+    LoopError,
     ModelError,
     ParamServerError,
     ServerLostError,
@@ -30,14 +33,26 @@ __all__ = [
     "InvalidBatchError",
     "InvalidPushError",
     "JobFailedError",
+    "LoopError",
     "ModelError",
     "OptimizerConfig",
     "ParamServerError",
     "ServerLostError",
     "TableCodecs",
     "TrainConfig",
+    "TrainContext",
     "TrainResult",
     "TrainerDepartedError",
     "metrics",
+    "run",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # TrainContext is the trainer's: loaded when asked for, so `import paramserver` stays light.
+    if name == "TrainContext":
+        from paramserver.trainer.context import TrainContext
+
+        return TrainContext
+    raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

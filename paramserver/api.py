@@ -1,4 +1,6 @@
-"""The Python API: ``paramserver.train(model_fn, data_fn, loss_fn, config)``."""
+"""The Python API: ``paramserver.run(model_fn, loop_fn, config)`` runs a training loop of the
+user's own on every trainer; ``paramserver.train(model_fn, data_fn, loss_fn, config)`` is
+``run`` with a default loop (:func:`paramserver.trainer.loop.default_loop`)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.utils.data import RandomSampler
@@ -19,17 +21,22 @@ from paramserver.modelplan import build_model
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.sharding import ShardPlan
-from paramserver.types import Batch, DataFn, LossFn, ModelFn, Progress
+from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress
+
+if TYPE_CHECKING:
+    from paramserver.launch.roles import ChiefResult
 
 
 @dataclass
 class TrainResult:
     """``model`` is a plain ``nn.Module`` (built by ``model_fn()``) holding the final parameters
     gathered from the servers (None with ``gather_model=False``); ``summary`` is the job summary
-    (the ``--summary-json`` object)."""
+    (the ``--summary-json`` object); ``value`` is what ``loop_fn`` returned on the chief trainer
+    (:func:`run`; None for :func:`train`)."""
 
     model: nn.Module | None
     summary: dict[str, Any]
+    value: Any = None
 
 
 def under_torchrun() -> bool:
@@ -71,8 +78,58 @@ def train(
     trainer); other torchrun ranks get ``None``.
     """
     config = config or TrainConfig()
+    if config.batch_size is not None:
+        raise ConfigError(
+            f"batch_size={config.batch_size}: train() takes the batches data_fn yields as they "
+            "are; batch_size sizes paramserver train's datasets only: leave it unset and make "
+            "the batches in data_fn"
+        )
+    from paramserver.trainer.loop import default_loop
+
+    loop_fn = default_loop(as_data_fn(data_fn), loss_fn, config.epochs)
+    return _start(model_fn, loop_fn, config, on_progress, evaluation)
+
+
+def run(
+    model_fn: ModelFn,
+    loop_fn: LoopFn,
+    config: TrainConfig | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+    evaluation: Evaluation | None = None,
+) -> TrainResult | None:
+    """Run ``loop_fn(ctx)`` on every trainer of a job on ``config.servers`` servers and
+    ``config.trainers`` trainers, as :func:`train` runs its own loop (same launchers, result,
+    progress and ``evaluation``; ``model_fn`` and ``loop_fn`` are shipped with cloudpickle).
+
+    ``ctx`` (:class:`paramserver.trainer.context.TrainContext`): ``ctx.model`` is the
+    trainer's replica of ``model_fn()``'s model (its tables on the servers); ``ctx.rank`` and
+    ``ctx.num_trainers`` say which share of the data is this trainer's; ``ctx.batches(iterable)``
+    yields batches with each step's rows fetched ahead; after ``loss.backward()``,
+    ``ctx.step(loss)`` pushes the gradients as the config says (mode, codecs, clipping,
+    ``accumulate``, checkpoints). A forward under ``torch.no_grad()`` reads and changes nothing
+    on the servers. ``result.value`` is what ``loop_fn`` returned on the chief trainer.
+    ``config.epochs`` must stay 1 (the loop makes its passes) and ``config.batch_size`` unset.
+    """
+    config = config or TrainConfig()
+    for name in ("batch_size", "epochs"):
+        if getattr(config, name) != TrainConfig.__dataclass_fields__[name].default:
+            raise ConfigError(
+                f"{name}={getattr(config, name)}: run() leaves batches and passes over the data "
+                f"to loop_fn; leave {name} unset"
+            )
+    if not callable(loop_fn):
+        raise TypeError(f"loop_fn must be a function of ctx, got {type(loop_fn).__name__}")
+    return _start(model_fn, loop_fn, config, on_progress, evaluation)
+
+
+def _start(
+    model_fn: ModelFn,
+    loop_fn: LoopFn,
+    config: TrainConfig,
+    on_progress: Callable[[Progress], None] | None,
+    evaluation: Evaluation | None,
+) -> TrainResult | None:
     _check_job(config, model_fn, evaluation)
-    data_fn = as_data_fn(data_fn)
     launcher = config.launcher
     if launcher == "auto":
         launcher = "torchrun" if under_torchrun() else "processes"
@@ -81,20 +138,14 @@ def train(
         display = ProgressDisplay(None, log_every_s=config.log_every)
         on_progress = display
     try:
-        return _launch(config, launcher, model_fn, data_fn, loss_fn, on_progress, evaluation)
+        return _launch(config, launcher, model_fn, loop_fn, on_progress, evaluation)
     finally:
         if display is not None:
             display.close()
 
 
 def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | None) -> None:
-    """What train() refuses before anything starts, each with a ConfigError saying why."""
-    if config.batch_size is not None:
-        raise ConfigError(
-            f"batch_size={config.batch_size}: train() takes the batches data_fn yields as they "
-            "are; batch_size sizes paramserver train's datasets only: leave it unset and make "
-            "the batches in data_fn"
-        )
+    """What a job refuses before anything starts, each with a ConfigError saying why."""
     if config.eval_every is not None and evaluation is None:
         raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
     if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
@@ -106,14 +157,13 @@ def _launch(
     config: TrainConfig,
     launcher: str,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> TrainResult | None:
     """Run the job with ``launcher`` (never "auto") and build its result."""
     started = time.perf_counter()
-    from paramserver.launch.roles import hold_checkpoint_dir
+    from paramserver.launch.roles import ChiefResult, hold_checkpoint_dir
 
     # One job per --checkpoint-dir: refused here, before any process starts, if another holds it.
     with hold_checkpoint_dir(config, launcher):
@@ -121,24 +171,24 @@ def _launch(
             from paramserver.launch.roles import summarize
             from paramserver.launch.threads import run_threads
 
-            chief, _ = run_threads(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+            chief, _ = run_threads(config, model_fn, loop_fn, on_progress, evaluation)
             assert chief.state is not None
             summary = summarize(chief, config, time.perf_counter() - started)
-            return _result(model_fn, config, chief.state, summary, evaluation)
-        if launcher == "torchrun":
+            result: ChiefResult | None = ChiefResult(chief.state, summary, chief.value)
+        elif launcher == "torchrun":
             from paramserver.launch.torchrun import run_torchrun_rank
 
-            outcome = run_torchrun_rank(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-            if outcome is None:
-                return None
-            state, summary = outcome
-            summary["wall_s"] = time.perf_counter() - started
-            return _result(model_fn, config, state, summary, evaluation)
-        from paramserver.launch.processes import run_processes
+            result = run_torchrun_rank(config, model_fn, loop_fn, on_progress, evaluation)
+            if result is not None:
+                result.summary["wall_s"] = time.perf_counter() - started
+        else:
+            from paramserver.launch.processes import run_processes
 
-        # Its wall_s is that of the run that finished (after a restart, the last attempt's).
-        state, summary = run_processes(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
-        return _result(model_fn, config, state, summary, evaluation)
+            # Its wall_s is that of the run that finished (after a restart, the last attempt's).
+            result = run_processes(config, model_fn, loop_fn, on_progress, evaluation)
+        if result is None:
+            return None
+        return _result(model_fn, config, result, evaluation)
 
 
 def check_model_fits(model_fn: ModelFn, config: TrainConfig) -> None:
@@ -234,19 +284,18 @@ def as_data_fn(data: DataFn | Iterable[Batch]) -> DataFn:
 def _result(
     model_fn: ModelFn,
     config: TrainConfig,
-    state: dict[str, Any],
-    summary: dict[str, Any],
+    result: ChiefResult,
     evaluation: Evaluation | None,
 ) -> TrainResult:
     model = None
     if config.gather_model:
         model = build_model(model_fn, config.seed, table_values=False).model
-        model.load_state_dict(state, assign=True)  # the tables' meta weights take the state's
+        model.load_state_dict(result.state, assign=True)  # the tables' meta weights take it
         if evaluation is not None:
-            _evaluate_final(model, evaluation, config, summary)
+            _evaluate_final(model, evaluation, config, result.summary)
     if config.run_dir is not None:
-        write_summary(config.run_dir, summary)
-    return TrainResult(model, summary)
+        write_summary(config.run_dir, result.summary)
+    return TrainResult(model, result.summary, result.value)
 
 
 def _evaluate_final(

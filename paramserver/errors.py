@@ -62,3 +62,8 @@ class InvalidBatchError(ParamServerError, IndexError):
 
 class CheckpointError(ParamServerError):
     """A checkpoint is missing, incomplete or corrupt; the message names it and what is wrong."""
+
+
+class LoopError(ParamServerError, RuntimeError):
+    """A training loop used its context wrongly (``ctx.step()`` without a backward, twice for
+    one batch, from another thread...); the message says what to change."""

@@ -9,6 +9,8 @@ back while it runs. Every layer speaks these, so they belong to none of the role
   counts the bytes of input it has read in an ``input_bytes`` attribute (an int, as
   :class:`paramserver.data.criteo.CriteoBatches` does) has them reported in the job summary.
 - ``loss_fn(outputs, target) -> Tensor`` (:data:`LossFn`) gives the scalar loss.
+- ``loop_fn(ctx)`` (:data:`LoopFn`) is a training loop of the user's own
+  (:func:`paramserver.run`).
 - :class:`Progress` is what a trainer reports as it goes (``on_progress`` callbacks).
 """
 
@@ -25,6 +27,9 @@ Batch = tuple[Inputs, Tensor]
 ModelFn = Callable[[], nn.Module]
 DataFn = Callable[[int, int], Iterable[Batch]]
 LossFn = Callable[[Any, Tensor], Tensor]
+LoopFn = Callable[[Any], Any]
+"""``loop_fn(ctx)``: a trainer's training loop (``ctx`` a
+:class:`paramserver.trainer.context.TrainContext`); the chief's return value is the result's."""
 
 
 @dataclass

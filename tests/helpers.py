@@ -14,9 +14,12 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
 from paramserver.launch.roles import build_server
+from paramserver.launch.threads import run_threads
 from paramserver.server.dynamic import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions
+from paramserver.trainer.loop import TrainerOutcome, default_loop
+from paramserver.transport.local import LocalTransport
 from tests.fakes import FaultyTransport
 
 NUM_ROWS_A = 40
@@ -89,6 +92,16 @@ def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-unty
 MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_server's arguments
 # The faulty_jobs fixture: called with a rig that sets rules on each job's FaultyTransport.
 FaultyJobs = Callable[[Callable[[FaultyTransport], object]], list[FaultyTransport]]
+
+
+def threads_job(
+    config: ps.TrainConfig,
+    model_fn: Callable[[], nn.Module],
+    data_fn: Callable[[int, int], Iterator[tuple[object, Tensor]]],
+    loss_fn: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[TrainerOutcome, LocalTransport]:
+    """``train()``'s loop under the threads launcher: the chief's outcome and the servers."""
+    return run_threads(config, model_fn, default_loop(data_fn, loss_fn, config.epochs))
 
 
 def new_server(
@@ -166,3 +179,71 @@ def wait_for_checkpoint(root: Path, step: int, timeout: float = 30.0) -> None:
                 f"checkpoint {step} not committed in {timeout} s (newest: {newest})"
             )
         time.sleep(0.01)
+
+
+class TwoTaskModel(nn.Module):
+    """Click and conversion heads over one shared bottom: a multi-task recommendation model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(NUM_ROWS_A, 4)
+        self.items = nn.EmbeddingBag(NUM_ROWS_B, 4, mode="mean")
+        self.bottom = nn.Sequential(nn.Linear(8 + 3, 8), nn.ReLU())
+        self.click = nn.Linear(8, 1)
+        self.conversion = nn.Linear(8, 1)
+
+    def forward(self, user: Tensor, items: Tensor, dense: Tensor) -> tuple[Tensor, Tensor]:
+        hidden = self.bottom(torch.cat([self.user(user), self.items(items), dense], dim=1))
+        return self.click(hidden).squeeze(1), self.conversion(hidden).squeeze(1)
+
+
+def two_task_batches(
+    trainer: int, num_batches: int = 20, batch: int = 6
+) -> Iterator[dict[str, Tensor]]:
+    """Batches as dicts: ids, dense features, a click and a conversion label."""
+    g = torch.Generator().manual_seed(7000 + trainer)
+    for _ in range(num_batches):
+        yield {
+            "user": torch.randint(0, NUM_ROWS_A, (batch,), generator=g),
+            "items": torch.randint(0, NUM_ROWS_B, (batch, 3), generator=g),
+            "dense": torch.randn(batch, 3, generator=g),
+            "click": torch.randint(0, 2, (batch,), generator=g).float(),
+            "conversion": torch.randint(0, 2, (batch,), generator=g).float(),
+        }
+
+
+AUX_L2 = 0.01
+
+
+def two_task_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    """Both heads' losses and an L2 term on the user rows the batch looks up."""
+    click, conversion = model(batch["user"], batch["items"], batch["dense"])
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    aux = AUX_L2 * model.user(batch["user"]).pow(2).mean()
+    return bce(click, batch["click"]) + 0.5 * bce(conversion, batch["conversion"]) + aux
+
+
+def two_task_loop(ctx: ps.TrainContext) -> dict[str, float]:
+    """A user's loop: dict batches, two heads, an auxiliary term; returns its last loss."""
+    loss = torch.tensor(0.0)
+    inputs = lambda b: (b["user"], b["items"], b["dense"])  # noqa: E731
+    for batch in ctx.batches(two_task_batches(ctx.rank), inputs):
+        loss = two_task_loss(ctx.model, batch)
+        loss.backward()
+        ctx.step(loss)
+    return {"rank": ctx.rank, "last_loss": float(loss.detach())}
+
+
+def two_task_job(launcher: str) -> dict[str, object]:
+    """The two-task loop in sync mode on 2 servers and 2 trainers under ``launcher``: the
+    chief's final state, loop value and steps (None on other torchrun ranks)."""
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", optimizer="adam", lr=0.02, launcher=launcher,
+        progress=False,
+    )  # fmt: skip
+    result = ps.run(TwoTaskModel, two_task_loop, config)
+    if result is None:
+        return {}
+    assert result.model is not None
+    steps = result.summary["trainer_steps"]
+    return {"state": result.model.state_dict(), "value": result.value, "steps": steps}

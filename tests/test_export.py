@@ -20,12 +20,11 @@ from paramserver.checkpoint import export as export_module
 from paramserver.checkpoint.store import load_latest, write_part
 from paramserver.cli import main
 from paramserver.errors import CheckpointError, ConfigError
-from paramserver.launch.threads import run_threads
 from paramserver.modelplan import plan_of
 from paramserver.server.snapshot import snapshot_shard
 from paramserver.sharding import ShardPlan
 from paramserver.trainer.loop import trainer_model
-from tests.helpers import TinyRecModel, hashed_batches, mse
+from tests.helpers import TinyRecModel, hashed_batches, mse, threads_job
 from tests.procs import REPO
 
 # --- gather_model on a model too large to gather ---------------------------------------------
@@ -136,7 +135,7 @@ def test_export_writes_the_checkpoints_values_in_windows(
     config = ps.TrainConfig(
         servers=3, trainers=2, optimizer="adam", lr=0.01, launcher="threads", progress=False
     )
-    _, transport = run_threads(config, MixedModel, lambda t, n: hashed_batches(t), mse)
+    _, transport = threads_job(config, MixedModel, lambda t, n: hashed_batches(t), mse)
     saved = [snapshot_shard(endpoint.shard) for endpoint in transport.endpoints]
     found = committed(tmp_path / "ckpt", saved)
     out = tmp_path / "model.pt"

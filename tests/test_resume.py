@@ -18,9 +18,15 @@ from paramserver.checkpoint import Checkpoint, load_latest
 from paramserver.cli import main
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import build_server
-from paramserver.launch.threads import run_threads
 from paramserver.trainer.client import gather_state
-from tests.helpers import NUM_ROWS_A, TinyRecModel, mse, tiny_batches, wait_for_checkpoint
+from tests.helpers import (
+    NUM_ROWS_A,
+    TinyRecModel,
+    mse,
+    threads_job,
+    tiny_batches,
+    wait_for_checkpoint,
+)
 
 STEPS = 12
 COUNTERS = ("rows", "admitted", "evicted", "lookups", "pending_ids", "dropped_grads")
@@ -94,7 +100,7 @@ def final_state_and_counters(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict[str, int]]]:
     """Every parameter with its optimizer state, and each dynamic table's counters summed
     over the servers."""
-    _, transport = run_threads(job, model, data, mse)
+    _, transport = threads_job(job, model, data, mse)
     state = gather_state(transport, transport.endpoints[0].shard.plan, with_optimizer=True)
     counters: dict[str, dict[str, int]] = {}
     for endpoint in transport.endpoints:
@@ -117,7 +123,7 @@ def test_sync_resume_is_exact(tmp_path: Path, saved_at: int, kind: str) -> None:
     straight, straight_counters = final_state_and_counters(straight_job, data, model)
     job = config(tmp_path, checkpoint_every=saved_at, **options)
     with pytest.raises(JobFailedError, match="crash"):
-        run_threads(job, model, crashing_after(saved_at, tmp_path / "ckpt", batches), mse)
+        threads_job(job, model, crashing_after(saved_at, tmp_path / "ckpt", batches), mse)
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and found.step == saved_at
     manifest = (found.directory / "manifest.json").read_bytes()
@@ -185,7 +191,7 @@ def test_a_trainer_that_left_before_the_checkpoint_stays_finished_on_resume(
     straight = final_state(config(tmp_path / "a"), uneven)
     job = config(tmp_path, checkpoint_every=6)
     with pytest.raises(JobFailedError, match="crash"):
-        run_threads(job, TinyRecModel, crashing, mse)
+        threads_job(job, TinyRecModel, crashing, mse)
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and "trainer-1" not in found.part_names
     resumed = final_state(job.replace(resume=True), uneven)
@@ -199,7 +205,7 @@ def test_a_checkpoint_resumes_on_another_server_count(tmp_path: Path) -> None:
     straight = final_state(config(tmp_path / "a"), data)
     job = config(tmp_path, checkpoint_every=4)
     with pytest.raises(JobFailedError):
-        run_threads(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
+        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
     resumed = final_state(job.replace(resume=True, servers=3), data)
     for name, entry in straight.items():
         assert torch.allclose(entry["value"], resumed[name]["value"], atol=1e-6), name
@@ -209,7 +215,7 @@ def test_export_writes_a_plain_state_dict_and_check_verifies(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     job = config(tmp_path, checkpoint_every=3, checkpoint_keep=2)
-    run_threads(job, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=STEPS), mse)
+    threads_job(job, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=STEPS), mse)
     root = tmp_path / "ckpt"
     out = tmp_path / "model.pt"
     assert main(["export", str(root), str(out)]) == 0
@@ -237,7 +243,7 @@ def test_a_server_reads_only_its_own_part_when_the_server_count_is_the_same(
 ) -> None:
     job = config(tmp_path, checkpoint_every=4)
     with pytest.raises(JobFailedError):
-        run_threads(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
+        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
     read: list[str] = []
     original = Checkpoint.read_part
 

@@ -14,13 +14,13 @@ from torch import nn
 import paramserver as ps
 from paramserver.checkpoint import CheckpointError
 from paramserver.launch.roles import build_server
-from paramserver.launch.threads import run_threads
 from paramserver.server.snapshot import restore_shard, snapshot_shard
 from tests.helpers import (
     NUM_IDS,
     TinyRecModel,
     hashed_batches,
     mse,
+    threads_job,
     tiny_batches,
     wait_for_checkpoint,
 )
@@ -124,7 +124,7 @@ class CappedModel(nn.Module):
 def test_restoring_onto_fewer_servers_than_a_capacity_allows_is_refused() -> None:
     assert NUM_IDS > 3 * 12
     job = ps.TrainConfig(servers=3, trainers=2, launcher="threads", progress=False)
-    _, transport = run_threads(job, CappedModel, lambda t, n: hashed_batches(t), mse)
+    _, transport = threads_job(job, CappedModel, lambda t, n: hashed_batches(t), mse)
     saved = [snapshot_shard(e.shard) for e in transport.endpoints]
     rows = [e.shard.tables["emb.weight"].ids.num_rows for e in transport.endpoints]
     assert all(10 <= r <= 12 for r in rows), rows  # each server at its capacity

@@ -9,11 +9,10 @@ from torch import nn
 import paramserver as ps
 from paramserver.checkpoint import gather_saved
 from paramserver.launch.roles import build_server
-from paramserver.launch.threads import run_threads
 from paramserver.server.snapshot import restore_shard, snapshot_shard
 from paramserver.trainer.client import gather_state
 from paramserver.transport.local import LocalTransport
-from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
+from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, threads_job, tiny_batches
 
 
 def trained(model_fn: type[nn.Module], data, servers: int, **options: object):  # type: ignore[no-untyped-def]
@@ -21,7 +20,7 @@ def trained(model_fn: type[nn.Module], data, servers: int, **options: object):  
         servers=servers, trainers=2, optimizer="adam", lr=0.01, launcher="threads",
         progress=False, **options,
     )  # type: ignore[arg-type]  # fmt: skip
-    _, transport = run_threads(config, model_fn, data, mse)
+    _, transport = threads_job(config, model_fn, data, mse)
     return config, transport
 
 

@@ -18,7 +18,7 @@ from paramserver.metrics import evaluate_binary
 from paramserver.modelplan import initial_model
 from paramserver.models.dlrm import DLRM
 from paramserver.protocol import payload_nbytes
-from paramserver.trainer.loop import run_trainer, trainer_model
+from paramserver.trainer.loop import default_loop, run_trainer, trainer_model
 from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
@@ -106,9 +106,8 @@ def test_pulls_only_the_rows_a_step_touches() -> None:
     servers, steps = 2, 6
     config = ps.TrainConfig(servers=servers, trainers=1, launcher="threads", progress=False)
     transport = RecordingTransport([build_server(s, config, TinyRecModel) for s in range(servers)])
-    run_trainer(
-        0, config, TinyRecModel, lambda t, n: tiny_batches(t, num_batches=steps), mse, transport
-    )
+    loop = default_loop(lambda t, n: tiny_batches(t, num_batches=steps), mse, epochs=1)
+    run_trainer(0, config, TinyRecModel, loop, transport)
     model = TinyRecModel()
     dense_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "mlp" in n)
     row_bytes = 4 * 4

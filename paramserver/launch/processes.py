@@ -33,17 +33,16 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import cloudpickle
 import torch
-from torch import Tensor
 
 from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
+from paramserver.launch.roles import ChiefResult
 from paramserver.metrics import Evaluation
-from paramserver.types import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import LoopFn, ModelFn, Progress
 
 GRACE_S = 3.0
 
@@ -53,18 +52,17 @@ log = logging.getLogger(__name__)
 def run_processes(
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
+) -> ChiefResult:
     """Run the job; on a failure, restart the whole group up to ``--max-restarts`` times,
     resuming from the newest checkpoint (from the start if there is none yet)."""
     failures: list[str] = []
     while True:
         started = time.perf_counter()
         try:
-            state, summary = _run_group(config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+            result = _run_group(config, model_fn, loop_fn, on_progress, evaluation)
         except JobFailedError as error:
             if len(failures) >= config.max_restarts:
                 raise
@@ -81,19 +79,19 @@ def run_processes(
             )
             config = config.replace(resume=resumable)
             continue
-        summary["restarts"] = failures
-        summary["wall_s"] = time.perf_counter() - started  # this run's, as its other figures
-        return state, summary
+        result.summary["restarts"] = failures
+        # This run's, as its other figures.
+        result.summary["wall_s"] = time.perf_counter() - started
+        return result
 
 
 def _run_group(
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
-) -> tuple[dict[str, Tensor], dict[str, Any]]:
+) -> ChiefResult:
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
     spec.write_bytes(
@@ -101,8 +99,7 @@ def _run_group(
             {
                 "config": config,
                 "model_fn": model_fn,
-                "data_fn": data_fn,
-                "loss_fn": loss_fn,
+                "loop_fn": loop_fn,
                 # Pickled apart: only the chief trainer loads it (held-out data can be large).
                 "evaluation": cloudpickle.dumps(evaluation),
             }
@@ -112,9 +109,11 @@ def _run_group(
     try:
         group.start(spec)
         group.supervise(on_progress)
-        state = torch.load(run_dir / "state.pt", weights_only=True)
-        summary = json.loads((run_dir / "summary.json").read_text())
-        return state, summary
+        return ChiefResult(
+            torch.load(run_dir / "state.pt", weights_only=True),
+            json.loads((run_dir / "summary.json").read_text()),
+            cloudpickle.loads((run_dir / "value.pkl").read_bytes()),
+        )
     finally:
         group.stop()
         shutil.rmtree(run_dir, ignore_errors=True)

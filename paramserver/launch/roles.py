@@ -9,6 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,11 +27,21 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
 from paramserver.server.snapshot import model_signature, restore_shard
 from paramserver.trainer.loop import TrainerOutcome, run_trainer
-from paramserver.types import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import LoopFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
 
 LEAVE_ALONE_DELAY_S = 0.5
+
+
+@dataclass
+class ChiefResult:
+    """What a job gives back on the chief trainer: the final parameters (empty without
+    ``gather_model``), the summary, and what ``loop_fn`` returned."""
+
+    state: dict[str, Tensor]
+    summary: dict[str, Any]
+    value: Any = None
 
 
 def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
@@ -150,7 +161,18 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         "calls": _call_summaries(reports),
         "consistency": merge_checks([r.consistency for r in reports if r.consistency]),
         "eval_history": chief.evals,
+        "lr": _learning_rates(chief.report, config, server_stats),
     }
+
+
+def _learning_rates(
+    chief: TrainerReport, config: TrainConfig, server_stats: list[dict[str, Any]]
+) -> dict[str, float]:
+    """Each group's learning rate (``dense``, each table) at the chief's last training step:
+    the rate that step's gradients were applied at (step 0's if it made none)."""
+    last = max(chief.resumed_steps + chief.steps - 1, 0)
+    tables = sorted({name for stats in server_stats for name in stats["tables"]})
+    return config.learning_rates.at(last, tables)
 
 
 # What a server reports about the whole job rather than about itself: summed or merged over the
@@ -293,17 +315,16 @@ def run_rank(
     rank: int,
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     *,
     init_method: str,
     loopback_only: bool,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
-) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+) -> ChiefResult | None:
     """Play rank ``rank``'s role in an RPC job: ranks ``0..S-1`` serve, the rest train.
 
-    Returns the final state and the summary on the chief trainer, ``None`` elsewhere. Returns
+    Returns the chief's result on the chief trainer, ``None`` elsewhere. Returns
     only once every rank is done (the RPC world shuts down together).
     """
     from paramserver.transport import rpc as rpc_transport
@@ -330,10 +351,11 @@ def run_rank(
     if endpoint is not None:
         _serve(name, endpoint)
         return None
-    outcome = _train(rank, name, config, model_fn, data_fn, loss_fn, on_progress, evaluation)
+    outcome = _train(rank, name, config, model_fn, loop_fn, on_progress, evaluation)
     if outcome is None or outcome.state is None:
         return None
-    return outcome.state, summarize(outcome, config, time.perf_counter() - started)
+    summary = summarize(outcome, config, time.perf_counter() - started)
+    return ChiefResult(outcome.state, summary, outcome.value)
 
 
 def _serve(name: str, endpoint: ServerEndpoint) -> None:
@@ -362,8 +384,7 @@ def _train(
     name: str,
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> TrainerOutcome | None:
@@ -378,8 +399,7 @@ def _train(
             rank - config.servers,
             config,
             model_fn,
-            data_fn,
-            loss_fn,
+            loop_fn,
             transport,
             on_progress,
             evaluation,

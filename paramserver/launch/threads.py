@@ -18,7 +18,7 @@ from paramserver.metrics import Evaluation
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.loop import TrainerOutcome, run_trainer
 from paramserver.transport.local import LocalTransport
-from paramserver.types import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import LoopFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ CHIEF_POLL_S = 0.2
 def run_threads(
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
 ) -> tuple[TrainerOutcome, LocalTransport]:
@@ -40,7 +39,7 @@ def run_threads(
     try:
         for server in range(config.servers):
             endpoints.append(build_server(server, config, model_fn))
-        return _run_trainers(config, endpoints, model_fn, data_fn, loss_fn, on_progress, evaluation)
+        return _run_trainers(config, endpoints, model_fn, loop_fn, on_progress, evaluation)
     finally:
         for endpoint in endpoints:
             endpoint.coordinator.close()
@@ -50,8 +49,7 @@ def _run_trainers(
     config: TrainConfig,
     endpoints: list[ServerEndpoint],
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
 ) -> tuple[TrainerOutcome, LocalTransport]:
@@ -62,7 +60,7 @@ def _run_trainers(
     def trainer_main(rank: int) -> None:
         try:
             outcomes[rank] = run_trainer(
-                rank, config, model_fn, data_fn, loss_fn, transport, on_progress, evaluation
+                rank, config, model_fn, loop_fn, transport, on_progress, evaluation
             )
         except TrainerDepartedError as error:
             if rank == 0:  # the chief: the job cannot end well without it

@@ -8,26 +8,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
-
-from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError
-from paramserver.launch.roles import run_rank
+from paramserver.launch.roles import ChiefResult, run_rank
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import Evaluation
-from paramserver.types import DataFn, LossFn, ModelFn, Progress
+from paramserver.types import LoopFn, ModelFn, Progress
 
 
 def run_torchrun_rank(
     config: TrainConfig,
     model_fn: ModelFn,
-    data_fn: DataFn,
-    loss_fn: LossFn,
+    loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
-) -> tuple[dict[str, Tensor], dict[str, Any]] | None:
+) -> ChiefResult | None:
     # Die with torchrun's agent: a killed agent must leave no rank behind.
     die_with_parent(os.getppid())
     rank = int(os.environ["RANK"])
@@ -41,8 +37,7 @@ def run_torchrun_rank(
         rank,
         config,
         model_fn,
-        data_fn,
-        loss_fn,
+        loop_fn,
         init_method="env://",
         loopback_only=False,
         on_progress=on_progress,

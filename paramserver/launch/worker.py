@@ -83,8 +83,7 @@ def main(argv: list[str]) -> int:
             rank,
             config,
             spec["model_fn"],
-            spec["data_fn"],
-            spec["loss_fn"],
+            spec["loop_fn"],
             init_method=f"file://{spec_path.parent / 'rendezvous'}",
             loopback_only=True,
             on_progress=progress,
@@ -105,9 +104,9 @@ def main(argv: list[str]) -> int:
         (spec_path.parent / f"{role}.error").write_text(f"{type(error).__name__}: {error}")
         raise
     if result is not None:
-        state, summary = result
-        torch.save(state, spec_path.parent / "state.pt")
-        (spec_path.parent / "summary.json").write_text(json.dumps(summary))
+        torch.save(result.state, spec_path.parent / "state.pt")
+        (spec_path.parent / "summary.json").write_text(json.dumps(result.summary))
+        (spec_path.parent / "value.pkl").write_bytes(cloudpickle.dumps(result.value))
     return 0
 
 

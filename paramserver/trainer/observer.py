@@ -1,9 +1,10 @@
 """What a trainer observes while it trains, beside the training itself.
 
-- every ``metrics_every`` steps, a record of its loss, samples/s and bytes per step each way
-  (in ``--run-dir``); the chief also records each server's load (pushes, rows, share of time
-  spent updating and reading, mean staleness of the gradients it applied) from the servers'
-  cumulative counters;
+- every ``metrics_every`` steps, a record of its loss, samples/s, bytes per step each way and
+  each group's learning rate (``lr/dense``, ``lr/TABLE``: the rate its last step's gradients
+  are applied at, from the config's schedules) in ``--run-dir``; the chief also records each
+  server's load (pushes, rows, share of time spent updating and reading, mean staleness of the
+  gradients it applied) from the servers' cumulative counters;
 - every ``consistency_every`` steps, a check of its dense replica against the servers (see
   :mod:`paramserver.observe.consistency`);
 - on the chief, every ``eval_every`` steps, the held-out metrics of the model as its replica
@@ -33,7 +34,7 @@ from paramserver.metrics import Evaluation
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
 from paramserver.trainer.client import PSClient, Pulled
-from paramserver.trainer.replica import Inputs, Replica
+from paramserver.trainer.replica import Call, Inputs, Replica
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +144,18 @@ class Observer:
                 "steps_per_s": (steps - mark["steps"]) / seconds,
                 "push_bytes_per_step": (self._mark["sent"] - mark["sent"]) / done,
                 "pull_bytes_per_step": (self._mark["received"] - mark["received"]) / done,
+                **self._learning_rates(steps),
             },
         )
         self._losses.clear()
         if self.server_logs:
             self._record_servers(steps)
+
+    def _learning_rates(self, steps: int) -> dict[str, float]:
+        """``lr/GROUP``: the rate of each group at the last step done (``steps - 1``, the
+        step the schedule gives its gradients; see :mod:`paramserver.schedule`)."""
+        rates = self.settings.learning_rates.at(max(steps - 1, 0), self.client.plan.tables)
+        return {f"lr/{group}": lr for group, lr in rates.items()}
 
     def _record_servers(self, steps: int) -> None:
         transport = self.client.transport
@@ -202,8 +210,7 @@ class Observer:
         replica, client = self.replica, self.client
 
         def forward(inputs: Inputs) -> Tensor:
-            replica.load({}, client.pull(replica.record_ids([inputs])))
-            return replica.forward_fetching(inputs, client.pull)
+            return replica.look(Call.of(inputs), client.pull)
 
         with client.transport.profiled_as("eval"):  # not the training's traffic
             metrics = self.evaluation.score(replica.model, forward)

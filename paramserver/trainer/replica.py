@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,24 @@ from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import Embedding, find_embeddings
 from paramserver.protocol import BagBlock
 from paramserver.types import Inputs, as_tuple
+
+
+@dataclass(frozen=True)
+class Call:
+    """The arguments of one call of the model."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, inputs: Any) -> Call:
+        """A batch's inputs as a call: a tuple or list is the positional arguments, anything
+        else the one argument."""
+        return cls(as_tuple(inputs))
+
+
+Fetch = Callable[[dict[str, Tensor]], dict[str, tuple[Tensor, Tensor]]]
+"""Reads rows: per table, sorted unique ids -> ``(ids, rows)``."""
 
 
 class MissingRows(Exception):
@@ -249,6 +269,23 @@ class Replica:
         self.dense = dict(model.named_parameters())
         self._modules = list(model.modules())
         self._lookups_per_forward: dict[str, int] | None = None
+        self._forward = model.forward  # the model's own, whatever route_forward installs
+        self._recording_pass = False
+
+    def route_forward(self, forward: Callable[[Call], Any]) -> None:
+        """Have calls of the model (``model(...)``, after its hooks) go to ``forward``, except
+        this replica's own record passes and forwards."""
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            if self._recording_pass:
+                return self._forward(*args, **kwargs)
+            return forward(Call(args, kwargs))
+
+        self.model.forward = routed
+
+    def remove_forward(self) -> None:
+        """Undo :meth:`route_forward`."""
+        self.model.__dict__.pop("forward", None)
 
     @torch.no_grad()
     def load_buffers(self, buffers: dict[str, Tensor]) -> None:
@@ -262,20 +299,20 @@ class Replica:
 
     def record_ids(self, batches: Sequence[Inputs]) -> dict[str, Tensor]:
         """The sorted unique ids each table (not pooled on the servers) will look up."""
-        return self.record(batches)[0]
+        return self.record([Call.of(inputs) for inputs in batches])[0]
 
-    def record(self, batches: Sequence[Inputs]) -> tuple[dict[str, Tensor], dict[str, BagBlock]]:
-        """What ``batches`` will look up: the sorted unique ids of each row-pulled table, and
-        the bags of each server-pooled table (these allow one batch per step)."""
+    def record(self, calls: Sequence[Call]) -> tuple[dict[str, Tensor], dict[str, BagBlock]]:
+        """What ``calls`` of the model will look up: the sorted unique ids of each row-pulled
+        table, and the bags of each server-pooled table (these allow one call per step)."""
         recorded: dict[str, list[Tensor]] = {}
         bags: dict[str, BagBlock] = {}
-        for inputs in batches:
+        for call in calls:
             recorder = _Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
-                self.model(*as_tuple(inputs))
+                self.model(*call.args, **call.kwargs)
             if self._lookups_per_forward is None:
                 self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
-            if recorder.bags and len(batches) > 1:
+            if recorder.bags and len(calls) > 1:
                 raise ModelError("server-pooled tables take one batch per step (accumulate 1)")
             bags.update(recorder.bags)
             for table, ids in recorder.ids.items():
@@ -296,9 +333,11 @@ class Replica:
             module.__dict__["training"] = False
         for remote in self.tables.values():
             remote.recorder = recorder
+        self._recording_pass = True
         try:
             yield
         finally:
+            self._recording_pass = False
             for remote in self.tables.values():
                 remote.recorder = None
             for module, mode in zip(self._modules, modes, strict=True):
@@ -328,6 +367,9 @@ class Replica:
                 self.dense[name].copy_(value)
         for param in self.dense.values():
             param.grad = None
+        self._load_rows(rows)
+
+    def _load_rows(self, rows: dict[str, tuple[Tensor, Tensor]]) -> None:
         for name, remote in self.tables.items():
             ids, values = rows.get(
                 name, (torch.empty(0, dtype=torch.int64), torch.empty(0, remote.embedding_dim))
@@ -352,18 +394,35 @@ class Replica:
     def forward(self, inputs: Inputs) -> Tensor:
         return self.model(*as_tuple(inputs))
 
-    def forward_fetching(
-        self, inputs: Inputs, fetch: Callable[[dict[str, Tensor]], dict[str, tuple[Tensor, Tensor]]]
-    ) -> Tensor:
-        """:meth:`forward`, reading with ``fetch`` (ids -> ``(ids, rows)`` per table) the rows
-        a lookup misses (the record pass missed it: the model's lookups vary), then again."""
+    def forward_fetching(self, call: Call, fetch: Fetch) -> Any:
+        """The model's own forward on ``call``, reading with ``fetch`` (ids -> ``(ids, rows)``
+        per table) the rows a lookup misses (the record pass missed it: the model's lookups
+        vary), then again."""
         while True:
             try:
-                return self.forward(inputs)
+                return self._forward(*call.args, **call.kwargs)
             except MissingRows as missing:
                 ids = missing.ids
                 self.tables[missing.table].check_range(ids)
                 self.add_rows(missing.table, *fetch({missing.table: ids})[missing.table])
+
+    def look(self, call: Call, fetch: Fetch) -> Any:
+        """The model's own forward on ``call`` as a read outside the step: the rows it looks
+        up are read with ``fetch`` (every table as rows, pooled on the servers or not), and
+        the step's rows, pooled sums and their gradients are left as they were."""
+        saved = [
+            (r, r.ids, r.rows, r.pooled, r.pooled_bags, r.server_pooled)
+            for r in self.tables.values()
+        ]
+        try:
+            for remote in self.tables.values():
+                remote.server_pooled = False
+            self._load_rows(fetch(self.record([call])[0]))
+            return self.forward_fetching(call, fetch)
+        finally:
+            for remote, ids, rows, pooled, bags, server_pooled in saved:
+                remote.ids, remote.rows, remote.pooled = ids, rows, pooled
+                remote.pooled_bags, remote.server_pooled = bags, server_pooled
 
     def gradients(self) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, Tensor]]]:
         """Dense gradients (parameters without a gradient are left out) and, per table, the
@@ -382,6 +441,19 @@ class Replica:
             for name, remote in self.tables.items()
             if remote.server_pooled and remote.pooled.grad is not None
         }
+
+    def has_gradients(self) -> bool:
+        """Whether a backward has left a gradient on any parameter, row or pooled sum."""
+        return bool(self.grad_tensors()) or bool(self.pooled_gradients())
+
+    def unknown_parameters_with_grad(self) -> list[str]:
+        """Parameters of the model with a gradient that are not the ones it was built with
+        (added or replaced since): the servers do not know them."""
+        return [
+            name
+            for name, param in self.model.named_parameters()
+            if param.grad is not None and self.dense.get(name) is not param
+        ]
 
     def grad_tensors(self) -> list[Tensor]:
         """Every tensor holding a gradient of this step (for clipping by global norm)."""

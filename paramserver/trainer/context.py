@@ -1,0 +1,429 @@
+"""The training loop's context: what ``loop_fn(ctx)`` gets on every trainer.
+
+A *step* is the work between two ``ctx.step()`` calls that push (``accumulate`` batches). Its
+values come from one fused call per server, which also pushes the previous step's gradients:
+
+- **begun ahead** when the loop draws its batches through ``ctx.batches(...)``: the batches of
+  the next step are drawn and recorded (the model's forward in record mode: which ids each
+  table looks up) while this one computes; where the mode allows (async, SSP with a bound of
+  at least 1) the call that pulls them is under way during this step's compute (prefetch),
+  otherwise it leaves at ``ctx.step()``;
+- **begun on demand** otherwise: the step's first training forward records the ids of its own
+  arguments and makes the call before it computes.
+
+Either way a lookup the record missed is read then and the forward runs again, so the values
+are always right. A forward under ``torch.no_grad()`` (evaluation, inference) is a *look*: it
+reads the rows it needs outside the step (no effect on the servers) and leaves the step's rows
+and gradients as they were.
+
+``ctx.step()`` takes the step's gradients (clipped by ``clip_grad_norm``), counts the step and
+sends them with the next call: at once without prefetch when the next step is known, with the
+next step's call otherwise, or with the trainer's last call when the loop returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paramserver.config import TrainConfig
+from paramserver.errors import LoopError, ParamServerError
+from paramserver.protocol import BagBlock, TrainerReport
+from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
+from paramserver.trainer.client import InFlight, PSClient, Pulled
+from paramserver.trainer.heartbeat import Activity
+from paramserver.trainer.observer import Observer
+from paramserver.trainer.replica import Call, Replica
+from paramserver.types import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    """One step's batches and what they look up (``ids`` None: not recorded ahead)."""
+
+    batches: list[Any]
+    ids: dict[str, Tensor] | None = None
+    bags: dict[str, BagBlock] = field(default_factory=dict)
+
+
+@dataclass
+class Gradients:
+    """A step's gradients, waiting to ride on the next call."""
+
+    dense: dict[str, Tensor] = field(default_factory=dict)
+    rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
+    pull_call: int = -1  # the call whose answer they were computed from
+
+    @classmethod
+    def of(cls, replica: Replica, pull_call: int) -> Gradients:
+        dense, rows = replica.gradients()
+        pooled = {name: (pull_call, g) for name, g in replica.pooled_gradients().items()}
+        return cls(dense, rows, pooled, pull_call)
+
+    def push(
+        self,
+        client: PSClient,
+        following: Step | None,
+        final: bool = False,
+        report: TrainerReport | None = None,
+    ) -> InFlight:
+        """Send these gradients, pulling what ``following`` needs; they are then spent."""
+        in_flight = client.push_pull(
+            self.dense,
+            self.rows,
+            following.ids or {} if following else {},
+            pool_bags=following.bags if following else {},
+            pooled_grads=self.pooled,
+            pull_dense=following is not None,
+            final=final,
+            report=report,
+            grads_call=self.pull_call,
+        )
+        self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
+        return in_flight
+
+
+@dataclass
+class Resumed:
+    """Where a trainer starts: the checkpoint's step, the call number it was saved at (-1:
+    none, a fresh start), the training steps and samples the trainer had done by then, its
+    RNG states to restore once its data is replayed, and whether it had left the job."""
+
+    at: int = -1
+    steps: int = 0
+    samples: int = 0
+    rng: tuple[dict[str, Tensor], dict[str, Any]] | None = None
+    left: bool = False
+
+
+@dataclass
+class Engine:
+    """The pieces of a trainer the context drives."""
+
+    trainer: int
+    config: TrainConfig
+    replica: Replica
+    client: PSClient
+    checkpoints: TrainerCheckpoints
+    activity: Activity
+    observer: Observer
+    on_progress: Callable[[Progress], None] | None
+
+
+class TrainContext:
+    """What ``loop_fn(ctx)`` gets: ``ctx.model`` (this trainer's replica: its tables stay on the
+    servers), ``ctx.rank`` and ``ctx.num_trainers`` (which share of the data is this trainer's),
+    ``ctx.batches(iterable)`` and ``ctx.step()``. Use it from the thread that called
+    ``loop_fn`` only."""
+
+    def __init__(self, engine: Engine, resumed: Resumed):
+        self._engine = engine
+        self._resumed = resumed
+        self._thread = threading.get_ident()
+        self._prefetch = engine.config.prefetches
+        self._pending = Gradients()  # the last step's, not sent yet
+        self._in_flight: InFlight | None = None
+        self._pulled: Pulled | None = None  # the current step's answer (None: not begun)
+        self._last_call: int | None = None  # the newest call answered
+        self._ahead: Step | None = None  # the next step, recorded ahead
+        self._forwards = 0  # training forwards since the last ctx.step()
+        self._micro = 0  # batches stepped in the current step
+        self._step_loss = 0.0
+        self._unstepped = False  # ctx.batches gave a batch that ctx.step() has not taken
+        self._batch: Any = None  # the batch ctx.batches gave last
+        self._batches_open = False
+        self.steps, self.samples = resumed.steps, resumed.samples
+        self.losses: deque[float] = deque(maxlen=100)
+        self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
+        self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
+        self._drawn = False  # whether the current step drew the next one
+        engine.replica.route_forward(self._model_forward)
+
+    # ---- the public surface ----
+
+    @property
+    def model(self) -> nn.Module:
+        """This trainer's replica of the model (tables remote); call it as the model."""
+        return self._engine.replica.model
+
+    @property
+    def rank(self) -> int:
+        """This trainer's index, 0 (the chief) to ``num_trainers - 1``."""
+        return self._engine.trainer
+
+    @property
+    def num_trainers(self) -> int:
+        return self._engine.config.trainers
+
+    @property
+    def config(self) -> TrainConfig:
+        return self._engine.config
+
+    @property
+    def start_step(self) -> int:
+        """The steps this trainer had done before this run (resumed from a checkpoint): a
+        loop that reads its own data (not through ``ctx.batches``) skips that many steps."""
+        return self._resumed.steps
+
+    def batches(
+        self, iterable: Iterable[Any], inputs: Callable[[Any], Any] | None = None
+    ) -> Iterator[Any]:
+        """Yield ``iterable``'s batches, fetching each step's rows ahead of it (see the module
+        docstring). ``inputs(batch)`` gives what the loop passes to ``ctx.model``: a tuple is
+        the positional arguments, anything else the one argument; by default an ``(inputs,
+        target)`` pair's ``inputs``, as ``paramserver.train`` takes batches, and for other
+        batches rows are fetched when the model is called. After a resume the batches trained
+        before the checkpoint are skipped; ``config.steps`` ends it."""
+        self._check_thread()
+        if self._batches_open:
+            raise LoopError("ctx.batches is already open: use one at a time")
+        self.opened.append(iterable)
+        return self._batches(iter(iterable), inputs)
+
+    def step(self, loss: Tensor | float | None = None, samples: int | None = None) -> None:
+        """After ``loss.backward()``: take this batch's gradients; every ``accumulate``-th
+        call pushes them (the sum: divide the loss by ``accumulate`` for the mean). ``loss``
+        (reported in progress, metrics and the summary) and ``samples`` (the batch's size;
+        by default the first dimension of its first tensor) are for the records."""
+        self._check_thread()
+        self._check_step()
+        engine = self._engine
+        self._forwards = 0
+        self._unstepped = False
+        self._micro += 1
+        self.samples += samples if samples is not None else _batch_size(self._batch)
+        if not self._batches_open:
+            self._batch = None  # the next training forward's call is the next batch
+        if loss is not None:
+            self._step_loss += float(loss.detach() if isinstance(loss, Tensor) else loss)
+        engine.activity.touch()
+        if self._micro < engine.config.accumulate:
+            return
+        self._end_step()
+
+    # ---- checks ----
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise LoopError(
+                f"ctx was used from thread {threading.current_thread().name!r}; it belongs to "
+                "the thread that called loop_fn (its calls to the servers are numbered in order)"
+            )
+
+    def _check_step(self) -> None:
+        replica = self._engine.replica
+        if self._forwards == 0:
+            raise LoopError(
+                "ctx.step() without a training forward since the last one: a second "
+                "ctx.step() for the same batch (call it once per batch, after loss.backward())"
+            )
+        unknown = replica.unknown_parameters_with_grad()
+        if unknown:
+            raise LoopError(
+                f"parameters {unknown} have gradients but the servers do not know them: "
+                "they were added to ctx.model after the job started; build them in model_fn"
+            )
+        if not replica.has_gradients():
+            raise LoopError("ctx.step() found no gradients: call loss.backward() before ctx.step()")
+
+    # ---- steps ----
+
+    def _batches(self, source: Iterator[Any], inputs: Callable[[Any], Any] | None) -> Iterator[Any]:
+        self._batches_open = True
+        try:
+            recorder = _AheadRecorder(self._engine, self._groups(self._replayed(source)), inputs)
+            step = recorder.next()
+            while step is not None:
+                self._drawn = False
+                if step.ids is not None:
+                    self._begin_step(step, recorder.next)
+                else:  # begun on demand at its first forward, which then draws the next
+                    self._record_next = recorder.next
+                yield from self._each_batch(step)
+                self._record_next = None
+                step = self._ahead if self._drawn else recorder.next()
+                self._ahead = None
+        finally:
+            self._batches_open = False
+            self._record_next = None
+
+    def _each_batch(self, step: Step) -> Iterator[Any]:
+        for batch in step.batches:
+            self._batch, self._unstepped = batch, True
+            yield batch
+            if self._unstepped:
+                raise LoopError(
+                    "the loop took the next batch from ctx.batches without calling "
+                    "ctx.step() for this one"
+                )
+
+    def _replayed(self, source: Iterator[Any]) -> Iterator[Any]:
+        """``source`` past the batches trained before the checkpoint; the trainer's RNG
+        states are then restored (the data may draw from them)."""
+        if self._resumed.steps:
+            skip = self._resumed.steps * self._engine.config.accumulate
+            for _ in itertools.islice(source, skip):
+                pass
+        self._restore_rng()
+        return source
+
+    def _restore_rng(self) -> None:
+        rng, self._resumed.rng = self._resumed.rng, None
+        if rng is not None:
+            set_rng_state(*rng)
+
+    def _groups(self, source: Iterator[Any]) -> Iterator[list[Any]]:
+        """``accumulate`` batches at a time, up to ``config.steps`` steps of the job."""
+        config = self._engine.config
+        steps = self.steps
+        while config.steps is None or steps < config.steps:
+            group = list(itertools.islice(source, config.accumulate))
+            if not group:
+                return
+            steps += 1
+            yield group
+
+    def _begin_step(self, step: Step, record_next: Callable[[], Step | None] | None) -> None:
+        """Get ``step``'s values (sending the call unless one is under way); draw and record
+        the next step with ``record_next`` (None: the loop's own data, unknown until its first
+        forward) and, prefetching, send the last step's gradients at once, with the next
+        step's pull where it is recorded; then load the values into the replica."""
+        engine = self._engine
+        self._restore_rng()
+        if self._in_flight is None:
+            if self._last_call is not None:  # a next step exists: this one
+                engine.checkpoints.announce_if_due(self._last_call)
+            self._in_flight = self._pending.push(engine.client, step)
+        pulled = self._in_flight.wait()
+        self._in_flight = None
+        self._pulled, self._last_call = pulled, pulled.call
+        engine.checkpoints.after_reply(pulled.call, pulled.checkpoint_at, self.steps, self.samples)
+        if record_next is not None:
+            ahead = self._ahead = record_next()
+            self._drawn = True
+            if ahead is not None:
+                engine.checkpoints.announce_if_due(pulled.call)
+            if self._prefetch and (ahead is None or ahead.ids is not None):
+                self._in_flight = self._pending.push(engine.client, ahead)
+        engine.replica.load(
+            pulled.dense,
+            pulled.rows,
+            {name: (pulled.pooled[name], bags) for name, bags in step.bags.items()},
+        )
+
+    def _end_step(self) -> None:
+        engine = self._engine
+        replica, pulled = engine.replica, self._pulled
+        assert pulled is not None
+        if engine.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), engine.config.clip_grad_norm)
+        self._pending = Gradients.of(replica, pulled.call)
+        self.steps += 1
+        self.losses.append(self._step_loss)
+        self._micro, self._step_loss, self._pulled = 0, 0.0, None
+        ahead = self._ahead
+        if not self._prefetch and ahead is not None and ahead.ids is not None:
+            self._in_flight = self._pending.push(engine.client, ahead)
+        engine.observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
+        if engine.on_progress is not None:
+            engine.on_progress(Progress(engine.trainer, self.steps, self.samples, self.losses[-1]))
+
+    def finish(self) -> Gradients:
+        """After the loop: wait for a call still under way; returns the gradients the last
+        call must push."""
+        if self._in_flight is not None:
+            self._in_flight.wait()  # a prefetch whose step never came
+            self._in_flight = None
+        if self._forwards:
+            log.warning(
+                "trainer %d: the loop ran a training forward after its last ctx.step(); "
+                "its gradients are not pushed",
+                self._engine.trainer,
+            )
+        self._engine.replica.remove_forward()
+        return self._pending
+
+    # ---- the model's forward ----
+
+    def _model_forward(self, call: Call) -> Any:
+        self._check_thread()
+        replica, client = self._engine.replica, self._engine.client
+        if not torch.is_grad_enabled():
+            return replica.look(call, client.pull)
+        if self._pulled is None:
+            self._begin_step(Step([call], *replica.record([call])), self._record_next)
+        self._forwards += 1
+        if self._batch is None:
+            self._batch = call
+        return replica.forward_fetching(call, client.pull)
+
+
+class _AheadRecorder:
+    """Draws the next step's batches and records what they look up, where it can."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        groups: Iterator[list[Any]],
+        inputs: Callable[[Any], Any] | None,
+    ):
+        self.engine = engine
+        self.groups = groups
+        self.inputs = inputs
+        self.guessing = inputs is None
+
+    def next(self) -> Step | None:
+        group = next(self.groups, None)
+        self.engine.activity.touch()  # a batch drawn: the loop is not stuck in its data
+        if group is None:
+            return None
+        calls = self._calls(group)
+        if calls is None:
+            return Step(group)
+        try:
+            ids, bags = self.engine.replica.record(calls)
+        except ParamServerError:
+            raise
+        except Exception as error:  # a guess at the model's arguments failed
+            if not self.guessing:
+                raise
+            log.info("batches are not (inputs, target) pairs (%s): rows are read on demand", error)
+            self.inputs, self.guessing = None, False
+            return Step(group)
+        return Step(group, ids, bags)
+
+    def _calls(self, group: list[Any]) -> list[Call] | None:
+        if self.inputs is not None:
+            return [Call.of(self.inputs(batch)) for batch in group]
+        if self.guessing and all(isinstance(b, tuple | list) and len(b) == 2 for b in group):
+            return [Call.of(batch[0]) for batch in group]
+        self.guessing = False
+        return None
+
+
+def _batch_size(batch: Any) -> int:
+    """The first dimension of the first tensor in ``batch`` (1 for a batch without one)."""
+    return next(_sizes(batch), 1)
+
+
+def _sizes(item: Any) -> Iterator[int]:
+    if isinstance(item, Tensor):
+        yield int(item.shape[0]) if item.dim() else 1
+    elif isinstance(item, Call):
+        yield from _sizes((item.args, item.kwargs))
+    elif isinstance(item, dict):
+        yield from _sizes(list(item.values()))
+    elif isinstance(item, tuple | list):
+        for part in item:
+            yield from _sizes(part)

@@ -1,0 +1,298 @@
+"""The user's own loop: ``paramserver.run(model_fn, loop_fn, config)``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import paramserver as ps
+from paramserver.modelplan import initial_model
+from tests.helpers import (
+    TinyRecModel,
+    TwoTaskModel,
+    mse,
+    tiny_batches,
+    two_task_batches,
+    two_task_job,
+    two_task_loop,
+    two_task_loss,
+)
+from tests.procs import REPO, free_port, stop
+
+NUM_TRAINERS = 3
+NUM_STEPS = 20
+TABLES = ("user.weight", "items.weight")
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "adam": (torch.optim.Adam, {"lr": 0.02}),
+}
+
+
+def single_process_reference(name: str) -> dict[str, Tensor]:
+    """torch.optim on the concatenated global batch, each table row its own Parameter whose
+    grad is None when the batch does not touch it (a server's lazy per-row updates)."""
+    model = initial_model(TwoTaskModel, seed=0)
+    weights = dict(model.named_parameters())
+    rows = {
+        t: [nn.Parameter(weights[t].detach()[i].clone()) for i in range(len(weights[t]))]
+        for t in TABLES
+    }
+    dense = [p for n, p in weights.items() if n not in TABLES]
+    optimizer_class, kwargs = OPTIMIZERS[name]
+    optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
+    streams = [two_task_batches(t) for t in range(NUM_TRAINERS)]
+
+    class Stacked(nn.Module):  # the model with its tables' rows stacked from the Parameters
+        def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
+            tables = {t: torch.stack(rs) for t, rs in rows.items()}
+            return functional_call(model, tables, inputs)  # type: ignore[no-any-return]
+
+        def user(self, ids: Tensor) -> Tensor:
+            return torch.stack(rows["user.weight"])[ids]
+
+    stacked = Stacked()
+    for _ in range(NUM_STEPS):
+        parts = [next(s) for s in streams]
+        batch = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
+        optimizer.zero_grad(set_to_none=True)
+        two_task_loss(stacked, batch).backward()
+        touched = {"user.weight": batch["user"], "items.weight": batch["items"]}
+        for table, ids in touched.items():
+            keep = set(ids.unique().tolist())
+            for i, row in enumerate(rows[table]):
+                if i not in keep:
+                    row.grad = None
+        optimizer.step()
+    state = {n: p.detach().clone() for n, p in weights.items() if n not in TABLES}
+    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
+    return state
+
+
+def sync_config(optimizer: str = "adam", **changes: object) -> ps.TrainConfig:
+    _, kwargs = OPTIMIZERS[optimizer]
+    settings: dict[str, object] = dict(
+        servers=2, trainers=NUM_TRAINERS, mode="sync", optimizer=optimizer, lr=kwargs["lr"],
+        momentum=kwargs.get("momentum", 0.0), launcher="threads", progress=False,
+    )  # fmt: skip
+    settings.update(changes)
+    return ps.TrainConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_a_two_head_loop_on_dict_batches_equals_single_process(optimizer: str) -> None:
+    result = ps.run(TwoTaskModel, two_task_loop, sync_config(optimizer))
+    assert result is not None and result.model is not None
+    assert result.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
+    assert result.value["rank"] == 0 and result.value["last_loss"] > 0
+    expected = single_process_reference(optimizer)
+    got = result.model.state_dict()
+    initial = initial_model(TwoTaskModel, seed=0).state_dict()
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert not torch.equal(value, initial[name]), f"{name} never moved: the test is vacuous"
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def fetch_on_demand(ctx: ps.TrainContext) -> None:
+    """The two-task loop without ctx.batches: each step's rows come at its first forward."""
+    for batch in two_task_batches(ctx.rank):
+        two_task_loss(ctx.model, batch).backward()
+        ctx.step()
+
+
+def look_between_steps(ctx: ps.TrainContext) -> int:
+    """The two-task loop, reading unseen rows under no_grad before and after every step."""
+    held_out = {"user": torch.arange(20, 40), "items": torch.arange(0, 30).reshape(10, 3)}
+    looks = 0
+    inputs = lambda b: (b["user"], b["items"], b["dense"])  # noqa: E731
+    for batch in ctx.batches(two_task_batches(ctx.rank), inputs):
+        with torch.no_grad():
+            ctx.model(held_out["user"][:10], held_out["items"], torch.zeros(10, 3))
+        two_task_loss(ctx.model, batch).backward()
+        with torch.no_grad():
+            ctx.model.eval()
+            ctx.model(held_out["user"][10:], held_out["items"], torch.ones(10, 3))
+            ctx.model.train()
+            looks += 2
+        ctx.step()
+    return looks
+
+
+@pytest.mark.parametrize("loop", [fetch_on_demand, look_between_steps])
+def test_a_loop_that_fetches_on_demand_or_looks_between_steps_trains_the_same(loop) -> None:  # type: ignore[no-untyped-def]
+    expected = ps.run(TwoTaskModel, two_task_loop, sync_config())
+    got = ps.run(TwoTaskModel, loop, sync_config())
+    assert expected is not None and got is not None
+    assert got.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
+    calls = got.summary["calls"]["push_pull"]["calls"]
+    assert calls == expected.summary["calls"]["push_pull"]["calls"]  # one call a step
+    if loop is look_between_steps:
+        assert got.value == 2 * NUM_STEPS
+    for name, value in expected.model.state_dict().items():  # type: ignore[union-attr]
+        assert torch.equal(got.model.state_dict()[name], value), name  # type: ignore[union-attr]
+
+
+def test_train_is_run_with_the_default_loop() -> None:
+    config = ps.TrainConfig(servers=2, trainers=2, mode="sync", launcher="threads", progress=False)
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t), mse, config)
+    assert result is not None and result.value is None
+    assert result.summary["trainer_steps"] == [20, 20]
+
+
+def test_async_prefetch_keeps_one_call_per_step_and_learns() -> None:
+    config = ps.TrainConfig(servers=1, trainers=1, lr=0.1, launcher="threads", progress=False)
+    result = ps.run(TwoTaskModel, two_task_loop, config)
+    assert result is not None
+    # The first call pulls step 0; each step's then pushes the step before it and pulls the
+    # step after it, the last step's without a pull (the final call follows the report).
+    assert result.summary["calls"]["push_pull"]["calls"] == NUM_STEPS + 1
+    first = two_task_loss(initial_model(TwoTaskModel, 0), next(two_task_batches(0)))
+    assert result.value["last_loss"] < float(first.detach())
+
+
+# ---- bad use ----
+
+
+def one_trainer(**changes: object) -> ps.TrainConfig:
+    settings: dict[str, object] = dict(servers=1, trainers=1, launcher="threads", progress=False)
+    settings.update(changes)
+    return ps.TrainConfig(**settings)  # type: ignore[arg-type]
+
+
+def step_without_backward(ctx: ps.TrainContext) -> None:
+    for batch in ctx.batches(two_task_batches(0)):
+        two_task_loss(ctx.model, batch)
+        ctx.step()
+
+
+def step_twice(ctx: ps.TrainContext) -> None:
+    for batch in ctx.batches(two_task_batches(0)):
+        two_task_loss(ctx.model, batch).backward()
+        ctx.step()
+        ctx.step()
+
+
+def unknown_parameter(ctx: ps.TrainContext) -> None:
+    ctx.model.extra = nn.Linear(2, 1)
+    for batch in ctx.batches(two_task_batches(0)):
+        loss = two_task_loss(ctx.model, batch) + ctx.model.extra(torch.ones(1, 2)).sum()
+        loss.backward()
+        ctx.step()
+
+
+def next_batch_without_step(ctx: ps.TrainContext) -> None:
+    for batch in ctx.batches(two_task_batches(0)):
+        two_task_loss(ctx.model, batch).backward()
+
+
+@pytest.mark.parametrize(
+    ("loop", "message"),
+    [
+        (step_without_backward, "no gradients: call loss.backward"),
+        (step_twice, "second ctx.step"),
+        (unknown_parameter, r"\['extra.weight', 'extra.bias'\].*servers do not know"),
+        (next_batch_without_step, "without calling ctx.step"),
+    ],
+)
+def test_bad_use_of_the_context_is_a_loop_error(loop, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ps.JobFailedError, match=f"LoopError: .*{message}") as failed:
+        ps.run(TwoTaskModel, loop, one_trainer())
+    assert isinstance(failed.value.__cause__, ps.LoopError)
+
+
+def from_another_thread(ctx: ps.TrainContext) -> str:
+    caught: list[BaseException] = []
+    batch = next(two_task_batches(0))
+
+    def use() -> None:
+        try:
+            two_task_loss(ctx.model, batch)
+        except BaseException as error:
+            caught.append(error)
+
+    thread = threading.Thread(target=use)
+    thread.start()
+    thread.join()
+    two_task_loss(ctx.model, batch).backward()
+    ctx.step()
+    return repr(caught[0]) if caught else "no error"
+
+
+def test_a_context_used_from_another_thread_is_a_loop_error() -> None:
+    result = ps.run(TwoTaskModel, from_another_thread, one_trainer())
+    assert result is not None
+    assert result.value.startswith("LoopError") and "belongs to the thread" in result.value
+    assert result.summary["trainer_steps"] == [1]
+
+
+def test_run_refuses_what_belongs_to_train() -> None:
+    with pytest.raises(ps.ConfigError, match="epochs=2.*loop_fn"):
+        ps.run(TwoTaskModel, two_task_loop, one_trainer(epochs=2))
+    with pytest.raises(TypeError, match="loop_fn must be a function"):
+        ps.run(TwoTaskModel, "loop", one_trainer())  # type: ignore[arg-type]
+
+
+def raising_at_step_3(ctx: ps.TrainContext) -> None:
+    for step, batch in enumerate(ctx.batches(two_task_batches(ctx.rank))):
+        if step == 3 and ctx.rank == 1:
+            raise ValueError("boom from the user's loop")
+        two_task_loss(ctx.model, batch).backward()
+        ctx.step()
+
+
+@pytest.mark.timeout(120)
+def test_a_loop_that_raises_stops_the_job_with_its_traceback(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    config = ps.TrainConfig(
+        servers=1, trainers=2, mode="sync", launcher="processes", progress=False
+    )
+    with pytest.raises(ps.JobFailedError, match="trainer1.*boom from the user's loop"):
+        ps.run(TwoTaskModel, raising_at_step_3, config)
+    err = capfd.readouterr().err
+    assert "Traceback" in err and "in raising_at_step_3" in err
+    assert 'raise ValueError("boom from the user' in err
+
+
+# ---- the launchers ----
+
+
+@pytest.mark.timeout(240)
+def test_the_same_loop_runs_on_threads_processes_and_torchrun(tmp_path: Path) -> None:
+    outputs = {launcher: two_task_job(launcher) for launcher in ("threads", "processes")}
+    port = free_port()
+    out = tmp_path / "torchrun.pt"
+    nodes = [
+        subprocess.Popen(
+            [
+                str(Path(sys.executable).with_name("torchrun")), "--nnodes", "2",
+                "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", "127.0.0.1",
+                "--master-port", str(port), "--rdzv-backend", "static",
+                str(REPO / "tests" / "_loop_job.py"), str(out),
+            ],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    try:
+        for node in nodes:
+            assert node.wait(timeout=150) == 0
+    finally:
+        stop(*nodes)
+    outputs["torchrun"] = torch.load(out)
+    reference = outputs["threads"]
+    assert reference["steps"] == [NUM_STEPS, NUM_STEPS]
+    for launcher, output in outputs.items():
+        assert output["value"]["rank"] == 0, launcher
+        assert output["value"] == reference["value"], launcher
+        for name, value in reference["state"].items():
+            assert torch.equal(output["state"][name], value), f"{launcher}: {name}"
