@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.modelplan import initial_model
+from paramserver.types import LoopFn
 from tests.helpers import (
     TinyRecModel,
     TwoTaskModel,
@@ -24,17 +27,26 @@ from tests.helpers import (
     two_task_job,
     two_task_loop,
     two_task_loss,
+    wait_for_checkpoint,
 )
-from tests.procs import REPO, free_port, stop
+from tests.procs import REPO, descendants, free_port, stop
 
 NUM_TRAINERS = 3
 NUM_STEPS = 20
+WARMUP, DECAY = 4, 12  # warm-up, then a cosine decay to 10% of the lr, flat after step 16
 TABLES = ("user.weight", "items.weight")
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
     "adam": (torch.optim.Adam, {"lr": 0.02}),
 }
+
+
+def warmup_then_cosine(step: int) -> float:
+    if step < WARMUP:
+        return (step + 1) / WARMUP
+    t = min(step - WARMUP, DECAY)
+    return 0.1 + 0.9 * (1 + math.cos(math.pi * t / DECAY)) / 2
 
 
 def single_process_reference(name: str) -> dict[str, Tensor]:
@@ -49,6 +61,7 @@ def single_process_reference(name: str) -> dict[str, Tensor]:
     dense = [p for n, p in weights.items() if n not in TABLES]
     optimizer_class, kwargs = OPTIMIZERS[name]
     optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
     streams = [two_task_batches(t) for t in range(NUM_TRAINERS)]
 
     class Stacked(nn.Module):  # the model with its tables' rows stacked from the Parameters
@@ -72,6 +85,7 @@ def single_process_reference(name: str) -> dict[str, Tensor]:
                 if i not in keep:
                     row.grad = None
         optimizer.step()
+        scheduler.step()
     state = {n: p.detach().clone() for n, p in weights.items() if n not in TABLES}
     state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
     return state
@@ -87,10 +101,15 @@ def sync_config(optimizer: str = "adam", **changes: object) -> ps.TrainConfig:
     return ps.TrainConfig(**settings)  # type: ignore[arg-type]
 
 
+SCHEDULE = dict(lr_warmup_steps=WARMUP, lr_decay="cosine", lr_decay_steps=DECAY, lr_min_ratio=0.1)
+
+
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_two_head_loop_on_dict_batches_equals_single_process(optimizer: str) -> None:
-    result = ps.run(TwoTaskModel, two_task_loop, sync_config(optimizer))
+    result = ps.run(TwoTaskModel, two_task_loop, sync_config(optimizer, **SCHEDULE))
     assert result is not None and result.model is not None
+    lr = OPTIMIZERS[optimizer][1]["lr"]
+    assert result.summary["lr"]["dense"] == pytest.approx(0.1 * lr)  # the floor, at step 19
     assert result.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
     assert result.value["rank"] == 0 and result.value["last_loss"] > 0
     expected = single_process_reference(optimizer)
@@ -157,6 +176,53 @@ def test_async_prefetch_keeps_one_call_per_step_and_learns() -> None:
     assert result.summary["calls"]["push_pull"]["calls"] == NUM_STEPS + 1
     first = two_task_loss(initial_model(TwoTaskModel, 0), next(two_task_batches(0)))
     assert result.value["last_loss"] < float(first.detach())
+
+
+def resumable_loop(crash_after: int | None, root: Path, own_data: bool, noisy: bool) -> LoopFn:
+    """The two-task loop; trainer 0 crashes at step ``crash_after``, once the checkpoint
+    before it is committed. With ``own_data`` it reads its data itself, skipping the steps
+    done before a resume; ``noisy`` draws a factor of its loss from torch's RNG, whose state
+    must resume too (one trainer only: under the threads launcher trainers share it)."""
+
+    def loop(ctx: ps.TrainContext) -> None:
+        batches = two_task_batches(ctx.rank)
+        if own_data:
+            batches = itertools.islice(batches, ctx.start_step, None)
+        else:
+            batches = ctx.batches(batches, lambda b: (b["user"], b["items"], b["dense"]))
+        for step, batch in enumerate(batches, start=ctx.start_step):
+            if ctx.rank == 0 and step == crash_after:
+                wait_for_checkpoint(root, step - 1)
+                raise RuntimeError("crash")
+            loss = two_task_loss(ctx.model, batch)
+            if noisy:
+                loss = loss * (1 + 0.1 * torch.rand(()))
+            loss.backward()
+            ctx.step(loss)
+
+    return loop
+
+
+@pytest.mark.parametrize(
+    ("own_data", "trainers"), [(False, NUM_TRAINERS), (True, NUM_TRAINERS), (False, 1)]
+)
+def test_a_user_loop_resumes_exactly_in_sync_mode(
+    tmp_path: Path, own_data: bool, trainers: int
+) -> None:
+    root, noisy = tmp_path / "ckpt", trainers == 1
+
+    def loop(crash_after: int | None) -> LoopFn:
+        return resumable_loop(crash_after, root, own_data, noisy)
+
+    straight = ps.run(TwoTaskModel, loop(None), sync_config(trainers=trainers))
+    job = sync_config(trainers=trainers, checkpoint_dir=str(root), checkpoint_every=6)
+    with pytest.raises(ps.JobFailedError, match="crash"):
+        ps.run(TwoTaskModel, loop(7), job)
+    resumed = ps.run(TwoTaskModel, loop(None), job.replace(resume=True))
+    assert straight is not None and resumed is not None
+    assert resumed.summary["resumed_from"]["checkpoint_step"] == 6
+    for name, value in straight.model.state_dict().items():  # type: ignore[union-attr]
+        assert torch.equal(resumed.model.state_dict()[name], value), name  # type: ignore[union-attr]
 
 
 # ---- bad use ----
@@ -258,6 +324,7 @@ def test_a_loop_that_raises_stops_the_job_with_its_traceback(
     )
     with pytest.raises(ps.JobFailedError, match="trainer1.*boom from the user's loop"):
         ps.run(TwoTaskModel, raising_at_step_3, config)
+    assert descendants(os.getpid()) == []  # the launcher stopped and reaped every process
     err = capfd.readouterr().err
     assert "Traceback" in err and "in raising_at_step_3" in err
     assert 'raise ValueError("boom from the user' in err
