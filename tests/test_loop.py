@@ -160,6 +160,38 @@ def test_a_loop_that_fetches_on_demand_or_looks_between_steps_trains_the_same(lo
         assert torch.equal(got.model.state_dict()[name], value), name  # type: ignore[union-attr]
 
 
+def in_passes(passes: int) -> LoopFn:
+    """The two-task loop over ten batches ``passes`` times: one ``ctx.batches`` a pass, or one
+    over the passes chained."""
+
+    def loop(ctx: ps.TrainContext) -> int:
+        data = [two_task_batches(ctx.rank, num_batches=10) for _ in range(2)]
+        inputs = lambda b: (b["user"], b["items"], b["dense"])  # noqa: E731
+        sources = data if passes == 2 else [itertools.chain(*data)]
+        for source in sources:
+            for batch in ctx.batches(source, inputs):
+                two_task_loss(ctx.model, batch).backward()
+                ctx.step()
+        return ctx.steps
+
+    return loop
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctx_batches_may_be_opened_once_a_pass(mode: str) -> None:
+    passes = ps.run(TwoTaskModel, in_passes(2), sync_config(mode=mode))
+    assert passes is not None and passes.value == NUM_STEPS
+    assert passes.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
+    calls = passes.summary["calls"]
+    assert "pull" not in calls  # every step's rows came with its call, none on demand
+    if mode == "async":  # per pass: the first pull, then a call a step (see above)
+        assert calls["push_pull"]["calls"] == NUM_TRAINERS * 2 * 2 * (10 + 1)
+    if mode == "sync":  # prefetch makes a pass's first step fresher than it is in one stream
+        chained = ps.run(TwoTaskModel, in_passes(1), sync_config())
+        for name, value in chained.model.state_dict().items():  # type: ignore[union-attr]
+            assert torch.equal(passes.model.state_dict()[name], value), name  # type: ignore[union-attr]
+
+
 def test_train_is_run_with_the_default_loop() -> None:
     config = ps.TrainConfig(servers=2, trainers=2, mode="sync", launcher="threads", progress=False)
     result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t), mse, config)
@@ -255,6 +287,13 @@ def unknown_parameter(ctx: ps.TrainContext) -> None:
         ctx.step()
 
 
+def forward_after_step(ctx: ps.TrainContext) -> None:
+    for batch in ctx.batches(two_task_batches(0)):
+        two_task_loss(ctx.model, batch).backward()
+        ctx.step()
+        two_task_loss(ctx.model, batch).backward()
+
+
 def next_batch_without_step(ctx: ps.TrainContext) -> None:
     for batch in ctx.batches(two_task_batches(0)):
         two_task_loss(ctx.model, batch).backward()
@@ -267,6 +306,7 @@ def next_batch_without_step(ctx: ps.TrainContext) -> None:
         (step_twice, "second ctx.step"),
         (unknown_parameter, r"\['extra.weight', 'extra.bias'\].*servers do not know"),
         (next_batch_without_step, "without calling ctx.step"),
+        (forward_after_step, "a training forward after ctx.step"),
     ],
 )
 def test_bad_use_of_the_context_is_a_loop_error(loop, message: str) -> None:  # type: ignore[no-untyped-def]

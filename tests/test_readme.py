@@ -340,11 +340,13 @@ def test_toml_blocks_load_as_job_configs() -> None:
 @pytest.mark.timeout(180)
 def test_python_blocks_run_as_scripts(scratch: Path) -> None:
     api, tables = blocks_of("python")[1:]
-    assert "ps.train(" in api.text and "DynamicEmbedding(" in tables.text
+    assert "ps.run(" in api.text and "ps.train(" in api.text and "DynamicEmbedding(" in tables.text
     out = run_script(api.text, scratch, "api.py", timeout=150)
     assert float(out.strip().splitlines()[-1]) > 0  # the printed training loss
     state = torch.load(scratch / "model.pt", weights_only=True)
-    assert set(state) == {"items.weight", "head.weight", "head.bias"}
+    heads = {f"{head}.{kind}" for head in ("click", "conversion") for kind in ("weight", "bias")}
+    assert set(state) == {"items.weight", *heads}
+    assert "step 50: loss" in out and "held-out click rate" in out  # printed by the loop
     run_script(tables.text, scratch, "tables.py", timeout=60)
 
 

@@ -88,6 +88,28 @@ def test_clipping_and_accumulation_match_single_process(
         )
 
 
+def test_a_last_short_step_of_accumulated_batches_is_pushed_as_their_mean() -> None:
+    """Seven batches, three a step: the last step holds one batch, and its push is that
+    batch's gradient, as a single process averaging over the batches it has would do."""
+    config = ps.TrainConfig(
+        servers=2, trainers=1, mode="sync", optimizer="sgd", lr=0.5, accumulate=3,
+        launcher="threads", progress=False,
+    )  # fmt: skip
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=7), mse, config)
+    assert result is not None and result.model is not None
+    assert result.summary["trainer_steps"] == [3]
+    model = initial_model(TinyRecModel, 0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    batches = list(tiny_batches(0, num_batches=7))
+    for group in (batches[0:3], batches[3:6], batches[6:]):
+        optimizer.zero_grad()
+        for inputs, target in group:
+            (mse(model(*inputs), target) / len(group)).backward()
+        optimizer.step()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(result.model.state_dict()[name], value, msg=name)
+
+
 class RecordingTransport(LocalTransport):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)

@@ -134,6 +134,8 @@ class TrainContext:
         self._prefetch = engine.config.prefetches
         self._pending = Gradients()  # the last step's, not sent yet
         self._in_flight: InFlight | None = None
+        self._in_flight_pulls: Step | None = None  # the step whose values it pulls
+        self._to_skip = resumed.steps * engine.config.accumulate  # batches trained before
         self._pulled: Pulled | None = None  # the current step's answer (None: not begun)
         self._last_call: int | None = None  # the newest call answered
         self._ahead: Step | None = None  # the next step, recorded ahead
@@ -193,7 +195,8 @@ class TrainContext:
 
     def step(self, loss: Tensor | float | None = None, samples: int | None = None) -> None:
         """After ``loss.backward()``: take this batch's gradients; every ``accumulate``-th
-        call pushes them (the sum: divide the loss by ``accumulate`` for the mean). ``loss``
+        call pushes them (the sum: divide the loss by ``accumulate`` for the mean; a last
+        step ``ctx.batches`` ends short is scaled to a full one's weight). ``loss``
         (reported in progress, metrics and the summary) and ``samples`` (the batch's size;
         by default the first dimension of its first tensor) are for the records."""
         self._check_thread()
@@ -252,6 +255,8 @@ class TrainContext:
                     self._record_next = recorder.next
                 yield from self._each_batch(step)
                 self._record_next = None
+                if len(step.batches) < self._engine.config.accumulate and self._micro:
+                    self._end_short_step()
                 step = self._ahead if self._drawn else recorder.next()
                 self._ahead = None
         finally:
@@ -269,13 +274,13 @@ class TrainContext:
                 )
 
     def _replayed(self, source: Iterator[Any]) -> Iterator[Any]:
-        """``source`` past the batches trained before the checkpoint; the trainer's RNG
-        states are then restored (the data may draw from them)."""
-        if self._resumed.steps:
-            skip = self._resumed.steps * self._engine.config.accumulate
-            for _ in itertools.islice(source, skip):
-                pass
-        self._restore_rng()
+        """``source`` past the batches trained before the checkpoint (over as many
+        ``ctx.batches`` as they span); the trainer's RNG states are restored after them (the
+        data may draw from them)."""
+        if self._to_skip:
+            self._to_skip -= sum(1 for _ in itertools.islice(source, self._to_skip))
+        if not self._to_skip:
+            self._restore_rng()
         return source
 
     def _restore_rng(self) -> None:
@@ -301,10 +306,14 @@ class TrainContext:
         step's pull where it is recorded; then load the values into the replica."""
         engine = self._engine
         self._restore_rng()
+        if self._in_flight is not None and self._in_flight_pulls is not step:
+            self._last_call = self._in_flight.wait().call  # a push that pulled nothing
+            self._in_flight = None
         if self._in_flight is None:
             if self._last_call is not None:  # a next step exists: this one
                 engine.checkpoints.announce_if_due(self._last_call)
-            self._in_flight = self._pending.push(engine.client, step)
+            self._send(step)
+        assert self._in_flight is not None
         pulled = self._in_flight.wait()
         self._in_flight = None
         self._pulled, self._last_call = pulled, pulled.call
@@ -315,12 +324,23 @@ class TrainContext:
             if ahead is not None:
                 engine.checkpoints.announce_if_due(pulled.call)
             if self._prefetch and (ahead is None or ahead.ids is not None):
-                self._in_flight = self._pending.push(engine.client, ahead)
+                self._send(ahead)
         engine.replica.load(
             pulled.dense,
             pulled.rows,
             {name: (pulled.pooled[name], bags) for name, bags in step.bags.items()},
         )
+
+    def _end_short_step(self) -> None:
+        """End the step the data ended inside, its gradients scaled to a full step's weight
+        (``accumulate`` over its batches: with the loss divided by ``accumulate``, the mean)."""
+        self._engine.replica.scale_gradients(self._engine.config.accumulate / self._micro)
+        self._end_step()
+
+    def _send(self, following: Step | None) -> None:
+        """Start the call that pushes the pending gradients and pulls ``following``'s values."""
+        self._in_flight = self._pending.push(self._engine.client, following)
+        self._in_flight_pulls = following
 
     def _end_step(self) -> None:
         engine = self._engine
@@ -334,14 +354,14 @@ class TrainContext:
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
         ahead = self._ahead
         if not self._prefetch and ahead is not None and ahead.ids is not None:
-            self._in_flight = self._pending.push(engine.client, ahead)
+            self._send(ahead)
         engine.observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
         if engine.on_progress is not None:
             engine.on_progress(Progress(engine.trainer, self.steps, self.samples, self.losses[-1]))
 
     def finish(self) -> Gradients:
-        """After the loop: wait for a call still under way; returns the gradients the last
-        call must push."""
+        """The trainer's, once ``loop_fn`` has returned: wait for a call still under way;
+        returns the gradients the last call must push."""
         if self._in_flight is not None:
             self._in_flight.wait()  # a prefetch whose step never came
             self._in_flight = None
@@ -361,6 +381,11 @@ class TrainContext:
         replica, client = self._engine.replica, self._engine.client
         if not torch.is_grad_enabled():
             return replica.look(call, client.pull)
+        if self._batches_open and not self._unstepped:
+            raise LoopError(
+                "a training forward after ctx.step() took this batch: take the next batch "
+                "from ctx.batches first (or run it under torch.no_grad())"
+            )
         if self._pulled is None:
             self._begin_step(Step([call], *replica.record([call])), self._record_next)
         self._forwards += 1

@@ -442,6 +442,13 @@ class Replica:
             if remote.server_pooled and remote.pooled.grad is not None
         }
 
+    @torch.no_grad()
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient of this step (parameters, rows, pooled sums) by ``factor``."""
+        grads = [leaf.grad for leaf in self.grad_tensors()]
+        for grad in [*grads, *self.pooled_gradients().values()]:
+            grad.mul_(factor)  # type: ignore[union-attr]
+
     def has_gradients(self) -> bool:
         """Whether a backward has left a gradient on any parameter, row or pooled sum."""
         return bool(self.grad_tensors()) or bool(self.pooled_gradients())
