@@ -201,7 +201,7 @@ def check_model_fits(model_fn: ModelFn, config: TrainConfig) -> None:
     from paramserver.trainer.replica import Replica
 
     model = trainer_model(model_fn, config.seed)
-    plan = plan_of(model, config.servers)
+    plan = plan_of(model, config.servers, config.dense_on_servers)
     config.check_tables(plan.tables)
     check_gather_fits(plan, config)
     replica = Replica(model)  # ModelError for a layer no server can hold (max_norm, tied)

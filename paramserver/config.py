@@ -31,6 +31,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 MODES = ("async", "sync", "ssp")
+DENSE_SYNCS = ("server", "allreduce")
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
 GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
@@ -286,6 +287,15 @@ class TrainConfig:
             "consistency: async (no bound) | sync (aggregated rounds) | ssp (stale synchronous "
             "parallel, bounded by --ssp-bound)",
             choices=MODES,
+        ),
+    )
+    dense_sync: str = field(
+        default="server",
+        metadata=_doc(
+            "where dense parameters are kept and updated: server (on the servers, pushed and "
+            "pulled every step) | allreduce (on every trainer, their gradients averaged by "
+            "all-reduce among the trainers; tables stay on the servers)",
+            choices=DENSE_SYNCS,
         ),
     )
     steps: int | None = field(
@@ -641,6 +651,10 @@ class TrainConfig:
             raise ConfigError(
                 f"--launcher: unknown launcher {self.launcher!r}; choose from {LAUNCHERS}"
             )
+        if self.dense_sync not in DENSE_SYNCS:
+            raise ConfigError(
+                f"--dense-sync: unknown value {self.dense_sync!r}; choose from {DENSE_SYNCS}"
+            )
         if not isinstance(self.ssp_bound, int) or self.ssp_bound < 0:
             raise ConfigError(f"--ssp-bound must be an integer >= 0, got {self.ssp_bound!r}")
         if self.round_deadline is not None and not self.round_deadline > 0:
@@ -676,6 +690,12 @@ class TrainConfig:
                 raise ConfigError(
                     f"--{_flag(name)}: unknown codec {getattr(self, name)!r}; choose from {codecs}"
                 )
+        dense_codecs = (self.dense_push_codec, self.dense_pull_codec)
+        if self.dense_sync == "allreduce" and dense_codecs != ("none", "none"):
+            raise ConfigError(
+                "--dense-push-codec and --dense-pull-codec code dense traffic with servers: "
+                "with --dense-sync allreduce dense parameters never travel to them"
+            )
         if not 0 < self.topk_ratio <= 1:
             raise ConfigError(f"--topk-ratio must be in (0, 1], got {self.topk_ratio}")
         for name in ("cache_rows", "cache_lag", "max_restarts"):
@@ -771,6 +791,11 @@ class TrainConfig:
             "min_ratio": self.lr_min_ratio,
         }
         return keys if builtin else {f"lr_{k}": v for k, v in keys.items()}
+
+    @property
+    def dense_on_servers(self) -> bool:
+        """Whether the servers keep the dense parameters (else every trainer does)."""
+        return self.dense_sync == "server"
 
     def dense_optimizer(self) -> OptimizerConfig:
         return OptimizerConfig(

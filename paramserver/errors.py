@@ -67,3 +67,8 @@ class CheckpointError(ParamServerError):
 class LoopError(ParamServerError, RuntimeError):
     """A training loop used its context wrongly (``ctx.step()`` without a backward, twice for
     one batch, from another thread...); the message says what to change."""
+
+
+class TrainerGroupError(ParamServerError, RuntimeError):
+    """The trainers' all-reduce (``--dense-sync allreduce``) failed: a trainer died, froze past
+    the group's timeout or failed, and a collective cannot go on without it."""

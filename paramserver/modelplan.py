@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,12 +36,19 @@ SERVED = (nn.Embedding, nn.EmbeddingBag, DynamicEmbedding)  # every layer that b
 Embedding = nn.Embedding | nn.EmbeddingBag | DynamicEmbedding
 
 
+SEEDING = threading.RLock()
+"""Held while a model is built under the seeds, and by whoever else seeds the process's RNGs:
+trainers that are threads of one process build at once."""
+
+
 def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
-    """``model_fn()`` under fixed seeds: every process that calls this gets the same values."""
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    model = model_fn()
+    """``model_fn()`` under fixed seeds: every process (and thread) that calls this gets the
+    same values."""
+    with SEEDING:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
     return model
@@ -149,8 +157,9 @@ def find_embeddings(model: nn.Module) -> dict[str, Embedding]:
     return found
 
 
-def plan_of(model: nn.Module, num_servers: int) -> ShardPlan:
-    """The shard plan of ``model``: its embedding weights become tables, the rest dense."""
+def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -> ShardPlan:
+    """The shard plan of ``model``: its embedding weights become tables, the rest dense (on
+    the servers, or kept by the trainers: ``dense_on_servers`` False)."""
     tables = find_embeddings(model)
     table_weights = {id(module.weight) for module in tables.values()}
     dense = [
@@ -164,4 +173,4 @@ def plan_of(model: nn.Module, num_servers: int) -> ShardPlan:
         else TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
         for name, m in tables.items()
     ]
-    return ShardPlan(dense, specs, num_servers)
+    return ShardPlan(dense, specs, num_servers, dense_on_servers)

@@ -24,6 +24,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,13 +86,22 @@ class TableSpec:
 class ShardPlan:
     """Placement of dense parameters and routing of table rows over ``num_servers`` servers."""
 
-    def __init__(self, dense: list[DenseSpec], tables: list[TableSpec], num_servers: int):
+    def __init__(
+        self,
+        dense: list[DenseSpec],
+        tables: list[TableSpec],
+        num_servers: int,
+        dense_on_servers: bool = True,
+    ):
+        """``dense_on_servers`` False: the trainers keep the dense parameters
+        (``--dense-sync allreduce``), and none is placed on a server."""
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
         self.dense = {spec.name: spec for spec in dense}
         self.tables = {spec.name: spec for spec in tables}
-        self.dense_server = self._place_dense(dense, num_servers)
+        self.dense_on_servers = dense_on_servers
+        self.dense_server = self._place_dense(dense, num_servers) if dense_on_servers else {}
 
     @staticmethod
     def _place_dense(dense: list[DenseSpec], num_servers: int) -> dict[str, int]:
@@ -130,9 +140,22 @@ class ShardPlan:
         return order, counts
 
     @property
+    def signature(self) -> dict[str, Any]:
+        """What a checkpoint's part must match to be restored: the model's parameters and
+        tables (not their placement)."""
+        return {
+            "dense": {n: [list(s.shape), str(s.dtype)] for n, s in sorted(self.dense.items())},
+            "tables": {
+                n: [t.num_rows, t.dim, str(t.dtype), t.dynamic is not None]
+                for n, t in sorted(self.tables.items())
+            },
+        }
+
+    @property
     def fingerprint(self) -> str:
         described = {
             "num_servers": self.num_servers,
+            "dense_on_servers": self.dense_on_servers,
             "dense": [[n, list(s.shape), str(s.dtype)] for n, s in sorted(self.dense.items())],
             "tables": [
                 [n, s.num_rows, s.dim, str(s.dtype), repr(s.dynamic)]

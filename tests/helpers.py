@@ -10,11 +10,13 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
+from paramserver.modelplan import initial_model
 from paramserver.server.dynamic import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions
@@ -92,6 +94,41 @@ def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-unty
 MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_server's arguments
 # The faulty_jobs fixture: called with a rig that sets rules on each job's FaultyTransport.
 FaultyJobs = Callable[[Callable[[FaultyTransport], object]], list[FaultyTransport]]
+
+
+def tiny_single_process(
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, float],
+    num_trainers: int,
+    num_steps: int,
+) -> dict[str, Tensor]:
+    """TinyRecModel trained by plain torch.optim on the concatenated global batch of
+    ``num_trainers`` trainers' tiny_batches. Each table row is its own Parameter whose grad is
+    None when the batch does not touch it, so torch.optim skips it: the lazy per-row semantics
+    a parameter server has (per-row Adam step counts included)."""
+    model = initial_model(TinyRecModel, seed=0)
+    tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
+    rows = {t: [nn.Parameter(row.clone()) for row in w.detach()] for t, w in tables.items()}
+    dense = [p for n, p in model.named_parameters() if n not in tables]
+    optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
+    streams = [tiny_batches(t) for t in range(num_trainers)]
+    for _ in range(num_steps):
+        batches = [next(s) for s in streams]
+        inputs = tuple(torch.cat([b[0][i] for b in batches]) for i in range(3))
+        target = torch.cat([b[1] for b in batches])
+        optimizer.zero_grad(set_to_none=True)
+        weights = {t: torch.stack(rs) for t, rs in rows.items()}
+        mse(functional_call(model, weights, inputs), target).backward()
+        touched = {"user.weight": inputs[0], "items.weight": inputs[1]}
+        for table, ids in touched.items():
+            keep = set(ids.unique().tolist())
+            for i, row in enumerate(rows[table]):
+                if i not in keep:
+                    row.grad = None
+        optimizer.step()
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if n not in tables}
+    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
+    return state
 
 
 def threads_job(

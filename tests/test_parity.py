@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.modelplan import initial_model
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process
 
 NUM_TRAINERS = 3
 NUM_STEPS = 20
@@ -21,36 +19,8 @@ OPTIMIZERS = {
 
 
 def single_process_reference(name: str) -> dict[str, torch.Tensor]:
-    """Plain torch.optim on the concatenated global batch. Each table row is its own
-    Parameter whose grad is None when the batch does not touch it, so torch.optim skips it:
-    the lazy per-row semantics a parameter server has (per-row Adam step counts included)."""
-    model = initial_model(TinyRecModel, seed=0)
-    tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
-    rows = {
-        t: [nn.Parameter(w.detach()[i].clone()) for i in range(w.shape[0])]
-        for t, w in tables.items()
-    }
-    dense = [p for n, p in model.named_parameters() if n not in tables]
     optimizer_class, kwargs = OPTIMIZERS[name]
-    optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
-    streams = [tiny_batches(t) for t in range(NUM_TRAINERS)]
-    for _ in range(NUM_STEPS):
-        batches = [next(s) for s in streams]
-        inputs = tuple(torch.cat([b[0][i] for b in batches]) for i in range(3))
-        target = torch.cat([b[1] for b in batches])
-        optimizer.zero_grad(set_to_none=True)
-        weights = {t: torch.stack(rs) for t, rs in rows.items()}
-        mse(functional_call(model, weights, inputs), target).backward()
-        touched = {"user.weight": inputs[0], "items.weight": inputs[1]}
-        for table, ids in touched.items():
-            keep = set(ids.unique().tolist())
-            for i, row in enumerate(rows[table]):
-                if i not in keep:
-                    row.grad = None
-        optimizer.step()
-    state = {n: p.detach().clone() for n, p in model.named_parameters() if n not in tables}
-    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
-    return state
+    return tiny_single_process(optimizer_class, kwargs, NUM_TRAINERS, NUM_STEPS)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -7,8 +7,15 @@ See :mod:`paramserver.checkpoint.store` for the layout on disk and why it surviv
 """
 
 from paramserver.checkpoint.lock import DirectoryLock, lock_directory
-from paramserver.checkpoint.resume import Saved, check_fresh_start, gather_saved, resume_from
+from paramserver.checkpoint.resume import (
+    Saved,
+    check_fresh_start,
+    gather_saved,
+    resume_from,
+    saved_dense,
+)
 from paramserver.checkpoint.store import (
+    DENSE_PART,
     Checkpoint,
     Part,
     checkpoint_dir,
@@ -21,6 +28,7 @@ from paramserver.checkpoint.store import (
 from paramserver.errors import CheckpointError
 
 __all__ = [
+    "DENSE_PART",
     "Checkpoint",
     "CheckpointError",
     "DirectoryLock",
@@ -34,6 +42,7 @@ __all__ = [
     "lock_directory",
     "open_checkpoint",
     "resume_from",
+    "saved_dense",
     "verify",
     "write_part",
 ]

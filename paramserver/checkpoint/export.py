@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from paramserver.checkpoint.store import Checkpoint
+from paramserver.checkpoint.store import DENSE_PART, Checkpoint, is_model_part
 from paramserver.errors import CheckpointError
 
 WINDOW_BYTES = 8 << 20  # the rows read from all servers at a time
@@ -176,8 +176,9 @@ def export_checkpoint(found: Checkpoint, out: Path) -> int:
     """Write the model of checkpoint ``found`` to ``out`` (see the module doc); returns the
     number of tensors written. Raises :class:`CheckpointError` if the checkpoint has no server
     part or a part does not read back."""
-    names = sorted(n for n in found.part_names if n.startswith("server-"))
-    if not names:
+    # The servers' parts first: they hold the tables (the trainers' dense part has none).
+    names = sorted((n for n in found.part_names if is_model_part(n)), key=lambda n: n == DENSE_PART)
+    if not names or names[0] == DENSE_PART:
         raise CheckpointError(f"{found.directory}: no server part to export")
     out = Path(out)
     with contextlib.ExitStack() as stack:
@@ -212,11 +213,16 @@ def _skeleton(parts: list[OpenPart]) -> dict[str, tuple[tuple[int, ...], torch.d
             out[name] = (value.shape, value.dtype)
     for name, table in parts[0].meta["tables"].items():
         value = parts[0].rows_of(name).values
-        rows = sum(part.rows_of(name).count for part in parts)
+        rows = sum(part.rows_of(name).count for part in _holding(parts, name))
         out[name] = ((rows, *value.shape[1:]), value.dtype)
         if table["dynamic"]:
             out[_ids_key(name)] = ((rows,), torch.int64)
     return out
+
+
+def _holding(parts: list[OpenPart], table: str) -> list[OpenPart]:
+    """The parts that hold rows of ``table`` (every server's; not the trainers' dense part)."""
+    return [part for part in parts if table in part.meta["tables"]]
 
 
 def _ids_key(table: str) -> str:
@@ -231,7 +237,7 @@ def _fill(fd: int, parts: list[OpenPart], places: dict[str, Stored], scratch: Pa
             write_bytes(fd, read_bytes(part.fd, value.offset, value.nbytes), places[name].offset)
     for name, table in parts[0].meta["tables"].items():
         ids_at = places[_ids_key(name)].offset if table["dynamic"] else None
-        with _sorted_sources(parts, name, ids_at is not None, scratch) as sources:
+        with _sorted_sources(_holding(parts, name), name, ids_at is not None, scratch) as sources:
             _write_table(fd, name, sources, places[name], ids_at)
 
 

@@ -17,7 +17,13 @@ from typing import Any
 
 from torch import Tensor
 
-from paramserver.checkpoint.store import MANIFEST, Checkpoint, _checkpoint_dirs, load_latest
+from paramserver.checkpoint.store import (
+    DENSE_PART,
+    MANIFEST,
+    Checkpoint,
+    _checkpoint_dirs,
+    load_latest,
+)
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, ConfigError
 from paramserver.sharding import merge_rows
@@ -58,6 +64,21 @@ def resume_from(config: TrainConfig) -> Checkpoint | None:
             f"{config.mode} mode (servers may differ, trainers and mode may not)"
         )
     return found
+
+
+def saved_dense(found: Checkpoint) -> dict[str, Tensor]:
+    """The dense values and optimizer state a checkpoint holds (``dense/NAME/value``,
+    ``dense/NAME/state.SLOT``, ``dense/NAME/step``), saved under either ``--dense-sync``: the
+    trainers' dense part, or each server's part (read whole, one at a time)."""
+    names = [DENSE_PART] if DENSE_PART in found.part_names else [
+        n for n in found.part_names if n.startswith("server-")
+    ]  # fmt: skip
+    dense: dict[str, Tensor] = {}
+    for name in names:
+        tensors, _ = found.read_part(name)
+        dense.update({k: v for k, v in tensors.items() if k.startswith("dense/")})
+        del tensors
+    return dense
 
 
 def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:

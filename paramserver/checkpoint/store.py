@@ -97,6 +97,17 @@ class Part:
     files: FileDigests
 
 
+DENSE_PART = "dense"
+"""The part the chief trainer writes under ``--dense-sync allreduce``: the dense values and
+their optimizer state, in a server part's format (``dense/NAME/...``, no tables)."""
+
+
+def is_model_part(name: str) -> bool:
+    """Whether part ``name`` holds model state (a server's shard or the trainers' dense part),
+    not a trainer's position and RNG states."""
+    return name.startswith("server-") or name == DENSE_PART
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A committed checkpoint that verified when :func:`load_latest` found it."""

@@ -189,8 +189,11 @@ class ProcessGroup:
 
     def _survivable(self, role: str, code: int) -> bool:
         """A trainer other than the chief that died by a signal (killed, not failed with an
-        error) leaves the job: servers declare it departed and the rest go on."""
+        error) leaves the job: servers declare it departed and the rest go on; not with
+        ``--dense-sync allreduce``, whose all-reduce cannot go on without it."""
         if code >= 0 or not role.startswith("trainer") or role == "trainer0":
+            return False
+        if not self.config.dense_on_servers:
             return False
         if role not in self.lost:
             self.lost.add(role)

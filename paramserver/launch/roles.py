@@ -15,7 +15,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from paramserver.checkpoint import Saved, check_fresh_start, lock_directory, resume_from
+from paramserver.checkpoint import (
+    DENSE_PART,
+    Saved,
+    check_fresh_start,
+    lock_directory,
+    resume_from,
+)
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
@@ -27,6 +33,7 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.shard import ServerShard
 from paramserver.server.snapshot import model_signature, restore_shard
 from paramserver.trainer.loop import TrainerOutcome, run_trainer
+from paramserver.transport.group import CollectiveGroup, TrainerGroup
 from paramserver.types import LoopFn, ModelFn, Progress
 
 log = logging.getLogger(__name__)
@@ -50,9 +57,9 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     whole, see :func:`~paramserver.modelplan.build_model`). Server 0 keeps the buffers, which
     trainers fetch from it at their start."""
     built = build_model(model_fn, config.seed)
-    plan = plan_of(built.model, config.servers)
+    plan = plan_of(built.model, config.servers, config.dense_on_servers)
     config.check_tables(plan.tables)
-    dense = {n: p for n, p in built.model.named_parameters() if n in plan.dense}
+    dense = {n: p for n, p in built.model.named_parameters() if n in plan.dense_server}
     settings = config.shard_settings(plan.tables)
     shard = ServerShard(server, plan, dense, built.inits, settings)
     buffers = {n: b.detach().clone() for n, b in built.model.named_buffers()} if server == 0 else {}
@@ -73,6 +80,8 @@ def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainCon
     names = [n for n in found.part_names if n.startswith("server-")]
     if found.meta.get("servers") == config.servers:  # the same layout: its own part has its rows
         names = [f"server-{shard.server}"]
+    if DENSE_PART in found.part_names:  # saved under --dense-sync allreduce
+        names.append(DENSE_PART)
     signature = model_signature(shard)
 
     def saved() -> Iterator[Saved]:
@@ -351,11 +360,27 @@ def run_rank(
     if endpoint is not None:
         _serve(name, endpoint)
         return None
-    outcome = _train(rank, name, config, model_fn, loop_fn, on_progress, evaluation)
+    group = None if config.dense_on_servers else trainer_group(rank, config, init_method)
+    try:
+        outcome = _train(rank, name, config, model_fn, loop_fn, on_progress, evaluation, group)
+    finally:
+        if group is not None:
+            group.close()
     if outcome is None or outcome.state is None:
         return None
     summary = summarize(outcome, config, time.perf_counter() - started)
     return ChiefResult(outcome.state, summary, outcome.value)
+
+
+def trainer_group(rank: int, config: TrainConfig, init_method: str) -> TrainerGroup:
+    """Rank ``rank``'s place in the trainers' group (``--dense-sync allreduce``), met where the
+    RPC world met: beside its rendezvous file, or through torchrun's store. Its timeout is the
+    stall limit: a trainer may be that long in its own work before the others give up."""
+    trainer, size = rank - config.servers, config.trainers
+    if init_method.startswith("file://"):
+        path = init_method.removeprefix("file://") + ".trainers"
+        return CollectiveGroup.through_file(path, trainer, size, config.stall_limit)
+    return CollectiveGroup.through_torchrun(trainer, size, config.stall_limit)
 
 
 def _serve(name: str, endpoint: ServerEndpoint) -> None:
@@ -387,6 +412,7 @@ def _train(
     loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
+    group: TrainerGroup | None,
 ) -> TrainerOutcome | None:
     """Train as trainer ``rank - S`` until the job ends, then leave the RPC world; None if this
     trainer, not the chief, was declared departed and left the job."""
@@ -404,6 +430,7 @@ def _train(
             on_progress,
             evaluation,
             on_alarm=None if chief else _leave_if_stuck(name, config),
+            group=group,
         )
     except TrainerDepartedError as error:
         rpc_transport.stop(graceful=False)

@@ -17,6 +17,7 @@ from paramserver.launch.roles import build_server
 from paramserver.metrics import Evaluation
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.loop import TrainerOutcome, run_trainer
+from paramserver.transport.group import ThreadGroup
 from paramserver.transport.local import LocalTransport
 from paramserver.types import LoopFn, ModelFn, Progress
 
@@ -56,12 +57,14 @@ def _run_trainers(
     transport = LocalTransport(endpoints)
     outcomes: dict[int, TrainerOutcome] = {}
     errors: dict[int, BaseException] = {}
+    group = None if config.dense_on_servers else ThreadGroup(config.trainers, config.stall_limit)
 
     def trainer_main(rank: int) -> None:
         try:
             outcomes[rank] = run_trainer(
-                rank, config, model_fn, loop_fn, transport, on_progress, evaluation
-            )
+                rank, config, model_fn, loop_fn, transport, on_progress, evaluation,
+                group=group.member(rank) if group is not None else None,
+            )  # fmt: skip
         except TrainerDepartedError as error:
             if rank == 0:  # the chief: the job cannot end well without it
                 errors[rank] = error
@@ -69,6 +72,8 @@ def _run_trainers(
                 log.warning("trainer%d leaves the job: %s", rank, error)
         except BaseException as error:  # reported below, with the trainer's rank
             errors[rank] = error
+            if group is not None:  # the others' all-reduce cannot go on without it
+                group.abort()
             # Leave the job so sync rounds and the chief's wait do not hang on this trainer.
             for endpoint in endpoints:
                 endpoint.coordinator.remove_trainer(rank)

@@ -28,14 +28,7 @@ from paramserver.server.shard import ServerShard
 
 def model_signature(shard: ServerShard) -> dict[str, Any]:
     """What a checkpoint must match to be restored: the model's parameters and tables."""
-    plan = shard.plan
-    return {
-        "dense": {n: [list(s.shape), str(s.dtype)] for n, s in sorted(plan.dense.items())},
-        "tables": {
-            n: [t.num_rows, t.dim, str(t.dtype), t.dynamic is not None]
-            for n, t in sorted(plan.tables.items())
-        },
-    }
+    return shard.plan.signature
 
 
 def snapshot_shard(shard: ServerShard) -> Saved:
@@ -105,6 +98,8 @@ def _restore_one(shard: ServerShard, tensors: dict[str, Tensor], meta: dict[str,
         for key, value in slot.state.items():
             value.copy_(tensors[f"dense/{name}/state.{key}"])
         slot.version.copy_(tensors[f"dense/{name}/step"])
+    if meta["server"] is None:  # the trainers' dense part (--dense-sync allreduce): no more
+        return
     # Counters are per server: each new server takes those of the old servers it replaces.
     takes_counters = meta["server"] % plan.num_servers == shard.server
     for name, table_meta in meta["tables"].items():

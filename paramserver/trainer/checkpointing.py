@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -31,7 +32,9 @@ from torch import Tensor
 from torch.futures import Future
 
 from paramserver.checkpoint import (
+    DENSE_PART,
     Part,
+    Saved,
     checkpoint_dir,
     commit,
     write_part,
@@ -79,6 +82,10 @@ class TrainerCheckpoints:
         self.last_planned_at = time.monotonic()
         self.last_planned_step = 0
         self._commits: list[Future] = []  # completed when each commit ends, well or not
+        # Chief, --dense-sync allreduce: the dense part's tensors and metadata, saved with its
+        # own part (so at the same step boundary) and committed with the servers' parts.
+        self.dense_part: Callable[[], Saved] | None = None
+        self._dense_written: Part | None = None
 
     def resumed_at(self, step: int) -> None:
         """The job continues from checkpoint ``step``: it is saved already."""
@@ -127,6 +134,10 @@ class TrainerCheckpoints:
         tensors, meta = rng_state()
         meta.update(step=step, steps_done=steps_done, samples=samples)
         part = write_part(checkpoint_dir(root, step), f"trainer-{self.trainer}", tensors, meta)
+        if self.dense_part is not None:
+            self._dense_written = write_part(
+                checkpoint_dir(root, step), DENSE_PART, *self.dense_part()
+            )
         wait_all([self.transport.call(0, "add_trainer_part", step, self.trainer, part)], self.alarm)
         self.saved_through = step
 
@@ -140,6 +151,7 @@ class TrainerCheckpoints:
         )
         servers = self.transport.call_all("checkpoint_part", step, timeout_s=0)
         trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
+        dense = [self._dense_written] if self._dense_written is not None else []
         settings = self.settings
         committed: Future = Future()
 
@@ -147,7 +159,7 @@ class TrainerCheckpoints:
             try:
                 answers = wait_all([*servers, trainers], self.alarm)
                 trainer_parts = cast(list[Part], answers.pop())
-                parts = [*cast(list[Part], answers), *trainer_parts]
+                parts = [*cast(list[Part], answers), *trainer_parts, *dense]
                 commit(root, step, parts, dict(settings.job), keep=settings.keep)
                 log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
             except ServerLostError as lost:  # the job stops on its own report; no traceback

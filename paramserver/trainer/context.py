@@ -39,6 +39,7 @@ from paramserver.errors import LoopError, ParamServerError
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled
+from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.observer import Observer
 from paramserver.trainer.replica import Call, Replica
@@ -119,6 +120,7 @@ class Engine:
     activity: Activity
     observer: Observer
     on_progress: Callable[[Progress], None] | None
+    dense: AllReducedDense | None = None  # --dense-sync allreduce: the trainer's own
 
 
 class TrainContext:
@@ -316,6 +318,7 @@ class TrainContext:
         assert self._in_flight is not None
         pulled = self._in_flight.wait()
         self._in_flight = None
+        self._apply_dense()  # before a checkpoint's part is saved, and before computing
         self._pulled, self._last_call = pulled, pulled.call
         engine.checkpoints.after_reply(pulled.call, pulled.checkpoint_at, self.steps, self.samples)
         if record_next is not None:
@@ -337,6 +340,10 @@ class TrainContext:
         self._engine.replica.scale_gradients(self._engine.config.accumulate / self._micro)
         self._end_step()
 
+    def _apply_dense(self) -> None:
+        if self._engine.dense is not None:
+            self._engine.dense.finish()
+
     def _send(self, following: Step | None) -> None:
         """Start the call that pushes the pending gradients and pulls ``following``'s values."""
         self._in_flight = self._pending.push(self._engine.client, following)
@@ -349,6 +356,9 @@ class TrainContext:
         if engine.config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), engine.config.clip_grad_norm)
         self._pending = Gradients.of(replica, pulled.call)
+        if engine.dense is not None:  # averaged among the trainers, not pushed
+            engine.dense.start(self._pending.dense, pulled.call)
+            self._pending.dense = {}
         self.steps += 1
         self.losses.append(self._step_loss)
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
@@ -365,6 +375,7 @@ class TrainContext:
         if self._in_flight is not None:
             self._in_flight.wait()  # a prefetch whose step never came
             self._in_flight = None
+        self._apply_dense()
         if self._forwards:
             log.warning(
                 "trainer %d: the loop ran a training forward after its last ctx.step(); "

@@ -12,6 +12,7 @@ and every server's statistics, so the job's result is complete under any launche
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,20 +22,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from paramserver.checkpoint import resume_from
+from paramserver.checkpoint import resume_from, saved_dense
 from paramserver.config import TrainConfig
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
-from paramserver.modelplan import build_model, plan_of
+from paramserver.modelplan import SEEDING, build_model, plan_of
 from paramserver.observe import peak_rss_bytes
 from paramserver.protocol import TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
 from paramserver.trainer.context import Engine, Gradients, Resumed, TrainContext
+from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity, Heartbeats
 from paramserver.trainer.observer import Observer
 from paramserver.trainer.replica import Replica
 from paramserver.transport.base import Transport
+from paramserver.transport.group import TrainerGroup
 from paramserver.transport.profiled import ProfiledTransport
 from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress, as_tuple
 
@@ -112,10 +115,12 @@ def run_trainer(
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
     on_alarm: Callable[[BaseException], None] | None = None,
+    group: TrainerGroup | None = None,
 ) -> TrainerOutcome:
     """Run ``loop_fn`` until it returns; the chief then gathers the job's results.
     ``on_alarm`` hears (from the heartbeat thread) of a lost server or of this trainer's
-    departure, even while the loop is blocked in its data."""
+    departure, even while the loop is blocked in its data. ``group``: the trainers' group,
+    for ``--dense-sync allreduce``."""
     activity = Activity()
     # Every call's latency and bytes, by operation; every call is progress.
     transport = ProfiledTransport(transport, activity=activity)
@@ -131,7 +136,7 @@ def run_trainer(
         on_alarm,
     ).start()
     try:
-        run = _TrainerRun(trainer, config, model_fn, transport, heartbeats)
+        run = _TrainerRun(trainer, config, model_fn, transport, heartbeats, group)
         return run.run(loop_fn, on_progress, evaluation)
     finally:
         heartbeats.stop()
@@ -148,6 +153,7 @@ class _TrainerRun:
         model_fn: ModelFn,
         transport: ProfiledTransport,
         heartbeats: Heartbeats,
+        group: TrainerGroup | None = None,
     ):
         self.trainer = trainer
         self.config = config
@@ -155,11 +161,12 @@ class _TrainerRun:
         self.activity = heartbeats.activity
         self.alarm = heartbeats.alarm
         model = trainer_model(model_fn, config.seed)
-        self.plan = plan_of(model, config.servers)
+        self.plan = plan_of(model, config.servers, config.dense_on_servers)
         config.check_tables(self.plan.tables)
         self.replica = Replica(model, config.server_pooling)
         self.replica.model.train()
-        torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
+        with SEEDING:  # not while another trainer thread builds its model
+            torch.manual_seed(config.seed * 1_000_003 + 1 + trainer)
         self.client = PSClient(
             transport,
             self.plan,
@@ -172,6 +179,15 @@ class _TrainerRun:
         initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
         self.replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
         self.checkpoints = TrainerCheckpoints(config.checkpointing, trainer, transport, self.alarm)
+        self.dense = None
+        if not config.dense_on_servers:
+            if group is None:
+                raise ValueError("--dense-sync allreduce needs the trainers' group")
+            rule = config.dense_optimizer()
+            self.dense = AllReducedDense(self.replica.dense, rule, group, self.activity)
+            if trainer == 0:
+                saved = functools.partial(self.dense.saved, self.plan.signature, config.servers)
+                self.checkpoints.dense_part = saved
 
     def run(
         self,
@@ -181,14 +197,16 @@ class _TrainerRun:
     ) -> TrainerOutcome:
         resumed = Resumed()
         if self.config.resume:
-            resumed = resume_trainer(self.trainer, self.config, self.client, self.checkpoints)
+            resumed = resume_trainer(
+                self.trainer, self.config, self.client, self.checkpoints, self.dense
+            )
         observer = Observer(
             self.trainer, self.config.observing, self.client, self.replica, evaluation,
             self.alarm, resumed.steps, resumed.samples,
         )  # fmt: skip
         engine = Engine(
             self.trainer, self.config, self.replica, self.client, self.checkpoints,
-            self.activity, observer, on_progress,
+            self.activity, observer, on_progress, self.dense,
         )  # fmt: skip
         ctx = TrainContext(engine, resumed)
         try:
@@ -246,6 +264,8 @@ class _TrainerRun:
         state: dict[str, Tensor] = {}
         if self.config.gather_model:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)
+            if self.dense is not None:  # kept here, not on the servers
+                state.update({n: p.detach().clone() for n, p in self.replica.dense.items()})
             # Buffers (batch-norm statistics and the like) are not served: take this replica's.
             buffers = self.replica.model.state_dict().items()
             state.update({k: v for k, v in buffers if k not in self.replica.dense})
@@ -261,14 +281,21 @@ class _TrainerRun:
 
 
 def resume_trainer(
-    trainer: int, config: TrainConfig, client: PSClient, checkpoints: TrainerCheckpoints
+    trainer: int,
+    config: TrainConfig,
+    client: PSClient,
+    checkpoints: TrainerCheckpoints,
+    dense: AllReducedDense | None = None,
 ) -> Resumed:
-    """Continue from the newest checkpoint: the call numbering, and where this trainer's data
-    and RNG states were (a fresh start without a checkpoint). A trainer without a part there
-    had left the job before it was saved."""
+    """Continue from the newest checkpoint: the call numbering, where this trainer's data and
+    RNG states were, and the dense state it keeps under ``--dense-sync allreduce`` (a fresh
+    start without a checkpoint). A trainer without a part there had left the job before it
+    was saved."""
     found = resume_from(config)
     if found is None:
         return Resumed()
+    if dense is not None:
+        dense.restore(saved_dense(found))
     # Servers resume with every trainer at the saved call k, holding what each one's call k
     # read: a trainer saved at k (all, in sync mode) repeats it, read again without being
     # counted twice; one saved later (async) goes on at k + 1; one whose data had ended

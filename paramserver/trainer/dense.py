@@ -1,0 +1,147 @@
+"""Dense parameters kept by the trainers (``--dense-sync allreduce``).
+
+Every trainer holds the dense parameters (the same seeded values at the start); each step it
+averages their gradients with the other trainers through the trainers' group
+(:mod:`paramserver.transport.group`) and applies the job's dense rule and schedule here, with
+``torch.optim`` (the math the servers' rules run), so every trainer holds the same values. The
+all-reduce starts as soon as the step's gradients are taken and runs while the step's table
+push and the next step's pull are under way; the update is applied once they are back, before
+the next step computes (or before the job ends).
+
+A step's gradient missing on a trainer (a parameter its batches did not reach) counts as zero
+in the mean. Checkpoints hold the state once, from the chief, under the servers' names
+(``dense/NAME/value``, ``dense/NAME/state.SLOT``, ``dense/NAME/step``), so a job can resume
+with either ``--dense-sync``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paramserver.checkpoint import Saved
+from paramserver.config import OptimizerConfig
+from paramserver.trainer.heartbeat import Activity
+from paramserver.transport.group import Reduction, TrainerGroup
+
+
+def torch_optimizer(params: list[nn.Parameter], rule: OptimizerConfig) -> torch.optim.Optimizer:
+    """``rule`` as a ``torch.optim`` optimizer over ``params``, running the same single-tensor
+    (fused, for Adagrad) math as the servers' update rules."""
+    if rule.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=rule.lr, momentum=rule.momentum, dampening=rule.dampening,
+            nesterov=rule.nesterov, weight_decay=rule.weight_decay, foreach=False,
+        )  # fmt: skip
+    if rule.name == "adagrad":
+        return torch.optim.Adagrad(
+            params, lr=rule.lr, lr_decay=rule.adagrad_lr_decay, weight_decay=rule.weight_decay,
+            initial_accumulator_value=rule.initial_accumulator_value, eps=rule.resolved_eps,
+            fused=True,
+        )  # fmt: skip
+    if rule.name == "adam":
+        return torch.optim.Adam(
+            params, lr=rule.lr, betas=rule.betas, eps=rule.resolved_eps,
+            weight_decay=rule.weight_decay, foreach=False,
+        )  # fmt: skip
+    raise ValueError(f"no trainer-side dense rule {rule.name!r}")  # refused by TrainConfig
+
+
+class AllReducedDense:
+    """The dense parameters of one trainer under ``--dense-sync allreduce``."""
+
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        rule: OptimizerConfig,
+        group: TrainerGroup,
+        activity: Activity,
+    ):
+        self.params = params
+        self.rule = rule
+        self.group = group
+        self.activity = activity
+        self.optimizer = torch_optimizer(list(params.values()), rule)
+        self.updates = 0  # updates applied (the servers' version of each dense value)
+        self._pending: tuple[Reduction, list[Tensor], int] | None = None
+        # Every trainer starts from the chief's values: seeded builds agree, but threads of
+        # one process share torch's RNG, and a model_fn may not be deterministic.
+        with torch.no_grad(), self._waiting():
+            group.broadcast_from_chief(list(params.values()))
+
+    def start(self, grads: dict[str, Tensor], step: int) -> None:
+        """Start averaging the gradients of training step ``step`` (0 for the first)."""
+        ordered = [
+            grads[name] if name in grads else torch.zeros_like(param)
+            for name, param in self.params.items()
+        ]
+        self._pending = (self.group.all_reduce_mean(ordered), ordered, step)
+
+    def finish(self) -> None:
+        """Wait for the averaged gradients under way and apply them (nothing if none)."""
+        if self._pending is None:
+            return
+        reduction, grads, step = self._pending
+        self._pending = None
+        with self._waiting():
+            reduction.wait()
+        for param, grad in zip(self.params.values(), grads, strict=True):
+            param.grad = grad
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.rule.lr_at(step, "dense")
+        self.optimizer.step()
+        self.updates += 1
+        for param in self.params.values():
+            param.grad = None
+
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Waiting on the other trainers, like a call to a server, is not being idle."""
+        self.activity.call_started()
+        try:
+            yield
+        finally:
+            self.activity.call_ended()
+
+    def saved(self, signature: dict[str, Any], num_servers: int) -> Saved:
+        """The checkpoint's dense part: values and optimizer state under the servers' names,
+        with a server part's metadata (no server, no tables)."""
+        tensors: dict[str, Tensor] = {}
+        for name, param in self.params.items():
+            tensors[f"dense/{name}/value"] = param.detach().clone()
+            for slot, value in self.optimizer.state.get(param, {}).items():
+                if slot != "step":
+                    tensors[f"dense/{name}/state.{slot}"] = value.clone()
+            tensors[f"dense/{name}/step"] = torch.tensor(float(self.updates))
+        meta = {
+            "server": None,
+            "num_servers": num_servers,
+            "dense": sorted(self.params),
+            "tables": {},
+            "signature": signature,
+        }
+        return tensors, meta
+
+    @torch.no_grad()
+    def restore(self, saved: dict[str, Tensor]) -> None:
+        """Take the values and optimizer state of a checkpoint (:func:`saved_dense`: saved
+        under either ``--dense-sync``)."""
+        for name, param in self.params.items():
+            param.copy_(saved[f"dense/{name}/value"])
+            updates = saved[f"dense/{name}/step"]
+            slots = {
+                key.rsplit(".", 1)[1]: value
+                for key, value in saved.items()
+                if key.startswith(f"dense/{name}/state.")
+            }
+            state = self.optimizer.state[param]
+            state.clear()
+            if self.rule.name != "sgd":
+                state["step"] = updates.clone().to(torch.float32)
+            if self.rule.name != "sgd" or float(updates) > 0:  # torch starts momentum lazily
+                state.update({slot: value.clone() for slot, value in slots.items()})
+            self.updates = int(updates)

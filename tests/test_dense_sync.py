@@ -1,0 +1,124 @@
+"""``--dense-sync allreduce``: dense parameters on the trainers, averaged by all-reduce; tables
+on the servers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.checkpoint import DENSE_PART, load_latest
+from paramserver.modelplan import initial_model
+from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process, wait_for_checkpoint
+
+NUM_TRAINERS = 3
+NUM_STEPS = 20
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "adam": (torch.optim.Adam, {"lr": 0.02}),
+}
+DENSE = ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
+
+
+def config(optimizer: str = "adagrad", **changes: Any) -> ps.TrainConfig:
+    _, kwargs = OPTIMIZERS[optimizer]
+    settings: dict[str, Any] = dict(
+        servers=2, trainers=NUM_TRAINERS, mode="sync", optimizer=optimizer, lr=kwargs["lr"],
+        momentum=kwargs.get("momentum", 0.0), dense_sync="allreduce", launcher="threads",
+        progress=False,
+    )  # fmt: skip
+    settings.update(changes)
+    return ps.TrainConfig(**settings)
+
+
+def train(job: ps.TrainConfig, data: Any = None) -> ps.TrainResult:
+    result = ps.train(TinyRecModel, data or (lambda t, n: tiny_batches(t)), mse, job)
+    assert result is not None and result.model is not None
+    return result
+
+
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_sync_tables_and_all_reduced_dense_equal_single_process(optimizer: str) -> None:
+    result = train(config(optimizer))
+    assert result.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
+    optimizer_class, kwargs = OPTIMIZERS[optimizer]
+    expected = tiny_single_process(optimizer_class, kwargs, NUM_TRAINERS, NUM_STEPS)
+    initial = initial_model(TinyRecModel, seed=0).state_dict()
+    got = result.model.state_dict()  # type: ignore[union-attr]
+    for name, value in expected.items():
+        assert not torch.equal(value, initial[name]), f"{name} never moved: the test is vacuous"
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_all_reduce_equals_dense_on_servers_in_sync_mode_under_processes() -> None:
+    on_servers = train(config(dense_sync="server"))
+    all_reduced = train(config(launcher="processes"))
+    for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]
+        got = all_reduced.model.state_dict()[name]  # type: ignore[union-attr]
+        torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)
+    sent = [
+        result.summary["calls"]["push_pull"]["sent_bytes"] for result in (on_servers, all_reduced)
+    ]
+    dense_bytes = sum(initial_model(TinyRecModel, 0).state_dict()[n].numel() * 4 for n in DENSE)
+    # Each trainer's pushes lose the dense gradients of every step but the final call's.
+    assert sent[0] - sent[1] >= NUM_TRAINERS * (NUM_STEPS - 1) * dense_bytes
+
+
+def crashing_after(step: int, root: Path) -> Any:
+    """Trainer 0's data ends in a crash at ``step + 1``, once checkpoint ``step`` is committed."""
+
+    def data(trainer: int, num_trainers: int) -> Any:
+        for index, batch in enumerate(tiny_batches(trainer)):
+            if trainer == 0 and index == step + 1:
+                wait_for_checkpoint(root, step)
+                raise RuntimeError("crash")
+            yield batch
+
+    return data
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [("allreduce", "allreduce"), ("server", "allreduce"), ("allreduce", "server")],
+)
+def test_sync_resume_is_exact_and_may_switch_dense_sync(
+    tmp_path: Path, before: str, after: str
+) -> None:
+    root = tmp_path / "ckpt"
+    straight = train(config(dense_sync=after))
+    job = config(checkpoint_dir=str(root), checkpoint_every=6)
+    with pytest.raises(ps.JobFailedError, match="crash"):
+        train(job.replace(dense_sync=before), crashing_after(6, root))
+    found = load_latest(root)
+    assert found is not None and found.step == 6
+    assert (DENSE_PART in found.part_names) == (before == "allreduce")
+    resumed = train(job.replace(dense_sync=after, resume=True))
+    for name, value in straight.model.state_dict().items():  # type: ignore[union-attr]
+        got = resumed.model.state_dict()[name]  # type: ignore[union-attr]
+        if before == after:
+            assert torch.equal(got, value), name
+        else:  # the same math, on servers or trainers: equal up to float rounding
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_allreduce_checkpoint_exports_its_dense_parameters(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    result = train(config(checkpoint_dir=str(root), checkpoint_every=5, steps=10))
+    found = load_latest(root)
+    assert found is not None
+    from paramserver.checkpoint.export import export_checkpoint
+
+    export_checkpoint(found, tmp_path / "model.pt")
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(exported) == set(result.model.state_dict())  # type: ignore[union-attr]
+
+
+def test_dense_codecs_are_refused_with_allreduce() -> None:
+    with pytest.raises(ps.ConfigError, match="never travel"):
+        config(dense_push_codec="int8")
+    with pytest.raises(ps.ConfigError, match="--dense-sync"):
+        config(dense_sync="ring")
