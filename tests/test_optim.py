@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from paramserver.config import OptimizerConfig
-from paramserver.server.optim import RowWiseAdagrad, apply_rows, make_rule
+from paramserver.server.optim import RowUpdate, RowWiseAdagrad, apply_rows, apply_updates, make_rule
 
 NUM_ROWS, DIM = 6, 4
 # Rows touched at each step: rows 0 and 3 every time, row 5 never, the others now and then, so
@@ -81,3 +81,84 @@ def test_rowwise_adagrad_first_step_moves_each_row_by_lr_over_its_rms() -> None:
     assert weight[1].tolist() == pytest.approx([-1.0, 0.0, 0.0, 0.0])  # rms of [100,0,0,0] = 50
     assert weight[2].tolist() == [0.0] * DIM  # no gradient, no move (eps keeps it finite)
     assert state["sum"].squeeze(1).tolist() == pytest.approx([1.0, 2500.0, 0.0])
+
+
+RULE_CONFIGS = [
+    OptimizerConfig(name="sgd", lr=0.1),
+    OptimizerConfig(name="sgd", lr=0.1, weight_decay=0.01),
+    OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, dampening=0.1),
+    OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    OptimizerConfig(name="adagrad", lr=0.1),
+    OptimizerConfig(
+        name="adagrad",
+        lr=0.1,
+        adagrad_lr_decay=0.05,
+        initial_accumulator_value=0.1,
+        weight_decay=0.01,
+    ),
+    OptimizerConfig(name="rowwise_adagrad", lr=0.1, weight_decay=0.01),
+    OptimizerConfig(name="adam", lr=0.01),
+    OptimizerConfig(name="adam", lr=0.01, weight_decay=0.01, betas=(0.8, 0.9)),
+]
+
+
+@pytest.mark.parametrize("config", RULE_CONFIGS, ids=lambda c: f"{c.name}")
+def test_tables_updated_together_equal_each_alone(config: OptimizerConfig) -> None:
+    """apply_updates over several tables (one torch.optim call for all where the rule takes
+    lists) leaves every value, state slot and step count bitwise as apply_rows table by table,
+    over steps that bring rows to different step counts (each table its own rows and dims)."""
+    rule = make_rule(config)
+    g = torch.Generator().manual_seed(1)
+    shapes = [(50, 8), (40, 8), (30, 5)]
+
+    def tables() -> list[tuple[Tensor, dict[str, Tensor], Tensor | None]]:
+        made = []
+        for num_rows, dim in shapes:
+            weight = torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(num_rows))
+            steps = torch.zeros(num_rows) if rule.needs_steps else None
+            made.append((weight, rule.init_state(weight), steps))
+        return made
+
+    together, alone = tables(), tables()
+    for lr in (0.1, 0.05, 0.2, 0.1):
+        updates = []
+        for (weight, state, steps), (num_rows, dim) in zip(together, shapes, strict=True):
+            rows = torch.randperm(num_rows, generator=g)[: num_rows // 2].sort().values
+            grads = torch.randn(rows.numel(), dim, generator=g)
+            updates.append(RowUpdate(weight, state, steps, rows, grads))
+        apply_updates(rule, updates, lr)
+        for (weight, state, steps), update in zip(alone, updates, strict=True):
+            apply_rows(rule, weight, state, steps, update.rows, update.grads, lr)
+    for (w1, s1, c1), (w2, s2, c2), (start, _, _) in zip(together, alone, tables(), strict=True):
+        assert not torch.equal(w1, start), "the test is vacuous"
+        assert torch.equal(w1, w2)
+        assert s1.keys() == s2.keys() and all(torch.equal(s1[k], s2[k]) for k in s1)
+        assert (c1 is None and c2 is None) or (c1 is not None and torch.equal(c1, c2))
+        if c1 is not None:
+            assert len(set(c1.tolist())) > 1  # rows at different step counts
+
+
+@pytest.mark.parametrize("config", RULE_CONFIGS, ids=lambda c: f"{c.name}")
+def test_apply_rows_equals_the_rule_step_on_each_row_group(config: OptimizerConfig) -> None:
+    """apply_rows (gather, one step per step-count group, scatter) against the rule's own step
+    on each row alone (a block of one row, its own step count): the same values bitwise."""
+    rule = make_rule(config)
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(20, 6, generator=g)
+    state = rule.init_state(weight)
+    steps = torch.zeros(20) if rule.needs_steps else None
+    by_row = weight.clone()
+    row_state = {k: v.clone() for k, v in state.items()}
+    row_steps = torch.zeros(20)
+    for _ in range(3):
+        rows = torch.randperm(20, generator=g)[:12].sort().values
+        grads = torch.randn(12, 6, generator=g)
+        apply_rows(rule, weight, state, steps, rows, grads, 0.1)
+        for row, grad in zip(rows.tolist(), grads, strict=True):
+            block = by_row[row : row + 1]
+            block_state = {k: v[row : row + 1] for k, v in row_state.items()}
+            count = row_steps[row].clone() if rule.needs_steps else torch.zeros(())
+            rule.step(block, grad.unsqueeze(0), block_state, count, 0.1)
+            row_steps[row] += 1
+    assert torch.equal(weight, by_row)
+    assert all(torch.equal(state[k], row_state[k]) for k in state)

@@ -55,7 +55,7 @@ from torch import Tensor
 
 from paramserver.hashing import mix64_array
 from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.server.optim import State, UpdateRule, apply_rows
+from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.server.tables import Pull, Reading, nbytes_of, put_rows, row_entries
 from paramserver.sharding import DynamicOptions, TableSpec
 
@@ -85,9 +85,14 @@ def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarr
     all)."""
     seeds = mix64_array(ids.astype(np.int64) + salts)
     bits = seeds[:, None] * _column_multipliers(dim)
-    unit = ((bits >> 40) & 0xFFFFFF).astype(np.float32) * np.float32(1.0 / (1 << 24))
+    bits >>= 40  # in place from here: the same operations, fewer passes over fresh memory
+    bits &= 0xFFFFFF
+    unit = bits.astype(np.float32)
+    unit *= np.float32(1.0 / (1 << 24))
     scales = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
-    return torch.from_numpy(unit * (2 * scales) - scales)
+    unit *= 2 * scales
+    unit -= scales
+    return torch.from_numpy(unit)
 
 
 def _new_rows(
@@ -301,6 +306,13 @@ class DynamicTable:
         """Apply the gradients of ``ids`` (sorted, unique) computed from the read ``pull``
         (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
         by :meth:`rows_still_pulled`) at learning rate ``lr``; returns the rows updated."""
+        update = self.row_update(ids, grads, pull)
+        apply_updates(self.rule, [update], lr)
+        return self.updated(update, clock)
+
+    def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
+        """The rows of ``ids`` at the read ``pull`` (see :meth:`apply`); the gradients of ids
+        without one are dropped (counted)."""
         rows = self._rows_at_pull(ids, pull) if pull is not None else None
         if rows is None:
             rows = self.ids.lookup(ids)
@@ -309,12 +321,14 @@ class DynamicTable:
         if dropped:  # no row at the pull (pending), or it was removed since
             self.counters.dropped_grads += dropped
             rows, grads = rows[present], grads[present]
-        apply_rows(self.rule, self.weight, self.state, self.steps, rows, grads, lr)
+        return RowUpdate(self.weight, self.state, self.steps, rows, grads)
+
+    def updated(self, update: RowUpdate, clock: int) -> int:
         if self.last_touched is not None:
-            self.last_touched[rows] = clock
+            self.last_touched[update.rows] = clock
         if self.versions is not None:
-            self.versions[rows] += 1
-        return rows.numel()
+            self.versions[update.rows] += 1
+        return update.rows.numel()
 
     def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
         """Which gradients of ``ids`` (sorted, unique), computed from the read ``pull``, still

@@ -18,7 +18,10 @@ FBGEMM's rule for embedding tables: one accumulator per row, the mean of the squ
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.optim.adagrad import adagrad
@@ -28,6 +31,17 @@ from torch.optim.sgd import sgd
 from paramserver.config import OptimizerConfig
 
 State = dict[str, Tensor]
+
+
+@dataclass
+class Block:
+    """One block to update (see the module doc): parameters, their gradient, state slots and
+    the block's 0-d step count."""
+
+    param: Tensor
+    grad: Tensor
+    state: State
+    step: Tensor
 
 
 class UpdateRule(ABC):
@@ -68,6 +82,13 @@ class UpdateRule(ABC):
         """Update ``param`` and ``state`` in place at learning rate ``lr``; ``step`` is the
         block's 0-d float32 count *before* this update, and it is incremented in place."""
 
+    def step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
+        """:meth:`step` on each of ``blocks``, with the same result: a rule whose torch.optim
+        function takes lists overrides it to make one call for all (it runs the same kernel on
+        each tensor of a list)."""
+        for block in blocks:
+            self.step(block.param, block.grad, block.state, block.step, lr)
+
 
 class SGD(UpdateRule):
     slots = ("momentum_buffer",)
@@ -82,6 +103,25 @@ class SGD(UpdateRule):
     def step_group(self, steps: Tensor) -> Tensor | None:
         # Only the first step differs (torch starts the momentum buffer from the gradient).
         return (steps > 0).to(steps.dtype) if self.config.momentum else None
+
+    def step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
+        c = self.config
+        if c.momentum:  # each block's buffer is set up on its own (see step)
+            super().step_blocks(blocks, lr)
+            return
+        sgd(
+            [b.param for b in blocks],
+            [b.grad for b in blocks],
+            [None] * len(blocks),
+            weight_decay=c.weight_decay,
+            momentum=0.0,
+            lr=lr,
+            dampening=c.dampening,
+            nesterov=c.nesterov,
+            maximize=False,
+        )
+        for b in blocks:
+            b.step.add_(1)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
@@ -126,12 +166,15 @@ class Adagrad(UpdateRule):
         return steps if self.config.adagrad_lr_decay else None
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
+        self.step_blocks([Block(param, grad, state, step)], lr)
+
+    def step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
         c = self.config
         adagrad(
-            [param],
-            [grad],
-            [state["sum"]],
-            [step],
+            [b.param for b in blocks],
+            [b.grad for b in blocks],
+            [b.state["sum"] for b in blocks],
+            [b.step for b in blocks],
             fused=True,
             lr=lr,
             weight_decay=c.weight_decay,
@@ -145,15 +188,18 @@ class Adam(UpdateRule):
     slots = ("exp_avg", "exp_avg_sq")
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
+        self.step_blocks([Block(param, grad, state, step)], lr)
+
+    def step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
         c = self.config
         beta1, beta2 = c.betas
         adam(
-            [param],
-            [grad],
-            [state["exp_avg"]],
-            [state["exp_avg_sq"]],
+            [b.param for b in blocks],
+            [b.grad for b in blocks],
+            [b.state["exp_avg"] for b in blocks],
+            [b.state["exp_avg_sq"] for b in blocks],
             [],
-            [step],
+            [b.step for b in blocks],
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
@@ -211,6 +257,18 @@ def make_rule(config: OptimizerConfig) -> UpdateRule:
     return RULES[config.name](config)
 
 
+@dataclass
+class RowUpdate:
+    """Gradients for rows of one table: ``weight[rows]`` (``rows`` unique) with ``grads``, its
+    state slots and per-row step counts (None for a rule whose math ignores them)."""
+
+    weight: Tensor
+    state: State
+    steps: Tensor | None
+    rows: Tensor
+    grads: Tensor
+
+
 def apply_rows(
     rule: UpdateRule,
     weight: Tensor,
@@ -223,31 +281,90 @@ def apply_rows(
     """Apply ``grads`` to ``weight[rows]`` (``rows`` unique) at learning rate ``lr``, and the
     rows' state and step counts (``steps`` is None for a rule whose math ignores them).
 
-    Gathers the rows and their state, runs one fused step per step-count group, scatters back.
-    Not thread-safe: the caller holds the table's lock.
+    :func:`apply_updates` of this one table. Not thread-safe: the caller holds the table's lock.
     """
-    if rows.numel() == 0:
-        return
-    if steps is None:
-        row_steps = torch.zeros(rows.numel(), dtype=torch.float32)
+    apply_updates(rule, [RowUpdate(weight, state, steps, rows, grads)], lr)
+
+
+def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> None:
+    """Apply each update, all by ``rule`` at learning rate ``lr`` (tables of one rule).
+
+    Gathers each table's rows and their state, groups them by step count (see
+    :meth:`UpdateRule.step_group`), runs the rule once over every group of every table
+    (:meth:`UpdateRule.step_blocks`: one torch.optim call where the rule allows it) and
+    scatters the rows back: the same result as one table at a time. Not thread-safe: the
+    caller holds the tables' locks.
+    """
+    gathered = [_gather(rule, update) for update in updates if update.rows.numel()]
+    rule.step_blocks([block for each in gathered for block in each.blocks], lr)
+    for each in gathered:
+        each.scatter()
+
+
+@dataclass
+class _Gathered:
+    """An update's rows gathered for the rule (``values``, ``state``: copies, in the order of
+    ``rows``), in blocks of one step-count group each."""
+
+    update: RowUpdate
+    rows: Tensor
+    values: Tensor
+    state: State
+    blocks: list[Block]
+
+    def scatter(self) -> None:
+        """Write the updated rows and state back, and count their steps."""
+        target = self.update
+        rows = self.rows.numpy()
+        put_rows(target.weight, rows, self.values)
+        for slot, value in self.state.items():
+            put_rows(target.state[slot], rows, value)
+        if target.steps is not None:
+            target.steps.index_add_(0, self.rows, torch.ones(self.rows.numel()))
+
+
+def put_rows(target: Tensor, rows: np.ndarray, values: Tensor) -> None:
+    """``target[rows] = values`` (``rows`` unique), through numpy where it holds the dtype: its
+    row copies cost about two thirds of ``index_copy_``'s on CPU."""
+    if target.dtype in _NUMPY_DTYPES:
+        target.numpy()[rows] = values.numpy()
     else:
-        row_steps = steps.index_select(0, rows)
-    keys = rule.step_group(row_steps)
+        target.index_copy_(0, torch.from_numpy(rows), values)
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _gather(rule: UpdateRule, update: RowUpdate) -> _Gathered:
+    rows, grads, steps = update.rows, update.grads, update.steps
+    row_steps = None if steps is None else steps.index_select(0, rows)
+    keys = None if row_steps is None else rule.step_group(row_steps)
     if keys is None:
         bounds = [(0, rows.numel())]
     else:
+        assert row_steps is not None
         order = torch.argsort(keys, stable=True)
         rows, grads, row_steps = rows[order], grads[order], row_steps[order]
         counts = torch.unique_consecutive(keys[order], return_counts=True)[1]
         ends = counts.cumsum(0).tolist()
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-    block = weight.index_select(0, rows)
-    block_state = {slot: value.index_select(0, rows) for slot, value in state.items()}
-    for start, end in bounds:
-        group_state = {slot: value[start:end] for slot, value in block_state.items()}
-        rule.step(block[start:end], grads[start:end], group_state, row_steps[start].clone(), lr)
-    weight.index_copy_(0, rows, block)
-    for slot, value in block_state.items():
-        state[slot].index_copy_(0, rows, value)
-    if steps is not None:
-        steps.index_add_(0, rows, torch.ones_like(row_steps))
+    values = update.weight.index_select(0, rows)
+    state = {slot: value.index_select(0, rows) for slot, value in update.state.items()}
+    blocks = [
+        Block(
+            values[start:end],
+            grads[start:end],
+            {slot: value[start:end] for slot, value in state.items()},
+            _block_step(row_steps, start),
+        )
+        for start, end in bounds
+    ]
+    return _Gathered(update, rows, values, state, blocks)
+
+
+def _block_step(row_steps: Tensor | None, start: int) -> Tensor:
+    """A block's step count: its first row's (all rows of a block share the part that
+    matters); 0 where the rule ignores it."""
+    if row_steps is None:
+        return torch.zeros((), dtype=torch.float32)
+    return row_steps[start].clone()

@@ -16,7 +16,8 @@ import hashlib
 import math
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ from paramserver.protocol import (
     must_send,
 )
 from paramserver.server.dynamic import DynamicTable, locate_together
-from paramserver.server.optim import State, UpdateRule, make_rule
+from paramserver.server.optim import Block, RowUpdate, State, UpdateRule, apply_updates, make_rule
 from paramserver.server.tables import FixedTable, Pull, Reading, TableShard
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.tableinit import RowInit
@@ -346,8 +347,10 @@ class ServerShard:
             self.check_tensor(name, block.weights, (count,), table.weight.dtype)
 
     def _not_here(self, name: str) -> str:
-        if name in self.plan.dense:
+        if name in self.plan.dense_server:
             return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
+        if name in self.plan.dense:
+            return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
         return "unknown parameter or table name"
 
     def check_tensor(
@@ -379,12 +382,16 @@ class ServerShard:
             raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
         if ids.numel() == 0:
             return
-        problem = table.check_ids(ids)
+        ordered = ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all())
+        # The ends of sorted ids are their extremes: a range check needs only those.
+        problem = table.check_ids(ids[[0, -1]] if ordered else ids)
         if problem is not None:
             raise self._reject(name, problem)
-        if bool((self.plan.server_of_rows(name, ids) != self.server).any()):
+        if self.plan.num_servers > 1 and bool(
+            (self.plan.server_of_rows(name, ids) != self.server).any()
+        ):
             raise self._reject(name, "row ids routed to the wrong server")
-        if sorted_unique and ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+        if sorted_unique and not ordered:
             raise self._reject(name, "row ids must be sorted and unique")
 
     # ---- applying and reading ----
@@ -414,23 +421,45 @@ class ServerShard:
         """
         start = time.perf_counter()
         dense_lr, table_lrs = self.learning_rates(step, dense_grads, row_grads)
-        rows = 0
-        for name, grad in dense_grads.items():
-            slot = self.dense[name]
-            with slot.lock:
-                slot.rule.step(
-                    slot.value, already_decoded(grad), slot.state, slot.version, dense_lr
-                )
-        for name, block in row_grads.items():
-            table = self.tables[name]
-            with table.lock:
-                ids = already_unpacked(block.ids)
-                grads = already_decoded(block.values)
-                rows += table.apply(ids, grads, clock, pull, lr=table_lrs[name])
+        if dense_grads:
+            self._apply_dense(dense_grads, dense_lr)
+        rows = self._apply_rows(row_grads, table_lrs, clock, pull) if row_grads else 0
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
             self.stats.update_seconds += time.perf_counter() - start
+
+    def _apply_dense(self, dense_grads: Mapping[str, Tensor | Encoded], lr: float) -> None:
+        """One step of the dense rule over every dense gradient (one torch.optim call where
+        the rule allows it), their locks held together."""
+        slots = {name: self.dense[name] for name in dense_grads}
+        blocks = [
+            Block(slot.value, already_decoded(dense_grads[name]), slot.state, slot.version)
+            for name, slot in slots.items()
+        ]
+        with _holding(slot.lock for slot in slots.values()):
+            next(iter(slots.values())).rule.step_blocks(blocks, lr)
+
+    def _apply_rows(
+        self, row_grads: Mapping[str, RowBlock], lrs: Mapping[str, float], clock: int,
+        pull: Pull | None,
+    ) -> int:  # fmt: skip
+        """Each table's :meth:`TableShard.apply`, the tables of one rule and lr stepped
+        together (:func:`apply_updates`), their locks held together; returns rows updated."""
+        tables = {name: self.tables[name] for name in row_grads}
+        with _holding(table.lock for table in tables.values()):
+            updates: dict[str, RowUpdate] = {}
+            together: dict[tuple[object, ...], list[str]] = {}
+            for name, block in row_grads.items():
+                ids, grads = already_unpacked(block.ids), already_decoded(block.values)
+                table = tables[name]
+                updates[name] = table.row_update(ids, grads, pull)
+                key = (type(table.rule), table.rule.config, lrs[name])
+                together.setdefault(key, []).append(name)
+            for names in together.values():
+                rule = tables[names[0]].rule  # the same rule as the others'
+                apply_updates(rule, [updates[name] for name in names], lrs[names[0]])
+            return sum(tables[name].updated(updates[name], clock) for name in updates)
 
     def learning_rates(
         self, step: int, dense_grads: Mapping[str, object], row_grads: Mapping[str, object]
@@ -610,6 +639,17 @@ class ServerShard:
                 digest.update(f"{name}/{key}".encode())
                 digest.update(tensor.contiguous().numpy().tobytes())
         return digest.hexdigest()
+
+
+@contextmanager
+def _holding(locks: Iterable[threading.Lock]) -> Iterator[None]:
+    """Hold each of ``locks`` (a lock shared by several only once), taken in the order of
+    their ids, so two callers holding some of the same ones cannot deadlock."""
+    unique = {id(lock): lock for lock in locks}
+    with ExitStack() as stack:
+        for key in sorted(unique):
+            stack.enter_context(unique[key])
+        yield
 
 
 def _largest(sizes: dict[str, int]) -> str | None:

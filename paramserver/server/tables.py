@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from paramserver.server.optim import State, UpdateRule, apply_rows
+from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.tableinit import RowInit
 
@@ -65,7 +65,8 @@ class TableShard(Protocol):
     rule: UpdateRule  # the table's update rule, with its learning-rate schedule
 
     def check_ids(self, ids: Tensor) -> str | None:
-        """What is wrong with ``ids`` for this table (None: nothing); changes nothing."""
+        """What is wrong with ``ids`` for this table (None: nothing); changes nothing. A
+        property of each id alone: of sorted ids, a caller may pass only the first and last."""
         ...
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
@@ -91,7 +92,19 @@ class TableShard(Protocol):
         ``[len(ids), dim]``), computed from the read ``pull`` (None: from the rows' current
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
         ``clock`` of the table's clock, at learning rate ``lr`` (the schedule's, for the
-        gradients' training step); returns the rows updated."""
+        gradients' training step); returns the rows updated. :meth:`row_update`, the rule's
+        step (:func:`~paramserver.server.optim.apply_updates`) and :meth:`updated`."""
+        ...
+
+    def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
+        """The first part of :meth:`apply`: the rows ``grads`` go to (a dynamic table drops
+        those whose row ``pull`` did not hand out), with the table's storage; changes nothing
+        but counters. A server applies the updates of all its tables of one rule at once."""
+        ...
+
+    def updated(self, update: RowUpdate, clock: int) -> int:
+        """The last part of :meth:`apply`, once ``update`` (from :meth:`row_update`) has been
+        applied at step ``clock``: versions and touches; returns the rows updated."""
         ...
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
@@ -162,11 +175,18 @@ class FixedTable:
     ) -> int:
         """Rows never move: every gradient applies to its row, whatever ``clock`` and
         ``pull``."""
+        update = self.row_update(ids, grads, pull)
+        apply_updates(self.rule, [update], lr)
+        return self.updated(update, clock)
+
+    def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
         local = self.plan.local_rows(ids)
-        apply_rows(self.rule, self.weight, self.state, self.steps, local, grads, lr)
+        return RowUpdate(self.weight, self.state, self.steps, local, grads)
+
+    def updated(self, update: RowUpdate, clock: int) -> int:
         if self.versions is not None:
-            self.versions[local] += 1
-        return ids.numel()
+            self.versions[update.rows] += 1
+        return update.rows.numel()
 
     def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version."""
