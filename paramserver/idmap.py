@@ -157,8 +157,12 @@ class IdMap:
 
     # ---- internals, on numpy arrays ----
 
+    def _occupied(self) -> np.ndarray:
+        """The row of every occupied slot, in slot order."""
+        return self.slots[self.slots >= 0].astype(np.int64)
+
     def _live(self) -> tuple[np.ndarray, np.ndarray]:
-        occupied = self.slots[self.slots >= 0].astype(np.int64)
+        occupied = self._occupied()
         ids = self.row_ids[occupied]
         order = np.argsort(ids, kind="stable")
         return ids[order], occupied[order]
@@ -184,18 +188,19 @@ class IdMap:
         slots per unsettled id: wide windows keep the number of rounds (each a few array ops)
         small.
         """
-        rows = np.full(ids.size, EMPTY, dtype=np.int64)
-        positions = np.full(ids.size, EMPTY, dtype=np.int64)
         if self.num_rows == 0:
-            return rows, positions
+            empty = np.full(ids.size, EMPTY, dtype=np.int64)
+            return empty, empty.copy()
         home = self._home(ids, spaces)
         found = self.slots[home]
-        match = self._matches(found[:, None], ids, spaces)[:, 0]
+        match = self._matches_home(found, ids, spaces)
         settled = match | (found == EMPTY)
-        rows[settled] = np.where(match, found, EMPTY)[settled]
-        positions[settled] = home[settled]
+        rows = np.where(match, found, EMPTY).astype(np.int64)
+        positions = np.where(settled, home, EMPTY)
         pending = np.flatnonzero(~settled)
+        # The slot after home settles most of the rest: looked at alone too, before windows.
         where = (home[pending] + 1) & (self.slots.size - 1)
+        pending, where = self._probe_next(ids, spaces, pending, where, rows, positions)
         while pending.size:
             window = self._window(where)
             found = self.slots[window]
@@ -212,6 +217,40 @@ class IdMap:
             pending = pending[unresolved]
             where = (where[unresolved] + WINDOW) & (self.slots.size - 1)
         return rows, positions
+
+    def _probe_next(
+        self,
+        ids: np.ndarray,
+        spaces: np.ndarray | None,
+        pending: np.ndarray,
+        where: np.ndarray,
+        rows: np.ndarray,
+        positions: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Look at slot ``where`` of each ``pending`` id alone, settling (in ``rows`` and
+        ``positions``) those it holds or proves absent; returns the others, with their next
+        slots."""
+        found = self.slots[where]
+        keys = ids[pending]
+        match = self._matches_home(found, keys, None if spaces is None else spaces[pending])
+        settled = match | (found == EMPTY)
+        at = pending[settled]
+        rows[at] = np.where(match, found, EMPTY)[settled]
+        positions[at] = where[settled]
+        left = ~settled
+        return pending[left], (where[left] + 1) & (self.slots.size - 1)
+
+    def _matches_home(
+        self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
+    ) -> np.ndarray:
+        """:meth:`_matches` of one slot per id (``found``, 1-D): the spaces compared for all,
+        which costs less than picking the few matches out first."""
+        entries = np.maximum(found, 0)
+        match = (self.row_ids[entries] == keys) & (found >= 0)
+        if spaces is not None:
+            assert self.row_spaces is not None
+            match &= self.row_spaces[entries] == spaces
+        return match
 
     def _matches(
         self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
@@ -281,7 +320,8 @@ class IdMap:
         size = 16
         while live > REHASH_LOAD * size:
             size *= 2
-        ids, rows = self._live()
+        rows = self._occupied()  # in slot order: a rebuild needs no sorting
+        ids = self.row_ids[rows]
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
         self.layout += 1
@@ -357,10 +397,10 @@ class FusedIdMap:
 
     def _rows_of(self, entries: Tensor) -> Tensor:
         found = entries.numpy()
-        present = found >= 0
-        rows = np.full(found.size, EMPTY, dtype=np.int64)
-        rows[present] = self.entry_rows[found[present]]  # int32 widened
-        return torch.from_numpy(rows)
+        if self.entry_rows.size == 0:  # nothing inserted yet: every id is absent
+            return torch.full((found.size,), EMPTY, dtype=torch.int64)
+        rows = self.entry_rows[np.maximum(found, 0)]
+        return torch.from_numpy(np.where(found >= 0, rows, EMPTY).astype(np.int64))
 
     def _new_rows(self, space: int, count: int) -> np.ndarray:
         free = self.free_rows[space]
