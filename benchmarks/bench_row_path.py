@@ -15,12 +15,17 @@ Steps, in a row's order:
 - ``server.push_pull``: the coordinator's whole path (check, decode, admit, apply, answer);
 - ``client.wait``: reassemble the answer in the caller's order.
 
-Usage: ``.venv/bin/python benchmarks/bench_row_path.py [--calls 200] [--codec int8] [--out FILE]``.
+With ``--tables dynamic`` the model's tables are dynamic: the first call creates the rows, the
+steps after it read and update rows that exist.
+
+Usage: ``.venv/bin/python benchmarks/bench_row_path.py [--calls 200] [--codec int8]
+[--tables dynamic] [--out FILE]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -44,8 +49,8 @@ from paramserver.transport.base import Transport
 ROWS, DIM, BATCH, TABLES = 1_000_000, 32, 1024, 8
 
 
-def dlrm() -> DLRM:
-    return DLRM(table_rows=[ROWS] * TABLES, embedding_dim=DIM)
+def dlrm(dynamic: bool = False) -> DLRM:
+    return DLRM(table_rows=[ROWS] * TABLES, embedding_dim=DIM, dynamic_tables=dynamic)
 
 
 class AnswerAtOnce(Transport):
@@ -82,7 +87,7 @@ def step_ids(data: SyntheticClickLogs, step: int) -> dict[str, Tensor]:
     return {f"embeddings.{t}.weight": torch.unique(sparse[:, t]) for t in range(TABLES)}
 
 
-def run(calls: int, codec: str) -> dict[str, Any]:
+def run(calls: int, codec: str, tables: str = "fixed") -> dict[str, Any]:
     torch.set_num_threads(1)
     config = ps.TrainConfig(
         servers=1,
@@ -94,10 +99,11 @@ def run(calls: int, codec: str) -> dict[str, Any]:
         table_push_codec=codec,
         table_pull_codec=codec,
     )
-    endpoint = build_server(0, config, dlrm)
+    model_fn = functools.partial(dlrm, tables == "dynamic")
+    endpoint = build_server(0, config, model_fn)
     coordinator = endpoint.coordinator  # type: ignore[attr-defined]
     shard = coordinator.shard
-    plan = plan_of(dlrm(), 1)
+    plan = plan_of(model_fn(), 1)
     data = SyntheticClickLogs(SyntheticSpec(rows_per_table=ROWS, batch_size=BATCH))
     ids = step_ids(data, 0)
     rows = sum(t.numel() for t in ids.values())
@@ -149,6 +155,7 @@ def run(calls: int, codec: str) -> dict[str, Any]:
     return {
         "machine": machine(),
         "codec": codec,
+        "tables": tables,
         "rows_per_call": rows,
         "calls": calls,
         "us_per_call": {k: round(v, 1) for k, v in figures.items()},
@@ -162,9 +169,12 @@ def main() -> None:
     parser.add_argument(
         "--codec", default="none", help="codec of every push and of pulled rows (int8, ...)"
     )
+    parser.add_argument(
+        "--tables", default="fixed", choices=("fixed", "dynamic"), help="the model's tables"
+    )
     parser.add_argument("--out", default="bench_row_path.json")
     args = parser.parse_args()
-    save(run(args.calls, args.codec), args.out)
+    save(run(args.calls, args.codec, args.tables), args.out)
 
 
 if __name__ == "__main__":
