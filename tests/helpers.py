@@ -272,11 +272,12 @@ def two_task_loop(ctx: ps.TrainContext) -> dict[str, float]:
 
 
 def two_task_job(launcher: str) -> dict[str, object]:
-    """The two-task loop in sync mode on 2 servers and 2 trainers under ``launcher``: the
-    chief's final state, loop value and steps (None on other torchrun ranks)."""
+    """The two-task loop in sync mode on 2 servers and 2 trainers under ``launcher``, dense
+    parameters all-reduced among the trainers: the chief's final state, loop value and steps
+    (empty on other torchrun ranks)."""
     config = ps.TrainConfig(
         servers=2, trainers=2, mode="sync", optimizer="adam", lr=0.02, launcher=launcher,
-        progress=False,
+        dense_sync="allreduce", progress=False,
     )  # fmt: skip
     result = ps.run(TwoTaskModel, two_task_loop, config)
     if result is None:

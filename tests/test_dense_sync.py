@@ -3,6 +3,9 @@ on the servers."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import paramserver as ps
 from paramserver.checkpoint import DENSE_PART, load_latest
 from paramserver.modelplan import initial_model
 from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process, wait_for_checkpoint
+from tests.procs import children_of_launcher
 
 NUM_TRAINERS = 3
 NUM_STEPS = 20
@@ -122,3 +126,44 @@ def test_dense_codecs_are_refused_with_allreduce() -> None:
         config(dense_push_codec="int8")
     with pytest.raises(ps.ConfigError, match="--dense-sync"):
         config(dense_sync="ring")
+
+
+def killed_once(victim: int, root: Path) -> Any:
+    """Trainer ``victim`` kills its own process (SIGKILL) at its 8th batch, once checkpoint 5
+    is committed, the first time only (the marker file is left for a restarted job)."""
+
+    def data(trainer: int, num_trainers: int) -> Any:
+        for index, batch in enumerate(tiny_batches(trainer, num_batches=30)):
+            if trainer == victim and index == 8 and not (root / "killed").exists():
+                wait_for_checkpoint(root, 5)
+                (root / "killed").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(0.01)
+            yield batch
+
+    return data
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_killed_trainer_stops_the_job_or_it_resumes_from_the_last_checkpoint(
+    tmp_path: Path, restarts: int
+) -> None:
+    root = tmp_path / "ckpt"
+    job = config(
+        launcher="processes", checkpoint_dir=str(root), checkpoint_every=5,
+        max_restarts=restarts, heartbeat_interval=0.2, trainer_timeout=2.0,
+    )  # fmt: skip
+    started = time.monotonic()
+    if restarts == 0:
+        with pytest.raises(ps.JobFailedError, match="trainer1.*SIGKILL") as failed:
+            ps.train(TinyRecModel, killed_once(1, root), mse, job)
+        assert "all-reduce" not in str(failed.value)  # the dead trainer is named, first
+    else:
+        summary = ps.train(TinyRecModel, killed_once(1, root), mse, job).summary  # type: ignore[union-attr]
+        assert len(summary["restarts"]) == 1 and "trainer1" in summary["restarts"][0]
+        resumed = summary["resumed_from"]["trainer_steps"]
+        done = [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)]
+        assert done == [30] * NUM_TRAINERS
+    assert time.monotonic() - started < 120
+    assert children_of_launcher(os.getpid()) == []

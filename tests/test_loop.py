@@ -375,6 +375,8 @@ def test_a_loop_that_raises_stops_the_job_with_its_traceback(
 
 @pytest.mark.timeout(240)
 def test_the_same_loop_runs_on_threads_processes_and_torchrun(tmp_path: Path) -> None:
+    """Each launcher makes its own trainers' group too (--dense-sync allreduce): a barrier of
+    threads, a group met through a file, one met through torchrun's store."""
     outputs = {launcher: two_task_job(launcher) for launcher in ("threads", "processes")}
     port = free_port()
     out = tmp_path / "torchrun.pt"
