@@ -9,7 +9,9 @@ parameters on data a random teacher network labels. On each, the same data and A
   pushed each step): paramserver serving a copy whose tables are plain dense parameters;
 - ``ddp_sparse`` / ``ddp_dense``: DistributedDataParallel over gloo with ``--trainers`` ranks,
   embedding gradients sparse (its fastest form) or dense; the MLP has one form, ``ddp``;
-- ``ps_async``, ``ps_sync``, ``ps_ssp`` (SSP bound 2): paramserver, ``--servers`` x ``--trainers``.
+- ``ps_async``, ``ps_sync``, ``ps_ssp`` (SSP bound 2): paramserver, ``--servers`` x ``--trainers``;
+- ``ps_allreduce``: paramserver with ``--dense-sync allreduce``: tables async on the servers,
+  dense parameters all-reduced among the trainers (gloo), as DDP does.
 
 Every entry runs in new processes of its own, with one torch thread each (see :mod:`systems`);
 repeats (``--repeats``) alternate the order of entries and report medians. Reported per entry:
@@ -45,6 +47,8 @@ PS_MODES: dict[str, dict[str, Any]] = {
     "ps_async": {"mode": "async"},
     "ps_sync": {"mode": "sync"},
     "ps_ssp": {"mode": "ssp", "ssp_bound": 2},
+    # Tables async on the servers, dense parameters all-reduced among the trainers.
+    "ps_allreduce": {"mode": "async", "dense_sync": "allreduce"},
 }
 QUICK = {
     "rows": 10_000,
@@ -160,6 +164,9 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()
     suite = build_workloads(args)
     plan = [entry for workload in suite for entry in entries_of(workload, args)]
+    if args.only:  # single_process stays: every ratio is to it
+        chosen = {"single_process", *args.only.split(",")}
+        plan = [e for e in plan if e.system in chosen]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     # Repeats run the plan forwards, then backwards, and so on: a drifting machine load then
     # hits early and late entries alike. Medians are reported.
@@ -307,6 +314,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(fast; peak RSS reads ~70 MB low)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each entry (median)")
+    parser.add_argument(
+        "--only",
+        default=None,
+        help="comma-separated systems to run beside single_process (default: every one)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one entry may run")
     parser.add_argument(
         "--quick", action="store_true", help=f"tiny sizes, a smoke run of every entry: {QUICK}"

@@ -46,7 +46,7 @@ import paramserver as ps
 from paramserver.baseline import make_optimizers, train_single_process
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import evaluate_binary
-from paramserver.modelplan import EMBEDDINGS, initial_model
+from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model
 from paramserver.observe import peak_rss_bytes
 from paramserver.types import as_tuple
 
@@ -155,12 +155,18 @@ def paramserver_job(workload: Workload, config: ps.TrainConfig, naive: bool) -> 
     result = ps.train(model_fn, workload.train_stream, LOSS, config)
     assert result is not None and result.model is not None
     summary = result.summary
+    bytes_per_step = dict(summary["bytes_per_step"])
+    if config.dense_sync == "allreduce":  # what a trainer hands to all-reduce, as DDP's hook
+        tables = {id(m.weight) for m in find_embeddings(result.model).values()}
+        bytes_per_step["allreduce"] = sum(
+            p.numel() * p.element_size() for p in result.model.parameters() if id(p) not in tables
+        )
     return {
         "samples": summary["samples"],
         "seconds": summary["train_seconds"],
         "wall_s": summary["wall_s"],
         "peak_rss_mb_per_trainer": summary["peak_rss_mb_per_trainer"],
-        "bytes_per_step": summary["bytes_per_step"],
+        "bytes_per_step": bytes_per_step,
         "mean_staleness": _mean(summary["staleness"]),
         "metrics": evaluate_binary(result.model, workload.held_out()),
     }
