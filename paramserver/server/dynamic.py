@@ -54,7 +54,7 @@ import torch
 from torch import Tensor
 
 from paramserver.hashing import mix64_array
-from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
+from paramserver.idmap import Found, FusedIdMap, IdMap, TableIds, grown_rows, with_rows
 from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.server.tables import Pull, Reading, nbytes_of, put_rows, row_entries
 from paramserver.sharding import DynamicOptions, TableSpec
@@ -137,24 +137,46 @@ def locate_together(
     found = shared.find(spaces, ids)
     rows = found.rows
     starts = np.cumsum([0, *counts]).tolist()
-    if reading.train:
-        admits = [
-            tables[n].to_admit(wanted[n], rows[starts[i] : starts[i + 1]], reading.clock)
-            + starts[i]
-            for i, n in enumerate(names)
-        ]
-        admit = torch.cat(admits)
-        if admit.numel():
-            rows = rows.clone()
-            rows[admit] = shared.insert(spaces[admit.numpy()], ids[admit], found.subset(admit))
-            admitted = {n: at for n, at in zip(names, admits, strict=True) if at.numel()}
-            values = _new_rows(tables, {n: ids[at] for n, at in admitted.items()})
-            for name, at in admitted.items():
-                tables[name].created(ids[at], rows[at], values[name])
+    if reading.train and bool((rows < 0).any()):
+        rows = _admit_absent(tables, wanted, ids, spaces, found, starts, reading.clock, shared)
+    elif reading.train:  # every id has its row: nothing to admit, only lookups to count
+        for name, count in zip(names, counts, strict=True):
+            tables[name].counters.lookups += count
     return {
         n: tables[n].settle(wanted[n], rows[starts[i] : starts[i + 1]], reading)
         for i, n in enumerate(names)
     }
+
+
+def _admit_absent(
+    tables: Mapping[str, DynamicTable],
+    wanted: Mapping[str, Tensor],
+    ids: Tensor,
+    spaces: np.ndarray,
+    found: Found,
+    starts: list[int],
+    clock: int,
+    shared: FusedIdMap,
+) -> Tensor:
+    """:func:`locate_together`'s admission, for a training read some of whose ids (``ids``,
+    the tables' ``wanted`` one after another from ``starts``) are absent: each table's
+    admitted ids inserted in ``shared`` in one call and created; returns the rows of ``ids``
+    now."""
+    rows = found.rows
+    names = list(wanted)
+    admits = [
+        tables[n].to_admit(wanted[n], rows[starts[i] : starts[i + 1]], clock) + starts[i]
+        for i, n in enumerate(names)
+    ]
+    admit = torch.cat(admits)
+    if admit.numel():
+        rows = rows.clone()
+        rows[admit] = shared.insert(spaces[admit.numpy()], ids[admit], found.subset(admit))
+        admitted = {n: at for n, at in zip(names, admits, strict=True) if at.numel()}
+        values = _new_rows(tables, {n: ids[at] for n, at in admitted.items()})
+        for name, at in admitted.items():
+            tables[name].created(ids[at], rows[at], values[name])
+    return rows
 
 
 @dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)

@@ -382,9 +382,10 @@ class ServerShard:
             raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
         if ids.numel() == 0:
             return
-        ordered = ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all())
+        values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
+        ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
         # The ends of sorted ids are their extremes: a range check needs only those.
-        problem = table.check_ids(ids[[0, -1]] if ordered else ids)
+        problem = table.check_ids(ids[:: max(ids.numel() - 1, 1)] if ordered else ids)
         if problem is not None:
             raise self._reject(name, problem)
         if self.plan.num_servers > 1 and bool(
