@@ -15,7 +15,10 @@ Writes JSON (``--out``); each comparison runs side by side in one run:
   of each: samples/s and the ratio of medians (and of bests).
 - ``server_cpu``: the same model's server work alone, in this process on one thread (CPU time,
   far less noisy than throughput here): per step, on a first pass over the data (dynamic tables
-  create rows for 40% of the ids) and a second (every row exists).
+  create rows for 40% of the ids) and a second (every row exists). New rows per second two
+  ways: rows made over the whole filling pass's CPU (``fill_new_rows_per_s``, reads and updates
+  of existing rows included), and over what filling costs beyond the warm pass
+  (``new_rows_per_extra_s``: the cost of making a row alone).
 
     .venv/bin/python benchmarks/bench_tables.py --out benchmarks/results/bench_tables.json
 """
@@ -222,6 +225,11 @@ def bench_server_cpu(steps: int) -> dict[str, Any]:
             # A warm step reads and updates rows that exist; a filling one also makes rows.
             "warm_rows_per_s": rows_per_pass / (passes[1] * len(batches)),
             "fill_new_rows_per_s": made / (passes[0] * len(batches)) if kind == "dynamic" else None,
+            # What making rows adds: the filling pass's CPU over the warm pass's (the same
+            # reads and updates), per row made.
+            "new_rows_per_extra_s": (
+                made / ((passes[0] - passes[1]) * len(batches)) if kind == "dynamic" else None
+            ),
         }
     results["dynamic_vs_fixed_cpu"] = {
         phase: results["dynamic"][phase] / results["fixed"][phase]
