@@ -46,7 +46,7 @@ import paramserver as ps
 from paramserver.baseline import make_optimizers, train_single_process
 from paramserver.launch.worker import die_with_parent
 from paramserver.metrics import evaluate_binary
-from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model
+from paramserver.modelplan import EMBEDDINGS, initial_model
 from paramserver.observe import peak_rss_bytes
 from paramserver.types import as_tuple
 
@@ -156,11 +156,15 @@ def paramserver_job(workload: Workload, config: ps.TrainConfig, naive: bool) -> 
     assert result is not None and result.model is not None
     summary = result.summary
     bytes_per_step = dict(summary["bytes_per_step"])
-    if config.dense_sync == "allreduce":  # what a trainer hands to all-reduce, as DDP's hook
-        tables = {id(m.weight) for m in find_embeddings(result.model).values()}
-        bytes_per_step["allreduce"] = sum(
-            p.numel() * p.element_size() for p in result.model.parameters() if id(p) not in tables
-        )
+    if config.dense_sync == "allreduce":  # what a trainer handed to all-reduce, as DDP's hook
+        calls = summary["calls"]
+        steps = sum(summary["trainer_steps"])
+        bytes_per_step["allreduce"] = calls["allreduce"]["sent_bytes"] / steps
+        # The share of the all-reduce's time the step waited for (the rest overlapped).
+        waited, took = (calls[op]["p50_ms"] for op in ("allreduce_wait", "allreduce"))
+        result_extra = {"allreduce_waited_share": waited / took if took else 0.0}
+    else:
+        result_extra = {}
     return {
         "samples": summary["samples"],
         "seconds": summary["train_seconds"],
@@ -168,6 +172,7 @@ def paramserver_job(workload: Workload, config: ps.TrainConfig, naive: bool) -> 
         "peak_rss_mb_per_trainer": summary["peak_rss_mb_per_trainer"],
         "bytes_per_step": bytes_per_step,
         "mean_staleness": _mean(summary["staleness"]),
+        **result_extra,
         "metrics": evaluate_binary(result.model, workload.held_out()),
     }
 

@@ -16,6 +16,7 @@ with either ``--dense-sync``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from paramserver.checkpoint import Saved
 from paramserver.config import OptimizerConfig
+from paramserver.observe.calls import CallProfile
 from paramserver.trainer.heartbeat import Activity
 from paramserver.transport.group import Reduction, TrainerGroup
 
@@ -60,14 +62,20 @@ class AllReducedDense:
         rule: OptimizerConfig,
         group: TrainerGroup,
         activity: Activity,
+        profile: CallProfile | None = None,
     ):
+        """``profile`` records each step's all-reduce as the pseudo-operations ``allreduce``
+        (the bytes handed to it; from its start to its end) and ``allreduce_wait`` (the part of
+        that the step waited for: what the overlap did not hide)."""
         self.params = params
         self.rule = rule
         self.group = group
         self.activity = activity
+        self.profile = profile
         self.optimizer = torch_optimizer(list(params.values()), rule)
         self.updates = 0  # updates applied (the servers' version of each dense value)
         self._pending: tuple[Reduction, list[Tensor], int] | None = None
+        self._started_at = 0.0
         # Every trainer starts from the chief's values: seeded builds agree, but threads of
         # one process share torch's RNG, and a model_fn may not be deterministic.
         with torch.no_grad(), self._waiting():
@@ -79,6 +87,7 @@ class AllReducedDense:
             grads[name] if name in grads else torch.zeros_like(param)
             for name, param in self.params.items()
         ]
+        self._started_at = time.perf_counter()
         self._pending = (self.group.all_reduce_mean(ordered), ordered, step)
 
     def finish(self) -> None:
@@ -87,8 +96,10 @@ class AllReducedDense:
             return
         reduction, grads, step = self._pending
         self._pending = None
+        waited_from = time.perf_counter()
         with self._waiting():
             reduction.wait()
+        self._record(grads, waited_from)
         for param, grad in zip(self.params.values(), grads, strict=True):
             param.grad = grad
         for group in self.optimizer.param_groups:
@@ -97,6 +108,15 @@ class AllReducedDense:
         self.updates += 1
         for param in self.params.values():
             param.grad = None
+
+    def _record(self, grads: list[Tensor], waited_from: float) -> None:
+        if self.profile is None:
+            return
+        done = time.perf_counter()
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
+        self.profile.sent("allreduce", nbytes)
+        self.profile.answered("allreduce", done - self._started_at, nbytes)
+        self.profile.answered("allreduce_wait", done - waited_from, 0)
 
     @contextmanager
     def _waiting(self) -> Iterator[None]:

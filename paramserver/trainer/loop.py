@@ -184,7 +184,9 @@ class _TrainerRun:
             if group is None:
                 raise ValueError("--dense-sync allreduce needs the trainers' group")
             rule = config.dense_optimizer()
-            self.dense = AllReducedDense(self.replica.dense, rule, group, self.activity)
+            self.dense = AllReducedDense(
+                self.replica.dense, rule, group, self.activity, transport.profile
+            )
             if trainer == 0:
                 saved = functools.partial(self.dense.saved, self.plan.signature, config.servers)
                 self.checkpoints.dense_part = saved
