@@ -325,7 +325,22 @@ class IdMap:
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
         self.layout += 1
-        self._place(ids, rows, None if self.row_spaces is None else self.row_spaces[rows])
+        self._build(ids, rows, None if self.row_spaces is None else self.row_spaces[rows])
+
+    def _build(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
+        """Place ``ids`` in an empty slot array at once: taken in order of home slot, each
+        goes to the first free slot at or after its home, which is a running maximum over
+        them (what :meth:`_place` finds, without its rounds); the few that would run past the
+        array's end wrap around through :meth:`_place`."""
+        home = self._home(ids, spaces)
+        order = np.argsort(home, kind="stable")
+        before = np.arange(order.size)
+        slot = np.maximum.accumulate(home[order] - before) + before
+        inside = slot < self.slots.size
+        self.slots[slot[inside]] = rows[order[inside]]
+        past = order[~inside]
+        if past.size:
+            self._place(ids[past], rows[past], None if spaces is None else spaces[past])
 
 
 class FusedIdMap:

@@ -106,6 +106,42 @@ def test_a_fused_id_map_behaves_like_one_map_per_table(seed: int) -> None:
         assert torch.equal(view.lookup(ids), rows)
 
 
+@pytest.mark.parametrize("spaces", [0, 3])
+def test_a_rebuilt_slot_array_finds_every_id_as_one_placed_round_by_round(spaces: int) -> None:
+    """A rebuild places all ids in one pass (by home slot, a running maximum; those running
+    past the end wrap around): every id is found at its row and absent ids stay absent, as
+    after placing them round by round, also where many ids wrap (arrays of 16 to 64 slots
+    filled to 0.6)."""
+    g = torch.Generator().manual_seed(3)
+    wrapped = 0
+    for trial in range(200):
+        size = 16 << (trial % 3)
+        id_map = IdMap(initial_slots=size, spaces=spaces)
+        count = int(size * 0.6)
+        ids = torch.randint(-(2**40), 2**40, (count,), generator=g).unique()
+        keys = torch.randint(0, max(spaces, 1), (ids.numel(),), generator=g).numpy()
+        kinds = keys.astype(np.int16) if spaces else None
+        rows = np.arange(ids.numel(), dtype=np.int64)
+        id_map.row_ids = ids.numpy().copy()
+        if kinds is not None:
+            id_map.row_spaces = kinds.astype(id_map.row_spaces.dtype)
+        id_map.num_rows = id_map.used_rows = ids.numel()
+        id_map._build(ids.numpy(), rows, kinds)
+        slots = id_map._probe(ids.numpy(), kinds)[1]
+        wrapped += int((slots < id_map._home(ids.numpy(), kinds)).any())  # past the end
+        assert torch.equal(id_map.lookup(ids, kinds), torch.from_numpy(rows))
+        placed = IdMap(initial_slots=size, spaces=spaces)
+        placed.row_ids, placed.row_spaces = id_map.row_ids, id_map.row_spaces
+        placed.num_rows = placed.used_rows = ids.numel()
+        placed._place(ids.numpy(), rows, kinds)
+        assert sorted(id_map.slots.tolist()) == sorted(placed.slots.tolist())
+        absent = ids + 1
+        absent = absent[~torch.isin(absent, ids)]
+        kinds_absent = None if kinds is None else kinds[: absent.numel()]
+        assert bool((id_map.lookup(absent, kinds_absent) < 0).all())
+    assert wrapped > 10  # many arrays had ids run past the end
+
+
 def test_id_map_reuses_freed_rows_and_stays_small() -> None:
     id_map = IdMap()
     first = id_map.insert(torch.arange(1000) * 7919)
