@@ -167,3 +167,28 @@ def test_a_killed_trainer_stops_the_job_or_it_resumes_from_the_last_checkpoint(
         assert done == [30] * NUM_TRAINERS
     assert time.monotonic() - started < 120
     assert children_of_launcher(os.getpid()) == []
+
+
+def frozen_at(victim: int, index: int) -> Any:
+    """Trainer ``victim`` stops its own process (SIGSTOP) at batch ``index``: frozen, alive."""
+
+    def data(trainer: int, num_trainers: int) -> Any:
+        for at, batch in enumerate(tiny_batches(trainer, num_batches=30)):
+            if trainer == victim and at == index:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            yield batch
+
+    return data
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_trainer_stops_the_job_within_the_groups_timeout_naming_it() -> None:
+    job = config(
+        launcher="processes", heartbeat_interval=0.2, trainer_timeout=2.0, stall_timeout=4.0
+    )
+    started = time.monotonic()
+    with pytest.raises(ps.JobFailedError, match=r"TrainerGroupError: trainer1 departed") as failed:
+        ps.train(TinyRecModel, frozen_at(1, 5), mse, job)
+    assert "all-reduce failed" in str(failed.value)
+    assert time.monotonic() - started < 60  # the group's timeout is --stall-timeout, 4 s
+    assert children_of_launcher(os.getpid()) == []

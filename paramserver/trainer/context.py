@@ -382,8 +382,12 @@ class TrainContext:
                 "its gradients are not pushed",
                 self._engine.trainer,
             )
-        self._engine.replica.remove_forward()
         return self._pending
+
+    def close(self) -> None:
+        """The trainer's, once ``loop_fn`` has ended, well or not: the model calls its own
+        forward again."""
+        self._engine.replica.remove_forward()
 
     # ---- the model's forward ----
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from paramserver.checkpoint import resume_from, saved_dense
 from paramserver.config import TrainConfig
+from paramserver.errors import TrainerGroupError
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
@@ -250,9 +251,25 @@ class _TrainerRun:
             return None, ctx.finish(), 0.0
         try:
             value = loop_fn(ctx)
-        finally:
             grads = ctx.finish()
+        except TrainerGroupError as error:
+            raise self._naming_the_departed(error) from None
+        finally:
+            ctx.close()
         return value, grads, time.perf_counter() - started
+
+    def _naming_the_departed(self, error: TrainerGroupError) -> TrainerGroupError:
+        """The all-reduce failed: name the trainers the servers found silent or stuck (a
+        frozen one stops answering its heartbeats before the group times out)."""
+        try:
+            answers = wait_all(self.transport.call_all("departed"), self.alarm)
+        except Exception:  # the servers' answer only adds to the message
+            return error
+        departed = sorted({t for answer in answers for t in answer})  # type: ignore[attr-defined]
+        if not departed:
+            return error
+        names = ", ".join(f"trainer{t}" for t in departed)
+        return TrainerGroupError(f"{names} departed (the servers' verdict); {error}")
 
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
