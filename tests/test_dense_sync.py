@@ -145,27 +145,21 @@ def killed_once(victim: int, root: Path) -> Any:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("restarts", [0, 1])
-def test_a_killed_trainer_stops_the_job_or_it_resumes_from_the_last_checkpoint(
-    tmp_path: Path, restarts: int
+def test_a_killed_trainer_stops_the_job_naming_it_and_it_resumes_from_the_last_checkpoint(
+    tmp_path: Path,
 ) -> None:
     root = tmp_path / "ckpt"
     job = config(
-        launcher="processes", checkpoint_dir=str(root), checkpoint_every=5,
-        max_restarts=restarts, heartbeat_interval=0.2, trainer_timeout=2.0,
+        launcher="processes", checkpoint_dir=str(root), checkpoint_every=5, max_restarts=1,
+        heartbeat_interval=0.2, trainer_timeout=2.0,
     )  # fmt: skip
-    started = time.monotonic()
-    if restarts == 0:
-        with pytest.raises(ps.JobFailedError, match="trainer1.*SIGKILL") as failed:
-            ps.train(TinyRecModel, killed_once(1, root), mse, job)
-        assert "all-reduce" not in str(failed.value)  # the dead trainer is named, first
-    else:
-        summary = ps.train(TinyRecModel, killed_once(1, root), mse, job).summary  # type: ignore[union-attr]
-        assert len(summary["restarts"]) == 1 and "trainer1" in summary["restarts"][0]
-        resumed = summary["resumed_from"]["trainer_steps"]
-        done = [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)]
-        assert done == [30] * NUM_TRAINERS
-    assert time.monotonic() - started < 120
+    summary = ps.train(TinyRecModel, killed_once(1, root), mse, job).summary  # type: ignore[union-attr]
+    # The first run stopped at once, naming the killed trainer (not the all-reduce it broke).
+    (stopped,) = summary["restarts"]
+    assert stopped.startswith("trainer1") and "SIGKILL" in stopped, stopped
+    resumed = summary["resumed_from"]["trainer_steps"]
+    done = [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)]
+    assert done == [30] * NUM_TRAINERS
     assert children_of_launcher(os.getpid()) == []
 
 
