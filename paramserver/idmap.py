@@ -44,6 +44,17 @@ def grown_rows(held: int, needed: int) -> int:
     return max(needed, int(held * ROW_GROWTH) + 16)
 
 
+def _record(spaces: int) -> np.dtype:
+    """A row's record in a map keyed by space: its id, payload and space, packed (13 bytes
+    where spaces fit an int8, as the three arrays they replace took)."""
+    space = "<i1" if spaces <= 128 else "<i2"
+    size = 12 + np.dtype(space).itemsize
+    return np.dtype(
+        {"names": ["id", "payload", "space"], "formats": ["<i8", "<i4", space],
+         "offsets": [0, 8, 12], "itemsize": size}
+    )  # fmt: skip
+
+
 def _grown(array: np.ndarray, size: int) -> np.ndarray:
     grown = np.empty(size, dtype=array.dtype)
     grown[: array.size] = array
@@ -77,8 +88,12 @@ class IdMap:
         size = 1 << max(4, (initial_slots - 1).bit_length())
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.row_ids = np.empty(0, dtype=np.int64)  # capacity_rows long
-        space_type = np.int8 if spaces <= 128 else np.int16
-        self.row_spaces = np.empty(0, dtype=space_type) if spaces else None
+        self.row_spaces: np.ndarray | None = None
+        # Keyed by space: each row's id, space and payload (an int32 its owner keeps there)
+        # side by side in one record, so a probe's reads of them share a cache line.
+        self.records = np.empty(0, dtype=_record(spaces)) if spaces else None
+        self.row_payloads: np.ndarray | None = None
+        self._set_capacity(0)
         self.used_rows = 0  # row numbers handed out so far (live plus free)
         self.free_rows = np.empty(0, dtype=np.int64)  # deleted row numbers, reused first
         self.num_rows = 0  # live rows
@@ -91,8 +106,18 @@ class IdMap:
         return self.row_ids.size
 
     def nbytes(self) -> int:
-        spaces = 0 if self.row_spaces is None else self.row_spaces.nbytes
-        return self.slots.nbytes + self.row_ids.nbytes + self.free_rows.nbytes + spaces
+        rows = self.row_ids.nbytes if self.records is None else self.records.nbytes
+        return self.slots.nbytes + rows + self.free_rows.nbytes
+
+    def _set_capacity(self, rows: int) -> None:
+        """Grow the per-row arrays to ``rows`` rows (the views of the records' fields too)."""
+        if self.records is None:
+            self.row_ids = _grown(self.row_ids, rows)
+            return
+        self.records = _grown(self.records, rows)
+        self.row_ids = self.records["id"]
+        self.row_spaces = self.records["space"]
+        self.row_payloads = self.records["payload"]
 
     # ---- calls: torch tensors in and out; ``spaces`` only for a map keyed by space ----
 
@@ -121,10 +146,7 @@ class IdMap:
         fresh = np.arange(self.used_rows, self.used_rows + count - reused.size)
         self.used_rows += fresh.size
         if self.used_rows > self.row_ids.size:
-            grown = grown_rows(self.row_ids.size, self.used_rows)
-            self.row_ids = _grown(self.row_ids, grown)
-            if self.row_spaces is not None:
-                self.row_spaces = _grown(self.row_spaces, grown)
+            self._set_capacity(grown_rows(self.row_ids.size, self.used_rows))
         rows = np.concatenate([reused, fresh])
         self.row_ids[rows] = keys
         if self.row_spaces is not None:
@@ -356,7 +378,6 @@ class FusedIdMap:
 
     def __init__(self, num_tables: int, initial_slots: int = 1024):
         self.entries = IdMap(initial_slots, spaces=num_tables)
-        self.entry_rows = np.empty(0, dtype=np.int32)  # a table's rows on one server < 2^31
         self.used_rows = [0] * num_tables  # row numbers handed out per table (live plus free)
         self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_tables)]
         self.num_rows = [0] * num_tables
@@ -365,9 +386,17 @@ class FusedIdMap:
         """Table ``space``'s view: the single-table calls of an :class:`IdMap`."""
         return TableIds(self, space)
 
+    @property
+    def entry_rows(self) -> np.ndarray:
+        """Each entry's row in its table (int32: a table's rows on one server < 2^31), kept
+        as the entries' payloads."""
+        payloads = self.entries.row_payloads
+        assert payloads is not None
+        return payloads
+
     def nbytes(self) -> int:
         free = sum(f.nbytes for f in self.free_rows)
-        return self.entries.nbytes() + self.entry_rows.nbytes + free
+        return self.entries.nbytes() + free
 
     def find(self, spaces: np.ndarray, ids: Tensor) -> Found:
         """Each id's row in its table (-1: absent), and where its search ended."""
@@ -382,8 +411,6 @@ class FusedIdMap:
         new row in its table. ``found``: :meth:`find`'s answer for exactly these, if nothing
         was inserted since."""
         entries = self.entries.insert(ids, found, spaces).numpy()
-        if self.entry_rows.size < self.entries.row_ids.size:
-            self.entry_rows = _grown(self.entry_rows, self.entries.row_ids.size)
         rows = np.empty(entries.size, dtype=np.int64)
         for space in np.unique(spaces).tolist():
             at = np.flatnonzero(spaces == space)
