@@ -22,6 +22,7 @@ from paramserver.errors import (
     ParamServerError,
     ServerLostError,
     TrainerDepartedError,
+    TrainerGroupError,
 )
 from paramserver.metrics import Evaluation
 
@@ -43,6 +44,7 @@ __all__ = [
     "TrainContext",
     "TrainResult",
     "TrainerDepartedError",
+    "TrainerGroupError",
     "metrics",
     "run",
     "train",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 import paramserver as ps
 from paramserver.checkpoint import DENSE_PART, load_latest
 from paramserver.modelplan import initial_model
+from paramserver.transport.group import ThreadGroup, buckets
 from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process, wait_for_checkpoint
 from tests.procs import children_of_launcher
 
@@ -186,3 +188,32 @@ def test_a_frozen_trainer_stops_the_job_within_the_groups_timeout_naming_it() ->
     assert "all-reduce failed" in str(failed.value)
     assert time.monotonic() - started < 60  # the group's timeout is --stall-timeout, 4 s
     assert children_of_launcher(os.getpid()) == []
+
+
+def test_gradients_are_reduced_in_buckets_of_one_dtype_up_to_the_limit() -> None:
+    tensors = [
+        torch.zeros(10),
+        torch.zeros(20),
+        torch.zeros(30),
+        torch.zeros(5, dtype=torch.float64),
+    ]
+    runs = buckets(tensors, limit=30 * 4)
+    assert [[t.numel() for t in run] for run in runs] == [[10, 20], [30], [5]]
+    assert buckets([torch.zeros(100)], limit=8)[0][0].numel() == 100  # too large: alone
+
+
+def test_a_thread_group_averages_in_rank_order_and_fails_when_aborted() -> None:
+    group = ThreadGroup(3, timeout_s=5.0)
+    values = {rank: [torch.tensor([float(rank), 1.0])] for rank in range(3)}
+    threads = [
+        threading.Thread(target=lambda r=rank: group.member(r).all_reduce_mean(values[r]).wait())
+        for rank in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert all(torch.equal(values[r][0], torch.tensor([1.0, 1.0])) for r in range(3))
+    group.abort()
+    with pytest.raises(ps.TrainerGroupError, match="did not join"):
+        group.member(0).all_reduce_mean([torch.zeros(1)])

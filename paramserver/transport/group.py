@@ -66,20 +66,19 @@ def buckets(tensors: Sequence[Tensor], limit: int = BUCKET_BYTES) -> list[list[T
 class _Pending:
     """Flat buckets under way; on wait, their means go back into the tensors."""
 
-    def __init__(self, parts: list[tuple[list[Tensor], Tensor, dist.Work | None]], size: int):
+    def __init__(self, parts: list[tuple[list[Tensor], Tensor, dist.Work]], size: int):
         self.parts = parts
         self.size = size
 
     def wait(self) -> None:
         for tensors, flat, work in self.parts:
-            if work is not None:
-                try:
-                    work.wait()
-                except RuntimeError as error:
-                    raise TrainerGroupError(
-                        f"the trainers' all-reduce failed: a trainer left the group (died, "
-                        f"froze past the group's timeout, or failed): {error}"
-                    ) from None
+            try:
+                work.wait()
+            except RuntimeError as error:
+                raise TrainerGroupError(
+                    f"the trainers' all-reduce failed: a trainer left the group (died, froze "
+                    f"past the group's timeout, or failed): {error}"
+                ) from None
             _unflatten(flat.div_(self.size), tensors)
         self.parts = []
 
