@@ -16,7 +16,9 @@ Steps, in a row's order:
 - ``client.wait``: reassemble the answer in the caller's order.
 
 With ``--tables dynamic`` the model's tables are dynamic: the first call creates the rows, the
-steps after it read and update rows that exist.
+steps after it read and update rows that exist. Its ``server.apply`` names no pull (as a sync
+round's sum does), so each table looks its ids up again; in ``server.push_pull`` (async) a
+push finds its rows in its pull's record.
 
 Usage: ``.venv/bin/python benchmarks/bench_row_path.py [--calls 200] [--codec int8]
 [--tables dynamic] [--out FILE]``.
