@@ -155,6 +155,10 @@ class FixedTable:
         self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64) if tracks else None
         self.lock = threading.Lock()
 
+    def _local(self, ids: Tensor) -> Tensor:
+        """The local rows of ``ids`` (on one server, the ids themselves: read only)."""
+        return ids if self.plan.num_servers == 1 else self.plan.local_rows(ids)
+
     def global_ids(self) -> Tensor:
         """The global ids of this server's rows, in local order."""
         return torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
@@ -168,7 +172,7 @@ class FixedTable:
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
         """Copies of the rows of ``ids``; a fixed table's rows are there for every reading."""
-        return self.weight.index_select(0, self.plan.local_rows(ids))
+        return self.weight.index_select(0, self._local(ids))
 
     def apply(
         self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
@@ -180,7 +184,7 @@ class FixedTable:
         return self.updated(update, clock)
 
     def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
-        local = self.plan.local_rows(ids)
+        local = self._local(ids)
         return RowUpdate(self.weight, self.state, self.steps, local, grads)
 
     def updated(self, update: RowUpdate, clock: int) -> int:
@@ -191,7 +195,7 @@ class FixedTable:
     def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
         """:meth:`read`, and each row's version."""
         assert self.versions is not None
-        local = self.plan.local_rows(ids)
+        local = self._local(ids)
         return self.weight.index_select(0, local), self.versions.index_select(0, local)
 
     def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
