@@ -202,18 +202,34 @@ def test_gradients_are_reduced_in_buckets_of_one_dtype_up_to_the_limit() -> None
     assert buckets([torch.zeros(100)], limit=8)[0][0].numel() == 100  # too large: alone
 
 
-def test_a_thread_group_averages_in_rank_order_and_fails_when_aborted() -> None:
+def test_a_thread_group_sums_in_rank_order_and_fails_when_aborted() -> None:
     group = ThreadGroup(3, timeout_s=5.0)
     values = {rank: [torch.tensor([float(rank), 1.0])] for rank in range(3)}
     threads = [
-        threading.Thread(target=lambda r=rank: group.member(r).all_reduce_mean(values[r]).wait())
+        threading.Thread(target=lambda r=rank: group.member(r).all_reduce_sum(values[r]).wait())
         for rank in range(3)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=10)
-    assert all(torch.equal(values[r][0], torch.tensor([1.0, 1.0])) for r in range(3))
+    assert all(torch.equal(values[r][0], torch.tensor([3.0, 3.0])) for r in range(3))
     group.abort()
     with pytest.raises(ps.TrainerGroupError, match="did not join"):
-        group.member(0).all_reduce_mean([torch.zeros(1)])
+        group.member(0).all_reduce_sum([torch.zeros(1)])
+
+
+def test_trainers_with_unequal_data_end_like_dense_on_servers() -> None:
+    """Trainers run out of data at steps 20, 13 and 7: each all-reduce averages over those
+    still training, as a sync round on the servers aggregates the trainers still in it."""
+    lengths = [20, 13, 7]
+
+    def data(trainer: int, num_trainers: int) -> Any:
+        return tiny_batches(trainer, num_batches=lengths[trainer])
+
+    on_servers = train(config(dense_sync="server"), data)
+    all_reduced = train(config(), data)
+    assert all_reduced.summary["trainer_steps"] == lengths
+    for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]
+        got = all_reduced.model.state_dict()[name]  # type: ignore[union-attr]
+        torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)

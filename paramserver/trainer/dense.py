@@ -9,7 +9,12 @@ push and the next step's pull are under way; the update is applied once they are
 the next step computes (or before the job ends).
 
 A step's gradient missing on a trainer (a parameter its batches did not reach) counts as zero
-in the mean. Checkpoints hold the state once, from the chief, under the servers' names
+in the mean. Trainers may have unequal data, as DDP's ``Join`` allows: each all-reduce also
+sums a flag of the trainers still training, the mean is over them, and a trainer whose loop
+has ended keeps joining the all-reduces with nothing to add (:meth:`AllReducedDense.drain`),
+applying the others' updates, until none is left training.
+
+Checkpoints hold the state once, from the chief, under the servers' names
 (``dense/NAME/value``, ``dense/NAME/state.SLOT``, ``dense/NAME/step``), so a job can resume
 with either ``--dense-sync``.
 """
@@ -74,34 +79,58 @@ class AllReducedDense:
         self.profile = profile
         self.optimizer = torch_optimizer(list(params.values()), rule)
         self.updates = 0  # updates applied (the servers' version of each dense value)
-        self._pending: tuple[Reduction, list[Tensor], int] | None = None
+        self._pending: tuple[Reduction, list[Tensor], Tensor, int] | None = None
         self._started_at = 0.0
+        self._next_step = 0  # the step of the next all-reduce (they go in lock step)
         # Every trainer starts from the chief's values: seeded builds agree, but threads of
         # one process share torch's RNG, and a model_fn may not be deterministic.
         with torch.no_grad(), self._waiting():
             group.broadcast_from_chief(list(params.values()))
 
-    def start(self, grads: dict[str, Tensor], step: int) -> None:
-        """Start averaging the gradients of training step ``step`` (0 for the first)."""
+    def start(self, grads: dict[str, Tensor], step: int, training: bool = True) -> None:
+        """Start averaging the gradients of training step ``step`` (0 for the first) over the
+        trainers still training (``training`` False: this one's loop has ended)."""
         ordered = [
             grads[name] if name in grads else torch.zeros_like(param)
             for name, param in self.params.items()
         ]
+        active = torch.tensor([1.0 if training else 0.0])
+        self._next_step = step + 1
         self._started_at = time.perf_counter()
-        self._pending = (self.group.all_reduce_mean(ordered), ordered, step)
+        with self._waiting():  # the threads' group reduces at once, waiting for every member
+            reduction = self.group.all_reduce_sum([*ordered, active])
+        self._pending = (reduction, ordered, active, step)
 
-    def finish(self) -> None:
-        """Wait for the averaged gradients under way and apply them (nothing if none)."""
+    def finish(self) -> int:
+        """Wait for the gradients under way and apply their mean over the trainers that were
+        training; returns how many were (0: none, and nothing applied; nothing under way: -1)."""
         if self._pending is None:
-            return
-        reduction, grads, step = self._pending
+            return -1
+        reduction, grads, active, step = self._pending
         self._pending = None
         waited_from = time.perf_counter()
         with self._waiting():
             reduction.wait()
         self._record(grads, waited_from)
-        for param, grad in zip(self.params.values(), grads, strict=True):
-            param.grad = grad
+        training = int(active.item())
+        if training:
+            self._apply(grads, training, step)
+        return training
+
+    def drain(self) -> None:
+        """This trainer's loop has ended (and it has left the servers' rounds): join the
+        others' all-reduces, adding nothing and applying their updates, until no trainer is
+        training."""
+        self.finish()
+        while True:
+            self.start({}, self._next_step, training=False)
+            if self.finish() == 0:
+                return
+
+    @torch.no_grad()
+    def _apply(self, sums: list[Tensor], training: int, step: int) -> None:
+        for param, grad in zip(self.params.values(), sums, strict=True):
+            param.grad = grad.div_(training)
         for group in self.optimizer.param_groups:
             group["lr"] = self.rule.lr_at(step, "dense")
         self.optimizer.step()

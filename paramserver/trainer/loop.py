@@ -234,6 +234,8 @@ class _TrainerRun:
             resumed_samples=resumed.samples,
         )
         grads.push(self.client, None, final=True, report=report).wait()
+        if self.dense is not None:  # out of the servers' rounds: the others may go on
+            self.dense.drain()
         self.checkpoints.finish()
         outcome = self.end_job(report, observer.evals)
         outcome.value = value if self.trainer == 0 else None

@@ -37,8 +37,8 @@ class Reduction(Protocol):
 class TrainerGroup(Protocol):
     size: int
 
-    def all_reduce_mean(self, tensors: Sequence[Tensor]) -> Reduction:
-        """Start replacing each tensor (in place) by its mean over the trainers."""
+    def all_reduce_sum(self, tensors: Sequence[Tensor]) -> Reduction:
+        """Start replacing each tensor (in place) by its sum over the trainers."""
 
     def broadcast_from_chief(self, tensors: Sequence[Tensor]) -> None:
         """Replace each tensor (in place) by trainer 0's."""
@@ -64,11 +64,10 @@ def buckets(tensors: Sequence[Tensor], limit: int = BUCKET_BYTES) -> list[list[T
 
 
 class _Pending:
-    """Flat buckets under way; on wait, their means go back into the tensors."""
+    """Flat buckets under way; on wait, their sums go back into the tensors."""
 
-    def __init__(self, parts: list[tuple[list[Tensor], Tensor, dist.Work]], size: int):
+    def __init__(self, parts: list[tuple[list[Tensor], Tensor, dist.Work]]):
         self.parts = parts
-        self.size = size
 
     def wait(self) -> None:
         for tensors, flat, work in self.parts:
@@ -79,7 +78,7 @@ class _Pending:
                     f"the trainers' all-reduce failed: a trainer left the group (died, froze "
                     f"past the group's timeout, or failed): {error}"
                 ) from None
-            _unflatten(flat.div_(self.size), tensors)
+            _unflatten(flat, tensors)
         self.parts = []
 
 
@@ -123,7 +122,7 @@ class CollectiveGroup:
         )
         return cls(rank, size, dist.PrefixStore("paramserver/trainers/", store), timeout_s)
 
-    def all_reduce_mean(self, tensors: Sequence[Tensor]) -> Reduction:
+    def all_reduce_sum(self, tensors: Sequence[Tensor]) -> Reduction:
         parts = []
         for run in buckets(tensors):
             flat = torch.cat([t.reshape(-1) for t in run])
@@ -132,7 +131,7 @@ class CollectiveGroup:
             except RuntimeError as error:
                 raise TrainerGroupError(f"the trainers' all-reduce failed: {error}") from None
             parts.append((run, flat, work))
-        return _Pending(parts, self.size)
+        return _Pending(parts)
 
     def broadcast_from_chief(self, tensors: Sequence[Tensor]) -> None:
         for run in buckets(tensors):
@@ -150,8 +149,8 @@ class CollectiveGroup:
 
 class ThreadGroup:
     """Trainers that are threads of one process (the threads launcher): each ``all_reduce``
-    call of every member meets at a barrier; the mean is summed in rank order, so every
-    member gets bitwise the same values."""
+    call of every member meets at a barrier; the sum is taken in rank order, so every member
+    gets bitwise the same values."""
 
     def __init__(self, size: int, timeout_s: float):
         self.size = size
@@ -164,7 +163,7 @@ class ThreadGroup:
         return _ThreadMember(self, rank)
 
     def reduce(self, rank: int, tensors: Sequence[Tensor], chief_only: bool = False) -> None:
-        """Every member's ``tensors`` become their mean (or, ``chief_only``, trainer 0's)."""
+        """Every member's ``tensors`` become their sum (or, ``chief_only``, trainer 0's)."""
         flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
         with self._lock:
             self._offered[rank] = [flat]
@@ -175,7 +174,6 @@ class ThreadGroup:
             result = torch.zeros_like(flat)
             for member in range(self.size):
                 result += self._offered[member][0]
-            result.div_(self.size)
         self._meet()  # everyone has read every offer before the next call replaces them
         _unflatten(result, tensors)
 
@@ -199,7 +197,7 @@ class _ThreadMember:
         self.rank = rank
         self.size = group.size
 
-    def all_reduce_mean(self, tensors: Sequence[Tensor]) -> Reduction:
+    def all_reduce_sum(self, tensors: Sequence[Tensor]) -> Reduction:
         self.group.reduce(self.rank, tensors)  # at once: threads have nothing to overlap with
         return _Done()
 
