@@ -85,18 +85,24 @@ def _run_trainers(
     for thread in threads:
         thread.start()
     _wait_for_chief(threads[0], endpoints, errors)
-    # A chief that succeeded ended the job once every other trainer left or departed: those
-    # still running after a grace period are departed and stuck in their data, and cannot be
-    # stopped. A chief that failed left the job: the others train on to their end.
-    deadline = time.monotonic() + config.trainer_timeout if 0 not in errors else None
-    for rank, thread in enumerate(threads[1:], start=1):
-        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            log.warning("trainer%d was declared departed and is still blocked; left behind", rank)
+    _join_the_others(threads, config.trainer_timeout, errors)
     if errors:
         rank, error = min(errors.items())
         raise JobFailedError(f"trainer {rank} failed: {type(error).__name__}: {error}") from error
     return outcomes[0], transport
+
+
+def _join_the_others(
+    threads: list[threading.Thread], grace_s: float, errors: dict[int, BaseException]
+) -> None:
+    """A chief that succeeded ended the job once every other trainer left or departed: those
+    still running after a grace period are departed and stuck in their data, and cannot be
+    stopped. A chief that failed left the job: the others train on to their end."""
+    deadline = time.monotonic() + grace_s if 0 not in errors else None
+    for rank, thread in enumerate(threads[1:], start=1):
+        thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("trainer%d was declared departed and is still blocked; left behind", rank)
 
 
 def _wait_for_chief(
