@@ -5,9 +5,11 @@ optimizer state lives beside the rows it belongs to (row ``i`` of a slot is the 
 row ``i``), so a checkpoint or export of rows carries their state with them.
 
 Thread-safety: every method may be called from many RPC threads at once. Each parameter and
-table has a lock held while its values or state are read or written; no method holds two locks
-at once, and none blocks waiting for another call (waiting is done by the consistency policy's
-Futures).
+table has a lock held while its values or state are read or written. An update holds the locks
+of everything it updates together (one optimizer call serves all the tables of a rule), taken
+in one global order (``_holding``), so two updates cannot deadlock; no other method holds two
+locks at once, and none blocks waiting for another call (waiting is done by the consistency
+policy's Futures).
 """
 
 from __future__ import annotations
