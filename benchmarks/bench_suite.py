@@ -167,6 +167,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     if args.only:  # single_process stays: every ratio is to it
         chosen = {"single_process", *args.only.split(",")}
         plan = [e for e in plan if e.system in chosen]
+    if args.workloads:
+        plan = [e for e in plan if e.workload.name in args.workloads.split(",")]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
     # Repeats run the plan forwards, then backwards, and so on: a drifting machine load then
     # hits early and late entries alike. Medians are reported.
@@ -314,6 +316,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "(fast; peak RSS reads ~70 MB low)",
     )
     parser.add_argument("--repeats", type=int, default=1, help="runs of each entry (median)")
+    parser.add_argument(
+        "--workloads", default=None, help="comma-separated workloads to run (default: both)"
+    )
     parser.add_argument(
         "--only",
         default=None,

@@ -60,9 +60,9 @@ def test_sync_tables_and_all_reduced_dense_equal_single_process(optimizer: str) 
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_all_reduce_equals_dense_on_servers_in_sync_mode_under_processes() -> None:
+def test_all_reduce_equals_dense_on_servers_in_sync_mode() -> None:
     on_servers = train(config(dense_sync="server"))
-    all_reduced = train(config(launcher="processes"))
+    all_reduced = train(config())
     for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]
         got = all_reduced.model.state_dict()[name]  # type: ignore[union-attr]
         torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)

@@ -149,3 +149,13 @@ def test_plan_names_tables_and_dense_parameters_by_state_dict_name() -> None:
     assert set(plan.tables) == {"emb.weight", "bag.weight"}
     assert set(plan.dense) == {"lin.weight", "lin.bias"}
     assert set(plan.dense) | set(plan.tables) == set(model.state_dict())
+
+
+def test_a_model_without_tables_runs_no_record_pass() -> None:
+    """Recording would run its whole forward for nothing: every step, an extra forward."""
+    calls = []
+    model = nn.Linear(4, 1)
+    model.register_forward_hook(lambda *args: calls.append(1))
+    replica = Replica(model)
+    assert replica.record_ids([torch.ones(2, 4)]) == {}
+    assert calls == []

@@ -306,6 +306,8 @@ class Replica:
         table, and the bags of each server-pooled table (these allow one call per step)."""
         recorded: dict[str, list[Tensor]] = {}
         bags: dict[str, BagBlock] = {}
+        if not self.tables:  # nothing to look up: no pass (it would be a whole forward)
+            return {}, {}
         for call in calls:
             recorder = _Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
