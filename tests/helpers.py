@@ -5,7 +5,7 @@ fixtures in tests/conftest.py; no test module imports another."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -96,39 +96,72 @@ MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_serve
 FaultyJobs = Callable[[Callable[[FaultyTransport], object]], list[FaultyTransport]]
 
 
+class LazyRows:
+    """A model's tables as one Parameter per row, for a single-process reference: after the
+    backward, :meth:`keep_touched` leaves a gradient only on the rows the batch looked up, so
+    torch.optim skips the others, as a server's lazy per-row updates do (per-row Adam step
+    counts included)."""
+
+    def __init__(self, model: nn.Module, tables: Iterable[str]):
+        weights = dict(model.named_parameters())
+        self.model = model
+        self.rows = {t: [nn.Parameter(row.clone()) for row in weights[t].detach()] for t in tables}
+        self.dense = [p for n, p in weights.items() if n not in self.rows]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The dense parameters, then every table row."""
+        return self.dense + [row for rows in self.rows.values() for row in rows]
+
+    def weights(self) -> dict[str, Tensor]:
+        """Each table's rows stacked, for ``functional_call(model, weights, inputs)``."""
+        return {t: torch.stack(rows) for t, rows in self.rows.items()}
+
+    def keep_touched(self, touched: dict[str, Tensor]) -> None:
+        for table, ids in touched.items():
+            keep = set(ids.unique().tolist())
+            for i, row in enumerate(self.rows[table]):
+                if i not in keep:
+                    row.grad = None
+
+    def state(self) -> dict[str, Tensor]:
+        """The model's parameters now: dense ones and each table's rows stacked."""
+        state = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        state.update({t: w.detach() for t, w in self.weights().items()})
+        return state
+
+
+Optimizing = Callable[["LazyRows"], tuple[torch.optim.Optimizer, object]]
+"""Makes a reference's optimizer over a LazyRows' parameters, and its LambdaLR (or None)."""
+
+
 def tiny_single_process(
-    optimizer_class: type[torch.optim.Optimizer],
-    kwargs: dict[str, float],
+    optimizing: Optimizing | tuple[type[torch.optim.Optimizer], dict[str, float]],
     num_trainers: int,
     num_steps: int,
 ) -> dict[str, Tensor]:
     """TinyRecModel trained by plain torch.optim on the concatenated global batch of
-    ``num_trainers`` trainers' tiny_batches. Each table row is its own Parameter whose grad is
-    None when the batch does not touch it, so torch.optim skips it: the lazy per-row semantics
-    a parameter server has (per-row Adam step counts included)."""
+    ``num_trainers`` trainers' tiny_batches, its tables as :class:`LazyRows`. ``optimizing``:
+    an optimizer class and its arguments over every parameter, or a function making the
+    optimizer and its scheduler."""
     model = initial_model(TinyRecModel, seed=0)
-    tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
-    rows = {t: [nn.Parameter(row.clone()) for row in w.detach()] for t, w in tables.items()}
-    dense = [p for n, p in model.named_parameters() if n not in tables]
-    optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
+    lazy = LazyRows(model, ("user.weight", "items.weight"))
+    if isinstance(optimizing, tuple):
+        optimizer_class, kwargs = optimizing
+        optimizer, scheduler = optimizer_class(lazy.parameters(), **kwargs), None
+    else:
+        optimizer, scheduler = optimizing(lazy)
     streams = [tiny_batches(t) for t in range(num_trainers)]
     for _ in range(num_steps):
         batches = [next(s) for s in streams]
         inputs = tuple(torch.cat([b[0][i] for b in batches]) for i in range(3))
         target = torch.cat([b[1] for b in batches])
         optimizer.zero_grad(set_to_none=True)
-        weights = {t: torch.stack(rs) for t, rs in rows.items()}
-        mse(functional_call(model, weights, inputs), target).backward()
-        touched = {"user.weight": inputs[0], "items.weight": inputs[1]}
-        for table, ids in touched.items():
-            keep = set(ids.unique().tolist())
-            for i, row in enumerate(rows[table]):
-                if i not in keep:
-                    row.grad = None
+        mse(functional_call(model, lazy.weights(), inputs), target).backward()
+        lazy.keep_touched({"user.weight": inputs[0], "items.weight": inputs[1]})
         optimizer.step()
-    state = {n: p.detach().clone() for n, p in model.named_parameters() if n not in tables}
-    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
-    return state
+        if scheduler is not None:
+            scheduler.step()  # type: ignore[attr-defined]
+    return lazy.state()
 
 
 def threads_job(

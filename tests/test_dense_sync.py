@@ -52,7 +52,7 @@ def test_sync_tables_and_all_reduced_dense_equal_single_process(optimizer: str) 
     result = train(config(optimizer))
     assert result.summary["trainer_steps"] == [NUM_STEPS] * NUM_TRAINERS
     optimizer_class, kwargs = OPTIMIZERS[optimizer]
-    expected = tiny_single_process(optimizer_class, kwargs, NUM_TRAINERS, NUM_STEPS)
+    expected = tiny_single_process((optimizer_class, kwargs), NUM_TRAINERS, NUM_STEPS)
     initial = initial_model(TinyRecModel, seed=0).state_dict()
     got = result.model.state_dict()  # type: ignore[union-attr]
     for name, value in expected.items():

@@ -19,6 +19,7 @@ import paramserver as ps
 from paramserver.modelplan import initial_model
 from paramserver.types import LoopFn
 from tests.helpers import (
+    LazyRows,
     TinyRecModel,
     TwoTaskModel,
     mse,
@@ -53,24 +54,18 @@ def single_process_reference(name: str) -> dict[str, Tensor]:
     """torch.optim on the concatenated global batch, each table row its own Parameter whose
     grad is None when the batch does not touch it (a server's lazy per-row updates)."""
     model = initial_model(TwoTaskModel, seed=0)
-    weights = dict(model.named_parameters())
-    rows = {
-        t: [nn.Parameter(weights[t].detach()[i].clone()) for i in range(len(weights[t]))]
-        for t in TABLES
-    }
-    dense = [p for n, p in weights.items() if n not in TABLES]
+    lazy = LazyRows(model, TABLES)
     optimizer_class, kwargs = OPTIMIZERS[name]
-    optimizer = optimizer_class(dense + [r for rs in rows.values() for r in rs], **kwargs)
+    optimizer = optimizer_class(lazy.dense + [r for rs in lazy.rows.values() for r in rs], **kwargs)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
     streams = [two_task_batches(t) for t in range(NUM_TRAINERS)]
 
     class Stacked(nn.Module):  # the model with its tables' rows stacked from the Parameters
         def forward(self, *inputs: Tensor) -> tuple[Tensor, Tensor]:
-            tables = {t: torch.stack(rs) for t, rs in rows.items()}
-            return functional_call(model, tables, inputs)  # type: ignore[no-any-return]
+            return functional_call(model, lazy.weights(), inputs)  # type: ignore[no-any-return]
 
         def user(self, ids: Tensor) -> Tensor:
-            return torch.stack(rows["user.weight"])[ids]
+            return torch.stack(lazy.rows["user.weight"])[ids]
 
     stacked = Stacked()
     for _ in range(NUM_STEPS):
@@ -78,17 +73,10 @@ def single_process_reference(name: str) -> dict[str, Tensor]:
         batch = {key: torch.cat([p[key] for p in parts]) for key in parts[0]}
         optimizer.zero_grad(set_to_none=True)
         two_task_loss(stacked, batch).backward()
-        touched = {"user.weight": batch["user"], "items.weight": batch["items"]}
-        for table, ids in touched.items():
-            keep = set(ids.unique().tolist())
-            for i, row in enumerate(rows[table]):
-                if i not in keep:
-                    row.grad = None
+        lazy.keep_touched({"user.weight": batch["user"], "items.weight": batch["items"]})
         optimizer.step()
         scheduler.step()
-    state = {n: p.detach().clone() for n, p in weights.items() if n not in TABLES}
-    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
-    return state
+    return lazy.state()
 
 
 def sync_config(optimizer: str = "adam", **changes: object) -> ps.TrainConfig:

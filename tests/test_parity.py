@@ -20,7 +20,7 @@ OPTIMIZERS = {
 
 def single_process_reference(name: str) -> dict[str, torch.Tensor]:
     optimizer_class, kwargs = OPTIMIZERS[name]
-    return tiny_single_process(optimizer_class, kwargs, NUM_TRAINERS, NUM_STEPS)
+    return tiny_single_process((optimizer_class, kwargs), NUM_TRAINERS, NUM_STEPS)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
@@ -29,6 +28,7 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from tests.helpers import (
     HashedModel,
+    LazyRows,
     MakeServer,
     TinyRecModel,
     a_dense_name,
@@ -36,6 +36,7 @@ from tests.helpers import (
     mse,
     own_ids,
     tiny_batches,
+    tiny_single_process,
     wait_for_checkpoint,
 )
 
@@ -377,40 +378,17 @@ def reference(
     """Plain torch.optim on the concatenated global batch with one LambdaLR over three param
     groups (dense, then each table). Each table row is its own Parameter whose grad is None
     when the batch does not touch it, so torch.optim skips it: a server's lazy rows."""
-    model = initial_model(TinyRecModel, seed=0)
-    tables = {"user.weight": model.user.weight, "items.weight": model.items.weight}
-    rows = {
-        t: [nn.Parameter(w.detach()[i].clone()) for i in range(w.shape[0])]
-        for t, w in tables.items()
-    }
-    dense = [p for n, p in model.named_parameters() if n not in tables]
     optimizer_class, kwargs = OPTIMIZERS[name]
     kwargs = {k: v for k, v in kwargs.items() if k != "lr"}
-    groups = [{"params": dense, "lr": lrs["dense"]}]
-    groups += [{"params": rows[t], "lr": lrs[t]} for t in TABLES]
-    optimizer = optimizer_class(groups, **kwargs)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, [schedules["dense"], *[schedules[t] for t in TABLES]]
-    )
-    streams = [tiny_batches(t) for t in range(NUM_TRAINERS)]
-    for _ in range(NUM_STEPS):
-        batches = [next(s) for s in streams]
-        inputs = tuple(torch.cat([b[0][i] for b in batches]) for i in range(3))
-        target = torch.cat([b[1] for b in batches])
-        optimizer.zero_grad(set_to_none=True)
-        weights = {t: torch.stack(rs) for t, rs in rows.items()}
-        mse(functional_call(model, weights, inputs), target).backward()
-        touched = {"user.weight": inputs[0], "items.weight": inputs[1]}
-        for table, ids in touched.items():
-            keep = set(ids.unique().tolist())
-            for i, row in enumerate(rows[table]):
-                if i not in keep:
-                    row.grad = None
-        optimizer.step()
-        scheduler.step()
-    state = {n: p.detach().clone() for n, p in model.named_parameters() if n not in tables}
-    state.update({t: torch.stack([r.detach() for r in rs]) for t, rs in rows.items()})
-    return state
+
+    def optimizing(lazy: LazyRows) -> tuple[torch.optim.Optimizer, object]:
+        groups = [{"params": lazy.dense, "lr": lrs["dense"]}]
+        groups += [{"params": lazy.rows[t], "lr": lrs[t]} for t in TABLES]
+        optimizer = optimizer_class(groups, **kwargs)
+        lambdas = [schedules["dense"], *[schedules[t] for t in TABLES]]
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+    return tiny_single_process(optimizing, NUM_TRAINERS, NUM_STEPS)
 
 
 def assert_trained_as(result: ps.TrainResult, expected: dict[str, torch.Tensor]) -> None:
