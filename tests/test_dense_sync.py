@@ -233,3 +233,15 @@ def test_trainers_with_unequal_data_end_like_dense_on_servers() -> None:
     for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]
         got = all_reduced.model.state_dict()[name]  # type: ignore[union-attr]
         torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_async_all_reduce_applies_a_step_late_as_prefetched_dense_values_are() -> None:
+    """Prefetching (async), a step computes on dense values one update behind, pulled from the
+    servers or all-reduced: the trainer applies a step's mean only before the step after next,
+    so its all-reduce runs during a whole step. One trainer: the two are the same job."""
+    one = {"trainers": 1, "mode": "async"}
+    on_servers = train(config(dense_sync="server", **one))
+    all_reduced = train(config(**one))
+    for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]
+        got = all_reduced.model.state_dict()[name]  # type: ignore[union-attr]
+        torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-6, msg=name)

@@ -318,7 +318,9 @@ class TrainContext:
         assert self._in_flight is not None
         pulled = self._in_flight.wait()
         self._in_flight = None
-        self._apply_dense()  # before a checkpoint's part is saved, and before computing
+        # Before a checkpoint's part is saved, and before computing; prefetching (the mode
+        # allows a step of staleness), the last step's all-reduce may go on during this one.
+        self._apply_dense(keep=1 if self._prefetch else 0)
         self._pulled, self._last_call = pulled, pulled.call
         engine.checkpoints.after_reply(pulled.call, pulled.checkpoint_at, self.steps, self.samples)
         if record_next is not None:
@@ -340,9 +342,9 @@ class TrainContext:
         self._engine.replica.scale_gradients(self._engine.config.accumulate / self._micro)
         self._end_step()
 
-    def _apply_dense(self) -> None:
+    def _apply_dense(self, keep: int = 0) -> None:
         if self._engine.dense is not None:
-            self._engine.dense.finish()
+            self._engine.dense.finish(keep)
 
     def _send(self, following: Step | None) -> None:
         """Start the call that pushes the pending gradients and pulls ``following``'s values."""

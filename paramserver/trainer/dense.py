@@ -6,7 +6,10 @@ averages their gradients with the other trainers through the trainers' group
 ``torch.optim`` (the math the servers' rules run), so every trainer holds the same values. The
 all-reduce starts as soon as the step's gradients are taken and runs while the step's table
 push and the next step's pull are under way; the update is applied once they are back, before
-the next step computes (or before the job ends).
+the next step computes (or before the job ends). Where the mode allows a step of staleness
+(async, and SSP with a bound of at least 1: where rows are prefetched) it is applied only
+before the step after next, so the all-reduce runs during a whole step: dense values are one
+update behind, as prefetched values pulled from the servers are.
 
 A step's gradient missing on a trainer (a parameter its batches did not reach) counts as zero
 in the mean. Trainers may have unequal data, as DDP's ``Join`` allows: each all-reduce also
@@ -22,6 +25,7 @@ with either ``--dense-sync``.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -79,8 +83,8 @@ class AllReducedDense:
         self.profile = profile
         self.optimizer = torch_optimizer(list(params.values()), rule)
         self.updates = 0  # updates applied (the servers' version of each dense value)
-        self._pending: tuple[Reduction, list[Tensor], Tensor, int] | None = None
-        self._started_at = 0.0
+        # All-reduces under way, oldest first: (reduction, gradients, flag, step, started at).
+        self._pending: deque[tuple[Reduction, list[Tensor], Tensor, int, float]] = deque()
         self._next_step = 0  # the step of the next all-reduce (they go in lock step)
         # Every trainer starts from the chief's values: seeded builds agree, but threads of
         # one process share torch's RNG, and a model_fn may not be deterministic.
@@ -96,25 +100,25 @@ class AllReducedDense:
         ]
         active = torch.tensor([1.0 if training else 0.0])
         self._next_step = step + 1
-        self._started_at = time.perf_counter()
+        started = time.perf_counter()
         with self._waiting():  # the threads' group reduces at once, waiting for every member
             reduction = self.group.all_reduce_sum([*ordered, active])
-        self._pending = (reduction, ordered, active, step)
+        self._pending.append((reduction, ordered, active, step, started))
 
-    def finish(self) -> int:
-        """Wait for the gradients under way and apply their mean over the trainers that were
-        training; returns how many were (0: none, and nothing applied; nothing under way: -1)."""
-        if self._pending is None:
-            return -1
-        reduction, grads, active, step = self._pending
-        self._pending = None
-        waited_from = time.perf_counter()
-        with self._waiting():
-            reduction.wait()
-        self._record(grads, waited_from)
-        training = int(active.item())
-        if training:
-            self._apply(grads, training, step)
+    def finish(self, keep: int = 0) -> int:
+        """Wait for the oldest all-reduces under way until ``keep`` are left, applying each
+        mean over the trainers that were training; returns how many were, in the last one
+        (0: none, and nothing applied; none finished: -1)."""
+        training = -1
+        while len(self._pending) > keep:
+            reduction, grads, active, step, started = self._pending.popleft()
+            waited_from = time.perf_counter()
+            with self._waiting():
+                reduction.wait()
+            self._record(grads, started, waited_from)
+            training = int(active.item())
+            if training:
+                self._apply(grads, training, step)
         return training
 
     def drain(self) -> None:
@@ -138,13 +142,13 @@ class AllReducedDense:
         for param in self.params.values():
             param.grad = None
 
-    def _record(self, grads: list[Tensor], waited_from: float) -> None:
+    def _record(self, grads: list[Tensor], started: float, waited_from: float) -> None:
         if self.profile is None:
             return
         done = time.perf_counter()
         nbytes = sum(g.numel() * g.element_size() for g in grads)
         self.profile.sent("allreduce", nbytes)
-        self.profile.answered("allreduce", done - self._started_at, nbytes)
+        self.profile.answered("allreduce", done - started, nbytes)
         self.profile.answered("allreduce_wait", done - waited_from, 0)
 
     @contextmanager
