@@ -27,12 +27,14 @@ EXPECTED = {
     ("dlrm", "ps_async"),
     ("dlrm", "ps_sync"),
     ("dlrm", "ps_ssp"),
+    ("dlrm", "ps_allreduce"),
     ("mlp", "single_process"),
     ("mlp", "naive_ps"),
     ("mlp", "ddp"),
     ("mlp", "ps_async"),
     ("mlp", "ps_sync"),
     ("mlp", "ps_ssp"),
+    ("mlp", "ps_allreduce"),
 }
 
 
@@ -68,7 +70,9 @@ def test_every_entry_is_reported_with_sane_figures(quick_run: tuple[dict, str]) 
         peaks = entry["peak_rss_mb_per_trainer"]
         assert peaks and all(math.isfinite(p) and p > 0 for p in peaks), key
         moved = entry["bytes_per_step"]
-        if key[1] in PS_SYSTEMS:
+        if key[1] == "ps_allreduce":  # dense gradients all-reduced; tables' rows (dlrm) pushed
+            assert moved["allreduce"] > 0 and (moved["push"] > 0) == (key[0] == "dlrm"), key
+        elif key[1] in PS_SYSTEMS:
             assert moved["push"] > 0 and moved["pull"] > 0, key
         elif key[1].startswith("ddp"):
             assert moved["allreduce"] > 0, key
@@ -78,6 +82,9 @@ def test_every_entry_is_reported_with_sane_figures(quick_run: tuple[dict, str]) 
     # The naive server moves whole tables; paramserver only the rows a step touches.
     naive, sharded = entries[("dlrm", "naive_ps")], entries[("dlrm", "ps_async")]
     assert naive["bytes_per_step"]["pull"] > 10 * sharded["bytes_per_step"]["pull"]
+    # All-reduced, the MLP's dense gradients are exactly what DDP hands to its all-reduce.
+    ddp, reduced = entries[("mlp", "ddp")], entries[("mlp", "ps_allreduce")]
+    assert reduced["bytes_per_step"]["allreduce"] == ddp["bytes_per_step"]["allreduce"]
     dense, sparse = entries[("dlrm", "ddp_dense")], entries[("dlrm", "ddp_sparse")]
     assert dense["bytes_per_step"]["allreduce"] > 10 * sparse["bytes_per_step"]["allreduce"]
 
