@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -94,6 +95,35 @@ def hashed_batches(trainer: int, num_batches: int = 12):  # type: ignore[no-unty
 MakeServer = Callable[..., ServerEndpoint]  # the make_server fixture: new_server's arguments
 # The faulty_jobs fixture: called with a rig that sets rules on each job's FaultyTransport.
 FaultyJobs = Callable[[Callable[[FaultyTransport], object]], list[FaultyTransport]]
+
+
+PARITY_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], dict[str, float]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+    "adam": (torch.optim.Adam, {"lr": 0.02}),
+}
+"""Each rule the sync parity tests check, as torch.optim and its arguments (paramserver's
+flags have the same names)."""
+
+
+def crashing_after(
+    step: int,
+    root: Path,
+    batches: Callable[..., Iterator[Any]] | None = None,
+    num_batches: int = 20,
+) -> Callable[[int, int], Iterator[Any]]:
+    """A data_fn of ``batches`` (tiny_batches) whose trainer 0 crashes at batch ``step + 1``,
+    once checkpoint ``step`` is committed."""
+    make = batches or tiny_batches
+
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        for index, batch in enumerate(make(trainer, num_batches=num_batches)):
+            if trainer == 0 and index == step + 1:
+                wait_for_checkpoint(root, step)
+                raise RuntimeError("crash")
+            yield batch
+
+    return data
 
 
 class LazyRows:

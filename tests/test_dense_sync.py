@@ -17,16 +17,20 @@ import paramserver as ps
 from paramserver.checkpoint import DENSE_PART, load_latest
 from paramserver.modelplan import initial_model
 from paramserver.transport.group import ThreadGroup, buckets
-from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process, wait_for_checkpoint
+from tests.helpers import (
+    PARITY_OPTIMIZERS,
+    TinyRecModel,
+    crashing_after,
+    mse,
+    tiny_batches,
+    tiny_single_process,
+    wait_for_checkpoint,
+)
 from tests.procs import children_of_launcher
 
 NUM_TRAINERS = 3
 NUM_STEPS = 20
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
-    "adam": (torch.optim.Adam, {"lr": 0.02}),
-}
+OPTIMIZERS = PARITY_OPTIMIZERS
 DENSE = ("mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias")
 
 
@@ -72,19 +76,6 @@ def test_all_reduce_equals_dense_on_servers_in_sync_mode() -> None:
     dense_bytes = sum(initial_model(TinyRecModel, 0).state_dict()[n].numel() * 4 for n in DENSE)
     # Each trainer's pushes lose the dense gradients of every step but the final call's.
     assert sent[0] - sent[1] >= NUM_TRAINERS * (NUM_STEPS - 1) * dense_bytes
-
-
-def crashing_after(step: int, root: Path) -> Any:
-    """Trainer 0's data ends in a crash at ``step + 1``, once checkpoint ``step`` is committed."""
-
-    def data(trainer: int, num_trainers: int) -> Any:
-        for index, batch in enumerate(tiny_batches(trainer)):
-            if trainer == 0 and index == step + 1:
-                wait_for_checkpoint(root, step)
-                raise RuntimeError("crash")
-            yield batch
-
-    return data
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import paramserver as ps
 from paramserver.modelplan import initial_model
 from paramserver.types import LoopFn
 from tests.helpers import (
+    PARITY_OPTIMIZERS,
     LazyRows,
     TinyRecModel,
     TwoTaskModel,
@@ -36,11 +37,7 @@ NUM_TRAINERS = 3
 NUM_STEPS = 20
 WARMUP, DECAY = 4, 12  # warm-up, then a cosine decay to 10% of the lr, flat after step 16
 TABLES = ("user.weight", "items.weight")
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
-    "adam": (torch.optim.Adam, {"lr": 0.02}),
-}
+OPTIMIZERS = PARITY_OPTIMIZERS
 
 
 def warmup_then_cosine(step: int) -> float:

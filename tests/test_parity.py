@@ -7,15 +7,11 @@ import torch
 
 import paramserver as ps
 from paramserver.modelplan import initial_model
-from tests.helpers import TinyRecModel, mse, tiny_batches, tiny_single_process
+from tests.helpers import PARITY_OPTIMIZERS, TinyRecModel, mse, tiny_batches, tiny_single_process
 
 NUM_TRAINERS = 3
 NUM_STEPS = 20
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
-    "adam": (torch.optim.Adam, {"lr": 0.02}),
-}
+OPTIMIZERS = PARITY_OPTIMIZERS
 
 
 def single_process_reference(name: str) -> dict[str, torch.Tensor]:

@@ -22,10 +22,10 @@ from paramserver.trainer.client import gather_state
 from tests.helpers import (
     NUM_ROWS_A,
     TinyRecModel,
+    crashing_after,
     mse,
     threads_job,
     tiny_batches,
-    wait_for_checkpoint,
 )
 
 STEPS = 12
@@ -76,19 +76,6 @@ def config(tmp_path: Path, **options: Any) -> ps.TrainConfig:
     )  # fmt: skip
 
 
-def crashing_after(step: int, root: Path, batches: Any = tiny_batches) -> Any:
-    """Trainer 0's data ends in a crash at ``step + 1``, once checkpoint ``step`` is committed."""
-
-    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
-        for index, batch in enumerate(batches(trainer, num_batches=STEPS)):
-            if trainer == 0 and index == step + 1:
-                wait_for_checkpoint(root, step)
-                raise RuntimeError("crash")
-            yield batch
-
-    return data
-
-
 def final_state(
     job: ps.TrainConfig, data: Any, model: Any = TinyRecModel
 ) -> dict[str, dict[str, torch.Tensor]]:
@@ -123,7 +110,7 @@ def test_sync_resume_is_exact(tmp_path: Path, saved_at: int, kind: str) -> None:
     straight, straight_counters = final_state_and_counters(straight_job, data, model)
     job = config(tmp_path, checkpoint_every=saved_at, **options)
     with pytest.raises(JobFailedError, match="crash"):
-        threads_job(job, model, crashing_after(saved_at, tmp_path / "ckpt", batches), mse)
+        threads_job(job, model, crashing_after(saved_at, tmp_path / "ckpt", batches, STEPS), mse)
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and found.step == saved_at
     manifest = (found.directory / "manifest.json").read_bytes()
@@ -183,7 +170,7 @@ def test_a_trainer_that_left_before_the_checkpoint_stays_finished_on_resume(
 
     def crashing(trainer: int, num_trainers: int) -> Iterator[Any]:
         return (
-            crashing_after(6, tmp_path / "ckpt")(trainer, num_trainers)
+            crashing_after(6, tmp_path / "ckpt", num_batches=STEPS)(trainer, num_trainers)
             if trainer == 0
             else uneven(trainer, num_trainers)
         )
@@ -205,7 +192,7 @@ def test_a_checkpoint_resumes_on_another_server_count(tmp_path: Path) -> None:
     straight = final_state(config(tmp_path / "a"), data)
     job = config(tmp_path, checkpoint_every=4)
     with pytest.raises(JobFailedError):
-        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
+        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt", num_batches=STEPS), mse)
     resumed = final_state(job.replace(resume=True, servers=3), data)
     for name, entry in straight.items():
         assert torch.allclose(entry["value"], resumed[name]["value"], atol=1e-6), name
@@ -243,7 +230,7 @@ def test_a_server_reads_only_its_own_part_when_the_server_count_is_the_same(
 ) -> None:
     job = config(tmp_path, checkpoint_every=4)
     with pytest.raises(JobFailedError):
-        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt"), mse)
+        threads_job(job, TinyRecModel, crashing_after(4, tmp_path / "ckpt", num_batches=STEPS), mse)
     read: list[str] = []
     original = Checkpoint.read_part
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +27,18 @@ from paramserver.schedule import Schedule
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from tests.helpers import (
+    PARITY_OPTIMIZERS,
     HashedModel,
     LazyRows,
     MakeServer,
     TinyRecModel,
     a_dense_name,
+    crashing_after,
     hashed_batches,
     mse,
     own_ids,
     tiny_batches,
     tiny_single_process,
-    wait_for_checkpoint,
 )
 
 TABLES = ("user.weight", "items.weight")
@@ -355,11 +356,7 @@ def test_a_job_whose_schedule_fails_midway_stops_naming_the_step() -> None:
 
 NUM_TRAINERS = 2
 NUM_STEPS = 20
-OPTIMIZERS = {
-    "sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
-    "adam": (torch.optim.Adam, {"lr": 0.02}),
-}
+OPTIMIZERS = PARITY_OPTIMIZERS
 WARMUP_COSINE = {
     "lr_warmup_steps": 5, "lr_decay": "cosine", "lr_decay_steps": 12, "lr_min_ratio": 0.1,
 }  # fmt: skip
@@ -499,19 +496,6 @@ STEPS = 12
 SCHEDULE = {"lr_warmup_steps": 3, "lr_decay": "linear", "lr_decay_steps": 8, "lr_min_ratio": 0.2}
 
 
-def crashing_after(step: int, root: Path) -> Any:
-    """Trainer 0's data ends in a crash at ``step + 1``, once checkpoint ``step`` is committed."""
-
-    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
-        for index, batch in enumerate(tiny_batches(trainer, num_batches=STEPS)):
-            if trainer == 0 and index == step + 1:
-                wait_for_checkpoint(root, step)
-                raise RuntimeError("crash")
-            yield batch
-
-    return data
-
-
 @pytest.mark.timeout(120)
 def test_sync_resume_continues_the_schedule_bitwise(tmp_path: Path) -> None:
     def job(root: Path, **options: Any) -> ps.TrainConfig:
@@ -525,7 +509,9 @@ def test_sync_resume_continues_the_schedule_bitwise(tmp_path: Path) -> None:
     saved_at = 6  # mid-decay: a schedule restarted at step 0 would warm up again
     crashing = job(tmp_path / "b", checkpoint_every=saved_at)
     with pytest.raises(JobFailedError, match="crash"):
-        ps.train(TinyRecModel, crashing_after(saved_at, tmp_path / "b"), mse, crashing)
+        ps.train(
+            TinyRecModel, crashing_after(saved_at, tmp_path / "b", num_batches=STEPS), mse, crashing
+        )
     resumed = ps.train(TinyRecModel, data, mse, crashing.replace(resume=True))
     assert straight is not None and resumed is not None
     assert resumed.summary["resumed_from"]["checkpoint_step"] == saved_at
