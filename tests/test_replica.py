@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import plan_of
-from paramserver.trainer.replica import MissingRows, Replica
+from paramserver.trainer.replica import Call, MissingRows, Replica
 
 
 def run_remote(module: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -159,3 +159,36 @@ def test_a_model_without_tables_runs_no_record_pass() -> None:
     replica = Replica(model)
     assert replica.record_ids([torch.ones(2, 4)]) == {}
     assert calls == []
+
+
+def recorded_replica(model: nn.Module, batch: tuple[Tensor, ...]) -> tuple[Replica, Tensor]:
+    """A replica of ``model`` with the rows ``batch`` looks up loaded, with its record pass's
+    lookups; and the table's weight (``model`` has one table, ``weight``)."""
+    weight = model.weight.detach().clone()  # type: ignore[union-attr]
+    replica = Replica(model)
+    recorded = replica.record([Call.of(batch)])
+    ids = recorded.ids["weight"]
+    replica.load({}, {"weight": (ids, weight[ids].clone())}, lookups=recorded.lookups)
+    return replica, weight
+
+
+def test_a_forward_making_the_recorded_lookup_takes_its_positions_from_the_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    batch = (torch.tensor([[7, 3], [3, 11]]),)
+    replica, weight = recorded_replica(nn.Embedding(20, 3), batch)
+    monkeypatch.setattr(torch, "searchsorted", None)  # a search would fail: none is made
+    torch.testing.assert_close(replica.forward(batch), weight[batch[0]])
+    # the same ids in another tensor (as a loop that rebuilds its inputs) are recognised too
+    torch.testing.assert_close(replica.forward((batch[0].clone(),)), weight[batch[0]])
+
+
+def test_a_batch_changed_after_its_record_pass_is_looked_up_anew() -> None:
+    batch = (torch.tensor([7, 3, 11]),)
+    replica, weight = recorded_replica(nn.Embedding(20, 3), batch)
+    batch[0][0] = 11  # rows of 3 and 11 were pulled; the record's positions are now wrong
+    torch.testing.assert_close(replica.forward(batch), weight[[11, 3, 11]])
+    batch[0][0] = 5  # a row not pulled: fetched, not read from a wrong position
+    with pytest.raises(MissingRows) as missing:
+        replica.forward(batch)
+    assert missing.value.ids.tolist() == [5]

@@ -82,17 +82,20 @@ class Pulled:
 @dataclass(frozen=True)
 class Route:
     """How one table's ids split over the servers: ``ids[order]`` lists server 0's first, then
-    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server);
-    ``parts`` holds each server's ids, the same tensors in the pull and in the push of their
-    gradients (neither changes them once sent), and ``packed`` the same as they travel."""
+    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server;
+    ``order`` None: one server, the ids' own order); ``parts`` holds each server's ids, the
+    same tensors in the pull and in the push of their gradients (neither changes them once
+    sent), and ``packed`` the same as they travel."""
 
     ids: Tensor
-    order: Tensor
+    order: Tensor | None
     counts: list[int]
     parts: tuple[Tensor, ...]
 
     @classmethod
     def of(cls, plan: ShardPlan, table: str, ids: Tensor) -> Route:
+        if plan.num_servers == 1:  # nothing to split: spare the ops (they add up per table)
+            return cls(ids, None, [ids.numel()], (ids,))
         order, counts = plan.split_by_server(table, ids)
         return cls(ids, order, counts, ids[order].split(counts))
 
@@ -104,7 +107,18 @@ class Route:
 
     def split(self, values: Tensor) -> tuple[Tensor, ...]:
         """``values`` (aligned with ``ids``) as every server's part, in server order."""
+        if self.order is None:
+            return (values,)
         return values[self.order].split(self.counts)
+
+    def in_caller_order(self, parts: list[Tensor]) -> Tensor:
+        """Every server's answer for its part (in server order) as one tensor aligned with
+        ``ids``."""
+        if self.order is None:
+            return parts[0]
+        aligned = torch.empty((self.ids.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
+        aligned[self.order] = torch.cat(parts)
+        return aligned
 
 
 ROUTED_CALLS_KEPT = 2  # gradients ride on the next call, or with prefetch on the one after
@@ -332,8 +346,7 @@ class PSClient:
             self.transport.call_sized(server, op, request, size.nbytes)
             for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
         ]
-        orders = {name: route.order for name, route in routes.items()}
-        return InFlight(self, futures, pull_ids, orders, call, pooled_shapes or {}, cached_versions)
+        return InFlight(self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions)
 
 
 class InFlight:
@@ -344,7 +357,7 @@ class InFlight:
         client: PSClient,
         futures: list[Future],
         pull_ids: dict[str, Tensor],
-        orders: dict[str, Tensor],
+        routes: dict[str, Route],
         call: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
         cached_versions: dict[str, tuple[Tensor, Tensor]],
@@ -352,7 +365,7 @@ class InFlight:
         self.client = client
         self.futures = futures
         self.pull_ids = pull_ids
-        self.orders = orders
+        self.routes = routes
         self.call = call  # the call number (-1 for a pull outside the calls)
         self.pooled_shapes = pooled_shapes
         self.cached_versions = cached_versions  # per cached table: its slots, versions sent
@@ -381,17 +394,15 @@ class InFlight:
                     pooled += plain(reply.pooled[name])
             pulled.pooled[name] = pooled
         for name, ids in self.pull_ids.items():
-            order = self.orders[name]
+            route = self.routes[name]
             traffic.row_bytes_received += sum(payload_nbytes(r.rows[name]) for r in replies)
-            parts = torch.cat([plain(reply.rows[name]) for reply in replies])
+            parts = [plain(reply.rows[name]) for reply in replies]
             cached = self.cached_versions.get(name)
             if cached is None:
-                rows = torch.empty_like(parts)
-                rows[order] = parts
+                rows = route.in_caller_order(parts)
             else:
-                versions = torch.empty_like(cached[1])
-                versions[order] = torch.cat([reply.row_versions[name] for reply in replies])
-                rows = self._with_cached_rows(name, ids, parts, *cached, versions)
+                versions = route.in_caller_order([reply.row_versions[name] for reply in replies])
+                rows = self._with_cached_rows(name, ids, torch.cat(parts), *cached, versions)
             pulled.rows[name] = (ids, rows)
         return pulled
 
@@ -408,9 +419,9 @@ class InFlight:
         cache; then the cache learns the new rows."""
         cache = self.client.caches[name]
         sent = rows_sent(cached, versions)
-        order = self.orders[name]
+        order = self.routes[name].order
         rows = torch.empty(ids.numel(), sent_rows.shape[1], dtype=sent_rows.dtype)
-        rows[order[sent[order]]] = sent_rows
+        rows[sent if order is None else order[sent[order]]] = sent_rows
         rows[~sent] = cache.rows_at(slots[~sent])
         cache.update(ids, slots, rows, versions, sent)
         return rows

@@ -42,7 +42,7 @@ from paramserver.trainer.client import InFlight, PSClient, Pulled
 from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.replica import Call, Replica
+from paramserver.trainer.replica import Call, RecordedLookups, Replica
 from paramserver.types import Progress
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,7 @@ class Step:
     batches: list[Any]
     ids: dict[str, Tensor] | None = None
     bags: dict[str, BagBlock] = field(default_factory=dict)
+    lookups: dict[str, RecordedLookups] = field(default_factory=dict)
 
 
 @dataclass
@@ -334,6 +335,7 @@ class TrainContext:
             pulled.dense,
             pulled.rows,
             {name: (pulled.pooled[name], bags) for name, bags in step.bags.items()},
+            step.lookups,
         )
 
     def _end_short_step(self) -> None:
@@ -434,7 +436,7 @@ class _AheadRecorder:
         if calls is None:
             return Step(group)
         try:
-            ids, bags = self.engine.replica.record(calls)
+            recorded = self.engine.replica.record(calls)
         except ParamServerError:
             raise
         except Exception as error:  # a guess at the model's arguments failed
@@ -443,7 +445,7 @@ class _AheadRecorder:
             log.info("batches are not (inputs, target) pairs (%s): rows are read on demand", error)
             self.inputs, self.guessing = None, False
             return Step(group)
-        return Step(group, ids, bags)
+        return Step(group, *recorded)
 
     def _calls(self, group: list[Any]) -> list[Call] | None:
         if self.inputs is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,25 @@ class MissingRows(Exception):
         super().__init__(f"table {table}: {ids.numel()} ids not pulled")
         self.table = table
         self.ids = ids
+
+
+@dataclass(frozen=True)
+class RecordedLookups:
+    """One table's lookups in a record pass: the sorted unique ids they touch, and each lookup's
+    ids (a flat int64 copy) with their positions in those. A forward making the same lookup on the
+    rows pulled for these ids takes its positions from here instead of searching for them."""
+
+    ids: Tensor
+    each: list[tuple[Tensor, Tensor]]
+
+
+class Recorded(NamedTuple):
+    """What a record pass found: per row-pulled table its sorted unique ids and its lookups,
+    and per server-pooled table its bags."""
+
+    ids: dict[str, Tensor]
+    bags: dict[str, BagBlock]
+    lookups: dict[str, RecordedLookups]
 
 
 class _RecordingDone(BaseException):  # not Exception: a model's `except Exception` must not eat it
@@ -115,6 +134,7 @@ class RemoteEmbedding(nn.Module):
             self.include_last_offset = getattr(source, "include_last_offset", False)
         self.ids = torch.empty(0, dtype=torch.int64)
         self.rows = torch.empty(0, self.embedding_dim)
+        self.lookups: list[tuple[Tensor, Tensor]] = []  # see set_rows
         self.recorder: _Recorder | None = None
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
@@ -153,10 +173,12 @@ class RemoteEmbedding(nn.Module):
         rows = "dynamic" if self.num_embeddings is None else self.num_embeddings
         return f"table={self.table!r}, {kind}, {rows}x{self.embedding_dim}"
 
-    def set_rows(self, ids: Tensor, rows: Tensor) -> None:
-        """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call."""
+    def set_rows(self, ids: Tensor, rows: Tensor, lookups: RecordedLookups | None = None) -> None:
+        """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call;
+        ``lookups``, recorded for these very ids, spare the lookups it holds a search."""
         self.ids = ids
         self.rows = rows
+        self.lookups = lookups.each if lookups is not None and lookups.ids is ids else []
 
     def forward(
         self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None
@@ -223,6 +245,10 @@ class RemoteEmbedding(nn.Module):
 
     def _local_ids(self, ids: Tensor) -> Tensor:
         ids = ids.to(torch.int64)
+        flat = ids.reshape(-1)
+        for recorded, positions in self.lookups:
+            if recorded.shape == flat.shape and torch.equal(recorded, flat):
+                return positions.view(ids.shape)
         if self.ids.numel() == 0:
             if ids.numel():
                 raise MissingRows(self.table, torch.unique(ids))
@@ -299,15 +325,16 @@ class Replica:
 
     def record_ids(self, batches: Sequence[Inputs]) -> dict[str, Tensor]:
         """The sorted unique ids each table (not pooled on the servers) will look up."""
-        return self.record([Call.of(inputs) for inputs in batches])[0]
+        return self.record([Call.of(inputs) for inputs in batches]).ids
 
-    def record(self, calls: Sequence[Call]) -> tuple[dict[str, Tensor], dict[str, BagBlock]]:
+    def record(self, calls: Sequence[Call]) -> Recorded:
         """What ``calls`` of the model will look up: the sorted unique ids of each row-pulled
-        table, and the bags of each server-pooled table (these allow one call per step)."""
+        table with its lookups, and the bags of each server-pooled table (these allow one
+        call per step)."""
         recorded: dict[str, list[Tensor]] = {}
         bags: dict[str, BagBlock] = {}
         if not self.tables:  # nothing to look up: no pass (it would be a whole forward)
-            return {}, {}
+            return Recorded({}, {}, {})
         for call in calls:
             recorder = _Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(_RecordingDone):
@@ -320,8 +347,15 @@ class Replica:
             for table, ids in recorder.ids.items():
                 if table not in recorder.bags:
                     recorded.setdefault(table, []).extend(ids)
-        unique = {t: torch.unique(torch.cat(v).to(torch.int64)) for t, v in recorded.items()}
-        return unique, bags
+        unique, lookups = {}, {}
+        for table, each in recorded.items():
+            looked_up = torch.cat(each).to(torch.int64)  # a copy: the batch may change later
+            ids, positions = torch.unique(looked_up, return_inverse=True)
+            sizes = [e.numel() for e in each]
+            unique[table] = ids
+            pairs = zip(looked_up.split(sizes), positions.split(sizes), strict=True)
+            lookups[table] = RecordedLookups(ids, list(pairs))
+        return Recorded(unique, bags, lookups)
 
     @contextmanager
     def _recording(self, recorder: _Recorder) -> Iterator[None]:
@@ -352,9 +386,11 @@ class Replica:
         dense: dict[str, Tensor],
         rows: dict[str, tuple[Tensor, Tensor]],
         pooled: dict[str, tuple[Tensor, BagBlock]] | None = None,
+        lookups: dict[str, RecordedLookups] | None = None,
     ) -> None:
-        """Copy pulled dense values in and install fresh leaves for the pulled rows and, for
-        server-pooled tables, the pooled sums of their bags."""
+        """Copy pulled dense values in and install fresh leaves for the pulled rows (with the
+        ``lookups`` recorded for them) and, for server-pooled tables, the pooled sums of their
+        bags."""
         pooled = pooled or {}
         for name, remote in self.tables.items():
             if not remote.server_pooled:
@@ -369,14 +405,16 @@ class Replica:
                 self.dense[name].copy_(value)
         for param in self.dense.values():
             param.grad = None
-        self._load_rows(rows)
+        self._load_rows(rows, lookups or {})
 
-    def _load_rows(self, rows: dict[str, tuple[Tensor, Tensor]]) -> None:
+    def _load_rows(
+        self, rows: dict[str, tuple[Tensor, Tensor]], lookups: dict[str, RecordedLookups]
+    ) -> None:
         for name, remote in self.tables.items():
             ids, values = rows.get(
                 name, (torch.empty(0, dtype=torch.int64), torch.empty(0, remote.embedding_dim))
             )
-            remote.set_rows(ids, values.requires_grad_(True))
+            remote.set_rows(ids, values.requires_grad_(True), lookups.get(name))
 
     def add_rows(self, table: str, ids: Tensor, values: Tensor) -> None:
         """Merge extra pulled rows into ``table``'s leaf, keeping gradients already accumulated."""
@@ -413,17 +451,18 @@ class Replica:
         up are read with ``fetch`` (every table as rows, pooled on the servers or not), and
         the step's rows, pooled sums and their gradients are left as they were."""
         saved = [
-            (r, r.ids, r.rows, r.pooled, r.pooled_bags, r.server_pooled)
+            (r, r.ids, r.rows, r.lookups, r.pooled, r.pooled_bags, r.server_pooled)
             for r in self.tables.values()
         ]
         try:
             for remote in self.tables.values():
                 remote.server_pooled = False
-            self._load_rows(fetch(self.record([call])[0]))
+            recorded = self.record([call])
+            self._load_rows(fetch(recorded.ids), recorded.lookups)
             return self.forward_fetching(call, fetch)
         finally:
-            for remote, ids, rows, pooled, bags, server_pooled in saved:
-                remote.ids, remote.rows, remote.pooled = ids, rows, pooled
+            for remote, ids, rows, lookups, pooled, bags, server_pooled in saved:
+                remote.ids, remote.rows, remote.lookups, remote.pooled = ids, rows, lookups, pooled
                 remote.pooled_bags, remote.server_pooled = bags, server_pooled
 
     def gradients(self) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, Tensor]]]:
