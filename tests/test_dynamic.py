@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import time
 from typing import Any
 
@@ -20,7 +21,7 @@ from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable, init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
-from paramserver.server.tables import Reading
+from paramserver.server.tables import HUGE_PAGE_BYTES, Reading, regrown, row_storage
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 from tests.helpers import NUM_IDS, HashedModel, hashed_batches, mse
 
@@ -488,6 +489,41 @@ def test_a_capacity_is_a_bound_not_a_reservation() -> None:
         # Rows are created before eviction makes room: one step's 60 may come on top.
         assert small.weight.shape[0] <= 100 + 60
         assert small.stats()["rows"] <= 100
+
+
+def vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (Linux's smaps)."""
+    holds = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: its range
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                holds = start <= address < end
+            elif head == "VmFlags:" and holds:
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux's huge pages")
+def test_table_storage_asks_for_huge_pages_and_keeps_its_rows_as_it_grows() -> None:
+    """Storage of a huge page or more is mapped with huge pages advised (VmFlags ``hg``), a
+    grown dynamic table's too, with its rows and state kept; smaller tensors are plain ones."""
+    rows = HUGE_PAGE_BYTES // (32 * 4) + 100
+    big = row_storage((rows, 32), torch.float32)
+    assert "hg" in vm_flags(big.data_ptr())
+    big.copy_(torch.arange(rows * 32, dtype=torch.float32).view(rows, 32))
+    grown = regrown(big, rows + 7)
+    assert "hg" in vm_flags(grown.data_ptr()) and torch.equal(grown[:rows], big)
+    small = row_storage((100, 32), torch.float32)
+    assert small.shape == (100, 32) and "hg" not in vm_flags(small.data_ptr())
+    spec = TableSpec("t", 0, 32, torch.float32, dynamic=DynamicOptions())
+    t = DynamicTable(spec, make_rule(OptimizerConfig(name="adagrad", lr=0.1)))
+    ids = torch.arange(rows, dtype=torch.int64) * 7919
+    first = t.read(ids[:1000], Reading(train=True, clock=1))
+    t.read(ids, Reading(train=True, clock=2))  # grows the storage past a huge page
+    assert "hg" in vm_flags(t.weight.data_ptr()) and "hg" in vm_flags(t.state["sum"].data_ptr())
+    assert torch.equal(t.read(ids[:1000], Reading()), first)
 
 
 def test_bad_dynamic_options_and_state_dicts_are_refused() -> None:

@@ -1,5 +1,6 @@
 """Row-wise Adagrad, the one update rule written here (the others are torch.optim's functional
-steps, checked against torch.optim in test_parity.py), against its formula computed directly."""
+steps, checked against torch.optim in test_parity.py), against its formula computed directly;
+tables updated together as each alone; rows taken and put back as torch's indexing does."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import torch
 from torch import Tensor
 
 from paramserver.config import OptimizerConfig
-from paramserver.server.optim import RowUpdate, RowWiseAdagrad, apply_rows, apply_updates, make_rule
+from paramserver.server.optim import (
+    RowUpdate,
+    RowWiseAdagrad,
+    apply_rows,
+    apply_updates,
+    make_rule,
+    put_rows,
+    take_rows,
+)
 
 NUM_ROWS, DIM = 6, 4
 # Rows touched at each step: rows 0 and 3 every time, row 5 never, the others now and then, so
@@ -162,3 +171,25 @@ def test_apply_rows_equals_the_rule_step_on_each_row_group(config: OptimizerConf
             row_steps[row] += 1
     assert torch.equal(weight, by_row)
     assert all(torch.equal(state[k], row_state[k]) for k in state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [1, 5])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_rows_are_taken_and_put_as_torch_indexing_does(
+    dtype: torch.dtype, dim: int, contiguous: bool
+) -> None:
+    """take_rows and put_rows (row bytes through numpy where the tensors are contiguous,
+    torch's indexing otherwise) give index_select's and index_copy_'s results bitwise."""
+    g = torch.Generator().manual_seed(0)
+    whole = torch.randn(40, 2 * dim, generator=g).to(dtype)
+    table = whole[:, :dim] if not contiguous else whole[:, :dim].contiguous()
+    assert table.is_contiguous() == contiguous
+    rows = torch.tensor([7, 0, 39, 12])
+    assert torch.equal(take_rows(table, rows.numpy()), table.index_select(0, rows))
+    values = torch.randn(4, dim, generator=g).to(dtype)
+    expected = table.clone().index_copy_(0, rows, values)
+    put_rows(table, rows.numpy(), values)
+    assert torch.equal(table, expected)
+    empty = take_rows(table, rows[:0].numpy())
+    assert empty.shape == (0, dim) and empty.dtype == dtype

@@ -55,8 +55,16 @@ from torch import Tensor
 
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
-from paramserver.server.tables import Pull, Reading, nbytes_of, put_rows, row_entries
+from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates, take_rows
+from paramserver.server.tables import (
+    Pull,
+    Reading,
+    nbytes_of,
+    put_rows,
+    regrown,
+    row_entries,
+    row_storage,
+)
 from paramserver.sharding import DynamicOptions, TableSpec
 
 PULLS_KEPT = 3  # pull records per trainer: this step's, the prefetched one, a retry
@@ -217,7 +225,7 @@ class DynamicTable:
         # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
         self.ids = ids
         self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
-        self.state: State = rule.init_state(self.weight)
+        self.state: State = rule.init_state(self.weight, row_storage)
         self.steps = torch.zeros(0, dtype=torch.float32) if rule.needs_steps else None
         # When each row was last read or updated, kept only where eviction needs it.
         evicts = self.options.ttl_steps is not None or self.options.capacity is not None
@@ -315,7 +323,7 @@ class DynamicTable:
         """The values of ``rows``; the default vector where a row is -1."""
         present = rows >= 0
         if bool(present.all()):
-            return self.weight.index_select(0, rows)
+            return take_rows(self.weight, rows.numpy())
         out = torch.full(
             (rows.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
         )
@@ -490,14 +498,14 @@ class DynamicTable:
             capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
             if self.options.capacity is not None:  # grow no further than the bound needs
                 capacity = max(self.ids.used_rows, min(capacity, self.options.capacity))
-            self.weight = with_rows(self.weight, capacity)
-            self.state = {k: with_rows(v, capacity) for k, v in self.state.items()}
+            self.weight = regrown(self.weight, capacity)
+            self.state = {k: regrown(v, capacity) for k, v in self.state.items()}
             if self.steps is not None:
-                self.steps = with_rows(self.steps, capacity)
+                self.steps = regrown(self.steps, capacity)
             if self.last_touched is not None:
-                self.last_touched = with_rows(self.last_touched, capacity)
+                self.last_touched = regrown(self.last_touched, capacity)
             if self.versions is not None:
-                self.versions = with_rows(self.versions, capacity)
+                self.versions = regrown(self.versions, capacity)
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""

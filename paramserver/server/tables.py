@@ -19,6 +19,9 @@ applied to it, so a trainer's cached copy can be judged by how many updates it m
 
 from __future__ import annotations
 
+import contextlib
+import math
+import mmap
 import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,11 +29,13 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
+from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates, take_rows
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.tableinit import RowInit
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
+HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
 @dataclass(frozen=True)
@@ -145,14 +150,13 @@ class FixedTable:
         self.server = server
         self.rule = rule
         ids = self.global_ids()
-        self.weight = torch.empty(ids.numel(), spec.dim, dtype=spec.dtype)
+        rows = ids.numel()
+        self.weight = row_storage((rows, spec.dim), spec.dtype)
         init.fill(self.weight, ids)
-        self.state: State = rule.init_state(self.weight)
-        self.steps = (
-            torch.zeros(self.weight.shape[0], dtype=torch.float32) if rule.needs_steps else None
-        )
+        self.state: State = rule.init_state(self.weight, row_storage)
+        self.steps = row_storage((rows,), torch.float32).zero_() if rule.needs_steps else None
         tracks = cache_lag is not None
-        self.versions = torch.zeros(self.weight.shape[0], dtype=torch.int64) if tracks else None
+        self.versions = row_storage((rows,), torch.int64).zero_() if tracks else None
         self.lock = threading.Lock()
 
     def _local(self, ids: Tensor) -> Tensor:
@@ -172,7 +176,7 @@ class FixedTable:
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
         """Copies of the rows of ``ids``; a fixed table's rows are there for every reading."""
-        return self.weight.index_select(0, self._local(ids))
+        return take_rows(self.weight, self._local(ids).numpy())
 
     def apply(
         self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
@@ -196,7 +200,7 @@ class FixedTable:
         """:meth:`read`, and each row's version."""
         assert self.versions is not None
         local = self._local(ids)
-        return self.weight.index_select(0, local), self.versions.index_select(0, local)
+        return take_rows(self.weight, local.numpy()), self.versions.index_select(0, local)
 
     def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
         """Fixed rows never change owner: every gradient applies (None: keep all)."""
@@ -218,6 +222,33 @@ class FixedTable:
 
     def stats(self) -> dict[str, int]:
         return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
+
+
+def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Uninitialised storage for a table's rows or their state, owned by the caller.
+
+    Requests read and write rows at random across whole tables (gigabytes): with 4 KiB pages
+    nearly every row costs a TLB miss as well as a cache miss. So storage that spans a huge page
+    is mapped on its own and marked for transparent huge pages (``madvise(MADV_HUGEPAGE)``,
+    before anything touches it), which Linux honours in its ``madvise`` and ``always`` modes
+    (``/sys/kernel/mm/transparent_hugepage/enabled``) where it has free huge pages, and falls
+    back to small pages otherwise; elsewhere (other systems, small tensors) ``torch.empty``.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if _MADV_HUGEPAGE is None or nbytes < HUGE_PAGE_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small ones
+        memory.madvise(_MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
+
+
+def regrown(tensor: Tensor, rows: int) -> Tensor:
+    """``tensor`` copied into :func:`row_storage` of ``rows`` rows; the rows past its own are
+    uninitialised (their owner sets each before it is read)."""
+    grown = row_storage((rows, *tensor.shape[1:]), tensor.dtype)
+    grown[: tensor.shape[0]] = tensor
+    return grown
 
 
 def nbytes_of(*tensors: Tensor | None) -> int:
