@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchmetrics.classification import BinaryAUROC
 
 from paramserver.errors import ConfigError
 from paramserver.types import Inputs, as_tuple
@@ -81,6 +80,10 @@ def evaluate_binary(model: nn.Module, batches: Iterable[tuple[Inputs, Tensor]]) 
 
 
 def auc_of_scores(scores: Tensor, labels: Tensor) -> float:
+    # Imported here: torchmetrics (and matplotlib, which it loads) add ~0.5 s to the start of
+    # every process, and most never score anything.
+    from torchmetrics.classification import BinaryAUROC
+
     # No sync: in a process with torch.distributed up (DDP, torchrun) it would gather from
     # every rank, and wait for ranks that are not evaluating.
     auroc = BinaryAUROC(sync_on_compute=False)

@@ -256,6 +256,9 @@ class InitRecorder(TorchDispatchMode):
             if isinstance(target, Tensor) and target.is_meta:
                 step = _step_of(func, args, kwargs) if position == 0 else None
                 self.write(target, step, str(func))
+        if func is _NORMAL and args[0].is_meta:
+            # Nothing to compute; torch's own path for it imports torch._dynamo (~1 s).
+            return args[0]
         return func(*args, **kwargs)
 
     def write(self, target: Tensor, step: Step | None, what: str) -> None:
@@ -263,6 +266,21 @@ class InitRecorder(TorchDispatchMode):
         self._written.setdefault(_storage_key(target), []).append(
             _Written(step, what, int(target.storage_offset()), tuple(target.shape), target.stride())
         )
+
+
+def _spare_the_dynamo_import(mode: type[TorchDispatchMode]) -> None:
+    """torch wraps each dispatch mode's ``__torch_dispatch__`` so that torch.compile leaves it
+    alone, and the wrapper imports torch._dynamo at its first call: about a second of CPU at
+    the start of every process that builds a model. A mode active only while a model is
+    built runs nothing compiled, so it is marked as wrapped already (where torch's wrapper
+    is the one this knows; otherwise nothing changes)."""
+    original = getattr(mode.__dict__["__torch_dispatch__"], "__wrapped__", None)
+    if original is not None:
+        original.__dynamo_disable = original
+
+
+_spare_the_dynamo_import(InitRecorder)
+_NORMAL = torch.ops.aten.normal_.default
 
 
 def _storage_key(tensor: Tensor) -> int:

@@ -213,3 +213,25 @@ def test_given_values_keep_their_dtype_exactly() -> None:
 
     init = build_model(Given, seed=0).inits["table.weight"]
     assert torch.equal(init.rows(torch.tensor([4, 0])), thirds[[4, 0]])
+
+
+BUILD_AND_LIST_HEAVY_IMPORTS = """
+import sys
+import paramserver
+from paramserver.modelplan import build_model
+from paramserver.models import DLRM
+build_model(lambda: DLRM(table_rows=[1000, 1000]), 0)
+build_model(lambda: DLRM(table_rows=[0, 0], dynamic_tables=True), 0)
+print(sorted(m for m in ("torch._dynamo", "torchmetrics") if m in sys.modules))
+"""
+
+
+def test_building_a_model_loads_neither_torch_dynamo_nor_torchmetrics() -> None:
+    """Each costs every process of a job about a second (dynamo) and half a second at its
+    start: torch imports dynamo at a dispatch mode's first call and for a meta tensor's
+    ``normal_``, and nothing but scoring needs torchmetrics."""
+    done = subprocess.run(
+        [sys.executable, "-c", BUILD_AND_LIST_HEAVY_IMPORTS],
+        cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert done.stdout.split("\n")[-2] == "[]"
