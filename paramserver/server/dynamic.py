@@ -245,7 +245,7 @@ class DynamicTable:
 
     # ---- calls ----
 
-    def check_ids(self, ids: Tensor) -> str | None:
+    def check_range(self, low: int, high: int) -> str | None:
         return None  # every int64 id is valid
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:

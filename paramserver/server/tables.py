@@ -2,7 +2,7 @@
 
 A table shard (:class:`TableShard`) holds rows with their optimizer state beside them (slot
 tensors and per-row step counts indexed like the weight) and answers one server's calls for
-them: ``check_ids`` (validation), ``read`` and ``read_versioned`` (rows for ids),
+them: ``check_range`` (validation), ``read`` and ``read_versioned`` (rows for ids),
 ``rows_still_pulled`` and ``apply`` (gradients of rows), ``snapshot`` and ``restore``
 (checkpoints), ``nbytes`` and ``stats``. Two kinds answer it: :class:`FixedTable` here (a row
 range, cyclic over servers) and ``DynamicTable`` in server/dynamic.py (any int64 id, with
@@ -57,8 +57,8 @@ class TableShard(Protocol):
     """A server's rows of one embedding table, as the server's shard calls them.
 
     Thread-safety: no method locks; the caller holds :attr:`lock` around every call but
-    ``check_ids`` (which reads only the ids and the spec) and every use of :attr:`weight` but
-    its dtype. Ids given are a non-empty 1-D int64 tensor, valid but for ``check_ids``; where
+    ``check_range`` (which reads only the spec) and every use of :attr:`weight` but its dtype.
+    Ids given are a non-empty 1-D int64 tensor, valid (see ``check_range``); where
     a method says sorted and unique, the caller has checked it. Returned tensors are new
     (copies), owned by the caller; tensors given are only read, and kept only where a method
     says so.
@@ -69,9 +69,9 @@ class TableShard(Protocol):
     weight: Tensor  # the row storage: its dtype is the rows' (a dynamic table's has spare rows)
     rule: UpdateRule  # the table's update rule, with its learning-rate schedule
 
-    def check_ids(self, ids: Tensor) -> str | None:
-        """What is wrong with ``ids`` for this table (None: nothing); changes nothing. A
-        property of each id alone: of sorted ids, a caller may pass only the first and last."""
+    def check_range(self, low: int, high: int) -> str | None:
+        """What is wrong with ids from ``low`` to ``high`` (the least and the greatest of a
+        request's ids for this table) for this table (None: nothing); changes nothing."""
         ...
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
@@ -167,8 +167,7 @@ class FixedTable:
         """The global ids of this server's rows, in local order."""
         return torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
 
-    def check_ids(self, ids: Tensor) -> str | None:
-        low, high = int(ids.min()), int(ids.max())
+    def check_range(self, low: int, high: int) -> str | None:
         if low < 0 or high >= self.spec.num_rows:
             bad = low if low < 0 else high
             return f"row id {bad} out of range [0, {self.spec.num_rows})"
