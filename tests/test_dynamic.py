@@ -21,7 +21,13 @@ from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable, init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
-from paramserver.server.tables import HUGE_PAGE_BYTES, Reading, regrown, row_storage
+from paramserver.server.tables import (
+    HUGE_PAGE_BYTES,
+    RESERVE_GROWTH,
+    Reading,
+    regrown,
+    row_storage,
+)
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 from tests.helpers import NUM_IDS, HashedModel, hashed_batches, mse
 
@@ -508,13 +514,18 @@ def vm_flags(address: int) -> list[str]:
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux's huge pages")
 def test_table_storage_asks_for_huge_pages_and_keeps_its_rows_as_it_grows() -> None:
     """Storage of a huge page or more is mapped with huge pages advised (VmFlags ``hg``), a
-    grown dynamic table's too, with its rows and state kept; smaller tensors are plain ones."""
+    grown dynamic table's too, with its rows and state kept, in place within the address space
+    a growth reserved; smaller tensors are plain ones."""
     rows = HUGE_PAGE_BYTES // (32 * 4) + 100
     big = row_storage((rows, 32), torch.float32)
     assert "hg" in vm_flags(big.data_ptr())
     big.copy_(torch.arange(rows * 32, dtype=torch.float32).view(rows, 32))
-    grown = regrown(big, rows + 7)
+    grown = regrown(big, rows + 7)  # copied, into storage reserving room to grow in place
     assert "hg" in vm_flags(grown.data_ptr()) and torch.equal(grown[:rows], big)
+    grown[rows:] = -1.0
+    again = regrown(grown, rows * RESERVE_GROWTH)
+    assert again.data_ptr() == grown.data_ptr() and torch.equal(again[: rows + 7], grown)
+    assert again.shape == (rows * RESERVE_GROWTH, 32)
     small = row_storage((100, 32), torch.float32)
     assert small.shape == (100, 32) and "hg" not in vm_flags(small.data_ptr())
     spec = TableSpec("t", 0, 32, torch.float32, dynamic=DynamicOptions())

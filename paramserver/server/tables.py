@@ -36,6 +36,8 @@ from paramserver.tableinit import RowInit
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0)  # Python 3.13+: no swap accounted
+RESERVE_GROWTH = 8  # a grown table's storage reserves address space for this many times its rows
 
 
 @dataclass(frozen=True)
@@ -223,7 +225,7 @@ class FixedTable:
         return {"rows": self.weight.shape[0], "memory_bytes": self.nbytes()}
 
 
-def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+def row_storage(shape: tuple[int, ...], dtype: torch.dtype, *, reserve_rows: int = 0) -> Tensor:
     """Uninitialised storage for a table's rows or their state, owned by the caller.
 
     Requests read and write rows at random across whole tables (gigabytes): with 4 KiB pages
@@ -232,20 +234,38 @@ def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     before anything touches it), which Linux honours in its ``madvise`` and ``always`` modes
     (``/sys/kernel/mm/transparent_hugepage/enabled``) where it has free huge pages, and falls
     back to small pages otherwise; elsewhere (other systems, small tensors) ``torch.empty``.
+
+    ``reserve_rows``: map address space for that many rows, so :func:`regrown` can extend the
+    tensor in place up to them. Pages untouched cost no memory, so this reserves addresses, not
+    memory; where the system refuses so large a mapping, only ``shape`` is mapped.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     if _MADV_HUGEPAGE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    reserved = max(nbytes, nbytes // max(shape[0], 1) * reserve_rows)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    try:
+        memory = mmap.mmap(-1, reserved, flags=flags)
+    except OSError:  # address space refused (strict overcommit): the rows asked for alone
+        memory = mmap.mmap(-1, nbytes, flags=flags)
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small ones
         memory.madvise(_MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
+    whole = torch.frombuffer(memory, dtype=dtype)  # its storage keeps ``memory`` mapped
+    return whole[: math.prod(shape)].view(shape)
 
 
 def regrown(tensor: Tensor, rows: int) -> Tensor:
-    """``tensor`` copied into :func:`row_storage` of ``rows`` rows; the rows past its own are
-    uninitialised (their owner sets each before it is read)."""
-    grown = row_storage((rows, *tensor.shape[1:]), tensor.dtype)
+    """``tensor`` (storage of its own, as :func:`row_storage` makes) with ``rows`` rows, its own
+    first and the others uninitialised (their owner sets each before it is read): extended in
+    place where its storage has room reserved, else copied into :func:`row_storage` that
+    reserves :data:`RESERVE_GROWTH` times ``rows``, so copies are rare as a table grows."""
+    shape = (rows, *tensor.shape[1:])
+    storage = tensor.untyped_storage()
+    fits = math.prod(shape) * tensor.element_size() <= storage.nbytes()
+    if fits and tensor.storage_offset() == 0 and tensor.is_contiguous():
+        whole = torch.empty(0, dtype=tensor.dtype).set_(storage)
+        return whole[: math.prod(shape)].view(shape)
+    grown = row_storage(shape, tensor.dtype, reserve_rows=rows * RESERVE_GROWTH)
     grown[: tensor.shape[0]] = tensor
     return grown
 
