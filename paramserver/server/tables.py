@@ -235,14 +235,16 @@ def row_storage(shape: tuple[int, ...], dtype: torch.dtype, *, reserve_rows: int
     (``/sys/kernel/mm/transparent_hugepage/enabled``) where it has free huge pages, and falls
     back to small pages otherwise; elsewhere (other systems, small tensors) ``torch.empty``.
 
-    ``reserve_rows``: map address space for that many rows, so :func:`regrown` can extend the
-    tensor in place up to them. Pages untouched cost no memory, so this reserves addresses, not
-    memory; where the system refuses so large a mapping, only ``shape`` is mapped.
+    ``reserve_rows``: room for that many rows, so :func:`regrown` can extend the tensor in
+    place up to them: mapped address space, whose pages cost no memory until touched (where
+    the system refuses so large a mapping, only ``shape`` is mapped), or below a huge page an
+    allocation of that size (untouched).
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    if _MADV_HUGEPAGE is None or nbytes < HUGE_PAGE_BYTES:
-        return torch.empty(shape, dtype=dtype)
     reserved = max(nbytes, nbytes // max(shape[0], 1) * reserve_rows)
+    if _MADV_HUGEPAGE is None or reserved < HUGE_PAGE_BYTES:
+        rows = max(shape[0], reserve_rows)
+        return torch.empty((rows, *shape[1:]), dtype=dtype)[: shape[0]]
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
     try:
         memory = mmap.mmap(-1, reserved, flags=flags)
