@@ -17,6 +17,7 @@ FBGEMM's rule for embedding tables: one accumulator per row, the mean of the squ
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -334,7 +335,9 @@ def put_rows(target: Tensor, rows: np.ndarray, values: Tensor) -> None:
     row's bytes each: about a third of the time of numpy's or torch's indexing of 2-D rows on
     CPU), where both are contiguous."""
     if target.is_contiguous() and values.is_contiguous() and target.dim() == 2:
-        row_items(target)[rows] = row_items(values)
+        array = _numpy_of(target)
+        row = _row_dtype(array.shape[1] * array.itemsize)
+        array.view(row)[rows] = _numpy_of(values).view(row)
     else:
         target.index_copy_(0, torch.from_numpy(rows), values)
 
@@ -343,24 +346,32 @@ def take_rows(source: Tensor, rows: np.ndarray) -> Tensor:
     """``source[rows]`` (a new tensor), taken as :func:`put_rows` writes them."""
     if not (source.is_contiguous() and source.dim() == 2):
         return source.index_select(0, torch.from_numpy(rows))
-    taken = np.take(row_items(source), rows)
-    return torch.from_numpy(taken.view(np.uint8)).view(source.dtype).view(-1, source.shape[1])
+    array = _numpy_of(source)
+    row = _row_dtype(array.shape[1] * array.itemsize)
+    taken = torch.from_numpy(np.take(array.view(row), rows, axis=0).view(array.dtype))
+    return taken if taken.dtype == source.dtype else taken.view(source.dtype)
 
 
-def row_items(tensor: Tensor) -> np.ndarray:
-    """The rows of ``tensor`` (2-D, contiguous) as a 1-D numpy array of one opaque item per
-    row (a view: writing it writes ``tensor``), whatever its dtype."""
-    as_bytes = tensor.view(torch.uint8).numpy()
-    return as_bytes.view(np.dtype((np.void, as_bytes.shape[1]))).reshape(-1)
+def _numpy_of(tensor: Tensor) -> np.ndarray:
+    """``tensor`` as a numpy view: of its bytes where numpy lacks its dtype (bfloat16)."""
+    try:
+        return tensor.numpy()
+    except TypeError:
+        return tensor.view(torch.uint8).numpy()
+
+
+@functools.cache
+def _row_dtype(nbytes: int) -> np.dtype:
+    """An opaque numpy item of a row's ``nbytes``: a row copied as one item."""
+    return np.dtype((np.void, nbytes))
 
 
 def _gather(rule: UpdateRule, update: RowUpdate) -> _Gathered:
     rows, grads, steps = update.rows, update.grads, update.steps
     row_steps = None if steps is None else steps.index_select(0, rows)
     keys = None if row_steps is None else rule.step_group(row_steps)
-    if keys is None:
-        bounds = [(0, rows.numel())]
-    else:
+    bounds = None
+    if keys is not None:
         assert row_steps is not None
         order = torch.argsort(keys, stable=True)
         rows, grads, row_steps = rows[order], grads[order], row_steps[order]
@@ -370,15 +381,18 @@ def _gather(rule: UpdateRule, update: RowUpdate) -> _Gathered:
     at = rows.numpy()
     values = take_rows(update.weight, at)
     state = {slot: take_rows(value, at) for slot, value in update.state.items()}
-    blocks = [
-        Block(
-            values[start:end],
-            grads[start:end],
-            {slot: value[start:end] for slot, value in state.items()},
-            _block_step(row_steps, start),
-        )
-        for start, end in bounds
-    ]
+    if bounds is None or len(bounds) == 1:  # one group: all the rows are one block
+        blocks = [Block(values, grads, state, _block_step(row_steps, 0))]
+    else:
+        blocks = [
+            Block(
+                values[start:end],
+                grads[start:end],
+                {slot: value[start:end] for slot, value in state.items()},
+                _block_step(row_steps, start),
+            )
+            for start, end in bounds
+        ]
     return _Gathered(update, rows, values, state, blocks)
 
 
