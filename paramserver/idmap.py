@@ -36,6 +36,7 @@ _WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
+RESERVE_GROWTH = 8  # grown storage reserves room (untouched) for this many times its rows
 _SPACE_STRIDE = -7046029254386353131  # spaces' offsets: odd multiples of 2^64/phi
 
 
@@ -56,7 +57,20 @@ def _record(spaces: int) -> np.dtype:
 
 
 def _grown(array: np.ndarray, size: int) -> np.ndarray:
-    grown = np.empty(size, dtype=array.dtype)
+    """``array`` (1-D) with ``size`` entries, its own first and the others uninitialised: a
+    longer view of the allocation it starts, where that has room, else copied into a new one
+    with room (untouched, so costing no memory until used) for :data:`RESERVE_GROWTH` times
+    ``size``: so copies are rare as a map grows."""
+    base = array.base
+    if (
+        isinstance(base, np.ndarray)
+        and base.dtype == array.dtype
+        and base.ndim == 1
+        and base.size >= size
+        and base.ctypes.data == array.ctypes.data
+    ):
+        return base[:size]
+    grown = np.empty(size * RESERVE_GROWTH, dtype=array.dtype)[:size]
     grown[: array.size] = array
     return grown
 

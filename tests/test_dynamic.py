@@ -15,7 +15,7 @@ from torch.futures import Future
 import paramserver as ps
 from paramserver.baseline import train_single_process
 from paramserver.config import OptimizerConfig
-from paramserver.idmap import FusedIdMap, IdMap
+from paramserver.idmap import RESERVE_GROWTH, FusedIdMap, IdMap
 from paramserver.launch.roles import build_server
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable, init_rows
@@ -23,7 +23,6 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import (
     HUGE_PAGE_BYTES,
-    RESERVE_GROWTH,
     Reading,
     regrown,
     row_storage,
@@ -175,6 +174,22 @@ def table(momentum: float = 0.0, **options: object) -> DynamicTable:
 
 def ids(*values: int) -> Tensor:
     return torch.tensor(values, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("spaces", [0, 3])
+def test_id_map_arrays_grow_in_place_within_their_reservation(spaces: int) -> None:
+    """A growth of the per-row arrays reserves room for RESERVE_GROWTH times the rows; growths
+    within it keep the arrays where they are (no copy), with every id at its row."""
+    id_map = IdMap(initial_slots=16, spaces=spaces)
+    ids = torch.arange(500, dtype=torch.int64) * 7919 - 10**12
+    where = np.zeros(500, dtype=np.int16) if spaces else None
+    rows = [id_map.insert(ids[:100], None, None if where is None else where[:100])]
+    address = id_map.row_ids.ctypes.data
+    for start in range(100, 500, 100):  # 5 x the first capacity: within 8 x
+        part = slice(start, start + 100)
+        rows.append(id_map.insert(ids[part], None, None if where is None else where[part]))
+    assert id_map.row_ids.ctypes.data == address and id_map.capacity_rows >= 500
+    assert torch.equal(id_map.lookup(ids, where), torch.cat(rows))
 
 
 def test_admission_counts_are_exact_on_a_scripted_sequence() -> None:

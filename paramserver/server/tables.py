@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from paramserver.idmap import RESERVE_GROWTH
 from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates, take_rows
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.tableinit import RowInit
@@ -37,7 +38,6 @@ Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push n
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 _MAP_NORESERVE: int = getattr(mmap, "MAP_NORESERVE", 0)  # Python 3.13+: no swap accounted
-RESERVE_GROWTH = 8  # a grown table's storage reserves address space for this many times its rows
 
 
 @dataclass(frozen=True)
