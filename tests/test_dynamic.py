@@ -527,29 +527,38 @@ def vm_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux's huge pages")
-def test_table_storage_asks_for_huge_pages_and_keeps_its_rows_as_it_grows() -> None:
-    """Storage of a huge page or more is mapped with huge pages advised (VmFlags ``hg``), a
-    grown dynamic table's too, with its rows and state kept, in place within the address space
-    a growth reserved; smaller tensors are plain ones."""
+def test_storage_allocated_whole_asks_for_huge_pages() -> None:
+    """A fixed table's storage of a huge page or more is mapped with huge pages advised
+    (VmFlags ``hg``); smaller tensors are plain ones."""
     rows = HUGE_PAGE_BYTES // (32 * 4) + 100
     big = row_storage((rows, 32), torch.float32)
-    assert "hg" in vm_flags(big.data_ptr())
+    assert big.shape == (rows, 32) and "hg" in vm_flags(big.data_ptr())
     big.copy_(torch.arange(rows * 32, dtype=torch.float32).view(rows, 32))
-    grown = regrown(big, rows + 7)  # copied, into storage reserving room to grow in place
-    assert "hg" in vm_flags(grown.data_ptr()) and torch.equal(grown[:rows], big)
-    grown[rows:] = -1.0
-    again = regrown(grown, rows * RESERVE_GROWTH)
-    assert again.data_ptr() == grown.data_ptr() and torch.equal(again[: rows + 7], grown)
-    assert again.shape == (rows * RESERVE_GROWTH, 32)
+    assert float(big[-1, -1]) == rows * 32 - 1
     small = row_storage((100, 32), torch.float32)
     assert small.shape == (100, 32) and "hg" not in vm_flags(small.data_ptr())
+
+
+def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows() -> None:
+    """A growth copies a tensor into storage with room for RESERVE_GROWTH times the rows;
+    growths within that room keep it where it is, rows and state kept."""
+    plain = torch.arange(300 * 4, dtype=torch.float32).view(300, 4)
+    grown = regrown(plain, 307)  # copied, with room to grow in place
+    assert torch.equal(grown[:300], plain) and grown.shape == (307, 4)
+    grown[300:] = -1.0
+    again = regrown(grown, 307 * RESERVE_GROWTH)
+    assert again.data_ptr() == grown.data_ptr() and torch.equal(again[:307], grown)
     spec = TableSpec("t", 0, 32, torch.float32, dynamic=DynamicOptions())
     t = DynamicTable(spec, make_rule(OptimizerConfig(name="adagrad", lr=0.1)))
-    ids = torch.arange(rows, dtype=torch.int64) * 7919
+    ids = torch.arange(4000, dtype=torch.int64) * 7919
     first = t.read(ids[:1000], Reading(train=True, clock=1))
-    t.read(ids, Reading(train=True, clock=2))  # grows the storage past a huge page
-    assert "hg" in vm_flags(t.weight.data_ptr()) and "hg" in vm_flags(t.state["sum"].data_ptr())
-    assert torch.equal(t.read(ids[:1000], Reading()), first)
+    t.apply(ids[:1000], torch.ones(1000, 32), 1, lr=0.1)
+    updated, state = t.read(ids[:1000], Reading()), t.state["sum"][:1000].clone()
+    address = t.weight.data_ptr(), t.state["sum"].data_ptr()
+    t.read(ids, Reading(train=True, clock=2))  # 4x the rows: within the room
+    assert (t.weight.data_ptr(), t.state["sum"].data_ptr()) == address
+    assert not torch.equal(updated, first) and torch.equal(t.read(ids[:1000], Reading()), updated)
+    assert torch.equal(t.state["sum"][:1000], state)
 
 
 def test_bad_dynamic_options_and_state_dicts_are_refused() -> None:

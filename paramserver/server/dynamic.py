@@ -63,7 +63,6 @@ from paramserver.server.tables import (
     put_rows,
     regrown,
     row_entries,
-    row_storage,
 )
 from paramserver.sharding import DynamicOptions, TableSpec
 
@@ -225,7 +224,7 @@ class DynamicTable:
         # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
         self.ids = ids
         self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
-        self.state: State = rule.init_state(self.weight, row_storage)
+        self.state: State = rule.init_state(self.weight)
         self.steps = torch.zeros(0, dtype=torch.float32) if rule.needs_steps else None
         # When each row was last read or updated, kept only where eviction needs it.
         evicts = self.options.ttl_steps is not None or self.options.capacity is not None
