@@ -112,13 +112,15 @@ def crashing_after(
     batches: Callable[..., Iterator[Any]] | None = None,
     num_batches: int = 20,
 ) -> Callable[[int, int], Iterator[Any]]:
-    """A data_fn of ``batches`` (tiny_batches) whose trainer 0 crashes at batch ``step + 1``,
-    once checkpoint ``step`` is committed."""
+    """A data_fn of ``batches`` (tiny_batches) whose trainer 0 crashes at batch ``step + 2``,
+    once checkpoint ``step`` is committed. (A trainer draws a step's batch while the call before
+    it is under way: it holds the answer that has it save checkpoint ``step`` only by the
+    time it draws batch ``step + 2``.)"""
     make = batches or tiny_batches
 
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         for index, batch in enumerate(make(trainer, num_batches=num_batches)):
-            if trainer == 0 and index == step + 1:
+            if trainer == 0 and index == step + 2:
                 wait_for_checkpoint(root, step)
                 raise RuntimeError("crash")
             yield batch

@@ -38,12 +38,13 @@ def config(tmp_path: Path, **options: Any) -> ps.TrainConfig:
 
 
 def crashing_once(marker: Path, root: Path) -> Any:
-    """Trainer 0's data crashes at step ``SAVED_AT + 1`` once checkpoint ``SAVED_AT`` is
-    committed, the first time only (``marker`` then holds the time of the crash)."""
+    """Trainer 0's data crashes at batch ``SAVED_AT + 2`` once checkpoint ``SAVED_AT`` is
+    committed (see helpers.crashing_after), the first time only (``marker`` then holds the
+    time of the crash)."""
 
     def data(trainer: int, num_trainers: int) -> Iterator[Any]:
         for index, batch in enumerate(tiny_batches(trainer, num_batches=STEPS)):
-            if trainer == 0 and index == SAVED_AT + 1 and not marker.exists():
+            if trainer == 0 and index == SAVED_AT + 2 and not marker.exists():
                 wait_for_checkpoint(root, SAVED_AT)
                 marker.write_text(str(time.time()))
                 raise RuntimeError("crash")

@@ -47,7 +47,10 @@ from paramserver.transport.base import Transport
 log = logging.getLogger(__name__)
 
 
-def rng_state() -> tuple[dict[str, Tensor], dict[str, Any]]:
+RngState = tuple[dict[str, Tensor], dict[str, Any]]
+
+
+def rng_state() -> RngState:
     """This process's torch, numpy and random states, as tensors and JSON."""
     kind, keys, position, has_gauss, gauss = np.random.get_state(legacy=True)
     version, internal, python_gauss = random.getstate()
@@ -91,13 +94,21 @@ class TrainerCheckpoints:
         """The job continues from checkpoint ``step``: it is saved already."""
         self.saved_through = self.planned = self.last_planned_step = step
 
-    def after_reply(self, call: int, announced: int, steps_done: int, samples: int) -> None:
-        """Called with the answer to call ``call`` in hand, before this step computes and
-        before the next step's batches are drawn (the saved RNG states precede them)."""
+    @property
+    def enabled(self) -> bool:
+        return self.settings.enabled
+
+    def after_reply(
+        self, call: int, announced: int, steps_done: int, samples: int, rng: RngState | None
+    ) -> None:
+        """Called with the answer to call ``call`` in hand, before this step computes;
+        ``rng``: the RNG states from before the next step's batches were drawn (what a resume
+        restores before drawing them again), or None where none are drawn yet (the current
+        states are those)."""
         if not self.settings.enabled:
             return
         if announced > self.saved_through and call >= announced:
-            self._save_own_part(announced, steps_done, samples)
+            self._save_own_part(announced, steps_done, samples, rng)
             if self.trainer == 0:
                 self._take_and_commit(announced)
 
@@ -128,11 +139,13 @@ class TrainerCheckpoints:
         wait_all(calls, self.alarm)
         self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
 
-    def _save_own_part(self, step: int, steps_done: int, samples: int) -> None:
+    def _save_own_part(
+        self, step: int, steps_done: int, samples: int, rng: RngState | None
+    ) -> None:
         root = self.settings.root
         assert root is not None
-        tensors, meta = rng_state()
-        meta.update(step=step, steps_done=steps_done, samples=samples)
+        tensors, meta = rng if rng is not None else rng_state()
+        meta = {**meta, "step": step, "steps_done": steps_done, "samples": samples}
         part = write_part(checkpoint_dir(root, step), f"trainer-{self.trainer}", tensors, meta)
         if self.dense_part is not None:
             self._dense_written = write_part(

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError, ParamServerError
 from paramserver.protocol import BagBlock, TrainerReport
-from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
+from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled
 from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity
@@ -317,16 +317,21 @@ class TrainContext:
                 engine.checkpoints.announce_if_due(self._last_call)
             self._send(step)
         assert self._in_flight is not None
+        # The next step is drawn and recorded while the call is under way; a checkpoint saves
+        # the RNG states from before it was drawn.
+        rng = rng_state() if record_next is not None and engine.checkpoints.enabled else None
+        ahead = record_next() if record_next is not None else None
         pulled = self._in_flight.wait()
         self._in_flight = None
         # Before a checkpoint's part is saved, and before computing; prefetching (the mode
         # allows a step of staleness), the last step's all-reduce may go on during this one.
         self._apply_dense(keep=1 if self._prefetch else 0)
         self._pulled, self._last_call = pulled, pulled.call
-        engine.checkpoints.after_reply(pulled.call, pulled.checkpoint_at, self.steps, self.samples)
+        engine.checkpoints.after_reply(
+            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng
+        )
         if record_next is not None:
-            ahead = self._ahead = record_next()
-            self._drawn = True
+            self._ahead, self._drawn = ahead, True
             if ahead is not None:
                 engine.checkpoints.announce_if_due(pulled.call)
             if self._prefetch and (ahead is None or ahead.ids is not None):
