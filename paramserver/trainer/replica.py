@@ -10,7 +10,9 @@ the model's forward in eval mode without autograd, where remote embeddings only 
 ids and return zeros. Once the first pass has shown how many lookups each table makes per
 forward, later record passes stop as soon as they have them all. If a real forward ever meets an
 id the record pass missed, it raises :class:`MissingRows`; the training loop pulls those rows and
-runs the forward again, so a model whose lookups vary never trains on wrong rows.
+runs the forward again, so a model whose lookups vary never trains on wrong rows. A lookup of
+the very ids the record pass saw (the usual case) takes their rows' positions from it rather than
+searching the pulled ids again.
 
 Table names are the state_dict names of the embedding weights (``emb.0.weight``), dense
 parameter names are their state_dict names: an export loads into the user's model as is.
