@@ -29,7 +29,8 @@ from paramserver.api import train, under_torchrun
 from paramserver.baseline import train_single_process
 from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
-from paramserver.checkpoint.store import LATEST, MANIFEST, checkpoint_dir, verify
+from paramserver.checkpoint.manifest import MANIFEST
+from paramserver.checkpoint.store import LATEST, checkpoint_dir, verify
 from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml, refuse_numeric_lr_decay
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError

@@ -62,7 +62,6 @@ import shutil
 import stat
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, Any
 
@@ -70,22 +69,25 @@ import torch
 from torch import Tensor
 
 from paramserver.checkpoint.lock import committer_job
+from paramserver.checkpoint.manifest import (
+    MANIFEST,
+    SHA256_HEX,
+    FileDigests,
+    Manifest,
+    is_count,
+    is_part_name,
+    manifest_document,
+    parse_manifest,
+    read_manifest_json,
+)
 from paramserver.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "paramserver-checkpoint"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 LATEST = "LATEST"
 
-_PART_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _DIR_NAME = re.compile(r"ckpt-([0-9]{10,})")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK = 1 << 20
-
-FileDigests = dict[str, tuple[int, str]]
-"""File name -> (size in bytes, sha256 as lowercase hex)."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,12 @@ class Checkpoint:
     part_names: tuple[str, ...]  # sorted
     files: FileDigests = field(repr=False)
     job_id: str | None = None  # the job that committed it (None: committed without a lock)
+
+    @classmethod
+    def of(cls, manifest: Manifest, directory: Path) -> Checkpoint:
+        return cls(
+            directory, manifest.step, manifest.meta, manifest.parts, manifest.files, manifest.job_id
+        )
 
     def read_part(self, name: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """The tensors (on CPU) and metadata of part ``name``.
@@ -249,7 +257,7 @@ def commit(
     job_id = committer_job(root)
     _check_not_older_than_latest(root, step)
     files = _rehash_parts(directory, parts)
-    manifest = _manifest_document(step, job_id, meta, [part.name for part in parts], files)
+    manifest = manifest_document(step, job_id, meta, [part.name for part in parts], files)
     _publish(root, directory, manifest)
     _prune(root, step, keep)
     return directory
@@ -284,25 +292,6 @@ def _rehash_written(path: Path, part_name: str, expected: tuple[int, str]) -> tu
             f"({found[0]} bytes on disk, {expected[0]} written; or a different sha256)"
         )
     return found
-
-
-def _manifest_document(
-    step: int, job_id: str | None, meta: Mapping[str, Any], parts: list[str], files: FileDigests
-) -> dict[str, Any]:
-    """The content of ``manifest.json`` (see :func:`_parse_manifest` for how it is read)."""
-    return {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "step": step,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "job_id": job_id,
-        "meta": dict(meta),
-        "parts": sorted(parts),
-        "files": [
-            {"name": n, "size": size, "sha256": digest}
-            for n, (size, digest) in sorted(files.items())
-        ],
-    }
 
 
 def _publish(root: Path, directory: Path, manifest: Mapping[str, Any]) -> None:
@@ -359,7 +348,7 @@ def load_latest(root: str | os.PathLike[str]) -> Checkpoint | None:
     for path in candidates:
         manifest, problems = _inspect(path, hash_files=True)
         if manifest is not None and not problems:
-            return manifest.checkpoint(path)
+            return Checkpoint.of(manifest, path)
         logger.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
         failures.append(f"{path.name}: {'; '.join(problems)}")
     if not candidates:
@@ -374,19 +363,7 @@ def open_checkpoint(directory: str | os.PathLike[str]) -> Checkpoint:
     manifest, problems = _inspect(path, hash_files=True)
     if manifest is None or problems:
         raise CheckpointError(f"{path}: " + "; ".join(problems or ["no usable manifest"]))
-    return manifest.checkpoint(path)
-
-
-@dataclass(frozen=True)
-class _Manifest:
-    step: int
-    meta: dict[str, Any]
-    parts: tuple[str, ...]
-    files: FileDigests
-    job_id: str | None
-
-    def checkpoint(self, directory: Path) -> Checkpoint:
-        return Checkpoint(directory, self.step, self.meta, self.parts, self.files, self.job_id)
+    return Checkpoint.of(manifest, path)
 
 
 def _check_not_older_than_latest(root: Path, step: int) -> None:
@@ -408,13 +385,13 @@ def _check_not_older_than_latest(root: Path, step: int) -> None:
     )
 
 
-def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, list[str]]:
+def _inspect(directory: Path, *, hash_files: bool) -> tuple[Manifest | None, list[str]]:
     """The parsed manifest (None if unusable) and every problem found. Without ``hash_files``
     only sizes are checked: cheap enough for deciding what to delete at each commit."""
-    document, problem = _read_manifest_json(directory)
+    document, problem = read_manifest_json(directory)
     if problem is not None:
         return None, [problem]
-    manifest, problems = _parse_manifest(document)
+    manifest, problems = parse_manifest(document)
     if manifest is None:
         return None, problems
     step = _step_of(directory.name)
@@ -425,20 +402,6 @@ def _inspect(directory: Path, *, hash_files: bool) -> tuple[_Manifest | None, li
         if problem is not None:
             problems.append(f"{name}: {problem}")
     return manifest, problems
-
-
-def _read_manifest_json(directory: Path) -> tuple[Any, str | None]:
-    """The JSON document in ``directory``'s manifest, or why there is none."""
-    try:
-        raw = (directory / MANIFEST).read_bytes()
-    except FileNotFoundError:
-        return None, f"no {MANIFEST} (never committed, or being written)"
-    except (OSError, ValueError) as e:
-        return None, f"cannot read {MANIFEST}: {e}"
-    try:
-        return json.loads(raw), None
-    except (ValueError, RecursionError) as e:
-        return None, f"invalid {MANIFEST}: not JSON ({type(e).__name__})"
 
 
 def _file_problem(path: Path, size: int, digest: str, *, hash_files: bool) -> str | None:
@@ -457,97 +420,6 @@ def _file_problem(path: Path, size: int, digest: str, *, hash_files: bool) -> st
         return "missing file"
     except OSError as e:
         return f"unreadable ({e})"
-    return None
-
-
-_BAD_MANIFEST = f"invalid {MANIFEST}"
-
-
-def _parse_manifest(document: Any) -> tuple[_Manifest | None, list[str]]:
-    """The manifest in a decoded ``manifest.json``, or None and every problem found in it."""
-    if not isinstance(document, dict):
-        return None, [f"{_BAD_MANIFEST}: not a JSON object"]
-    problems = _header_problems(document)
-    parts, part_problems = _parse_part_names(document.get("parts"))
-    files, file_problems = _parse_file_entries(document.get("files"))
-    problems += part_problems + file_problems
-    problems += [
-        f"part {part!r}: {n} not listed"
-        for part in parts
-        for n in (f"{part}.pt", f"{part}.json")
-        if n not in files
-    ]
-    if problems:
-        return None, problems
-    return (
-        _Manifest(
-            document["step"],
-            document["meta"],
-            tuple(sorted(parts)),
-            files,
-            document.get("job_id"),  # absent in manifests written before jobs had ids
-        ),
-        [],
-    )
-
-
-def _header_problems(document: dict[str, Any]) -> list[str]:
-    """What is wrong with the manifest's format, step, job id and metadata."""
-    problems: list[str] = []
-    if document.get("format") != FORMAT or document.get("version") != FORMAT_VERSION:
-        problems.append(f"{_BAD_MANIFEST}: not a {FORMAT} version {FORMAT_VERSION} manifest")
-    step: Any = document.get("step")
-    if not _is_count(step):
-        problems.append(f"{_BAD_MANIFEST}: step is {step!r}")
-    job_id: Any = document.get("job_id")
-    if job_id is not None and not isinstance(job_id, str):
-        problems.append(f"{_BAD_MANIFEST}: job_id is {job_id!r}")
-    if not isinstance(document.get("meta"), dict):
-        problems.append(f"{_BAD_MANIFEST}: meta is not an object")
-    return problems
-
-
-def _parse_part_names(parts: Any) -> tuple[list[str], list[str]]:
-    """The manifest's part names (none if the list is unusable) and its problems."""
-    if not isinstance(parts, list) or not all(
-        isinstance(p, str) and _is_part_name(p) for p in parts
-    ):
-        return [], [f"{_BAD_MANIFEST}: parts is not a list of part names"]
-    if len(set(parts)) != len(parts):
-        return parts, [f"{_BAD_MANIFEST}: a part is listed twice"]
-    return parts, []
-
-
-def _parse_file_entries(entries: Any) -> tuple[FileDigests, list[str]]:
-    """The manifest's well-formed file entries, and a problem for each other one."""
-    if not isinstance(entries, list):
-        return {}, [f"{_BAD_MANIFEST}: files is not a list"]
-    files: FileDigests = {}
-    problems: list[str] = []
-    for entry in entries:
-        problem = _file_entry_problem(entry, files)
-        if problem is None:
-            files[entry["name"]] = (entry["size"], entry["sha256"])
-        else:
-            problems.append(problem)
-    return files, problems
-
-
-def _file_entry_problem(entry: Any, listed: FileDigests) -> str | None:
-    """What is wrong with one entry of the manifest's files, given the entries before it."""
-    if not isinstance(entry, dict):
-        return f"{_BAD_MANIFEST}: a files entry is not an object"
-    name: Any = entry.get("name")
-    size: Any = entry.get("size")
-    digest: Any = entry.get("sha256")
-    if not isinstance(name, str) or not name:
-        return f"{_BAD_MANIFEST}: a files entry has no name"
-    if name in (".", "..", MANIFEST) or "\0" in name or Path(name).name != name:
-        return f"file {name!r}: path escapes the checkpoint directory"
-    if name in listed:
-        return f"file {name!r} listed twice"
-    if not _is_count(size) or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-        return f"file {name!r}: invalid size or sha256"
     return None
 
 
@@ -664,16 +536,8 @@ def _json_bytes(value: Mapping[str, Any]) -> bytes:
     return (json.dumps(dict(value), indent=1) + "\n").encode()
 
 
-def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
-
-
-def _is_part_name(name: str) -> bool:
-    return bool(_PART_NAME.fullmatch(name)) and not name.startswith(".") and name != "manifest"
-
-
 def _check_part_name(name: str) -> None:
-    if not isinstance(name, str) or not _is_part_name(name):
+    if not isinstance(name, str) or not is_part_name(name):
         raise ValueError(
             f"part name {name!r}: must match [A-Za-z0-9_.-]{{1,200}}, not start with '.' "
             "and not be 'manifest'"
@@ -692,8 +556,8 @@ def _check_part(part: Part) -> None:
         if not (
             isinstance(digest, tuple | list)
             and len(digest) == 2
-            and _is_count(digest[0])
+            and is_count(digest[0])
             and isinstance(digest[1], str)
-            and _SHA256.fullmatch(digest[1])
+            and SHA256_HEX.fullmatch(digest[1])
         ):
             raise ValueError(f"part {part.name!r}: {file_name}: not a (size, sha256) pair")
