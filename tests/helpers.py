@@ -28,6 +28,8 @@ from tests.fakes import FaultyTransport
 NUM_ROWS_A = 40
 NUM_ROWS_B = 30
 NUM_IDS = 50  # ids HashedModel's data draws
+EXTREMES = [-(2**63), -1, 0, 1, 2**63 - 1, 123456789012345678, -987654321098765432]
+"""int64 ids at and near the ends of the range, for tables and maps that take any id."""
 
 
 class TinyRecModel(nn.Module):
