@@ -37,11 +37,11 @@ from report import save
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.config import OptimizerConfig
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable
 from paramserver.server.optim import make_rule

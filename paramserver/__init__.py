@@ -9,7 +9,7 @@ from typing import Any
 
 from paramserver import metrics
 from paramserver.api import TrainResult, run, train
-from paramserver.config import OptimizerConfig, TableCodecs, TrainConfig
+from paramserver.config import TableCodecs, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import (
     CheckpointError,
@@ -25,6 +25,7 @@ from paramserver.errors import (
     TrainerGroupError,
 )
 from paramserver.metrics import Evaluation
+from paramserver.optimconfig import OptimizerConfig
 
 __all__ = [
     "CheckpointError",

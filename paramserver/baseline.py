@@ -30,10 +30,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from paramserver.config import OptimizerConfig, TrainConfig
+from paramserver.config import TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
 from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model, plan_of
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.dynamic import DynamicTable
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import Reading

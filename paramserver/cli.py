@@ -31,12 +31,13 @@ from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.manifest import MANIFEST
 from paramserver.checkpoint.store import LATEST, checkpoint_dir, verify
-from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml, refuse_numeric_lr_decay
+from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
 from paramserver.jobs import DATASET_DEFAULTS, build_job
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
+from paramserver.optimconfig import refuse_numeric_lr_decay
 from paramserver.progress import ProgressDisplay
 
 log = logging.getLogger("paramserver")

@@ -14,9 +14,9 @@ from torch.futures import Future
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
-from paramserver.config import OptimizerConfig
 from paramserver.idmap import RESERVE_GROWTH
 from paramserver.launch.roles import build_server
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable, init_rows
 from paramserver.server.endpoint import ServerEndpoint

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.config import OptimizerConfig
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.optim import (
     RowUpdate,
     RowWiseAdagrad,

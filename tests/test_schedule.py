@@ -18,10 +18,11 @@ from torch import nn
 import paramserver as ps
 from paramserver.baseline import train_single_process
 from paramserver.cli import main
-from paramserver.config import OptimizerConfig, TrainConfig, read_toml
+from paramserver.config import TrainConfig, read_toml
 from paramserver.errors import ConfigError, JobFailedError
 from paramserver.modelplan import initial_model
 from paramserver.observe.runlog import read_records
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.schedule import Schedule
 from paramserver.server.endpoint import ServerEndpoint

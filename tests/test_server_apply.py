@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.config import OptimizerConfig, ShardSettings
+from paramserver.config import ShardSettings
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import RowBlock
 from paramserver.server.shard import ServerShard
 from paramserver.server.tables import Reading

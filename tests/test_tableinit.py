@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.config import OptimizerConfig
 from paramserver.launch.roles import build_server
 from paramserver.modelplan import build_model, initial_model, plan_of, seeded_model
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import FixedTable
 from paramserver.trainer.loop import trainer_model

@@ -29,7 +29,7 @@ from torch.optim.adagrad import adagrad
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
-from paramserver.config import OptimizerConfig
+from paramserver.optimconfig import OptimizerConfig
 
 State = dict[str, Tensor]
 Empty = Callable[[tuple[int, ...], torch.dtype], Tensor]  # uninitialised storage of a shape

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.checkpoint import Saved
-from paramserver.config import OptimizerConfig
 from paramserver.observe.calls import CallProfile
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.trainer.heartbeat import Activity
 from paramserver.transport.group import Reduction, TrainerGroup
 
