@@ -68,7 +68,7 @@ def test_gradients_are_decoded_once_where_they_are_checked(make_server: MakeServ
     grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
     before = shard.export_state()[TABLE]["value"][ids]
     request = PushPullRequest(0, 0, row_grads={TABLE: RowBlock(ids, encode("fp16", grads))})
-    shard.decode_request(request)
+    shard.checks.decode_request(request)
     assert type(request.row_grads[TABLE].values) is torch.Tensor
     shard.apply({}, request.row_grads)
     assert torch.equal(shard.export_state()[TABLE]["value"][ids], before - grads)  # sgd, lr 1

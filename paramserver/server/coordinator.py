@@ -186,12 +186,12 @@ class Coordinator:
             repeat = request.call <= self.last_call.get(request.trainer, -1)
             if request.trainer in self.departed:  # before its contents are looked at
                 raise self._departed(request.trainer)
-        received = self.shard.check_size(request, self.max_message_bytes)
+        received = self.shard.checks.check_size(request, self.max_message_bytes)
         if repeat:
             request.drop_gradients()  # already applied: only the reads are answered
-        self.shard.decode_request(request)
+        self.shard.checks.decode_request(request)
         self._expand_pooled_grads(request)
-        self.shard.validate(request)
+        self.shard.checks.validate(request)
         return received
 
     def _answer_repeat(self, request: PushPullRequest) -> Future | None:
@@ -275,9 +275,9 @@ class Coordinator:
                 raise ParamServerError(
                     f"server {self.shard.server}: a pull must carry no gradients; use push_pull"
                 )
-            self.shard.check_size(request, self.max_message_bytes)
-            self.shard.decode_request(request)  # its ids: it carries no gradients
-            self.shard.validate(request)
+            self.shard.checks.check_size(request, self.max_message_bytes)
+            self.shard.checks.decode_request(request)  # its ids: it carries no gradients
+            self.shard.checks.validate(request)
         except ParamServerError as error:
             return failed(error)
         return completed(self._answer(request, train=False))
@@ -487,8 +487,8 @@ class Coordinator:
             shape = (spec.num_bags, table.spec.dim)
             grads = pooled.grads
             if type(grads) is Encoded:
-                grads = self.shard.decoded(name, grads, shape)
-            self.shard.check_tensor(name, grads, shape, table.weight.dtype)
+                grads = self.shard.checks.decoded(name, grads, shape)
+            self.shard.checks.check_tensor(name, grads, shape, table.weight.dtype)
             request.row_grads[name] = bag_grads_to_rows(spec, grads)  # type: ignore[arg-type]
 
     def _answer_again(self, request: PushPullRequest) -> PushPullReply:

@@ -5,7 +5,7 @@ Transports deliver ``(op, args)`` here and nothing else; an op that is not liste
 
 Size cap (``--max-message-mb``): a call whose arguments hold more, once decoded, is refused
 before it runs. ``push_pull`` and ``pull`` are measured by the coordinator, with the rows their
-answers read (:meth:`~paramserver.server.shard.ServerShard.check_size`); the other answers are
+answers read (:meth:`~paramserver.server.requests.RequestChecks.check_size`); the other answers are
 the server's own state or small.
 """
 

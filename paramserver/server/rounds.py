@@ -84,7 +84,7 @@ class SyncRounds:
 def aggregate_mean(
     requests: list[PushPullRequest],
 ) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
-    """The mean of the requests' gradients (decoded: see ServerShard.decode_request), summed
+    """The mean of the requests' gradients (decoded: see RequestChecks.decode_request), summed
     in the order given.
 
     Every request counts in the denominator, including those that did not touch a parameter or a

@@ -1,0 +1,294 @@
+"""A server's checks of a request, before anything in it is applied or read: its size against
+the cap, its packed ids and encoded gradients decoded, and its contents validated whole (a
+refused request changes nothing). :class:`RequestChecks` does them for a
+:class:`~paramserver.server.shard.ServerShard`, over its dense parameters and tables.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, validate
+from paramserver.errors import InvalidPushError
+from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
+from paramserver.protocol import (
+    BagBlock,
+    PushPullRequest,
+    RowBlock,
+    message_nbytes,
+    message_sizes,
+)
+from paramserver.server.tables import TableShard
+from paramserver.sharding import ShardPlan
+
+
+class HasValue(Protocol):
+    """A dense parameter's slot as the checks see it: its value's shape and dtype."""
+
+    value: Tensor
+
+
+class RequestChecks:
+    """The checks of server ``server``'s requests, against its ``dense`` parameters (slots
+    with a ``value``) and ``tables`` (read only: no lock is needed); thread-safe."""
+
+    def __init__(
+        self,
+        server: int,
+        plan: ShardPlan,
+        dense: Mapping[str, HasValue],
+        tables: Mapping[str, TableShard],
+        cache_lag: int | None,
+    ):
+        self.server = server
+        self.plan = plan
+        self.dense = dense
+        self.tables = tables
+        self.cache_lag = cache_lag
+
+    def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
+        """Refuse a call that would make this server hold over ``max_bytes`` for it, before
+        anything in it is decoded or read; returns its bytes on the wire (measured in the same
+        walk: :func:`~paramserver.protocol.message_sizes`).
+
+        Two measures, each against ``max_bytes``: the request with its tensors decoded, and
+        the rows its answer reads (``n`` ids of a ``dim``-wide table read ``n x dim`` values
+        however few are sent; a pooled pull also reads a row per id, then ``num_bags x dim``
+        sums). Dense values are not counted: their size is the model's, not the caller's. Only
+        the request's header (field types) must have been checked; malformed contents count 0
+        here and are refused by :meth:`validate`.
+        """
+        held, sent = message_sizes(request)
+        if held > max_bytes:
+            raise self._reject(
+                _largest(self._request_nbytes(request)),
+                f"a call holding {held} bytes once decoded exceeds the cap of {max_bytes} "
+                "bytes (--max-message-mb)",
+            )
+        answer = self._answer_nbytes(request)
+        read = sum(answer.values())
+        if read > max_bytes:
+            raise self._reject(
+                _largest(answer),
+                f"an answer reading {read} bytes of rows exceeds the cap of {max_bytes} bytes "
+                "(--max-message-mb)",
+            )
+        return sent
+
+    @staticmethod
+    def _request_nbytes(request: PushPullRequest) -> dict[str, int]:
+        """:func:`message_nbytes` of each parameter's parts of ``request``."""
+        sizes: dict[str, int] = {}
+        for part in (
+            request.dense_grads,
+            request.row_grads,
+            request.pull_rows,
+            request.pull_versions,
+            request.pool_rows,
+            request.pooled_grads,
+        ):
+            for name, value in part.items():
+                sizes[name] = sizes.get(name, 0) + message_nbytes(value)
+        return sizes
+
+    def _answer_nbytes(self, request: PushPullRequest) -> dict[str, int]:
+        """Bytes of rows each table's part of the answer reads (see :meth:`check_size`)."""
+        sizes: dict[str, int] = {}
+        for name, ids in request.pull_rows.items():
+            table = self.tables.get(name)
+            if table is not None:
+                version_bytes = 8 if name in request.pull_versions else 0
+                per_id = table.spec.dim * table.weight.element_size() + version_bytes
+                sizes[name] = num_ids(ids) * per_id
+        for name, block in request.pool_rows.items():
+            table = self.tables.get(name)
+            if (
+                table is not None
+                and type(block) is BagBlock
+                and isinstance(block.ids, Tensor)
+                and type(block.num_bags) is int
+            ):
+                rows = block.ids.numel() + max(block.num_bags, 0)
+                row_bytes = table.spec.dim * table.weight.element_size()
+                sizes[name] = sizes.get(name, 0) + rows * row_bytes
+        return sizes
+
+    def decode_request(self, request: PushPullRequest) -> None:
+        """Replace packed row ids by int64 ids and encoded gradients by their float32 values
+        (before :meth:`validate`), the one place a request's ids and gradients are decoded
+        (pooled ones: as they are expanded); raise :class:`InvalidPushError` for packed ids
+        that are malformed (checked before they are unpacked, and first of all), for an
+        encoding that does not stand for the expected shape, in a codec trainers use there,
+        or for row ids that are invalid (checked before a row gradient is decoded: they set
+        the size it decodes to). A request without gradients has its ids unpacked alone."""
+        self._unpack_ids(request)
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if type(grad) is Encoded and slot is not None:
+                request.dense_grads[name] = self.decoded(name, grad, tuple(slot.value.shape))
+        for name, block in request.row_grads.items():
+            table = self.tables.get(name)
+            if type(block) is RowBlock and type(block.values) is Encoded and table is not None:
+                self._check_ids(name, table, block.ids, sorted_unique=True)
+                shape = (num_ids(block.ids), table.spec.dim)
+                block.values = self.decoded(name, block.values, shape)
+
+    def _unpack_ids(self, request: PushPullRequest) -> None:
+        """Unpack the packed ids of row gradients and pulls, each checked first; others stay
+        as they are (plain ids, or anything else, which :meth:`validate` refuses)."""
+        for name, block in request.row_grads.items():
+            if type(block) is RowBlock:
+                block.ids = self._unpacked(name, block.ids)
+        for name, ids in request.pull_rows.items():
+            request.pull_rows[name] = self._unpacked(name, ids)
+
+    def _unpacked(self, name: str, ids: Tensor | PackedIds) -> Tensor | PackedIds:
+        if type(ids) is not PackedIds:
+            return ids
+        problem = packed_problem(ids)
+        if problem is not None:
+            raise self._reject(name, f"malformed packed ids: {problem}")
+        return unpack_ids(ids)
+
+    def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
+        """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
+        for ``name``: any for a dense gradient, no top-k for rows or pooled vectors."""
+        codecs = CODECS if name in self.dense else ROW_CODECS
+        problem = validate(encoded, shape, codecs)
+        if problem is not None:
+            raise self._reject(name, f"malformed encoding: {problem}")
+        return decode(encoded)
+
+    def _reject(self, param: str | None, reason: str) -> InvalidPushError:
+        return InvalidPushError(reason, param=param, server=self.server)
+
+    def validate(self, request: PushPullRequest) -> None:
+        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed.
+
+        The request's header (field types) was checked by the coordinator; this checks contents:
+        the gradients, then the reads.
+        """
+        self._check_grads(request)
+        self._check_reads(request)
+
+    def _table(self, name: str) -> TableShard:
+        """The table ``name``, or the refusal of a request naming one this server lacks."""
+        table = self.tables.get(name)
+        if table is None:
+            raise self._reject(name, self._not_here(name))
+        return table
+
+    def _check_grads(self, request: PushPullRequest) -> None:
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if slot is None:
+                raise self._reject(name, self._not_here(name))
+            self.check_tensor(name, grad, slot.value.shape, slot.value.dtype)
+        for name, block in request.row_grads.items():
+            table = self._table(name)
+            if type(block) is not RowBlock:
+                raise self._reject(name, "malformed row gradients: expected a RowBlock")
+            self._check_ids(name, table, block.ids, sorted_unique=True)
+            self.check_tensor(
+                name, block.values, (num_ids(block.ids), table.spec.dim), table.weight.dtype
+            )
+
+    def _check_reads(self, request: PushPullRequest) -> None:
+        for name, ids in request.pull_rows.items():
+            self._check_ids(name, self._table(name), ids, sorted_unique=True)
+        for name, cached in request.pull_versions.items():
+            pulled = request.pull_rows.get(name)
+            if pulled is None or self.cache_lag is None:
+                raise self._reject(name, "cached versions without a pull, or caching is off")
+            if (
+                not isinstance(cached, Tensor)
+                or cached.dtype != torch.int64
+                or tuple(cached.shape) != (num_ids(pulled),)
+                or cached.layout != torch.strided
+                or cached.device.type != "cpu"
+                or (cached.numel() and int(cached.min()) < -1)
+            ):
+                raise self._reject(name, "cached versions must be int64 >= -1, one per id")
+        for name, bags in request.pool_rows.items():
+            self._check_bags(name, self._table(name), bags)
+
+    def _check_bags(self, name: str, table: TableShard, block: object) -> None:
+        if type(block) is not BagBlock or type(block.num_bags) is not int:
+            raise self._reject(name, "malformed bags: expected a BagBlock")
+        if block.num_bags < 0:  # its size is capped with the answer's (check_size)
+            raise self._reject(name, f"negative num_bags {block.num_bags}")
+        self._check_ids(name, table, block.ids, sorted_unique=False)
+        count = block.ids.numel()
+        bags = block.bags
+        if (
+            not isinstance(bags, Tensor)
+            or bags.dtype != torch.int64
+            or tuple(bags.shape) != (count,)
+            or bags.layout != torch.strided
+            or bags.device.type != "cpu"
+        ):
+            raise self._reject(name, "bag indices must be int64, one per id")
+        if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
+            raise self._reject(name, f"bag index outside [0, {block.num_bags})")
+        if block.weights is not None:
+            self.check_tensor(name, block.weights, (count,), table.weight.dtype)
+
+    def _not_here(self, name: str) -> str:
+        if name in self.plan.dense_server:
+            return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
+        if name in self.plan.dense:
+            return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
+        return "unknown parameter or table name"
+
+    def check_tensor(
+        self, name: str, value: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
+    ) -> None:
+        if not isinstance(value, Tensor):
+            raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
+        if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
+            raise self._reject(name, "expected a plain dense CPU tensor without autograd")
+        if value.dtype != dtype:
+            raise self._reject(name, f"gradient dtype {value.dtype} != parameter dtype {dtype}")
+        if tuple(value.shape) != tuple(shape):
+            raise self._reject(
+                name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}"
+            )
+        # A finite sum proves every element finite (NaN and Inf propagate); only an overflowing
+        # sum needs the element-wise check.
+        if not math.isfinite(float(value.sum())) and not bool(torch.isfinite(value).all()):
+            raise self._reject(name, "gradient contains NaN or Inf")
+
+    def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
+        if (
+            not isinstance(ids, Tensor)
+            or ids.dtype != torch.int64
+            or ids.dim() != 1
+            or ids.layout != torch.strided
+            or ids.device.type != "cpu"
+        ):
+            raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
+        if ids.numel() == 0:
+            return
+        values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
+        ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
+        # The ends of sorted ids are their extremes.
+        ends = (values[0], values[-1]) if ordered else (values.min(), values.max())
+        problem = table.check_range(int(ends[0]), int(ends[1]))
+        if problem is not None:
+            raise self._reject(name, problem)
+        if self.plan.num_servers > 1 and bool(
+            (self.plan.server_of_rows(name, ids) != self.server).any()
+        ):
+            raise self._reject(name, "row ids routed to the wrong server")
+        if sorted_unique and not ordered:
+            raise self._reject(name, "row ids must be sorted and unique")
+
+
+def _largest(sizes: dict[str, int]) -> str | None:
+    """The name with the most bytes, to name in an error (None if there is none)."""
+    return max(sizes, key=lambda name: sizes[name]) if sizes else None
