@@ -181,7 +181,7 @@ class Coordinator:
         """Check the request whole and decode its ids and gradients (a repeat's gradients,
         already applied, are dropped first); returns its size on the wire. Raises
         ParamServerError, changing nothing."""
-        self._check_header(request)
+        self.shard.checks.check_header(request, self.num_trainers)
         with self.lock:
             repeat = request.call <= self.last_call.get(request.trainer, -1)
             if request.trainer in self.departed:  # before its contents are looked at
@@ -270,7 +270,7 @@ class Coordinator:
     def pull(self, request: PushPullRequest) -> Future:
         """Answer a read-only request (no gradients); it changes nothing and needs no key."""
         try:
-            self._check_header(request)
+            self.shard.checks.check_header(request, self.num_trainers)
             if request.has_grads or request.final:
                 raise ParamServerError(
                     f"server {self.shard.server}: a pull must carry no gradients; use push_pull"
@@ -428,40 +428,6 @@ class Coordinator:
                 "pooled gradients for bags that were already used", server=server
             )
         return None
-
-    def _check_header(self, request: object) -> None:
-        """Reject a request whose fields are not of the types the protocol defines."""
-        server = self.shard.server
-        if type(request) is not PushPullRequest:
-            raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
-        if type(request.trainer) is not int or not 0 <= request.trainer < self.num_trainers:
-            raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
-        if type(request.call) is not int or request.call < 0:
-            raise ParamServerError(f"server {server}: bad call {request.call!r}")
-        if type(request.grads_call) is not int or not -1 <= request.grads_call < request.call:
-            raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
-        if type(request.final) is not bool or type(request.pull_dense) is not bool:
-            raise ParamServerError(f"server {server}: malformed request: flags must be bools")
-        for name in (
-            "dense_grads",
-            "row_grads",
-            "pull_rows",
-            "pool_rows",
-            "pooled_grads",
-            "pull_versions",
-        ):
-            value = getattr(request, name)
-            if type(value) is not dict or not all(type(k) is str for k in value):
-                raise ParamServerError(
-                    f"server {server}: malformed request: {name} must map names to values"
-                )
-        report = request.report
-        if report is not None and not (
-            type(report) is TrainerReport
-            and report.trainer == request.trainer
-            and report.is_well_formed()
-        ):
-            raise ParamServerError(f"server {server}: malformed trainer report")
 
     def _expand_pooled_grads(self, request: PushPullRequest) -> None:
         """Turn gradients of pooled vectors into row gradients, using the bags this trainer

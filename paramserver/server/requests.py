@@ -14,12 +14,13 @@ import torch
 from torch import Tensor
 
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, validate
-from paramserver.errors import InvalidPushError
+from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
 from paramserver.protocol import (
     BagBlock,
     PushPullRequest,
     RowBlock,
+    TrainerReport,
     message_nbytes,
     message_sizes,
 )
@@ -50,6 +51,41 @@ class RequestChecks:
         self.dense = dense
         self.tables = tables
         self.cache_lag = cache_lag
+
+    def check_header(self, request: object, num_trainers: int) -> None:
+        """Reject a request whose fields are not of the types the protocol defines (first of
+        all: the other checks read them), from a trainer outside ``num_trainers``."""
+        server = self.server
+        if type(request) is not PushPullRequest:
+            raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
+        if type(request.trainer) is not int or not 0 <= request.trainer < num_trainers:
+            raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
+        if type(request.call) is not int or request.call < 0:
+            raise ParamServerError(f"server {server}: bad call {request.call!r}")
+        if type(request.grads_call) is not int or not -1 <= request.grads_call < request.call:
+            raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
+        if type(request.final) is not bool or type(request.pull_dense) is not bool:
+            raise ParamServerError(f"server {server}: malformed request: flags must be bools")
+        for name in (
+            "dense_grads",
+            "row_grads",
+            "pull_rows",
+            "pool_rows",
+            "pooled_grads",
+            "pull_versions",
+        ):
+            value = getattr(request, name)
+            if type(value) is not dict or not all(type(k) is str for k in value):
+                raise ParamServerError(
+                    f"server {server}: malformed request: {name} must map names to values"
+                )
+        report = request.report
+        if report is not None and not (
+            type(report) is TrainerReport
+            and report.trainer == request.trainer
+            and report.is_well_formed()
+        ):
+            raise ParamServerError(f"server {server}: malformed trainer report")
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before
