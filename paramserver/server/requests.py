@@ -1,6 +1,6 @@
-"""A server's checks of a request, before anything in it is applied or read: its size against
-the cap, its packed ids and encoded gradients decoded, and its contents validated whole (a
-refused request changes nothing). :class:`RequestChecks` does them for a
+"""A server's checks of a request, before anything in it is applied or read: its header's field
+types, its size against the cap, its packed ids and encoded gradients decoded, and its contents
+validated whole (a refused request changes nothing). :class:`RequestChecks` does them for a
 :class:`~paramserver.server.shard.ServerShard`, over its dense parameters and tables.
 """
 
