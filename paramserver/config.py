@@ -22,6 +22,7 @@ from paramserver.optimconfig import (
     OPTIMIZERS,
     LearningRates,
     OptimizerConfig,
+    builtin_schedule_keys,
     refuse_numeric_lr_decay,
 )
 from paramserver.schedule import (
@@ -629,14 +630,7 @@ class TrainConfig:
         :class:`Schedule` names them, even with ``lr_schedule`` set)."""
         if self.lr_schedule is not None and not builtin:
             return {"lr_schedule": self.lr_schedule}
-        keys = {
-            "warmup_steps": self.lr_warmup_steps,
-            "decay": self.lr_decay,
-            "decay_steps": self.lr_decay_steps,
-            "decay_rate": self.lr_decay_rate,
-            "min": self.lr_min,
-            "min_ratio": self.lr_min_ratio,
-        }
+        keys = builtin_schedule_keys(self)
         return keys if builtin else {f"lr_{k}": v for k, v in keys.items()}
 
     @property

@@ -17,6 +17,13 @@ from paramserver.errors import ConfigError
 from paramserver.schedule import DECAYS, LrSchedule, Schedule, checked_factor
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+BUILTIN_SCHEDULE_KEYS = ("warmup_steps", "decay", "decay_steps", "decay_rate", "min", "min_ratio")
+
+
+def builtin_schedule_keys(settings: Any) -> dict[str, Any]:
+    """The built-in schedule's keys of ``settings`` (an OptimizerConfig or a TrainConfig: their
+    ``lr_*`` fields), as :class:`Schedule` names them (``lr_`` dropped)."""
+    return {key: getattr(settings, f"lr_{key}") for key in BUILTIN_SCHEDULE_KEYS}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,15 +91,7 @@ class OptimizerConfig:
             raise ConfigError(f"lr_schedule and {', '.join(given)} both set a schedule: give one")
 
     def _builtin_keys(self) -> dict[str, Any]:
-        """The built-in schedule's keys as :class:`Schedule` names them (``lr_`` dropped)."""
-        return {
-            "warmup_steps": self.lr_warmup_steps,
-            "decay": self.lr_decay,
-            "decay_steps": self.lr_decay_steps,
-            "decay_rate": self.lr_decay_rate,
-            "min": self.lr_min,
-            "min_ratio": self.lr_min_ratio,
-        }
+        return builtin_schedule_keys(self)
 
     @property
     def sets_schedule(self) -> bool:
