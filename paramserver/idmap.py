@@ -21,6 +21,7 @@ calls (a table under its lock; a trainer's cache from the trainer's one loop).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -380,21 +381,30 @@ class IdMap:
 
 
 class FusedIdMap:
-    """One id map for several tables (a server's dynamic tables): keys are (table, id), and each
-    table numbers its rows densely from 0 on its own, so each keeps its own row storage. A
+    """One id map for several tables (a server's dynamic tables): keys are (table, id). A
     request's ids of every table are searched, and its new ones inserted, in one call each,
     whatever the number of tables.
 
+    Rows are numbered densely from 0 per *row group*: tables of one group share row storage
+    (a server's :class:`~paramserver.server.tables.RowArena`), so they share one numbering, and
+    each group hands out, frees and reuses its own row numbers. ``groups[t]`` is table ``t``'s
+    group; by default each table is a group of its own.
+
     Inside, an :class:`IdMap` keyed by space holds *entries*; ``entry_rows`` gives each entry's
-    row in its table, and each table hands out, frees and reuses its own row numbers. Not
-    thread-safe: the tables sharing it share one lock.
+    row in its group. Not thread-safe: the tables sharing it share one lock.
     """
 
-    def __init__(self, num_tables: int, initial_slots: int = 1024):
+    def __init__(
+        self, num_tables: int, initial_slots: int = 1024, groups: Sequence[int] | None = None
+    ):
         self.entries = IdMap(initial_slots, spaces=num_tables)
-        self.used_rows = [0] * num_tables  # row numbers handed out per table (live plus free)
-        self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_tables)]
-        self.num_rows = [0] * num_tables
+        self.groups = list(range(num_tables)) if groups is None else list(groups)
+        if len(self.groups) != num_tables:
+            raise ValueError(f"{len(self.groups)} row groups given for {num_tables} tables")
+        num_groups = max(self.groups, default=-1) + 1
+        self.used_rows = [0] * num_groups  # row numbers handed out per group (live plus free)
+        self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_groups)]
+        self.num_rows = [0] * num_tables  # live rows per table
 
     def table(self, space: int) -> TableIds:
         """Table ``space``'s view: the single-table calls of an :class:`IdMap`."""
@@ -436,7 +446,8 @@ class FusedIdMap:
         """Delete table ``space``'s ``ids``; returns their freed rows (absent ids ignored)."""
         entries = self.entries.remove(ids, np.full(ids.numel(), space, dtype=np.int16)).numpy()
         rows = self.entry_rows[entries].astype(np.int64)
-        self.free_rows[space] = np.concatenate([self.free_rows[space], rows])
+        group = self.groups[space]
+        self.free_rows[group] = np.concatenate([self.free_rows[group], rows])
         self.num_rows[space] -= rows.size
         return torch.from_numpy(rows)
 
@@ -459,12 +470,13 @@ class FusedIdMap:
         return torch.from_numpy(np.where(found >= 0, rows, EMPTY).astype(np.int64))
 
     def _new_rows(self, space: int, count: int) -> np.ndarray:
-        free = self.free_rows[space]
-        reused, self.free_rows[space] = free[:count], free[count:]
-        start = self.used_rows[space]
-        self.used_rows[space] += count - reused.size
+        group = self.groups[space]
+        free = self.free_rows[group]
+        reused, self.free_rows[group] = free[:count], free[count:]
+        start = self.used_rows[group]
+        self.used_rows[group] += count - reused.size
         self.num_rows[space] += count
-        return np.concatenate([reused, np.arange(start, self.used_rows[space])])
+        return np.concatenate([reused, np.arange(start, self.used_rows[group])])
 
 
 class TableIds:
@@ -483,7 +495,14 @@ class TableIds:
 
     @property
     def used_rows(self) -> int:
-        return self.fused.used_rows[self.space]
+        """Row numbers handed out in this table's row group (live plus free)."""
+        return self.fused.used_rows[self.fused.groups[self.space]]
+
+    @property
+    def group_rows(self) -> int:
+        """Live rows of every table of this table's row group."""
+        group = self.fused.groups[self.space]
+        return sum(n for t, n in enumerate(self.fused.num_rows) if self.fused.groups[t] == group)
 
     def nbytes(self) -> int:
         """This table's share of the fused map's bytes (by its share of the live rows)."""

@@ -432,20 +432,27 @@ class ThreeHashedTables(nn.Module):
 
 def test_one_read_of_several_tables_makes_each_tables_own_rows() -> None:
     """A request reading every dynamic table of a server (one search and one insert in their
-    shared id map) gives each table the rows its own read would: its init rule, its row
-    numbers; the same id in several tables is a row of each."""
+    shared id map) gives each table the rows its own read would: its init rule; the same id
+    in several tables is a row of each. Tables of one width share row storage (a and b: rows
+    numbered together, none shared); c, wider, has its own."""
     endpoint = build_server(0, ps.TrainConfig(servers=1, trainers=1), ThreeHashedTables)
     try:
         wanted = {"a.weight": ids(1, 5, 9), "b.weight": ids(5, 7), "c.weight": ids(-3, 5)}
         reply = endpoint.coordinator.push_pull(PushPullRequest(0, 0, pull_rows=wanted)).wait()
+        rows = {}
         for name, table_ids in wanted.items():
             table = endpoint.shard.tables[name]
             expected = init_rows(name, table.options, table_ids, table.spec.dim)
             torch.testing.assert_close(reply.rows[name], expected, rtol=0, atol=0)
             assert table.stats()["rows"] == table_ids.numel()
-            assert torch.equal(
-                table.ids.live_rows()[1].sort().values, torch.arange(table_ids.numel())
-            )
+            rows[name] = table.ids.live_rows()[1]
+            torch.testing.assert_close(table.weight[rows[name]], expected, rtol=0, atol=0)
+        tables = endpoint.shard.tables
+        assert tables["a.weight"].weight is tables["b.weight"].weight
+        assert tables["c.weight"].weight is not tables["a.weight"].weight
+        shared = torch.cat([rows["a.weight"], rows["b.weight"]]).sort().values
+        assert torch.equal(shared, torch.arange(5))
+        assert torch.equal(rows["c.weight"].sort().values, torch.arange(2))
     finally:
         endpoint.coordinator.close()
 

@@ -124,6 +124,26 @@ def test_error_names_the_parameter(make_server: MakeServer) -> None:
         endpoint.handle("push_pull", (request,)).wait()
 
 
+def test_the_gradient_that_is_not_finite_is_named_among_many(make_server: MakeServer) -> None:
+    """A request's gradients are checked for NaN and Inf together: one sum over all of them.
+    Finite gradients whose sum overflows pass; a NaN or Inf in any one of several is refused
+    naming that one."""
+    endpoint = make_server()
+    dense = a_dense_name(endpoint)
+    shape = endpoint.shard.dense[dense].value.shape
+    huge = torch.full(shape, 3e38)  # finite, but sums to inf
+    rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.full((2, 4), 3e38))}
+    accepted = PushPullRequest(trainer=0, call=0, dense_grads={dense: huge}, row_grads=rows)
+    endpoint.handle("push_pull", (accepted,)).wait()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        values = torch.ones(2, 4)
+        values[1, 2] = bad
+        rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), values)}
+        refused = PushPullRequest(trainer=0, call=1, dense_grads={dense: huge}, row_grads=rows)
+        with pytest.raises(InvalidPushError, match="'user.weight'.*NaN or Inf"):
+            endpoint.handle("push_pull", (refused,)).wait()
+
+
 def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
     endpoint = make_server()
     before = endpoint.shard.state_hash()

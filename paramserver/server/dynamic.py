@@ -45,7 +45,7 @@ import functools
 import threading
 import zlib
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,9 +59,9 @@ from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.server.tables import (
     Pull,
     Reading,
+    RowArena,
     nbytes_of,
     put_rows,
-    regrown,
     row_entries,
 )
 from paramserver.sharding import DynamicOptions, TableSpec
@@ -155,6 +155,36 @@ def locate_together(
     }
 
 
+def values_together(
+    tables: Mapping[str, DynamicTable], located: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """Each table's :meth:`DynamicTable.values` of its ``located`` rows, the rows of tables
+    sharing an arena taken in one call (the answer's tensors are then views of one)."""
+    by_arena: dict[int, list[str]] = {}
+    for name in located:
+        by_arena.setdefault(id(tables[name].arena), []).append(name)
+    values: dict[str, Tensor] = {}
+    for names in by_arena.values():
+        if len(names) == 1:
+            values[names[0]] = tables[names[0]].values(located[names[0]])
+            continue
+        rows = torch.cat([located[name] for name in names])
+        counts = [located[name].numel() for name in names]
+        arena = tables[names[0]].arena
+        absent = rows < 0
+        if not bool(absent.any()):
+            together = take_rows(arena.weight, rows.numpy())
+        else:  # the default vectors where an id has no row
+            together = take_rows(arena.weight, rows.clamp(min=0).numpy())
+            defaults = [tables[name].options.default_value for name in names]
+            default = torch.tensor(defaults, dtype=together.dtype).repeat_interleave(
+                torch.tensor(counts)
+            )
+            together[absent] = default[absent].unsqueeze(1).expand(-1, together.shape[1])
+        values.update(zip(names, together.split(counts), strict=True))
+    return values
+
+
 def _admit_absent(
     tables: Mapping[str, DynamicTable],
     wanted: Mapping[str, Tensor],
@@ -186,6 +216,40 @@ def _admit_absent(
     return rows
 
 
+@dataclass(frozen=True)
+class SharedRows:
+    """What a dynamic table shares with its server's other dynamic tables: its view of their
+    one id map, their one lock, and the row storage of the tables of its kind (width, dtype
+    and update rule), numbered by the id map's row group."""
+
+    ids: TableIds
+    lock: threading.Lock
+    arena: RowArena
+
+
+def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:
+    """Empty, growing row storage for the dynamic tables ``specs`` (of one kind: width, dtype,
+    ``rule``; see :func:`~paramserver.server.tables.regrown`), growing no further than their
+    capacities sum to where each has one."""
+    options = [spec.dynamic for spec in specs if spec.dynamic is not None]
+    assert len(options) == len(specs) and specs
+    arena = RowArena(
+        specs[0].dim,
+        specs[0].dtype,
+        rule,
+        touched=any(o.ttl_steps is not None or o.capacity is not None for o in options),
+        versions=cache_lag is not None,
+        empty=_empty_rows,
+    )
+    if all(o.capacity is not None for o in options):
+        arena.max_rows = sum(o.capacity for o in options if o.capacity is not None)
+    return arena
+
+
+def _empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
 @dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
 class PullRecord:
     """What one training read of a dynamic table handed out: the row of each id (-1: none)."""
@@ -211,27 +275,22 @@ class DynamicTable:
         spec: TableSpec,
         rule: UpdateRule,
         cache_lag: int | None = None,
-        shared: tuple[TableIds, threading.Lock] | None = None,
+        shared: SharedRows | None = None,
     ):
-        """``shared``: this table's view of the id map its server's dynamic tables share, and
-        their shared lock (see :meth:`ServerShard.read`); by default a map and lock of its
-        own."""
+        """``shared``: what this table shares with its server's other dynamic tables (see
+        :class:`SharedRows`); by default an id map, lock and row storage of its own."""
         assert spec.dynamic is not None
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
         self.rule = rule
-        ids, lock = shared or (FusedIdMap(1).table(0), threading.Lock())
+        if shared is None:
+            arena = dynamic_arena([spec], rule, cache_lag)
+            shared = SharedRows(FusedIdMap(1).table(0), threading.Lock(), arena)
+        self.ids = shared.ids
+        self.lock = shared.lock
         # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
-        self.ids = ids
-        self.weight = torch.empty(0, spec.dim, dtype=spec.dtype)
-        self.state: State = rule.init_state(self.weight)
-        self.steps = torch.zeros(0, dtype=torch.float32) if rule.needs_steps else None
-        # When each row was last read or updated, kept only where eviction needs it.
-        evicts = self.options.ttl_steps is not None or self.options.capacity is not None
-        self.last_touched = torch.zeros(0, dtype=torch.int32) if evicts else None
+        self.arena = shared.arena
         self.cache_lag = cache_lag
-        tracks = cache_lag is not None
-        self.versions = torch.zeros(0, dtype=torch.int64) if tracks else None
         self.fresh_version = 0  # where a new row's version starts
         self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
         self.pending_counts = torch.empty(0, dtype=torch.int32)  # training calls that saw it
@@ -240,7 +299,35 @@ class DynamicTable:
         self.counters = TableCounters()
         self.swept_at = 0
         self._pulls: dict[int, deque[PullRecord]] = {}  # each trainer's last training reads
-        self.lock = lock
+
+    # Rows live in the arena (shared with the server's other dynamic tables of this kind),
+    # at the row numbers the id map hands out; it may move as it grows, so it is read anew.
+
+    @property
+    def weight(self) -> Tensor:
+        return self.arena.weight
+
+    @property
+    def state(self) -> State:
+        return self.arena.state
+
+    @property
+    def steps(self) -> Tensor | None:
+        return self.arena.steps
+
+    @property
+    def last_touched(self) -> Tensor | None:
+        """When each row was last read or updated, kept only where eviction needs it (where
+        this table or one sharing its arena evicts)."""
+        return self.arena.last_touched if self.evicts else None
+
+    @property
+    def versions(self) -> Tensor | None:
+        return self.arena.versions
+
+    @property
+    def evicts(self) -> bool:
+        return self.options.ttl_steps is not None or self.options.capacity is not None
 
     # ---- calls ----
 
@@ -345,11 +432,11 @@ class DynamicTable:
         rows = self._rows_at_pull(ids, pull) if pull is not None else None
         if rows is None:
             rows = self.ids.lookup(ids)
-        present = rows >= 0
-        dropped = ids.numel() - int(present.sum())
-        if dropped:  # no row at the pull (pending), or it was removed since
-            self.counters.dropped_grads += dropped
-            rows, grads = rows[present], grads[present]
+        present = rows.numpy() >= 0
+        if not present.all():  # no row at the pull (pending), or it was removed since
+            kept = torch.from_numpy(present)
+            self.counters.dropped_grads += ids.numel() - int(present.sum())
+            rows, grads = rows[kept], grads[kept]
         return RowUpdate(self.weight, self.state, self.steps, rows, grads)
 
     def updated(self, update: RowUpdate, clock: int) -> int:
@@ -434,17 +521,12 @@ class DynamicTable:
         self.fresh_version = max(self.fresh_version, int(meta["fresh_version"]))
 
     def nbytes(self) -> int:
-        own = nbytes_of(
-            self.weight,
-            self.steps,
-            self.last_touched,
-            self.versions,
-            self.pending_counts,
-            self.pending_seen,
-            self.pending_latest,
-            *self.state.values(),
-        )
-        return own + self.ids.nbytes() + self.pending.nbytes()
+        """This table's bytes: its pending ids', and its share of the arena's and the id
+        map's by its share of their live rows."""
+        own = nbytes_of(self.pending_counts, self.pending_seen, self.pending_latest)
+        live = self.ids.group_rows
+        arena = self.arena.nbytes() * self.ids.num_rows // live if live else 0
+        return own + arena + self.ids.nbytes() + self.pending.nbytes()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -492,19 +574,13 @@ class DynamicTable:
             self.pending_latest = with_rows(self.pending_latest, capacity)
 
     def _fit_rows(self) -> None:
-        """Grow row storage to every row number the id map has handed out."""
-        if self.ids.used_rows > self.weight.shape[0]:
-            capacity = grown_rows(self.weight.shape[0], self.ids.used_rows)
-            if self.options.capacity is not None:  # grow no further than the bound needs
-                capacity = max(self.ids.used_rows, min(capacity, self.options.capacity))
-            self.weight = regrown(self.weight, capacity)
-            self.state = {k: regrown(v, capacity) for k, v in self.state.items()}
-            if self.steps is not None:
-                self.steps = regrown(self.steps, capacity)
-            if self.last_touched is not None:
-                self.last_touched = regrown(self.last_touched, capacity)
-            if self.versions is not None:
-                self.versions = regrown(self.versions, capacity)
+        """Grow the arena to every row number the id map has handed out in it."""
+        arena, needed = self.arena, self.ids.used_rows
+        if needed > arena.num_rows:
+            capacity = grown_rows(arena.num_rows, needed)
+            if arena.max_rows is not None:  # grow no further than the bounds need
+                capacity = max(needed, min(capacity, arena.max_rows))
+            arena.grow(capacity)
 
     def _evict(self, clock: int) -> bool:
         """Apply the TTL and capacity rules; returns whether any row went."""

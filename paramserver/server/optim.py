@@ -17,6 +17,7 @@ FBGEMM's rule for embedding tables: one accumulator per row, the mean of the squ
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -302,10 +303,29 @@ def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> 
     scatters the rows back: the same result as one table at a time. Not thread-safe: the
     caller holds the tables' locks.
     """
-    gathered = [_gather(rule, update) for update in updates if update.rows.numel()]
+    gathered = [_gather(rule, update) for update in _merged(updates) if update.rows.numel()]
     rule.step_blocks([block for each in gathered for block in each.blocks], lr)
     for each in gathered:
         each.scatter()
+
+
+def _merged(updates: Sequence[RowUpdate]) -> list[RowUpdate]:
+    """``updates`` with those of rows in one storage (tables sharing a
+    :class:`~paramserver.server.tables.RowArena`, whose rows are disjoint) made one, so their
+    rows are gathered, stepped and scattered in one call each."""
+    by_storage: dict[int, list[RowUpdate]] = {}
+    for update in updates:
+        by_storage.setdefault(id(update.weight), []).append(update)
+    return [
+        parts[0]
+        if len(parts) == 1
+        else dataclasses.replace(
+            parts[0],
+            rows=torch.cat([part.rows for part in parts]),
+            grads=torch.cat([part.grads for part in parts]),
+        )
+        for parts in by_storage.values()
+    ]
 
 
 @dataclass

@@ -220,19 +220,38 @@ class RequestChecks:
         return table
 
     def _check_grads(self, request: PushPullRequest) -> None:
+        grads: dict[str, Tensor] = {}
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if slot is None:
                 raise self._reject(name, self._not_here(name))
-            self.check_tensor(name, grad, slot.value.shape, slot.value.dtype)
+            grads[name] = self.check_tensor(
+                name, grad, slot.value.shape, slot.value.dtype, finite=False
+            )
         for name, block in request.row_grads.items():
             table = self._table(name)
             if type(block) is not RowBlock:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
             self._check_ids(name, table, block.ids, sorted_unique=True)
-            self.check_tensor(
-                name, block.values, (num_ids(block.ids), table.spec.dim), table.weight.dtype
+            shape = (num_ids(block.ids), table.spec.dim)
+            grads[name] = self.check_tensor(
+                name, block.values, shape, table.weight.dtype, finite=False
             )
+        self._check_finite(grads)
+
+    def _check_finite(self, tensors: Mapping[str, Tensor]) -> None:
+        """Refuse a request whose ``tensors`` (checked, each a plain CPU tensor) hold a NaN or
+        Inf, naming the first that does. A finite sum proves every element finite (NaN and
+        Inf propagate), so all of one dtype are summed at once (one call, not one per
+        tensor: a request has dozens); only a sum that is not finite needs a closer look."""
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for tensor in tensors.values():
+            by_dtype.setdefault(tensor.dtype, []).append(tensor.reshape(-1))
+        if all(math.isfinite(float(torch.cat(parts).sum())) for parts in by_dtype.values()):
+            return
+        for name, tensor in tensors.items():
+            if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
+                raise self._reject(name, "gradient contains NaN or Inf")
 
     def _check_reads(self, request: PushPullRequest) -> None:
         for name, ids in request.pull_rows.items():
@@ -282,8 +301,16 @@ class RequestChecks:
         return "unknown parameter or table name"
 
     def check_tensor(
-        self, name: str, value: object, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype
-    ) -> None:
+        self,
+        name: str,
+        value: object,
+        shape: tuple[int, ...] | torch.Size,
+        dtype: torch.dtype,
+        *,
+        finite: bool = True,
+    ) -> Tensor:
+        """``value``, refused unless it is a plain CPU tensor of ``shape`` and ``dtype`` that
+        (``finite``; else the caller checks it) holds no NaN or Inf."""
         if not isinstance(value, Tensor):
             raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
         if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
@@ -294,10 +321,9 @@ class RequestChecks:
             raise self._reject(
                 name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}"
             )
-        # A finite sum proves every element finite (NaN and Inf propagate); only an overflowing
-        # sum needs the element-wise check.
-        if not math.isfinite(float(value.sum())) and not bool(torch.isfinite(value).all()):
-            raise self._reject(name, "gradient contains NaN or Inf")
+        if finite:
+            self._check_finite({name: value})
+        return value
 
     def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
         if (

@@ -15,6 +15,7 @@ policy's Futures).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,7 +29,7 @@ from paramserver.compression import Encoded, encode
 from paramserver.config import ShardSettings
 from paramserver.errors import ParamServerError
 from paramserver.idcodec import PackedIds
-from paramserver.idmap import FusedIdMap, TableIds
+from paramserver.idmap import FusedIdMap
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
 from paramserver.protocol import (
@@ -39,11 +40,25 @@ from paramserver.protocol import (
     ServerView,
     must_send,
 )
-from paramserver.server.dynamic import DynamicTable, locate_together
-from paramserver.server.optim import Block, RowUpdate, State, UpdateRule, apply_updates, make_rule
+from paramserver.server.dynamic import (
+    DynamicTable,
+    SharedRows,
+    dynamic_arena,
+    locate_together,
+    values_together,
+)
+from paramserver.server.optim import (
+    Block,
+    RowUpdate,
+    State,
+    UpdateRule,
+    apply_updates,
+    make_rule,
+    take_rows,
+)
 from paramserver.server.requests import RequestChecks
-from paramserver.server.tables import FixedTable, Pull, Reading, TableShard
-from paramserver.sharding import ShardPlan, TableSpec
+from paramserver.server.tables import FixedTable, Pull, Reading, RowArena, TableShard
+from paramserver.sharding import ShardPlan
 from paramserver.tableinit import RowInit
 
 
@@ -133,24 +148,10 @@ class ServerShard:
             rule = make_rule(settings.dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         self.cache_lag = settings.cache_lag
-        # The dynamic tables share one id map, so that a request's ids of all of them cost one
-        # search and one insert (see read), and so one lock.
-        dynamic = [name for name, spec in plan.tables.items() if spec.dynamic is not None]
-        self.dynamic_ids = FusedIdMap(len(dynamic))
-        self.dynamic_lock = threading.Lock()
-        shared = {n: (self.dynamic_ids.table(i), self.dynamic_lock) for i, n in enumerate(dynamic)}
-        self.tables: dict[str, TableShard] = {
-            name: make_table(
-                spec,
-                plan,
-                server,
-                table_inits.get(name),
-                make_rule(settings.table_rules[name]),
-                self.cache_lag,
-                shared.get(name),
-            )
-            for name, spec in plan.tables.items()
-        }
+        rules = {name: make_rule(settings.table_rules[name]) for name in plan.tables}
+        self.tables, self.dynamic_ids, self.dynamic_lock = make_tables(
+            plan, server, table_inits, rules, self.cache_lag
+        )
         self.dynamic_tables = {n: t for n, t in self.tables.items() if isinstance(t, DynamicTable)}
         self.dense_pull_codec = settings.dense_pull_codec
         self.table_pull_codecs = dict(settings.table_pull_codecs)
@@ -275,21 +276,21 @@ class ServerShard:
         if dynamic:
             with self.dynamic_lock:
                 located = locate_together(self.dynamic_tables, dynamic, self.dynamic_ids, reading)
+                read = values_together(self.dynamic_tables, located)
                 for name, found in located.items():
                     hashed = self.dynamic_tables[name]
                     versions = hashed.versions_of(found) if name in request.pull_versions else None
-                    self._answer(reply, request, name, hashed.values(found), versions)
-        for name, ids in pulls.items():
-            rows += ids.numel()
-            if name in dynamic:
-                continue
+                    self._answer(reply, request, name, read[name], versions)
+        fixed = {n: ids for n, ids in pulls.items() if n not in dynamic}
+        versioned = {n: ids for n, ids in fixed.items() if n in request.pull_versions}
+        for name, ids in versioned.items():
             table = self.tables[name]
             with table.lock:
-                if name in request.pull_versions:
-                    values, versions = table.read_versioned(ids, reading)
-                    self._answer(reply, request, name, values, versions)
-                else:
-                    self._answer(reply, request, name, table.read(ids, reading), None)
+                values, versions = table.read_versioned(ids, reading)
+            self._answer(reply, request, name, values, versions)
+        plain = {n: ids for n, ids in fixed.items() if n not in versioned}
+        reply.rows.update(self._read_fixed(plain))
+        rows += sum(ids.numel() for ids in pulls.values())
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
             rows += block.ids.numel()
@@ -298,6 +299,24 @@ class ServerShard:
             self.stats.rows_pulled += rows
             self.stats.read_seconds += time.perf_counter() - start
         return reply
+
+    def _read_fixed(self, pulls: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """The rows of fixed tables' ids ``pulls`` (valid), those of tables sharing an arena
+        taken in one call under their locks (the tensors are then views of one)."""
+        by_arena: dict[int, list[FixedTable]] = {}
+        for name in pulls:
+            table = self.tables[name]
+            assert isinstance(table, FixedTable)
+            by_arena.setdefault(id(table.arena), []).append(table)
+        values: dict[str, Tensor] = {}
+        for tables in by_arena.values():
+            names = [table.spec.name for table in tables]
+            rows = torch.cat([t.arena_rows(pulls[n]) for t, n in zip(tables, names, strict=True)])
+            with _holding(table.lock for table in tables):
+                together = take_rows(tables[0].arena.weight, rows.numpy())
+            counts = [pulls[name].numel() for name in names]
+            values.update(zip(names, together.split(counts), strict=True))
+        return values
 
     def _answer(
         self,
@@ -416,18 +435,50 @@ def _holding(locks: Iterable[threading.Lock]) -> Iterator[None]:
         yield
 
 
-def make_table(
-    spec: TableSpec,
+def make_tables(
     plan: ShardPlan,
     server: int,
-    init: RowInit | None,
-    rule: UpdateRule,
+    inits: Mapping[str, RowInit],
+    rules: Mapping[str, UpdateRule],
     cache_lag: int | None = None,
-    shared: tuple[TableIds, threading.Lock] | None = None,
-) -> TableShard:
-    """This server's shard of the table ``spec``: dynamic (``shared``: its view of the id map
-    the server's dynamic tables share, and their lock), or fixed with rows from ``init``."""
-    if spec.dynamic is not None:
-        return DynamicTable(spec, rule, cache_lag, shared)
-    assert init is not None
-    return FixedTable(spec, plan, server, init, rule, cache_lag)
+) -> tuple[dict[str, TableShard], FusedIdMap, threading.Lock]:
+    """This server's shards of the tables of ``plan``, each with its update rule from
+    ``rules``, and the id map and lock its dynamic tables share.
+
+    Tables of one kind (fixed or dynamic, width, dtype, update rule) keep their rows in one
+    :class:`~paramserver.server.tables.RowArena`, so a request's rows of all of them are
+    gathered and updated together: fixed tables' rows one table after another, from
+    ``inits``; dynamic tables' numbered by the id map's row group of their kind. The dynamic
+    tables share one id map, so a request's ids of all of them cost one search and one insert
+    (see :meth:`ServerShard.read`), and so one lock."""
+    kinds: dict[tuple[object, ...], list[str]] = {}
+    for name, spec in plan.tables.items():
+        rule = rules[name]
+        key = (spec.dynamic is not None, spec.dim, spec.dtype, type(rule), rule.config)
+        kinds.setdefault(key, []).append(name)
+    dynamic_kinds = [names for names in kinds.values() if plan.tables[names[0]].dynamic]
+    dynamic = [name for names in dynamic_kinds for name in names]
+    groups = [group for group, names in enumerate(dynamic_kinds) for _ in names]
+    id_map = FusedIdMap(len(dynamic), groups=groups)
+    lock = threading.Lock()
+    tables: dict[str, TableShard] = {}
+    for names in kinds.values():
+        specs = [plan.tables[name] for name in names]
+        rule = rules[names[0]]
+        if specs[0].dynamic is not None:
+            arena = dynamic_arena(specs, rule, cache_lag)
+            for name in names:
+                shared = SharedRows(id_map.table(dynamic.index(name)), lock, arena)
+                tables[name] = DynamicTable(plan.tables[name], rules[name], cache_lag, shared)
+            continue
+        sizes = [len(range(server, spec.num_rows, plan.num_servers)) for spec in specs]
+        arena = RowArena(
+            specs[0].dim, specs[0].dtype, rule, versions=cache_lag is not None, rows=sum(sizes)
+        )
+        starts = itertools.accumulate(sizes, initial=0)
+        for name, start in zip(names, starts, strict=False):
+            place = (arena, start)
+            tables[name] = FixedTable(
+                plan.tables[name], plan, server, inits[name], rules[name], cache_lag, place
+            )
+    return {name: tables[name] for name in plan.tables}, id_map, lock
