@@ -10,6 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -209,8 +210,48 @@ class RequestChecks:
         The request's header (field types) was checked by the coordinator; this checks contents:
         the gradients, then the reads.
         """
-        self._check_grads(request)
-        self._check_reads(request)
+        ids_valid = self._ids_all_valid(request)
+        self._check_grads(request, ids_valid)
+        self._check_reads(request, ids_valid)
+
+    def _ids_all_valid(self, request: PushPullRequest) -> bool:
+        """Whether every set of ids ``request`` pushes or pulls rows of is valid (what
+        :meth:`_check_ids` checks of sorted unique ids), looked at together: their ids joined
+        and compared in a few array operations, not a few per table (a request names dozens
+        of tables). False also where anything about them is malformed: then each is checked
+        on its own, in order, and the first refused is named."""
+        blocks = request.row_grads.values()
+        sets = [*(getattr(block, "ids", None) for block in blocks), *request.pull_rows.values()]
+        names = [*request.row_grads, *request.pull_rows]
+        tables = [self.tables.get(name) for name in names]
+        arrays = []
+        for ids, table in zip(sets, tables, strict=True):
+            if table is None or not _plain_ids(ids):
+                return False
+            assert isinstance(ids, Tensor)
+            arrays.append(ids.numpy())
+        sizes = np.array([array.size for array in arrays], dtype=np.int64)
+        ends = np.cumsum(sizes)
+        values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+        rising = values[1:] > values[:-1]
+        between = ends[:-1] - 1  # where one set meets the next: no order between them
+        rising[between[(between >= 0) & (between < rising.size)]] = True
+        if not rising.all():
+            return False
+        filled = sizes > 0
+        lows, highs = values[(ends - sizes)[filled]].tolist(), values[ends[filled] - 1].tolist()
+        ranged = [table for table, full in zip(tables, filled.tolist(), strict=True) if full]
+        for table, low, high in zip(ranged, lows, highs, strict=True):
+            assert table is not None
+            if table.check_range(low, high) is not None:
+                return False
+        if self.plan.num_servers == 1:
+            return True
+        return all(
+            not bool((self.plan.server_of_rows(name, ids) != self.server).any())
+            for name, ids in zip(names, sets, strict=True)
+            if isinstance(ids, Tensor) and ids.numel()
+        )
 
     def _table(self, name: str) -> TableShard:
         """The table ``name``, or the refusal of a request naming one this server lacks."""
@@ -219,7 +260,8 @@ class RequestChecks:
             raise self._reject(name, self._not_here(name))
         return table
 
-    def _check_grads(self, request: PushPullRequest) -> None:
+    def _check_grads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
+        """The gradients' checks (their ids' skipped where ``ids_valid`` says they pass)."""
         grads: dict[str, Tensor] = {}
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
@@ -232,7 +274,8 @@ class RequestChecks:
             table = self._table(name)
             if type(block) is not RowBlock:
                 raise self._reject(name, "malformed row gradients: expected a RowBlock")
-            self._check_ids(name, table, block.ids, sorted_unique=True)
+            if not ids_valid:
+                self._check_ids(name, table, block.ids, sorted_unique=True)
             shape = (num_ids(block.ids), table.spec.dim)
             grads[name] = self.check_tensor(
                 name, block.values, shape, table.weight.dtype, finite=False
@@ -253,9 +296,12 @@ class RequestChecks:
             if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
                 raise self._reject(name, "gradient contains NaN or Inf")
 
-    def _check_reads(self, request: PushPullRequest) -> None:
+    def _check_reads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
+        """The reads' checks (the pulled ids' skipped where ``ids_valid`` says they pass)."""
         for name, ids in request.pull_rows.items():
-            self._check_ids(name, self._table(name), ids, sorted_unique=True)
+            table = self._table(name)
+            if not ids_valid:
+                self._check_ids(name, table, ids, sorted_unique=True)
         for name, cached in request.pull_versions.items():
             pulled = request.pull_rows.get(name)
             if pulled is None or self.cache_lag is None:
@@ -326,14 +372,9 @@ class RequestChecks:
         return value
 
     def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
-        if (
-            not isinstance(ids, Tensor)
-            or ids.dtype != torch.int64
-            or ids.dim() != 1
-            or ids.layout != torch.strided
-            or ids.device.type != "cpu"
-        ):
+        if not _plain_ids(ids):
             raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
+        assert isinstance(ids, Tensor)
         if ids.numel() == 0:
             return
         values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
@@ -349,6 +390,17 @@ class RequestChecks:
             raise self._reject(name, "row ids routed to the wrong server")
         if sorted_unique and not ordered:
             raise self._reject(name, "row ids must be sorted and unique")
+
+
+def _plain_ids(ids: object) -> bool:
+    """Whether ``ids`` are row ids as a request must carry them: a 1-D int64 CPU tensor."""
+    return (
+        isinstance(ids, Tensor)
+        and ids.dtype == torch.int64
+        and ids.dim() == 1
+        and ids.layout == torch.strided
+        and ids.device.type == "cpu"
+    )
 
 
 def _largest(sizes: dict[str, int]) -> str | None:
