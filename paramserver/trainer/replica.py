@@ -90,7 +90,8 @@ class _Recorder:
     def __init__(self, expected: dict[str, int] | None):
         self.ids: dict[str, list[Tensor]] = {}
         self.bags: dict[str, BagBlock] = {}
-        self.expected = expected
+        # The lookups still expected of each table (None: unknown, the first pass).
+        self.missing = None if expected is None else {t: n for t, n in expected.items() if n}
 
     def add(self, table: str, ids: Tensor, bags: BagBlock | None = None) -> None:
         if bags is not None:
@@ -101,9 +102,14 @@ class _Recorder:
                 )
             self.bags[table] = bags
         self.ids.setdefault(table, []).append(ids.reshape(-1))
-        if self.expected is not None and all(
-            len(self.ids.get(name, ())) >= count for name, count in self.expected.items()
-        ):
+        missing = self.missing
+        if missing is None:
+            return
+        if missing.get(table) == 1:
+            del missing[table]
+        elif table in missing:
+            missing[table] -= 1
+        if not missing:
             raise _RecordingDone
 
 
@@ -353,10 +359,13 @@ class Replica:
         for table, each in recorded.items():
             looked_up = torch.cat(each).to(torch.int64)  # a copy: the batch may change later
             ids, positions = torch.unique(looked_up, return_inverse=True)
-            sizes = [e.numel() for e in each]
             unique[table] = ids
-            pairs = zip(looked_up.split(sizes), positions.split(sizes), strict=True)
-            lookups[table] = RecordedLookups(ids, list(pairs))
+            if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
+                pairs = [(looked_up, positions)]
+            else:
+                sizes = [e.numel() for e in each]
+                pairs = list(zip(looked_up.split(sizes), positions.split(sizes), strict=True))
+            lookups[table] = RecordedLookups(ids, pairs)
         return Recorded(unique, bags, lookups)
 
     @contextmanager
