@@ -457,6 +457,68 @@ def test_one_read_of_several_tables_makes_each_tables_own_rows() -> None:
         endpoint.coordinator.close()
 
 
+class CountingAndNot(nn.Module):
+    """Three dynamic tables of one width (so one arena): one admits ids seen twice, one at
+    once, one evicts after 3 steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counting = ps.DynamicEmbedding(4, min_count=2, ttl_steps=50, default_value=-1.0)
+        self.at_once = ps.DynamicEmbedding(4, seed=5)
+        self.expiring = ps.DynamicEmbedding(4, ttl_steps=3, seed=7)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return (self.counting(ids) + self.at_once(ids) + self.expiring(ids)).sum(1)
+
+
+def test_tables_read_together_admit_and_evict_as_each_would_alone() -> None:
+    """A server reads its dynamic tables together (one arena, one search, one insert, their
+    admissions decided at once), tables that count sightings, admit at once and evict mixed:
+    every read and every table's counters equal those of the same table read alone."""
+    endpoint = build_server(0, ps.TrainConfig(servers=1, trainers=1, lr=0.5), CountingAndNot)
+    names = ["counting.weight", "at_once.weight", "expiring.weight"]
+    shard = endpoint.shard
+    rule = OptimizerConfig(name="adagrad", lr=0.5)
+    alone = {n: DynamicTable(shard.plan.tables[n], make_rule(rule)) for n in names}
+    assert shard.tables[names[0]].weight is shard.tables[names[2]].weight
+    g = torch.Generator().manual_seed(0)
+    last: dict[str, Tensor] = {}
+    try:
+        for call in range(30):
+            wanted = {n: torch.randint(0, 150, (12,), generator=g).unique() for n in names}
+            pushed = {}
+            if call:
+                pushed = {
+                    n: RowBlock(w, torch.rand(w.numel(), 4, generator=g)) for n, w in last.items()
+                }
+            request = PushPullRequest(
+                0, call, pull_rows=wanted, row_grads=pushed, grads_call=call - 1
+            )
+            reply = endpoint.coordinator.push_pull(request).wait()
+            for name in names:
+                table = alone[name]
+                if call:
+                    table.apply(last[name], pushed[name].values, call, (0, call - 1), lr=0.5)
+                own = table.read(wanted[name], Reading(train=True, clock=call, pull=(0, call)))
+                torch.testing.assert_close(reply.rows[name], own, rtol=0, atol=0)
+            last = wanted
+        for name in names:
+            together, own = shard.tables[name].stats(), alone[name].stats()
+            for counter in (
+                "rows",
+                "admitted",
+                "evicted",
+                "lookups",
+                "pending_ids",
+                "dropped_grads",
+            ):
+                assert together[counter] == own[counter], (name, counter)
+        assert shard.tables["counting.weight"].stats()["pending_ids"] > 0
+        assert shard.tables["expiring.weight"].stats()["evicted"] > 0
+    finally:
+        endpoint.coordinator.close()
+
+
 class AdmittedAndExpiring(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -55,13 +55,20 @@ from torch import Tensor
 
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates, take_rows
+from paramserver.server.optim import (
+    RowUpdate,
+    State,
+    UpdateRule,
+    apply_updates,
+    put_rows,
+    take_rows,
+)
 from paramserver.server.tables import (
     Pull,
     Reading,
     RowArena,
     nbytes_of,
-    put_rows,
+    restore_rows,
     row_entries,
 )
 from paramserver.sharding import DynamicOptions, TableSpec
@@ -100,27 +107,6 @@ def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarr
     unit *= 2 * scales
     unit -= scales
     return torch.from_numpy(unit)
-
-
-def _new_rows(
-    tables: Mapping[str, DynamicTable], admitted: Mapping[str, Tensor]
-) -> dict[str, Tensor]:
-    """:func:`init_rows` of each table's ``admitted`` ids, computed once for all tables of one
-    width."""
-    widths: dict[int, list[str]] = {}
-    for name in admitted:
-        widths.setdefault(tables[name].spec.dim, []).append(name)
-    values: dict[str, Tensor] = {}
-    for dim, names in widths.items():
-        counts = [admitted[n].numel() for n in names]
-        options = [tables[n].options for n in names]
-        specs = [tables[n].spec.name for n in names]
-        salts = np.repeat([_salt(n, o) for n, o in zip(specs, options, strict=True)], counts)
-        scales = np.repeat(np.array([o.init_scale for o in options], np.float32), counts)
-        ids = torch.cat([admitted[n] for n in names]).numpy()
-        together = _uniform_rows(salts.astype(np.int64), ids, dim, scales)
-        values.update(zip(names, torch.split(together, counts), strict=True))
-    return values
 
 
 @functools.cache
@@ -196,24 +182,68 @@ def _admit_absent(
     shared: FusedIdMap,
 ) -> Tensor:
     """:func:`locate_together`'s admission, for a training read some of whose ids (``ids``,
-    the tables' ``wanted`` one after another from ``starts``) are absent: each table's
-    admitted ids inserted in ``shared`` in one call and created; returns the rows of ``ids``
-    now."""
+    the tables' ``wanted`` one after another from ``starts``) are absent: each table admits
+    its absent ids (all of them, or, counting sightings, those seen ``min_count`` times), and
+    the admitted ids of all tables are inserted in ``shared`` in one call and made
+    (:func:`_make_rows`); returns the rows of ``ids`` now."""
     rows = found.rows
     names = list(wanted)
-    admits = [
-        tables[n].to_admit(wanted[n], rows[starts[i] : starts[i + 1]], clock) + starts[i]
-        for i, n in enumerate(names)
-    ]
-    admit = torch.cat(admits)
-    if admit.numel():
+    absent = rows.numpy() < 0  # a new array: the admitted positions, once refined below
+    for i, name in enumerate(names):
+        table = tables[name]
+        table.counters.lookups += starts[i + 1] - starts[i]
+        if table.options.min_count > 1:  # admits only ids seen often enough
+            part = absent[starts[i] : starts[i + 1]]
+            seen_at = np.flatnonzero(part)
+            if seen_at.size:
+                seen = table.count_sightings(wanted[name][torch.from_numpy(seen_at)], clock)
+                part[seen_at] = seen.numpy()
+    admit = np.flatnonzero(absent)
+    if admit.size:
+        admitted = torch.from_numpy(admit)
         rows = rows.clone()
-        rows[admit] = shared.insert(spaces[admit.numpy()], ids[admit], found.subset(admit))
-        admitted = {n: at for n, at in zip(names, admits, strict=True) if at.numel()}
-        values = _new_rows(tables, {n: ids[at] for n, at in admitted.items()})
-        for name, at in admitted.items():
-            tables[name].created(ids[at], rows[at], values[name])
+        rows[admitted] = shared.insert(spaces[admit], ids[admitted], found.subset(admitted))
+        bounds = np.searchsorted(admit, starts).tolist()  # each table's admitted positions
+        new_ids, new_rows = ids[admitted], rows[admitted]
+        made = {
+            name: (new_ids[bounds[i] : bounds[i + 1]], new_rows[bounds[i] : bounds[i + 1]])
+            for i, name in enumerate(names)
+            if bounds[i + 1] > bounds[i]
+        }
+        _make_rows(tables, made)
     return rows
+
+
+def _make_rows(
+    tables: Mapping[str, DynamicTable], made: Mapping[str, tuple[Tensor, Tensor]]
+) -> None:
+    """Initialize the rows just inserted in the id map, ``made[table]`` being a table's new
+    ids and their rows: values from :func:`init_rows`, state at the rule's start, step counts
+    at 0, versions at the table's fresh version; those of tables sharing an arena in one
+    pass."""
+    by_arena: dict[int, list[str]] = {}
+    for name in made:
+        by_arena.setdefault(id(tables[name].arena), []).append(name)
+    for names in by_arena.values():
+        first = tables[names[0]]
+        first.fit_rows()  # the arena holds every row its group's tables were given
+        arena = first.arena
+        counts = [made[name][0].numel() for name in names]
+        ids = torch.cat([made[name][0] for name in names]).numpy()
+        rows = torch.cat([made[name][1] for name in names])
+        salts = np.repeat([_salt(name, tables[name].options) for name in names], counts)
+        scales = np.repeat([tables[name].options.init_scale for name in names], counts)
+        values = _uniform_rows(salts.astype(np.int64), ids, first.spec.dim, scales)
+        put_rows(arena.weight, rows.numpy(), values.to(arena.weight.dtype))
+        for slot in arena.state.values():
+            slot.index_fill_(0, rows, arena.rule.initial_value)
+        if arena.steps is not None:
+            arena.steps.index_fill_(0, rows, 0)
+        if arena.versions is not None:
+            fresh = torch.tensor([tables[name].fresh_version for name in names])
+            arena.versions[rows] = fresh.repeat_interleave(torch.tensor(counts))
+        for name, count in zip(names, counts, strict=True):
+            tables[name].counters.admitted += count
 
 
 @dataclass(frozen=True)
@@ -363,33 +393,8 @@ class DynamicTable:
         name = self.spec.name
         return locate_together({name: self}, {name: ids}, self.ids.fused, reading)[name]
 
-    # The three parts of a read, for a server reading several dynamic tables at once (one
-    # search and one insert in their shared id map between them, see ServerShard.read).
-
-    def to_admit(self, ids: Tensor, rows: Tensor, clock: int) -> Tensor:
-        """A training read of ``ids`` (unique; ``rows`` their rows, -1 where absent): the
-        positions of the absent ids admitted now, whose rows the caller inserts and passes to
-        :meth:`created`."""
-        self.counters.lookups += ids.numel()
-        absent_at = (rows < 0).nonzero().squeeze(1)
-        if absent_at.numel() and self.options.min_count > 1:
-            absent_at = absent_at[self._count_pending(ids[absent_at], clock)]
-        return absent_at
-
-    def created(self, ids: Tensor, rows: Tensor, values: Tensor | None = None) -> None:
-        """Initialize the new ``rows`` of ``ids`` (just inserted in the id map) to ``values``,
-        their :func:`init_rows` (computed here if None)."""
-        self._fit_rows()
-        if self.versions is not None:
-            self.versions[rows] = self.fresh_version
-        if values is None:
-            values = init_rows(self.spec.name, self.options, ids, self.spec.dim)
-        self.weight.index_copy_(0, rows, values)
-        for value in self.state.values():
-            value.index_fill_(0, rows, self.rule.initial_value)
-        if self.steps is not None:
-            self.steps.index_fill_(0, rows, 0)
-        self.counters.admitted += ids.numel()
+    # The parts of a read particular to a table, for a server reading several dynamic tables
+    # at once (one search and one insert in their shared id map, see ServerShard.read).
 
     def settle(self, ids: Tensor, rows: Tensor, reading: Reading) -> Tensor:
         """After a read found or made ``rows`` for ``ids``: touch and evict (a training read),
@@ -500,8 +505,8 @@ class DynamicTable:
         ids = saved["ids"]
         if ids.numel():
             rows = self.ids.insert(ids)
-            self._fit_rows()
-            put_rows(rows, saved, self.weight, self.state, self.steps, self.versions)
+            self.fit_rows()
+            restore_rows(rows, saved, self.weight, self.state, self.steps, self.versions)
             if self.last_touched is not None and "last_touched" in saved:
                 self.last_touched[rows] = saved["last_touched"]
         pending = saved["pending.ids"]
@@ -542,7 +547,7 @@ class DynamicTable:
 
     # ---- admission and eviction ----
 
-    def _count_pending(self, absent: Tensor, clock: int) -> Tensor:
+    def count_sightings(self, absent: Tensor, clock: int) -> Tensor:
         """Count this call's sighting of ``absent``; return a mask of those admitted: seen in
         ``min_count`` calls counting this one and those of earlier steps (not the other calls
         of step ``clock``, so the reads of one step admit alike in any order). Admitted ids'
@@ -573,7 +578,7 @@ class DynamicTable:
             self.pending_seen = with_rows(self.pending_seen, capacity)
             self.pending_latest = with_rows(self.pending_latest, capacity)
 
-    def _fit_rows(self) -> None:
+    def fit_rows(self) -> None:
         """Grow the arena to every row number the id map has handed out in it."""
         arena, needed = self.arena, self.ids.used_rows
         if needed > arena.num_rows:

@@ -308,7 +308,7 @@ class FixedTable:
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Take the rows of ``saved`` (this server's, any shard layout it came from)."""
         local = self.plan.local_rows(saved["ids"])
-        put_rows(local, saved, self.weight, self.state, self.steps, self.versions)
+        restore_rows(local, saved, self.weight, self.state, self.steps, self.versions)
 
     def nbytes(self) -> int:
         return nbytes_of(self.weight, self.steps, self.versions, *self.state.values())
@@ -389,7 +389,7 @@ def row_entries(
     return entries
 
 
-def put_rows(
+def restore_rows(
     rows: Tensor,
     saved: dict[str, Tensor],
     weight: Tensor,
@@ -397,6 +397,8 @@ def put_rows(
     steps: Tensor | None,
     versions: Tensor | None,
 ) -> None:
+    """Put a snapshot's entries ``saved`` (:func:`row_entries`) at ``rows``: values, state
+    slots, step counts and versions (0 where the snapshot has none)."""
     weight[rows] = saved["value"]
     for slot, value in state.items():
         value[rows] = saved[f"state.{slot}"]
