@@ -78,6 +78,27 @@ def test_remote_embedding_matches_the_module_it_replaces(case: str) -> None:
     assert bool((dense_grad[untouched] == 0).all()), "rows outside the batch must get no gradient"
 
 
+def test_a_plain_lookups_rows_and_gradients_are_bitwise_the_modules() -> None:
+    """A plain lookup (no padding row, no scaling by frequency) is made with index_select, not
+    F.embedding: its output and its rows' gradients are bitwise the module's, repeated ids'
+    gradients summed alike."""
+    g = torch.Generator().manual_seed(0)
+    module = nn.Embedding(50, 8)
+    inputs = torch.randint(0, 50, (64, 7), generator=g)
+    upstream = torch.randn(64, 7, 8, generator=g) * 1e3
+    (module(inputs) * upstream).sum().backward()
+    weight = module.weight.detach().clone()
+    replica = Replica(module)
+    ids = replica.record_ids([(inputs,)])["weight"]
+    replica.load({}, {"weight": (ids, weight[ids].clone())})
+    output = replica.forward((inputs,))
+    (output * upstream).sum().backward()
+    _, rows = replica.gradients()
+    assert torch.equal(output, weight[inputs])
+    assert module.weight.grad is not None
+    assert torch.equal(rows["weight"][1], module.weight.grad[ids])
+
+
 def test_max_norm_and_tied_weights_are_refused() -> None:
     with pytest.raises(ModelError, match="max_norm"):
         Replica(nn.Embedding(10, 2, max_norm=1.0))
