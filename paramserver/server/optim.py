@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -303,29 +304,27 @@ def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> 
     scatters the rows back: the same result as one table at a time. Not thread-safe: the
     caller holds the tables' locks.
     """
-    gathered = [_gather(rule, update) for update in _merged(updates) if update.rows.numel()]
+    gathered = [
+        _gather(rule, update, grads) for update, grads in _merged(updates) if update.rows.numel()
+    ]
     rule.step_blocks([block for each in gathered for block in each.blocks], lr)
     for each in gathered:
         each.scatter()
 
 
-def _merged(updates: Sequence[RowUpdate]) -> list[RowUpdate]:
+def _merged(updates: Sequence[RowUpdate]) -> list[tuple[RowUpdate, list[Tensor]]]:
     """``updates`` with those of rows in one storage (tables sharing a
     :class:`~paramserver.server.tables.RowArena`, whose rows are disjoint) made one, so their
-    rows are gathered, stepped and scattered in one call each."""
+    rows are gathered and scattered in one call each; each with its parts' gradients (joined
+    only where a rule orders rows by step count, see :func:`_gather`)."""
     by_storage: dict[int, list[RowUpdate]] = {}
     for update in updates:
         by_storage.setdefault(id(update.weight), []).append(update)
-    return [
-        parts[0]
-        if len(parts) == 1
-        else dataclasses.replace(
-            parts[0],
-            rows=torch.cat([part.rows for part in parts]),
-            grads=torch.cat([part.grads for part in parts]),
-        )
-        for parts in by_storage.values()
-    ]
+    merged = []
+    for parts in by_storage.values():
+        rows = parts[0].rows if len(parts) == 1 else torch.cat([part.rows for part in parts])
+        merged.append((dataclasses.replace(parts[0], rows=rows), [part.grads for part in parts]))
+    return merged
 
 
 @dataclass
@@ -386,33 +385,46 @@ def _row_dtype(nbytes: int) -> np.dtype:
     return np.dtype((np.void, nbytes))
 
 
-def _gather(rule: UpdateRule, update: RowUpdate) -> _Gathered:
-    rows, grads, steps = update.rows, update.grads, update.steps
+def _gather(rule: UpdateRule, update: RowUpdate, grads: list[Tensor]) -> _Gathered:
+    """``update``'s rows and state gathered, in blocks: one per step-count group, or where the
+    rule ignores step counts one per part of ``grads`` (the gradients of ``update.rows`` in
+    parts, one after another: no need to join them)."""
+    rows, steps = update.rows, update.steps
     row_steps = None if steps is None else steps.index_select(0, rows)
     keys = None if row_steps is None else rule.step_group(row_steps)
-    bounds = None
-    if keys is not None:
-        assert row_steps is not None
-        order = torch.argsort(keys, stable=True)
-        rows, grads, row_steps = rows[order], grads[order], row_steps[order]
-        counts = torch.unique_consecutive(keys[order], return_counts=True)[1]
-        ends = counts.cumsum(0).tolist()
-        bounds = list(zip([0, *ends[:-1]], ends, strict=True))
+    at = rows.numpy()
+    if keys is None:
+        values = take_rows(update.weight, at)
+        state = {slot: take_rows(value, at) for slot, value in update.state.items()}
+        starts = itertools.accumulate((g.shape[0] for g in grads), initial=0)
+        blocks = [
+            Block(
+                values[start : start + grad.shape[0]],
+                grad,
+                {slot: value[start : start + grad.shape[0]] for slot, value in state.items()},
+                _block_step(row_steps, start),
+            )
+            for start, grad in zip(starts, grads, strict=False)
+        ]
+        return _Gathered(update, rows, values, state, blocks)
+    assert row_steps is not None
+    order = torch.argsort(keys, stable=True)
+    joined = grads[0] if len(grads) == 1 else torch.cat(grads)
+    rows, joined, row_steps = rows[order], joined[order], row_steps[order]
+    counts = torch.unique_consecutive(keys[order], return_counts=True)[1]
+    ends = counts.cumsum(0).tolist()
     at = rows.numpy()
     values = take_rows(update.weight, at)
     state = {slot: take_rows(value, at) for slot, value in update.state.items()}
-    if bounds is None or len(bounds) == 1:  # one group: all the rows are one block
-        blocks = [Block(values, grads, state, _block_step(row_steps, 0))]
-    else:
-        blocks = [
-            Block(
-                values[start:end],
-                grads[start:end],
-                {slot: value[start:end] for slot, value in state.items()},
-                _block_step(row_steps, start),
-            )
-            for start, end in bounds
-        ]
+    blocks = [
+        Block(
+            values[start:end],
+            joined[start:end],
+            {slot: value[start:end] for slot, value in state.items()},
+            _block_step(row_steps, start),
+        )
+        for start, end in zip([0, *ends[:-1]], ends, strict=True)
+    ]
     return _Gathered(update, rows, values, state, blocks)
 
 
