@@ -386,44 +386,33 @@ def _row_dtype(nbytes: int) -> np.dtype:
 
 
 def _gather(rule: UpdateRule, update: RowUpdate, grads: list[Tensor]) -> _Gathered:
-    """``update``'s rows and state gathered, in blocks: one per step-count group, or where the
-    rule ignores step counts one per part of ``grads`` (the gradients of ``update.rows`` in
-    parts, one after another: no need to join them)."""
+    """``update``'s rows and state gathered, in blocks: one per step-count group (rows ordered
+    by it), or where the rule ignores step counts one per part of ``grads`` (the gradients of
+    ``update.rows`` in parts, one after another: no need to join them)."""
     rows, steps = update.rows, update.steps
     row_steps = None if steps is None else steps.index_select(0, rows)
     keys = None if row_steps is None else rule.step_group(row_steps)
-    at = rows.numpy()
     if keys is None:
-        values = take_rows(update.weight, at)
-        state = {slot: take_rows(value, at) for slot, value in update.state.items()}
-        starts = itertools.accumulate((g.shape[0] for g in grads), initial=0)
-        blocks = [
-            Block(
-                values[start : start + grad.shape[0]],
-                grad,
-                {slot: value[start : start + grad.shape[0]] for slot, value in state.items()},
-                _block_step(row_steps, start),
-            )
-            for start, grad in zip(starts, grads, strict=False)
-        ]
-        return _Gathered(update, rows, values, state, blocks)
-    assert row_steps is not None
-    order = torch.argsort(keys, stable=True)
-    joined = grads[0] if len(grads) == 1 else torch.cat(grads)
-    rows, joined, row_steps = rows[order], joined[order], row_steps[order]
-    counts = torch.unique_consecutive(keys[order], return_counts=True)[1]
-    ends = counts.cumsum(0).tolist()
+        sizes = [grad.shape[0] for grad in grads]
+    else:
+        assert row_steps is not None
+        order = torch.argsort(keys, stable=True)
+        rows, row_steps = rows[order], row_steps[order]
+        sizes = torch.unique_consecutive(keys[order], return_counts=True)[1].tolist()
+        joined = grads[0] if len(grads) == 1 else torch.cat(grads)
+        grads = list(joined[order].split(sizes))
     at = rows.numpy()
     values = take_rows(update.weight, at)
     state = {slot: take_rows(value, at) for slot, value in update.state.items()}
+    starts = itertools.accumulate(sizes, initial=0)
     blocks = [
         Block(
-            values[start:end],
-            joined[start:end],
-            {slot: value[start:end] for slot, value in state.items()},
+            values[start : start + size],
+            grad,
+            {slot: value[start : start + size] for slot, value in state.items()},
             _block_step(row_steps, start),
         )
-        for start, end in zip([0, *ends[:-1]], ends, strict=True)
+        for start, size, grad in zip(starts, sizes, grads, strict=False)
     ]
     return _Gathered(update, rows, values, state, blocks)
 
