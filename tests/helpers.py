@@ -18,7 +18,7 @@ from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, wr
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.modelplan import initial_model
-from paramserver.server.dynamic import init_rows
+from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions
 from paramserver.trainer.loop import TrainerOutcome, default_loop

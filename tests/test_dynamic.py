@@ -18,7 +18,8 @@ from paramserver.idmap import RESERVE_GROWTH
 from paramserver.launch.roles import build_server
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server.dynamic import DynamicTable, init_rows
+from paramserver.server.dynamic import DynamicTable
+from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import (

@@ -4,8 +4,9 @@ It answers the calls of :class:`~paramserver.server.tables.TableShard`; this mod
 only it does: admission, eviction and the records of which row each pull handed out.
 
 A row is created the first time an admitted id is pulled for training, initialized by
-:func:`init_rows` (a pure function of the table's seed and the id, so it does not depend on
-the server or on arrival order), and kept in storage that grows by 15% at a time. Admission
+:func:`~paramserver.server.dynamic_rows.init_rows` (a pure function of the table's seed and the
+id, so it does not depend on the server or on arrival order), and kept in storage (shared with
+the server's other dynamic tables of its kind) that grows by 15% at a time. Admission
 (``min_count``): a training read admits an id pulled for training in ``min_count`` calls,
 counting those of earlier steps of the table's clock and its own, not other calls of its own
 step; until then only its counter exists and its rows read as the default vector. Eviction:
@@ -41,28 +42,17 @@ than the last few pulls of its trainer) goes to the id's current row, if any.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
-import zlib
 from collections import deque
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.hashing import mix64_array
-from paramserver.idmap import Found, FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.server.optim import (
-    RowUpdate,
-    State,
-    UpdateRule,
-    apply_updates,
-    put_rows,
-    take_rows,
-)
+from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
+from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
+from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.server.tables import (
     Pull,
     Reading,
@@ -77,175 +67,6 @@ PULLS_KEPT = 3  # pull records per trainer: this step's, the prefetched one, a r
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
 
-def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Tensor:
-    """The initial rows of ``ids``: uniform in ``[-init_scale, init_scale)``, a pure function
-    of (table name, seed, id, column).
-
-    Each id gets a well-mixed 64-bit seed; column ``j`` takes the top 24 bits of that seed
-    times an odd constant of its own (one multiply per value, not a full hash). Computed with
-    numpy: a step creates a few hundred rows per table, where numpy's per-call cost is lower.
-    """
-    salts = np.array([_salt(table, options)], dtype=np.int64)
-    scales = np.array([options.init_scale], dtype=np.float32)
-    return _uniform_rows(salts, ids.numpy(), dim, scales)
-
-
-def _salt(table: str, options: DynamicOptions) -> int:
-    return zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
-
-
-def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarray) -> Tensor:
-    """:func:`init_rows` of ``ids``, each with its table's salt and scale (or one of each for
-    all)."""
-    seeds = mix64_array(ids.astype(np.int64) + salts)
-    bits = seeds[:, None] * _column_multipliers(dim)
-    bits >>= 40  # in place from here: the same operations, fewer passes over fresh memory
-    bits &= 0xFFFFFF
-    unit = bits.astype(np.float32)
-    unit *= np.float32(1.0 / (1 << 24))
-    scales = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
-    unit *= 2 * scales
-    unit -= scales
-    return torch.from_numpy(unit)
-
-
-@functools.cache
-def _column_multipliers(dim: int) -> np.ndarray:
-    return mix64_array(np.arange(dim, dtype=np.int64)) | 1
-
-
-def locate_together(
-    tables: Mapping[str, DynamicTable],
-    wanted: Mapping[str, Tensor],
-    shared: FusedIdMap,
-    reading: Reading,
-) -> dict[str, Tensor]:
-    """The rows of the ids ``wanted`` of each table, as each table's own read locates them,
-    for tables sharing the id map ``shared`` (their lock held): all their ids searched in one
-    call, and their admitted ids inserted in one."""
-    names = list(wanted)
-    ids = torch.cat([wanted[n] for n in names])
-    counts = [wanted[n].numel() for n in names]
-    spaces = np.repeat(np.array([tables[n].ids.space for n in names], dtype=np.int16), counts)
-    found = shared.find(spaces, ids)
-    rows = found.rows
-    starts = np.cumsum([0, *counts]).tolist()
-    if reading.train and bool((rows < 0).any()):
-        rows = _admit_absent(tables, wanted, ids, spaces, found, starts, reading.clock, shared)
-    elif reading.train:  # every id has its row: nothing to admit, only lookups to count
-        for name, count in zip(names, counts, strict=True):
-            tables[name].counters.lookups += count
-    return {
-        n: tables[n].settle(wanted[n], rows[starts[i] : starts[i + 1]], reading)
-        for i, n in enumerate(names)
-    }
-
-
-def values_together(
-    tables: Mapping[str, DynamicTable], located: Mapping[str, Tensor]
-) -> dict[str, Tensor]:
-    """Each table's :meth:`DynamicTable.values` of its ``located`` rows, the rows of tables
-    sharing an arena taken in one call (the answer's tensors are then views of one)."""
-    by_arena: dict[int, list[str]] = {}
-    for name in located:
-        by_arena.setdefault(id(tables[name].arena), []).append(name)
-    values: dict[str, Tensor] = {}
-    for names in by_arena.values():
-        if len(names) == 1:
-            values[names[0]] = tables[names[0]].values(located[names[0]])
-            continue
-        rows = torch.cat([located[name] for name in names])
-        counts = [located[name].numel() for name in names]
-        arena = tables[names[0]].arena
-        absent = rows < 0
-        if not bool(absent.any()):
-            together = take_rows(arena.weight, rows.numpy())
-        else:  # the default vectors where an id has no row
-            together = take_rows(arena.weight, rows.clamp(min=0).numpy())
-            defaults = [tables[name].options.default_value for name in names]
-            default = torch.tensor(defaults, dtype=together.dtype).repeat_interleave(
-                torch.tensor(counts)
-            )
-            together[absent] = default[absent].unsqueeze(1).expand(-1, together.shape[1])
-        values.update(zip(names, together.split(counts), strict=True))
-    return values
-
-
-def _admit_absent(
-    tables: Mapping[str, DynamicTable],
-    wanted: Mapping[str, Tensor],
-    ids: Tensor,
-    spaces: np.ndarray,
-    found: Found,
-    starts: list[int],
-    clock: int,
-    shared: FusedIdMap,
-) -> Tensor:
-    """:func:`locate_together`'s admission, for a training read some of whose ids (``ids``,
-    the tables' ``wanted`` one after another from ``starts``) are absent: each table admits
-    its absent ids (all of them, or, counting sightings, those seen ``min_count`` times), and
-    the admitted ids of all tables are inserted in ``shared`` in one call and made
-    (:func:`_make_rows`); returns the rows of ``ids`` now."""
-    rows = found.rows
-    names = list(wanted)
-    absent = rows.numpy() < 0  # a new array: the admitted positions, once refined below
-    for i, name in enumerate(names):
-        table = tables[name]
-        table.counters.lookups += starts[i + 1] - starts[i]
-        if table.options.min_count > 1:  # admits only ids seen often enough
-            part = absent[starts[i] : starts[i + 1]]
-            seen_at = np.flatnonzero(part)
-            if seen_at.size:
-                seen = table.count_sightings(wanted[name][torch.from_numpy(seen_at)], clock)
-                part[seen_at] = seen.numpy()
-    admit = np.flatnonzero(absent)
-    if admit.size:
-        admitted = torch.from_numpy(admit)
-        rows = rows.clone()
-        rows[admitted] = shared.insert(spaces[admit], ids[admitted], found.subset(admitted))
-        bounds = np.searchsorted(admit, starts).tolist()  # each table's admitted positions
-        new_ids, new_rows = ids[admitted], rows[admitted]
-        made = {
-            name: (new_ids[bounds[i] : bounds[i + 1]], new_rows[bounds[i] : bounds[i + 1]])
-            for i, name in enumerate(names)
-            if bounds[i + 1] > bounds[i]
-        }
-        _make_rows(tables, made)
-    return rows
-
-
-def _make_rows(
-    tables: Mapping[str, DynamicTable], made: Mapping[str, tuple[Tensor, Tensor]]
-) -> None:
-    """Initialize the rows just inserted in the id map, ``made[table]`` being a table's new
-    ids and their rows: values from :func:`init_rows`, state at the rule's start, step counts
-    at 0, versions at the table's fresh version; those of tables sharing an arena in one
-    pass."""
-    by_arena: dict[int, list[str]] = {}
-    for name in made:
-        by_arena.setdefault(id(tables[name].arena), []).append(name)
-    for names in by_arena.values():
-        first = tables[names[0]]
-        first.fit_rows()  # the arena holds every row its group's tables were given
-        arena = first.arena
-        counts = [made[name][0].numel() for name in names]
-        ids = torch.cat([made[name][0] for name in names]).numpy()
-        rows = torch.cat([made[name][1] for name in names])
-        salts = np.repeat([_salt(name, tables[name].options) for name in names], counts)
-        scales = np.repeat([tables[name].options.init_scale for name in names], counts)
-        values = _uniform_rows(salts.astype(np.int64), ids, first.spec.dim, scales)
-        put_rows(arena.weight, rows.numpy(), values.to(arena.weight.dtype))
-        for slot in arena.state.values():
-            slot.index_fill_(0, rows, arena.rule.initial_value)
-        if arena.steps is not None:
-            arena.steps.index_fill_(0, rows, 0)
-        if arena.versions is not None:
-            fresh = torch.tensor([tables[name].fresh_version for name in names])
-            arena.versions[rows] = fresh.repeat_interleave(torch.tensor(counts))
-        for name, count in zip(names, counts, strict=True):
-            tables[name].counters.admitted += count
-
-
 @dataclass(frozen=True)
 class SharedRows:
     """What a dynamic table shares with its server's other dynamic tables: its view of their
@@ -255,29 +76,6 @@ class SharedRows:
     ids: TableIds
     lock: threading.Lock
     arena: RowArena
-
-
-def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:
-    """Empty, growing row storage for the dynamic tables ``specs`` (of one kind: width, dtype,
-    ``rule``; see :func:`~paramserver.server.tables.regrown`), growing no further than their
-    capacities sum to where each has one."""
-    options = [spec.dynamic for spec in specs if spec.dynamic is not None]
-    assert len(options) == len(specs) and specs
-    arena = RowArena(
-        specs[0].dim,
-        specs[0].dtype,
-        rule,
-        touched=any(o.ttl_steps is not None or o.capacity is not None for o in options),
-        versions=cache_lag is not None,
-        empty=_empty_rows,
-    )
-    if all(o.capacity is not None for o in options):
-        arena.max_rows = sum(o.capacity for o in options if o.capacity is not None)
-    return arena
-
-
-def _empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype)
 
 
 @dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
@@ -412,14 +210,7 @@ class DynamicTable:
 
     def values(self, rows: Tensor) -> Tensor:
         """The values of ``rows``; the default vector where a row is -1."""
-        present = rows >= 0
-        if bool(present.all()):
-            return take_rows(self.weight, rows.numpy())
-        out = torch.full(
-            (rows.numel(), self.spec.dim), self.options.default_value, dtype=self.weight.dtype
-        )
-        out[present] = self.weight.index_select(0, rows[present])
-        return out
+        return values_together({self.spec.name: self}, {self.spec.name: rows})[self.spec.name]
 
     def apply(
         self, ids: Tensor, grads: Tensor, clock: int, pull: Pull | None = None, *, lr: float
@@ -442,7 +233,7 @@ class DynamicTable:
             kept = torch.from_numpy(present)
             self.counters.dropped_grads += ids.numel() - int(present.sum())
             rows, grads = rows[kept], grads[kept]
-        return RowUpdate(self.weight, self.state, self.steps, rows, grads)
+        return self.arena.update(rows, grads)
 
     def updated(self, update: RowUpdate, clock: int) -> int:
         if self.last_touched is not None:

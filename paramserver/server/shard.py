@@ -40,13 +40,8 @@ from paramserver.protocol import (
     ServerView,
     must_send,
 )
-from paramserver.server.dynamic import (
-    DynamicTable,
-    SharedRows,
-    dynamic_arena,
-    locate_together,
-    values_together,
-)
+from paramserver.server.dynamic import DynamicTable, SharedRows
+from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
 from paramserver.server.optim import (
     Block,
     RowUpdate,
@@ -457,9 +452,9 @@ def make_tables(
         key = (spec.dynamic is not None, spec.dim, spec.dtype, type(rule), rule.config)
         kinds.setdefault(key, []).append(name)
     dynamic_kinds = [names for names in kinds.values() if plan.tables[names[0]].dynamic]
-    dynamic = [name for names in dynamic_kinds for name in names]
     groups = [group for group, names in enumerate(dynamic_kinds) for _ in names]
-    id_map = FusedIdMap(len(dynamic), groups=groups)
+    id_map = FusedIdMap(len(groups), groups=groups)
+    spaces = itertools.count()  # each dynamic table's space in the id map, in group order
     lock = threading.Lock()
     tables: dict[str, TableShard] = {}
     for names in kinds.values():
@@ -468,7 +463,7 @@ def make_tables(
         if specs[0].dynamic is not None:
             arena = dynamic_arena(specs, rule, cache_lag)
             for name in names:
-                shared = SharedRows(id_map.table(dynamic.index(name)), lock, arena)
+                shared = SharedRows(id_map.table(next(spaces)), lock, arena)
                 tables[name] = DynamicTable(plan.tables[name], rules[name], cache_lag, shared)
             continue
         sizes = [len(range(server, spec.num_rows, plan.num_servers)) for spec in specs]

@@ -166,9 +166,11 @@ class RowArena:
         versions: bool = False,
         rows: int = 0,
         empty: Empty | None = None,
+        max_rows: int | None = None,
     ):
         """``rows`` rows from ``empty`` (by default :func:`row_storage`): values
-        uninitialised, state at the rule's start, counts at 0 (the owners set their rows)."""
+        uninitialised, state at the rule's start, counts at 0 (the owners set their rows);
+        ``max_rows``: a bound on growth (dynamic tables' capacities), None for none."""
         empty = empty or row_storage
         self.rule = rule
         self.weight = empty((rows, dim), dtype)
@@ -176,7 +178,7 @@ class RowArena:
         self.steps = empty((rows,), torch.float32).zero_() if rule.needs_steps else None
         self.last_touched = empty((rows,), torch.int32).zero_() if touched else None
         self.versions = empty((rows,), torch.int64).zero_() if versions else None
-        self.max_rows: int | None = None  # a bound on growth (dynamic tables' capacities)
+        self.max_rows = max_rows
 
     @property
     def num_rows(self) -> int:
