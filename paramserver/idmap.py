@@ -143,7 +143,7 @@ class IdMap:
     def find(self, ids: Tensor, spaces: np.ndarray | None = None) -> Found:
         """Like :meth:`lookup`, also remembering where each search ended, so that inserting
         the absent ids right after needs no second search."""
-        rows, ends = self._probe(ids.numpy(), spaces)
+        rows, ends, _ = self._probe(ids.numpy(), spaces)
         return Found(torch.from_numpy(rows), ends, self.layout)
 
     def insert(
@@ -178,7 +178,7 @@ class IdMap:
 
     def remove(self, ids: Tensor, spaces: np.ndarray | None = None) -> Tensor:
         """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
-        rows, positions = self._probe(ids.numpy(), spaces)
+        rows, positions, _ = self._probe(ids.numpy(), spaces)
         present = rows >= 0
         rows, positions = rows[present], positions[present]
         self.slots[positions] = DELETED
@@ -215,92 +215,67 @@ class IdMap:
     def _window(self, where: np.ndarray) -> np.ndarray:
         return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)
 
-    def _probe(self, ids: np.ndarray, spaces: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """For each id, its row (-1 if absent) and the slot where its search ended: its own,
-        or the empty slot that proved it absent (-1 for every id if the map is empty).
+    def _probe(
+        self, ids: np.ndarray, spaces: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """For each id, its row (-1 if absent), the slot where its search ended (its own, or
+        the empty slot that proved it absent; -1 for every id if the map is empty) and, in a
+        map keyed by space, its row's payload (-1 if absent).
 
         An id is at the first slot of its probe sequence holding it, and absent if an empty
         slot comes first. Its home slot settles most ids (the load stays under a half), so it
         is looked at alone first; then each round looks at a window of WINDOW consecutive
         slots per unsettled id: wide windows keep the number of rounds (each a few array ops)
-        small.
+        small. A slot's row is read as one record (id, space and payload together): one
+        random read per slot looked at.
         """
+        payloads = np.full(ids.size, EMPTY, dtype=np.int32)
+        keyed = None if self.records is None else payloads
         if self.num_rows == 0:
             empty = np.full(ids.size, EMPTY, dtype=np.int64)
-            return empty, empty.copy()
+            return empty, empty.copy(), keyed
         home = self._home(ids, spaces)
-        found = self.slots[home]
-        match = self._matches_home(found, ids, spaces)
-        settled = match | (found == EMPTY)
+        found = self.slots.take(home)
+        match, held = self._matches(found, ids, spaces)
         rows = np.where(match, found, EMPTY).astype(np.int64)
-        positions = np.where(settled, home, EMPTY)
-        pending = np.flatnonzero(~settled)
-        # The slot after home settles most of the rest: looked at alone too, before windows.
-        where = (home[pending] + 1) & (self.slots.size - 1)
-        pending, where = self._probe_next(ids, spaces, pending, where, rows, positions)
+        if held is not None:
+            np.copyto(payloads, held, where=match)
+        positions = np.where(match | (found == EMPTY), home, EMPTY)
+        pending = np.flatnonzero(positions == EMPTY)
+        where = home[pending] + 1
         while pending.size:
             window = self._window(where)
-            found = self.slots[window]
-            match = self._matches(found, ids[pending], None if spaces is None else spaces[pending])
+            found = self.slots.take(window)
+            match, held = self._matches(
+                found, ids[pending, None], None if spaces is None else spaces[pending, None]
+            )
             stop = match | (found == EMPTY)
-            first = stop.argmax(axis=1)
-            each = np.arange(pending.size)
-            resolved = stop[each, first]
-            hit = match[each, first]
+            first = stop.argmax(axis=1)[:, None]
+            resolved = np.take_along_axis(stop, first, axis=1)[:, 0]
+            hit = np.take_along_axis(match, first, axis=1)[:, 0] & resolved
             at = pending[resolved]
-            rows[at] = np.where(hit, found[each, first], EMPTY)[resolved]
-            positions[at] = window[each, first][resolved]
-            unresolved = ~resolved
-            pending = pending[unresolved]
-            where = (where[unresolved] + WINDOW) & (self.slots.size - 1)
-        return rows, positions
-
-    def _probe_next(
-        self,
-        ids: np.ndarray,
-        spaces: np.ndarray | None,
-        pending: np.ndarray,
-        where: np.ndarray,
-        rows: np.ndarray,
-        positions: np.ndarray,
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Look at slot ``where`` of each ``pending`` id alone, settling (in ``rows`` and
-        ``positions``) those it holds or proves absent; returns the others, with their next
-        slots."""
-        found = self.slots[where]
-        keys = ids[pending]
-        match = self._matches_home(found, keys, None if spaces is None else spaces[pending])
-        settled = match | (found == EMPTY)
-        at = pending[settled]
-        rows[at] = np.where(match, found, EMPTY)[settled]
-        positions[at] = where[settled]
-        left = ~settled
-        return pending[left], (where[left] + 1) & (self.slots.size - 1)
-
-    def _matches_home(
-        self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
-    ) -> np.ndarray:
-        """:meth:`_matches` of one slot per id (``found``, 1-D): the spaces compared for all,
-        which costs less than picking the few matches out first."""
-        entries = np.maximum(found, 0)
-        match = (self.row_ids[entries] == keys) & (found >= 0)
-        if spaces is not None:
-            assert self.row_spaces is not None
-            match &= self.row_spaces[entries] == spaces
-        return match
+            rows[at] = EMPTY
+            rows[pending[hit]] = np.take_along_axis(found, first, axis=1)[hit, 0]
+            if held is not None:
+                payloads[pending[hit]] = np.take_along_axis(held, first, axis=1)[hit, 0]
+            positions[at] = np.take_along_axis(window, first, axis=1)[resolved, 0]
+            pending = pending[~resolved]
+            where = where[~resolved] + WINDOW
+        return rows, positions, keyed
 
     def _matches(
         self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
-    ) -> np.ndarray:
-        """Which of the slots ``found`` (``[ids, slots]``) hold the key of their row's id."""
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Which of the slots ``found`` hold the row of their id (``keys``, broadcast against
+        ``found``, like ``spaces``), and, in a map keyed by space, the payload of each slot's
+        row (meaningful where it matches)."""
         entries = np.maximum(found, 0)
-        match = (self.row_ids[entries] == keys[:, None]) & (found >= 0)
-        if spaces is not None:  # the same id in another table is no match
-            assert self.row_spaces is not None
-            at, column = np.nonzero(match)  # few: check only their spaces
-            other = self.row_spaces[entries[at, column]] != spaces[at]
-            match[at[other], column[other]] = False
-        return match
+        if self.records is None:
+            return (self.row_ids.take(entries) == keys) & (found >= 0), None
+        assert spaces is not None, "a map keyed by space needs each id's space"
+        held = self.records.take(entries)
+        match = (held["id"] == keys) & (held["space"] == spaces) & (found >= 0)
+        return match, held["payload"]
 
     def _claim_ends(self, found: Found, rows: np.ndarray) -> np.ndarray:
         """Put each new row in the empty slot that ended its id's search, where the slot array
@@ -424,11 +399,12 @@ class FusedIdMap:
 
     def find(self, spaces: np.ndarray, ids: Tensor) -> Found:
         """Each id's row in its table (-1: absent), and where its search ended."""
-        found = self.entries.find(ids, spaces)
-        return found._replace(rows=self._rows_of(found.rows))
+        _, ends, rows = self.entries._probe(ids.numpy(), spaces)
+        assert rows is not None  # the entries' payloads: their rows
+        return Found(torch.from_numpy(rows.astype(np.int64)), ends, self.entries.layout)
 
     def lookup(self, spaces: np.ndarray, ids: Tensor) -> Tensor:
-        return self._rows_of(self.entries.lookup(ids, spaces))
+        return self.find(spaces, ids).rows
 
     def insert(self, spaces: np.ndarray, ids: Tensor, found: Found | None = None) -> Tensor:
         """Add ``ids`` (unique per table, all absent) of tables ``spaces``; returns each one's
@@ -461,13 +437,6 @@ class FusedIdMap:
         order = np.argsort(ids, kind="stable")
         rows = self.entry_rows[occupied[order]].astype(np.int64)
         return torch.from_numpy(ids[order]), torch.from_numpy(rows)
-
-    def _rows_of(self, entries: Tensor) -> Tensor:
-        found = entries.numpy()
-        if self.entry_rows.size == 0:  # nothing inserted yet: every id is absent
-            return torch.full((found.size,), EMPTY, dtype=torch.int64)
-        rows = self.entry_rows[np.maximum(found, 0)]
-        return torch.from_numpy(np.where(found >= 0, rows, EMPTY).astype(np.int64))
 
     def _new_rows(self, space: int, count: int) -> np.ndarray:
         group = self.groups[space]

@@ -106,15 +106,17 @@ def test_a_rebuilt_slot_array_finds_every_id_as_one_placed_round_by_round(spaces
         keys = torch.randint(0, max(spaces, 1), (ids.numel(),), generator=g).numpy()
         kinds = keys.astype(np.int16) if spaces else None
         rows = np.arange(ids.numel(), dtype=np.int64)
-        id_map.row_ids = ids.numpy().copy()
+        id_map._set_capacity(ids.numel())
+        id_map.row_ids[:] = ids.numpy()
         if kinds is not None:
-            id_map.row_spaces = kinds.astype(id_map.row_spaces.dtype)
+            id_map.row_spaces[:] = kinds
         id_map.num_rows = id_map.used_rows = ids.numel()
         id_map._build(ids.numpy(), rows, kinds)
         slots = id_map._probe(ids.numpy(), kinds)[1]
         wrapped += int((slots < id_map._home(ids.numpy(), kinds)).any())  # past the end
         assert torch.equal(id_map.lookup(ids, kinds), torch.from_numpy(rows))
         placed = IdMap(initial_slots=size, spaces=spaces)
+        placed.records = id_map.records
         placed.row_ids, placed.row_spaces = id_map.row_ids, id_map.row_spaces
         placed.num_rows = placed.used_rows = ids.numel()
         placed._place(ids.numpy(), rows, kinds)
