@@ -22,7 +22,7 @@ calls (a table under its lock; a trainer's cache from the trainer's one loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -147,10 +147,15 @@ class IdMap:
         return Found(torch.from_numpy(rows), ends, self.layout)
 
     def insert(
-        self, ids: Tensor, found: Found | None = None, spaces: np.ndarray | None = None
+        self,
+        ids: Tensor,
+        found: Found | None = None,
+        spaces: np.ndarray | None = None,
+        payloads: np.ndarray | None = None,
     ) -> Tensor:
         """Add ``ids`` (unique, all absent) and return their new rows. ``found``: what
-        :meth:`find` returned for exactly these ids, if nothing was inserted since."""
+        :meth:`find` returned for exactly these ids, if nothing was inserted since. A map
+        keyed by space takes each id's space and payload."""
         keys = ids.numpy()
         count = keys.size
         if count == 0:
@@ -158,15 +163,16 @@ class IdMap:
         self._reserve(self.num_rows + count)
         reused = self.free_rows[:count]
         self.free_rows = self.free_rows[count:]
-        fresh = np.arange(self.used_rows, self.used_rows + count - reused.size)
-        self.used_rows += fresh.size
+        start = self.used_rows
+        self.used_rows += count - reused.size
         if self.used_rows > self.row_ids.size:
             self._set_capacity(grown_rows(self.row_ids.size, self.used_rows))
-        rows = np.concatenate([reused, fresh])
-        self.row_ids[rows] = keys
-        if self.row_spaces is not None:
+        rows = np.concatenate([reused, np.arange(start, self.used_rows)])
+        if self.records is None:
+            self.row_ids[rows] = keys
+        else:
             assert spaces is not None, "a map keyed by space needs each id's space"
-            self.row_spaces[rows] = spaces
+            self._write_records(reused, start, keys, spaces, payloads)
         if found is None:
             self._place(keys, rows, spaces)
         else:
@@ -175,6 +181,27 @@ class IdMap:
                 self._place(keys[left], rows[left], None if spaces is None else spaces[left])
         self.num_rows += count
         return torch.from_numpy(rows)
+
+    def _write_records(
+        self,
+        reused: np.ndarray,
+        start: int,
+        keys: np.ndarray,
+        spaces: np.ndarray,
+        payloads: np.ndarray | None,
+    ) -> None:
+        """Set the records of new rows: freed rows ``reused``, then fresh ones from ``start``
+        on; built whole, then copied in (a slice for the fresh rows). Payloads not given are
+        -1."""
+        assert self.records is not None
+        records = cast(
+            "np.ndarray[Any, np.dtype[np.void]]", np.empty_like(self.records, shape=keys.size)
+        )
+        records["id"] = keys
+        records["space"] = spaces
+        records["payload"] = EMPTY if payloads is None else payloads
+        self.records[reused] = records[: reused.size]
+        self.records[start : start + keys.size - reused.size] = records[reused.size :]
 
     def remove(self, ids: Tensor, spaces: np.ndarray | None = None) -> Tensor:
         """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
@@ -376,6 +403,7 @@ class FusedIdMap:
         self.groups = list(range(num_tables)) if groups is None else list(groups)
         if len(self.groups) != num_tables:
             raise ValueError(f"{len(self.groups)} row groups given for {num_tables} tables")
+        self.table_groups = np.array(self.groups, dtype=np.int64)
         num_groups = max(self.groups, default=-1) + 1
         self.used_rows = [0] * num_groups  # row numbers handed out per group (live plus free)
         self.free_rows = [np.empty(0, dtype=np.int64) for _ in range(num_groups)]
@@ -409,13 +437,17 @@ class FusedIdMap:
     def insert(self, spaces: np.ndarray, ids: Tensor, found: Found | None = None) -> Tensor:
         """Add ``ids`` (unique per table, all absent) of tables ``spaces``; returns each one's
         new row in its table. ``found``: :meth:`find`'s answer for exactly these, if nothing
-        was inserted since."""
-        entries = self.entries.insert(ids, found, spaces).numpy()
-        rows = np.empty(entries.size, dtype=np.int64)
-        for space in np.unique(spaces).tolist():
-            at = np.flatnonzero(spaces == space)
-            rows[at] = self._new_rows(space, at.size)
-        self.entry_rows[entries] = rows
+        was inserted since. Each group hands out its rows table by table, in the ids' order."""
+        order = np.argsort(spaces, kind="stable")
+        counts = np.bincount(spaces, minlength=len(self.groups))
+        groups = self.table_groups[spaces[order]]
+        rows = np.empty(order.size, dtype=np.int64)
+        for group in np.unique(self.table_groups[counts > 0]).tolist():
+            at = order[groups == group] if len(self.used_rows) > 1 else order  # one group: all
+            rows[at] = self._new_rows(group, at.size)
+        for table in np.flatnonzero(counts).tolist():
+            self.num_rows[table] += int(counts[table])
+        self.entries.insert(ids, found, spaces, rows)
         return torch.from_numpy(rows)
 
     def remove(self, space: int, ids: Tensor) -> Tensor:
@@ -438,13 +470,11 @@ class FusedIdMap:
         rows = self.entry_rows[occupied[order]].astype(np.int64)
         return torch.from_numpy(ids[order]), torch.from_numpy(rows)
 
-    def _new_rows(self, space: int, count: int) -> np.ndarray:
-        group = self.groups[space]
+    def _new_rows(self, group: int, count: int) -> np.ndarray:
         free = self.free_rows[group]
         reused, self.free_rows[group] = free[:count], free[count:]
         start = self.used_rows[group]
         self.used_rows[group] += count - reused.size
-        self.num_rows[space] += count
         return np.concatenate([reused, np.arange(start, self.used_rows[group])])
 
 
