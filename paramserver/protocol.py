@@ -31,6 +31,7 @@ receiver owns what it receives.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 from collections.abc import Mapping
@@ -395,28 +396,64 @@ def message_sizes(message: Any) -> MessageSizes:
         if id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, Tensor):
+        cls: type = type(item)
+        kind = _kind(cls)
+        if kind is _Kind.TENSOR:
             nbytes = item.numel() * item.element_size()
             held += nbytes
             sent += nbytes
-        elif isinstance(item, str | bytes | bytearray):
+        elif kind is _Kind.TEXT:
             held += len(item)
-        elif isinstance(item, Encoded):
+        elif kind is _Kind.ENCODED:
             if getattr(item, "codec", None) != "none":
                 held += _claimed_nbytes(getattr(item, "shape", None))
             pending.append(getattr(item, "tensors", None))
-        elif isinstance(item, PackedIds):
+        elif kind is _Kind.PACKED:
             held += FIRST_NBYTES + num_ids(item) * 8
             sent += FIRST_NBYTES
             pending.append(getattr(item, "steps", None))
-        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
-            pending.extend(getattr(item, name, None) for name in _field_names(type(item)))
-        elif isinstance(item, dict):
+        elif kind is _Kind.DATACLASS:
+            pending.extend(getattr(item, name, None) for name in _field_names(cls))
+        elif kind is _Kind.DICT:
             pending.extend(item.keys())
             pending.extend(item.values())
-        elif isinstance(item, list | tuple | set | frozenset):
+        elif kind is _Kind.COLLECTION:
             pending.extend(item)
     return MessageSizes(held, sent)
+
+
+class _Kind(enum.Enum):
+    """What :func:`message_sizes` does with an object, by its type."""
+
+    TENSOR = enum.auto()
+    TEXT = enum.auto()
+    ENCODED = enum.auto()
+    PACKED = enum.auto()
+    DATACLASS = enum.auto()
+    DICT = enum.auto()
+    COLLECTION = enum.auto()
+    OTHER = enum.auto()
+
+
+@functools.lru_cache(maxsize=1024)  # bounded: the types a peer can name are the process's
+def _kind(cls: type) -> _Kind:
+    """The kind of objects of type ``cls`` (a message holds a few types, walked many times
+    each: one lookup per object, not a chain of isinstance checks)."""
+    if issubclass(cls, Tensor):
+        return _Kind.TENSOR
+    if issubclass(cls, str | bytes | bytearray):
+        return _Kind.TEXT
+    if issubclass(cls, Encoded):
+        return _Kind.ENCODED
+    if issubclass(cls, PackedIds):
+        return _Kind.PACKED
+    if dataclasses.is_dataclass(cls) and not issubclass(cls, type):  # an instance's type
+        return _Kind.DATACLASS
+    if issubclass(cls, dict):
+        return _Kind.DICT
+    if issubclass(cls, list | tuple | set | frozenset):
+        return _Kind.COLLECTION
+    return _Kind.OTHER
 
 
 def _claimed_nbytes(shape: object) -> int:
