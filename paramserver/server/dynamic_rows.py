@@ -52,13 +52,13 @@ def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarr
     """:func:`init_rows` of ``ids``, each with its table's salt and scale (or one of each for
     all)."""
     seeds = mix64_array(ids.astype(np.int64) + salts)
-    bits = seeds[:, None] * _column_multipliers(dim)
-    bits >>= 40  # in place from here: the same operations, fewer passes over fresh memory
-    bits &= 0xFFFFFF
-    unit = bits.astype(np.float32)
-    unit *= np.float32(1.0 / (1 << 24))
+    bits = (seeds[:, None] * _column_multipliers(dim)).view(np.uint64)
+    bits >>= np.uint64(40)  # in place from here: fewer passes over fresh memory
+    unit = bits.astype(np.float32)  # exact: under 2^24
     scales = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
-    unit *= 2 * scales
+    # (bits / 2^24) * 2s in one multiply: scaling by 2^-24 is exact, so the product rounds
+    # the same real number once, either way.
+    unit *= 2 * scales * np.float32(1.0 / (1 << 24))
     unit -= scales
     return torch.from_numpy(unit)
 
