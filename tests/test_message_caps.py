@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +164,21 @@ def test_message_nbytes_bounds_what_a_message_holds_and_survives_any_message() -
     for _ in range(100_000):
         deep = [deep]
     assert message_nbytes([cycle, deep, object(), 3, None]) == 0
+
+
+def test_message_nbytes_walks_subclasses_as_their_base_types() -> None:
+    """What the walk does with an object is decided once per type: a subclass of a tensor, a
+    dict, a tuple or a dataclass is measured like its base, and a class is not an instance."""
+    from collections import OrderedDict, namedtuple
+
+    from paramserver.protocol import message_nbytes
+
+    @dataclass
+    class Sub(RowBlock):
+        pass
+
+    pair = namedtuple("pair", "a b")
+    weights = torch.nn.Parameter(torch.ones(10))
+    message = OrderedDict(w=weights, p=pair(torch.ones(5), "xy"), s=Sub(torch.arange(3), None))
+    assert message_nbytes(message) == len("wps") + 40 + 20 + 2 + 24
+    assert message_nbytes([RowBlock, Sub, torch.Tensor]) == 0  # classes hold nothing
