@@ -24,7 +24,7 @@ from torch import Tensor
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap
 from paramserver.server.optim import UpdateRule, put_rows, take_rows
-from paramserver.server.tables import Reading, RowArena
+from paramserver.server.tables import Reading, RowArena, by_arena
 from paramserver.sharding import DynamicOptions, TableSpec
 
 if TYPE_CHECKING:  # the tables these functions serve call them: a type only
@@ -122,11 +122,8 @@ def values_together(
 ) -> dict[str, Tensor]:
     """The values of each table's ``located`` rows, the default vector where a row is -1;
     those of tables sharing an arena taken in one call (the tensors are then views of one)."""
-    by_arena: dict[int, list[str]] = {}
-    for name in located:
-        by_arena.setdefault(id(tables[name].arena), []).append(name)
     values: dict[str, Tensor] = {}
-    for names in by_arena.values():
+    for names in by_arena(tables, located):
         rows = torch.cat([located[name] for name in names])
         counts = [located[name].numel() for name in names]
         weight = tables[names[0]].arena.weight
@@ -194,10 +191,7 @@ def _make_rows(
     ids and their rows: values from :func:`init_rows`, state at the rule's start, step counts
     at 0, versions at the table's fresh version; those of tables sharing an arena in one
     pass."""
-    by_arena: dict[int, list[str]] = {}
-    for name in made:
-        by_arena.setdefault(id(tables[name].arena), []).append(name)
-    for names in by_arena.values():
+    for names in by_arena(tables, made):
         first = tables[names[0]]
         first.fit_rows()  # the arena holds every row its group's tables were given
         arena = first.arena

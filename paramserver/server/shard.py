@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -52,7 +53,14 @@ from paramserver.server.optim import (
     take_rows,
 )
 from paramserver.server.requests import RequestChecks
-from paramserver.server.tables import FixedTable, Pull, Reading, RowArena, TableShard
+from paramserver.server.tables import (
+    FixedTable,
+    Pull,
+    Reading,
+    RowArena,
+    TableShard,
+    by_arena,
+)
 from paramserver.sharding import ShardPlan
 from paramserver.tableinit import RowInit
 
@@ -298,14 +306,9 @@ class ServerShard:
     def _read_fixed(self, pulls: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """The rows of fixed tables' ids ``pulls`` (valid), those of tables sharing an arena
         taken in one call under their locks (the tensors are then views of one)."""
-        by_arena: dict[int, list[FixedTable]] = {}
-        for name in pulls:
-            table = self.tables[name]
-            assert isinstance(table, FixedTable)
-            by_arena.setdefault(id(table.arena), []).append(table)
         values: dict[str, Tensor] = {}
-        for tables in by_arena.values():
-            names = [table.spec.name for table in tables]
+        for names in by_arena(self.tables, pulls):
+            tables = cast("list[FixedTable]", [self.tables[name] for name in names])
             rows = torch.cat([t.arena_rows(pulls[n]) for t, n in zip(tables, names, strict=True)])
             with _holding(table.lock for table in tables):
                 together = take_rows(tables[0].arena.weight, rows.numpy())

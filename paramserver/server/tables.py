@@ -23,6 +23,7 @@ import contextlib
 import math
 import mmap
 import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -75,6 +76,7 @@ class TableShard(Protocol):
     spec: TableSpec
     lock: threading.Lock
     rule: UpdateRule  # the table's update rule, with its learning-rate schedule
+    arena: RowArena  # the storage it shares with the server's other tables of its kind
 
     @property
     def weight(self) -> Tensor:
@@ -214,6 +216,15 @@ class RowArena:
         return nbytes_of(
             self.weight, self.steps, self.last_touched, self.versions, *self.state.values()
         )
+
+
+def by_arena(tables: Mapping[str, TableShard], names: Iterable[str]) -> list[list[str]]:
+    """``names`` grouped by the arena their tables share, each group in the given order: the
+    tables whose rows one call reads, makes or updates together."""
+    groups: dict[int, list[str]] = {}
+    for name in names:
+        groups.setdefault(id(tables[name].arena), []).append(name)
+    return list(groups.values())
 
 
 def _rows_of(tensor: Tensor | None, start: int, end: int) -> Tensor | None:
