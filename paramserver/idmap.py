@@ -263,16 +263,15 @@ class IdMap:
         small. A slot's row is read as one record (id, space and payload together): one
         random read per slot looked at.
         """
-        payloads = np.full(ids.size, EMPTY, dtype=np.int32)
-        keyed = None if self.records is None else payloads
+        payloads = None if self.records is None else np.full(ids.size, EMPTY, dtype=np.int32)
         if self.num_rows == 0:
             empty = np.full(ids.size, EMPTY, dtype=np.int64)
-            return empty, empty.copy(), keyed
+            return empty, empty.copy(), payloads
         home = self._home(ids, spaces)
         found = self.slots.take(home)
         match, held = self._matches(found, ids, spaces)
         rows = np.where(match, found, EMPTY).astype(np.int64)
-        if held is not None:
+        if payloads is not None and held is not None:
             np.copyto(payloads, held, where=match)
         positions = np.where(match | (found == EMPTY), home, EMPTY)
         pending = np.flatnonzero(positions == EMPTY)
@@ -290,12 +289,12 @@ class IdMap:
             at = pending[resolved]
             rows[at] = EMPTY
             rows[pending[hit]] = np.take_along_axis(found, first, axis=1)[hit, 0]
-            if held is not None:
+            if payloads is not None and held is not None:
                 payloads[pending[hit]] = np.take_along_axis(held, first, axis=1)[hit, 0]
             positions[at] = np.take_along_axis(window, first, axis=1)[resolved, 0]
             pending = pending[~resolved]
             where = where[~resolved] + WINDOW
-        return rows, positions, keyed
+        return rows, positions, payloads
 
     def _matches(
         self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
