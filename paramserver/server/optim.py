@@ -31,6 +31,7 @@ from torch.optim.adagrad import adagrad
 from torch.optim.adam import adam
 from torch.optim.sgd import sgd
 
+from paramserver import native
 from paramserver.optimconfig import OptimizerConfig
 
 State = dict[str, Tensor]
@@ -103,6 +104,12 @@ class UpdateRule(ABC):
         each tensor of a list)."""
         for block in blocks:
             self.step(block.param, block.grad, block.state, block.step, lr)
+
+    def step_rows_in_place(self, update: RowUpdate, lr: float) -> bool:
+        """Apply ``update`` in its table's storage, each row read and written once, if this
+        rule has a compiled loop for it (:mod:`paramserver.native`), with :meth:`step_blocks`'s
+        result bitwise; returns whether it did (else the rows are gathered and stepped)."""
+        return False
 
 
 class SGD(UpdateRule):
@@ -194,6 +201,74 @@ class Adagrad(UpdateRule):
             eps=c.resolved_eps,
             maximize=False,
         )
+
+    def step_rows_in_place(self, update: RowUpdate, lr: float) -> bool:
+        # torch's fused Adagrad, float32 and without lr decay (so without step counts).
+        c = self.config
+        tensors = (update.weight, update.state["sum"], update.grads)
+        fused = None if native.loops is None else _adagrad_loop_rounding()
+        if (
+            fused is None
+            or c.adagrad_lr_decay
+            or update.steps is not None
+            or any(
+                t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous() for t in tensors
+            )
+        ):
+            return False
+        _adagrad_rows(tensors, update.rows, lr, c.resolved_eps, c.weight_decay, fused)
+        return True
+
+
+def _adagrad_rows(
+    tensors: tuple[Tensor, Tensor, Tensor],
+    rows: Tensor,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    fused: bool,
+) -> None:
+    """The compiled Adagrad loop on ``weight[rows]``, ``sums[rows]`` with ``grads``."""
+    assert native.loops is not None
+    weight, sums, grads = (t.numpy() for t in tensors)
+    rows_at = rows.contiguous().numpy()
+    native.loops.adagrad_rows(weight, sums, weight.shape[1], rows_at, grads, lr, eps,
+                              weight_decay, fused)  # fmt: skip
+
+
+@functools.cache
+def _adagrad_loop_rounding() -> bool | None:
+    """Which rounding of the compiled Adagrad loop gives torch's results on this machine:
+    multiply-adds rounded once (True) or twice (False); None where neither does (or there is
+    no loop), and torch.optim does all. Found by trying both on rows where the two differ
+    (with and without weight decay) against torch's own step."""
+    if native.loops is None:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 33, generator=generator)
+    sums = torch.rand(64, 33, generator=generator)
+    scales = 10.0 ** torch.randint(-3, 3, (64, 1), generator=generator)
+    grads = torch.randn(64, 33, generator=generator) * scales
+    for fused in (True, False):
+        if all(
+            _adagrad_agrees((weight, sums, grads), weight_decay, fused)
+            for weight_decay in (0.0, 0.3)
+        ):
+            return fused
+    return None
+
+
+def _adagrad_agrees(
+    tensors: tuple[Tensor, Tensor, Tensor], weight_decay: float, fused: bool
+) -> bool:
+    """Whether the loop's step of every row of ``tensors`` is bitwise torch.optim's."""
+    weight, sums, grads = tensors
+    looped = (weight.clone(), sums.clone(), grads)
+    _adagrad_rows(looped, torch.arange(weight.shape[0]), 0.1, 1e-10, weight_decay, fused)
+    stepped = Block(weight.clone(), grads.clone(), {"sum": sums.clone()}, torch.zeros(()))
+    rule = Adagrad(OptimizerConfig(name="adagrad", lr=0.1, weight_decay=weight_decay))
+    rule.step_blocks([stepped], 0.1)
+    return torch.equal(looped[0], stepped.param) and torch.equal(looped[1], stepped.state["sum"])
 
 
 class Adam(UpdateRule):
@@ -298,13 +373,16 @@ def apply_rows(
 def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> None:
     """Apply each update, all by ``rule`` at learning rate ``lr`` (tables of one rule).
 
-    Gathers each table's rows and their state, groups them by step count (see
-    :meth:`UpdateRule.step_group`), runs the rule once over every group of every table
-    (:meth:`UpdateRule.step_blocks`: one torch.optim call where the rule allows it) and
-    scatters the rows back: the same result as one table at a time. Not thread-safe: the
+    Where the rule has a compiled loop, it steps the rows in place
+    (:meth:`UpdateRule.step_rows_in_place`). Otherwise, gathers each table's rows and their
+    state, groups them by step count (see :meth:`UpdateRule.step_group`), runs the rule once
+    over every group of every table (:meth:`UpdateRule.step_blocks`: one torch.optim call
+    where the rule allows it) and scatters the rows back. Either way, the same result as one
+    table at a time. Not thread-safe: the
     caller holds the tables' locks.
     """
-    gathered = [_gather(rule, update) for update in _merged(updates) if update.rows.numel()]
+    merged = [update for update in _merged(updates) if update.rows.numel()]
+    gathered = [_gather(rule, each) for each in merged if not rule.step_rows_in_place(each, lr)]
     rule.step_blocks([block for each in gathered for block in each.blocks], lr)
     for each in gathered:
         each.scatter()

@@ -1,0 +1,381 @@
+/* Compiled loops for the hot paths that numpy can only do in several passes over memory (see
+ * paramserver/native.py, which loads this module and says when each loop is used).
+ *
+ * - probe: search an id map (paramserver/idmap.py) for a batch of ids, one id at a time: a
+ *   slot, then its row's record, and on to the next slot until a match or an empty slot.
+ * - place: put new ids in the first free slot of their probe sequences, in order.
+ * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
+ *   parameters and sum read and written once, with torch's float operations in torch's order
+ *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
+ *   torch's loop is compiled for the CPU, so its multiply-adds are rounded once where the CPU
+ *   has the instruction: the caller says which rounding matches (server/optim.py finds out).
+ *
+ * Arrays arrive through the buffer protocol (contiguous, or a BufferError); their sizes are
+ * checked here, and every index read from the map is checked before it is followed, so a bad
+ * call raises ValueError instead of reading out of bounds. Built with -ffp-contract=off: a
+ * multiply-add is fused only where written so (fmaf).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EMPTY_SLOT (-1)
+#define IDS_AHEAD 16 /* ids ahead whose slot and record a probe asks memory for early */
+
+/* The home slot of (space, id): Fibonacci hashing of id ^ space * stride (see IdMap._home). */
+static inline uint64_t home_slot(int64_t id, int64_t space, uint64_t gamma, uint64_t stride,
+                                 int shift) {
+    uint64_t key = (uint64_t)id ^ ((uint64_t)space * stride);
+    return (key * gamma) >> shift;
+}
+
+static inline int64_t read_int(const char *base, Py_ssize_t index, Py_ssize_t itemsize) {
+    const char *at = base + index * itemsize;
+    switch (itemsize) {
+    case 1: return *(const int8_t *)at;
+    case 2: { int16_t v; memcpy(&v, at, 2); return v; }
+    case 4: { int32_t v; memcpy(&v, at, 4); return v; }
+    default: { int64_t v; memcpy(&v, at, 8); return v; }
+    }
+}
+
+static int valid_itemsize(Py_ssize_t size) {
+    return size == 1 || size == 2 || size == 4 || size == 8;
+}
+
+/* The slot array's shift for home_slot, or -1 (ValueError set) if its size is no power of 2. */
+static int slot_shift(Py_ssize_t num_slots) {
+    if (num_slots < 2 || (num_slots & (num_slots - 1)) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the slot array's size must be a power of two");
+        return -1;
+    }
+    int bits = 0;
+    while (((Py_ssize_t)1 << bits) < num_slots) bits++;
+    return 64 - bits;
+}
+
+/* An optional buffer: None leaves view->buf NULL. */
+static int optional_buffer(PyObject *object, Py_buffer *view, int flags) {
+    memset(view, 0, sizeof(*view));
+    if (object == Py_None) return 0;
+    return PyObject_GetBuffer(object, view, flags);
+}
+
+static void release(Py_buffer *view) {
+    if (view->obj != NULL) PyBuffer_Release(view);
+}
+
+/* The layout of a map's rows: one record of `stride` bytes per row, the id (int64) at offset 0,
+ * the space (if keyed) at `space_offset` and the payload (if any) at `payload_offset`. */
+typedef struct {
+    const char *records;
+    Py_ssize_t num_rows;
+    Py_ssize_t stride;
+    Py_ssize_t space_offset; /* -1: not keyed by space */
+    Py_ssize_t space_size;
+    Py_ssize_t payload_offset; /* -1: no payloads */
+} Rows;
+
+static inline int row_matches(const Rows *rows, int32_t row, int64_t id, int64_t space) {
+    const char *record = rows->records + (Py_ssize_t)row * rows->stride;
+    int64_t held;
+    memcpy(&held, record, 8);
+    if (held != id) return 0;
+    return rows->space_offset < 0 || read_int(record + rows->space_offset, 0,
+                                              rows->space_size) == space;
+}
+
+static const char probe_doc[] =
+    "probe(slots, records, stride, space_offset, space_size, payload_offset, ids, spaces,\n"
+    "      gamma, space_stride, rows_out, positions_out, payloads_out)\n"
+    "Each id's row (-1: absent), the slot that ended its search, and its row's payload.";
+
+static PyObject *probe(PyObject *self, PyObject *args) {
+    Py_buffer slots_view, records_view, ids_view, spaces_view, rows_view, positions_view,
+        payloads_view;
+    Py_ssize_t stride, space_offset, space_size, payload_offset;
+    long long gamma, space_stride;
+    PyObject *spaces_object, *payloads_object;
+    if (!PyArg_ParseTuple(args, "y*y*nnnny*OLLw*w*O", &slots_view, &records_view, &stride,
+                          &space_offset, &space_size, &payload_offset, &ids_view,
+                          &spaces_object, &gamma, &space_stride, &rows_view, &positions_view,
+                          &payloads_object))
+        return NULL;
+    PyObject *result = NULL;
+    int have_spaces = optional_buffer(spaces_object, &spaces_view, PyBUF_SIMPLE) == 0;
+    int have_payloads = have_spaces && optional_buffer(payloads_object, &payloads_view,
+                                                       PyBUF_WRITABLE) == 0;
+    if (!have_payloads) goto done;
+    Py_ssize_t num_ids = ids_view.len / 8;
+    Py_ssize_t num_slots = slots_view.len / 4;
+    int shift = slot_shift(num_slots);
+    if (shift < 0) goto done;
+    Rows rows = {records_view.buf, stride > 0 ? records_view.len / stride : 0, stride,
+                 space_offset, space_size, payload_offset};
+    int keyed = space_offset >= 0;
+    if (stride < 8 || (keyed != (spaces_view.buf != NULL)) ||
+        (keyed && space_offset + space_size > stride) || payload_offset + 4 > stride ||
+        (keyed && (!valid_itemsize(space_size) || !valid_itemsize(spaces_view.itemsize) ||
+                   spaces_view.len / spaces_view.itemsize != num_ids)) ||
+        rows_view.len / 8 != num_ids || positions_view.len / 8 != num_ids ||
+        (payloads_view.buf != NULL && (payload_offset < 0 || payloads_view.len / 4 != num_ids))) {
+        PyErr_SetString(PyExc_ValueError, "probe: arrays of mismatched sizes or layout");
+        goto done;
+    }
+    const int32_t *slots = slots_view.buf;
+    const int64_t *ids = ids_view.buf;
+    int64_t *rows_out = rows_view.buf, *positions_out = positions_view.buf;
+    int32_t *payloads_out = payloads_view.buf;
+    uint64_t mask = (uint64_t)num_slots - 1;
+#define HOME_OF(i)                                                                           \
+    home_slot(ids[i], keyed ? read_int(spaces_view.buf, (i), spaces_view.itemsize) : 0,      \
+              (uint64_t)gamma, (uint64_t)space_stride, shift)
+    for (Py_ssize_t i = 0; i < num_ids; i++) {
+        /* Two waits on memory per id (its slot, then the record the slot names), so ask early
+         * for the slots of ids two strides ahead and the records of ids one stride ahead. */
+        if (i + 2 * IDS_AHEAD < num_ids) __builtin_prefetch(slots + HOME_OF(i + 2 * IDS_AHEAD));
+        if (i + IDS_AHEAD < num_ids) {
+            int32_t ahead = slots[HOME_OF(i + IDS_AHEAD)];
+            if (ahead >= 0 && ahead < rows.num_rows)
+                __builtin_prefetch(rows.records + (Py_ssize_t)ahead * stride);
+        }
+        int64_t space = keyed ? read_int(spaces_view.buf, i, spaces_view.itemsize) : 0;
+        uint64_t at = home_slot(ids[i], space, (uint64_t)gamma, (uint64_t)space_stride, shift);
+        int64_t found = EMPTY_SLOT;
+        Py_ssize_t looked = 0;
+        for (;; at = (at + 1) & mask) {
+            int32_t row = slots[at];
+            if (row == EMPTY_SLOT) break;
+            if (row >= 0) {
+                if (row >= rows.num_rows) {
+                    PyErr_SetString(PyExc_ValueError, "probe: a slot names a row past the end");
+                    goto done;
+                }
+                if (row_matches(&rows, row, ids[i], space)) {
+                    found = row;
+                    break;
+                }
+            }
+            if (++looked == num_slots) {
+                PyErr_SetString(PyExc_ValueError, "probe: the slot array has no empty slot");
+                goto done;
+            }
+        }
+        rows_out[i] = found;
+        positions_out[i] = (int64_t)at;
+        if (payloads_out != NULL) {
+            int32_t payload = EMPTY_SLOT;
+            if (found >= 0)
+                memcpy(&payload, rows.records + found * stride + payload_offset, 4);
+            payloads_out[i] = payload;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&slots_view);
+    PyBuffer_Release(&records_view);
+    PyBuffer_Release(&ids_view);
+    PyBuffer_Release(&rows_view);
+    PyBuffer_Release(&positions_view);
+    if (have_spaces) release(&spaces_view);
+    if (have_payloads) release(&payloads_view);
+    return result;
+}
+
+static const char place_doc[] =
+    "place(slots, ids, spaces, rows, gamma, space_stride) -> deleted slots reused\n"
+    "Put each (absent) id's row in the first free slot of its probe sequence, in order.";
+
+static PyObject *place(PyObject *self, PyObject *args) {
+    Py_buffer slots_view, ids_view, spaces_view, rows_view;
+    PyObject *spaces_object;
+    long long gamma, space_stride;
+    if (!PyArg_ParseTuple(args, "w*y*Oy*LL", &slots_view, &ids_view, &spaces_object,
+                          &rows_view, &gamma, &space_stride))
+        return NULL;
+    PyObject *result = NULL;
+    int have_spaces = optional_buffer(spaces_object, &spaces_view, PyBUF_SIMPLE) == 0;
+    if (!have_spaces) goto done;
+    Py_ssize_t num_ids = ids_view.len / 8, num_slots = slots_view.len / 4;
+    int shift = slot_shift(num_slots);
+    if (shift < 0) goto done;
+    if (rows_view.len / 8 != num_ids ||
+        (spaces_view.buf != NULL && (!valid_itemsize(spaces_view.itemsize) ||
+                                     spaces_view.len / spaces_view.itemsize != num_ids))) {
+        PyErr_SetString(PyExc_ValueError, "place: arrays of mismatched sizes");
+        goto done;
+    }
+    int32_t *slots = slots_view.buf;
+    const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
+    uint64_t mask = (uint64_t)num_slots - 1;
+    long long reused = 0;
+    for (Py_ssize_t i = 0; i < num_ids; i++) {
+        if (i + IDS_AHEAD < num_ids) {
+            Py_ssize_t ahead = i + IDS_AHEAD;
+            int64_t ahead_space =
+                spaces_view.buf ? read_int(spaces_view.buf, ahead, spaces_view.itemsize) : 0;
+            __builtin_prefetch(slots + home_slot(ids[ahead], ahead_space, (uint64_t)gamma,
+                                                 (uint64_t)space_stride, shift), 1);
+        }
+        int64_t space = spaces_view.buf ? read_int(spaces_view.buf, i, spaces_view.itemsize) : 0;
+        uint64_t at = home_slot(ids[i], space, (uint64_t)gamma, (uint64_t)space_stride, shift);
+        Py_ssize_t looked = 0;
+        while (slots[at] >= 0) {
+            at = (at + 1) & mask;
+            if (++looked == num_slots) {
+                PyErr_SetString(PyExc_ValueError, "place: the slot array is full");
+                goto done;
+            }
+        }
+        reused += slots[at] != EMPTY_SLOT;
+        slots[at] = (int32_t)rows[i];
+    }
+    result = PyLong_FromLongLong(reused);
+done:
+    PyBuffer_Release(&slots_view);
+    PyBuffer_Release(&ids_view);
+    PyBuffer_Release(&rows_view);
+    if (have_spaces) release(&spaces_view);
+    return result;
+}
+
+/* One row of torch's Adagrad. FUSE(a, b, c) is a * b + c: rounded once where torch's loop
+ * fuses it (its vectorised kernels are compiled for the CPU's multiply-add), else twice. */
+#define ADAGRAD_ROW(FUSE)                                                                    \
+    for (Py_ssize_t d = 0; d < dim; d++) {                                                  \
+        float g = grad[d];                                                                  \
+        if (decayed) g = FUSE(param[d], decay, g);                                          \
+        float s = FUSE(g, g, sum[d]);                                                       \
+        sum[d] = s;                                                                         \
+        param[d] = param[d] - clr * g / (sqrtf(s) + epsilon);                               \
+    }
+
+#define PLAIN_MULTIPLY_ADD(a, b, c) ((a) * (b) + (c))
+
+/* Rows ahead whose memory is asked for before it is needed: a step's rows lie scattered over
+ * tables far larger than the caches, so each row is a wait on memory unless fetched early. */
+#define ROWS_AHEAD 8
+
+static inline void prefetch_row(const float *base, int64_t row, Py_ssize_t dim) {
+    const char *at = (const char *)(base + row * dim);
+    for (Py_ssize_t offset = 0; offset < dim * 4; offset += 64) __builtin_prefetch(at + offset, 1);
+}
+
+#define PREFETCH_AHEAD(a, i)                                                                 \
+    if ((i) + ROWS_AHEAD < (a)->num_rows) {                                                  \
+        prefetch_row((a)->weight, (a)->rows[(i) + ROWS_AHEAD], (a)->dim);                    \
+        prefetch_row((a)->sums, (a)->rows[(i) + ROWS_AHEAD], (a)->dim);                      \
+    }
+
+typedef struct {
+    float *weight, *sums;
+    const float *grads;
+    const int64_t *rows;
+    Py_ssize_t num_rows, dim;
+    float clr, epsilon, decay;
+    int decayed;
+} AdagradRows;
+
+static void adagrad_unfused(const AdagradRows *a) {
+    const Py_ssize_t dim = a->dim;
+    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
+    const int decayed = a->decayed;
+    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
+        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
+        const float *grad = a->grads + i * dim;
+        PREFETCH_AHEAD(a, i)
+        ADAGRAD_ROW(PLAIN_MULTIPLY_ADD)
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_FMA_TARGET 1
+__attribute__((target("avx2,fma"))) static void adagrad_fused_hw(const AdagradRows *a) {
+    const Py_ssize_t dim = a->dim;
+    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
+    const int decayed = a->decayed;
+    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
+        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
+        const float *grad = a->grads + i * dim;
+        PREFETCH_AHEAD(a, i)
+        ADAGRAD_ROW(fmaf)
+    }
+}
+#endif
+
+static void adagrad_fused(const AdagradRows *a) {
+#ifdef HAVE_FMA_TARGET
+    if (__builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2")) {
+        adagrad_fused_hw(a);
+        return;
+    }
+#endif
+    const Py_ssize_t dim = a->dim;
+    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
+    const int decayed = a->decayed;
+    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
+        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
+        const float *grad = a->grads + i * dim;
+        PREFETCH_AHEAD(a, i)
+        ADAGRAD_ROW(fmaf) /* libm's exact fmaf: slower, same result */
+    }
+}
+
+static const char adagrad_rows_doc[] =
+    "adagrad_rows(weight, sums, dim, rows, grads, lr, eps, weight_decay, fused)\n"
+    "torch's fused Adagrad (float32, no lr decay) on weight[rows] and sums[rows] in place;\n"
+    "`fused`: whether multiply-adds are rounded once, as torch's kernel on this CPU does.";
+
+static PyObject *adagrad_rows(PyObject *self, PyObject *args) {
+    Py_buffer weight_view, sums_view, rows_view, grads_view;
+    Py_ssize_t dim;
+    double lr, eps, weight_decay;
+    int fused;
+    if (!PyArg_ParseTuple(args, "w*w*ny*y*dddp", &weight_view, &sums_view, &dim, &rows_view,
+                          &grads_view, &lr, &eps, &weight_decay, &fused))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t num_rows = rows_view.len / 8, table_rows = dim > 0 ? weight_view.len / 4 / dim : 0;
+    if (dim <= 0 || sums_view.len != weight_view.len || grads_view.len != num_rows * dim * 4) {
+        PyErr_SetString(PyExc_ValueError, "adagrad_rows: arrays of mismatched sizes");
+        goto done;
+    }
+    const int64_t *rows = rows_view.buf;
+    for (Py_ssize_t i = 0; i < num_rows; i++) {
+        if (rows[i] < 0 || rows[i] >= table_rows) {
+            PyErr_SetString(PyExc_ValueError, "adagrad_rows: a row past the table's end");
+            goto done;
+        }
+    }
+    AdagradRows update = {weight_view.buf, sums_view.buf, grads_view.buf, rows, num_rows, dim,
+                          (float)lr, (float)eps, (float)weight_decay, weight_decay != 0.0};
+    Py_BEGIN_ALLOW_THREADS
+    if (fused) adagrad_fused(&update);
+    else adagrad_unfused(&update);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&weight_view);
+    PyBuffer_Release(&sums_view);
+    PyBuffer_Release(&rows_view);
+    PyBuffer_Release(&grads_view);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"probe", probe, METH_VARARGS, probe_doc},
+    {"place", place, METH_VARARGS, place_doc},
+    {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native", "paramserver's compiled loops (see native.py).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,36 @@
+"""paramserver's compiled loops, where the install could build them (``_native.c``, built by
+``setup.py``; a C compiler is optional): ``loops`` is the module, or None.
+
+numpy does the same work in several passes over memory, each a separate call with its own
+cost: a server's step touches a few thousand rows scattered over gigabytes, so one pass per row
+is what sets its speed. Each user of a loop keeps its numpy path and takes the loop where it
+applies, with the same result (the tests run both and compare):
+
+- :class:`~paramserver.idmap.IdMap` searches a batch of ids and places new ones one id at a
+  time, reading a slot and its row's record once each (numpy: a round of array operations per
+  window of slots);
+- Adagrad on a table's rows (:mod:`paramserver.server.optim`) updates each row in place, read
+  and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
+  operations in torch's order: bitwise the same.
+
+``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
+out).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("PARAMSERVER_NATIVE", "1") == "0":
+        return None
+    try:
+        return importlib.import_module("paramserver._native")
+    except ImportError:
+        return None
+
+
+loops: ModuleType | None = _load()

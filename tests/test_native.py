@@ -1,0 +1,125 @@
+"""paramserver's compiled loops (paramserver.native): built by the install, bitwise torch's
+Adagrad, the same id map as numpy's, and a clear error for bad arguments."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from paramserver import native
+from paramserver.hashing import GOLDEN_GAMMA
+from paramserver.idmap import FusedIdMap
+from paramserver.optimconfig import OptimizerConfig
+from paramserver.server import optim
+
+compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
+
+
+def test_the_install_built_the_compiled_loops() -> None:
+    """setup.py's extension is optional, so a failed build would only show as lost speed."""
+    if os.environ.get("PARAMSERVER_NATIVE") == "0":
+        pytest.skip("turned off by PARAMSERVER_NATIVE=0")
+    assert native.loops is not None
+    assert optim._adagrad_loop_rounding() is not None  # one rounding gives torch's results
+
+
+@compiled
+@pytest.mark.parametrize("dim", [1, 7, 16, 32, 33])
+@pytest.mark.parametrize(
+    ("weight_decay", "initial"), [(0.0, 0.0), (0.01, 0.1), (1e-50, 0.0), (0.3, 2.0)]
+)
+def test_adagrad_in_place_is_bitwise_torch_optims(
+    dim: int, weight_decay: float, initial: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows stepped by the loop (in place) and by torch.optim's Adagrad (gathered, stepped,
+    scattered) stay bitwise equal over steps with gradients from 1e-3 to 1e2 and lrs that
+    change, and weight decays, one of them rounding to 0 in float32."""
+    config = OptimizerConfig(
+        name="adagrad", lr=0.05, weight_decay=weight_decay, initial_accumulator_value=initial
+    )
+    rule = optim.make_rule(config)
+    g = torch.Generator().manual_seed(dim)
+    start = torch.randn(300, dim, generator=g)
+    tables = {}
+    for mode in ("compiled", "torch"):
+        if mode == "torch":
+            monkeypatch.setattr(native, "loops", None)
+        weight = start.clone()
+        state = rule.init_state(weight)
+        g = torch.Generator().manual_seed(1)
+        for lr in (0.05, 0.2, 0.01):
+            rows = torch.randperm(300, generator=g)[:120]
+            scales = 10.0 ** torch.randint(-3, 3, (120, 1), generator=g)
+            grads = torch.randn(120, dim, generator=g) * scales
+            optim.apply_rows(rule, weight, state, None, rows, grads, lr)
+        tables[mode] = (weight, state["sum"])
+    assert not torch.equal(tables["torch"][0], start), "the test is vacuous"
+    assert torch.equal(tables["compiled"][0], tables["torch"][0])
+    assert torch.equal(tables["compiled"][1], tables["torch"][1])
+
+
+@compiled
+def test_a_fused_id_map_finds_the_same_rows_with_either_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Random inserts, searches and removals over 5 tables in two row groups: the compiled
+    search and placement give every id the row numpy's do (slots may differ: placing ids one
+    by one and in rounds are both valid layouts)."""
+    loops = native.loops
+
+    def run(use_loops: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(native, "loops", loops if use_loops else None)
+        id_map = FusedIdMap(5, initial_slots=16, groups=[0, 1, 0, 1, 0])
+        rng = np.random.default_rng(0)
+        seen = []
+        for step in range(60):
+            ids = torch.from_numpy(rng.integers(-500, 500, 400) * 2**33)
+            spaces = rng.integers(0, 5, 400)
+            _, first = np.unique(spaces * 2**20 + ids.numpy() // 2**33, return_index=True)
+            ids, spaces = ids[torch.from_numpy(first)], spaces[first]
+            found = id_map.find(spaces, ids)
+            absent = torch.from_numpy(np.flatnonzero(found.rows.numpy() < 0))
+            id_map.insert(spaces[absent.numpy()], ids[absent], found.subset(absent))
+            seen.append(id_map.lookup(spaces, ids))
+            if step % 10 == 9:
+                table_ids, _ = id_map.table(step % 5).live_rows()
+                id_map.table(step % 5).remove(table_ids[::3])
+        return seen
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+@compiled
+def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
+    loops = native.loops
+    assert loops is not None
+    slots = np.full(16, -1, dtype=np.int32)
+    slots[3] = 7  # names row 7 of a map of 2 rows
+    row_ids = np.array([1, 2], dtype=np.int64)
+    ids = np.arange(64, dtype=np.int64)
+    out = np.empty(64, dtype=np.int64)
+
+    def probe(slots: np.ndarray, found: np.ndarray = out) -> None:
+        loops.probe(slots, row_ids, 8, -1, 1, -1, ids, None, GOLDEN_GAMMA, 0, found, out.copy(),
+                    None)  # fmt: skip
+
+    with pytest.raises(ValueError, match="past the end"):
+        probe(slots)
+    with pytest.raises(ValueError, match="mismatched"):
+        probe(np.full(16, -1, dtype=np.int32), out[:5])
+    with pytest.raises(ValueError, match="power of two"):
+        probe(np.full(12, -1, dtype=np.int32))
+    with pytest.raises(ValueError, match="no empty slot"):
+        probe(np.zeros(16, dtype=np.int32))
+    weight = np.zeros((4, 8), dtype=np.float32)
+    grads = np.ones((2, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="past the table's end"):
+        loops.adagrad_rows(weight, weight.copy(), 8, np.array([1, 4]), grads, 0.1, 1e-10, 0.0, True)
+    with pytest.raises(ValueError, match="mismatched"):
+        loops.adagrad_rows(weight, weight.copy(), 8, np.array([1]), grads, 0.1, 1e-10, 0.0, True)
+    with pytest.raises(TypeError, match="bytes-like"):  # not contiguous
+        loops.adagrad_rows(weight[:, ::2], weight, 4, np.array([1]), grads, 0.1, 1e-10, 0, True)
+    assert not weight.any()  # nothing written by a refused call
