@@ -4,6 +4,7 @@
  * - probe: search an id map (paramserver/idmap.py) for a batch of ids, one id at a time: a
  *   slot, then its row's record, and on to the next slot until a match or an empty slot.
  * - place: put new ids in the first free slot of their probe sequences, in order.
+ * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
  * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
@@ -366,10 +367,91 @@ done:
     return result;
 }
 
+static inline uint64_t mix64(uint64_t x) { /* SplitMix64's finalizer, as hashing.mix64 */
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+static const char init_rows_doc[] =
+    "init_rows(weight, dim, rows, ids, salts, scales, multipliers, states, initial)\n"
+    "New rows of a dynamic table's arena (float32), as dynamic_rows._uniform_rows makes\n"
+    "them: weight[rows[i]] from ids[i], salts[i] and scales[i]; each array of `states` (one\n"
+    "value or `dim` per row) set to `initial` at those rows.";
+
+static PyObject *init_rows(PyObject *self, PyObject *args) {
+    Py_buffer weight_view, rows_view, ids_view, salts_view, scales_view, multipliers_view;
+    Py_ssize_t dim;
+    PyObject *states;
+    double initial;
+    if (!PyArg_ParseTuple(args, "w*ny*y*y*y*y*O!d", &weight_view, &dim, &rows_view, &ids_view,
+                          &salts_view, &scales_view, &multipliers_view, &PyTuple_Type, &states,
+                          &initial))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t num_states = PyTuple_GET_SIZE(states), acquired = 0;
+    Py_buffer state_views[8];
+    Py_ssize_t count = rows_view.len / 8;
+    Py_ssize_t table_rows = dim > 0 ? weight_view.len / 4 / dim : 0;
+    if (dim <= 0 || num_states > 8 || ids_view.len != count * 8 || salts_view.len != count * 8 ||
+        scales_view.len != count * 4 || multipliers_view.len != dim * 8) {
+        PyErr_SetString(PyExc_ValueError, "init_rows: arrays of mismatched sizes");
+        goto done;
+    }
+    for (; acquired < num_states; acquired++) {
+        Py_buffer *view = &state_views[acquired];
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(states, acquired), view, PyBUF_WRITABLE) < 0)
+            goto done;
+        Py_ssize_t width = view->len / 4 / (table_rows ? table_rows : 1);
+        if ((width != 1 && width != dim) || view->len != table_rows * width * 4) {
+            acquired++;
+            PyErr_SetString(PyExc_ValueError, "init_rows: a state array of another shape");
+            goto done;
+        }
+    }
+    const int64_t *rows = rows_view.buf, *ids = ids_view.buf, *salts = salts_view.buf;
+    const float *scales = scales_view.buf;
+    const uint64_t *multipliers = multipliers_view.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (rows[i] < 0 || rows[i] >= table_rows) {
+            PyErr_SetString(PyExc_ValueError, "init_rows: a row past the arena's end");
+            goto done;
+        }
+    }
+    float *weight = weight_view.buf;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint64_t seed = mix64((uint64_t)ids[i] + (uint64_t)salts[i]);
+        const float scale = scales[i], factor = 2.0f * scale * (1.0f / 16777216.0f);
+        float *row = weight + rows[i] * dim;
+        for (Py_ssize_t j = 0; j < dim; j++) {
+            float unit = (float)((seed * multipliers[j]) >> 40); /* exact: under 2^24 */
+            row[j] = unit * factor - scale;
+        }
+        for (Py_ssize_t k = 0; k < num_states; k++) {
+            Py_ssize_t width = state_views[k].len / 4 / table_rows;
+            float *state = (float *)state_views[k].buf + rows[i] * width;
+            for (Py_ssize_t j = 0; j < width; j++) state[j] = (float)initial;
+        }
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t k = 0; k < acquired; k++) PyBuffer_Release(&state_views[k]);
+    PyBuffer_Release(&weight_view);
+    PyBuffer_Release(&rows_view);
+    PyBuffer_Release(&ids_view);
+    PyBuffer_Release(&salts_view);
+    PyBuffer_Release(&scales_view);
+    PyBuffer_Release(&multipliers_view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
     {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
+    {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,8 @@ from paramserver.hashing import GOLDEN_GAMMA
 from paramserver.idmap import FusedIdMap
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server import optim
+from paramserver.server.dynamic_rows import _init_values_and_state
+from paramserver.server.tables import RowArena
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
 
@@ -123,3 +125,37 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
     with pytest.raises(TypeError, match="bytes-like"):  # not contiguous
         loops.adagrad_rows(weight[:, ::2], weight, 4, np.array([1]), grads, 0.1, 1e-10, 0, True)
     assert not weight.any()  # nothing written by a refused call
+
+
+@compiled
+@pytest.mark.parametrize("dim", [1, 7, 32])
+@pytest.mark.parametrize("rule", ["adagrad", "rowwise_adagrad", "adam"])
+def test_new_rows_made_by_the_loop_are_numpys(
+    dim: int, rule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dynamic arena's new rows, values and every state slot (per value or per row), made
+    by the compiled loop and by numpy and torch: bitwise the same, and rows not made are left
+    as they were."""
+    config = OptimizerConfig(name=rule, lr=0.1, initial_accumulator_value=0.25)
+    rng = np.random.default_rng(dim)
+    rows = torch.from_numpy(rng.permutation(500)[:200])
+    ids = rng.integers(-(2**62), 2**62, 200)
+    salts = rng.integers(-(2**40), 2**40, 200)
+    scales = rng.choice([0.01, 0.05, 1.0], 200)
+    arenas = {}
+    for mode in ("compiled", "numpy"):
+        if mode == "numpy":
+            monkeypatch.setattr(native, "loops", None)
+        arena = RowArena(dim, torch.float32, optim.make_rule(config), rows=500)
+        arena.weight.fill_(7.0)
+        for slot in arena.state.values():
+            slot.fill_(7.0)
+        _init_values_and_state(arena, rows, ids, salts, scales)
+        arenas[mode] = arena
+    made, kept = arenas["compiled"], arenas["numpy"]
+    assert torch.equal(made.weight, kept.weight) and made.state.keys() == kept.state.keys()
+    assert all(torch.equal(made.state[k], kept.state[k]) for k in made.state)
+    untouched = torch.ones(500, dtype=torch.bool)
+    untouched[rows] = False
+    assert bool((made.weight[untouched] == 7.0).all())
+    assert bool((made.weight[rows].abs() <= 1.0).all())

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap
 from paramserver.server.optim import UpdateRule, put_rows, take_rows
@@ -66,6 +67,29 @@ def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarr
 @functools.cache
 def _column_multipliers(dim: int) -> np.ndarray:
     return mix64_array(np.arange(dim, dtype=np.int64)) | 1
+
+
+def _init_values_and_state(
+    arena: RowArena, rows: Tensor, ids: np.ndarray, salts: np.ndarray, scales: np.ndarray
+) -> None:
+    """Set ``arena``'s new ``rows``: values as :func:`_uniform_rows` makes them, state at the
+    rule's start. By the compiled loop where the arena is float32 (each row written once),
+    else by numpy and torch."""
+    dim, initial = arena.weight.shape[1], arena.rule.initial_value
+    tensors = [arena.weight, *arena.state.values()]
+    if native.loops is not None and all(
+        t.dtype == torch.float32 and t.is_contiguous() for t in tensors
+    ):
+        native.loops.init_rows(
+            arena.weight.numpy(), dim, rows.contiguous().numpy(), np.ascontiguousarray(ids),
+            salts, scales.astype(np.float32), _column_multipliers(dim),
+            tuple(slot.numpy() for slot in arena.state.values()), initial,
+        )  # fmt: skip
+        return
+    values = _uniform_rows(salts, ids, dim, scales)
+    put_rows(arena.weight, rows.numpy(), values.to(arena.weight.dtype))
+    for slot in arena.state.values():
+        slot.index_fill_(0, rows, initial)
 
 
 def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:
@@ -200,10 +224,7 @@ def _make_rows(
         rows = torch.cat([made[name][1] for name in names])
         salts = np.repeat([_salt(name, tables[name].options) for name in names], counts)
         scales = np.repeat([tables[name].options.init_scale for name in names], counts)
-        values = _uniform_rows(salts.astype(np.int64), ids, first.spec.dim, scales)
-        put_rows(arena.weight, rows.numpy(), values.to(arena.weight.dtype))
-        for slot in arena.state.values():
-            slot.index_fill_(0, rows, arena.rule.initial_value)
+        _init_values_and_state(arena, rows, ids, salts.astype(np.int64), scales)
         if arena.steps is not None:
             arena.steps.index_fill_(0, rows, 0)
         if arena.versions is not None:
