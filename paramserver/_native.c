@@ -11,9 +11,9 @@
  *   torch's loop is compiled for the CPU, so its multiply-adds are rounded once where the CPU
  *   has the instruction: the caller says which rounding matches (server/optim.py finds out).
  *
- * Arrays arrive through the buffer protocol (contiguous, or a BufferError); their sizes are
- * checked here, and every index read from the map is checked before it is followed, so a bad
- * call raises ValueError instead of reading out of bounds. Built with -ffp-contract=off: a
+ * Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError); their
+ * sizes are checked here, and every index read from the map or given is checked before it is
+ * followed, so a bad call raises ValueError instead of reading or writing out of bounds. Built with -ffp-contract=off: a
  * multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
@@ -173,6 +173,7 @@ static PyObject *probe(PyObject *self, PyObject *args) {
             payloads_out[i] = payload;
         }
     }
+#undef HOME_OF
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -211,6 +212,12 @@ static PyObject *place(PyObject *self, PyObject *args) {
     }
     int32_t *slots = slots_view.buf;
     const int64_t *ids = ids_view.buf, *rows = rows_view.buf;
+    for (Py_ssize_t i = 0; i < num_ids; i++) {
+        if (rows[i] < 0 || rows[i] > INT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "place: a row number outside int32");
+            goto done;
+        }
+    }
     uint64_t mask = (uint64_t)num_slots - 1;
     long long reused = 0;
     for (Py_ssize_t i = 0; i < num_ids; i++) {

@@ -116,6 +116,9 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
         probe(np.full(12, -1, dtype=np.int32))
     with pytest.raises(ValueError, match="no empty slot"):
         probe(np.zeros(16, dtype=np.int32))
+    with pytest.raises(ValueError, match="outside int32"):
+        loops.place(slots, ids[:2], None, np.array([1, 2**31]), GOLDEN_GAMMA, 0)
+    assert slots.tolist().count(-1) == 15  # nothing placed by the refused call
     weight = np.zeros((4, 8), dtype=np.float32)
     grads = np.ones((2, 8), dtype=np.float32)
     with pytest.raises(ValueError, match="past the table's end"):
