@@ -28,6 +28,21 @@ def test_the_install_built_the_compiled_loops() -> None:
     assert optim._adagrad_loop_rounding() is not None  # one rounding gives torch's results
 
 
+def test_without_the_loops_paramserver_runs_on_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No loops where the install built none (no C compiler: the import fails) or where
+    PARAMSERVER_NATIVE=0 turns them off; every user then takes its numpy path (the tests of
+    idmap and optim run both, tests/conftest.py's loop_mode)."""
+    monkeypatch.setenv("PARAMSERVER_NATIVE", "0")
+    assert native._load() is None
+    monkeypatch.setenv("PARAMSERVER_NATIVE", "1")
+
+    def not_built(name: str) -> None:
+        raise ImportError(f"No module named {name!r}")
+
+    monkeypatch.setattr(native.importlib, "import_module", not_built)
+    assert native._load() is None
+
+
 @compiled
 @pytest.mark.parametrize("dim", [1, 7, 16, 32, 33])
 @pytest.mark.parametrize(
