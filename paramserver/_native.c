@@ -250,17 +250,6 @@ done:
     return result;
 }
 
-/* One row of torch's Adagrad. FUSE(a, b, c) is a * b + c: rounded once where torch's loop
- * fuses it (its vectorised kernels are compiled for the CPU's multiply-add), else twice. */
-#define ADAGRAD_ROW(FUSE)                                                                    \
-    for (Py_ssize_t d = 0; d < dim; d++) {                                                  \
-        float g = grad[d];                                                                  \
-        if (decayed) g = FUSE(param[d], decay, g);                                          \
-        float s = FUSE(g, g, sum[d]);                                                       \
-        sum[d] = s;                                                                         \
-        param[d] = param[d] - clr * g / (sqrtf(s) + epsilon);                               \
-    }
-
 #define PLAIN_MULTIPLY_ADD(a, b, c) ((a) * (b) + (c))
 
 /* Rows ahead whose memory is asked for before it is needed: a step's rows lie scattered over
@@ -272,12 +261,6 @@ static inline void prefetch_row(const float *base, int64_t row, Py_ssize_t dim) 
     for (Py_ssize_t offset = 0; offset < dim * 4; offset += 64) __builtin_prefetch(at + offset, 1);
 }
 
-#define PREFETCH_AHEAD(a, i)                                                                 \
-    if ((i) + ROWS_AHEAD < (a)->num_rows) {                                                  \
-        prefetch_row((a)->weight, (a)->rows[(i) + ROWS_AHEAD], (a)->dim);                    \
-        prefetch_row((a)->sums, (a)->rows[(i) + ROWS_AHEAD], (a)->dim);                      \
-    }
-
 typedef struct {
     float *weight, *sums;
     const float *grads;
@@ -287,30 +270,38 @@ typedef struct {
     int decayed;
 } AdagradRows;
 
-static void adagrad_unfused(const AdagradRows *a) {
-    const Py_ssize_t dim = a->dim;
-    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
-    const int decayed = a->decayed;
-    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
-        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
-        const float *grad = a->grads + i * dim;
-        PREFETCH_AHEAD(a, i)
-        ADAGRAD_ROW(PLAIN_MULTIPLY_ADD)
+/* torch's Adagrad on every row of `a`. FUSE(x, y, z) is x * y + z: rounded once where torch's
+ * loop fuses it (its vectorised kernels are compiled for the CPU's multiply-add), else twice. */
+#define ADAGRAD_ROWS(a, FUSE)                                                                \
+    /* Locals, not the struct's fields: a store to a row may not alias them. */               \
+    const Py_ssize_t dim = (a)->dim, num_rows = (a)->num_rows;                               \
+    const float clr = (a)->clr, epsilon = (a)->epsilon, decay = (a)->decay;                  \
+    const int decayed = (a)->decayed;                                                        \
+    float *weight = (a)->weight, *sums = (a)->sums;                                          \
+    const float *grads = (a)->grads;                                                         \
+    const int64_t *rows = (a)->rows;                                                         \
+    for (Py_ssize_t i = 0; i < num_rows; i++) {                                              \
+        float *param = weight + rows[i] * dim, *sum = sums + rows[i] * dim;                  \
+        const float *grad = grads + i * dim;                                                 \
+        if (i + ROWS_AHEAD < num_rows) {                                                     \
+            prefetch_row(weight, rows[i + ROWS_AHEAD], dim);                                 \
+            prefetch_row(sums, rows[i + ROWS_AHEAD], dim);                                   \
+        }                                                                                    \
+        for (Py_ssize_t d = 0; d < dim; d++) {                                               \
+            float g = grad[d];                                                               \
+            if (decayed) g = FUSE(param[d], decay, g);                                       \
+            float s = FUSE(g, g, sum[d]);                                                    \
+            sum[d] = s;                                                                      \
+            param[d] = param[d] - clr * g / (sqrtf(s) + epsilon);                            \
+        }                                                                                    \
     }
-}
+
+static void adagrad_unfused(const AdagradRows *a) { ADAGRAD_ROWS(a, PLAIN_MULTIPLY_ADD) }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_FMA_TARGET 1
 __attribute__((target("avx2,fma"))) static void adagrad_fused_hw(const AdagradRows *a) {
-    const Py_ssize_t dim = a->dim;
-    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
-    const int decayed = a->decayed;
-    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
-        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
-        const float *grad = a->grads + i * dim;
-        PREFETCH_AHEAD(a, i)
-        ADAGRAD_ROW(fmaf)
-    }
+    ADAGRAD_ROWS(a, fmaf)
 }
 #endif
 
@@ -321,15 +312,7 @@ static void adagrad_fused(const AdagradRows *a) {
         return;
     }
 #endif
-    const Py_ssize_t dim = a->dim;
-    const float clr = a->clr, epsilon = a->epsilon, decay = a->decay;
-    const int decayed = a->decayed;
-    for (Py_ssize_t i = 0; i < a->num_rows; i++) {
-        float *param = a->weight + a->rows[i] * dim, *sum = a->sums + a->rows[i] * dim;
-        const float *grad = a->grads + i * dim;
-        PREFETCH_AHEAD(a, i)
-        ADAGRAD_ROW(fmaf) /* libm's exact fmaf: slower, same result */
-    }
+    ADAGRAD_ROWS(a, fmaf) /* libm's exact fmaf: slower, the same result */
 }
 
 static const char adagrad_rows_doc[] =

@@ -378,8 +378,7 @@ def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> 
     state, groups them by step count (see :meth:`UpdateRule.step_group`), runs the rule once
     over every group of every table (:meth:`UpdateRule.step_blocks`: one torch.optim call
     where the rule allows it) and scatters the rows back. Either way, the same result as one
-    table at a time. Not thread-safe: the
-    caller holds the tables' locks.
+    table at a time. Not thread-safe: the caller holds the tables' locks.
     """
     merged = [update for update in _merged(updates) if update.rows.numel()]
     gathered = [_gather(rule, each) for each in merged if not rule.step_rows_in_place(each, lr)]
