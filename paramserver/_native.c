@@ -11,10 +11,12 @@
  *   torch's loop is compiled for the CPU, so its multiply-adds are rounded once where the CPU
  *   has the instruction: the caller says which rounding matches (server/optim.py finds out).
  *
- * Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError); their
- * sizes are checked here, and every index read from the map or given is checked before it is
- * followed, so a bad call raises ValueError instead of reading or writing out of bounds. Built with -ffp-contract=off: a
- * multiply-add is fused only where written so (fmaf).
+ * The loops run without the GIL (other threads, a server's RPC threads, go on meanwhile): the
+ * arrays stay exported to them until they return, and their owners' locks keep other writers
+ * out. Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError);
+ * their sizes are checked here, and every index read from the map or given is checked before
+ * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
+ * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -133,6 +135,8 @@ static PyObject *probe(PyObject *self, PyObject *args) {
 #define HOME_OF(i)                                                                           \
     home_slot(ids[i], keyed ? read_int(spaces_view.buf, (i), spaces_view.itemsize) : 0,      \
               (uint64_t)gamma, (uint64_t)space_stride, shift)
+    const char *error = NULL; /* set without the GIL, raised with it */
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < num_ids; i++) {
         /* Two waits on memory per id (its slot, then the record the slot names), so ask early
          * for the slots of ids two strides ahead and the records of ids one stride ahead. */
@@ -151,8 +155,8 @@ static PyObject *probe(PyObject *self, PyObject *args) {
             if (row == EMPTY_SLOT) break;
             if (row >= 0) {
                 if (row >= rows.num_rows) {
-                    PyErr_SetString(PyExc_ValueError, "probe: a slot names a row past the end");
-                    goto done;
+                    error = "probe: a slot names a row past the end";
+                    goto searched;
                 }
                 if (row_matches(&rows, row, ids[i], space)) {
                     found = row;
@@ -160,8 +164,8 @@ static PyObject *probe(PyObject *self, PyObject *args) {
                 }
             }
             if (++looked == num_slots) {
-                PyErr_SetString(PyExc_ValueError, "probe: the slot array has no empty slot");
-                goto done;
+                error = "probe: the slot array has no empty slot";
+                goto searched;
             }
         }
         rows_out[i] = found;
@@ -173,7 +177,13 @@ static PyObject *probe(PyObject *self, PyObject *args) {
             payloads_out[i] = payload;
         }
     }
+searched:
+    Py_END_ALLOW_THREADS
 #undef HOME_OF
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        goto done;
+    }
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -220,6 +230,8 @@ static PyObject *place(PyObject *self, PyObject *args) {
     }
     uint64_t mask = (uint64_t)num_slots - 1;
     long long reused = 0;
+    const char *error = NULL; /* set without the GIL, raised with it */
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < num_ids; i++) {
         if (i + IDS_AHEAD < num_ids) {
             Py_ssize_t ahead = i + IDS_AHEAD;
@@ -234,12 +246,18 @@ static PyObject *place(PyObject *self, PyObject *args) {
         while (slots[at] >= 0) {
             at = (at + 1) & mask;
             if (++looked == num_slots) {
-                PyErr_SetString(PyExc_ValueError, "place: the slot array is full");
-                goto done;
+                error = "place: the slot array is full";
+                goto placed;
             }
         }
         reused += slots[at] != EMPTY_SLOT;
         slots[at] = (int32_t)rows[i];
+    }
+placed:
+    Py_END_ALLOW_THREADS
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        goto done;
     }
     result = PyLong_FromLongLong(reused);
 done:
@@ -410,6 +428,7 @@ static PyObject *init_rows(PyObject *self, PyObject *args) {
         }
     }
     float *weight = weight_view.buf;
+    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < count; i++) {
         uint64_t seed = mix64((uint64_t)ids[i] + (uint64_t)salts[i]);
         const float scale = scales[i], factor = 2.0f * scale * (1.0f / 16777216.0f);
@@ -424,6 +443,7 @@ static PyObject *init_rows(PyObject *self, PyObject *args) {
             for (Py_ssize_t j = 0; j < width; j++) state[j] = (float)initial;
         }
     }
+    Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
