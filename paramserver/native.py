@@ -11,7 +11,9 @@ applies, with the same result (the tests run both and compare):
   window of slots);
 - Adagrad on a table's rows (:mod:`paramserver.server.optim`) updates each row in place, read
   and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
-  operations in torch's order: bitwise the same.
+  operations in torch's order: bitwise the same;
+- a dynamic table's new rows (:mod:`paramserver.server.dynamic_rows`) get their values and
+  optimizer state in one write per row (numpy and torch: a pass per array).
 
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
 out).

@@ -20,6 +20,20 @@ from paramserver.server.tables import RowArena
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
 
 
+def counted(monkeypatch: pytest.MonkeyPatch, loop: str) -> list[int]:
+    """Count the calls of the compiled ``loop`` (a one-item list), so a test comparing the
+    loops with numpy cannot pass without them."""
+    calls = [0]
+    original = getattr(native.loops, loop)
+
+    def counting(*args: object) -> object:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(native.loops, loop, counting)
+    return calls
+
+
 def test_the_install_built_the_compiled_loops() -> None:
     """setup.py's extension is optional, so a failed build would only show as lost speed."""
     if os.environ.get("PARAMSERVER_NATIVE") == "0":
@@ -61,8 +75,10 @@ def test_adagrad_in_place_is_bitwise_torch_optims(
     g = torch.Generator().manual_seed(dim)
     start = torch.randn(300, dim, generator=g)
     tables = {}
+    stepped = counted(monkeypatch, "adagrad_rows")
     for mode in ("compiled", "torch"):
         if mode == "torch":
+            assert stepped[0] == 3  # one call per step, none of them left to torch.optim
             monkeypatch.setattr(native, "loops", None)
         weight = start.clone()
         state = rule.init_state(weight)
@@ -85,6 +101,7 @@ def test_a_fused_id_map_finds_the_same_rows_with_either_loop(
     """Random inserts, searches and removals over 5 tables in two row groups: the compiled
     search and placement give every id the row numpy's do (slots may differ: placing ids one
     by one and in rounds are both valid layouts)."""
+    searched, placed = counted(monkeypatch, "probe"), counted(monkeypatch, "place")
     loops = native.loops
 
     def run(use_loops: bool) -> list[torch.Tensor]:
@@ -106,7 +123,9 @@ def test_a_fused_id_map_finds_the_same_rows_with_either_loop(
                 id_map.table(step % 5).remove(table_ids[::3])
         return seen
 
-    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+    with_loops = run(True)
+    assert searched[0] >= 120 and placed[0] >= 59  # every search and insertion went through them
+    assert all(torch.equal(a, b) for a, b in zip(with_loops, run(False), strict=True))
 
 
 @compiled
@@ -161,8 +180,10 @@ def test_new_rows_made_by_the_loop_are_numpys(
     salts = rng.integers(-(2**40), 2**40, 200)
     scales = rng.choice([0.01, 0.05, 1.0], 200)
     arenas = {}
+    made_by_loop = counted(monkeypatch, "init_rows")
     for mode in ("compiled", "numpy"):
         if mode == "numpy":
+            assert made_by_loop[0] == 1
             monkeypatch.setattr(native, "loops", None)
         arena = RowArena(dim, torch.float32, optim.make_rule(config), rows=500)
         arena.weight.fill_(7.0)
