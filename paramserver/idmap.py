@@ -268,12 +268,12 @@ class IdMap:
         small. A slot's row is read as one record (id, space and payload together): one
         random read per slot looked at.
         """
+        if native.loops is not None and self.num_rows:
+            return self._probe_natively(ids, spaces)
         payloads = None if self.records is None else np.full(ids.size, EMPTY, dtype=np.int32)
         if self.num_rows == 0:
             empty = np.full(ids.size, EMPTY, dtype=np.int64)
             return empty, empty.copy(), payloads
-        if native.loops is not None:
-            return self._probe_natively(ids, spaces, payloads)
         home = self._home(ids, spaces)
         found = self.slots.take(home)
         match, held = self._matches(found, ids, spaces)
@@ -304,12 +304,14 @@ class IdMap:
         return rows, positions, payloads
 
     def _probe_natively(
-        self, ids: np.ndarray, spaces: np.ndarray | None, payloads: np.ndarray | None
+        self, ids: np.ndarray, spaces: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """:meth:`_probe` by the compiled loop (see :mod:`paramserver.native`)."""
+        """:meth:`_probe` of a map holding rows, by the compiled loop (see
+        :mod:`paramserver.native`), which writes every output."""
         assert native.loops is not None
         rows = np.empty(ids.size, dtype=np.int64)
         positions = np.empty(ids.size, dtype=np.int64)
+        payloads = None if self.records is None else np.empty(ids.size, dtype=np.int32)
         if self.records is None:
             records, layout = self.row_ids, (8, -1, 1, -1)
         else:
