@@ -24,7 +24,7 @@ from torch import Tensor
 from paramserver import native
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap
-from paramserver.server.optim import UpdateRule, put_rows, take_rows
+from paramserver.server.optim import UpdateRule, loops_take, put_rows, take_rows
 from paramserver.server.tables import Reading, RowArena, by_arena
 from paramserver.sharding import DynamicOptions, TableSpec
 
@@ -76,10 +76,8 @@ def _init_values_and_state(
     rule's start. By the compiled loop where the arena is float32 (each row written once),
     else by numpy and torch."""
     dim, initial = arena.weight.shape[1], arena.rule.initial_value
-    tensors = [arena.weight, *arena.state.values()]
-    if native.loops is not None and all(
-        t.dtype == torch.float32 and t.is_contiguous() for t in tensors
-    ):
+    if loops_take(arena.weight, *arena.state.values()):
+        assert native.loops is not None
         native.loops.init_rows(
             arena.weight.numpy(), dim, rows.contiguous().numpy(), np.ascontiguousarray(ids),
             salts, scales.astype(np.float32), _column_multipliers(dim),

@@ -206,18 +206,21 @@ class Adagrad(UpdateRule):
         # torch's fused Adagrad, float32 and without lr decay (so without step counts).
         c = self.config
         tensors = (update.weight, update.state["sum"], update.grads)
-        fused = None if native.loops is None else _adagrad_loop_rounding()
-        if (
-            fused is None
-            or c.adagrad_lr_decay
-            or update.steps is not None
-            or any(
-                t.dtype != torch.float32 or t.dim() != 2 or not t.is_contiguous() for t in tensors
-            )
-        ):
+        if c.adagrad_lr_decay or update.steps is not None or not loops_take(*tensors):
+            return False
+        fused = _adagrad_loop_rounding()
+        if fused is None:
             return False
         _adagrad_rows(tensors, update.rows, lr, c.resolved_eps, c.weight_decay, fused)
         return True
+
+
+def loops_take(*tensors: Tensor) -> bool:
+    """Whether the compiled loops (:mod:`paramserver.native`) are built and take these
+    tensors: float32 rows, 2-D and contiguous (what they index as plain arrays)."""
+    return native.loops is not None and all(
+        t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in tensors
+    )
 
 
 def _adagrad_rows(
