@@ -5,6 +5,8 @@
  *   slot, then its row's record, and on to the next slot until a match or an empty slot.
  * - place: put new ids in the first free slot of their probe sequences, in order.
  * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
+ * - unique_inverse: the sorted unique ids of each of several batches of ids, and where each id
+ *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
  * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
@@ -457,11 +459,113 @@ done:
     return result;
 }
 
+typedef struct {
+    uint64_t key; /* the id with its sign bit flipped: unsigned order is the ids' order */
+    Py_ssize_t at;
+} KeyAt;
+
+#define SIGN_BIT 0x8000000000000000ULL
+
+/* Sorts `items` by key (stable), least significant byte first, skipping the bytes every key
+ * shares; `scratch` holds as many. Returns the array that holds the sorted items. */
+static KeyAt *radix_sort(KeyAt *items, KeyAt *scratch, Py_ssize_t count) {
+    Py_ssize_t starts[8][256];
+    memset(starts, 0, sizeof(starts));
+    for (Py_ssize_t i = 0; i < count; i++)
+        for (int byte = 0; byte < 8; byte++) starts[byte][(items[i].key >> (8 * byte)) & 255]++;
+    for (int byte = 0; byte < 8; byte++) {
+        int shift = 8 * byte;
+        Py_ssize_t *start = starts[byte];
+        if (start[(items[0].key >> shift) & 255] == count) continue;
+        Py_ssize_t total = 0;
+        for (int digit = 0; digit < 256; digit++) {
+            Py_ssize_t size = start[digit];
+            start[digit] = total;
+            total += size;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) scratch[start[(items[i].key >> shift) & 255]++] = items[i];
+        KeyAt *sorted = scratch;
+        scratch = items;
+        items = sorted;
+    }
+    return items;
+}
+
+/* One segment's sorted unique ids into `unique` and each id's index among them into `inverse`;
+ * returns how many are unique. */
+static Py_ssize_t unique_segment(const int64_t *ids, Py_ssize_t count, KeyAt *items,
+                                 int64_t *unique, int64_t *inverse) {
+    if (count == 0) return 0;
+    for (Py_ssize_t i = 0; i < count; i++) items[i] = (KeyAt){(uint64_t)ids[i] ^ SIGN_BIT, i};
+    const KeyAt *sorted = radix_sort(items, items + count, count);
+    Py_ssize_t num_unique = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (i == 0 || sorted[i].key != sorted[i - 1].key)
+            unique[num_unique++] = (int64_t)(sorted[i].key ^ SIGN_BIT);
+        inverse[sorted[i].at] = num_unique - 1;
+    }
+    return num_unique;
+}
+
+static const char unique_inverse_doc[] =
+    "unique_inverse(ids, sizes, unique_out, inverse_out) -> counts\n"
+    "For each segment of `ids` (int64; `sizes`, a tuple, their lengths in order), what\n"
+    "torch.unique(segment, return_inverse=True) gives: its sorted unique ids into unique_out\n"
+    "from the segment's start (counts: how many), and each id's index among them into\n"
+    "inverse_out (both int64, as long as ids).";
+
+static PyObject *unique_inverse(PyObject *self, PyObject *args) {
+    Py_buffer ids_view, unique_view, inverse_view;
+    PyObject *sizes;
+    if (!PyArg_ParseTuple(args, "y*O!w*w*", &ids_view, &PyTuple_Type, &sizes, &unique_view,
+                          &inverse_view))
+        return NULL;
+    PyObject *counts = NULL;
+    KeyAt *items = NULL;
+    Py_ssize_t total = ids_view.len / 8, num_segments = PyTuple_GET_SIZE(sizes), largest = 0;
+    Py_ssize_t summed = 0;
+    for (Py_ssize_t s = 0; s < num_segments; s++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
+        if (size == -1 && PyErr_Occurred()) goto done;
+        if (size < 0 || size > total - summed) break;
+        summed += size;
+        largest = size > largest ? size : largest;
+    }
+    if (ids_view.len % 8 || summed != total || unique_view.len != ids_view.len ||
+        inverse_view.len != ids_view.len) {
+        PyErr_SetString(PyExc_ValueError, "unique_inverse: arrays of mismatched sizes");
+        goto done;
+    }
+    items = PyMem_Malloc(2 * (size_t)(largest ? largest : 1) * sizeof(KeyAt));
+    counts = PyTuple_New(num_segments);
+    if (items == NULL || counts == NULL) {
+        if (items == NULL) PyErr_NoMemory();
+        Py_CLEAR(counts);
+        goto done;
+    }
+    Py_ssize_t start = 0;
+    for (Py_ssize_t s = 0; s < num_segments; s++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
+        Py_ssize_t count = unique_segment((const int64_t *)ids_view.buf + start, size, items,
+                                          (int64_t *)unique_view.buf + start,
+                                          (int64_t *)inverse_view.buf + start);
+        PyTuple_SET_ITEM(counts, s, PyLong_FromSsize_t(count));
+        start += size;
+    }
+done:
+    PyMem_Free(items);
+    PyBuffer_Release(&ids_view);
+    PyBuffer_Release(&unique_view);
+    PyBuffer_Release(&inverse_view);
+    return counts;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
     {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
+    {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
     {NULL, NULL, 0, NULL},
 };
 

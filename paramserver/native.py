@@ -13,7 +13,9 @@ applies, with the same result (the tests run both and compare):
   and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
   operations in torch's order: bitwise the same;
 - a dynamic table's new rows (:mod:`paramserver.server.dynamic_rows`) get their values and
-  optimizer state in one write per row (numpy and torch: a pass per array).
+  optimizer state in one write per row (numpy and torch: a pass per array);
+- a trainer's record pass (:mod:`paramserver.trainer.replica`) finds every table's unique ids
+  in one call (torch: a ``torch.unique`` per table, each with its own cost).
 
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
 out).

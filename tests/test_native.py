@@ -16,6 +16,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.server import optim
 from paramserver.server.dynamic_rows import _init_values_and_state
 from paramserver.server.tables import RowArena
+from paramserver.trainer.replica import unique_each
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
 
@@ -162,6 +163,13 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
     with pytest.raises(TypeError, match="bytes-like"):  # not contiguous
         loops.adagrad_rows(weight[:, ::2], weight, 4, np.array([1]), grads, 0.1, 1e-10, 0, True)
     assert not weight.any()  # nothing written by a refused call
+    uniques = np.zeros(6, dtype=np.int64)
+    for sizes in [(5,), (7,), (-1, 7), (3, 4)]:  # not the lengths of the ids' parts
+        with pytest.raises(ValueError, match="mismatched"):
+            loops.unique_inverse(ids[:6], sizes, uniques, uniques.copy())
+    with pytest.raises(ValueError, match="mismatched"):
+        loops.unique_inverse(ids[:6], (6,), uniques[:5], uniques.copy())
+    assert not uniques.any()
 
 
 @compiled
@@ -198,3 +206,22 @@ def test_new_rows_made_by_the_loop_are_numpys(
     untouched[rows] = False
     assert bool((made.weight[untouched] == 7.0).all())
     assert bool((made.weight[rows].abs() <= 1.0).all())
+
+
+@compiled
+def test_each_parts_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sorted unique ids of each part and each id's index among them, as torch.unique
+    gives them: parts empty, alone, with repeats, over the whole int64 range (both ends)."""
+    searched = counted(monkeypatch, "unique_inverse")
+    g = torch.Generator().manual_seed(0)
+    extremes = torch.tensor([2**63 - 1, -(2**63), 0, -1, 2**63 - 1, -(2**63), 5])
+    cases = [((0,), 3), ((1,), 3), ((5, 0, 7), 3), ((512,) * 26, 2**62), ((2048, 3), 1000)]
+    for sizes, spread in cases:
+        drawn = torch.randint(-spread, spread, (sum(sizes),), generator=g)
+        for ids, parts in ((drawn, sizes), (torch.cat([extremes, drawn]), (7, *sizes))):
+            found = unique_each(ids, parts)
+            for (unique, inverse), part in zip(found, ids.split(parts), strict=True):
+                expected_unique, expected_inverse = torch.unique(part, return_inverse=True)
+                assert torch.equal(unique, expected_unique)
+                assert torch.equal(inverse, expected_inverse)
+    assert searched[0] == 2 * len(cases)

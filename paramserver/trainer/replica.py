@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from paramserver import native
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import Embedding, find_embeddings
@@ -147,6 +148,16 @@ class RemoteEmbedding(nn.Module):
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
         self.pooled_bags: BagBlock | None = None  # the bags those sums are of
+
+    # Set for every step and record pass: plain attributes, so nn.Module.__setattr__'s search
+    # for a parameter, buffer or submodule of the name (microseconds, per table) is skipped.
+    _PER_STEP = frozenset({"ids", "rows", "lookups", "recorder", "pooled", "pooled_bags"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in RemoteEmbedding._PER_STEP:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
 
     def pool_on_servers(self) -> None:
         """Have the servers pool this table's bags (sum or mean): the trainer then moves one
@@ -282,6 +293,22 @@ class RemoteEmbedding(nn.Module):
         return None
 
 
+def unique_each(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+    """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
+    given ``sizes``: the compiled loop does all parts in one call where it is built."""
+    parts = ids.split(sizes)
+    if native.loops is None:
+        return [torch.unique(part, return_inverse=True) for part in parts]
+    unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
+    counts = native.loops.unique_inverse(ids.numpy(), sizes, unique.numpy(), inverse.numpy())
+    return [
+        (part[:count], positions)
+        for part, positions, count in zip(
+            unique.split(sizes), inverse.split(sizes), counts, strict=True
+        )
+    ]
+
+
 class Replica:
     """The trainer's model with remote tables, and the moves of one step: record ids, load
     pulled values, run forward, collect gradients."""
@@ -361,15 +388,22 @@ class Replica:
                 if table not in recorder.bags:
                     recorded.setdefault(table, []).extend(ids)
         unique, lookups = {}, {}
-        for table, each in recorded.items():
-            looked_up = torch.cat(each).to(torch.int64)  # a copy: the batch may change later
-            ids, positions = torch.unique(looked_up, return_inverse=True)
+        if not recorded:
+            return Recorded(unique, bags, lookups)
+        # One copy of every lookup's ids (the batch may change later), one search for all.
+        joined = torch.cat([ids for each in recorded.values() for ids in each]).to(torch.int64)
+        sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
+        looked_ups = joined.split(sizes)
+        uniques = unique_each(joined, sizes)
+        for (table, each), looked_up, (ids, positions) in zip(
+            recorded.items(), looked_ups, uniques, strict=True
+        ):
             unique[table] = ids
             if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
                 pairs = [(looked_up, positions)]
             else:
-                sizes = [e.numel() for e in each]
-                pairs = list(zip(looked_up.split(sizes), positions.split(sizes), strict=True))
+                parts = [e.numel() for e in each]
+                pairs = list(zip(looked_up.split(parts), positions.split(parts), strict=True))
             lookups[table] = RecordedLookups(ids, pairs)
         return Recorded(unique, bags, lookups)
 
