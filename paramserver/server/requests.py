@@ -59,6 +59,9 @@ class RequestChecks:
         server = self.server
         if type(request) is not PushPullRequest:
             raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
+        problem = request.malformed()
+        if problem is not None:
+            raise ParamServerError(f"server {server}: malformed request: {problem}")
         if type(request.trainer) is not int or not 0 <= request.trainer < num_trainers:
             raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
         if type(request.call) is not int or request.call < 0:

@@ -381,6 +381,10 @@ class InFlight:
         alarm = self.client.alarm
         answers = cast(list[tuple[PushPullReply, PayloadSize]], wait_all(self.futures, alarm))
         replies = [reply for reply, _ in answers]
+        for server, reply in enumerate(replies):
+            problem = reply.malformed()
+            if problem is not None:
+                raise ParamServerError(f"server {server} sent a malformed answer: {problem}")
         traffic = self.client.traffic
         traffic.uncompressed_received += sum(size.uncompressed_nbytes for _, size in answers)
         pulled = Pulled(call=self.call, checkpoint_at=max(r.checkpoint_at for r in replies))

@@ -293,6 +293,31 @@ class RemoteEmbedding(nn.Module):
         return None
 
 
+def _unique_lookups(
+    recorded: dict[str, list[Tensor]],
+) -> tuple[dict[str, Tensor], dict[str, RecordedLookups]]:
+    """Each table's sorted unique ids and its :class:`RecordedLookups`, from the ids of each of
+    its lookups: one copy of them all (the batch may change later), one search for all."""
+    unique: dict[str, Tensor] = {}
+    lookups: dict[str, RecordedLookups] = {}
+    if not recorded:
+        return unique, lookups
+    joined = torch.cat([ids for each in recorded.values() for ids in each]).to(torch.int64)
+    sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
+    found = unique_each(joined, sizes)
+    for (table, each), looked_up, (ids, positions) in zip(
+        recorded.items(), joined.split(sizes), found, strict=True
+    ):
+        unique[table] = ids
+        if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
+            pairs = [(looked_up, positions)]
+        else:
+            parts = [e.numel() for e in each]
+            pairs = list(zip(looked_up.split(parts), positions.split(parts), strict=True))
+        lookups[table] = RecordedLookups(ids, pairs)
+    return unique, lookups
+
+
 def unique_each(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
     """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
     given ``sizes``: the compiled loop does all parts in one call where it is built."""
@@ -384,27 +409,10 @@ class Replica:
             if recorder.bags and len(calls) > 1:
                 raise ModelError("server-pooled tables take one batch per step (accumulate 1)")
             bags.update(recorder.bags)
-            for table, ids in recorder.ids.items():
+            for table, each in recorder.ids.items():
                 if table not in recorder.bags:
-                    recorded.setdefault(table, []).extend(ids)
-        unique, lookups = {}, {}
-        if not recorded:
-            return Recorded(unique, bags, lookups)
-        # One copy of every lookup's ids (the batch may change later), one search for all.
-        joined = torch.cat([ids for each in recorded.values() for ids in each]).to(torch.int64)
-        sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
-        looked_ups = joined.split(sizes)
-        uniques = unique_each(joined, sizes)
-        for (table, each), looked_up, (ids, positions) in zip(
-            recorded.items(), looked_ups, uniques, strict=True
-        ):
-            unique[table] = ids
-            if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
-                pairs = [(looked_up, positions)]
-            else:
-                parts = [e.numel() for e in each]
-                pairs = list(zip(looked_up.split(parts), positions.split(parts), strict=True))
-            lookups[table] = RecordedLookups(ids, pairs)
+                    recorded.setdefault(table, []).extend(each)
+        unique, lookups = _unique_lookups(recorded)
         return Recorded(unique, bags, lookups)
 
     @contextmanager

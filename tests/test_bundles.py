@@ -1,0 +1,238 @@
+"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.protocol's
+Bundle), arrives equal, and a spoiled bundle is refused with a typed error that changes
+nothing, on a server and on a trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from paramserver.compression import Encoded, encode
+from paramserver.errors import ParamServerError
+from paramserver.idcodec import PackedIds, compact_ids
+from paramserver.protocol import (
+    Bundle,
+    MalformedBundle,
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    RowBlocksBundle,
+    message_sizes,
+    unbundled,
+)
+from paramserver.trainer.client import PSClient
+from paramserver.transport.local import LocalTransport
+from tests.helpers import MakeServer, own_ids
+
+
+def tensors_in(item: Any) -> int:
+    """How many tensors travel in ``item`` (what TensorPipe ships one buffer each)."""
+    if isinstance(item, Tensor):
+        return 1
+    if isinstance(item, dict):
+        item = list(item.values())
+    elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+        item = [getattr(item, f.name) for f in dataclasses.fields(item)]
+    elif not isinstance(item, list | tuple):
+        return 0
+    return sum(tensors_in(part) for part in item)
+
+
+def assert_same(received: Any, sent: Any) -> None:
+    """Equal tensors (values, dtype, shape) in the same structure."""
+    if isinstance(sent, Tensor):
+        assert type(received) is Tensor and received.dtype == sent.dtype
+        assert received.shape == sent.shape and torch.equal(received, sent)
+    elif isinstance(sent, dict):
+        assert type(received) is dict and list(received) == list(sent)
+        for name in sent:
+            assert_same(received[name], sent[name])
+    elif dataclasses.is_dataclass(sent):
+        assert type(received) is type(sent)
+        for f in dataclasses.fields(sent):
+            assert_same(getattr(received, f.name), getattr(sent, f.name))
+    elif isinstance(sent, tuple | list):
+        assert len(received) == len(sent)
+        for r, s in zip(received, sent, strict=True):
+            assert_same(r, s)
+    else:
+        assert received == sent
+
+
+def criteo_like_request() -> PushPullRequest:
+    """Every shape a request's mappings take: many tables of one width (bundled as rows),
+    dense gradients of mixed shapes (flattened), a 0-dim and an empty tensor."""
+    g = torch.Generator().manual_seed(0)
+    tables = [f"embeddings.{i}.weight" for i in range(26)]
+    ids = {t: torch.randint(-(2**62), 2**62, (50 + i,), generator=g) for i, t in enumerate(tables)}
+    ids[tables[3]] = torch.zeros(0, dtype=torch.int64)
+    return PushPullRequest(
+        trainer=1,
+        call=7,
+        dense_grads={
+            "bottom.0.weight": torch.randn(64, 13, generator=g),
+            "bottom.0.bias": torch.randn(64, generator=g),
+            "top.scale": torch.randn((), generator=g),
+        },
+        row_grads={t: RowBlock(i, torch.randn(i.numel(), 16, generator=g)) for t, i in ids.items()},
+        pull_rows={t: i + 1 for t, i in ids.items()},
+        pull_versions={t: torch.full((i.numel(),), 3) for t, i in ids.items()},
+        grads_call=6,
+    )
+
+
+def through_the_wire(message: Any) -> Any:
+    return pickle.loads(pickle.dumps(message))
+
+
+def test_a_requests_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
+    request = criteo_like_request()
+    wire = request.__getstate__()
+    assert type(wire["dense_grads"]) is Bundle and wire["dense_grads"].flat.dim() == 1
+    assert type(wire["row_grads"]) is RowBlocksBundle
+    assert type(wire["pull_rows"]) is Bundle and type(wire["pull_versions"]) is Bundle
+    assert tensors_in(request) == 3 + 26 * 4 and tensors_in(wire) == 5
+    received = through_the_wire(request)
+    assert_same(received, request)
+    assert received.malformed() is None
+    # Views of one bundle count as the tensors they stand for: the servers' caps are unchanged.
+    assert message_sizes(received) == message_sizes(request)
+
+
+def test_an_answers_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
+    g = torch.Generator().manual_seed(1)
+    reply = PushPullReply(
+        dense={"a": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
+        rows={f"t{i}": torch.randn(i, 8, generator=g) for i in range(5)},
+        row_versions={"t1": torch.tensor([2]), "t2": torch.tensor([0, 5])},
+        checkpoint_at=3,
+        dense_versions={"a": 4, "b": 4},
+    )
+    assert tensors_in(reply.__getstate__()) == 3
+    received = through_the_wire(reply)
+    assert_same(received, reply)
+    assert received.malformed() is None
+
+
+def test_what_cannot_be_bundled_travels_as_it_is() -> None:
+    """Encoded values, packed ids, a single tensor, mixed dtypes: each mapping as it was."""
+    ids = torch.tensor([3, 5, 9])
+    packed = compact_ids(ids)
+    assert type(packed) is PackedIds
+    request = PushPullRequest(
+        trainer=0,
+        call=1,
+        dense_grads={"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float64)},
+        row_grads={
+            "x": RowBlock(packed, torch.ones(3, 4)),
+            "y": RowBlock(ids, encode("int8", torch.ones(3, 4))),
+        },
+        pull_rows={"x": ids},
+    )
+    wire = request.__getstate__()
+    assert type(wire["dense_grads"]) is dict and type(wire["pull_rows"]) is dict
+    assert type(wire["row_grads"]) is dict  # neither ids nor values are one plain dtype
+    received = through_the_wire(request)
+    assert type(received.row_grads["y"].values) is Encoded
+    assert received.row_grads["x"].ids.first == packed.first
+    assert torch.equal(received.row_grads["x"].ids.steps, packed.steps)
+    assert_same(received.dense_grads, request.dense_grads)
+
+
+def spoiled(bundle: Bundle) -> list[Bundle]:
+    """Bundles wrong in each way a peer could send (as rows, ``bundle.flat`` is 2-D)."""
+    names, shapes, flat = bundle.names, bundle.shapes, bundle.flat
+    first, *rest = shapes
+    empty_rows = Bundle(names, tuple((2, 0) for _ in names), torch.zeros(len(names), 0))
+    return [
+        Bundle(list(names), shapes, flat),  # type: ignore[arg-type]  # names not a tuple
+        Bundle((names[0], names[0], *names[2:]), shapes, flat),  # a name twice
+        Bundle((names[0], 5, *names[2:]), shapes, flat),  # type: ignore[arg-type]
+        Bundle(names, shapes, flat.sum()),  # 0-dim
+        Bundle(names, shapes, flat.to_sparse()),
+        Bundle(names, shapes, "values"),  # type: ignore[arg-type]
+        Bundle(names, tuple(rest), flat),  # a shape missing
+        Bundle(names, ((-1, *first[1:]), *rest), flat),
+        Bundle(names, ((10**30, *first[1:]), *rest), flat),  # claims absurdly many
+        Bundle(names, (list(first), *rest), flat),  # type: ignore[arg-type]
+        Bundle(names, ((first[0], 2.0), *rest), flat),  # type: ignore[arg-type]
+        Bundle(names, shapes, flat[:-1]),  # holds fewer values than claimed
+        Bundle(names, shapes, torch.cat([flat, flat[:1]])),  # holds more
+        empty_rows,  # no values either way, but other rows than claimed
+    ]
+
+
+def test_every_spoiled_bundle_is_named_not_read() -> None:
+    bundle = criteo_like_request().__getstate__()["row_grads"].values
+    assert type(bundle) is Bundle and bundle.flat.dim() == 2
+    for wrong in spoiled(bundle):
+        found = unbundled(wrong)
+        assert type(found) is MalformedBundle and found.reason.startswith("a bundle")
+
+
+def request_of(state: dict[str, Any]) -> PushPullRequest:
+    """The request a server receives for ``state`` on the wire (as unpickling makes it)."""
+    request = PushPullRequest.__new__(PushPullRequest)
+    request.__setstate__(state)
+    return request
+
+
+def test_a_request_with_a_spoiled_bundle_is_refused_and_changes_nothing(
+    make_server: MakeServer,
+) -> None:
+    endpoint = make_server(0, servers=1, trainers=1)  # all the dense parameters: two or more
+    before = endpoint.shard.state_hash()
+    dense = {name: torch.ones_like(slot.value) for name, slot in endpoint.shard.dense.items()}
+    ids = own_ids(endpoint, 0, 1)
+    request = PushPullRequest(
+        trainer=0,
+        call=0,
+        dense_grads=dense,
+        row_grads={"user.weight": RowBlock(ids, torch.ones(2, 4))},
+        pull_rows={"user.weight": ids, "items.weight": ids},
+    )
+    state = request.__getstate__()
+    wires = {"dense_grads": state["dense_grads"], "pull_rows": state["pull_rows"]}
+    assert all(type(b) is Bundle for b in wires.values())  # else the test is vacuous
+    values = Bundle(("user.weight", "items.weight"), ((1, 4), (1, 4)), torch.ones(2, 4))
+    refused = 0
+    for field, bundle in [*wires.items(), ("row_grads", values)]:
+        for wrong in spoiled(bundle):
+            sent = RowBlocksBundle({"user.weight": ids}, wrong) if field == "row_grads" else wrong
+            received = request_of({**state, field: sent})
+            with pytest.raises(ParamServerError, match=f"malformed request: {field}: a bundle"):
+                endpoint.coordinator.push_pull(received).wait()
+            refused += 1
+    mismatched = RowBlocksBundle({"user.weight": ids}, {"items.weight": torch.ones(2, 4)})
+    with pytest.raises(ParamServerError, match="name different tables"):
+        endpoint.coordinator.push_pull(request_of({**state, "row_grads": mismatched})).wait()
+    assert refused == 3 * len(spoiled(values))
+    assert endpoint.shard.state_hash() == before and endpoint.shard.stats.pushes == 0
+    endpoint.coordinator.push_pull(request_of(state)).wait()  # the unspoiled one is applied
+    assert endpoint.shard.state_hash() != before
+
+
+def test_a_spoiled_answer_is_a_typed_error_for_the_trainer(make_server: MakeServer) -> None:
+    endpoint = make_server(0, servers=1, trainers=1)
+
+    class SpoilingTransport(LocalTransport):
+        def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+            def spoil(reply: PushPullReply) -> PushPullReply:
+                state = reply.__getstate__()
+                assert type(state["rows"]) is Bundle
+                received = PushPullReply.__new__(PushPullReply)
+                received.__setstate__({**state, "rows": spoiled(state["rows"])[-2]})
+                return received
+
+            return super().call(server, op, *args).then(lambda done: spoil(done.value()))
+
+    client = PSClient(SpoilingTransport([endpoint]), endpoint.shard.plan, trainer=0)
+    ids = own_ids(endpoint, 0, 1)
+    call = client.push_pull({}, {}, {"user.weight": ids, "items.weight": ids})
+    with pytest.raises(ParamServerError, match="server 0 sent a malformed answer: rows: a bundle"):
+        call.wait()
