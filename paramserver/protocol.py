@@ -296,7 +296,7 @@ def bundled(mapping: Any) -> Any:
 
     TensorPipe ships each tensor as a buffer of its own, at tens of microseconds each way
     whatever its size; a step of a model with many tables moves a few tensors per table, and
-    one copy into a bundle costs far less (``benchmarks/bench_comm.py``, ``bundles``).
+    one copy into a bundle costs far less (``benchmarks/bench_wire.py``).
     """
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping

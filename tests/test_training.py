@@ -317,3 +317,29 @@ def test_the_model_can_stay_on_the_servers() -> None:
     result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, num_batches=3), mse, config)
     assert result is not None and result.model is None
     assert result.summary["trainer_steps"] == [3]
+
+
+def test_dlrms_interactions_are_the_dot_products_of_every_pair_of_vectors() -> None:
+    """Its pairs, picked from the flattened matrix of dot products, are each pair (i < j) in
+    the order rows-then-columns indexing gives: the same output and gradients, bitwise."""
+    torch.manual_seed(0)
+    model = DLRM(num_dense=13, table_rows=[50] * 5)
+    dense, sparse = torch.randn(64, 13), torch.randint(0, 50, (64, 5))
+
+    def by_rows_and_columns() -> torch.Tensor:
+        bottom = model.bottom(dense)
+        vectors = [bottom] + [table(sparse[:, i]) for i, table in enumerate(model.embeddings)]
+        stacked = torch.stack(vectors, dim=1)
+        rows, columns = torch.triu_indices(6, 6, offset=1)
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, columns]
+        return model.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
+
+    results = []
+    for forward in (lambda: model(dense, sparse), by_rows_and_columns):
+        model.zero_grad(set_to_none=True)
+        output = forward()
+        output.sum().backward()
+        results.append((output.detach(), [p.grad for p in model.parameters()]))
+    (output, grads), (expected, expected_grads) = results
+    assert torch.equal(output, expected)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))

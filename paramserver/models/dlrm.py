@@ -49,7 +49,11 @@ class DLRM(nn.Module):
                 tables.append(table)
         self.embeddings = nn.ModuleList(tables)
         num_vectors = len(table_rows) + 1
-        self.pairs = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        pairs = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        # Each pair (i < j) as its place in a flattened [vectors x vectors] matrix: one
+        # index_select picks them (and its backward is an index_add), about half the time of
+        # indexing with both rows and columns, and bitwise the same.
+        self.pairs = pairs[0] * num_vectors + pairs[1]
         interactions = num_vectors * (num_vectors - 1) // 2
         self.top = mlp([embedding_dim + interactions, *top, 1], final_activation=False)
 
@@ -57,5 +61,5 @@ class DLRM(nn.Module):
         bottom = self.bottom(dense)
         vectors = [bottom] + [table(sparse[:, i]) for i, table in enumerate(self.embeddings)]
         stacked = torch.stack(vectors, dim=1)  # [B, tables + 1, dim]
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
+        dots = torch.bmm(stacked, stacked.transpose(1, 2)).flatten(1).index_select(1, self.pairs)
         return self.top(torch.cat([bottom, dots], dim=1)).squeeze(1)
