@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -45,14 +46,17 @@ BATCH = 512
 PLAIN_ROWS = 200_000
 
 
-def paramserver_job(path: Path) -> dict[str, float]:
+def paramserver_job(path: Path, tree: Path | None = None) -> dict[str, float]:
+    """The job's and its reference's samples/s; ``tree``: run another checkout's paramserver
+    (its compiled loops built in place) instead of this one."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as work:
         summary_path = Path(work) / "summary.json"
         subprocess.run(
             [sys.executable, "-m", "paramserver", "train", "--dataset", f"criteo:{path}",
              "--servers", "1", "--trainers", "1", "--batch-size", str(BATCH),
              "--compare-single-process", "--no-progress", "--summary-json", str(summary_path)],
-            check=True, capture_output=True, timeout=3600,
+            check=True, capture_output=True, timeout=3600, cwd=tree, env=env,
         )  # fmt: skip
         summary = json.loads(summary_path.read_text())
     return {
@@ -85,14 +89,38 @@ def plain_pytorch(batches: list[Any]) -> float:
     return samples / (time.perf_counter() - started)
 
 
+def compared(runs: dict[str, list[float]], tree: Path | None) -> dict[str, Any]:
+    """The other checkout's job against plain PyTorch and against this one, per repetition."""
+    if tree is None:
+        return {}
+    plain, it = runs["plain_pytorch"], runs["compared_tree"]
+    against_plain = [c / p for c, p in zip(it, plain, strict=True)]
+    this_vs_it = [t / c for t, c in zip(runs["paramserver"], it, strict=True)]
+    return {
+        "compared_tree": str(tree),
+        "compared_tree_vs_plain_pytorch_per_repetition": against_plain,
+        "compared_tree_vs_plain_pytorch_median_of_repetitions": statistics.median(against_plain),
+        "paramserver_vs_compared_tree_per_repetition": this_vs_it,
+        "paramserver_vs_compared_tree_median_of_repetitions": statistics.median(this_vs_it),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lines", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="bench_criteo.json")
+    parser.add_argument(
+        "--compare-tree",
+        type=Path,
+        help="another checkout (say, the last release: `git worktree add DIR REV`, then "
+        "`python setup.py build_ext --inplace` in it) whose job runs in each repetition too",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     runs: dict[str, list[float]] = {"paramserver": [], "reference": [], "plain_pytorch": []}
+    if args.compare_tree is not None:
+        runs["compared_tree"] = []
     with tempfile.TemporaryDirectory() as work:
         path = Path(work) / "day_0"
         write_synthetic_criteo(path, args.lines, seed=0)
@@ -102,6 +130,9 @@ def main() -> None:
             runs["paramserver"].append(job["paramserver"])
             runs["reference"].append(job["reference"])
             runs["plain_pytorch"].append(plain_pytorch(batches))
+            if args.compare_tree is not None:
+                other = paramserver_job(path, args.compare_tree)
+                runs["compared_tree"].append(other["paramserver"])
             print(json.dumps({k: round(v[-1]) for k, v in runs.items()}), flush=True)
     median = {k: statistics.median(v) for k, v in runs.items()}
     # Each repetition's runs follow one another, so their ratio shares the host's load of the
@@ -117,6 +148,7 @@ def main() -> None:
             "paramserver_vs_plain_pytorch": median["paramserver"] / median["plain_pytorch"],
             "paramserver_vs_plain_pytorch_per_repetition": paired,
             "paramserver_vs_plain_pytorch_median_of_repetitions": statistics.median(paired),
+            **compared(runs, args.compare_tree),
         },
         args.out,
     )
