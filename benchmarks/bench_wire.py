@@ -8,7 +8,7 @@ the answer brings the 26 tables' rows and the 8 dense values. The server's side 
 deserialising.
 
 - ``bundled``: as paramserver sends them: each mapping of tensors as one
-  (:class:`paramserver.protocol.Bundle`), about 8 tensors a round trip;
+  (:class:`paramserver.bundles.Bundle`), about 8 tensors a round trip;
 - ``per_tensor``: every tensor on its own (bundling turned off in both processes), ~150.
 
 Reported per variant: the median round trip (wall) and the caller's CPU time to send (the

@@ -18,10 +18,11 @@ Any float32 tensor of gradients or values may travel encoded (a
 server validates it first.
 
 On the wire (pickled, as the RPC transport sends them), each of a message's mappings of plain
-tensors of one dtype (gradients, ids, rows, versions) travels as one :class:`Bundle`:
-TensorPipe ships every tensor as a buffer of its own, at a cost per tensor that a step with
-many tables would pay a hundred times. The receiver gets views of the bundle, after checking
-it whole; a malformed one leaves a :class:`MalformedBundle` that ``malformed()`` reports.
+tensors of one dtype (gradients, ids, rows, versions) travels as one
+:class:`~paramserver.bundles.Bundle`: TensorPipe ships every tensor as a buffer of its own, at a
+cost per tensor that a step with many tables would pay a hundred times. The receiver gets views
+of the bundle, after checking it whole; a malformed one leaves a
+:class:`~paramserver.bundles.MalformedBundle` that ``malformed()`` reports.
 
 A trainer's :class:`TrainerReport` (sent with its last call) carries its per-operation call
 statistics (:class:`CallStats`) and the summary of its replica checks; :class:`ServerView` is a
@@ -47,6 +48,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from paramserver.bundles import Bundle, MalformedBundle, bundled, unbundled
 from paramserver.compression import Encoded
 from paramserver.idcodec import FIRST_NBYTES, PackedIds, num_ids
 
@@ -248,18 +250,6 @@ class TrainerReport:
 
 
 @dataclass(frozen=True)
-class Bundle:
-    """A message's ``{name: tensor}`` mapping as it travels: the tensors end to end in one,
-    ``flat``, with each one's name and shape (see :func:`bundled`). Tensors of one width (their
-    shapes equal past the first dimension: a table's ids, its rows) are joined along their first
-    dimension, so the receiver's views are one split; others are flattened first."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    flat: Tensor
-
-
-@dataclass(frozen=True)
 class RowBlocksBundle:
     """A request's ``row_grads`` as they travel: the blocks' ids and values as two mappings,
     each bundled where it can be."""
@@ -277,119 +267,8 @@ class RowBlocksBundle:
         return {name: RowBlock(ids[name], values[name]) for name in ids}
 
 
-@dataclass(frozen=True)
-class MalformedBundle:
-    """What a received field holds where its bundle was malformed: the receiver refuses the
-    message (``malformed()``), saying why."""
-
-    reason: str
-
-
 _BUNDLED_REQUEST_FIELDS = ("dense_grads", "pull_rows", "pull_versions")
 _BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions")
-
-
-def bundled(mapping: Any) -> Any:
-    """A ``{name: tensor}`` mapping as it travels: a :class:`Bundle` where it holds two or more
-    plain tensors (CPU, strided, no autograd) of one dtype, else itself (encoded values and
-    packed ids travel as they are).
-
-    TensorPipe ships each tensor as a buffer of its own, at tens of microseconds each way
-    whatever its size; a step of a model with many tables moves a few tensors per table, and
-    one copy into a bundle costs far less (``benchmarks/bench_wire.py``).
-    """
-    if type(mapping) is not dict or len(mapping) < 2:
-        return mapping
-    values = list(mapping.values())
-    dtype = getattr(values[0], "dtype", None)
-    if not all(
-        type(v) is Tensor and v.dtype == dtype and v.layout is torch.strided for v in values
-    ):
-        return mapping
-    with torch.no_grad():
-        flat = (
-            torch.cat(values) if _one_width(values) else torch.cat([v.reshape(-1) for v in values])
-        )
-    if not _plain(flat):  # not on the CPU, say: as they are
-        return mapping
-    return Bundle(tuple(mapping), tuple(tuple(value.shape) for value in values), flat)
-
-
-def _one_width(values: list[Tensor]) -> bool:
-    """Whether the tensors' shapes are equal past the first dimension (the common cases, 1-D
-    and 2-D, without building each shape's tail)."""
-    dims = values[0].dim()
-    if dims == 0:
-        return False
-    if dims == 1:
-        return all(value.dim() == 1 for value in values)
-    if dims == 2:
-        width = values[0].size(1)
-        return all(value.dim() == 2 and value.size(1) == width for value in values)
-    tail = values[0].shape[1:]
-    return all(value.shape[1:] == tail for value in values)
-
-
-def _plain(value: Any) -> bool:
-    return (
-        type(value) is Tensor
-        and value.is_cpu
-        and value.layout is torch.strided
-        and not value.requires_grad
-        and not value.is_quantized
-    )
-
-
-def unbundled(value: Any) -> Any:
-    """A :class:`Bundle`'s mapping (views of its ``flat`` tensor), a
-    :class:`MalformedBundle` saying what is wrong with a malformed one, anything else as it is.
-    Never raises: a peer's bundle is checked whole before it is read."""
-    if type(value) is not Bundle:
-        return value
-    problem = _bundle_problem(value)
-    if problem is not None:
-        return MalformedBundle(problem)
-    flat, shapes = value.flat, value.shapes
-    if _as_rows(flat, shapes):
-        parts = flat.split([shape[0] for shape in shapes]) if shapes else ()
-    else:
-        flat = flat.reshape(-1)
-        numels = [math.prod(shape) for shape in shapes]
-        parts = [p.view(shape) for p, shape in zip(flat.split(numels), shapes, strict=True)]
-    return dict(zip(value.names, parts, strict=True))
-
-
-def _as_rows(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether a bundle joined its tensors as rows (see :class:`Bundle`)."""
-    width = flat.shape[1:]
-    return flat.dim() > 0 and all(len(shape) and shape[1:] == width for shape in shapes)
-
-
-def _bundle_problem(bundle: Bundle) -> str | None:
-    names, shapes, flat = bundle.names, bundle.shapes, bundle.flat
-    if type(names) is not tuple or not all(type(name) is str for name in names):
-        return "a bundle's names must be a tuple of strings"
-    if len(set(names)) != len(names):
-        return "a bundle names a tensor twice"
-    if type(flat) is not Tensor or flat.dim() == 0 or not _plain(flat):
-        return "a bundle's values must be one plain tensor of 1 or more dimensions"
-    if type(shapes) is not tuple or len(shapes) != len(names):
-        return "a bundle must give one shape per name"
-    remaining = flat.numel()
-    for shape in shapes:
-        if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
-            return "a bundle's shapes must be tuples of sizes"
-        size = 1
-        for dim in shape:
-            size *= dim
-            if size > remaining:  # stop early: a claim of absurd size is slow to multiply out
-                return "a bundle's shapes claim more values than it holds"
-        remaining -= size
-    if remaining:
-        return "a bundle holds more values than its shapes claim"
-    if _as_rows(flat, shapes) and sum(shape[0] for shape in shapes) != flat.shape[0]:
-        return "a bundle's shapes claim other rows than it holds"
-    return None
 
 
 def _bundled_fields(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

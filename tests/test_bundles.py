@@ -1,4 +1,4 @@
-"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.protocol's
+"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.bundles'
 Bundle), arrives equal, and a spoiled bundle is refused with a typed error that changes
 nothing, on a server and on a trainer."""
 
@@ -12,18 +12,16 @@ import pytest
 import torch
 from torch import Tensor
 
+from paramserver.bundles import Bundle, MalformedBundle, unbundled
 from paramserver.compression import Encoded, encode
 from paramserver.errors import ParamServerError
 from paramserver.idcodec import PackedIds, compact_ids
 from paramserver.protocol import (
-    Bundle,
-    MalformedBundle,
     PushPullReply,
     PushPullRequest,
     RowBlock,
     RowBlocksBundle,
     message_sizes,
-    unbundled,
 )
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
