@@ -54,13 +54,33 @@ def bundled(mapping: Any) -> Any:
         type(v) is Tensor and v.dtype == dtype and v.layout is torch.strided for v in values
     ):
         return mapping
-    with torch.no_grad():
-        flat = (
-            torch.cat(values) if _one_width(values) else torch.cat([v.reshape(-1) for v in values])
-        )
+    flat = joined_already(values)  # the views a split made: travel as what they split
+    if flat is None:
+        with torch.no_grad():
+            flat = (
+                torch.cat(values)
+                if _one_width(values)
+                else torch.cat([v.reshape(-1) for v in values])
+            )
     if not _plain(flat):  # not on the CPU, say: as they are
         return mapping
     return Bundle(tuple(mapping), tuple(tuple(value.shape) for value in values), flat)
+
+
+def joined_already(values: list[Tensor]) -> Tensor | None:
+    """The tensor ``values`` lie end to end in, whole and in order, as the views a split of it
+    makes (:func:`unbundled`'s, or rows read in one piece); None where they do not."""
+    base = values[0]._base
+    if base is None or not base.is_contiguous():
+        return None
+    at = base.data_ptr()
+    for value in values:
+        if value._base is not base or value.dtype != base.dtype or not value.is_contiguous():
+            return None
+        if value.numel() and value.data_ptr() != at:
+            return None
+        at += value.numel() * value.element_size()
+    return base if at == base.data_ptr() + base.numel() * base.element_size() else None
 
 
 def _one_width(values: list[Tensor]) -> bool:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.bundles import Bundle, MalformedBundle, unbundled
+from paramserver.bundles import Bundle, MalformedBundle, bundled, joined_already, unbundled
 from paramserver.compression import Encoded, encode
 from paramserver.errors import ParamServerError
 from paramserver.idcodec import PackedIds, compact_ids
@@ -234,3 +234,40 @@ def test_a_spoiled_answer_is_a_typed_error_for_the_trainer(make_server: MakeServ
     call = client.push_pull({}, {}, {"user.weight": ids, "items.weight": ids})
     with pytest.raises(ParamServerError, match="server 0 sent a malformed answer: rows: a bundle"):
         call.wait()
+
+
+def test_views_that_lie_end_to_end_travel_as_what_they_split_not_a_copy() -> None:
+    """Rows a server read in one piece, or a bundle's own views: no second copy. Views that
+    leave a gap, come out of order or are not views travel as a copy."""
+    rows = torch.randn(10, 4)
+    a, b, c = rows.split([3, 0, 7])
+    assert joined_already([a, b, c]) is rows
+    sent = bundled({"a": a, "b": b, "c": c})
+    assert sent.flat.data_ptr() == rows.data_ptr()
+    assert_same(
+        through_the_wire(PushPullReply(rows={"a": a, "b": b, "c": c})).rows,
+        {"a": a, "b": b, "c": c},
+    )
+    for parts in ([a, c[:5]], [c, a], [a.clone(), c], [rows[:, :2], rows[:, 2:]]):
+        assert joined_already(parts) is None
+        copied = bundled({str(i): part for i, part in enumerate(parts)})
+        assert copied.flat.data_ptr() != rows.data_ptr()
+        assert_same(unbundled(copied), {str(i): part for i, part in enumerate(parts)})
+
+
+def test_a_nan_in_a_bundle_that_arrived_whole_is_refused(make_server: MakeServer) -> None:
+    """The server sums a bundle of gradients as it arrived: a NaN in any of its views is found
+    and named, and changes nothing."""
+    endpoint = make_server(0, servers=1, trainers=1)
+    before = endpoint.shard.state_hash()
+    ids = own_ids(endpoint, 0, 1)
+    grads = {"user.weight": torch.ones(2, 4), "items.weight": torch.ones(2, 4)}
+    grads["items.weight"][1, 2] = float("nan")
+    request = PushPullRequest(
+        trainer=0, call=0, row_grads={name: RowBlock(ids, g) for name, g in grads.items()}
+    )
+    received = through_the_wire(request)
+    assert joined_already([block.values for block in received.row_grads.values()]) is not None
+    with pytest.raises(ParamServerError, match="items.weight.*NaN or Inf"):
+        endpoint.coordinator.push_pull(received).wait()
+    assert endpoint.shard.state_hash() == before

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver.bundles import joined_already
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, validate
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
@@ -288,12 +289,9 @@ class RequestChecks:
     def _check_finite(self, tensors: Mapping[str, Tensor]) -> None:
         """Refuse a request whose ``tensors`` (checked, each a plain CPU tensor) hold a NaN or
         Inf, naming the first that does. A finite sum proves every element finite (NaN and
-        Inf propagate), so all of one dtype are summed at once (one call, not one per
+        Inf propagate), so they are summed as a few tensors (:func:`_joined`; not one call per
         tensor: a request has dozens); only a sum that is not finite needs a closer look."""
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for tensor in tensors.values():
-            by_dtype.setdefault(tensor.dtype, []).append(tensor.reshape(-1))
-        if all(math.isfinite(float(torch.cat(parts).sum())) for parts in by_dtype.values()):
+        if all(math.isfinite(float(joined.sum())) for joined in _joined(tensors)):
             return
         for name, tensor in tensors.items():
             if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
@@ -409,3 +407,22 @@ def _plain_ids(ids: object) -> bool:
 def _largest(sizes: dict[str, int]) -> str | None:
     """The name with the most bytes, to name in an error (None if there is none)."""
     return max(sizes, key=lambda name: sizes[name]) if sizes else None
+
+
+def _joined(tensors: Mapping[str, Tensor]) -> list[Tensor]:
+    """A few tensors holding every value of ``tensors``: the views of a bundle that arrived
+    whole (:func:`~paramserver.bundles.joined_already`) as that bundle, not copied again; the
+    others joined, one tensor per dtype."""
+    groups: dict[tuple[torch.dtype, int], list[Tensor]] = {}
+    for tensor in tensors.values():
+        base = tensor._base
+        groups.setdefault((tensor.dtype, id(base) if base is not None else 0), []).append(tensor)
+    whole: list[Tensor] = []
+    loose: dict[torch.dtype, list[Tensor]] = {}
+    for (dtype, base_id), parts in groups.items():
+        bundle = joined_already(parts) if base_id else None
+        if bundle is not None:
+            whole.append(bundle)
+        else:
+            loose.setdefault(dtype, []).extend(part.reshape(-1) for part in parts)
+    return whole + [torch.cat(parts) for parts in loose.values()]
