@@ -7,6 +7,8 @@
  * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
  * - unique_inverse: the sorted unique ids of each of several batches of ids, and where each id
  *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
+ * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
+ *   and their gradients added back, every table and lookup in one call.
  * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
@@ -70,6 +72,15 @@ static int optional_buffer(PyObject *object, Py_buffer *view, int flags) {
 
 static void release(Py_buffer *view) {
     if (view->obj != NULL) PyBuffer_Release(view);
+}
+
+/* PyArg_ParseTuple's converter for a contiguous buffer (the caller releases it). */
+static int buffer_converter(PyObject *object, void *view) {
+    if (object == Py_None) {
+        PyErr_SetString(PyExc_TypeError, "a buffer is required");
+        return 0;
+    }
+    return optional_buffer(object, view, PyBUF_C_CONTIGUOUS) == 0;
 }
 
 /* The layout of a map's rows: one record of `stride` bytes per row, the id (int64) at offset 0,
@@ -560,12 +571,147 @@ done:
     return counts;
 }
 
+/* gather_rows and scatter_rows: the lookups of a trainer's step, all tables in one call. */
+typedef struct {
+    Py_ssize_t table;
+    Py_buffer positions; /* int64 */
+    Py_buffer rows;      /* float32, one per position; buf NULL: no gradient (scatter_rows) */
+} Lookup;
+
+/* Export `tables` and the (table, positions, rows) triples of `lookups`, and check them all;
+ * on failure release what was exported and return -1 with ValueError (or the export's error)
+ * set. Tables are written by scatter, lookups' rows by gather. */
+static int export_lookups(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
+                          Py_buffer *table_views, Py_ssize_t num_tables, Lookup *each,
+                          Py_ssize_t num_lookups) {
+    const char *error = NULL;
+    int table_flags = PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0);
+    int rows_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+    for (Py_ssize_t t = 0; t < num_tables; t++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(tables, t), &table_views[t],
+                               table_flags) < 0)
+            return -1;
+        if (table_views[t].len % (4 * dim)) error = "a table's size is not whole rows";
+    }
+    for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(lookups, j);
+        PyObject *rows;
+        if (!PyTuple_Check(item)) {
+            PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, rows) tuple");
+            return -1;
+        }
+        if (!PyArg_ParseTuple(item, "nO&O", &each[j].table, buffer_converter,
+                              &each[j].positions, &rows))
+            return -1;
+        if (!scatter && rows == Py_None) {
+            error = "a lookup without rows";
+            break;
+        }
+        if (optional_buffer(rows, &each[j].rows, rows_flags) < 0) return -1;
+        Py_ssize_t count = each[j].positions.len / 8;
+        if (each[j].positions.buf == NULL || each[j].positions.len % 8 ||
+            (each[j].rows.buf != NULL && each[j].rows.len != count * dim * 4)) {
+            error = "a lookup's positions and rows differ in number";
+            break;
+        }
+        if (each[j].table < 0 || each[j].table >= num_tables) {
+            error = "a lookup of no table";
+            break;
+        }
+        Py_ssize_t table_rows = table_views[each[j].table].len / 4 / dim;
+        const int64_t *positions = each[j].positions.buf;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (positions[i] < 0 || positions[i] >= table_rows) {
+                error = "a position past its table's end";
+                break;
+            }
+        }
+    }
+    if (error != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", scatter ? "scatter_rows" : "gather_rows",
+                     error);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *move_rows(PyObject *args, int scatter) {
+    PyObject *tables_arg, *lookups_arg, *result = NULL;
+    Py_ssize_t dim;
+    if (!PyArg_ParseTuple(args, "OOn", &tables_arg, &lookups_arg, &dim)) return NULL;
+    if (dim <= 0) {
+        PyErr_SetString(PyExc_ValueError, "rows of width < 1");
+        return NULL;
+    }
+    PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");
+    PyObject *lookups = tables ? PySequence_Fast(lookups_arg, "lookups must be a sequence")
+                               : NULL;
+    Py_ssize_t num_tables = tables ? PySequence_Fast_GET_SIZE(tables) : 0;
+    Py_ssize_t num_lookups = lookups ? PySequence_Fast_GET_SIZE(lookups) : 0;
+    Py_buffer *table_views = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(Py_buffer));
+    Lookup *each = PyMem_Calloc(num_lookups ? num_lookups : 1, sizeof(Lookup));
+    if (lookups == NULL || table_views == NULL || each == NULL) {
+        if (lookups != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    if (export_lookups(tables, lookups, dim, scatter, table_views, num_tables, each,
+                       num_lookups) < 0)
+        goto done;
+    size_t row_bytes = (size_t)dim * 4;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < num_lookups; j++) {
+        const int64_t *positions = each[j].positions.buf;
+        Py_ssize_t count = each[j].positions.len / 8;
+        float *table = table_views[each[j].table].buf, *rows = each[j].rows.buf;
+        if (rows == NULL) continue;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            float *row = table + positions[i] * dim, *own = rows + i * dim;
+            if (!scatter) {
+                memcpy(own, row, row_bytes);
+                continue;
+            }
+            for (Py_ssize_t k = 0; k < dim; k++) row[k] += own[k];
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t t = 0; t < num_tables && table_views != NULL; t++) release(&table_views[t]);
+    for (Py_ssize_t j = 0; j < num_lookups && each != NULL; j++) {
+        release(&each[j].positions);
+        release(&each[j].rows);
+    }
+    PyMem_Free(table_views);
+    PyMem_Free(each);
+    Py_XDECREF(tables);
+    Py_XDECREF(lookups);
+    return result;
+}
+
+static const char gather_rows_doc[] =
+    "gather_rows(tables, lookups, dim)\n"
+    "Each lookup (table, positions, out) of `lookups` copies rows `positions` (int64) of\n"
+    "tables[table] into out, in order: every table and out float32 rows `dim` wide.";
+
+static PyObject *gather_rows(PyObject *self, PyObject *args) { return move_rows(args, 0); }
+
+static const char scatter_rows_doc[] =
+    "scatter_rows(tables, lookups, dim)\n"
+    "Each lookup (table, positions, grads) of `lookups` adds grads[i] to row positions[i] of\n"
+    "tables[table] in place, lookup by lookup and row by row (index_add_'s order); a lookup's\n"
+    "grads None adds nothing. Every table and grads float32 rows `dim` wide.";
+
+static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows(args, 1); }
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
     {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
     {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
+    {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
+    {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -68,19 +68,27 @@ def bundled(mapping: Any) -> Any:
 
 
 def joined_already(values: list[Tensor]) -> Tensor | None:
-    """The tensor ``values`` lie end to end in, whole and in order, as the views a split of it
-    makes (:func:`unbundled`'s, or rows read in one piece); None where they do not."""
-    base = values[0]._base
-    if base is None or not base.is_contiguous():
-        return None
-    at = base.data_ptr()
+    """The tensor ``values`` already make up, end to end and in order, where they fill one
+    storage whole (a split's views, as :func:`unbundled` makes them or rows read in one piece;
+    gradients a backward wrote into one buffer): that storage, shaped as :func:`bundled` joins
+    them. None where they do not."""
+    first = values[0]
+    storage = first.untyped_storage()
+    start = at = storage.data_ptr()
     for value in values:
-        if value._base is not base or value.dtype != base.dtype or not value.is_contiguous():
+        if value.dtype != first.dtype or not value.is_contiguous():
             return None
-        if value.numel() and value.data_ptr() != at:
+        if value.numel() and (
+            value.data_ptr() != at or value.untyped_storage().data_ptr() != start
+        ):
             return None
         at += value.numel() * value.element_size()
-    return base if at == base.data_ptr() + base.numel() * base.element_size() else None
+    if at != start + storage.nbytes() or first.device.type != "cpu":
+        return None
+    whole = first.new_empty(0).set_(storage)
+    if _one_width(values):
+        return whole.view(-1, *first.shape[1:])
+    return whole
 
 
 def _one_width(values: list[Tensor]) -> bool:

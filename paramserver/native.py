@@ -15,7 +15,9 @@ applies, with the same result (the tests run both and compare):
 - a dynamic table's new rows (:mod:`paramserver.server.dynamic_rows`) get their values and
   optimizer state in one write per row (numpy and torch: a pass per array);
 - a trainer's record pass (:mod:`paramserver.trainer.replica`) finds every table's unique ids
-  in one call (torch: a ``torch.unique`` per table, each with its own cost).
+  in one call (torch: a ``torch.unique`` per table, each with its own cost);
+- a trainer's forward makes its step's lookups of every table in one call, and its backward
+  adds their gradients in one (torch: an ``index_select`` and an ``index_add_`` per lookup).
 
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
 out).

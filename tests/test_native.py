@@ -225,3 +225,63 @@ def test_each_parts_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.Monk
                 assert torch.equal(unique, expected_unique)
                 assert torch.equal(inverse, expected_inverse)
     assert searched[0] == 2 * len(cases)
+
+
+@compiled
+@pytest.mark.parametrize("dim", [1, 16, 33])
+def test_a_steps_lookups_and_their_gradients_are_index_select_and_index_adds(dim: int) -> None:
+    """gather_rows copies each lookup's rows as index_select does; scatter_rows adds each
+    lookup's gradient rows into its table in index_add_'s order (repeated positions, several
+    lookups of one table, a lookup without gradient): bitwise torch's."""
+    g = torch.Generator().manual_seed(dim)
+    tables = [torch.randn(rows, dim, generator=g) for rows in (5, 1, 40)]
+    plan = [(0, 9), (2, 64), (0, 3), (1, 4), (2, 0)]
+    positions = [torch.randint(0, tables[t].shape[0], (n,), generator=g) for t, n in plan]
+    outputs = [torch.empty(n, dim) for _, n in plan]
+    native.loops.gather_rows(
+        [t.numpy() for t in tables],
+        [(t, p.numpy(), o.numpy()) for (t, _), p, o in zip(plan, positions, outputs, strict=True)],
+        dim,
+    )
+    for (t, _), p, out in zip(plan, positions, outputs, strict=True):
+        assert torch.equal(out, tables[t].index_select(0, p))
+    grads = [torch.randn(n, dim, generator=g) * 1e3 for _, n in plan]
+    grads[3] = None
+    summed = [torch.zeros_like(t) for t in tables]
+    native.loops.scatter_rows(
+        [s.numpy() for s in summed],
+        [(t, p.numpy(), None if gr is None else gr.numpy())
+         for (t, _), p, gr in zip(plan, positions, grads, strict=True)],
+        dim,
+    )  # fmt: skip
+    expected = [torch.zeros_like(t) for t in tables]
+    for (t, _), p, gr in zip(plan, positions, grads, strict=True):
+        if gr is not None:
+            expected[t].index_add_(0, p, gr)
+    for got, want in zip(summed, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@compiled
+def test_bad_lookups_are_refused_before_anything_is_written() -> None:
+    loops = native.loops
+    tables = [np.zeros((4, 2), dtype=np.float32), np.zeros((2, 2), dtype=np.float32)]
+    grads = np.ones((2, 2), dtype=np.float32)
+    good = (0, np.array([0, 3]), grads)
+    bad = {
+        "past its table's end": (1, np.array([0, 2]), grads),
+        "of no table": (2, np.array([0, 1]), grads),
+        "differ in number": (0, np.array([0]), grads),
+    }
+    for reason, lookup in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            loops.scatter_rows(tables, [good, lookup], 2)
+    with pytest.raises(ValueError, match="without rows"):
+        loops.gather_rows(tables, [(0, np.array([0]), None)], 2)
+    with pytest.raises(ValueError, match="whole rows"):
+        loops.gather_rows([np.zeros(3, dtype=np.float32)], [], 2)
+    with pytest.raises(TypeError, match="tuple"):
+        loops.scatter_rows(tables, [list(good)], 2)
+    with pytest.raises(ValueError, match="not C-contiguous"):  # a strided table
+        loops.scatter_rows([tables[0][:, :1]], [(0, np.array([0]), grads[:1, :1].copy())], 1)
+    assert not any(table.any() for table in tables)  # nothing added by a refused call

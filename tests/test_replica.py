@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor, nn
 
+from paramserver import native
+from paramserver.bundles import joined_already
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import plan_of
 from paramserver.trainer.replica import Call, MissingRows, Replica
@@ -213,3 +217,94 @@ def test_a_batch_changed_after_its_record_pass_is_looked_up_anew() -> None:
     with pytest.raises(MissingRows) as missing:
         replica.forward(batch)
     assert missing.value.ids.tolist() == [5]
+
+
+class _ManyLookups(nn.Module):
+    """Tables of each kind of lookup: plain ones, one looked up twice, one whose output is
+    changed in place, one of another width, a padding row, a bag; and in training a lookup the
+    record pass (eval mode) does not see, whose ids were not pulled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.twice = nn.Embedding(30, 4)
+        self.in_place = nn.Embedding(30, 4)
+        self.wide = nn.Embedding(30, 6)
+        self.padded = nn.Embedding(30, 4, padding_idx=0)
+        self.bag = nn.EmbeddingBag(30, 4, mode="sum")
+        self.unseen = nn.Embedding(31, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        changed = self.in_place(x[:, 1])
+        changed.mul_(2.0)
+        out = self.twice(x[:, 0]) + self.twice(x[:, 2]) + changed + self.padded(x[:, 1])
+        out = out + self.bag(x) + self.unseen(x[:, 0])
+        if self.training:
+            out = out + self.unseen(x[:, 0] + 1)
+        return out.sum(1) * self.wide(x[:, 2]).sum(1)
+
+
+def _train_step(model: nn.Module, inputs: Tensor, upstream: Tensor) -> tuple[Tensor, Replica]:
+    """One step of ``model`` made remote the way a trainer makes it: record, load the rows
+    pulled (from the model's own weights), forward (reading rows a lookup missed), backward."""
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    replica = Replica(model)
+    call = Call.of(inputs)
+    recorded = replica.record([call])
+    pulled = {name: (ids, weights[name][ids].clone()) for name, ids in recorded.ids.items()}
+    replica.load({}, pulled, {}, recorded.lookups)
+
+    def fetch(wanted: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+        return {name: (ids, weights[name][ids].clone()) for name, ids in wanted.items()}
+
+    output = replica.forward_fetching(call, fetch)
+    (output * upstream).sum().backward()
+    return output, replica
+
+
+def test_a_steps_lookups_made_in_one_node_are_the_modules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the compiled loops, a forward's recorded plain lookups are made in one autograd
+    node: outputs and row gradients bitwise those of a node per lookup (the loops off; a table
+    looked up twice sums its lookups' gradients in another order), and close to the module's
+    own. Lookups of other kinds and lookups the record pass missed are made as before, in the
+    same forward. The joined tables' gradients lie in one buffer, which a push sends without
+    joining them again."""
+    if native.loops is None:
+        pytest.skip("the compiled loops are turned off (PARAMSERVER_NATIVE=0)")
+    g = torch.Generator().manual_seed(0)
+    inputs = torch.randint(0, 30, (64, 3), generator=g)
+    upstream = torch.randn(64, generator=g)
+    torch.manual_seed(0)
+    module = _ManyLookups()
+    state = module.state_dict()
+    expected = module(inputs)
+    (expected * upstream).sum().backward()
+    gathers = [0]
+    gather_rows = native.loops.gather_rows
+
+    def counting(*args: object) -> None:
+        gathers[0] += 1
+        gather_rows(*args)
+
+    monkeypatch.setattr(native.loops, "gather_rows", counting)
+    output, joined = _train_step(copy.deepcopy(module), inputs, upstream)
+    assert gathers[0] == 4  # two widths, in the forward that missed rows and in its rerun
+    monkeypatch.setattr(native, "loops", None)
+    separate_output, separate = _train_step(copy.deepcopy(module), inputs, upstream)
+    assert torch.equal(output, separate_output)
+    torch.testing.assert_close(output, expected)
+    _, rows = joined.gradients()
+    _, separate_rows = separate.gradients()
+    assert rows.keys() == separate_rows.keys() == set(state)
+    for name, (ids, grads) in rows.items():
+        assert torch.equal(ids, separate_rows[name][0])
+        if name == "twice.weight":  # two lookups' gradients, summed in another order
+            torch.testing.assert_close(grads, separate_rows[name][1], rtol=1e-6, atol=0)
+        else:
+            assert torch.equal(grads, separate_rows[name][1]), name
+        module_grad = dict(module.named_parameters())[name].grad
+        assert module_grad is not None
+        torch.testing.assert_close(grads, module_grad[ids])
+    one_buffer = [rows[f"{name}.weight"][1] for name in ("twice", "in_place")]
+    assert joined_already(one_buffer) is not None  # "unseen" missed rows: on its own since

@@ -415,12 +415,12 @@ def _joined(tensors: Mapping[str, Tensor]) -> list[Tensor]:
     others joined, one tensor per dtype."""
     groups: dict[tuple[torch.dtype, int], list[Tensor]] = {}
     for tensor in tensors.values():
-        base = tensor._base
-        groups.setdefault((tensor.dtype, id(base) if base is not None else 0), []).append(tensor)
+        storage = tensor.untyped_storage().data_ptr()
+        groups.setdefault((tensor.dtype, storage), []).append(tensor)
     whole: list[Tensor] = []
     loose: dict[torch.dtype, list[Tensor]] = {}
-    for (dtype, base_id), parts in groups.items():
-        bundle = joined_already(parts) if base_id else None
+    for (dtype, _), parts in groups.items():
+        bundle = joined_already(parts)
         if bundle is not None:
             whole.append(bundle)
         else:

@@ -12,7 +12,8 @@ forward, later record passes stop as soon as they have them all. If a real forwa
 id the record pass missed, it raises :class:`MissingRows`; the training loop pulls those rows and
 runs the forward again, so a model whose lookups vary never trains on wrong rows. A lookup of
 the very ids the record pass saw (the usual case) takes their rows' positions from it rather than
-searching the pulled ids again.
+searching the pulled ids again; with the compiled loops, those lookups of all tables are made in
+one autograd node (:class:`StepLookups`).
 
 Table names are the state_dict names of the embedding weights (``emb.0.weight``), dense
 parameter names are their state_dict names: an export loads into the user's model as is.
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from paramserver import native
 from paramserver.embedding import DynamicEmbedding
@@ -148,6 +150,12 @@ class RemoteEmbedding(nn.Module):
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
         self.pooled_bags: BagBlock | None = None  # the bags those sums are of
+        # Plain lookups (no bags, padding or scaling) may be made with the other tables' in one
+        # autograd node, by the replica's StepLookups (set by the replica).
+        self.joins_step_lookups = (
+            not self.is_bag and self.padding_idx is None and not self.scale_grad_by_freq
+        )
+        self.step_lookups: StepLookups | None = None
 
     # Set for every step and record pass: plain attributes, so nn.Module.__setattr__'s search
     # for a parameter, buffer or submodule of the name (microseconds, per table) is skipped.
@@ -219,7 +227,13 @@ class RemoteEmbedding(nn.Module):
                 sizes = torch.bincount(bags.bags, minlength=bags.num_bags).clamp_(min=1)
                 return self.pooled / sizes.unsqueeze(1).to(self.pooled.dtype)
             return self.pooled
-        local = self._local_ids(input)
+        ids = input.to(torch.int64)
+        recorded = self._recorded_lookup(ids.reshape(-1))
+        if recorded is not None and self.joins_step_lookups and self.step_lookups is not None:
+            rows = self.step_lookups.output(self.table, recorded)
+            if rows is not None:
+                return rows.view(*ids.shape, self.embedding_dim)
+        local = self._local_ids(ids, recorded)
         padding = self._local_padding()
         if not self.is_bag and padding is None and not self.scale_grad_by_freq:
             # F.embedding's result and gradient, bitwise, for less: index_select's backward
@@ -267,12 +281,18 @@ class RemoteEmbedding(nn.Module):
         bags = offsets.numel() - (1 if self.include_last_offset else 0)
         return (bags, self.embedding_dim)
 
-    def _local_ids(self, ids: Tensor) -> Tensor:
-        ids = ids.to(torch.int64)
-        flat = ids.reshape(-1)
-        for recorded, positions in self.lookups:
+    def _recorded_lookup(self, flat: Tensor) -> int | None:
+        """Which of :attr:`lookups` is of exactly the ids ``flat`` (int64), if any."""
+        for index, (recorded, _) in enumerate(self.lookups):
             if recorded.shape == flat.shape and torch.equal(recorded, flat):
-                return positions.view(ids.shape)
+                return index
+        return None
+
+    def _local_ids(self, ids: Tensor, recorded: int | None) -> Tensor:
+        """The positions of ``ids`` (int64) among the pulled ids: those of the lookup
+        ``recorded`` (see :meth:`_recorded_lookup`), else searched."""
+        if recorded is not None:
+            return self.lookups[recorded][1].view(ids.shape)
         if self.ids.numel() == 0:
             if ids.numel():
                 raise MissingRows(self.table, torch.unique(ids))
@@ -291,6 +311,102 @@ class RemoteEmbedding(nn.Module):
         if position < self.ids.numel() and int(self.ids[position]) == self.padding_idx:
             return position
         return None
+
+
+class StepLookups:
+    """A forward's lookups of the rows pulled for its step, every table's made in one autograd
+    node (:class:`_Lookups`): one gather forward and one scatter of the gradients backward,
+    where a node per lookup costs an ``index_select`` forward and an ``index_add_`` backward,
+    each with its own overhead (26 tables: about 1.5 ms a step).
+
+    It takes the lookups a record pass saw (:class:`RecordedLookups`) of the tables that join
+    (plain lookups of float32 rows, see ``RemoteEmbedding.joins_step_lookups``), on the first
+    such lookup inside :meth:`forward`; a lookup it does not hold is made on its own. Needs the
+    compiled loops (``native.loops``): without them every lookup is made on its own.
+    """
+
+    def __init__(self, tables: dict[str, RemoteEmbedding]):
+        self._tables = tables
+        self._active = False
+        self._outputs: dict[str, tuple[Tensor, ...]] | None = None
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Within: the lookups of one forward (its tables' leaves are those of now)."""
+        self._active, self._outputs = native.loops is not None, None
+        try:
+            yield
+        finally:
+            self._active, self._outputs = False, None
+
+    def output(self, table: str, lookup: int) -> Tensor | None:
+        """The rows of ``table``'s recorded lookup ``lookup`` (None: not held here)."""
+        if not self._active:
+            return None
+        if self._outputs is None:
+            self._outputs = self._gather()
+        outputs = self._outputs.get(table)
+        return None if outputs is None else outputs[lookup]
+
+    def _gather(self) -> dict[str, tuple[Tensor, ...]]:
+        """Every joining table's recorded lookups, one node per width of rows."""
+        by_dim: dict[int, list[RemoteEmbedding]] = {}
+        for remote in self._tables.values():
+            rows = remote.rows
+            if remote.joins_step_lookups and remote.lookups and rows.dtype == torch.float32:
+                by_dim.setdefault(remote.embedding_dim, []).append(remote)
+        gathered: dict[str, tuple[Tensor, ...]] = {}
+        for remotes in by_dim.values():
+            plan = [(t, positions) for t, r in enumerate(remotes) for _, positions in r.lookups]
+            outputs = iter(_Lookups.apply(plan, *(r.rows for r in remotes)))
+            for remote in remotes:
+                gathered[remote.table] = tuple(next(outputs) for _ in remote.lookups)
+        return gathered
+
+
+class _Lookups(torch.autograd.Function):
+    """Lookups of rows in several tables' leaves: ``plan`` is ``(table, positions)`` per
+    lookup, ``tables`` the leaves; the outputs are each lookup's rows (separate tensors, so a
+    model may change them in place). Backward adds each lookup's gradient rows into its
+    table's gradient in order (``index_add_``'s), the tables' gradients views of one buffer
+    (a push then sends them without joining them again)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
+        assert native.loops is not None
+        dim = tables[0].shape[1]
+        outputs = tuple(torch.empty(positions.numel(), dim) for _, positions in plan)
+        native.loops.gather_rows(
+            [t.detach().numpy() for t in tables],
+            [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
+            dim,
+        )
+        ctx.plan, ctx.sizes = plan, [t.shape[0] for t in tables]
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        assert native.loops is not None
+        plan, sizes = ctx.plan, ctx.sizes
+        touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
+        if not touched:
+            return (None,) * (len(sizes) + 1)
+        dim = next(grad for grad in grads if grad is not None).shape[-1]
+        buffer = torch.zeros(sum(sizes[t] for t in touched), dim)
+        parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
+        order = {t: i for i, t in enumerate(touched)}
+        native.loops.scatter_rows(
+            [parts[t].numpy() for t in touched],
+            [
+                (order[t], p.numpy(), grad.reshape(-1, dim).contiguous().numpy())
+                for (t, p), grad in zip(plan, grads, strict=True)
+                if grad is not None
+            ],
+            dim,
+        )
+        return (None, *(parts.get(t) for t in range(len(sizes))))
 
 
 def _unique_lookups(
@@ -362,6 +478,9 @@ class Replica:
         self._lookups_per_forward: dict[str, int] | None = None
         self._forward = model.forward  # the model's own, whatever route_forward installs
         self._recording_pass = False
+        self._step_lookups = StepLookups(self.tables)
+        for remote in self.tables.values():
+            remote.step_lookups = self._step_lookups
 
     def route_forward(self, forward: Callable[[Call], Any]) -> None:
         """Have calls of the model (``model(...)``, after its hooks) go to ``forward``, except
@@ -498,7 +617,8 @@ class Replica:
         vary), then again."""
         while True:
             try:
-                return self._forward(*call.args, **call.kwargs)
+                with self._step_lookups.forward():
+                    return self._forward(*call.args, **call.kwargs)
             except MissingRows as missing:
                 ids = missing.ids
                 self.tables[missing.table].check_range(ids)
