@@ -317,7 +317,7 @@ class StepLookups:
     """A forward's lookups of the rows pulled for its step, every table's made in one autograd
     node (:class:`_Lookups`): one gather forward and one scatter of the gradients backward,
     where a node per lookup costs an ``index_select`` forward and an ``index_add_`` backward,
-    each with its own overhead (26 tables: about 1.5 ms a step).
+    each with its own overhead (a DLRM's 26 tables: about 1.5 ms a step).
 
     It takes the lookups a record pass saw (:class:`RecordedLookups`) of the tables that join
     (plain lookups of float32 rows, see ``RemoteEmbedding.joins_step_lookups``), on the first
@@ -353,7 +353,12 @@ class StepLookups:
         by_dim: dict[int, list[RemoteEmbedding]] = {}
         for remote in self._tables.values():
             rows = remote.rows
-            if remote.joins_step_lookups and remote.lookups and rows.dtype == torch.float32:
+            if (
+                remote.joins_step_lookups
+                and remote.lookups
+                and rows.dtype == torch.float32
+                and rows.is_contiguous()
+            ):
                 by_dim.setdefault(remote.embedding_dim, []).append(remote)
         gathered: dict[str, tuple[Tensor, ...]] = {}
         for remotes in by_dim.values():
@@ -381,7 +386,7 @@ class _Lookups(torch.autograd.Function):
             [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
             dim,
         )
-        ctx.plan, ctx.sizes = plan, [t.shape[0] for t in tables]
+        ctx.plan, ctx.sizes, ctx.dim = plan, [t.shape[0] for t in tables], dim
         ctx.set_materialize_grads(False)
         return outputs
 
@@ -389,11 +394,10 @@ class _Lookups(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         assert native.loops is not None
-        plan, sizes = ctx.plan, ctx.sizes
+        plan, sizes, dim = ctx.plan, ctx.sizes, ctx.dim
         touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
         if not touched:
             return (None,) * (len(sizes) + 1)
-        dim = next(grad for grad in grads if grad is not None).shape[-1]
         buffer = torch.zeros(sum(sizes[t] for t in touched), dim)
         parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
         order = {t: i for i, t in enumerate(touched)}
