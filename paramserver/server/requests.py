@@ -410,9 +410,9 @@ def _largest(sizes: dict[str, int]) -> str | None:
 
 
 def _joined(tensors: Mapping[str, Tensor]) -> list[Tensor]:
-    """A few tensors holding every value of ``tensors``: the views of a bundle that arrived
-    whole (:func:`~paramserver.bundles.joined_already`) as that bundle, not copied again; the
-    others joined, one tensor per dtype."""
+    """A few tensors holding every value of ``tensors``: those that arrived as one bundle
+    (views filling one storage, :func:`~paramserver.bundles.joined_already`) as that bundle,
+    not copied again; the others joined, one tensor per dtype."""
     groups: dict[tuple[torch.dtype, int], list[Tensor]] = {}
     for tensor in tensors.values():
         storage = tensor.untyped_storage().data_ptr()
@@ -420,7 +420,7 @@ def _joined(tensors: Mapping[str, Tensor]) -> list[Tensor]:
     whole: list[Tensor] = []
     loose: dict[torch.dtype, list[Tensor]] = {}
     for (dtype, _), parts in groups.items():
-        bundle = joined_already(parts)
+        bundle = joined_already(parts) if len(parts) > 1 else None  # else: one cat for all
         if bundle is not None:
             whole.append(bundle)
         else:

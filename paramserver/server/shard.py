@@ -19,7 +19,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -427,10 +427,16 @@ def _holding(locks: Iterable[threading.Lock]) -> Iterator[None]:
     """Hold each of ``locks`` (a lock shared by several only once), taken in the order of
     their ids, so two callers holding some of the same ones cannot deadlock."""
     unique = {id(lock): lock for lock in locks}
-    with ExitStack() as stack:
-        for key in sorted(unique):
-            stack.enter_context(unique[key])
+    ordered = [unique[key] for key in sorted(unique)]
+    held = 0
+    try:  # a plain loop, not an ExitStack: a call takes these several times
+        for lock in ordered:
+            lock.acquire()
+            held += 1
         yield
+    finally:
+        for lock in reversed(ordered[:held]):
+            lock.release()
 
 
 def make_tables(
