@@ -308,3 +308,18 @@ def test_a_steps_lookups_made_in_one_node_are_the_modules(
         torch.testing.assert_close(grads, module_grad[ids])
     one_buffer = [rows[f"{name}.weight"][1] for name in ("twice", "in_place")]
     assert joined_already(one_buffer) is not None  # "unseen" missed rows: on its own since
+
+
+def test_lookups_in_one_node_keep_float32_rows_whatever_the_default_dtype() -> None:
+    """The node's rows and gradients are float32 like the pulled rows, also where a program
+    has set torch's default dtype to another."""
+    module = nn.Embedding(10, 3)
+    torch.set_default_dtype(torch.float64)
+    try:
+        output, replica = _train_step(module, torch.tensor([1, 2, 2]), torch.ones(3, 3))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    weight = module.weight.detach()
+    assert output.dtype == torch.float32 and torch.equal(output, weight[[1, 2, 2]])
+    _, rows = replica.gradients()
+    assert torch.equal(rows["weight"][1], torch.tensor([[1.0] * 3, [2.0] * 3]))

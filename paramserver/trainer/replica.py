@@ -380,7 +380,9 @@ class _Lookups(torch.autograd.Function):
     def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
         assert native.loops is not None
         dim = tables[0].shape[1]
-        outputs = tuple(torch.empty(positions.numel(), dim) for _, positions in plan)
+        outputs = tuple(
+            torch.empty(len(positions), dim, dtype=torch.float32) for _, positions in plan
+        )
         native.loops.gather_rows(
             [t.detach().numpy() for t in tables],
             [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
@@ -398,7 +400,7 @@ class _Lookups(torch.autograd.Function):
         touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
         if not touched:
             return (None,) * (len(sizes) + 1)
-        buffer = torch.zeros(sum(sizes[t] for t in touched), dim)
+        buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
         parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
         order = {t: i for i, t in enumerate(touched)}
         native.loops.scatter_rows(
