@@ -322,7 +322,9 @@ class StepLookups:
     It takes the lookups a record pass saw (:class:`RecordedLookups`) of the tables that join
     (plain lookups of float32 rows, see ``RemoteEmbedding.joins_step_lookups``), on the first
     such lookup inside :meth:`forward`; a lookup it does not hold is made on its own. Needs the
-    compiled loops (``native.loops``): without them every lookup is made on its own.
+    compiled loops (``native.loops``): without them every lookup is made on its own. The node's
+    backward is differentiable once: a second-order gradient through a lookup needs the loops
+    off (``PARAMSERVER_NATIVE=0``), where ``index_select``'s double backward gives it.
     """
 
     def __init__(self, tables: dict[str, RemoteEmbedding]):
