@@ -608,9 +608,10 @@ static int export_lookups(PyObject *tables, PyObject *lookups, Py_ssize_t dim, i
             break;
         }
         if (optional_buffer(rows, &each[j].rows, rows_flags) < 0) return -1;
-        Py_ssize_t count = each[j].positions.len / 8;
+        Py_ssize_t count = each[j].positions.len / 8, row_bytes = 4 * dim;
         if (each[j].positions.buf == NULL || each[j].positions.len % 8 ||
-            (each[j].rows.buf != NULL && each[j].rows.len != count * dim * 4)) {
+            (each[j].rows.buf != NULL &&
+             (each[j].rows.len % row_bytes || each[j].rows.len / row_bytes != count))) {
             error = "a lookup's positions and rows differ in number";
             break;
         }
@@ -639,8 +640,8 @@ static PyObject *move_rows(PyObject *args, int scatter) {
     PyObject *tables_arg, *lookups_arg, *result = NULL;
     Py_ssize_t dim;
     if (!PyArg_ParseTuple(args, "OOn", &tables_arg, &lookups_arg, &dim)) return NULL;
-    if (dim <= 0) {
-        PyErr_SetString(PyExc_ValueError, "rows of width < 1");
+    if (dim <= 0 || dim > PY_SSIZE_T_MAX / 8) {  /* sizes in bytes below never overflow */
+        PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
         return NULL;
     }
     PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");

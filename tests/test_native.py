@@ -281,6 +281,9 @@ def test_bad_lookups_are_refused_before_anything_is_written() -> None:
         loops.gather_rows(tables, [(0, np.array([0]), None)], 2)
     with pytest.raises(ValueError, match="whole rows"):
         loops.gather_rows([np.zeros(3, dtype=np.float32)], [], 2)
+    for width in (0, 2**62):  # 2**62: sizes in bytes would overflow
+        with pytest.raises(ValueError, match="width"):
+            loops.scatter_rows(tables, [good], width)
     with pytest.raises(TypeError, match="tuple"):
         loops.scatter_rows(tables, [list(good)], 2)
     with pytest.raises(ValueError, match="not C-contiguous"):  # a strided table
