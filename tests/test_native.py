@@ -16,7 +16,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.server import optim
 from paramserver.server.dynamic_rows import _init_values_and_state
 from paramserver.server.tables import RowArena
-from paramserver.trainer.replica import unique_each
+from paramserver.trainer.lookups import unique_each
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
 

@@ -41,8 +41,9 @@ from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set
 from paramserver.trainer.client import InFlight, PSClient, Pulled
 from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity
+from paramserver.trainer.lookups import RecordedLookups
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.replica import Call, RecordedLookups, Replica
+from paramserver.trainer.replica import Call, Replica
 from paramserver.types import Progress
 
 log = logging.getLogger(__name__)

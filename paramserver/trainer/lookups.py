@@ -1,0 +1,229 @@
+"""What a step looks up, and looking it up fast: a record pass's :class:`Recorder` and what it
+finds (:class:`Recorded`: each table's sorted unique ids, and each lookup's positions in them);
+and :class:`StepLookups`, which makes a forward's recorded lookups of every table in one autograd
+node. The compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call
+and the node's gather and scatter; without them, torch does the same work, table by table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from paramserver import native
+from paramserver.errors import ModelError
+from paramserver.protocol import BagBlock
+
+
+@dataclass(frozen=True)
+class RecordedLookups:
+    """One table's lookups in a record pass: the sorted unique ids they touch, and each lookup's
+    ids (a flat int64 copy) with their positions in those. A forward making the same lookup on the
+    rows pulled for these ids takes its positions from here instead of searching for them."""
+
+    ids: Tensor
+    each: list[tuple[Tensor, Tensor]]
+
+
+class Recorded(NamedTuple):
+    """What a record pass found: per row-pulled table its sorted unique ids and its lookups,
+    and per server-pooled table its bags."""
+
+    ids: dict[str, Tensor]
+    bags: dict[str, BagBlock]
+    lookups: dict[str, RecordedLookups]
+
+
+class RecordingDone(BaseException):  # not Exception: a model's `except Exception` must not eat it
+    """Raised inside a record pass once every expected lookup has been recorded."""
+
+
+class Recorder:
+    """The ids (and server-pooled bags) a record pass's lookups make, table by table; raises
+    :class:`RecordingDone` once every lookup it expects is in."""
+
+    def __init__(self, expected: dict[str, int] | None):
+        self.ids: dict[str, list[Tensor]] = {}
+        self.bags: dict[str, BagBlock] = {}
+        # The lookups still expected of each table (None: unknown, the first pass).
+        self.missing = None if expected is None else {t: n for t, n in expected.items() if n}
+
+    def add(self, table: str, ids: Tensor, bags: BagBlock | None = None) -> None:
+        if bags is not None:
+            if table in self.bags:
+                raise ModelError(
+                    f"table {table} is pooled on the servers, so it may be looked "
+                    "up only once per forward"
+                )
+            self.bags[table] = bags
+        self.ids.setdefault(table, []).append(ids.reshape(-1))
+        missing = self.missing
+        if missing is None:
+            return
+        if missing.get(table) == 1:
+            del missing[table]
+        elif table in missing:
+            missing[table] -= 1
+        if not missing:
+            raise RecordingDone
+
+
+class LookupTable(Protocol):
+    """What :class:`StepLookups` reads of a table (a trainer's ``RemoteEmbedding``)."""
+
+    table: str
+    embedding_dim: int
+    rows: Tensor  # the pulled rows: a leaf that requires grad
+    lookups: list[tuple[Tensor, Tensor]]  # the recorded lookups of those rows' ids
+    joins_step_lookups: bool  # plain lookups: no bags, padding row or scaling by frequency
+
+
+class StepLookups:
+    """A forward's lookups of the rows pulled for its step, every table's made in one autograd
+    node (:class:`_Lookups`): one gather forward and one scatter of the gradients backward,
+    where a node per lookup costs an ``index_select`` forward and an ``index_add_`` backward,
+    each with its own overhead (a DLRM's 26 tables: about 1.5 ms a step).
+
+    It takes the lookups a record pass saw (:class:`RecordedLookups`) of the tables that join
+    (plain lookups of float32 rows, see :class:`LookupTable`), on the first
+    such lookup inside :meth:`forward`; a lookup it does not hold is made on its own. Needs the
+    compiled loops (``native.loops``): without them every lookup is made on its own. The node's
+    backward is differentiable once: a second-order gradient through a lookup needs the loops
+    off (``PARAMSERVER_NATIVE=0``), where ``index_select``'s double backward gives it.
+    """
+
+    def __init__(self, tables: Mapping[str, LookupTable]):
+        self._tables = tables
+        self._active = False
+        self._outputs: dict[str, tuple[Tensor, ...]] | None = None
+
+    @contextmanager
+    def forward(self) -> Iterator[None]:
+        """Within: the lookups of one forward (its tables' leaves are those of now)."""
+        self._active, self._outputs = native.loops is not None, None
+        try:
+            yield
+        finally:
+            self._active, self._outputs = False, None
+
+    def output(self, table: str, lookup: int) -> Tensor | None:
+        """The rows of ``table``'s recorded lookup ``lookup`` (None: not held here)."""
+        if not self._active:
+            return None
+        if self._outputs is None:
+            self._outputs = self._gather()
+        outputs = self._outputs.get(table)
+        return None if outputs is None else outputs[lookup]
+
+    def _gather(self) -> dict[str, tuple[Tensor, ...]]:
+        """Every joining table's recorded lookups, one node per width of rows."""
+        by_dim: dict[int, list[LookupTable]] = {}
+        for remote in self._tables.values():
+            rows = remote.rows
+            if (
+                remote.joins_step_lookups
+                and remote.lookups
+                and rows.dtype == torch.float32
+                and rows.is_contiguous()
+            ):
+                by_dim.setdefault(remote.embedding_dim, []).append(remote)
+        gathered: dict[str, tuple[Tensor, ...]] = {}
+        for remotes in by_dim.values():
+            plan = [(t, positions) for t, r in enumerate(remotes) for _, positions in r.lookups]
+            outputs = iter(_Lookups.apply(plan, *(r.rows for r in remotes)))
+            for remote in remotes:
+                gathered[remote.table] = tuple(next(outputs) for _ in remote.lookups)
+        return gathered
+
+
+class _Lookups(torch.autograd.Function):
+    """Lookups of rows in several tables' leaves: ``plan`` is ``(table, positions)`` per
+    lookup, ``tables`` the leaves; the outputs are each lookup's rows (separate tensors, so a
+    model may change them in place). Backward adds each lookup's gradient rows into its
+    table's gradient in order (``index_add_``'s), the tables' gradients views of one buffer
+    (a push then sends them without joining them again)."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
+        assert native.loops is not None
+        dim = tables[0].shape[1]
+        outputs = tuple(
+            torch.empty(len(positions), dim, dtype=torch.float32) for _, positions in plan
+        )
+        native.loops.gather_rows(
+            [t.detach().numpy() for t in tables],
+            [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
+            dim,
+        )
+        ctx.plan, ctx.sizes, ctx.dim = plan, [t.shape[0] for t in tables], dim
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        assert native.loops is not None
+        plan, sizes, dim = ctx.plan, ctx.sizes, ctx.dim
+        touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
+        if not touched:
+            return (None,) * (len(sizes) + 1)
+        buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
+        parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
+        order = {t: i for i, t in enumerate(touched)}
+        native.loops.scatter_rows(
+            [parts[t].numpy() for t in touched],
+            [
+                (order[t], p.numpy(), grad.reshape(-1, dim).contiguous().numpy())
+                for (t, p), grad in zip(plan, grads, strict=True)
+                if grad is not None
+            ],
+            dim,
+        )
+        return (None, *(parts.get(t) for t in range(len(sizes))))
+
+
+def unique_lookups(
+    recorded: dict[str, list[Tensor]],
+) -> tuple[dict[str, Tensor], dict[str, RecordedLookups]]:
+    """Each table's sorted unique ids and its :class:`RecordedLookups`, from the ids of each of
+    its lookups: one copy of them all (the batch may change later), one search for all."""
+    unique: dict[str, Tensor] = {}
+    lookups: dict[str, RecordedLookups] = {}
+    if not recorded:
+        return unique, lookups
+    joined = torch.cat([ids for each in recorded.values() for ids in each]).to(torch.int64)
+    sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
+    found = unique_each(joined, sizes)
+    for (table, each), looked_up, (ids, positions) in zip(
+        recorded.items(), joined.split(sizes), found, strict=True
+    ):
+        unique[table] = ids
+        if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
+            pairs = [(looked_up, positions)]
+        else:
+            parts = [e.numel() for e in each]
+            pairs = list(zip(looked_up.split(parts), positions.split(parts), strict=True))
+        lookups[table] = RecordedLookups(ids, pairs)
+    return unique, lookups
+
+
+def unique_each(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+    """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
+    given ``sizes``: the compiled loop does all parts in one call where it is built."""
+    parts = ids.split(sizes)
+    if native.loops is None:
+        return [torch.unique(part, return_inverse=True) for part in parts]
+    unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
+    counts = native.loops.unique_inverse(ids.numpy(), sizes, unique.numpy(), inverse.numpy())
+    return [
+        (part[:count], positions)
+        for part, positions, count in zip(
+            unique.split(sizes), inverse.split(sizes), counts, strict=True
+        )
+    ]
