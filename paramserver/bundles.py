@@ -43,9 +43,7 @@ class MalformedBundle:
 def bundled(mapping: Any) -> Any:
     """A ``{name: tensor}`` mapping as it travels: a :class:`Bundle` where it holds two or more
     plain tensors (CPU, strided, no autograd) of one dtype, else itself (encoded values and
-    packed ids travel as they are).
-
-    """
+    packed ids travel as they are)."""
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping
     values = list(mapping.values())
