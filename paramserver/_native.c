@@ -9,6 +9,8 @@
  *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
  * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
  *   and their gradients added back, every table and lookup in one call.
+ * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
+ *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
@@ -705,6 +707,113 @@ static const char scatter_rows_doc[] =
 
 static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows(args, 1); }
 
+/* Every buffer of the sequence `arg`, exported (contiguous, `itemsize` bytes an item, its
+ * format one of `formats`) into views[]; returns their number, or -1 with TypeError (or the
+ * export's error) set and nothing left exported. *views is PyMem_Free'd by the caller. */
+static Py_ssize_t export_all(PyObject *arg, Py_ssize_t itemsize, const char *formats,
+                             Py_buffer **views, const char *caller) {
+    *views = NULL;
+    PyObject *items = PySequence_Fast(arg, "a sequence of arrays is required");
+    if (items == NULL) return -1;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), exported = 0;
+    *views = PyMem_Calloc(count ? count : 1, sizeof(Py_buffer));
+    if (*views == NULL) {
+        PyErr_NoMemory();
+        count = -1;
+    }
+    for (; count > 0 && exported < count; exported++) {
+        Py_buffer *view = &(*views)[exported];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, exported), view,
+                               PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            break;
+        const char *format = view->format ? view->format : "B";
+        if (format[0] == '@' || format[0] == '=' || format[0] == '<') format++;
+        if (view->itemsize != itemsize || format[0] == '\0' || format[1] != '\0' ||
+            strchr(formats, format[0]) == NULL) {
+            PyBuffer_Release(view);
+            PyErr_Format(PyExc_TypeError, "%s: array %zd has items of another type", caller,
+                         exported);
+            break;
+        }
+    }
+    if (count > 0 && exported < count) {
+        for (Py_ssize_t i = 0; i < exported; i++) PyBuffer_Release(&(*views)[i]);
+        count = -1;
+    }
+    Py_DECREF(items);
+    return count;
+}
+
+static const char all_finite_doc[] =
+    "all_finite(arrays)\n"
+    "Whether every value of `arrays` (each contiguous float32) is finite: no NaN or Inf.";
+
+static PyObject *all_finite(PyObject *self, PyObject *arg) {
+    Py_buffer *views;
+    Py_ssize_t count = export_all(arg, 4, "f", &views, "all_finite");
+    if (count < 0) {
+        PyMem_Free(views);
+        return NULL;
+    }
+    /* A float32 is NaN or Inf exactly when its exponent's bits are all set: then adding one
+     * to the exponent carries into the top bit, which nothing else reaches. An OR of those
+     * sums over all values, in operations the compiler vectorizes (a float sum it may not). */
+    uint32_t carries = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < count; j++) {
+        const uint32_t *bits = views[j].buf;
+        Py_ssize_t size = views[j].len / 4;
+        for (Py_ssize_t i = 0; i < size; i++) carries |= (bits[i] & 0x7f800000u) + 0x00800000u;
+    }
+    Py_END_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < count; j++) PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    return PyBool_FromLong(!(carries & 0x80000000u));
+}
+
+static const char ascending_within_doc[] =
+    "ascending_within(arrays, bounds)\n"
+    "Whether each array of `arrays` (contiguous int64) rises strictly and lies within its\n"
+    "bounds: bounds[i] is (low, high), both included.";
+
+static PyObject *ascending_within(PyObject *self, PyObject *args) {
+    PyObject *arrays_arg, *bounds_arg, *result = NULL;
+    if (!PyArg_ParseTuple(args, "OO", &arrays_arg, &bounds_arg)) return NULL;
+    PyObject *bounds = PySequence_Fast(bounds_arg, "ascending_within: bounds must be a sequence");
+    if (bounds == NULL) return NULL;
+    Py_buffer *views;
+    Py_ssize_t count = export_all(arrays_arg, 8, "lq", &views, "ascending_within");
+    if (count < 0) goto done;
+    if (PySequence_Fast_GET_SIZE(bounds) != count) {
+        PyErr_SetString(PyExc_ValueError, "ascending_within: one (low, high) per array");
+        goto release;
+    }
+    int inside = 1;
+    for (Py_ssize_t j = 0; j < count && inside; j++) {
+        long long low, high;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(bounds, j), "LL", &low, &high))
+            goto release;
+        const int64_t *ids = views[j].buf;
+        Py_ssize_t size = views[j].len / 8;
+        inside = size == 0 || (ids[0] >= low && ids[size - 1] <= high);
+    }
+    unsigned int falls = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < count && inside; j++) {
+        const int64_t *ids = views[j].buf;
+        Py_ssize_t size = views[j].len / 8;
+        for (Py_ssize_t i = 1; i < size; i++) falls |= ids[i] <= ids[i - 1];
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(inside && !falls);
+release:
+    for (Py_ssize_t j = 0; j < count; j++) PyBuffer_Release(&views[j]);
+done:
+    PyMem_Free(views);
+    Py_DECREF(bounds);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
@@ -713,6 +822,8 @@ static PyMethodDef methods[] = {
     {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
+    {"all_finite", all_finite, METH_O, all_finite_doc},
+    {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {NULL, NULL, 0, NULL},
 };
 

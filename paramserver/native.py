@@ -12,6 +12,9 @@ applies, with the same result (the tests run both and compare):
 - Adagrad on a table's rows (:mod:`paramserver.server.optim`) updates each row in place, read
   and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
   operations in torch's order: bitwise the same;
+- a server checks a request's row ids (each set rising, within its table's bounds) and its
+  gradients (no NaN or Inf) in one call each, whatever the number of tables (numpy: a few
+  array operations over the sets joined; torch: a sum over the gradients joined, a copy);
 - a dynamic table's new rows (:mod:`paramserver.server.dynamic_rows`) get their values and
   optimizer state in one write per row (numpy and torch: a pass per array);
 - a trainer's record pass (:mod:`paramserver.trainer.replica`) finds every table's unique ids

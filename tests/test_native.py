@@ -289,3 +289,48 @@ def test_bad_lookups_are_refused_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match="not C-contiguous"):  # a strided table
         loops.scatter_rows([tables[0][:, :1]], [(0, np.array([0]), grads[:1, :1].copy())], 1)
     assert not any(table.any() for table in tables)  # nothing added by a refused call
+
+
+@compiled
+def test_the_finite_check_finds_every_nan_and_inf_and_passes_every_finite_value() -> None:
+    """``all_finite`` reads bits, not sums: every value of every exponent and sign, and NaNs
+    of any payload, answer as ``np.isfinite`` does, wherever in which array they are."""
+    loops = native.loops
+    g = np.random.default_rng(0)
+    bits = g.integers(0, 2**32, size=200_000, dtype=np.uint64).astype(np.uint32)
+    bits[:512] = np.arange(512, dtype=np.uint32) << 23  # every exponent with both signs
+    values = bits.view(np.float32)
+    finite = np.isfinite(values)
+    assert 0 < finite.sum() < values.size
+    for at in list(range(512)) + g.integers(0, values.size, 300).tolist():
+        one = np.ones(37, dtype=np.float32)
+        one[at % 37] = values[at]
+        assert loops.all_finite([np.ones(5, dtype=np.float32), one]) == finite[at]
+    assert loops.all_finite([values[finite]])
+    assert loops.all_finite([])
+    with pytest.raises(TypeError, match="another type"):
+        loops.all_finite([np.ones(3, dtype=np.float32), np.ones(3)])
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        loops.all_finite([np.ones((3, 3), dtype=np.float32)[:, 0]])
+
+
+@compiled
+def test_id_sets_rise_within_their_bounds_exactly_as_numpy_says() -> None:
+    loops = native.loops
+    g = np.random.default_rng(1)
+    for _ in range(300):
+        sets = [np.sort(g.integers(-5, 20, g.integers(0, 6))) for _ in range(g.integers(1, 4))]
+        bounds = [tuple(sorted(g.integers(-6, 22, 2).tolist())) for _ in sets]
+        expected = all(
+            (ids[1:] > ids[:-1]).all() and (not ids.size or (low <= ids[0] and ids[-1] <= high))
+            for ids, (low, high) in zip(sets, bounds, strict=True)
+        )
+        assert loops.ascending_within(sets, bounds) == expected
+    extremes = np.array([-(2**63), 2**63 - 1])
+    assert loops.ascending_within([extremes], [(-(2**63), 2**63 - 1)])
+    with pytest.raises(TypeError, match="another type"):
+        loops.ascending_within([np.arange(3, dtype=np.int32)], [(0, 5)])
+    with pytest.raises(ValueError, match="one \\(low, high\\) per array"):
+        loops.ascending_within([np.arange(3)], [])
+    with pytest.raises(TypeError):
+        loops.ascending_within([np.arange(3)], [(0,)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -124,10 +125,12 @@ def test_error_names_the_parameter(make_server: MakeServer) -> None:
         endpoint.handle("push_pull", (request,)).wait()
 
 
-def test_the_gradient_that_is_not_finite_is_named_among_many(make_server: MakeServer) -> None:
-    """A request's gradients are checked for NaN and Inf together: one sum over all of them.
-    Finite gradients whose sum overflows pass; a NaN or Inf in any one of several is refused
-    naming that one."""
+def test_the_gradient_that_is_not_finite_is_named_among_many(
+    make_server: MakeServer, loop_mode: str
+) -> None:
+    """A request's gradients are checked for NaN and Inf together: in one compiled pass, or
+    one sum over all of them. Finite gradients whose sum overflows pass; a NaN or Inf in any
+    one of several, laid out in order or not, is refused naming that one."""
     endpoint = make_server()
     dense = a_dense_name(endpoint)
     shape = endpoint.shard.dense[dense].value.shape
@@ -135,8 +138,8 @@ def test_the_gradient_that_is_not_finite_is_named_among_many(make_server: MakeSe
     rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.full((2, 4), 3e38))}
     accepted = PushPullRequest(trainer=0, call=0, dense_grads={dense: huge}, row_grads=rows)
     endpoint.handle("push_pull", (accepted,)).wait()
-    for bad in (float("nan"), float("inf"), float("-inf")):
-        values = torch.ones(2, 4)
+    for bad, transposed in itertools.product((float("nan"), float("inf"), float("-inf")), (0, 1)):
+        values = torch.ones(4, 2).t() if transposed else torch.ones(2, 4)
         values[1, 2] = bad
         rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), values)}
         refused = PushPullRequest(trainer=0, call=1, dense_grads={dense: huge}, row_grads=rows)
@@ -145,13 +148,13 @@ def test_the_gradient_that_is_not_finite_is_named_among_many(make_server: MakeSe
 
 
 def test_ids_checked_together_pass_exactly_what_each_set_checked_alone_passes(
-    make_server: MakeServer,
+    make_server: MakeServer, loop_mode: str
 ) -> None:
-    """A request's id sets are checked together (joined, a few array operations) and one at a
-    time only where that finds a fault. Over random requests to server 0 of 2 (sets empty or
-    not, unsorted, repeated, out of range, negative, routed to the other server, or below the
-    set before them, which is valid), the joint check passes exactly what every set alone
-    passes, and validation refuses exactly the others."""
+    """A request's id sets are checked together (in one compiled call, or joined in a few
+    array operations) and one at a time only where that finds a fault. Over random requests
+    to server 0 of 2 (sets empty or not, unsorted, repeated, out of range, negative, routed to
+    the other server, or below the set before them, which is valid), the joint check passes
+    exactly what every set alone passes, and validation refuses exactly the others."""
     endpoint = make_server()
     checks = endpoint.shard.checks
     specs = endpoint.shard.plan.tables

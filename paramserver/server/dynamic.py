@@ -111,6 +111,7 @@ class DynamicTable:
         self.spec = spec
         self.options: DynamicOptions = spec.dynamic
         self.rule = rule
+        self.id_bounds = (-(2**63), 2**63 - 1)  # every int64 id is valid
         if shared is None:
             arena = dynamic_arena([spec], rule, cache_lag)
             shared = SharedRows(FusedIdMap(1).table(0), threading.Lock(), arena)
@@ -158,9 +159,6 @@ class DynamicTable:
         return self.options.ttl_steps is not None or self.options.capacity is not None
 
     # ---- calls ----
-
-    def check_range(self, low: int, high: int) -> str | None:
-        return None  # every int64 id is valid
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
         """The rows of ``ids`` (sorted, unique), the default vector where an id has none.

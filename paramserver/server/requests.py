@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.bundles import joined_already
 from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, validate
 from paramserver.errors import InvalidPushError, ParamServerError
@@ -220,35 +221,23 @@ class RequestChecks:
 
     def _ids_all_valid(self, request: PushPullRequest) -> bool:
         """Whether every set of ids ``request`` pushes or pulls rows of is valid (what
-        :meth:`_check_ids` checks of sorted unique ids), looked at together: their ids joined
-        and compared in a few array operations, not a few per table (a request names dozens
-        of tables). False also where anything about them is malformed: then each is checked
-        on its own, in order, and the first refused is named."""
+        :meth:`_check_ids` checks of sorted unique ids), looked at together
+        (:func:`_ascending_within`; not a few calls per table: a request names dozens). False
+        also where anything about them is malformed: then each is checked on its own, in
+        order, and the first refused is named."""
         blocks = request.row_grads.values()
         sets = [*(getattr(block, "ids", None) for block in blocks), *request.pull_rows.values()]
         names = [*request.row_grads, *request.pull_rows]
         tables = [self.tables.get(name) for name in names]
-        arrays = []
+        arrays, bounds = [], []
         for ids, table in zip(sets, tables, strict=True):
             if table is None or not _plain_ids(ids):
                 return False
             assert isinstance(ids, Tensor)
             arrays.append(ids.numpy())
-        sizes = np.array([array.size for array in arrays], dtype=np.int64)
-        ends = np.cumsum(sizes)
-        values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
-        rising = values[1:] > values[:-1]
-        between = ends[:-1] - 1  # where one set meets the next: no order between them
-        rising[between[(between >= 0) & (between < rising.size)]] = True
-        if not rising.all():
+            bounds.append(table.id_bounds)
+        if not _ascending_within(arrays, bounds):
             return False
-        filled = sizes > 0
-        lows, highs = values[(ends - sizes)[filled]].tolist(), values[ends[filled] - 1].tolist()
-        ranged = [table for table, full in zip(tables, filled.tolist(), strict=True) if full]
-        for table, low, high in zip(ranged, lows, highs, strict=True):
-            assert table is not None
-            if table.check_range(low, high) is not None:
-                return False
         if self.plan.num_servers == 1:
             return True
         return all(
@@ -288,10 +277,9 @@ class RequestChecks:
 
     def _check_finite(self, tensors: Mapping[str, Tensor]) -> None:
         """Refuse a request whose ``tensors`` (checked, each a plain CPU tensor) hold a NaN or
-        Inf, naming the first that does. A finite sum proves every element finite (NaN and
-        Inf propagate), so they are summed as a few tensors (:func:`_joined`; not one call per
-        tensor: a request has dozens); only a sum that is not finite needs a closer look."""
-        if all(math.isfinite(float(joined.sum())) for joined in _joined(tensors)):
+        Inf, naming the first that does: all looked at together (:func:`_all_finite`; not one
+        call per tensor: a request has dozens), one by one only if that finds one."""
+        if _all_finite(list(tensors.values())):
             return
         for name, tensor in tensors.items():
             if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
@@ -382,9 +370,10 @@ class RequestChecks:
         ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
         # The ends of sorted ids are their extremes.
         ends = (values[0], values[-1]) if ordered else (values.min(), values.max())
-        problem = table.check_range(int(ends[0]), int(ends[1]))
-        if problem is not None:
-            raise self._reject(name, problem)
+        (low, high), least, greatest = table.id_bounds, int(ends[0]), int(ends[1])
+        if least < low or greatest > high:
+            bad = least if least < low else greatest
+            raise self._reject(name, f"row id {bad} out of range [{low}, {high + 1})")
         if self.plan.num_servers > 1 and bool(
             (self.plan.server_of_rows(name, ids) != self.server).any()
         ):
@@ -404,17 +393,54 @@ def _plain_ids(ids: object) -> bool:
     )
 
 
+def _ascending_within(arrays: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
+    """Whether each of ``arrays`` (int64 ids) rises strictly and lies within its ``bounds``
+    (low, high: both included): in one compiled call, else joined and compared in a few
+    array operations (not a few per array: a request has dozens)."""
+    if native.loops is not None:
+        return bool(native.loops.ascending_within(arrays, bounds))
+    sizes = np.array([array.size for array in arrays], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+    rising = values[1:] > values[:-1]
+    between = ends[:-1] - 1  # where one array meets the next: no order between them
+    rising[between[(between >= 0) & (between < rising.size)]] = True
+    filled = sizes > 0
+    lows, highs = np.array(bounds, dtype=np.int64).reshape(-1, 2)[filled].T
+    firsts, lasts = values[(ends - sizes)[filled]], values[ends[filled] - 1]
+    return bool(rising.all() and (firsts >= lows).all() and (lasts <= highs).all())
+
+
 def _largest(sizes: dict[str, int]) -> str | None:
     """The name with the most bytes, to name in an error (None if there is none)."""
     return max(sizes, key=lambda name: sizes[name]) if sizes else None
 
 
-def _joined(tensors: Mapping[str, Tensor]) -> list[Tensor]:
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` (plain CPU tensors) hold no NaN or Inf: contiguous float32 ones in
+    one compiled pass; the others summed as a few tensors (:func:`_joined`), since a finite
+    sum proves every element finite (NaN and Inf propagate; a sum that overflows is a false
+    alarm, which the caller's closer look clears)."""
+    loose = tensors
+    if native.loops is not None:
+        plain = [t.dtype == torch.float32 and t.is_contiguous() for t in tensors]
+        try:
+            arrays = [t.numpy() for t, fits in zip(tensors, plain, strict=True) if fits]
+        except RuntimeError:  # a tensor numpy cannot view (a negative bit): all summed
+            arrays = []
+            plain = [False] * len(tensors)
+        if not native.loops.all_finite(arrays):
+            return False
+        loose = [t for t, fits in zip(tensors, plain, strict=True) if not fits]
+    return all(math.isfinite(float(joined.sum())) for joined in _joined(loose))
+
+
+def _joined(tensors: list[Tensor]) -> list[Tensor]:
     """A few tensors holding every value of ``tensors``: those that arrived as one bundle
     (views filling one storage, :func:`~paramserver.bundles.joined_already`) as that bundle,
     not copied again; the others joined, one tensor per dtype."""
     groups: dict[tuple[torch.dtype, int], list[Tensor]] = {}
-    for tensor in tensors.values():
+    for tensor in tensors:
         storage = tensor.untyped_storage().data_ptr()
         groups.setdefault((tensor.dtype, storage), []).append(tensor)
     whole: list[Tensor] = []

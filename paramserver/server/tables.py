@@ -2,7 +2,7 @@
 
 A table shard (:class:`TableShard`) holds rows with their optimizer state beside them (slot
 tensors and per-row step counts indexed like the weight) and answers one server's calls for
-them: ``check_range`` (validation), ``read`` and ``read_versioned`` (rows for ids),
+them: ``id_bounds`` (validation), ``read`` and ``read_versioned`` (rows for ids),
 ``rows_still_pulled`` and ``apply`` (gradients of rows), ``snapshot`` and ``restore``
 (checkpoints), ``nbytes`` and ``stats``. Two kinds answer it: :class:`FixedTable` here (a row
 range, cyclic over servers) and ``DynamicTable`` in server/dynamic.py (any int64 id, with
@@ -66,8 +66,8 @@ class TableShard(Protocol):
     """A server's rows of one embedding table, as the server's shard calls them.
 
     Thread-safety: no method locks; the caller holds :attr:`lock` around every call but
-    ``check_range`` (which reads only the spec) and every use of :attr:`weight` but its dtype.
-    Ids given are a non-empty 1-D int64 tensor, valid (see ``check_range``); where
+    :attr:`id_bounds` and every use of :attr:`weight` but its dtype.
+    Ids given are a non-empty 1-D int64 tensor, valid (within :attr:`id_bounds`); where
     a method says sorted and unique, the caller has checked it. Returned tensors are new
     (copies), owned by the caller; tensors given are only read, and kept only where a method
     says so.
@@ -77,15 +77,11 @@ class TableShard(Protocol):
     lock: threading.Lock
     rule: UpdateRule  # the table's update rule, with its learning-rate schedule
     arena: RowArena  # the storage it shares with the server's other tables of its kind
+    id_bounds: tuple[int, int]  # the least and the greatest valid id (fixed: its rows)
 
     @property
     def weight(self) -> Tensor:
         """The row storage: its dtype is the rows' (a dynamic table's has spare rows)."""
-        ...
-
-    def check_range(self, low: int, high: int) -> str | None:
-        """What is wrong with ids from ``low`` to ``high`` (the least and the greatest of a
-        request's ids for this table) for this table (None: nothing); changes nothing."""
         ...
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
@@ -252,6 +248,7 @@ class FixedTable:
         self.plan = plan
         self.server = server
         self.rule = rule
+        self.id_bounds = (0, spec.num_rows - 1)
         ids = self.global_ids()
         if place is None:
             tracks = cache_lag is not None
@@ -269,12 +266,6 @@ class FixedTable:
     def global_ids(self) -> Tensor:
         """The global ids of this server's rows, in local order."""
         return torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
-
-    def check_range(self, low: int, high: int) -> str | None:
-        if low < 0 or high >= self.spec.num_rows:
-            bad = low if low < 0 else high
-            return f"row id {bad} out of range [0, {self.spec.num_rows})"
-        return None
 
     def read(self, ids: Tensor, reading: Reading) -> Tensor:
         """Copies of the rows of ``ids``; a fixed table's rows are there for every reading."""
