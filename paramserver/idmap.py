@@ -96,8 +96,8 @@ class Found(NamedTuple):
     ends: np.ndarray  # slot where each search ended: the id's own, or the empty one that ended it
     layout: int  # the slot array these slots refer to (see IdMap.layout)
 
-    def subset(self, index: Tensor) -> Found:
-        return Found(self.rows[index], self.ends[index.numpy()], self.layout)
+    def subset(self, index: np.ndarray) -> Found:
+        return Found(torch.from_numpy(self.rows.numpy()[index]), self.ends[index], self.layout)
 
 
 class IdMap:
@@ -484,7 +484,7 @@ class FusedIdMap:
         counts = np.bincount(spaces, minlength=len(self.groups))
         groups = self.table_groups[spaces[order]]
         rows = np.empty(order.size, dtype=np.int64)
-        for group in np.unique(self.table_groups[counts > 0]).tolist():
+        for group in sorted(set(self.table_groups[counts > 0].tolist())):  # np.unique: slower
             at = order[groups == group] if len(self.used_rows) > 1 else order  # one group: all
             rows[at] = self._new_rows(group, at.size)
         for table in np.flatnonzero(counts).tolist():

@@ -18,11 +18,13 @@ from paramserver.idmap import RESERVE_GROWTH
 from paramserver.launch.roles import build_server
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.server import tables
 from paramserver.server.dynamic import DynamicTable
 from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.optim import make_rule
 from paramserver.server.tables import (
+    GROWTH_ROOM_BYTES,
     HUGE_PAGE_BYTES,
     Reading,
     regrown,
@@ -388,15 +390,46 @@ def test_storage_allocated_whole_asks_for_huge_pages() -> None:
     assert small.shape == (100, 32) and "hg" not in vm_flags(small.data_ptr())
 
 
-def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows() -> None:
-    """A growth copies a tensor into storage with room for RESERVE_GROWTH times the rows;
-    growths within that room keep it where it is, rows and state kept."""
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc/self/statm)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A growth copies a tensor into storage with room for GROWTH_ROOM_BYTES (at least
+    RESERVE_GROWTH times the rows, at most the bound asked for), which costs no memory until
+    rows reach it; growths within that room keep it where it is, rows and state kept. Where
+    the system refuses that much, the room is RESERVE_GROWTH times the rows, else none."""
     plain = torch.arange(300 * 4, dtype=torch.float32).view(300, 4)
+    before = resident_bytes()
     grown = regrown(plain, 307)  # copied, with room to grow in place
+    assert resident_bytes() - before < 64 << 20  # the room is address space, not memory
+    assert grown.untyped_storage().nbytes() >= max(GROWTH_ROOM_BYTES, 307 * RESERVE_GROWTH * 16)
     assert torch.equal(grown[:300], plain) and grown.shape == (307, 4)
     grown[300:] = -1.0
-    again = regrown(grown, 307 * RESERVE_GROWTH)
+    again = regrown(grown, 307 * RESERVE_GROWTH * 4)
     assert again.data_ptr() == grown.data_ptr() and torch.equal(again[:307], grown)
+    bounded = regrown(plain, 307, most=1000)
+    assert bounded.untyped_storage().nbytes() == 1000 * 16 and torch.equal(bounded[:300], plain)
+    mapped = tables._mapped
+
+    def refused_beyond(limit: int) -> Any:
+        def mapping(nbytes: int) -> mmap.mmap:
+            if nbytes > limit:
+                raise OSError("Cannot allocate memory")
+            return mapped(nbytes)
+
+        return mapping
+
+    monkeypatch.setattr(tables, "_mapped", refused_beyond(307 * RESERVE_GROWTH * 16))
+    assert regrown(plain, 307).untyped_storage().nbytes() == 307 * RESERVE_GROWTH * 16
+    monkeypatch.setattr(tables, "_mapped", refused_beyond(0))
+    alone = regrown(plain, 307)
+    assert alone.untyped_storage().nbytes() == 307 * 16 and torch.equal(alone[:300], plain)
+    monkeypatch.undo()
     spec = TableSpec("t", 0, 32, torch.float32, dynamic=DynamicOptions())
     t = DynamicTable(spec, make_rule(OptimizerConfig(name="adagrad", lr=0.1)))
     ids = torch.arange(4000, dtype=torch.int64) * 7919

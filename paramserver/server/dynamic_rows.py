@@ -70,7 +70,7 @@ def _column_multipliers(dim: int) -> np.ndarray:
 
 
 def _init_values_and_state(
-    arena: RowArena, rows: Tensor, ids: np.ndarray, salts: np.ndarray, scales: np.ndarray
+    arena: RowArena, rows: np.ndarray, ids: np.ndarray, salts: np.ndarray, scales: np.ndarray
 ) -> None:
     """Set ``arena``'s new ``rows``: values as :func:`_uniform_rows` makes them, state at the
     rule's start. By the compiled loop where the arena is float32 (each row written once),
@@ -79,15 +79,15 @@ def _init_values_and_state(
     if loops_take(arena.weight, *arena.state.values()):
         assert native.loops is not None
         native.loops.init_rows(
-            arena.weight.numpy(), dim, rows.contiguous().numpy(), np.ascontiguousarray(ids),
+            arena.weight.numpy(), dim, np.ascontiguousarray(rows), np.ascontiguousarray(ids),
             salts, scales.astype(np.float32), _column_multipliers(dim),
             tuple(slot.numpy() for slot in arena.state.values()), initial,
         )  # fmt: skip
         return
     values = _uniform_rows(salts, ids, dim, scales)
-    put_rows(arena.weight, rows.numpy(), values.to(arena.weight.dtype))
+    put_rows(arena.weight, rows, values.to(arena.weight.dtype))
     for slot in arena.state.values():
-        slot.index_fill_(0, rows, initial)
+        slot.index_fill_(0, torch.from_numpy(rows), initial)
 
 
 def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:
@@ -191,42 +191,47 @@ def _admit_absent(
                 seen = table.count_sightings(wanted[name][torch.from_numpy(seen_at)], clock)
                 part[seen_at] = seen.numpy()
     admit = np.flatnonzero(absent)
-    if admit.size:
-        admitted = torch.from_numpy(admit)
-        rows = rows.clone()
-        rows[admitted] = shared.insert(spaces[admit], ids[admitted], found.subset(admitted))
-        bounds = np.searchsorted(admit, starts).tolist()  # each table's admitted positions
-        new_ids, new_rows = ids[admitted], rows[admitted]
-        made = {
-            name: (new_ids[bounds[i] : bounds[i + 1]], new_rows[bounds[i] : bounds[i + 1]])
-            for i, name in enumerate(names)
-            if bounds[i + 1] > bounds[i]
-        }
-        _make_rows(tables, made)
-    return rows
+    if not admit.size:
+        return rows
+    # numpy from here: a few thousand ids, where each torch call would cost more.
+    new_ids = ids.numpy()[admit]
+    inserted = shared.insert(spaces[admit], torch.from_numpy(new_ids), found.subset(admit))
+    new_rows = inserted.numpy()
+    now = rows.numpy().copy()
+    now[admit] = new_rows
+    bounds = np.searchsorted(admit, starts).tolist()  # each table's admitted positions
+    made = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(names)}
+    _make_rows(
+        tables, {n: span for n, span in made.items() if span[1] > span[0]}, new_ids, new_rows
+    )
+    return torch.from_numpy(now)
 
 
 def _make_rows(
-    tables: Mapping[str, DynamicTable], made: Mapping[str, tuple[Tensor, Tensor]]
+    tables: Mapping[str, DynamicTable],
+    made: Mapping[str, tuple[int, int]],
+    ids: np.ndarray,
+    rows: np.ndarray,
 ) -> None:
-    """Initialize the rows just inserted in the id map, ``made[table]`` being a table's new
-    ids and their rows: values from :func:`init_rows`, state at the rule's start, step counts
-    at 0, versions at the table's fresh version; those of tables sharing an arena in one
-    pass."""
+    """Initialize the rows just inserted in the id map, ``ids`` and ``rows`` (``made[table]``:
+    where a table's are in them): values from :func:`init_rows`, state at the rule's start,
+    step counts at 0, versions at the table's fresh version; those of tables sharing an arena
+    in one pass."""
     for names in by_arena(tables, made):
         first = tables[names[0]]
         first.fit_rows()  # the arena holds every row its group's tables were given
         arena = first.arena
-        counts = [made[name][0].numel() for name in names]
-        ids = torch.cat([made[name][0] for name in names]).numpy()
-        rows = torch.cat([made[name][1] for name in names])
+        spans = [made[name] for name in names]
+        counts = [end - start for start, end in spans]
+        group_ids = np.concatenate([ids[start:end] for start, end in spans])
+        group_rows = np.concatenate([rows[start:end] for start, end in spans])
         salts = np.repeat([_salt(name, tables[name].options) for name in names], counts)
         scales = np.repeat([tables[name].options.init_scale for name in names], counts)
-        _init_values_and_state(arena, rows, ids, salts.astype(np.int64), scales)
+        _init_values_and_state(arena, group_rows, group_ids, salts.astype(np.int64), scales)
         if arena.steps is not None:
-            arena.steps.index_fill_(0, rows, 0)
+            arena.steps.index_fill_(0, torch.from_numpy(group_rows), 0)
         if arena.versions is not None:
-            fresh = torch.tensor([tables[name].fresh_version for name in names])
-            arena.versions[rows] = fresh.repeat_interleave(torch.tensor(counts))
+            fresh = np.repeat([tables[name].fresh_version for name in names], counts)
+            arena.versions[torch.from_numpy(group_rows)] = torch.from_numpy(fresh)
         for name, count in zip(names, counts, strict=True):
             tables[name].counters.admitted += count

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ from paramserver.tableinit import RowInit
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
+# The address space a growing tensor (a dynamic table's rows, each of their state slots) is
+# given room in: half the machine's memory, which Linux's default overcommit heuristic grants
+# one mapping; untouched, it costs no memory.
+GROWTH_ROOM_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
 
 
@@ -185,14 +190,15 @@ class RowArena:
     def grow(self, rows: int) -> None:
         """Hold ``rows`` rows (more than now), the new ones uninitialised (see
         :func:`regrown`)."""
-        self.weight = regrown(self.weight, rows)
-        self.state = {k: regrown(v, rows) for k, v in self.state.items()}
+        most = self.max_rows
+        self.weight = regrown(self.weight, rows, most)
+        self.state = {k: regrown(v, rows, most) for k, v in self.state.items()}
         if self.steps is not None:
-            self.steps = regrown(self.steps, rows)
+            self.steps = regrown(self.steps, rows, most)
         if self.last_touched is not None:
-            self.last_touched = regrown(self.last_touched, rows)
+            self.last_touched = regrown(self.last_touched, rows, most)
         if self.versions is not None:
-            self.versions = regrown(self.versions, rows)
+            self.versions = regrown(self.versions, rows, most)
 
     def update(self, rows: Tensor, grads: Tensor) -> RowUpdate:
         """The update of ``rows`` (unique) with ``grads``."""
@@ -335,19 +341,25 @@ def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
     if _MADV_HUGEPAGE is None or nbytes < HUGE_PAGE_BYTES:
         return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = _mapped(nbytes)
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small ones
         memory.madvise(_MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
 
 
-def regrown(tensor: Tensor, rows: int) -> Tensor:
+def _mapped(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of anonymous memory mapped on their own: the system gives a page its memory
+    (zeroed) when something first touches it, not before."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def regrown(tensor: Tensor, rows: int, most: int | None = None) -> Tensor:
     """``tensor`` (storage of its own, as this makes) with ``rows`` rows, its own first and
     the others uninitialised (their owner sets each before it is read), for storage that grows
     with its rows (a dynamic table's): extended in place where its storage has room, else
-    copied into storage with room for :data:`RESERVE_GROWTH` times ``rows`` (allocated but
-    untouched, so costing no memory until used; the rows asked for alone where that is
-    refused), so copies are rare as a table grows.
+    copied into storage with room to grow in place (:func:`_room`; at most ``most`` rows
+    where the rows are bounded), so copies are rare as a table grows: a copy stalls the
+    server (a table of gigabytes, seconds) and holds the storage twice meanwhile.
 
     Not on huge pages: rows are created a few hundred at a time, and a huge page faulted in
     as they reach it (zeroed whole, memory compacted for it) cost more than its fewer TLB
@@ -359,12 +371,26 @@ def regrown(tensor: Tensor, rows: int) -> Tensor:
     if fits and tensor.storage_offset() == 0 and tensor.is_contiguous():
         whole = torch.empty(0, dtype=tensor.dtype).set_(storage)
         return whole[: math.prod(shape)].view(shape)
-    try:
-        grown = torch.empty((rows * RESERVE_GROWTH, *shape[1:]), dtype=tensor.dtype)[:rows]
-    except RuntimeError:  # the allocator refused the room: the rows asked for alone
-        grown = torch.empty(shape, dtype=tensor.dtype)
+    grown = _room(shape, tensor.dtype, most)[:rows]
     grown[: tensor.shape[0]] = tensor
     return grown
+
+
+def _room(shape: tuple[int, ...], dtype: torch.dtype, most: int | None) -> Tensor:
+    """Uninitialised storage for ``shape[0]`` rows and room for more: as many as fit in
+    :data:`GROWTH_ROOM_BYTES` (at least :data:`RESERVE_GROWTH` times the rows), but no more
+    than ``most``, mapped on their own (:func:`_mapped`), so rows not yet reached cost no
+    memory. Where the system refuses that much address space (strict overcommit, a limit on
+    it): :data:`RESERVE_GROWTH` times the rows, else the rows alone."""
+    rows, row_bytes = shape[0], math.prod(shape[1:]) * dtype.itemsize
+    for room in (max(GROWTH_ROOM_BYTES // row_bytes, rows), rows * RESERVE_GROWTH):
+        room = max(room, rows * RESERVE_GROWTH)
+        room = room if most is None else min(room, most)
+        if room > rows:
+            with contextlib.suppress(OSError):
+                memory = _mapped(room * row_bytes)
+                return torch.frombuffer(memory, dtype=dtype).view(room, *shape[1:])
+    return torch.empty(shape, dtype=dtype)
 
 
 def nbytes_of(*tensors: Tensor | None) -> int:
