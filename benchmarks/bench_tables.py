@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.idcodec import PackedIds
 from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
@@ -235,20 +236,22 @@ def _server_passes(
     endpoint = build_server(0, config, lambda: model)
     names = sorted(endpoint.shard.tables)
     dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.dense.items()}
+    # Each step's gradients, made before timing too (a trainer's work).
+    grads = [[torch.full((i.numel(), 32), 0.01) for i in table_ids] for table_ids in step_ids]
     step, seconds = 0, []
     for _ in range(passes):
-        previous: dict[str, Tensor] = {}
+        previous: dict[str, RowBlock] = {}
         started = time.thread_time()
-        for table_ids in step_ids:
-            ids = dict(zip(names, table_ids, strict=True))
-            request = PushPullRequest(0, step, pull_rows=ids, grads_call=step - 1)
+        for table_ids, table_grads in zip(step_ids, grads, strict=True):
+            pulled: dict[str, Tensor | PackedIds] = dict(zip(names, table_ids, strict=True))
+            request = PushPullRequest(0, step, pull_rows=pulled, grads_call=step - 1)
             if previous:
-                request.row_grads = {
-                    n: RowBlock(i, torch.full((i.numel(), 32), 0.01)) for n, i in previous.items()
-                }
-                request.dense_grads = dict(dense)  # type: ignore[arg-type]
+                request.row_grads = previous
+                request.dense_grads = dict(dense)
             endpoint.coordinator.push_pull(request).wait()
-            previous, step = ids, step + 1
+            together = zip(names, table_ids, table_grads, strict=True)
+            previous = {name: RowBlock(ids, grad) for name, ids, grad in together}
+            step += 1
         seconds.append((time.thread_time() - started) / len(step_ids))
     made = sum(t.stats()["rows"] for t in endpoint.shard.tables.values())
     endpoint.coordinator.close()
