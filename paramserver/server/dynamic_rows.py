@@ -13,6 +13,7 @@ What a table decides alone (admission counts, eviction, pull records) is
 from __future__ import annotations
 
 import functools
+import itertools
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -122,21 +123,19 @@ def locate_together(
     for tables sharing the id map ``shared`` (their lock held): all their ids searched in one
     call, and their admitted ids inserted in one."""
     names = list(wanted)
-    ids = torch.cat([wanted[n] for n in names])
     counts = [wanted[n].numel() for n in names]
+    ids = torch.cat([wanted[n] for n in names])
     spaces = np.repeat(np.array([tables[n].ids.space for n in names], dtype=np.int16), counts)
     found = shared.find(spaces, ids)
     rows = found.rows
-    starts = np.cumsum([0, *counts]).tolist()
-    if reading.train and bool((rows < 0).any()):
+    starts = [0, *itertools.accumulate(counts)]
+    if reading.train and bool((rows.numpy() < 0).any()):  # numpy: cheaper for a few thousand
         rows = _admit_absent(tables, wanted, ids, spaces, found, starts, reading.clock, shared)
     elif reading.train:  # every id has its row: nothing to admit, only lookups to count
         for name, count in zip(names, counts, strict=True):
             tables[name].counters.lookups += count
-    return {
-        n: tables[n].settle(wanted[n], rows[starts[i] : starts[i + 1]], reading)
-        for i, n in enumerate(names)
-    }
+    each = rows.split(counts)
+    return {n: tables[n].settle(wanted[n], each[i], reading) for i, n in enumerate(names)}
 
 
 def values_together(
