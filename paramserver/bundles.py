@@ -125,11 +125,12 @@ def unbundled(value: Any) -> Any:
         return MalformedBundle(problem)
     flat, shapes = value.flat, value.shapes
     if _as_rows(flat, shapes):
-        parts = flat.split([shape[0] for shape in shapes]) if shapes else ()
+        parts = flat.split_with_sizes([shape[0] for shape in shapes]) if shapes else ()
     else:
         flat = flat.reshape(-1)
         numels = [math.prod(shape) for shape in shapes]
-        parts = [p.view(shape) for p, shape in zip(flat.split(numels), shapes, strict=True)]
+        views = zip(flat.split_with_sizes(numels), shapes, strict=True)
+        parts = [part.view(shape) for part, shape in views]
     return dict(zip(value.names, parts, strict=True))
 
 

@@ -203,7 +203,9 @@ class DynamicTable:
         if reading.pull is not None:
             trainer, call = reading.pull
             records = self._pulls.setdefault(trainer, deque(maxlen=PULLS_KEPT))
-            records.append(PullRecord(call, ids, rows.clone()))
+            # Not copied: rows is this read's own (a slice of the rows it found for all its
+            # tables, which no one changes), and the record's writes stay in its slice.
+            records.append(PullRecord(call, ids, rows))
         return rows
 
     def values(self, rows: Tensor) -> Tensor:

@@ -134,7 +134,7 @@ def locate_together(
     elif reading.train:  # every id has its row: nothing to admit, only lookups to count
         for name, count in zip(names, counts, strict=True):
             tables[name].counters.lookups += count
-    each = rows.split(counts)
+    each = rows.split_with_sizes(counts)  # Tensor.split: a slower Python wrapper of it
     return {n: tables[n].settle(wanted[n], each[i], reading) for i, n in enumerate(names)}
 
 
@@ -158,7 +158,7 @@ def values_together(
             together = default.expand(-1, weight.shape[1]).clone()
             if bool(present.any()):
                 together[present] = take_rows(weight, rows[present].numpy())
-        values.update(zip(names, together.split(counts), strict=True))
+        values.update(zip(names, together.split_with_sizes(counts), strict=True))
     return values
 
 

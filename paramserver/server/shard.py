@@ -313,7 +313,7 @@ class ServerShard:
             with _holding(table.lock for table in tables):
                 together = take_rows(tables[0].arena.weight, rows.numpy())
             counts = [pulls[name].numel() for name in names]
-            values.update(zip(names, together.split(counts), strict=True))
+            values.update(zip(names, together.split_with_sizes(counts), strict=True))
         return values
 
     def _answer(
