@@ -13,6 +13,7 @@ and gives a :class:`MalformedBundle` saying what is wrong with a malformed one.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,7 @@ def unbundled(value: Any) -> Any:
     if problem is not None:
         return MalformedBundle(problem)
     flat, shapes = value.flat, value.shapes
+    parts: Sequence[Tensor] = ()
     if _as_rows(flat, shapes):
         parts = flat.split_with_sizes([shape[0] for shape in shapes]) if shapes else ()
     else:

@@ -405,6 +405,9 @@ class PayloadSize:
     # (packed ids count as they travel: packing is the wire format, not a codec)
 
 
+_LEAVES = frozenset({int, float, bool, str, bytes, type(None)})  # hold no tensor data
+
+
 def payload_size(message: Any) -> PayloadSize:
     """Bytes of tensor data in a message, as sent and uncompressed, in one walk (dataclasses,
     mappings and sequences are walked).
@@ -421,6 +424,8 @@ def payload_nbytes(message: Any) -> int:
 
 
 def _payload_nbytes(message: Any) -> tuple[int, int]:
+    if type(message) in _LEAVES:  # most fields: settled before the checks below
+        return 0, 0
     if isinstance(message, Tensor):
         nbytes = message.numel() * message.element_size()
         return nbytes, nbytes
@@ -473,17 +478,25 @@ def message_sizes(message: Any) -> MessageSizes:
     held = sent = 0
     pending = [message]
     seen: set[int] = set()  # objects reached twice (shared, or in a cycle) count once
+    kinds = _KINDS
     while pending:
         item = pending.pop()
+        cls: type = type(item)
+        kind = kinds.get(cls) or _remembered_kind(cls)
+        if kind is _Kind.OTHER:  # counts nothing, reached once or more
+            continue
         if id(item) in seen:
             continue
         seen.add(id(item))
-        cls: type = type(item)
-        kind = _kind(cls)
         if kind is _Kind.TENSOR:
             nbytes = item.numel() * item.element_size()
             held += nbytes
             sent += nbytes
+        elif kind is _Kind.DICT:
+            pending += item.keys()
+            pending += item.values()
+        elif kind is _Kind.DATACLASS:
+            pending += [getattr(item, name, None) for name in _field_names(cls)]
         elif kind is _Kind.TEXT:
             held += len(item)
         elif kind is _Kind.ENCODED:
@@ -494,11 +507,6 @@ def message_sizes(message: Any) -> MessageSizes:
             held += FIRST_NBYTES + num_ids(item) * 8
             sent += FIRST_NBYTES
             pending.append(getattr(item, "steps", None))
-        elif kind is _Kind.DATACLASS:
-            pending.extend(getattr(item, name, None) for name in _field_names(cls))
-        elif kind is _Kind.DICT:
-            pending.extend(item.keys())
-            pending.extend(item.values())
         elif kind is _Kind.COLLECTION:
             pending.extend(item)
     return MessageSizes(held, sent)
@@ -517,10 +525,22 @@ class _Kind(enum.Enum):
     OTHER = enum.auto()
 
 
-@functools.lru_cache(maxsize=1024)  # bounded: the types a peer can name are the process's
+_KINDS: dict[type, _Kind] = {}  # each type's kind, found once (a message holds a few types,
+# walked many times each: one lookup per object, not a chain of isinstance checks)
+_MAX_KINDS = 1024
+
+
+def _remembered_kind(cls: type) -> _Kind:
+    """:func:`_kind`, kept in :data:`_KINDS` (bounded: the types a peer can name are the
+    process's)."""
+    kind = _kind(cls)
+    if len(_KINDS) < _MAX_KINDS:
+        _KINDS[cls] = kind
+    return kind
+
+
 def _kind(cls: type) -> _Kind:
-    """The kind of objects of type ``cls`` (a message holds a few types, walked many times
-    each: one lookup per object, not a chain of isinstance checks)."""
+    """The kind of objects of type ``cls``."""
     if issubclass(cls, Tensor):
         return _Kind.TENSOR
     if issubclass(cls, str | bytes | bytearray):
