@@ -45,11 +45,20 @@ from paramserver.tableinit import RowInit
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
+_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+
+
+def _half_the_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (AttributeError, ValueError, OSError):  # a system that does not say: no more room
+        return 0
+
+
 # The address space a growing tensor (a dynamic table's rows, each of their state slots) is
 # given room in: half the machine's memory, which Linux's default overcommit heuristic grants
 # one mapping; untouched, it costs no memory.
-GROWTH_ROOM_BYTES = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
-_MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+GROWTH_ROOM_BYTES = _half_the_memory()
 
 
 @dataclass(frozen=True)
