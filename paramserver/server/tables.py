@@ -79,8 +79,8 @@ class Reading:
 class TableShard(Protocol):
     """A server's rows of one embedding table, as the server's shard calls them.
 
-    Thread-safety: no method locks; the caller holds :attr:`lock` around every call but
-    :attr:`id_bounds` and every use of :attr:`weight` but its dtype.
+    Thread-safety: no method locks; the caller holds :attr:`lock` around every call and
+    every use of :attr:`weight` but its dtype (:attr:`id_bounds` never changes).
     Ids given are a non-empty 1-D int64 tensor, valid (within :attr:`id_bounds`); where
     a method says sorted and unique, the caller has checked it. Returned tensors are new
     (copies), owned by the caller; tensors given are only read, and kept only where a method
@@ -392,8 +392,8 @@ def _room(shape: tuple[int, ...], dtype: torch.dtype, most: int | None) -> Tenso
     memory. Where the system refuses that much address space (strict overcommit, a limit on
     it): :data:`RESERVE_GROWTH` times the rows, else the rows alone."""
     rows, row_bytes = shape[0], math.prod(shape[1:]) * dtype.itemsize
-    for room in (max(GROWTH_ROOM_BYTES // row_bytes, rows), rows * RESERVE_GROWTH):
-        room = max(room, rows * RESERVE_GROWTH)
+    reserve = rows * RESERVE_GROWTH
+    for room in (max(GROWTH_ROOM_BYTES // row_bytes, reserve), reserve):
         room = room if most is None else min(room, most)
         if room > rows:
             with contextlib.suppress(OSError):
