@@ -22,6 +22,7 @@
  * out. Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError);
  * their sizes are checked here, and every index read from the map or given is checked before
  * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
+ * The module also names MAP_NORESERVE, which Python's mmap module does not (server/tables.py).
  * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
@@ -29,6 +30,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #define EMPTY_SLOT (-1)
 #define IDS_AHEAD 16 /* ids ahead whose slot and record a probe asks memory for early */
@@ -832,4 +834,10 @@ static struct PyModuleDef module = {
     methods,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *loops = PyModule_Create(&module);
+#ifdef MAP_NORESERVE /* for mmap: address space whose pages are charged only once touched */
+    if (loops != NULL && PyModule_AddIntMacro(loops, MAP_NORESERVE) < 0) Py_CLEAR(loops);
+#endif
+    return loops;
+}

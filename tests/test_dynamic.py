@@ -4,6 +4,8 @@ tests/test_idmap.py)."""
 from __future__ import annotations
 
 import mmap
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -400,27 +402,32 @@ def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A growth copies a tensor into storage with room for GROWTH_ROOM_BYTES (at least
-    RESERVE_GROWTH times the rows, at most the bound asked for), which costs no memory until
-    rows reach it; growths within that room keep it where it is, rows and state kept. Where
-    the system refuses that much, the room is RESERVE_GROWTH times the rows, else none."""
+    RESERVE_GROWTH times the rows, at most the bound asked for; RESERVE_GROWTH times where
+    the room cannot be left unreserved), which costs no memory until rows reach it, and does
+    not stop the process from forking; growths within that room keep it where it is, rows
+    and state kept. Where the system refuses that much, the room is RESERVE_GROWTH times the
+    rows, else none."""
     plain = torch.arange(300 * 4, dtype=torch.float32).view(300, 4)
     before = resident_bytes()
-    grown = regrown(plain, 307)  # copied, with room to grow in place
+    grown = [regrown(plain, 307) for _ in range(4)][-1]  # copied, with room to grow in place
     assert resident_bytes() - before < 64 << 20  # the room is address space, not memory
-    assert grown.untyped_storage().nbytes() >= max(GROWTH_ROOM_BYTES, 307 * RESERVE_GROWTH * 16)
+    room = GROWTH_ROOM_BYTES if tables._MAP_NORESERVE else 0
+    assert grown.untyped_storage().nbytes() >= max(room, 307 * RESERVE_GROWTH * 16)
+    # A fork charged for the room would fail (ENOMEM): preexec_fn makes Popen fork, not vfork.
+    subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=lambda: None)
     assert torch.equal(grown[:300], plain) and grown.shape == (307, 4)
     grown[300:] = -1.0
-    again = regrown(grown, 307 * RESERVE_GROWTH * 4)
+    again = regrown(grown, 307 * RESERVE_GROWTH)
     assert again.data_ptr() == grown.data_ptr() and torch.equal(again[:307], grown)
     bounded = regrown(plain, 307, most=1000)
     assert bounded.untyped_storage().nbytes() == 1000 * 16 and torch.equal(bounded[:300], plain)
     mapped = tables._mapped
 
     def refused_beyond(limit: int) -> Any:
-        def mapping(nbytes: int) -> mmap.mmap:
+        def mapping(nbytes: int, *, reserved: bool = True) -> mmap.mmap:
             if nbytes > limit:
                 raise OSError("Cannot allocate memory")
-            return mapped(nbytes)
+            return mapped(nbytes, reserved=reserved)
 
         return mapping
 

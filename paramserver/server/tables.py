@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.idmap import RESERVE_GROWTH
 from paramserver.server.optim import (
     Empty,
@@ -46,6 +47,9 @@ from paramserver.tableinit import RowInit
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+# mmap's flag for address space charged to the system's commit only once touched: Python's
+# mmap module does not name it, the compiled loops' module does (0: none).
+_MAP_NORESERVE: int = getattr(native.loops, "MAP_NORESERVE", 0)
 
 
 def _half_the_memory() -> int:
@@ -356,10 +360,16 @@ def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
 
 
-def _mapped(nbytes: int) -> mmap.mmap:
+def _mapped(nbytes: int, *, reserved: bool = True) -> mmap.mmap:
     """``nbytes`` of anonymous memory mapped on their own: the system gives a page its memory
-    (zeroed) when something first touches it, not before."""
-    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    (zeroed) when something first touches it, not before. Not ``reserved``: the pages are not
+    charged to the system's commit until touched (``MAP_NORESERVE``), which room far beyond
+    what is used needs: else a fork (a ``subprocess`` with ``preexec_fn``, a DataLoader's
+    workers) is charged all of it, and refused."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if not reserved:
+        flags |= _MAP_NORESERVE
+    return mmap.mmap(-1, nbytes, flags=flags)
 
 
 def regrown(tensor: Tensor, rows: int, most: int | None = None) -> Tensor:
@@ -388,16 +398,18 @@ def regrown(tensor: Tensor, rows: int, most: int | None = None) -> Tensor:
 def _room(shape: tuple[int, ...], dtype: torch.dtype, most: int | None) -> Tensor:
     """Uninitialised storage for ``shape[0]`` rows and room for more: as many as fit in
     :data:`GROWTH_ROOM_BYTES` (at least :data:`RESERVE_GROWTH` times the rows), but no more
-    than ``most``, mapped on their own (:func:`_mapped`), so rows not yet reached cost no
-    memory. Where the system refuses that much address space (strict overcommit, a limit on
-    it): :data:`RESERVE_GROWTH` times the rows, else the rows alone."""
+    than ``most``, mapped on their own and unreserved (:func:`_mapped`), so rows not yet
+    reached cost no memory. Where the system refuses that much address space (strict
+    overcommit, a limit on it) or cannot leave it unreserved (no ``MAP_NORESERVE`` without
+    the compiled loops): :data:`RESERVE_GROWTH` times the rows, else the rows alone."""
     rows, row_bytes = shape[0], math.prod(shape[1:]) * dtype.itemsize
     reserve = rows * RESERVE_GROWTH
-    for room in (max(GROWTH_ROOM_BYTES // row_bytes, reserve), reserve):
+    wide = max(GROWTH_ROOM_BYTES // row_bytes, reserve) if _MAP_NORESERVE else reserve
+    for room, reserved in ((wide, False), (reserve, True)):
         room = room if most is None else min(room, most)
         if room > rows:
             with contextlib.suppress(OSError):
-                memory = _mapped(room * row_bytes)
+                memory = _mapped(room * row_bytes, reserved=reserved)
                 return torch.frombuffer(memory, dtype=dtype).view(room, *shape[1:])
     return torch.empty(shape, dtype=dtype)
 
