@@ -22,6 +22,9 @@ applies, with the same result (the tests run both and compare):
 - a trainer's forward makes its step's lookups of every table in one call, and its backward
   adds their gradients in one (torch: an ``index_select`` and an ``index_add_`` per lookup).
 
+The module also names ``MAP_NORESERVE`` for :mod:`mmap`, which Python's does not: a dynamic
+table's storage maps room to grow in with it (:mod:`paramserver.server.tables`).
+
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
 out).
 """
