@@ -17,7 +17,7 @@ from torch.utils.data import RandomSampler
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
-from paramserver.modelplan import build_model
+from paramserver.modelplan import build_model, load_job_state
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.sharding import ShardPlan
@@ -290,7 +290,7 @@ def _result(
     model = None
     if config.gather_model:
         model = build_model(model_fn, config.seed, table_values=False).model
-        model.load_state_dict(result.state, assign=True)  # the tables' meta weights take it
+        load_job_state(model, result.state)  # the tables' meta weights take it
         if evaluation is not None:
             _evaluate_final(model, evaluation, config, result.summary)
     if config.run_dir is not None:

@@ -54,19 +54,17 @@ def optimizers_by_group(
 ) -> dict[str, tuple[torch.optim.Optimizer, OptimizerConfig]]:
     """:func:`make_optimizers`' optimizers by group (``"dense"``, each fixed table by name),
     each with the rule it follows."""
-    tables = {
-        f"{name}.weight" if name else "weight": m
-        for name, m in model.named_modules()
-        if isinstance(m, EMBEDDINGS)
-    }
+    tables = {n: m for n, m in find_embeddings(model).items() if isinstance(m, EMBEDDINGS)}
     # A DynamicEmbedding's weight is the rows a step loaded (InProcessTables updates them).
     hashed = [m.weight for m in model.modules() if isinstance(m, DynamicEmbedding)]
     table_ids = {id(w) for w in [*[m.weight for m in tables.values()], *hashed]}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     rule = config.dense_optimizer()
     optimizers = {"dense": (_optimizer(dense, rule, sparse=False), rule)}
+    for module in model.modules():
+        if isinstance(module, EMBEDDINGS):
+            module.sparse = True
     for name, module in tables.items():
-        module.sparse = True
         rule = config.table_optimizer_for(name)
         optimizers[name] = (_optimizer([module.weight], rule, sparse=True), rule)
     return optimizers

@@ -9,13 +9,16 @@ servers. Dense parameters and buffers are built by ``model_fn`` itself, under th
 Each process calls :func:`plan_of` on its build and gets the same
 :class:`~paramserver.sharding.ShardPlan`, whose fingerprint they compare at start-up. Tables are
 the model's ``nn.Embedding``, ``nn.EmbeddingBag`` and
-:class:`~paramserver.embedding.DynamicEmbedding` modules, named by their weights' state_dict
-names (``emb.0.weight``); every other parameter is dense.
+:class:`~paramserver.embedding.DynamicEmbedding` weights, one table per weight, named by the
+weight's first state_dict name (``emb.0.weight``); a weight shared by several layers (one item
+table for a history bag and a target item) or registered on another module too is one table
+with other names (:func:`table_aliases`). Every other parameter is dense.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import threading
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.embedding import DynamicEmbedding
+from paramserver.errors import ModelError
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.tableinit import RecordingTables, RowInit
 from paramserver.types import ModelFn
@@ -92,7 +96,10 @@ def build_model(model_fn: ModelFn, seed: int, *, table_values: bool = True) -> B
         if recording.unreplayable is not None:
             unreplayable[name] = recording.unreplayable
         else:
-            shape = (module.num_embeddings, module.embedding_dim)
+            shape = (
+                table_size(module, name, "num_embeddings"),
+                table_size(module, name, "embedding_dim"),
+            )
             inits[name] = RowInit(name, shape, weight.dtype, recording.steps, seed)
     if unreplayable and table_values:
         inits.update(_tables_built_whole(model_fn, seed, unreplayable))
@@ -142,19 +149,68 @@ def initial_model(model_fn: ModelFn, seed: int) -> nn.Module:
     single-process reference starts here)."""
     built = build_model(model_fn, seed)
     for name, module in _fixed_tables(built.model).items():
-        if module.weight.is_meta:
+        weight = module.weight
+        if weight.is_meta:
             rows = built.inits[name].rows(torch.arange(module.num_embeddings))
-            module.weight = nn.Parameter(rows, requires_grad=module.weight.requires_grad)
+            _replace_parameter(built.model, weight, nn.Parameter(rows, weight.requires_grad))
     return built.model
 
 
+def _replace_parameter(model: nn.Module, old: Tensor, new: nn.Parameter) -> None:
+    """``new`` in place of ``old`` wherever a module holds it (a shared weight stays shared)."""
+    for module in model.modules():
+        for key, value in module._parameters.items():
+            if value is old:
+                module._parameters[key] = new
+
+
 def find_embeddings(model: nn.Module) -> dict[str, Embedding]:
-    """The model's served embedding layers, by their weights' state_dict names."""
+    """The model's tables: its served embedding layers, one per weight (the first layer that
+    holds it), by the weight's first state_dict name."""
     found: dict[str, Embedding] = {}
+    weights: set[int] = set()
     for name, module in model.named_modules():
-        if isinstance(module, SERVED):
+        if isinstance(module, SERVED) and id(module.weight) not in weights:
+            weights.add(id(module.weight))
             found[f"{name}.weight" if name else "weight"] = module
     return found
+
+
+def table_aliases(model: nn.Module) -> dict[str, str]:
+    """The other state_dict names of the tables' weights (a weight shared by several layers,
+    or registered on another module too), each with its table's name."""
+    tables = {id(m.weight): name for name, m in find_embeddings(model).items()}
+    return {
+        name: tables[id(value)]
+        for name, value in model.state_dict(keep_vars=True).items()
+        if id(value) in tables and tables[id(value)] != name
+    }
+
+
+def load_job_state(model: nn.Module, state: dict[str, Tensor]) -> None:
+    """Load a job's ``state`` (each table once, by its name) into ``model``, a build of the
+    job's ``model_fn``, taking the tensors as they are (``assign``): a weight shared by
+    several layers is shared again."""
+    aliases = table_aliases(model)
+    model.load_state_dict({**state, **{a: state[t] for a, t in aliases.items()}}, assign=True)
+    for alias, table in aliases.items():
+        holder, _, key = alias.rpartition(".")
+        model.get_submodule(holder)._parameters[key] = model.get_parameter(table)
+
+
+def table_size(module: Embedding, name: str, attribute: str) -> int:
+    """A table's ``num_embeddings`` or ``embedding_dim`` as an int: numpy's and every other
+    integer type torch takes are accepted; anything else is refused naming the table."""
+    value = getattr(module, attribute)
+    try:
+        size = operator.index(value)
+    except TypeError:
+        raise ModelError(
+            f"table {name}: {attribute} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
+    if size < 0:
+        raise ModelError(f"table {name}: {attribute} must be >= 0, got {size}")
+    return size
 
 
 def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -> ShardPlan:
@@ -168,9 +224,13 @@ def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -
         if id(p) not in table_weights
     ]
     specs = [
-        TableSpec(name, 0, m.embedding_dim, m.weight.dtype, dynamic=m.options)
-        if isinstance(m, DynamicEmbedding)
-        else TableSpec(name, m.num_embeddings, m.embedding_dim, m.weight.dtype)
+        TableSpec(
+            name,
+            0 if isinstance(m, DynamicEmbedding) else table_size(m, name, "num_embeddings"),
+            table_size(m, name, "embedding_dim"),
+            m.weight.dtype,
+            dynamic=m.options if isinstance(m, DynamicEmbedding) else None,
+        )
         for name, m in tables.items()
     ]
     return ShardPlan(dense, specs, num_servers, dense_on_servers)

@@ -184,10 +184,15 @@ def _normal_cdf(x: float) -> float:
 
 class TablesOnMeta(TorchFunctionMode):
     """While active (in this thread), ``nn.Embedding`` and ``nn.EmbeddingBag`` allocate their
-    weights on the meta device: a model's structure without its tables' memory."""
+    weights on the meta device: a model's structure without its tables' memory.
+
+    A meta tensor moved to another device stays on the meta device, with the dtype asked for:
+    a constructor that ends with ``self.to(device)`` (a habit of CTR libraries) then builds
+    without its tables' memory too."""
 
     TABLE_INITS = frozenset({nn.Embedding.__init__.__code__, nn.EmbeddingBag.__init__.__code__})
     FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
+    MOVES = frozenset({Tensor.to, Tensor.cpu, Tensor.cuda})
 
     def __torch_function__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict | None = None
@@ -195,7 +200,19 @@ class TablesOnMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in self.FACTORIES and kwargs.get("device") is None and _in_table_init():
             kwargs = {**kwargs, "device": "meta"}
+        elif func in self.MOVES and args and isinstance(args[0], Tensor) and args[0].is_meta:
+            return _kept_on_meta(func, args[0], args[1:], kwargs)
         return func(*args, **kwargs)
+
+
+def _kept_on_meta(move: Any, tensor: Tensor, args: Any, kwargs: dict) -> Tensor:
+    """``tensor`` (on the meta device) as ``move`` would return it, left on the meta device."""
+    dtype = None
+    if move is Tensor.to:
+        _, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if args and isinstance(args[0], Tensor):  # to(other): other's dtype
+            dtype = args[0].dtype
+    return tensor if dtype in (None, tensor.dtype) else tensor.to(dtype=dtype)
 
 
 def _in_table_init() -> bool:

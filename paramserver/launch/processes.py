@@ -21,8 +21,10 @@ the server a trainer lost), and TensorPipe's C++ warnings about broken connectio
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
+import marshal
 import os
 import selectors
 import shutil
@@ -31,8 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+from collections import ChainMap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import torch
@@ -85,6 +90,25 @@ def run_processes(
         return result
 
 
+class _SourceKeepingPickler(cloudpickle.Pickler):
+    """cloudpickle, but a function's code travels whole (``marshal``): cloudpickle renames
+    the file of code it pickles by value (the user's script, ``__main__``) to
+    ``<dynamic-code>``, and the user's own file and line would be gone from every traceback
+    in the worker processes. The workers run this very interpreter, so its code format."""
+
+    dispatch_table = ChainMap(
+        {types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+        cloudpickle.Pickler.dispatch_table,
+    )
+
+
+def dumps_keeping_sources(value: Any) -> bytes:
+    """``value`` pickled by cloudpickle, each function keeping its file and line numbers."""
+    buffer = io.BytesIO()
+    _SourceKeepingPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
 def _run_group(
     config: TrainConfig,
     model_fn: ModelFn,
@@ -95,13 +119,13 @@ def _run_group(
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
     spec.write_bytes(
-        cloudpickle.dumps(
+        dumps_keeping_sources(
             {
                 "config": config,
                 "model_fn": model_fn,
                 "loop_fn": loop_fn,
                 # Pickled apart: only the chief trainer loads it (held-out data can be large).
-                "evaluation": cloudpickle.dumps(evaluation),
+                "evaluation": dumps_keeping_sources(evaluation),
             }
         )
     )

@@ -448,7 +448,13 @@ class _AheadRecorder:
         except Exception as error:  # a guess at the model's arguments failed
             if not self.guessing:
                 raise
-            log.info("batches are not (inputs, target) pairs (%s): rows are read on demand", error)
+            log.info(
+                "looking ahead at a step's lookups by calling the model on each batch's first "
+                "element failed (%s: %s): either the batches are not (inputs, target) pairs "
+                "or the model fails on them (the step will show it); rows are read on demand",
+                type(error).__name__,
+                error,
+            )
             self.inputs, self.guessing = None, False
             return Step(group)
         return Step(group, *recorded)

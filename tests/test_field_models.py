@@ -1,0 +1,248 @@
+"""Models written the way recommendation libraries write them train unchanged, and match one
+process in sync mode; what cannot be sharded is refused before any process starts, naming the
+table."""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import paramserver as ps
+from paramserver.baseline import train_single_process
+from paramserver.errors import ModelError
+from paramserver.launch.processes import dumps_keeping_sources
+from paramserver.modelplan import build_model, initial_model, plan_of, table_aliases
+from paramserver.trainer.replica import Replica
+
+NUM_ITEMS = np.int64(60)  # sizes as CTR libraries compute them: df[col].max() + 1
+NUM_USERS = np.int32(25)
+STEPS = 20
+
+
+class SharedItemTable(nn.Module):
+    """DIN-style: one item table read by a history bag (F.embedding_bag on its weight, with
+    per-sample weights) and by the target item (the layer), numpy sizes, and a constructor
+    that moves itself to its device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(NUM_ITEMS, 8)
+        self.user = nn.EmbeddingBag(NUM_USERS, 8, mode="sum")
+        self.top = nn.Sequential(nn.Linear(24, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.to(torch.device("cpu"))
+
+    def forward(
+        self, history: Tensor, offsets: Tensor, weights: Tensor, target: Tensor, user: Tensor
+    ) -> Tensor:
+        seen = F.embedding_bag(
+            history, self.item.weight, offsets, mode="sum", per_sample_weights=weights
+        )
+        x = torch.cat([seen, self.item(target), self.user(user)], dim=1)
+        return self.top(x).squeeze(1)
+
+
+def shared_item_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        lengths = torch.randint(1, 6, (8,), generator=g)
+        history = torch.randint(0, int(NUM_ITEMS), (int(lengths.sum()),), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+        weights = torch.rand(history.numel(), generator=g)
+        target = torch.randint(0, int(NUM_ITEMS), (8,), generator=g)
+        user = torch.randint(0, int(NUM_USERS), (8, 2), generator=g)
+        yield (history, offsets, weights, target, user), torch.randn(8, generator=g)
+
+
+class TiedLayers(nn.Module):
+    """Two layers sharing one weight (a padded history bag tied to the item embedding), a bag
+    with include_last_offset, and a table given values from numpy (facebookresearch/dlrm's
+    way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(NUM_ITEMS, 4)
+        self.history = nn.EmbeddingBag(NUM_ITEMS, 4, mode="mean", padding_idx=0)
+        self.history.weight = self.item.weight
+        self.category = nn.EmbeddingBag(np.int64(12), 4, mode="sum", include_last_offset=True)
+        bound = np.sqrt(1 / 12)
+        values = np.random.uniform(-bound, bound, size=(12, 4)).astype(np.float32)
+        self.category.weight.data = torch.tensor(values, requires_grad=True)
+        self.top = nn.Linear(12, 1)
+
+    def forward(
+        self, history: Tensor, target: Tensor, categories: Tensor, offsets: Tensor
+    ) -> Tensor:
+        x = torch.cat(
+            [self.history(history), self.item(target), self.category(categories, offsets)], dim=1
+        )
+        return self.top(x).squeeze(1)
+
+
+def tied_layer_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        history = torch.randint(0, int(NUM_ITEMS), (6, 4), generator=g)
+        history[:, 3] = 0  # padding
+        target = torch.randint(1, int(NUM_ITEMS), (6,), generator=g)
+        lengths = torch.randint(1, 4, (6,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        categories = torch.randint(0, 12, (int(lengths.sum()),), generator=g)
+        yield (history, target, categories, offsets), torch.randn(6, generator=g)
+
+
+def mse(output: Tensor, target: Tensor) -> Tensor:
+    return ((output - target) ** 2).mean()
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Iterator]]] = {
+    "shared item table": (SharedItemTable, shared_item_batches),
+    "tied layers": (TiedLayers, tied_layer_batches),
+}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_field_model_matches_one_process(name: str, optimizer: str) -> None:
+    model_fn, batches = MODELS[name]
+    config = ps.TrainConfig(
+        servers=2,
+        trainers=1,
+        mode="sync",
+        optimizer=optimizer,
+        lr=0.05,
+        launcher="threads",
+        progress=False,
+    )
+    result = ps.train(model_fn, lambda t, n: batches(t), mse, config)
+    assert result is not None and result.model is not None
+    assert result.summary["trainer_steps"] == [STEPS]
+    reference, _ = train_single_process(model_fn, lambda t, n: batches(t), mse, config)
+    expected, got = reference.state_dict(), result.model.state_dict()
+    assert set(got) == set(expected)
+    initial = initial_model(model_fn, seed=0).state_dict()
+    for key, value in expected.items():
+        assert not torch.equal(value, initial[key]), f"{key} never moved: the test is vacuous"
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_shared_weight_is_one_table_and_stays_shared() -> None:
+    model = build_model(TiedLayers, seed=0).model
+    assert sorted(plan_of(model, 2).tables) == ["category.weight", "item.weight"]
+    assert table_aliases(model) == {"history.weight": "item.weight"}
+    result = ps.train(
+        TiedLayers,
+        lambda t, n: tied_layer_batches(t),
+        mse,
+        ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False, steps=2),
+    )
+    assert result is not None and result.model is not None
+    assert result.model.history.weight is result.model.item.weight
+
+
+def test_a_constructor_that_moves_itself_keeps_its_tables_off_memory() -> None:
+    built = build_model(SharedItemTable, seed=0)
+    assert built.model.item.weight.is_meta and built.model.user.weight.is_meta
+    assert set(built.inits) == {"item.weight", "user.weight"}  # replayed row by row
+
+
+class TiedToLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(NUM_ITEMS, 4)
+        self.out = nn.Linear(4, int(NUM_ITEMS), bias=False)
+        self.out.weight = self.item.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(self.item(ids))
+
+
+class WithMaxNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.EmbeddingBag(10, 4, max_norm=1.0)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.item(ids)
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "message"),
+    [
+        (TiedToLinear, r"table item\.weight: its weight is also the weight of out \(Linear\)"),
+        (WithMaxNorm, r"table item\.weight: max_norm renormalizes"),
+    ],
+)
+def test_what_cannot_be_sharded_is_refused_before_any_process_starts(
+    model_fn: Callable[[], nn.Module], message: str
+) -> None:
+    def never_read(trainer: int, num_trainers: int) -> Iterator:
+        raise AssertionError("the job started")
+
+    config = ps.TrainConfig(servers=1, trainers=1, launcher="processes", progress=False)
+    with pytest.raises(ModelError, match=message):
+        ps.train(model_fn, never_read, mse, config)
+
+
+class MisusedWeight(nn.Module):
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.item = nn.Embedding(10, 4)
+        self.use = use
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.use == "max_norm":
+            return F.embedding(ids, self.item.weight, max_norm=1.0)
+        return self.item(ids) + self.item.weight.pow(2).sum()  # an L2 term over the table
+
+
+@pytest.mark.parametrize(
+    ("use", "message"),
+    [
+        ("max_norm", r"table item\.weight: max_norm renormalizes"),
+        ("l2", r"table item\.weight: its weight is used by pow.*weight_decay"),
+    ],
+)
+def test_a_weight_used_other_than_by_lookups_is_refused_naming_the_table(
+    use: str, message: str
+) -> None:
+    replica = Replica(MisusedWeight(use))
+    with pytest.raises(ModelError, match=message):
+        replica.record_ids([(torch.tensor([1, 2]),)])
+    assert replica.model.item.weight.shape == (10, 4)  # its shape may still be asked
+
+
+def test_a_field_model_trains_in_worker_processes() -> None:
+    """The path where numpy sizes first failed: the plan's fingerprint compared over RPC."""
+    config = ps.TrainConfig(servers=2, trainers=1, launcher="processes", progress=False)
+    result = ps.train(SharedItemTable, lambda t, n: shared_item_batches(t), mse, config)
+    assert result is not None and result.summary["trainer_steps"] == [STEPS]
+
+
+def test_user_functions_keep_their_file_and_lines_in_worker_processes(tmp_path: Path) -> None:
+    """Functions of the user's script (``__main__``) travel by value; their tracebacks in a
+    worker still name the script's file and line."""
+    script = tmp_path / "user_job.py"
+    script.write_text("def model_fn():\n    raise ValueError('in the user model')\n")
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)
+    model_fn = namespace["model_fn"]
+    assert "<dynamic-code>" in repr(pickle.loads(cloudpickle.dumps(model_fn)).__code__)
+
+    shipped = pickle.loads(dumps_keeping_sources(model_fn))
+    with pytest.raises(ValueError) as raised:
+        shipped()
+    frame = traceback.extract_tb(raised.value.__traceback__)[-1]
+    assert (frame.filename, frame.lineno, frame.line) == (
+        str(script),
+        2,
+        "raise ValueError('in the user model')",
+    )
