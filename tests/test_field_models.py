@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
-from paramserver.errors import ModelError
+from paramserver.errors import JobFailedError, LoopError, ModelError
 from paramserver.launch.processes import dumps_keeping_sources
 from paramserver.modelplan import build_model, initial_model, plan_of, table_aliases
 from paramserver.trainer.replica import Replica
@@ -246,3 +246,28 @@ def test_user_functions_keep_their_file_and_lines_in_worker_processes(tmp_path: 
         2,
         "raise ValueError('in the user model')",
     )
+
+
+@pytest.mark.parametrize("dense_sync", ["server", "allreduce"])
+def test_an_optimizer_of_the_loops_own_is_refused_naming_the_rule(dense_sync: str) -> None:
+    def loop(ctx: ps.TrainContext) -> None:
+        optimizer = torch.optim.SGD(ctx.model.parameters(), lr=0.1)
+        names = {name for name, _ in ctx.model.named_parameters()}
+        assert names == {"top.0.weight", "top.0.bias", "top.2.weight", "top.2.bias"}
+        for inputs, target in ctx.batches(shared_item_batches(ctx.rank)):
+            mse(ctx.model(*inputs), target).backward()
+            ctx.step()
+            optimizer.step()
+
+    config = ps.TrainConfig(
+        servers=1, trainers=2, dense_sync=dense_sync, launcher="threads", progress=False
+    )
+    kept = "--dense-sync allreduce" if dense_sync == "allreduce" else "the servers hold them"
+    with pytest.raises(
+        (LoopError, JobFailedError), match=f"an optimizer of the loop's own.*{kept}"
+    ) as raised:
+        ps.run(SharedItemTable, loop, config)
+    assert "ctx.model's dense parameters" in str(raised.value)
+    # Outside a job the same model and optimizer are the user's own again.
+    model = SharedItemTable()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -33,13 +34,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError, ParamServerError
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled
-from paramserver.trainer.dense import AllReducedDense
+from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.lookups import RecordedLookups
 from paramserver.trainer.observer import Observer
@@ -47,6 +49,40 @@ from paramserver.trainer.replica import Call, Replica
 from paramserver.types import Progress
 
 log = logging.getLogger(__name__)
+
+# The dense parameters of every live context in this process, by id: what no optimizer of the
+# user's may step (see _refuse_foreign_steps).
+_DENSE_OF_CONTEXTS: dict[int, tuple[weakref.ref[Tensor], bool]] = {}
+
+
+def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any ``torch.optim`` step in this process: refuse one of the user's over a
+    trainer's dense parameters, which paramserver updates (``ctx.model.parameters()``)."""
+    if optimizer in OWN_OPTIMIZERS or not _DENSE_OF_CONTEXTS:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _DENSE_OF_CONTEXTS.get(id(param))
+            if entry is None or entry[0]() is not param:
+                continue
+            if entry[1]:
+                why = (
+                    "the trainers average their gradients and apply the job's dense rule to "
+                    "them (--dense-sync allreduce): a second optimizer would update them twice"
+                )
+            else:
+                why = (
+                    "the servers hold them and apply the job's dense rule; this trainer's "
+                    "copy is overwritten by the next pull, so the step would have no effect"
+                )
+            raise LoopError(
+                f"an optimizer of the loop's own steps ctx.model's dense parameters: {why}. "
+                "Set the rule in the job's config (optimizer, lr, momentum, weight_decay, "
+                "the schedule; table_optimizer for the tables) and let ctx.step() apply it"
+            )
+
+
+register_optimizer_step_pre_hook(_refuse_foreign_steps)
 
 
 @dataclass
@@ -155,12 +191,20 @@ class TrainContext:
         self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
         self._drawn = False  # whether the current step drew the next one
         engine.replica.route_forward(self._model_forward)
+        kept_here = engine.dense is not None
+        for param in engine.replica.dense.values():
+            _DENSE_OF_CONTEXTS[id(param)] = (weakref.ref(param), kept_here)
 
     # ---- the public surface ----
 
     @property
     def model(self) -> nn.Module:
-        """This trainer's replica of the model (tables remote); call it as the model."""
+        """This trainer's replica of the model (tables remote); call it as the model. Its
+        ``parameters()`` are the dense parameters only: the tables are on the servers (a
+        table's ``weight`` is a placeholder that lookups read, see
+        :mod:`paramserver.trainer.remote`), so regularize tables with their optimizer's
+        ``weight_decay``. paramserver updates every parameter at ``ctx.step()``: an
+        optimizer of the loop's own stepping them is refused with a :class:`LoopError`."""
         return self._engine.replica.model
 
     @property
@@ -396,8 +440,10 @@ class TrainContext:
 
     def close(self) -> None:
         """The trainer's, once ``loop_fn`` has ended, well or not: the model calls its own
-        forward again."""
+        forward again, and its parameters are the user's to step."""
         self._engine.replica.remove_forward()
+        for param in self._engine.replica.dense.values():
+            _DENSE_OF_CONTEXTS.pop(id(param), None)
 
     # ---- the model's forward ----
 

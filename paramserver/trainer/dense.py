@@ -25,6 +25,7 @@ with either ``--dense-sync``.
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,9 @@ from paramserver.observe.calls import CallProfile
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.trainer.heartbeat import Activity
 from paramserver.transport.group import Reduction, TrainerGroup
+
+OWN_OPTIMIZERS: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+"""The optimizers paramserver made for trainers' dense parameters (not the user's)."""
 
 
 def torch_optimizer(params: list[nn.Parameter], rule: OptimizerConfig) -> torch.optim.Optimizer:
@@ -82,6 +86,7 @@ class AllReducedDense:
         self.activity = activity
         self.profile = profile
         self.optimizer = torch_optimizer(list(params.values()), rule)
+        OWN_OPTIMIZERS.add(self.optimizer)
         self.updates = 0  # updates applied (the servers' version of each dense value)
         # All-reduces under way, oldest first: (reduction, gradients, flag, step, started at).
         self._pending: deque[tuple[Reduction, list[Tensor], Tensor, int, float]] = deque()
