@@ -402,3 +402,21 @@ def test_report_of_a_directory_without_records_is_a_clear_error(tmp_path: Path) 
     (tmp_path / "metrics" / "trainer-0.jsonl").write_text('{"kind": "train", "step": 1}\n')
     with pytest.raises(ConfigError, match="not valid JSON"):
         write_report(tmp_path)
+
+
+def test_a_workers_peak_memory_is_its_own_not_its_launchers() -> None:
+    """ru_maxrss of a forked and exec'd process starts at its parent's peak; a worker's
+    reported peak must not."""
+    import subprocess
+
+    held = bytearray(600 * 2**20)
+    held[::4096] = b"\x01" * (len(held) // 4096)  # touched: resident in this process
+    code = (
+        "import resource; from paramserver.observe import peak_rss_bytes; "
+        "print(peak_rss_bytes() >> 20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    own, inherited = (int(x) for x in out.stdout.split())
+    del held
+    assert inherited >= 600  # what the summary reported before: the launcher's peak
+    assert own < 450, f"a fresh interpreter reported {own} MiB"
