@@ -420,3 +420,24 @@ def test_a_workers_peak_memory_is_its_own_not_its_launchers() -> None:
     del held
     assert inherited >= 600  # what the summary reported before: the launcher's peak
     assert own < 450, f"a fresh interpreter reported {own} MiB"
+
+
+def test_startup_phases_run_from_the_commands_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    from paramserver.observe import startup
+
+    monkeypatch.setenv(startup.COMMAND_STARTED_AT, "100.0")
+    monkeypatch.setattr(startup, "process_started_at", lambda: 102.5)
+    monkeypatch.setattr(startup, "_marks", {"interpreter": 104.0, "rendezvous": 104.5})
+    startup.mark("rendezvous")  # reached already: kept
+    assert startup.startup_seconds() == {
+        "launch": 2.5,
+        "interpreter": 1.5,
+        "rendezvous": 0.5,
+        "model": None,
+        "first_step": None,
+        "total": 4.5,
+    }
+    with pytest.raises(ValueError, match="no start-up phase 'warmup'"):
+        startup.mark("warmup")
+    monkeypatch.delenv(startup.COMMAND_STARTED_AT)
+    assert startup.command_started_at() == 102.5  # no launcher's word: this process's start

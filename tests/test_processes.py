@@ -4,6 +4,7 @@ listening sockets, the CLI and Ctrl-C. Each test kills only the processes its jo
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -151,6 +152,12 @@ def test_cli_runs_a_job_and_writes_the_summary(tmp_path: Path) -> None:
     assert summary["bytes"]["trainers"]["received"] == summary["bytes"]["servers"]["sent"] > 0
     assert 0.5 < summary["eval_auc"] <= summary["eval_auc_ceiling"]
     assert "held-out AUC" in output
+    startup = summary["startup"]  # every phase was reached, and they add up to the total
+    phases = ("launch", "interpreter", "rendezvous", "model", "first_step")
+    assert all(startup[p] is not None and startup[p] >= 0 for p in phases), startup
+    assert math.isclose(sum(startup[p] for p in phases), startup["total"], abs_tol=1e-6)
+    assert startup["launch"] > 0 and startup["interpreter"] > 0  # two interpreters started
+    assert startup["total"] < summary["wall_s"] + startup["launch"]
 
 
 def default_sigint() -> None:

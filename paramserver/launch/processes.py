@@ -47,6 +47,7 @@ from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import ChiefResult
 from paramserver.metrics import Evaluation
+from paramserver.observe import startup
 from paramserver.types import LoopFn, ModelFn, Progress
 
 GRACE_S = 3.0
@@ -159,6 +160,7 @@ class ProcessGroup:
     def start(self, spec: Path) -> None:
         env = dict(os.environ)
         env["PARAMSERVER_LAUNCHER_PID"] = str(os.getpid())
+        env[startup.COMMAND_STARTED_AT] = repr(startup.command_started_at())
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         # TensorPipe warns in C++ of every broken connection, faults the job reports itself
         # (a lost server, a departed trainer): keep its raw lines out unless the user asks.

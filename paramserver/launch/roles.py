@@ -26,6 +26,7 @@ from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import build_model, plan_of
+from paramserver.observe import startup
 from paramserver.observe.consistency import merge_checks
 from paramserver.protocol import CallStats, TrainerReport
 from paramserver.server.coordinator import Coordinator
@@ -153,6 +154,7 @@ def summarize(chief: TrainerOutcome, config: TrainConfig, wall_s: float) -> dict
         },
         # Under the threads launcher every trainer reports the one shared process.
         "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in reports],
+        "startup": startup.startup_seconds(),  # the chief's phases (this is its process)
         "input_bytes": _input_bytes(reports),
         "row_bytes_per_step": sum(r.row_bytes_received for r in reports) / max(total_steps, 1),
         "cache": _cache_figures(config, reports),
@@ -338,6 +340,7 @@ def run_rank(
     """
     from paramserver.transport import rpc as rpc_transport
 
+    startup.mark("interpreter")
     torch.set_num_threads(config.threads_per_process)
     started = time.perf_counter()
     if rank < config.servers:
@@ -357,6 +360,7 @@ def run_rank(
         timeout_s=config.rpc_timeout,
         loopback_only=loopback_only,
     )
+    startup.mark("rendezvous")
     if endpoint is not None:
         _serve(name, endpoint)
         return None

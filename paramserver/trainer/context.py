@@ -38,6 +38,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError, ParamServerError
+from paramserver.observe import startup
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled
@@ -414,6 +415,8 @@ class TrainContext:
             engine.dense.start(self._pending.dense, pulled.call)
             self._pending.dense = {}
         self.steps += 1
+        if self.steps == self._resumed.steps + 1:
+            startup.mark("first_step")
         self.losses.append(self._step_loss)
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
         ahead = self._ahead

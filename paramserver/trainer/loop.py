@@ -28,7 +28,7 @@ from paramserver.errors import TrainerGroupError
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
-from paramserver.observe import peak_rss_bytes
+from paramserver.observe import peak_rss_bytes, startup
 from paramserver.protocol import TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
@@ -122,6 +122,8 @@ def run_trainer(
     ``on_alarm`` hears (from the heartbeat thread) of a lost server or of this trainer's
     departure, even while the loop is blocked in its data. ``group``: the trainers' group,
     for ``--dense-sync allreduce``."""
+    startup.mark("interpreter")  # already marked where the process joined an RPC world
+    startup.mark("rendezvous")
     activity = Activity()
     # Every call's latency and bytes, by operation; every call is progress.
     transport = ProfiledTransport(transport, activity=activity)
@@ -191,6 +193,7 @@ class _TrainerRun:
             if trainer == 0:
                 saved = functools.partial(self.dense.saved, self.plan.signature, config.servers)
                 self.checkpoints.dense_part = saved
+        startup.mark("model")
 
     def run(
         self,
