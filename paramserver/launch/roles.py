@@ -343,10 +343,7 @@ def run_rank(
     startup.mark("interpreter")
     torch.set_num_threads(config.threads_per_process)
     started = time.perf_counter()
-    if rank < config.servers:
-        name = rpc_transport.server_name(rank)
-    else:
-        name = rpc_transport.trainer_name(rank - config.servers)
+    name = _rank_name(rank, config)
     log.info("%s joining the job (%d servers, %d trainers)", name, config.servers, config.trainers)
     endpoint = build_server(rank, config, model_fn) if rank < config.servers else None
     if endpoint is not None:
@@ -374,6 +371,14 @@ def run_rank(
         return None
     summary = summarize(outcome, config, time.perf_counter() - started)
     return ChiefResult(outcome.state, summary, outcome.value)
+
+
+def _rank_name(rank: int, config: TrainConfig) -> str:
+    from paramserver.transport import rpc as rpc_transport
+
+    if rank < config.servers:
+        return rpc_transport.server_name(rank)
+    return rpc_transport.trainer_name(rank - config.servers)
 
 
 def trainer_group(rank: int, config: TrainConfig, init_method: str) -> TrainerGroup:
