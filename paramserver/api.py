@@ -18,6 +18,7 @@ from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import build_model, load_job_state
+from paramserver.observe import proc_kib
 from paramserver.observe.runlog import RunLog, write_summary
 from paramserver.progress import ProgressDisplay
 from paramserver.sharding import ShardPlan
@@ -241,13 +242,9 @@ def check_gather_fits(plan: ShardPlan, config: TrainConfig) -> None:
 def available_memory() -> int:
     """Bytes of memory available on this host now: ``MemAvailable`` in ``/proc/meminfo``, or the
     physical memory where that is unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the figure is in kB
-    except OSError:
-        pass
+    available = proc_kib("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available * 1024
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
