@@ -34,7 +34,7 @@ from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import SERVED, Embedding, find_embeddings, table_size
 from paramserver.protocol import BagBlock
-from paramserver.trainer.lookups import Recorder, StepLookups
+from paramserver.trainer.lookups import RecordedLookups, Recorder, StepLookups
 
 
 def remote_tables(model: nn.Module) -> tuple[nn.Module, dict[str, RemoteEmbedding]]:
@@ -152,7 +152,8 @@ class RemoteEmbedding(nn.Module):
         self.joins_step_lookups = self.options.plain
         self.step_lookups: StepLookups | None = None
         rows = 0 if self.num_embeddings is None else self.num_embeddings
-        self.__dict__["weight"] = RemoteWeight.of(self, (rows, self.embedding_dim), source)
+        shape = (rows, self.embedding_dim)
+        self.__dict__["weight"] = RemoteWeight.of(self, shape, source.weight.dtype)
 
     # Set for every step and record pass: plain attributes, so nn.Module.__setattr__'s search
     # for a parameter, buffer or submodule of the name (microseconds, per table) is skipped.
@@ -215,10 +216,9 @@ class RemoteEmbedding(nn.Module):
         rows = "dynamic" if self.num_embeddings is None else self.num_embeddings
         return f"table={self.table!r}, {kind}, {rows}x{self.embedding_dim}"
 
-    def set_rows(self, ids: Tensor, rows: Tensor, lookups: Any = None) -> None:
+    def set_rows(self, ids: Tensor, rows: Tensor, lookups: RecordedLookups | None = None) -> None:
         """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call;
-        ``lookups`` (a ``RecordedLookups``), recorded for these very ids, spare the lookups it
-        holds a search."""
+        ``lookups``, recorded for these very ids, spare the lookups it holds a search."""
         self.ids = ids
         self.rows = rows
         self.lookups = lookups.each if lookups is not None and lookups.ids is ids else []
@@ -402,8 +402,8 @@ class RemoteWeight(Tensor):
     remote: RemoteEmbedding
 
     @staticmethod
-    def of(remote: RemoteEmbedding, shape: tuple[int, int], source: Embedding) -> RemoteWeight:
-        placeholder = torch.empty(shape, dtype=source.weight.dtype, device="meta")
+    def of(remote: RemoteEmbedding, shape: tuple[int, int], dtype: torch.dtype) -> RemoteWeight:
+        placeholder = torch.empty(shape, dtype=dtype, device="meta")
         weight = Tensor._make_subclass(RemoteWeight, placeholder, False)
         weight.__dict__["remote"] = remote
         return weight
