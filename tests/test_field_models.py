@@ -5,7 +5,9 @@ table."""
 from __future__ import annotations
 
 import pickle
+import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -271,3 +273,16 @@ def test_an_optimizer_of_the_loops_own_is_refused_naming_the_rule(dense_sync: st
     # Outside a job the same model and optimizer are the user's own again.
     model = SharedItemTable()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
+
+
+def test_a_script_run_by_a_spawned_process_travels_by_value(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under multiprocessing's spawn the user's script is ``__mp_main__``, which no worker
+    can import: its functions must travel whole."""
+    script = types.ModuleType("__mp_main__")
+    exec("def loss(x):\n    return x + 1\n", script.__dict__)
+    monkeypatch.setitem(sys.modules, "__mp_main__", script)
+    shipped = dumps_keeping_sources(script.loss)
+    monkeypatch.delitem(sys.modules, "__mp_main__")  # as in a worker
+    assert pickle.loads(shipped)(1) == 2

@@ -104,7 +104,12 @@ class _SourceKeepingPickler(cloudpickle.Pickler):
 
 
 def dumps_keeping_sources(value: Any) -> bytes:
-    """``value`` pickled by cloudpickle, each function keeping its file and line numbers."""
+    """``value`` pickled by cloudpickle, each function keeping its file and line numbers.
+
+    The user's script travels by value whether it runs as ``__main__`` or as a process that
+    ``multiprocessing`` spawned, where it is ``__mp_main__``, a name no worker can import."""
+    if "__mp_main__" in sys.modules:
+        cloudpickle.register_pickle_by_value(sys.modules["__mp_main__"])
     buffer = io.BytesIO()
     _SourceKeepingPickler(buffer).dump(value)
     return buffer.getvalue()
