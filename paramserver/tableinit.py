@@ -188,7 +188,9 @@ class TablesOnMeta(TorchFunctionMode):
 
     A meta tensor moved to another device stays on the meta device, with the dtype asked for:
     a constructor that ends with ``self.to(device)`` (a habit of CTR libraries) then builds
-    without its tables' memory too."""
+    without its tables' memory too. Values given by setting a meta weight's ``data`` (as
+    facebookresearch/dlrm gives numpy's) are copied in instead, which the recorder records as
+    given values, so the weight stays on the meta device."""
 
     TABLE_INITS = frozenset({nn.Embedding.__init__.__code__, nn.EmbeddingBag.__init__.__code__})
     FACTORIES = frozenset({torch.empty, torch.zeros, torch.ones, torch.rand, torch.randn})
@@ -202,7 +204,27 @@ class TablesOnMeta(TorchFunctionMode):
             kwargs = {**kwargs, "device": "meta"}
         elif func in self.MOVES and args and isinstance(args[0], Tensor) and args[0].is_meta:
             return _kept_on_meta(func, args[0], args[1:], kwargs)
+        elif _sets_data(func) and _values_for_meta(args):
+            with torch.no_grad():
+                args[0].copy_(args[1])
+            return None
         return func(*args, **kwargs)
+
+
+_DATA = torch._C.TensorBase.__dict__["data"]  # the descriptor of Tensor.data
+
+
+def _sets_data(func: Any) -> bool:
+    """Whether ``func`` is ``Tensor.data``'s setter (a new method-wrapper at each access)."""
+    return getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__"
+
+
+def _values_for_meta(args: Any) -> bool:
+    """Whether ``weight.data = values`` gives a meta weight values of its own shape."""
+    if len(args) != 2 or not all(isinstance(a, Tensor) for a in args):
+        return False
+    weight, values = args
+    return weight.is_meta and not values.is_meta and weight.shape == values.shape
 
 
 def _kept_on_meta(move: Any, tensor: Tensor, args: Any, kwargs: dict) -> Tensor:

@@ -286,3 +286,16 @@ def test_a_script_run_by_a_spawned_process_travels_by_value(
     shipped = dumps_keeping_sources(script.loss)
     monkeypatch.delitem(sys.modules, "__mp_main__")  # as in a worker
     assert pickle.loads(shipped)(1) == 2
+
+
+def test_values_given_through_data_keep_a_table_off_memory() -> None:
+    """facebookresearch/dlrm gives its tables values by ``weight.data = torch.tensor(numpy)``:
+    recorded as given values, the weight stays on the meta device and every process that
+    makes the table's rows gets those values."""
+    built = build_model(TiedLayers, seed=0, table_values=False)
+    assert built.model.category.weight.is_meta
+    np.random.seed(0)
+    torch.manual_seed(0)
+    whole = TiedLayers()
+    made = built.inits["category.weight"].rows(torch.arange(12))
+    assert torch.equal(made, whole.category.weight.detach())
