@@ -250,26 +250,72 @@ def test_user_functions_keep_their_file_and_lines_in_worker_processes(tmp_path: 
     )
 
 
-@pytest.mark.parametrize("dense_sync", ["server", "allreduce"])
-def test_an_optimizer_of_the_loops_own_is_refused_naming_the_rule(dense_sync: str) -> None:
-    def loop(ctx: ps.TrainContext) -> None:
-        optimizer = torch.optim.SGD(ctx.model.parameters(), lr=0.1)
-        names = {name for name, _ in ctx.model.named_parameters()}
-        assert names == {"top.0.weight", "top.0.bias", "top.2.weight", "top.2.bias"}
+def loop_with_its_own_optimizer(make: str) -> Callable[[ps.TrainContext], dict[str, Tensor]]:
+    """A DDP-style loop: its own torch.optim over ctx.model.parameters(), stepped after
+    ctx.step(); ``make`` says how it goes wrong, if it does."""
+
+    def loop(ctx: ps.TrainContext) -> dict[str, Tensor]:
+        params = list(ctx.model.parameters())
+        optimizer = torch.optim.SGD(params[:1] if make == "partial" else params, lr=0.05)
         for inputs, target in ctx.batches(shared_item_batches(ctx.rank)):
             mse(ctx.model(*inputs), target).backward()
+            if make == "before ctx.step":
+                optimizer.step()
             ctx.step()
             optimizer.step()
+            if make == "twice":
+                optimizer.step()
+            optimizer.zero_grad()
+        return {k: v.detach().clone() for k, v in ctx.model.state_dict().items()}
 
+    return loop
+
+
+def test_the_loops_own_optimizer_steps_the_dense_parameters_under_allreduce() -> None:
+    """The same SGD, once as the job's dense rule and once as the loop's own optimizer: the
+    same model (2 trainers, sync, the dense parameters all-reduced)."""
+    config = ps.TrainConfig(
+        servers=1,
+        trainers=2,
+        mode="sync",
+        dense_sync="allreduce",
+        optimizer="sgd",
+        lr=0.05,
+        launcher="threads",
+        progress=False,
+    )
+    own = ps.run(SharedItemTable, loop_with_its_own_optimizer("right"), config)
+    rule = ps.train(SharedItemTable, lambda t, n: shared_item_batches(t), mse, config)
+    assert own is not None and own.model is not None and rule is not None
+    assert rule.model is not None
+    initial = initial_model(SharedItemTable, seed=0).state_dict()
+    got, expected = own.model.state_dict(), rule.model.state_dict()
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert not torch.equal(value, initial[key]), f"{key} never moved: the test is vacuous"
+        torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        # The chief's replica (what the loop returned) holds the gathered dense values.
+        if key in own.value:
+            torch.testing.assert_close(own.value[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("dense_sync", "make", "message"),
+    [
+        ("server", "right", "the servers hold them.*--dense-sync allreduce"),
+        ("allreduce", "before ctx.step", r"call optimizer.step\(\) after ctx.step"),
+        ("allreduce", "twice", r"without a ctx.step\(\) before it"),
+        ("allreduce", "partial", "steps only some of ctx.model's dense parameters"),
+    ],
+)
+def test_the_loops_own_optimizer_is_refused_where_it_cannot_work(
+    dense_sync: str, make: str, message: str
+) -> None:
     config = ps.TrainConfig(
         servers=1, trainers=2, dense_sync=dense_sync, launcher="threads", progress=False
     )
-    kept = "--dense-sync allreduce" if dense_sync == "allreduce" else "the servers hold them"
-    with pytest.raises(
-        (LoopError, JobFailedError), match=f"an optimizer of the loop's own.*{kept}"
-    ) as raised:
-        ps.run(SharedItemTable, loop, config)
-    assert "ctx.model's dense parameters" in str(raised.value)
+    with pytest.raises((LoopError, JobFailedError), match=message):
+        ps.run(SharedItemTable, loop_with_its_own_optimizer(make), config)
     # Outside a job the same model and optimizer are the user's own again.
     model = SharedItemTable()
     torch.optim.SGD(model.parameters(), lr=0.1).step()

@@ -51,39 +51,26 @@ from paramserver.types import Progress
 
 log = logging.getLogger(__name__)
 
-# The dense parameters of every live context in this process, by id: what no optimizer of the
-# user's may step (see _refuse_foreign_steps).
-_DENSE_OF_CONTEXTS: dict[int, tuple[weakref.ref[Tensor], bool]] = {}
+# The dense parameters of every live context in this process, by id, with their context:
+# what an optimizer of the loop's own steps (see _before_a_loops_step).
+_DENSE_OF_CONTEXTS: dict[int, tuple[weakref.ref[Tensor], weakref.ref[TrainContext]]] = {}
 
 
-def _refuse_foreign_steps(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Before any ``torch.optim`` step in this process: refuse one of the user's over a
-    trainer's dense parameters, which paramserver updates (``ctx.model.parameters()``)."""
+def _before_a_loops_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Before any ``torch.optim`` step in this process: one of the loop's own over a
+    trainer's dense parameters (``ctx.model.parameters()``) is that trainer's business."""
     if optimizer in OWN_OPTIMIZERS or not _DENSE_OF_CONTEXTS:
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
             entry = _DENSE_OF_CONTEXTS.get(id(param))
-            if entry is None or entry[0]() is not param:
-                continue
-            if entry[1]:
-                why = (
-                    "the trainers average their gradients and apply the job's dense rule to "
-                    "them (--dense-sync allreduce): a second optimizer would update them twice"
-                )
-            else:
-                why = (
-                    "the servers hold them and apply the job's dense rule; this trainer's "
-                    "copy is overwritten by the next pull, so the step would have no effect"
-                )
-            raise LoopError(
-                f"an optimizer of the loop's own steps ctx.model's dense parameters: {why}. "
-                "Set the rule in the job's config (optimizer, lr, momentum, weight_decay, "
-                "the schedule; table_optimizer for the tables) and let ctx.step() apply it"
-            )
+            context = entry[1]() if entry is not None and entry[0]() is param else None
+            if context is not None:
+                context._loops_optimizer_steps(optimizer)
+                return
 
 
-register_optimizer_step_pre_hook(_refuse_foreign_steps)
+register_optimizer_step_pre_hook(_before_a_loops_step)
 
 
 @dataclass
@@ -192,9 +179,8 @@ class TrainContext:
         self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
         self._drawn = False  # whether the current step drew the next one
         engine.replica.route_forward(self._model_forward)
-        kept_here = engine.dense is not None
         for param in engine.replica.dense.values():
-            _DENSE_OF_CONTEXTS[id(param)] = (weakref.ref(param), kept_here)
+            _DENSE_OF_CONTEXTS[id(param)] = (weakref.ref(param), weakref.ref(self))
 
     # ---- the public surface ----
 
@@ -204,8 +190,10 @@ class TrainContext:
         ``parameters()`` are the dense parameters only: the tables are on the servers (a
         table's ``weight`` is a placeholder that lookups read, see
         :mod:`paramserver.trainer.remote`), so regularize tables with their optimizer's
-        ``weight_decay``. paramserver updates every parameter at ``ctx.step()``: an
-        optimizer of the loop's own stepping them is refused with a :class:`LoopError`."""
+        ``weight_decay``. With ``--dense-sync allreduce`` a ``torch.optim`` optimizer of the
+        loop's own may step them, once after each ``ctx.step()`` (see
+        :mod:`paramserver.trainer.dense`); where the servers hold them, it is refused with a
+        :class:`LoopError`."""
         return self._engine.replica.model
 
     @property
@@ -288,6 +276,29 @@ class TrainContext:
             )
         if not replica.has_gradients():
             raise LoopError("ctx.step() found no gradients: call loss.backward() before ctx.step()")
+
+    def _loops_optimizer_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer``, the loop's own, steps ctx.model's dense parameters: with
+        ``--dense-sync allreduce`` it may (see :mod:`paramserver.trainer.dense`), after
+        ``ctx.step()``; where the servers hold them it may not."""
+        self._check_thread()
+        dense = self._engine.dense
+        if dense is None:
+            raise LoopError(
+                "an optimizer of the loop's own steps ctx.model's dense parameters, but the "
+                "servers hold them and apply the job's dense rule: this trainer's copy is "
+                "overwritten by the next pull, so the step would have no effect. Set the rule "
+                "in the job's config (optimizer, lr, momentum, weight_decay, the schedule; "
+                "table_optimizer for the tables), or keep the dense parameters on the "
+                "trainers with --dense-sync allreduce, where the loop's optimizer steps them"
+            )
+        if self._forwards:
+            raise LoopError(
+                "the loop's optimizer stepped after a training forward without ctx.step(): "
+                "call optimizer.step() after ctx.step(loss), which averages the dense "
+                "gradients over the trainers"
+            )
+        dense.adopt(optimizer)
 
     # ---- steps ----
 
@@ -414,6 +425,8 @@ class TrainContext:
         if engine.dense is not None:  # averaged among the trainers, not pushed
             engine.dense.start(self._pending.dense, pulled.call)
             self._pending.dense = {}
+            if engine.dense.waits_for_the_loop:  # the mean, for the loop's optimizer
+                engine.dense.finish()
         self.steps += 1
         if self.steps == self._resumed.steps + 1:
             startup.mark("first_step")

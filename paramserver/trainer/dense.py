@@ -20,6 +20,12 @@ applying the others' updates, until none is left training.
 Checkpoints hold the state once, from the chief, under the servers' names
 (``dense/NAME/value``, ``dense/NAME/state.SLOT``, ``dense/NAME/step``), so a job can resume
 with either ``--dense-sync``.
+
+A loop may step the dense parameters with a ``torch.optim`` optimizer of its own, as with DDP:
+after ``ctx.step()``, ``optimizer.step()``. The first such step hands the parameters to it
+(:meth:`AllReducedDense.adopt`): from then on ``ctx.step()`` waits for its all-reduce and leaves
+the mean in each parameter's ``.grad`` for the loop's optimizer, which is the one checkpoints
+save, and which steps the updates of trainers still training once this one's loop has ended.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.checkpoint import Saved
+from paramserver.errors import LoopError
 from paramserver.observe.calls import CallProfile
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.trainer.heartbeat import Activity
@@ -87,6 +94,10 @@ class AllReducedDense:
         self.profile = profile
         self.optimizer = torch_optimizer(list(params.values()), rule)
         OWN_OPTIMIZERS.add(self.optimizer)
+        self.loops_optimizer: torch.optim.Optimizer | None = None  # see adopt
+        self.loop_running = True  # the loop steps the loop's optimizer (until drain)
+        self._mean_waiting = False  # a mean is in the gradients for the loop's optimizer
+        self._resumed = False  # the optimizer's state came from a checkpoint
         self.updates = 0  # updates applied (the servers' version of each dense value)
         # All-reduces under way, oldest first: (reduction, gradients, flag, step, started at).
         self._pending: deque[tuple[Reduction, list[Tensor], Tensor, int, float]] = deque()
@@ -126,22 +137,79 @@ class AllReducedDense:
                 self._apply(grads, training, step)
         return training
 
+    def adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a step of ``optimizer``, the loop's own, over these parameters: from now on
+        it applies the updates (see the module docstring). Raises :class:`LoopError` for a
+        second optimizer, one that steps only some of the parameters, one stepped twice after
+        one ``ctx.step()``, or one of another kind than the checkpoint's state resumed here."""
+        if self.loops_optimizer is None:
+            self._take(optimizer)
+        elif optimizer is not self.loops_optimizer:
+            raise LoopError(
+                "a second optimizer of the loop's own steps ctx.model's dense parameters; "
+                "step them all with one (param_groups give parts their own settings)"
+            )
+        self.finish()  # the first time: the ctx.step() before, begun without waiting
+        if not self._mean_waiting:
+            raise LoopError(
+                "the loop's optimizer stepped without a ctx.step() before it: call "
+                "optimizer.step() once after each ctx.step() that pushes (ctx.step() averages "
+                "the gradients over the trainers)"
+            )
+        self._mean_waiting = False
+        self.updates += 1
+
+    def _take(self, optimizer: torch.optim.Optimizer) -> None:
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = sorted(n for n, p in self.params.items() if id(p) not in stepped)
+        if missing:
+            raise LoopError(
+                f"the loop's optimizer steps only some of ctx.model's dense parameters (not "
+                f"{missing}): give it all of ctx.model.parameters()"
+            )
+        if self._resumed:  # the checkpoint's state goes on in the loop's optimizer
+            if type(optimizer) is not type(self.optimizer):
+                raise LoopError(
+                    f"the checkpoint holds {type(self.optimizer).__name__} state for the "
+                    f"dense parameters, but the loop steps them with "
+                    f"{type(optimizer).__name__}: set the job's optimizer to the loop's kind"
+                )
+            for param in self.params.values():
+                optimizer.state[param] = self.optimizer.state[param]
+        self.loops_optimizer = self.optimizer = optimizer
+
     def drain(self) -> None:
         """This trainer's loop has ended (and it has left the servers' rounds): join the
         others' all-reduces, adding nothing and applying their updates, until no trainer is
         training."""
+        self.loop_running = False
         self.finish()
         while True:
             self.start({}, self._next_step, training=False)
             if self.finish() == 0:
                 return
 
+    @property
+    def waits_for_the_loop(self) -> bool:
+        """Whether the loop's optimizer applies the updates: ``ctx.step()`` then waits for
+        its all-reduce, so that the mean is in the gradients when the loop steps."""
+        return self.loops_optimizer is not None and self.loop_running
+
     @torch.no_grad()
     def _apply(self, sums: list[Tensor], training: int, step: int) -> None:
+        if self._mean_waiting:
+            raise LoopError(
+                "the loop's optimizer did not step after the last ctx.step(): call "
+                "optimizer.step() once after each ctx.step() that pushes"
+            )
         for param, grad in zip(self.params.values(), sums, strict=True):
             param.grad = grad.div_(training)
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.rule.lr_at(step, "dense")
+        if self.waits_for_the_loop:
+            self._mean_waiting = True
+            return
+        if self.loops_optimizer is None:  # the loop's optimizer keeps its own rates
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.rule.lr_at(step, "dense")
         self.optimizer.step()
         self.updates += 1
         for param in self.params.values():
@@ -188,6 +256,7 @@ class AllReducedDense:
     def restore(self, saved: dict[str, Tensor]) -> None:
         """Take the values and optimizer state of a checkpoint (:func:`saved_dense`: saved
         under either ``--dense-sync``)."""
+        self._resumed = True
         for name, param in self.params.items():
             param.copy_(saved[f"dense/{name}/value"])
             updates = saved[f"dense/{name}/step"]
