@@ -233,4 +233,4 @@ def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -
         )
         for name, m in tables.items()
     ]
-    return ShardPlan(dense, specs, num_servers, dense_on_servers)
+    return ShardPlan(dense, specs, num_servers, dense_on_servers, table_aliases(model))

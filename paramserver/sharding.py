@@ -92,15 +92,19 @@ class ShardPlan:
         tables: list[TableSpec],
         num_servers: int,
         dense_on_servers: bool = True,
+        aliases: Mapping[str, str] | None = None,
     ):
         """``dense_on_servers`` False: the trainers keep the dense parameters
-        (``--dense-sync allreduce``), and none is placed on a server."""
+        (``--dense-sync allreduce``), and none is placed on a server. ``aliases``: the other
+        state_dict names of tables' weights (shared by several layers), each with its table;
+        checkpoints record them for ``paramserver export``."""
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
         self.dense = {spec.name: spec for spec in dense}
         self.tables = {spec.name: spec for spec in tables}
         self.dense_on_servers = dense_on_servers
+        self.aliases = dict(aliases or {})
         self.dense_server = self._place_dense(dense, num_servers) if dense_on_servers else {}
 
     @staticmethod

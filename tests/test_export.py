@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -245,3 +246,43 @@ def test_export_holds_about_one_shard_of_a_table_it_writes_whole(tmp_path: Path)
     assert exported.shape == (ROWS, DIM)
     for server in range(SERVERS):
         assert torch.equal(exported[server::SERVERS], shard(server, ROWS)), server
+
+
+class SharedTable(nn.Module):
+    """One item table read by two layers (a bag tied to the embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(30, 4)
+        self.history = nn.EmbeddingBag(30, 4, mode="sum")
+        self.history.weight = self.item.weight
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.cat([self.item(ids[:, 0]), self.history(ids)], 1)).squeeze(1)
+
+
+def shared_table_batches(trainer: int) -> Iterator[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(trainer)
+    for _ in range(4):
+        yield torch.randint(0, 30, (8, 3), generator=g), torch.randn(8, generator=g)
+
+
+def test_export_names_a_shared_table_by_each_of_its_names(tmp_path: Path) -> None:
+    config = ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False)
+    _, transport = threads_job(config, SharedTable, lambda t, n: shared_table_batches(t), mse)
+    saved = [snapshot_shard(endpoint.shard) for endpoint in transport.endpoints]
+    committed(tmp_path / "ckpt", saved)
+    out = tmp_path / "model.pt"
+    assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0
+    exported = torch.load(out, weights_only=True)
+    assert exported["history.weight"].data_ptr() == exported["item.weight"].data_ptr()
+    model = SharedTable()
+    model.load_state_dict(exported)  # strict: every name of the model is there
+    assert torch.equal(model.item.weight.detach(), gather_saved(saved)["item.weight"])
+
+    tensors, meta = saved[0]
+    saved[0] = (tensors, {**meta, "aliases": {"history.weight": "no.such.weight"}})
+    committed(tmp_path / "bad", saved)
+    with pytest.raises(CheckpointError, match="malformed aliases"):
+        export_module.export_checkpoint(load_latest(tmp_path / "bad"), tmp_path / "bad.pt")

@@ -4,7 +4,9 @@ The file is what ``torch.save(state_dict, path)`` writes: ``torch.load(path, wei
 returns the state_dict (``mmap=True`` reads a model larger than memory lazily). Keys are those
 of ``model.state_dict()`` for the dense parameters and fixed tables (rows ``0..N-1``); a
 :class:`~paramserver.embedding.DynamicEmbedding` comes as ``NAME.ids`` (sorted) and
-``NAME.weight``. Buffers are not served, so not saved: the model's own stay.
+``NAME.weight``. Buffers are not served, so not saved: the model's own stay. A table whose
+weight several layers share is saved once, every name of it referring to the same tensor
+(as ``torch.save`` writes a model with tied weights).
 
 A model exported this way may not fit in memory, so no table is ever held whole:
 
@@ -188,6 +190,7 @@ def export_checkpoint(found: Checkpoint, out: Path) -> int:
         skeleton = _skeleton(parts)
         with FakeTensorMode():
             fakes = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in skeleton.items()}
+        fakes.update({alias: fakes[table] for alias, table in _aliases(parts[0], fakes).items()})
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(fakes, tmp)
         with open(tmp, "r+b") as f:
@@ -196,7 +199,19 @@ def export_checkpoint(found: Checkpoint, out: Path) -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-    return len(skeleton)
+    return len(fakes)
+
+
+def _aliases(part: OpenPart, tensors: dict[str, Any]) -> dict[str, str]:
+    """The part's other names of tables (checkpoints written before they were kept have
+    none), checked: each a new name of a table that is saved."""
+    aliases = part.meta.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+        isinstance(alias, str) and alias not in tensors and table in tensors
+        for alias, table in aliases.items()
+    ):
+        raise CheckpointError(f"server {part.meta.get('server')}: malformed aliases {aliases!r}")
+    return aliases
 
 
 def _open_part(found: Checkpoint, name: str, stack: contextlib.ExitStack) -> OpenPart:

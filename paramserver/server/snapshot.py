@@ -40,6 +40,7 @@ def snapshot_shard(shard: ServerShard) -> Saved:
         "clock": shard.clock,
         "dense": sorted(shard.dense),
         "tables": {},
+        "aliases": shard.plan.aliases,  # for export: a shared weight under every name
     }
     for name, slot in shard.dense.items():
         with slot.lock:
