@@ -144,6 +144,7 @@ def test_lookups_the_record_pass_skipped_are_fetched_not_wrong() -> None:
         "second.weight": model.second.weight.detach().clone(),
     }
     replica = Replica(model)
+    replica.inputs.unknowable = True  # record passes throughout, not lookups derived
     batch = (torch.tensor([1, 2]), torch.tensor([3, 4]))
     replica.record_ids([batch])  # learns: first twice, second once
     replica.record_ids([batch])

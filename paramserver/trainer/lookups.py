@@ -51,6 +51,7 @@ class Recorder:
     def __init__(self, expected: dict[str, int] | None):
         self.ids: dict[str, list[Tensor]] = {}
         self.bags: dict[str, BagBlock] = {}
+        self.in_order: list[tuple[str, Tensor]] = []  # each lookup's table and ids, as given
         # The lookups still expected of each table (None: unknown, the first pass).
         self.missing = None if expected is None else {t: n for t, n in expected.items() if n}
 
@@ -63,6 +64,7 @@ class Recorder:
                 )
             self.bags[table] = bags
         self.ids.setdefault(table, []).append(ids.reshape(-1))
+        self.in_order.append((table, ids))
         missing = self.missing
         if missing is None:
             return

@@ -147,6 +147,7 @@ class RemoteEmbedding(nn.Module):
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
         self.pooled_bags: BagBlock | None = None  # the bags those sums are of
         self.views = 0  # other layers reading this table (TableView)
+        self.unmatched = 0  # training lookups of ids no record (or derivation) gave
         # Plain lookups may be made with the other tables' in one autograd node, by the
         # replica's StepLookups (set by the replica): where every layer reading it makes them.
         self.joins_step_lookups = self.options.plain
@@ -157,7 +158,9 @@ class RemoteEmbedding(nn.Module):
 
     # Set for every step and record pass: plain attributes, so nn.Module.__setattr__'s search
     # for a parameter, buffer or submodule of the name (microseconds, per table) is skipped.
-    _PER_STEP = frozenset({"ids", "rows", "lookups", "recorder", "pooled", "pooled_bags"})
+    _PER_STEP = frozenset(
+        {"ids", "rows", "lookups", "recorder", "pooled", "pooled_bags", "unmatched"}
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in RemoteEmbedding._PER_STEP:
@@ -249,6 +252,8 @@ class RemoteEmbedding(nn.Module):
             return self._pooled_output(input, options)
         ids = input.to(torch.int64)
         recorded = self._recorded_lookup(ids.reshape(-1))
+        if recorded is None:
+            self.unmatched += 1
         plain = options.plain
         if recorded is not None and plain and self.step_lookups is not None:
             rows = self.step_lookups.output(self.table, recorded)

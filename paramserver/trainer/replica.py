@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from paramserver.errors import ModelError
 from paramserver.protocol import BagBlock
+from paramserver.trainer.discovery import InputLookups
 from paramserver.trainer.lookups import (
     Recorded,
     RecordedLookups,
@@ -79,6 +80,7 @@ class Replica:
         self._forward = model.forward  # the model's own, whatever route_forward installs
         self._recording_pass = False
         self._step_lookups = StepLookups(self.tables)
+        self.inputs = InputLookups()  # lookups derived from the inputs, where it can
         for remote in self.tables.values():
             remote.step_lookups = self._step_lookups
 
@@ -120,6 +122,13 @@ class Replica:
         if not self.tables:  # nothing to look up: no pass (it would be a whole forward)
             return Recorded({}, {}, {})
         for call in calls:
+            derived = self.inputs.derive(call.args, call.kwargs)
+            if derived is not None:  # the lookups are views of the inputs: no pass
+                for table, each in derived.items():
+                    for ids in each:
+                        self.tables[table].check_range(ids)
+                    recorded.setdefault(table, []).extend(ids.reshape(-1) for ids in each)
+                continue
             recorder = Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(RecordingDone):
                 self.model(*call.args, **call.kwargs)
@@ -127,6 +136,9 @@ class Replica:
                 self._lookups_per_forward = {t: len(v) for t, v in recorder.ids.items()}
             if recorder.bags and len(calls) > 1:
                 raise ModelError("server-pooled tables take one batch per step (accumulate 1)")
+            if recorder.bags:  # pooled bags need offsets and weights: always recorded
+                self.inputs.unknowable = True
+            self.inputs.learn(call.args, call.kwargs, recorder.in_order)
             bags.update(recorder.bags)
             for table, each in recorder.ids.items():
                 if table not in recorder.bags:
@@ -215,14 +227,23 @@ class Replica:
         """The model's own forward on ``call``, reading with ``fetch`` (ids -> ``(ids, rows)``
         per table) the rows a lookup misses (the record pass missed it: the model's lookups
         vary), then again."""
-        while True:
-            try:
-                with self._step_lookups.forward():
-                    return self._forward(*call.args, **call.kwargs)
-            except MissingRows as missing:
-                ids = missing.ids
-                self.tables[missing.table].check_range(ids)
-                self.add_rows(missing.table, *fetch({missing.table: ids})[missing.table])
+        derived = self.inputs.derived
+        unmatched = self._unmatched() if derived else 0
+        try:
+            while True:
+                try:
+                    with self._step_lookups.forward():
+                        return self._forward(*call.args, **call.kwargs)
+                except MissingRows as missing:
+                    ids = missing.ids
+                    self.tables[missing.table].check_range(ids)
+                    self.add_rows(missing.table, *fetch({missing.table: ids})[missing.table])
+        finally:
+            if derived and self._unmatched() != unmatched:  # not what was derived
+                self.inputs.missed()
+
+    def _unmatched(self) -> int:
+        return sum(remote.unmatched for remote in self.tables.values())
 
     def look(self, call: Call, fetch: Fetch) -> Any:
         """The model's own forward on ``call`` as a read outside the step: the rows it looks
