@@ -10,7 +10,7 @@ Workloads (SGD everywhere, one torch thread per process):
 
 Systems, each in fresh processes (``systems.run_isolated``): ``plain``, one PyTorch process
 (``paramserver.baseline``, sparse gradients), and ``ps``, paramserver with 1 server and 1 trainer
-(async, the local launcher). Each runs twice, for ``--steps`` and for ``--steps`` x 3, and its
+(async, the local launcher). Each runs twice, for ``--steps`` and for ``--steps`` x 5, and its
 figures are the differences: samples/s is extra samples over extra training seconds, and CPU per
 sample is extra CPU seconds (the launcher and every worker process, or the one process) over
 extra samples, so start-up and the job's end drop out. CPU per sample moves far less with the
@@ -42,6 +42,9 @@ from torch import Tensor
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
+
+
+LONGER = 5  # the longer run's steps over the shorter's
 
 
 def loss_fn(output: Tensor, target: Tensor) -> Tensor:
@@ -146,7 +149,7 @@ def main() -> None:
     workloads = [
         Workload("bags", 128, steps),
         Workload("bags", 2048, max(steps // 4, 2)),
-        Workload("tiny", 32, steps * 4),
+        Workload("tiny", 32, steps * 20),
     ]
     entries: dict[str, dict[str, Any]] = {}
     for workload in workloads:
@@ -154,7 +157,7 @@ def main() -> None:
         for repeat in range(repeats):  # alternate which system runs first
             order = [("plain", plain), ("ps", paramserver)]
             for name, system in order if repeat % 2 == 0 else order[::-1]:
-                runs[name].append(differential(system, workload, 3, args.timeout))
+                runs[name].append(differential(system, workload, LONGER, args.timeout))
         entry: dict[str, Any] = {"runs": runs}
         for name, figures in runs.items():
             entry[name] = {key: statistics.median(f[key] for f in figures) for key in figures[0]}
@@ -164,7 +167,7 @@ def main() -> None:
             / entry["plain"]["cpu_us_per_sample"],
         }
         if workload.name == "tiny":
-            longer = workload.longer(5)
+            longer = workload.longer(LONGER)
             fwd_bwd = run_isolated(forward_backward_cpu, [(longer,)], args.timeout)[0]
             trainer = run_isolated(trainer_loop_cpu, [(longer,)], args.timeout)[0]
             entry["per_step_us"] = {
