@@ -43,7 +43,6 @@ from torch import Tensor
 import paramserver as ps
 from paramserver.baseline import train_single_process
 
-
 LONGER = 5  # the longer run's steps over the shorter's
 
 
