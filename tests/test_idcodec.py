@@ -21,6 +21,7 @@ from paramserver.errors import InvalidPushError
 from paramserver.idcodec import (
     STEP_DTYPES,
     PackedIds,
+    compact_all,
     compact_ids,
     min_id_nbytes,
     num_ids,
@@ -82,6 +83,23 @@ def test_every_id_set_round_trips_in_the_narrowest_step_type() -> None:
         assert torch.equal(ids, original)  # the sender's ids are left as they were
         kinds[kind] = kinds.get(kind, 0) + 1
     assert set(kinds) >= {"empty", "one id", "dense range", "sparse range", "huge ids near 2^63"}
+
+
+def test_all_of_a_requests_id_sets_pack_together_as_each_alone() -> None:
+    """compact_all over several sets (a request's tables and servers) gives what compact_ids
+    gives each: the same type, first id, step dtype and steps, or the same int64 ids."""
+    rng = random.Random(30)
+    sets = [torch.tensor(ids, dtype=torch.int64) for _, ids in random_id_sets(rng)]
+    for _ in range(60):
+        parts = rng.sample(sets, rng.randint(1, 6))
+        for alone, together in zip(map(compact_ids, parts), compact_all(parts), strict=True):
+            assert type(alone) is type(together)
+            if type(alone) is PackedIds and type(together) is PackedIds:
+                assert alone.first == together.first
+                assert alone.steps.dtype == together.steps.dtype
+                assert torch.equal(alone.steps, together.steps)
+            else:
+                assert together is not None and torch.equal(alone, together)  # type: ignore[arg-type]
 
 
 def test_a_dense_range_costs_a_byte_an_id_and_an_int64_spread_travels_as_ids() -> None:

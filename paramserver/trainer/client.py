@@ -21,7 +21,7 @@ from paramserver.compression import Encoded, ErrorFeedback, encode, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
-from paramserver.idcodec import PackedIds, compact_ids
+from paramserver.idcodec import PackedIds, compact_all
 from paramserver.protocol import (
     BagBlock,
     PayloadSize,
@@ -102,8 +102,9 @@ class Route:
     @cached_property
     def packed(self) -> tuple[Tensor | PackedIds, ...]:
         """Each server's ids compacted for the wire (:func:`compact_ids`), once for the pull
-        and the push of its rows' gradients. Only for sorted unique ids."""
-        return tuple(compact_ids(part) for part in self.parts)
+        and the push of its rows' gradients. Only for sorted unique ids. A call's routes are
+        packed together (:func:`pack_together`)."""
+        return tuple(compact_all(self.parts))
 
     def split(self, values: Tensor) -> tuple[Tensor, ...]:
         """``values`` (aligned with ``ids``) as every server's part, in server order."""
@@ -119,6 +120,15 @@ class Route:
         aligned = torch.empty((self.ids.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
         aligned[self.order] = torch.cat(parts)
         return aligned
+
+
+def pack_together(routes: Iterable[Route]) -> None:
+    """Fill :attr:`Route.packed` of every route not packed yet, all in one :func:`compact_all`
+    (a table at a time costs several torch calls each)."""
+    todo = [route for route in routes if "packed" not in route.__dict__]
+    packed = iter(compact_all([part for route in todo for part in route.parts]))
+    for route in todo:
+        route.__dict__["packed"] = tuple(next(packed) for _ in route.parts)
 
 
 ROUTED_CALLS_KEPT = 2  # gradients ride on the next call, or with prefetch on the one after
@@ -312,11 +322,12 @@ class PSClient:
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
         cached: bool = False,
     ) -> InFlight:
-        routes = {}
+        routes = {name: self._route(name, ids) for name, ids in pull_ids.items()}
+        pack_together(routes.values())
         cached_versions = {}
         for name, ids in pull_ids.items():
             # Every server gets its part, empty or not: the answers are reassembled in order.
-            routes[name] = route = self._route(name, ids)
+            route = routes[name]
             for server, part in enumerate(route.packed):
                 requests[server].pull_rows[name] = part
             cache = self.caches.get(name) if cached else None
