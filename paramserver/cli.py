@@ -413,7 +413,7 @@ def run_train(args: argparse.Namespace) -> int:
     if result is None:  # a torchrun rank other than the chief
         return 0
     if result.model is not None:  # train() evaluated it: add what to judge the figures by
-        result.summary.update(job.references)
+        result.summary.update(job.make_references())
     if args.compare_single_process:
         result.summary["single_process"] = single_process_summary(args, config)
     print_summary(result.summary)
