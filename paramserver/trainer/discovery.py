@@ -18,7 +18,7 @@ right rows, as a lookup the record pass missed does; only speed is lost).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,10 +52,8 @@ class Derivation:
 def call_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Path, Tensor]:
     """The integer tensors a call was given, by where they sit (lists and tuples of them too)."""
     found: dict[Path, Tensor] = {}
-    items: Iterator[tuple[Path, Any]] = (
-        *((("arg", i), a) for i, a in enumerate(args)),
-        *((("kwarg", k), v) for k, v in kwargs.items()),
-    )  # type: ignore[assignment]
+    items: list[tuple[Path, Any]] = [(("arg", i), a) for i, a in enumerate(args)]
+    items += [(("kwarg", k), v) for k, v in kwargs.items()]
     for path, value in items:
         if isinstance(value, list | tuple):
             for j, part in enumerate(value):
