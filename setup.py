@@ -9,7 +9,7 @@ setup(
         Extension(
             "paramserver._native",
             sources=["paramserver/_native.c"],
-            # A multiply-add is fused only where the C asks for it (fmaf): server/optim.py
+            # A multiply-add is fused only where the C asks for it (fmaf): optim.py
             # picks the rounding that gives torch's results on the machine.
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno"],
             optional=True,

@@ -46,7 +46,7 @@ from paramserver.models.dlrm import DLRM
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable
-from paramserver.server.optim import make_rule
+from paramserver.optim import make_rule
 from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, TableSpec
 

@@ -36,7 +36,7 @@ from paramserver.errors import ConfigError
 from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model, plan_of
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.dynamic import DynamicTable
-from paramserver.server.optim import make_rule
+from paramserver.optim import make_rule
 from paramserver.server.tables import Reading
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, as_tuple
 

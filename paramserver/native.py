@@ -9,7 +9,7 @@ applies, with the same result (the tests run both and compare):
 - :class:`~paramserver.idmap.IdMap` searches a batch of ids and places new ones one id at a
   time, reading a slot and its row's record once each (numpy: a round of array operations per
   window of slots);
-- Adagrad on a table's rows (:mod:`paramserver.server.optim`) updates each row in place, read
+- Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row in place, read
   and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
   operations in torch's order: bitwise the same;
 - a server checks a request's row ids (each set rising, within its table's bounds) and its

@@ -24,7 +24,7 @@ from paramserver.server import tables
 from paramserver.server.dynamic import DynamicTable
 from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.optim import make_rule
+from paramserver.optim import make_rule
 from paramserver.server.tables import (
     GROWTH_ROOM_BYTES,
     HUGE_PAGE_BYTES,

@@ -13,7 +13,7 @@ from paramserver import native
 from paramserver.hashing import GOLDEN_GAMMA
 from paramserver.idmap import FusedIdMap
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server import optim
+from paramserver import optim
 from paramserver.server.dynamic_rows import _init_values_and_state
 from paramserver.server.tables import RowArena
 from paramserver.trainer.lookups import unique_each

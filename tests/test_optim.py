@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server.optim import (
+from paramserver.optim import (
     RowUpdate,
     RowWiseAdagrad,
     apply_rows,

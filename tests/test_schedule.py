@@ -26,7 +26,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.schedule import Schedule
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.optim import make_rule
+from paramserver.optim import make_rule
 from tests.helpers import (
     PARITY_OPTIMIZERS,
     HashedModel,

@@ -18,7 +18,7 @@ import paramserver as ps
 from paramserver.launch.roles import build_server
 from paramserver.modelplan import build_model, initial_model, plan_of, seeded_model
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server.optim import make_rule
+from paramserver.optim import make_rule
 from paramserver.server.tables import FixedTable
 from paramserver.trainer.loop import trainer_model
 from tests.procs import REPO

@@ -52,7 +52,7 @@ from torch import Tensor
 
 from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
 from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
-from paramserver.server.optim import RowUpdate, State, UpdateRule, apply_updates
+from paramserver.optim import RowUpdate, State, UpdateRule, apply_updates
 from paramserver.server.tables import (
     Pull,
     Reading,

@@ -25,7 +25,7 @@ from torch import Tensor
 from paramserver import native
 from paramserver.hashing import mix64_array
 from paramserver.idmap import Found, FusedIdMap
-from paramserver.server.optim import UpdateRule, loops_take, put_rows, take_rows
+from paramserver.optim import UpdateRule, loops_take, put_rows, take_rows
 from paramserver.server.tables import Reading, RowArena, by_arena
 from paramserver.sharding import DynamicOptions, TableSpec
 

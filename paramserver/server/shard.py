@@ -43,7 +43,7 @@ from paramserver.protocol import (
 )
 from paramserver.server.dynamic import DynamicTable, SharedRows
 from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
-from paramserver.server.optim import (
+from paramserver.optim import (
     Block,
     RowUpdate,
     State,

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.idmap import RESERVE_GROWTH
-from paramserver.server.optim import (
+from paramserver.optim import (
     Empty,
     RowUpdate,
     State,
@@ -126,7 +126,7 @@ class TableShard(Protocol):
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
         ``clock`` of the table's clock, at learning rate ``lr`` (the schedule's, for the
         gradients' training step); returns the rows updated. :meth:`row_update`, the rule's
-        step (:func:`~paramserver.server.optim.apply_updates`) and :meth:`updated`."""
+        step (:func:`~paramserver.optim.apply_updates`) and :meth:`updated`."""
         ...
 
     def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
