@@ -43,10 +43,10 @@ from paramserver.idcodec import PackedIds
 from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
+from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.dynamic import DynamicTable
-from paramserver.optim import make_rule
 from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, TableSpec
 

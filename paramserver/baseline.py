@@ -34,9 +34,9 @@ from paramserver.config import TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
 from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model, plan_of
+from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.dynamic import DynamicTable
-from paramserver.optim import make_rule
 from paramserver.server.tables import Reading
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, as_tuple
 

@@ -263,8 +263,16 @@ class TrainConfig:
         default=True,
         metadata=_doc(
             "async and ssp (--ssp-bound >= 1): pull the next step's rows while this step computes "
-            "(they then miss this trainer's own latest push; ssp counts that step in its "
-            "bound); sync never prefetches"
+            "(ssp counts that step in its bound; see --prefetch-own-updates); sync never "
+            "prefetches"
+        ),
+    )
+    prefetch_own_updates: bool = field(
+        default=True,
+        metadata=_doc(
+            "prefetching: apply this trainer's own latest update to the prefetched rows it "
+            "touched (the servers send those rows' optimizer state), so they miss no update "
+            "of its own; off: they miss its latest push"
         ),
     )
     ssp_bound: int = field(

@@ -267,8 +267,8 @@ class RowBlocksBundle:
         return {name: RowBlock(ids[name], values[name]) for name in ids}
 
 
-_BUNDLED_REQUEST_FIELDS = ("dense_grads", "pull_rows", "pull_versions")
-_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions")
+_BUNDLED_REQUEST_FIELDS = ("dense_grads", "pull_rows", "pull_versions", "pull_state")
+_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "row_state")
 
 
 def _bundled_fields(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -315,6 +315,9 @@ class PushPullRequest:
     # Per table, aligned with pull_rows: the version of each row the trainer has cached (-1:
     # none); the server sends only the rows that must_send picks (see row_versions).
     pull_versions: dict[str, Tensor] = field(default_factory=dict)
+    # Per table, aligned with pull_rows: which rows' optimizer state to answer too (a bool
+    # mask: the rows the trainer's pending update touches; see row_state).
+    pull_state: dict[str, Tensor] = field(default_factory=dict)
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a duplicate, or a push too late for its round)."""
@@ -348,6 +351,24 @@ class PushPullRequest:
         return _malformed_field(self, (*_BUNDLED_REQUEST_FIELDS, "row_grads"))
 
 
+# The parts of a row's optimizer state besides its rule's slots: its count of updates (where
+# the rule reads it) and, where some would not, which rows take the update the trainer has
+# pending (computed from its previous call's read): a dynamic table's rows that exist and
+# are the rows that read handed out.
+ROW_STEPS, ROW_HELD = "steps", "held"
+
+
+def state_key(table: str, part: str) -> str:
+    """The key of ``table``'s state ``part`` (a slot, ROW_STEPS or ROW_HELD) in a reply."""
+    return f"{table}/{part}"
+
+
+def split_state_key(key: str) -> tuple[str, str]:
+    """``(table, part)`` of a :func:`state_key` (parts never hold a ``/``; tables may)."""
+    table, _, part = key.rpartition("/")
+    return table, part
+
+
 @dataclass
 class PushPullReply:
     """A server's answer: current dense values and the requested rows, after the push applied."""
@@ -360,6 +381,10 @@ class PushPullReply:
     row_versions: dict[str, Tensor] = field(default_factory=dict)
     checkpoint_at: int = -1  # the newest checkpoint announced: its call (trainer.checkpointing)
     dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
+    # Asked by pull_state: the optimizer state of the rows its masks pick (sent or cached),
+    # keyed by state_key(table, part), in their order; the parts: a rule's slots, ROW_STEPS,
+    # ROW_HELD.
+    row_state: dict[str, Tensor] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         return _bundled_fields(self.__dict__, _BUNDLED_REPLY_FIELDS)

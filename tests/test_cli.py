@@ -43,7 +43,14 @@ def parse(*flags: str) -> TrainConfig:
 
 def test_every_boolean_field_is_a_switch_with_a_no_form() -> None:
     booleans = [f.name for f in TrainConfig.__dataclass_fields__.values() if f.type == "bool"]
-    assert set(booleans) == {"prefetch", "resume", "gather_model", "progress", "tensorboard"}
+    assert set(booleans) == {
+        "prefetch",
+        "prefetch_own_updates",
+        "resume",
+        "gather_model",
+        "progress",
+        "tensorboard",
+    }
     assert set(switches()) == {"--compare-single-process"} | {
         "--" + name.replace("_", "-") for name in booleans
     }

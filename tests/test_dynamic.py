@@ -18,13 +18,13 @@ import paramserver as ps
 from paramserver.baseline import train_single_process
 from paramserver.idmap import RESERVE_GROWTH
 from paramserver.launch.roles import build_server
+from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server import tables
 from paramserver.server.dynamic import DynamicTable
 from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.optim import make_rule
 from paramserver.server.tables import (
     GROWTH_ROOM_BYTES,
     HUGE_PAGE_BYTES,

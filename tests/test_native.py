@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver import native
+from paramserver import native, optim
 from paramserver.hashing import GOLDEN_GAMMA
 from paramserver.idmap import FusedIdMap
 from paramserver.optimconfig import OptimizerConfig
-from paramserver import optim
 from paramserver.server.dynamic_rows import _init_values_and_state
 from paramserver.server.tables import RowArena
 from paramserver.trainer.lookups import unique_each

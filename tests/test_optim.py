@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.optimconfig import OptimizerConfig
 from paramserver.optim import (
     RowUpdate,
     RowWiseAdagrad,
@@ -18,6 +17,7 @@ from paramserver.optim import (
     put_rows,
     take_rows,
 )
+from paramserver.optimconfig import OptimizerConfig
 
 # Every test runs with the compiled loops and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("loop_mode")

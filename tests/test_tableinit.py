@@ -17,8 +17,8 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.launch.roles import build_server
 from paramserver.modelplan import build_model, initial_model, plan_of, seeded_model
-from paramserver.optimconfig import OptimizerConfig
 from paramserver.optim import make_rule
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.tables import FixedTable
 from paramserver.trainer.loop import trainer_model
 from tests.procs import REPO

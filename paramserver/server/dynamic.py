@@ -51,8 +51,8 @@ import torch
 from torch import Tensor
 
 from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
 from paramserver.optim import RowUpdate, State, UpdateRule, apply_updates
+from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
 from paramserver.server.tables import (
     Pull,
     Reading,
@@ -253,15 +253,24 @@ class DynamicTable:
         self.counters.dropped_grads += ids.numel() - int(kept.sum())
         return kept
 
-    def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
+    def rows_taking_update(self, ids: Tensor, rows: Tensor, pull: Pull) -> Tensor:
+        """Which of ``rows`` (those of ``ids``, now) a gradient computed from the read
+        ``pull`` would update: those that exist and are the rows that read handed out."""
+        then = self._rows_at_pull(ids, pull, spend=False)
+        held = rows >= 0
+        return held if then is None else held & (then == rows)
+
+    def _rows_at_pull(self, ids: Tensor, pull: Pull, spend: bool = True) -> Tensor | None:
         """The row each id had at the read ``pull`` and still has (-1: none), its record then
-        spent; ids that read did not hand out get their current rows. None: no record."""
+        spent unless ``spend`` is False; ids that read did not hand out get their current
+        rows. None: no record."""
         trainer, call = pull
         records = self._pulls.get(trainer)
         record = next((r for r in reversed(records or ()) if r.call == call), None)
         if records is None or record is None:
             return None
-        records.remove(record)
+        if spend:
+            records.remove(record)
         pulled = record.ids
         if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
             return record.rows

@@ -79,6 +79,7 @@ class RequestChecks:
             "pool_rows",
             "pooled_grads",
             "pull_versions",
+            "pull_state",
         ):
             value = getattr(request, name)
             if type(value) is not dict or not all(type(k) is str for k in value):
@@ -147,6 +148,9 @@ class RequestChecks:
                 version_bytes = 8 if name in request.pull_versions else 0
                 per_id = table.spec.dim * table.weight.element_size() + version_bytes
                 sizes[name] = num_ids(ids) * per_id
+                mask = request.pull_state.get(name)
+                if isinstance(mask, Tensor) and mask.dtype == torch.bool:
+                    sizes[name] += int(mask.sum()) * table.arena.state_row_nbytes()
         for name, block in request.pool_rows.items():
             table = self.tables.get(name)
             if (
@@ -304,6 +308,20 @@ class RequestChecks:
                 or (cached.numel() and int(cached.min()) < -1)
             ):
                 raise self._reject(name, "cached versions must be int64 >= -1, one per id")
+        for name, mask in request.pull_state.items():
+            pulled = request.pull_rows.get(name)
+            if pulled is None:
+                raise self._reject(name, "row state asked without a pull")
+            if (
+                not isinstance(mask, Tensor)
+                or mask.dtype != torch.bool
+                or tuple(mask.shape) != (num_ids(pulled),)
+                or mask.layout != torch.strided
+                or mask.device.type != "cpu"
+            ):
+                raise self._reject(
+                    name, "the rows whose state to answer must be a bool mask, one per id"
+                )
         for name, bags in request.pool_rows.items():
             self._check_bags(name, self._table(name), bags)
 

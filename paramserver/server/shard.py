@@ -33,16 +33,6 @@ from paramserver.idcodec import PackedIds
 from paramserver.idmap import FusedIdMap
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
-from paramserver.protocol import (
-    BagBlock,
-    PushPullReply,
-    PushPullRequest,
-    RowBlock,
-    ServerView,
-    must_send,
-)
-from paramserver.server.dynamic import DynamicTable, SharedRows
-from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
 from paramserver.optim import (
     Block,
     RowUpdate,
@@ -52,6 +42,17 @@ from paramserver.optim import (
     make_rule,
     take_rows,
 )
+from paramserver.protocol import (
+    BagBlock,
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    ServerView,
+    must_send,
+    state_key,
+)
+from paramserver.server.dynamic import DynamicTable, SharedRows
+from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
 from paramserver.server.requests import RequestChecks
 from paramserver.server.tables import (
     FixedTable,
@@ -284,15 +285,24 @@ class ServerShard:
                     hashed = self.dynamic_tables[name]
                     versions = hashed.versions_of(found) if name in request.pull_versions else None
                     self._answer(reply, request, name, read[name], versions)
+                    mask = request.pull_state.get(name)
+                    if mask is not None:  # a pending update comes from the call before
+                        asked, at = dynamic[name][mask], found[mask]
+                        previous = (request.trainer, request.call - 1)
+                        held = hashed.rows_taking_update(asked, at, previous)
+                        _add_state(reply, name, hashed.arena.state_of(at, held))
         fixed = {n: ids for n, ids in pulls.items() if n not in dynamic}
         versioned = {n: ids for n, ids in fixed.items() if n in request.pull_versions}
         for name, ids in versioned.items():
-            table = self.tables[name]
+            table = cast("FixedTable", self.tables[name])
             with table.lock:
                 values, versions = table.read_versioned(ids, reading)
+                if name in request.pull_state:
+                    asked = ids[request.pull_state[name]]
+                    _add_state(reply, name, table.arena.state_of(table.arena_rows(asked)))
             self._answer(reply, request, name, values, versions)
         plain = {n: ids for n, ids in fixed.items() if n not in versioned}
-        reply.rows.update(self._read_fixed(plain))
+        self._read_fixed(plain, request.pull_state, reply)
         rows += sum(ids.numel() for ids in pulls.values())
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
@@ -303,18 +313,24 @@ class ServerShard:
             self.stats.read_seconds += time.perf_counter() - start
         return reply
 
-    def _read_fixed(self, pulls: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The rows of fixed tables' ids ``pulls`` (valid), those of tables sharing an arena
-        taken in one call under their locks (the tensors are then views of one)."""
-        values: dict[str, Tensor] = {}
+    def _read_fixed(
+        self, pulls: Mapping[str, Tensor], state_masks: Mapping[str, Tensor], reply: PushPullReply
+    ) -> None:
+        """Answer the rows of fixed tables' ids ``pulls`` (valid), those of tables sharing an
+        arena taken in one call under their locks (the tensors are then views of one), and
+        with them the state of the rows ``state_masks`` pick."""
         for names in by_arena(self.tables, pulls):
             tables = cast("list[FixedTable]", [self.tables[name] for name in names])
-            rows = torch.cat([t.arena_rows(pulls[n]) for t, n in zip(tables, names, strict=True)])
+            arena_rows = [t.arena_rows(pulls[n]) for t, n in zip(tables, names, strict=True)]
+            rows = torch.cat(arena_rows)
             with _holding(table.lock for table in tables):
                 together = take_rows(tables[0].arena.weight, rows.numpy())
+                for name, table_rows in zip(names, arena_rows, strict=True):
+                    if name in state_masks:
+                        state = tables[0].arena.state_of(table_rows[state_masks[name]])
+                        _add_state(reply, name, state)
             counts = [pulls[name].numel() for name in names]
-            values.update(zip(names, together.split_with_sizes(counts), strict=True))
-        return values
+            reply.rows.update(zip(names, together.split_with_sizes(counts), strict=True))
 
     def _answer(
         self,
@@ -420,6 +436,10 @@ class ServerShard:
                 digest.update(f"{name}/{key}".encode())
                 digest.update(tensor.contiguous().numpy().tobytes())
         return digest.hexdigest()
+
+
+def _add_state(reply: PushPullReply, table: str, state: Mapping[str, Tensor]) -> None:
+    reply.row_state.update((state_key(table, part), value) for part, value in state.items())
 
 
 @contextmanager

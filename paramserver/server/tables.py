@@ -41,6 +41,7 @@ from paramserver.optim import (
     apply_updates,
     take_rows,
 )
+from paramserver.protocol import ROW_HELD, ROW_STEPS
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.tableinit import RowInit
 
@@ -231,6 +232,33 @@ class RowArena:
         return nbytes_of(
             self.weight, self.steps, self.last_touched, self.versions, *self.state.values()
         )
+
+    def state_row_nbytes(self) -> int:
+        """Bytes of one row's part of :meth:`state_of`."""
+        steps = 4 if self.steps is not None else 0
+        return sum(math.prod(v.shape[1:]) * v.element_size() for v in self.state.values()) + steps
+
+    def state_of(self, rows: Tensor, held: Tensor | None = None) -> dict[str, Tensor]:
+        """Copies of the optimizer state of ``rows`` (-1: no row, its state the rule's start),
+        by part: each slot, :data:`ROW_STEPS` where the rule reads them and, where some row
+        would not take the reader's pending update, :data:`ROW_HELD`: which would (``held``;
+        by default those that exist)."""
+        present = rows >= 0
+        held = present if held is None else held
+        parts = dict(self.state)
+        if self.steps is not None:
+            parts[ROW_STEPS] = self.steps
+        if bool(present.all()):
+            state = {part: v.index_select(0, rows) for part, v in parts.items()}
+        else:
+            state = {}
+            for part, v in parts.items():
+                start = 0.0 if part == ROW_STEPS else self.rule.initial_value
+                state[part] = torch.full((rows.numel(), *v.shape[1:]), start, dtype=v.dtype)
+                state[part][present] = v.index_select(0, rows[present])
+        if not bool(held.all()):
+            state[ROW_HELD] = held
+        return state
 
 
 def by_arena(tables: Mapping[str, TableShard], names: Iterable[str]) -> list[list[str]]:

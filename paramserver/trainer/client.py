@@ -23,6 +23,7 @@ from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
 from paramserver.idcodec import PackedIds, compact_all
 from paramserver.protocol import (
+    ROW_HELD,
     BagBlock,
     PayloadSize,
     PooledGrad,
@@ -33,6 +34,7 @@ from paramserver.protocol import (
     payload_nbytes,
     payload_size,
     rows_sent,
+    split_state_key,
 )
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.trainer.cache import RowCache
@@ -77,6 +79,9 @@ class Pulled:
     call: int = -1  # the number of the call this answers (-1: a pull outside the calls)
     checkpoint_at: int = -1  # the newest checkpoint the servers announced, a call number
     dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
+    # Asked with pull_state: each pulled table's optimizer state of its rows, by part (a
+    # rule's slots, ROW_STEPS, ROW_HELD: see PushPullReply.row_state), aligned with its ids.
+    row_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -199,6 +204,7 @@ class PSClient:
         final: bool = False,
         report: TrainerReport | None = None,
         grads_call: int = -1,
+        pull_state: dict[str, Tensor] | None = None,
     ) -> InFlight:
         """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
@@ -211,7 +217,9 @@ class PSClient:
         Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
         ``pooled``), and ``pooled_grads`` maps a table to ``(pull_call, gradient of the pooled
         sums)`` for the bags pulled by the call numbered ``pull_call`` (``Pulled.call``).
-        ``grads_call``: the call whose answer the gradients were computed from.
+        ``grads_call``: the call whose answer the gradients were computed from. ``pull_state``:
+        per table of ``pull_ids``, a bool mask of its ids whose rows' optimizer state to answer
+        too (``Pulled.row_state``).
         """
         requests = [
             PushPullRequest(
@@ -230,8 +238,9 @@ class PSClient:
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
         self.next_call += 1
         return self._start(
-            "push_pull", requests, pull_ids, report, self.next_call - 1, pooled_shapes, cached=True
-        )
+            "push_pull", requests, pull_ids, report, self.next_call - 1, pooled_shapes,
+            cached=True, state_masks=pull_state or {},
+        )  # fmt: skip
 
     def _add_dense_grads(
         self, requests: list[PushPullRequest], dense_grads: dict[str, Tensor]
@@ -321,8 +330,10 @@ class PSClient:
         call: int = -1,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
         cached: bool = False,
+        state_masks: dict[str, Tensor] | None = None,
     ) -> InFlight:
         routes = {name: self._route(name, ids) for name, ids in pull_ids.items()}
+        state_masks = state_masks or {}
         pack_together(routes.values())
         cached_versions = {}
         for name, ids in pull_ids.items():
@@ -330,6 +341,9 @@ class PSClient:
             route = routes[name]
             for server, part in enumerate(route.packed):
                 requests[server].pull_rows[name] = part
+            if name in state_masks:
+                for server, part in enumerate(route.split(state_masks[name])):
+                    requests[server].pull_state[name] = part
             cache = self.caches.get(name) if cached else None
             if cache is not None:
                 cached_versions[name] = cache.lookup(ids)
@@ -357,7 +371,10 @@ class PSClient:
             self.transport.call_sized(server, op, request, size.nbytes)
             for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
         ]
-        return InFlight(self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions)
+        return InFlight(
+            self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions,
+            state_masks,
+        )  # fmt: skip
 
 
 class InFlight:
@@ -372,6 +389,7 @@ class InFlight:
         call: int,
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]],
         cached_versions: dict[str, tuple[Tensor, Tensor]],
+        state_masks: dict[str, Tensor] | None = None,
     ):
         self.client = client
         self.futures = futures
@@ -380,6 +398,7 @@ class InFlight:
         self.call = call  # the call number (-1 for a pull outside the calls)
         self.pooled_shapes = pooled_shapes
         self.cached_versions = cached_versions  # per cached table: its slots, versions sent
+        self.state_masks = state_masks or {}  # per table: the rows whose state was asked
         self.result: Pulled | None = None
 
     def wait(self) -> Pulled:
@@ -419,7 +438,47 @@ class InFlight:
                 versions = route.in_caller_order([reply.row_versions[name] for reply in replies])
                 rows = self._with_cached_rows(name, ids, torch.cat(parts), *cached, versions)
             pulled.rows[name] = (ids, rows)
+        if self.state_masks:
+            pulled.row_state = self._row_state(replies)
         return pulled
+
+    def _row_state(self, replies: list[PushPullReply]) -> dict[str, dict[str, Tensor]]:
+        """Each table's row state as the servers sent it for the rows its mask picked, put
+        in the caller's order of its ids (rows not picked: zeros, and not held)."""
+        sent: dict[str, dict[str, dict[int, Tensor]]] = {name: {} for name in self.state_masks}
+        for server, reply in enumerate(replies):
+            for key, value in reply.row_state.items():
+                table, part = split_state_key(key)
+                if table not in sent or not isinstance(value, Tensor) or value.dim() == 0:
+                    raise ParamServerError(
+                        f"server {server} sent a malformed answer: row state {key!r} was not "
+                        "asked for"
+                    )
+                sent[table].setdefault(part, {})[server] = value
+        return {name: self._aligned(name, sent[name], len(replies)) for name in sent}
+
+    def _aligned(
+        self, name: str, sent: dict[str, dict[int, Tensor]], servers: int
+    ) -> dict[str, Tensor]:
+        """One table's row state from every server's part (see :meth:`_row_state`)."""
+        mask, route = self.state_masks[name], self.routes[name]
+        where = torch.arange(mask.numel()) if route.order is None else route.order
+        asked = [w[m] for w, m in zip(where.split(route.counts), route.split(mask), strict=True)]
+        held = {s: torch.ones(len(a), dtype=torch.bool) for s, a in enumerate(asked)}
+        held.update(sent.pop(ROW_HELD, {}))  # a server that says none holds every row asked
+        aligned = {}
+        for part, by_server in [(ROW_HELD, held), *sent.items()]:
+            if len(by_server) != servers or any(
+                v.shape[0] != asked[s].numel() for s, v in by_server.items()
+            ):
+                raise ParamServerError(
+                    f"a server sent a malformed answer: row state {name!r}/{part!r} is not "
+                    "one entry per row asked of each server"
+                )
+            joined = torch.cat([by_server[s] for s in range(servers)])
+            aligned[part] = joined.new_zeros((mask.numel(), *joined.shape[1:]))
+            aligned[part][torch.cat(asked)] = joined
+        return aligned
 
     def _with_cached_rows(
         self,

@@ -46,6 +46,7 @@ from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.lookups import RecordedLookups
 from paramserver.trainer.observer import Observer
+from paramserver.trainer.ownupdates import OwnUpdates
 from paramserver.trainer.replica import Call, Replica
 from paramserver.types import Progress
 
@@ -102,10 +103,12 @@ class Gradients:
         self,
         client: PSClient,
         following: Step | None,
+        state_masks: dict[str, Tensor] | None = None,
         final: bool = False,
         report: TrainerReport | None = None,
     ) -> InFlight:
-        """Send these gradients, pulling what ``following`` needs; they are then spent."""
+        """Send these gradients, pulling what ``following`` needs (and the optimizer state of
+        the rows ``state_masks`` pick); they are then spent."""
         in_flight = client.push_pull(
             self.dense,
             self.rows,
@@ -116,6 +119,7 @@ class Gradients:
             final=final,
             report=report,
             grads_call=self.pull_call,
+            pull_state=state_masks,
         )
         self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
         return in_flight
@@ -160,6 +164,13 @@ class TrainContext:
         self._resumed = resumed
         self._thread = threading.get_ident()
         self._prefetch = engine.config.prefetches
+        # Prefetching, the last step's update is applied to the rows of the next (see
+        # paramserver.trainer.ownupdates), where the config asks for it.
+        self._own_updates = (
+            OwnUpdates.of(engine.config, list(engine.replica.tables))
+            if self._prefetch and engine.config.prefetch_own_updates
+            else None
+        )
         self._pending = Gradients()  # the last step's, not sent yet
         self._in_flight: InFlight | None = None
         self._in_flight_pulls: Step | None = None  # the step whose values it pulls
@@ -380,6 +391,8 @@ class TrainContext:
         ahead = record_next() if record_next is not None else None
         pulled = self._in_flight.wait()
         self._in_flight = None
+        if self._own_updates is not None and self._pending.rows:  # not in the answer yet
+            self._own_updates.apply(pulled, self._pending.rows, self._pending.pull_call)
         # Before a checkpoint's part is saved, and before computing; prefetching (the mode
         # allows a step of staleness), the last step's all-reduce may go on during this one.
         self._apply_dense(keep=1 if self._prefetch else 0)
@@ -392,7 +405,7 @@ class TrainContext:
             if ahead is not None:
                 engine.checkpoints.announce_if_due(pulled.call)
             if self._prefetch and (ahead is None or ahead.ids is not None):
-                self._send(ahead)
+                self._send(ahead, pending_of=step)
         engine.replica.load(
             pulled.dense,
             pulled.rows,
@@ -410,9 +423,14 @@ class TrainContext:
         if self._engine.dense is not None:
             self._engine.dense.finish(keep)
 
-    def _send(self, following: Step | None) -> None:
-        """Start the call that pushes the pending gradients and pulls ``following``'s values."""
-        self._in_flight = self._pending.push(self._engine.client, following)
+    def _send(self, following: Step | None, pending_of: Step | None = None) -> None:
+        """Start the call that pushes the pending gradients and pulls ``following``'s values;
+        ``pending_of``: the step whose gradients will be pending when it is answered (a
+        prefetch), whose own update is then applied to the rows both touch."""
+        masks = None
+        if self._own_updates is not None and following is not None and pending_of is not None:
+            masks = self._own_updates.rows_to_ask(following.ids or {}, pending_of.ids or {})
+        self._in_flight = self._pending.push(self._engine.client, following, masks)
         self._in_flight_pulls = following
 
     def _end_step(self) -> None:

@@ -1,0 +1,184 @@
+"""Prefetch without staleness: a trainer applies its own latest update to the rows it
+prefetched (``paramserver.trainer.ownupdates``), with the optimizer state the servers send
+with them (``PushPullRequest.pull_state``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import paramserver as ps
+from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.launch.roles import build_server
+from paramserver.protocol import (
+    ROW_HELD,
+    ROW_STEPS,
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    state_key,
+)
+from paramserver.trainer.client import InFlight, Route
+from tests.helpers import MakeServer, own_ids
+
+NUM_STEPS = 12
+RULES = {
+    "sgd": {"optimizer": "sgd", "lr": 0.2},
+    "momentum": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
+    "adagrad": {"optimizer": "adagrad", "lr": 0.3},
+    "rowwise_adagrad": {"table_optimizer": "rowwise_adagrad", "lr": 0.3},
+    "adam": {"optimizer": "adam", "lr": 0.05},
+}
+
+
+class Factorization(nn.Module):
+    """Users' and items' vectors, and an item bias: tables only, so every value a step reads
+    is a row (dense parameters pulled from servers stay a step behind under prefetch)."""
+
+    def __init__(self, dynamic: bool = False) -> None:
+        super().__init__()
+        self.users = (
+            ps.DynamicEmbedding(8, min_count=2, ttl_steps=50) if dynamic else nn.Embedding(40, 8)
+        )
+        self.items = nn.Embedding(30, 8)
+        self.bias = nn.Embedding(30, 1)
+
+    def forward(self, users: Tensor, items: Tensor) -> Tensor:
+        dot = (self.users(users) * self.items(items)).sum(-1)
+        return dot + self.bias(items).squeeze(-1)
+
+
+def batches(rank: int) -> Iterator[tuple[tuple[Tensor, Tensor], Tensor]]:
+    """Consecutive batches share most of their rows, as MovieLens's users do."""
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(NUM_STEPS):
+        users = torch.randint(0, 12, (16,), generator=generator)
+        items = torch.randint(0, 10, (16,), generator=generator)
+        yield (users, items), torch.randn(16, generator=generator)
+
+
+def train(rule: str, dynamic: bool = False, **options: Any) -> dict[str, Tensor]:
+    config = ps.TrainConfig(
+        servers=2, trainers=1, mode="async", launcher="threads", progress=False,
+        seed=3, **RULES[rule], **options,
+    )  # fmt: skip
+    result = ps.train(
+        lambda: Factorization(dynamic),
+        lambda rank, _: batches(rank),
+        lambda out, target: ((out - target) ** 2).mean(),
+        config,
+    )
+    assert result is not None and result.model is not None
+    return result.model.state_dict()
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_prefetching_trainer_learns_as_one_that_does_not(rule: str) -> None:
+    """One trainer: each step reads bitwise the rows it would without prefetch, so the model
+    ends the same; without its own updates it would not (the test can fail)."""
+    unfetched = train(rule, prefetch=False)
+    fresh = train(rule)
+    stale = train(rule, prefetch_own_updates=False)
+    for name, value in unfetched.items():
+        assert torch.equal(fresh[name], value), name
+    assert any(not torch.equal(stale[name], value) for name, value in unfetched.items())
+
+
+def test_ids_without_a_row_take_no_update() -> None:
+    """A dynamic table admits an id at its second sighting: a row not held yet takes no
+    update on the trainer (it would leave the default vector), as on its server."""
+    unfetched = train("adagrad", dynamic=True, prefetch=False)
+    fresh = train("adagrad", dynamic=True)
+    assert unfetched["users.ids"].numel() > 0
+    for name, value in unfetched.items():
+        assert torch.equal(fresh[name], value), name
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
+    """Fixed tables, read plainly or with cache versions, and a dynamic table with an id it
+    holds no row for yet: the state of the rows the mask picks, in their order."""
+    config = ps.TrainConfig(servers=1, trainers=1, optimizer="adam", cache_rows=8 if cached else 0)  # type: ignore[arg-type]
+    endpoint = build_server(0, config, lambda: Factorization(dynamic=True))
+    try:
+        shard = endpoint.shard
+        ids, asked = torch.tensor([0, 2, 4]), torch.tensor([True, False, True])
+        request = PushPullRequest(0, 0, pull_dense=False)
+        request.pull_rows = {name: ids for name in shard.tables}
+        request.pull_state = {name: asked for name in shard.tables}
+        if cached:
+            request.pull_versions = {name: torch.full((3,), -1) for name in shard.tables}
+        shard.read(request, train=True)  # the dynamic table sees each id once: no rows yet
+        request.pull_rows["users.weight"] = torch.tensor([0, 2, 5])  # 5: first seen now
+        reply = shard.read(request, train=True, clock=1)
+        held = reply.row_state[state_key("users.weight", ROW_HELD)]
+        assert held.tolist() == [True, False]  # ids 0 and 5
+        for name, table in shard.tables.items():
+            steps = reply.row_state[state_key(name, ROW_STEPS)]
+            assert steps.shape == (2,) and not steps.any()  # no update yet
+            for slot in table.state:
+                part = reply.row_state[state_key(name, slot)]
+                assert part.shape == (2, table.spec.dim) and not part.any()  # Adam's zeros
+        # Once updated, a fixed row's state is its own.
+        items = shard.tables["items.weight"]
+        shard.apply({}, {"items.weight": RowBlock(ids, torch.ones(3, 8))}, step=0)
+        reply = shard.read(request, train=True)
+        assert state_key("items.weight", ROW_HELD) not in reply.row_state  # every row is
+        for slot, values in items.state.items():
+            got = reply.row_state[state_key("items.weight", slot)]
+            assert got.any() and torch.equal(got, values[ids[asked]])
+        assert reply.row_state[state_key("items.weight", ROW_STEPS)].tolist() == [1.0, 1.0]
+    finally:
+        endpoint.coordinator.close()
+
+
+def test_the_trainer_puts_each_servers_state_in_its_order_and_refuses_a_malformed_one() -> None:
+    """Two servers' parts of the asked rows go back to the caller's order of the ids; the
+    rows not asked are not held. A part that is not one entry per row asked fails the call
+    with a ParamServerError naming it, rather than updating rows with it."""
+    ids = torch.tensor([1, 2, 3, 4])  # server 0: 2 and 4, server 1: 1 and 3
+    route = Route(ids, torch.tensor([1, 3, 0, 2]), [2, 2], (ids[[1, 3]], ids[[0, 2]]))
+    in_flight = InFlight.__new__(InFlight)
+    in_flight.routes = {"t": route}
+    in_flight.state_masks = {"t": torch.tensor([True, True, False, True])}  # not 3
+    replies = [PushPullReply(), PushPullReply()]
+    replies[0].row_state = {state_key("t", "sum"): torch.tensor([[2.0], [4.0]])}
+    replies[1].row_state = {
+        state_key("t", "sum"): torch.tensor([[1.0]]),
+        state_key("t", ROW_HELD): torch.tensor([False]),
+    }
+    state = in_flight._row_state(replies)["t"]
+    assert state["sum"].flatten().tolist() == [1.0, 2.0, 0.0, 4.0]
+    assert state[ROW_HELD].tolist() == [False, True, False, True]
+    replies[0].row_state[state_key("t", "sum")] = torch.zeros(1, 1)  # one row short
+    with pytest.raises(ParamServerError, match="row state 't'/'sum'"):
+        in_flight._row_state(replies)
+    replies[0].row_state = {state_key("u", "sum"): torch.zeros(2, 1)}  # not asked for
+    with pytest.raises(ParamServerError, match="row state 'u/sum' was not asked for"):
+        in_flight._row_state(replies)
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        (torch.tensor([1, 0]), "bool mask"),
+        (torch.tensor([True]), "bool mask, one per id"),
+        ("all", "must map names to values"),
+    ],
+)
+def test_a_request_asking_state_badly_is_refused(
+    make_server: MakeServer, mask: object, message: str
+) -> None:
+    server = make_server()
+    ids = own_ids(server, 0, 1)
+    request = PushPullRequest(0, 0, pull_rows={"user.weight": ids})
+    request.pull_state = mask if isinstance(mask, str) else {"user.weight": mask}  # type: ignore[assignment]
+    with pytest.raises(ParamServerError, match=message):
+        server.coordinator.push_pull(request).wait()
+    unpulled = PushPullRequest(0, 0, pull_state={"user.weight": torch.tensor([True])})
+    with pytest.raises(InvalidPushError, match="row state asked without a pull"):
+        server.coordinator.push_pull(unpulled).wait()
