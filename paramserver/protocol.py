@@ -268,7 +268,7 @@ class RowBlocksBundle:
 
 
 _BUNDLED_REQUEST_FIELDS = ("dense_grads", "pull_rows", "pull_versions", "pull_state")
-_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "row_state")
+_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "row_state", "dense_state")
 
 
 def _bundled_fields(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -318,6 +318,7 @@ class PushPullRequest:
     # Per table, aligned with pull_rows: which rows' optimizer state to answer too (a bool
     # mask: the rows the trainer's pending update touches; see row_state).
     pull_state: dict[str, Tensor] = field(default_factory=dict)
+    pull_dense_state: bool = False  # with pull_dense: the dense values' state too (dense_state)
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a duplicate, or a push too late for its round)."""
@@ -385,6 +386,9 @@ class PushPullReply:
     # keyed by state_key(table, part), in their order; the parts: a rule's slots, ROW_STEPS,
     # ROW_HELD.
     row_state: dict[str, Tensor] = field(default_factory=dict)
+    # Asked by pull_dense_state: each dense value's slots and its count of updates (ROW_STEPS,
+    # 0-d), keyed by state_key(parameter, part).
+    dense_state: dict[str, Tensor] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         return _bundled_fields(self.__dict__, _BUNDLED_REPLY_FIELDS)

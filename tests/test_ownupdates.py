@@ -36,8 +36,7 @@ RULES = {
 
 
 class Factorization(nn.Module):
-    """Users' and items' vectors, and an item bias: tables only, so every value a step reads
-    is a row (dense parameters pulled from servers stay a step behind under prefetch)."""
+    """Users' and items' vectors, an item bias, and a dense layer over their product."""
 
     def __init__(self, dynamic: bool = False) -> None:
         super().__init__()
@@ -46,10 +45,11 @@ class Factorization(nn.Module):
         )
         self.items = nn.Embedding(30, 8)
         self.bias = nn.Embedding(30, 1)
+        self.out = nn.Linear(8, 1)
 
     def forward(self, users: Tensor, items: Tensor) -> Tensor:
-        dot = (self.users(users) * self.items(items)).sum(-1)
-        return dot + self.bias(items).squeeze(-1)
+        product = self.users(users) * self.items(items)
+        return (self.out(product) + self.bias(items)).squeeze(-1)
 
 
 def batches(rank: int) -> Iterator[tuple[tuple[Tensor, Tensor], Tensor]]:
@@ -78,8 +78,9 @@ def train(rule: str, dynamic: bool = False, **options: Any) -> dict[str, Tensor]
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_a_prefetching_trainer_learns_as_one_that_does_not(rule: str) -> None:
-    """One trainer: each step reads bitwise the rows it would without prefetch, so the model
-    ends the same; without its own updates it would not (the test can fail)."""
+    """One trainer: each step reads bitwise the rows and dense values it would without
+    prefetch, so the model ends the same; without its own updates it would not (the test
+    can fail)."""
     unfetched = train(rule, prefetch=False)
     fresh = train(rule)
     stale = train(rule, prefetch_own_updates=False)
@@ -136,10 +137,10 @@ def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
         endpoint.coordinator.close()
 
 
-def test_the_trainer_puts_each_servers_state_in_its_order_and_refuses_a_malformed_one() -> None:
-    """Two servers' parts of the asked rows go back to the caller's order of the ids; the
-    rows not asked are not held. A part that is not one entry per row asked fails the call
-    with a ParamServerError naming it, rather than updating rows with it."""
+def test_the_trainer_joins_the_servers_state_of_the_rows_that_take_its_update() -> None:
+    """Two servers' parts of the asked rows, with their places among the caller's ids; a row
+    a server says does not take the update is left out. A part that is not one entry per
+    row asked fails the call with a ParamServerError naming it, rather than updating rows."""
     ids = torch.tensor([1, 2, 3, 4])  # server 0: 2 and 4, server 1: 1 and 3
     route = Route(ids, torch.tensor([1, 3, 0, 2]), [2, 2], (ids[[1, 3]], ids[[0, 2]]))
     in_flight = InFlight.__new__(InFlight)
@@ -152,8 +153,8 @@ def test_the_trainer_puts_each_servers_state_in_its_order_and_refuses_a_malforme
         state_key("t", ROW_HELD): torch.tensor([False]),
     }
     state = in_flight._row_state(replies)["t"]
-    assert state["sum"].flatten().tolist() == [1.0, 2.0, 0.0, 4.0]
-    assert state[ROW_HELD].tolist() == [False, True, False, True]
+    assert state.at.tolist() == [1, 3]  # ids 2 and 4; id 1 does not take it
+    assert state.parts["sum"].flatten().tolist() == [2.0, 4.0]
     replies[0].row_state[state_key("t", "sum")] = torch.zeros(1, 1)  # one row short
     with pytest.raises(ParamServerError, match="row state 't'/'sum'"):
         in_flight._row_state(replies)

@@ -43,6 +43,7 @@ from paramserver.optim import (
     take_rows,
 )
 from paramserver.protocol import (
+    ROW_STEPS,
     BagBlock,
     PushPullReply,
     PushPullRequest,
@@ -274,6 +275,10 @@ class ServerShard:
                 with slot.lock:
                     reply.dense[name] = slot.value.clone()
                     reply.dense_versions[name] = int(slot.version)
+                    if request.pull_dense_state:
+                        state = {part: v.clone() for part, v in slot.state.items()}
+                        state[ROW_STEPS] = slot.version.clone()
+                        _add_state(reply.dense_state, name, state)
         rows = 0
         pulls = {name: already_unpacked(ids) for name, ids in request.pull_rows.items()}
         dynamic = {n: ids for n, ids in pulls.items() if n in self.dynamic_tables}
@@ -290,7 +295,7 @@ class ServerShard:
                         asked, at = dynamic[name][mask], found[mask]
                         previous = (request.trainer, request.call - 1)
                         held = hashed.rows_taking_update(asked, at, previous)
-                        _add_state(reply, name, hashed.arena.state_of(at, held))
+                        _add_state(reply.row_state, name, hashed.arena.state_of(at, held))
         fixed = {n: ids for n, ids in pulls.items() if n not in dynamic}
         versioned = {n: ids for n, ids in fixed.items() if n in request.pull_versions}
         for name, ids in versioned.items():
@@ -299,7 +304,8 @@ class ServerShard:
                 values, versions = table.read_versioned(ids, reading)
                 if name in request.pull_state:
                     asked = ids[request.pull_state[name]]
-                    _add_state(reply, name, table.arena.state_of(table.arena_rows(asked)))
+                    state = table.arena.state_of(table.arena_rows(asked))
+                    _add_state(reply.row_state, name, state)
             self._answer(reply, request, name, values, versions)
         plain = {n: ids for n, ids in fixed.items() if n not in versioned}
         self._read_fixed(plain, request.pull_state, reply)
@@ -328,7 +334,7 @@ class ServerShard:
                 for name, table_rows in zip(names, arena_rows, strict=True):
                     if name in state_masks:
                         state = tables[0].arena.state_of(table_rows[state_masks[name]])
-                        _add_state(reply, name, state)
+                        _add_state(reply.row_state, name, state)
             counts = [pulls[name].numel() for name in names]
             reply.rows.update(zip(names, together.split_with_sizes(counts), strict=True))
 
@@ -438,8 +444,8 @@ class ServerShard:
         return digest.hexdigest()
 
 
-def _add_state(reply: PushPullReply, table: str, state: Mapping[str, Tensor]) -> None:
-    reply.row_state.update((state_key(table, part), value) for part, value in state.items())
+def _add_state(into: dict[str, Tensor], name: str, state: Mapping[str, Tensor]) -> None:
+    into.update((state_key(name, part), value) for part, value in state.items())
 
 
 @contextmanager

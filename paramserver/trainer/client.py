@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import cast
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.futures import Future
@@ -72,6 +73,15 @@ class PushCodecs:
 
 
 @dataclass
+class RowState:
+    """Optimizer state of some of a pulled table's rows: ``at``, their places among its ids,
+    and ``parts``, by part (its rule's slots and ROW_STEPS), aligned with ``at``."""
+
+    at: Tensor
+    parts: dict[str, Tensor]
+
+
+@dataclass
 class Pulled:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: RowsById = field(default_factory=dict)
@@ -79,9 +89,11 @@ class Pulled:
     call: int = -1  # the number of the call this answers (-1: a pull outside the calls)
     checkpoint_at: int = -1  # the newest checkpoint the servers announced, a call number
     dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
-    # Asked with pull_state: each pulled table's optimizer state of its rows, by part (a
-    # rule's slots, ROW_STEPS, ROW_HELD: see PushPullReply.row_state), aligned with its ids.
-    row_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    # Asked with pull_state: per table, the state of the rows that take the pending update.
+    row_state: dict[str, RowState] = field(default_factory=dict)
+    # Asked with pull_dense_state: each dense value's state by part (its rule's slots, and
+    # ROW_STEPS: its 0-d count of updates).
+    dense_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -205,6 +217,7 @@ class PSClient:
         report: TrainerReport | None = None,
         grads_call: int = -1,
         pull_state: dict[str, Tensor] | None = None,
+        pull_dense_state: bool = False,
     ) -> InFlight:
         """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
@@ -219,7 +232,8 @@ class PSClient:
         sums)`` for the bags pulled by the call numbered ``pull_call`` (``Pulled.call``).
         ``grads_call``: the call whose answer the gradients were computed from. ``pull_state``:
         per table of ``pull_ids``, a bool mask of its ids whose rows' optimizer state to answer
-        too (``Pulled.row_state``).
+        too (``Pulled.row_state``); ``pull_dense_state``: the dense values' state too
+        (``Pulled.dense_state``).
         """
         requests = [
             PushPullRequest(
@@ -229,6 +243,7 @@ class PSClient:
                 final=final,
                 report=report,
                 grads_call=grads_call,
+                pull_dense_state=pull_dense and pull_dense_state,
             )
             for _ in range(self.plan.num_servers)
         ]
@@ -418,9 +433,17 @@ class InFlight:
         traffic = self.client.traffic
         traffic.uncompressed_received += sum(size.uncompressed_nbytes for _, size in answers)
         pulled = Pulled(call=self.call, checkpoint_at=max(r.checkpoint_at for r in replies))
-        for reply in replies:
+        for server, reply in enumerate(replies):
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
             pulled.dense_versions.update(reply.dense_versions)
+            for key, value in reply.dense_state.items():
+                name, part = split_state_key(key)
+                if name not in reply.dense or not isinstance(value, Tensor):
+                    raise ParamServerError(
+                        f"server {server} sent a malformed answer: dense state {key!r} of no "
+                        "dense value it sent"
+                    )
+                pulled.dense_state.setdefault(name, {})[part] = value
         for name, (shape, dtype) in self.pooled_shapes.items():
             pooled = torch.zeros(shape, dtype=dtype)
             for reply in replies:
@@ -442,9 +465,9 @@ class InFlight:
             pulled.row_state = self._row_state(replies)
         return pulled
 
-    def _row_state(self, replies: list[PushPullReply]) -> dict[str, dict[str, Tensor]]:
-        """Each table's row state as the servers sent it for the rows its mask picked, put
-        in the caller's order of its ids (rows not picked: zeros, and not held)."""
+    def _row_state(self, replies: list[PushPullReply]) -> dict[str, RowState]:
+        """Each table's state of the rows its mask picked, as the servers sent it, of those
+        that take the pending update."""
         sent: dict[str, dict[str, dict[int, Tensor]]] = {name: {} for name in self.state_masks}
         for server, reply in enumerate(replies):
             for key, value in reply.row_state.items():
@@ -455,30 +478,36 @@ class InFlight:
                         "asked for"
                     )
                 sent[table].setdefault(part, {})[server] = value
-        return {name: self._aligned(name, sent[name], len(replies)) for name in sent}
+        return {name: self._joined(name, sent[name], len(replies)) for name in sent}
 
-    def _aligned(
-        self, name: str, sent: dict[str, dict[int, Tensor]], servers: int
-    ) -> dict[str, Tensor]:
-        """One table's row state from every server's part (see :meth:`_row_state`)."""
+    def _joined(self, name: str, sent: dict[str, dict[int, Tensor]], servers: int) -> RowState:
+        """One table's :class:`RowState` from every server's part."""
         mask, route = self.state_masks[name], self.routes[name]
-        where = torch.arange(mask.numel()) if route.order is None else route.order
-        asked = [w[m] for w, m in zip(where.split(route.counts), route.split(mask), strict=True)]
-        held = {s: torch.ones(len(a), dtype=torch.bool) for s, a in enumerate(asked)}
-        held.update(sent.pop(ROW_HELD, {}))  # a server that says none holds every row asked
-        aligned = {}
+        if route.order is None:
+            asked = [torch.from_numpy(np.flatnonzero(mask.numpy()))]
+        else:
+            masks = route.split(mask)
+            asked = [w[m] for w, m in zip(route.order.split(route.counts), masks, strict=True)]
+        held = sent.pop(ROW_HELD, {})
+        parts: dict[str, Tensor] = {}
         for part, by_server in [(ROW_HELD, held), *sent.items()]:
-            if len(by_server) != servers or any(
+            if (part != ROW_HELD and len(by_server) != servers) or any(
                 v.shape[0] != asked[s].numel() for s, v in by_server.items()
             ):
                 raise ParamServerError(
                     f"a server sent a malformed answer: row state {name!r}/{part!r} is not "
                     "one entry per row asked of each server"
                 )
-            joined = torch.cat([by_server[s] for s in range(servers)])
-            aligned[part] = joined.new_zeros((mask.numel(), *joined.shape[1:]))
-            aligned[part][torch.cat(asked)] = joined
-        return aligned
+            if part == ROW_HELD:  # a server that says none holds every row asked
+                continue
+            parts[part] = by_server[0] if servers == 1 else torch.cat(list(by_server.values()))
+        at = asked[0] if servers == 1 else torch.cat(asked)
+        if held:  # only the rows that take it
+            taking = torch.cat(
+                [held.get(s, torch.ones(a.numel(), dtype=torch.bool)) for s, a in enumerate(asked)]
+            )
+            at, parts = at[taking], {part: v[taking] for part, v in parts.items()}
+        return RowState(at, parts)
 
     def _with_cached_rows(
         self,

@@ -120,6 +120,7 @@ class Gradients:
             report=report,
             grads_call=self.pull_call,
             pull_state=state_masks,
+            pull_dense_state=state_masks is not None,
         )
         self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
         return in_flight
@@ -391,8 +392,9 @@ class TrainContext:
         ahead = record_next() if record_next is not None else None
         pulled = self._in_flight.wait()
         self._in_flight = None
-        if self._own_updates is not None and self._pending.rows:  # not in the answer yet
-            self._own_updates.apply(pulled, self._pending.rows, self._pending.pull_call)
+        if self._own_updates is not None:  # the pending gradients are not in the answer yet
+            pending = self._pending
+            self._own_updates.apply(pulled, pending.dense, pending.rows, pending.pull_call)
         # Before a checkpoint's part is saved, and before computing; prefetching (the mode
         # allows a step of staleness), the last step's all-reduce may go on during this one.
         self._apply_dense(keep=1 if self._prefetch else 0)

@@ -22,24 +22,28 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from paramserver.config import TrainConfig
-from paramserver.optim import UpdateRule, apply_rows, make_rule
-from paramserver.protocol import ROW_HELD, ROW_STEPS
+from paramserver.optim import Block, UpdateRule, apply_rows, make_rule
+from paramserver.protocol import ROW_STEPS
 from paramserver.trainer.client import Pulled
 
 
 class OwnUpdates:
-    """Each table's update rule, to step prefetched rows as the servers will."""
+    """The update rules of the dense parameters and of each table, to step prefetched values
+    as the servers will."""
 
-    def __init__(self, rules: Mapping[str, UpdateRule]):
-        self.rules = dict(rules)
+    def __init__(self, dense_rule: UpdateRule, table_rules: Mapping[str, UpdateRule]):
+        self.dense_rule = dense_rule
+        self.table_rules = dict(table_rules)
 
     @classmethod
     def of(cls, config: TrainConfig, tables: list[str]) -> OwnUpdates:
-        return cls({name: make_rule(config.table_optimizer_for(name)) for name in tables})
+        rules = {name: make_rule(config.table_optimizer_for(name)) for name in tables}
+        return cls(make_rule(config.dense_optimizer()), rules)
 
     @staticmethod
     def rows_to_ask(
@@ -47,40 +51,79 @@ class OwnUpdates:
     ) -> dict[str, Tensor]:
         """Per table of ``following`` (a prefetched step's sorted unique ids), which of its
         rows the ``pending`` step's update will touch (those it pulled): whose state to ask."""
-        masks = {}
-        for name, ids in following.items():
-            touched = pending.get(name)
-            if touched is None or not touched.numel():
-                masks[name] = torch.zeros(ids.numel(), dtype=torch.bool)
-                continue
-            at = torch.searchsorted(touched, ids).clamp_(max=touched.numel() - 1)
-            masks[name] = touched[at] == ids
-        return masks
+        return {
+            name: torch.from_numpy(_among(ids.numpy(), pending.get(name)))
+            for name, ids in following.items()
+        }
 
     @torch.no_grad()
-    def apply(self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int) -> int:
-        """Apply ``grads`` (per table: sorted unique ids and their gradients, computed at
-        training ``step``, not yet pushed) to the rows of ``pulled`` they touch, in place, with
-        the state ``pulled`` came with; returns the rows updated."""
+    def apply(
+        self,
+        pulled: Pulled,
+        dense_grads: Mapping[str, Tensor],
+        row_grads: Mapping[str, tuple[Tensor, Tensor]],
+        step: int,
+    ) -> int:
+        """Apply gradients computed at training ``step``, not yet pushed, to the values of
+        ``pulled``, in place, with the state it came with: ``dense_grads`` to its dense values,
+        ``row_grads`` (per table: sorted unique ids and their gradients) to the rows they
+        touch; returns the rows updated."""
+        self._apply_dense(pulled, dense_grads, step)
+        return self._apply_rows(pulled, row_grads, step)
+
+    def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
+        """One step of the dense rule over every pulled value with state (the servers step
+        each one's at once, at one lr)."""
+        blocks = []
+        for name, grad in grads.items():
+            state = dict(pulled.dense_state.get(name, {}))
+            count = state.pop(ROW_STEPS, None)
+            if count is not None and name in pulled.dense:
+                blocks.append(Block(pulled.dense[name], grad, state, count))
+        if blocks:
+            self.dense_rule.step_blocks(blocks, self.dense_rule.lr_at(step, "dense"))
+
+    def _apply_rows(
+        self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int
+    ) -> int:
+        """Each table's rows with state: gathered with their gradients, stepped by the
+        table's rule (in place, as on a server) and put back."""
         updated = 0
-        for name, (grad_ids, table_grads) in grads.items():
-            if name not in pulled.rows or not grad_ids.numel():
+        for name, state in pulled.row_state.items():
+            if name not in grads or not state.at.numel() or not grads[name][0].numel():
                 continue
+            grad_ids, table_grads = grads[name]
             ids, values = pulled.rows[name]
-            if not ids.numel():
-                continue
-            state = dict(pulled.row_state.get(name, {}))
-            held = state.pop(ROW_HELD, None)
-            if held is None:  # its state was not asked: the pull was not a prefetch
-                continue
-            steps = state.pop(ROW_STEPS, None)
-            at = torch.searchsorted(ids, grad_ids).clamp_(max=ids.numel() - 1)
-            touched = (ids[at] == grad_ids) & held[at]
-            rows = at[touched]
-            if not rows.numel():
-                continue
-            rule = self.rules[name]
-            lr = rule.lr_at(step, name)
-            apply_rows(rule, values, state, steps, rows, table_grads[touched], lr)
+            at, parts = state.at.numpy(), dict(state.parts)
+            wanted = ids.numpy()[at]
+            grad_at, found = _places(wanted, grad_ids.numpy())
+            if not found.all():  # rows read on demand: not in the step's recorded ids
+                at, grad_at = at[found], grad_at[found]
+                parts = {part: v[torch.from_numpy(found)] for part, v in parts.items()}
+            rows = torch.from_numpy(at)
+            stepped = values.index_select(0, rows)
+            grad_rows = torch.from_numpy(grad_at)
+            rule = self.table_rules[name]
+            steps = parts.pop(ROW_STEPS, None)
+            apply_rows(
+                rule, stepped, parts, steps, torch.arange(rows.numel()),
+                table_grads.index_select(0, grad_rows), rule.lr_at(step, name),
+            )  # fmt: skip
+            values.index_copy_(0, rows, stepped)
             updated += rows.numel()
         return updated
+
+
+def _among(values: np.ndarray, others: Tensor | None) -> np.ndarray:
+    """Which of ``values`` (sorted unique ids) are among ``others`` (sorted unique), as a
+    bool array."""
+    if others is None or not others.numel():
+        return np.zeros(values.size, dtype=bool)
+    return _places(values, others.numpy())[1]
+
+
+def _places(values: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of ``values`` is in ``others`` (sorted unique, not empty), and whether it
+    is there (numpy: a few cheap calls where torch's cost several microseconds each)."""
+    at = np.minimum(np.searchsorted(others, values), others.size - 1)
+    return at, others[at] == values
