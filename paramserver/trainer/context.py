@@ -392,9 +392,10 @@ class TrainContext:
         ahead = record_next() if record_next is not None else None
         pulled = self._in_flight.wait()
         self._in_flight = None
-        if self._own_updates is not None:  # the pending gradients are not in the answer yet
-            pending = self._pending
-            self._own_updates.apply(pulled, pending.dense, pending.rows, pending.pull_call)
+        # The pending gradients are not in the answer: applied to it once the next call,
+        # which pushes them, is under way (the servers' work then overlaps the trainer's).
+        pending = self._pending
+        own = (pending.dense, pending.rows, pending.pull_call)
         # Before a checkpoint's part is saved, and before computing; prefetching (the mode
         # allows a step of staleness), the last step's all-reduce may go on during this one.
         self._apply_dense(keep=1 if self._prefetch else 0)
@@ -408,6 +409,8 @@ class TrainContext:
                 engine.checkpoints.announce_if_due(pulled.call)
             if self._prefetch and (ahead is None or ahead.ids is not None):
                 self._send(ahead, pending_of=step)
+        if self._own_updates is not None:
+            self._own_updates.apply(pulled, *own)
         engine.replica.load(
             pulled.dense,
             pulled.rows,
