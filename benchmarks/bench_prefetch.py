@@ -133,9 +133,7 @@ def single_process(task: Task) -> dict[str, float]:
 
 def paramserver(task: Task, prefetch: bool, own_updates: bool = True) -> dict[str, float]:
     torch.set_num_threads(1)
-    settings = config(
-        servers=1, trainers=1, prefetch=prefetch, prefetch_own_updates=own_updates
-    )
+    settings = config(servers=1, trainers=1, prefetch=prefetch, prefetch_own_updates=own_updates)
     result = ps.train(task.make_model, task.batches, loss_fn, settings)
     assert result is not None and result.model is not None
     return {

@@ -66,6 +66,12 @@ class UpdateRule(ABC):
         """Whether a row's step count enters the math (else tables keep none)."""
         return True
 
+    @property
+    def stateless(self) -> bool:
+        """Whether an update reads nothing but the value, its gradient and the lr (plain
+        SGD): no state slots, no step count."""
+        return not self.needs_steps and not self.init_state(torch.empty(0))
+
     def init_state(self, param: Tensor, empty: Empty = _empty) -> State:
         """State slots for ``param`` (a dense parameter or a table's local rows), each
         :meth:`slot_shape` and filled with :attr:`initial_value`, in storage from ``empty``

@@ -227,10 +227,12 @@ def test_trainers_with_unequal_data_end_like_dense_on_servers() -> None:
 
 
 def test_async_all_reduce_applies_a_step_late_as_prefetched_dense_values_are() -> None:
-    """Prefetching (async), a step computes on dense values one update behind, pulled from the
-    servers or all-reduced: the trainer applies a step's mean only before the step after next,
-    so its all-reduce runs during a whole step. One trainer: the two are the same job."""
-    one = {"trainers": 1, "mode": "async"}
+    """Prefetching (async), a step computes on all-reduced dense values one update behind:
+    the trainer applies a step's mean only before the step after next, so its all-reduce
+    runs during a whole step. So do dense values pulled from the servers where the trainer
+    does not apply its own updates to what it prefetched. One trainer: the two are the same
+    job."""
+    one = {"trainers": 1, "mode": "async", "prefetch_own_updates": False}
     on_servers = train(config(dense_sync="server", **one))
     all_reduced = train(config(**one))
     for name, value in on_servers.model.state_dict().items():  # type: ignore[union-attr]

@@ -145,7 +145,8 @@ def test_pulls_only_the_rows_a_step_touches() -> None:
     for step, (inputs, _) in enumerate(tiny_batches(0, num_batches=steps)):
         touched = [inputs[0].unique(), inputs[1].unique()]
         unique_rows = sum(ids.numel() for ids in touched)
-        again = sum(int(torch.isin(now, then).sum()) for now, then in zip(touched, before))
+        pairs = zip(touched, before, strict=True)
+        again = sum(int(torch.isin(now, then).sum()) for now, then in pairs)
         before = touched
         dense_state_bytes = (dense_bytes + 4 * 4) if step else 0
         state = again * state_bytes + dense_state_bytes

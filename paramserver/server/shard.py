@@ -271,45 +271,17 @@ class ServerShard:
         start = time.perf_counter()
         reply = PushPullReply()
         if request.pull_dense:
-            for name, slot in self.dense.items():
-                with slot.lock:
-                    reply.dense[name] = slot.value.clone()
-                    reply.dense_versions[name] = int(slot.version)
-                    if request.pull_dense_state:
-                        state = {part: v.clone() for part, v in slot.state.items()}
-                        state[ROW_STEPS] = slot.version.clone()
-                        _add_state(reply.dense_state, name, state)
-        rows = 0
+            self._read_dense(request, reply)
         pulls = {name: already_unpacked(ids) for name, ids in request.pull_rows.items()}
         dynamic = {n: ids for n, ids in pulls.items() if n in self.dynamic_tables}
         if dynamic:
-            with self.dynamic_lock:
-                located = locate_together(self.dynamic_tables, dynamic, self.dynamic_ids, reading)
-                read = values_together(self.dynamic_tables, located)
-                for name, found in located.items():
-                    hashed = self.dynamic_tables[name]
-                    versions = hashed.versions_of(found) if name in request.pull_versions else None
-                    self._answer(reply, request, name, read[name], versions)
-                    mask = request.pull_state.get(name)
-                    if mask is not None:  # a pending update comes from the call before
-                        asked, at = dynamic[name][mask], found[mask]
-                        previous = (request.trainer, request.call - 1)
-                        held = hashed.rows_taking_update(asked, at, previous)
-                        _add_state(reply.row_state, name, hashed.arena.state_of(at, held))
+            self._read_dynamic(request, dynamic, reading, reply)
         fixed = {n: ids for n, ids in pulls.items() if n not in dynamic}
         versioned = {n: ids for n, ids in fixed.items() if n in request.pull_versions}
-        for name, ids in versioned.items():
-            table = cast("FixedTable", self.tables[name])
-            with table.lock:
-                values, versions = table.read_versioned(ids, reading)
-                if name in request.pull_state:
-                    asked = ids[request.pull_state[name]]
-                    state = table.arena.state_of(table.arena_rows(asked))
-                    _add_state(reply.row_state, name, state)
-            self._answer(reply, request, name, values, versions)
+        self._read_versioned(request, versioned, reading, reply)
         plain = {n: ids for n, ids in fixed.items() if n not in versioned}
         self._read_fixed(plain, request.pull_state, reply)
-        rows += sum(ids.numel() for ids in pulls.values())
+        rows = sum(ids.numel() for ids in pulls.values())
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
             rows += block.ids.numel()
@@ -318,6 +290,60 @@ class ServerShard:
             self.stats.rows_pulled += rows
             self.stats.read_seconds += time.perf_counter() - start
         return reply
+
+    def _read_dense(self, request: PushPullRequest, reply: PushPullReply) -> None:
+        """Every dense value here, with its version (and, asked, its state and count)."""
+        for name, slot in self.dense.items():
+            with slot.lock:
+                reply.dense[name] = slot.value.clone()
+                reply.dense_versions[name] = int(slot.version)
+                if request.pull_dense_state:
+                    state = {part: v.clone() for part, v in slot.state.items()}
+                    state[ROW_STEPS] = slot.version.clone()
+                    _add_state(reply.dense_state, name, state)
+
+    def _read_dynamic(
+        self,
+        request: PushPullRequest,
+        pulls: Mapping[str, Tensor],
+        reading: Reading,
+        reply: PushPullReply,
+    ) -> None:
+        """Dynamic tables' rows of ``pulls``, all found (and made) together; the state of
+        those the request's masks pick, with which of them take the trainer's pending update
+        (computed from its call before this one)."""
+        with self.dynamic_lock:
+            located = locate_together(self.dynamic_tables, pulls, self.dynamic_ids, reading)
+            read = values_together(self.dynamic_tables, located)
+            for name, found in located.items():
+                table = self.dynamic_tables[name]
+                versions = table.versions_of(found) if name in request.pull_versions else None
+                self._answer(reply, request, name, read[name], versions)
+                mask = request.pull_state.get(name)
+                if mask is not None:
+                    asked, at = pulls[name][mask], found[mask]
+                    previous = (request.trainer, request.call - 1)
+                    held = table.rows_taking_update(asked, at, previous)
+                    _add_state(reply.row_state, name, table.arena.state_of(at, held))
+
+    def _read_versioned(
+        self,
+        request: PushPullRequest,
+        pulls: Mapping[str, Tensor],
+        reading: Reading,
+        reply: PushPullReply,
+    ) -> None:
+        """Fixed tables' rows of ``pulls`` that the trainer caches: only those its copies are
+        too old for, with every row's version (and the state of those the masks pick)."""
+        for name, ids in pulls.items():
+            table = cast("FixedTable", self.tables[name])
+            with table.lock:
+                values, versions = table.read_versioned(ids, reading)
+                if name in request.pull_state:
+                    asked = ids[request.pull_state[name]]
+                    state = table.arena.state_of(table.arena_rows(asked))
+                    _add_state(reply.row_state, name, state)
+            self._answer(reply, request, name, values, versions)
 
     def _read_fixed(
         self, pulls: Mapping[str, Tensor], state_masks: Mapping[str, Tensor], reply: PushPullReply

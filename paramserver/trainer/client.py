@@ -235,18 +235,14 @@ class PSClient:
         too (``Pulled.row_state``); ``pull_dense_state``: the dense values' state too
         (``Pulled.dense_state``).
         """
+        dense_state = pull_dense and pull_dense_state
         requests = [
             PushPullRequest(
-                self.trainer,
-                self.next_call,
-                pull_dense=pull_dense,
-                final=final,
-                report=report,
-                grads_call=grads_call,
-                pull_dense_state=pull_dense and pull_dense_state,
+                self.trainer, self.next_call, pull_dense=pull_dense, final=final, report=report,
+                grads_call=grads_call, pull_dense_state=dense_state,
             )
             for _ in range(self.plan.num_servers)
-        ]
+        ]  # fmt: skip
         self._add_dense_grads(requests, dense_grads)
         self._add_row_grads(requests, row_grads, grads_call)
         self._add_pooled_grads(requests, pooled_grads or {})
@@ -373,15 +369,7 @@ class PSClient:
         sizes = [payload_size(r) for r in requests]
         self.traffic.uncompressed_sent += sum(size.uncompressed_nbytes for size in sizes)
         if report is not None:
-            # A leaving call pulls nothing, so these totals are final once it is sent.
-            sent, received = self.wire_bytes()
-            report.bytes_sent = sent + sum(size.nbytes for size in sizes)
-            report.bytes_received = received
-            report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
-            report.uncompressed_bytes_received = self.traffic.uncompressed_received
-            report.row_bytes_received = self.traffic.row_bytes_received
-            report.cache_hits = sum(c.hits for c in self.caches.values())
-            report.cache_lookups = sum(c.lookups for c in self.caches.values())
+            self._fill_report(report, sum(size.nbytes for size in sizes))
         futures = [
             self.transport.call_sized(server, op, request, size.nbytes)
             for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
@@ -390,6 +378,18 @@ class PSClient:
             self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions,
             state_masks,
         )  # fmt: skip
+
+    def _fill_report(self, report: TrainerReport, sending: int) -> None:
+        """The traffic totals of a leaving call's report (it pulls nothing, so they are final
+        once it is sent, with its own ``sending`` bytes)."""
+        sent, received = self.wire_bytes()
+        report.bytes_sent = sent + sending
+        report.bytes_received = received
+        report.uncompressed_bytes_sent = self.traffic.uncompressed_sent
+        report.uncompressed_bytes_received = self.traffic.uncompressed_received
+        report.row_bytes_received = self.traffic.row_bytes_received
+        report.cache_hits = sum(c.hits for c in self.caches.values())
+        report.cache_lookups = sum(c.lookups for c in self.caches.values())
 
 
 class InFlight:

@@ -104,11 +104,13 @@ class Gradients:
         client: PSClient,
         following: Step | None,
         state_masks: dict[str, Tensor] | None = None,
+        dense_state: bool = False,
         final: bool = False,
         report: TrainerReport | None = None,
     ) -> InFlight:
         """Send these gradients, pulling what ``following`` needs (and the optimizer state of
-        the rows ``state_masks`` pick); they are then spent."""
+        the rows ``state_masks`` pick, and with ``dense_state`` of the dense values); they are
+        then spent."""
         in_flight = client.push_pull(
             self.dense,
             self.rows,
@@ -120,7 +122,7 @@ class Gradients:
             report=report,
             grads_call=self.pull_call,
             pull_state=state_masks,
-            pull_dense_state=state_masks is not None,
+            pull_dense_state=dense_state,
         )
         self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
         return in_flight
@@ -432,10 +434,12 @@ class TrainContext:
         """Start the call that pushes the pending gradients and pulls ``following``'s values;
         ``pending_of``: the step whose gradients will be pending when it is answered (a
         prefetch), whose own update is then applied to the rows both touch."""
-        masks = None
-        if self._own_updates is not None and following is not None and pending_of is not None:
-            masks = self._own_updates.rows_to_ask(following.ids or {}, pending_of.ids or {})
-        self._in_flight = self._pending.push(self._engine.client, following, masks)
+        masks, dense_state = None, False
+        own = self._own_updates
+        if own is not None and following is not None and pending_of is not None:
+            masks = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
+            dense_state = own.asks_dense_state
+        self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
         self._in_flight_pulls = following
 
     def _end_step(self) -> None:

@@ -45,6 +45,11 @@ class OwnUpdates:
         rules = {name: make_rule(config.table_optimizer_for(name)) for name in tables}
         return cls(make_rule(config.dense_optimizer()), rules)
 
+    @property
+    def asks_dense_state(self) -> bool:
+        """Whether the dense rule's update reads state the servers must send."""
+        return not self.dense_rule.stateless
+
     @staticmethod
     def rows_to_ask(
         following: Mapping[str, Tensor], pending: Mapping[str, Tensor]
@@ -78,6 +83,8 @@ class OwnUpdates:
         for name, grad in grads.items():
             state = dict(pulled.dense_state.get(name, {}))
             count = state.pop(ROW_STEPS, None)
+            if count is None and self.dense_rule.stateless:  # none asked: none read
+                count = torch.zeros(())
             if count is not None and name in pulled.dense:
                 blocks.append(Block(pulled.dense[name], grad, state, count))
         if blocks:
