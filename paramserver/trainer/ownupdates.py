@@ -1,21 +1,22 @@
-"""A trainer's own latest update, applied to the rows it prefetched.
+"""A trainer's own latest update, applied to the values it prefetched.
 
-Prefetching, the call that pulls step ``t``'s rows leaves while step ``t - 1`` computes, so
+Prefetching, the call that pulls step ``t``'s values leaves while step ``t - 1`` computes, so
 the servers answer it without step ``t - 1``'s gradients (they ride on the next call). Rows
-both steps touch would then reach step ``t`` one update of this trainer's own behind, which
-costs held-out quality wherever consecutive batches share rows (MovieLens's users, a
-history's items). So the servers send the pulled rows' optimizer state with them
-(``PushPullRequest.pull_state``), and the trainer applies its pending gradients to the rows
-they touch by the table's own rule (:mod:`paramserver.optim`: the code the servers run), at
-the learning rate the servers will (the schedule at the gradients' step).
+both steps touch, and the dense values, would then reach step ``t`` one update of this
+trainer's own behind, which costs held-out quality wherever consecutive batches share rows
+(MovieLens's users, a history's items). So the servers send the optimizer state of those rows
+and of the dense values with them (``PushPullRequest.pull_state``, ``pull_dense_state``; none
+for plain SGD, whose update reads none), and the trainer applies its pending gradients to
+them by the same rules (:mod:`paramserver.optim`: the code the servers run), at the learning
+rate the servers will (the schedule at the gradients' step).
 
-With one trainer and no lossy gradient codec, step ``t`` then sees bitwise the rows it would
-have pulled without prefetch. With several trainers it misses only the others' updates since
-the read, as any async read may. Where a codec compresses the pushed gradients, the
-trainer applies them uncompressed (the servers apply them decoded): the rows differ by the
-codec's rounding until the next pull. Server-pooled tables and dense parameters pulled from
-servers stay a step behind (their values never reach the trainer as rows); dense parameters
-kept by all-reduce are the trainer's own.
+With one trainer and no lossy gradient codec, step ``t`` then sees bitwise the values it
+would have pulled without prefetch. With several trainers it misses only the others' updates
+since the read, as any async read may. Where a codec compresses the pushed gradients, the
+trainer applies them uncompressed (the servers apply them decoded): the values differ by the
+codec's rounding until the next pull. Server-pooled tables stay a step behind (their rows
+never reach the trainer), and so do dense parameters kept by all-reduce (a step's mean is
+applied the step after next, see :mod:`paramserver.trainer.dense`).
 """
 
 from __future__ import annotations
