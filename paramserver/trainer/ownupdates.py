@@ -22,6 +22,7 @@ applied the step after next, see :mod:`paramserver.trainer.dense`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from torch import Tensor
 from paramserver.config import TrainConfig
 from paramserver.optim import Block, UpdateRule, apply_rows, make_rule
 from paramserver.protocol import ROW_STEPS
-from paramserver.trainer.client import Pulled
+from paramserver.trainer.client import Pulled, RowState
 
 
 class OwnUpdates:
@@ -94,32 +95,67 @@ class OwnUpdates:
     def _apply_rows(
         self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int
     ) -> int:
-        """Each table's rows with state: gathered with their gradients, stepped by the
-        table's rule (in place, as on a server) and put back."""
-        updated = 0
+        """The rows with state of every table: gathered with their gradients, the tables of
+        one rule, lr and width stepped together (as on a server, where they share an arena:
+        one call, not one per table) and put back."""
+        together: dict[tuple[object, ...], list[_Taken]] = {}
+        lrs: dict[tuple[object, ...], float] = {}
         for name, state in pulled.row_state.items():
-            if name not in grads or not state.at.numel() or not grads[name][0].numel():
-                continue
-            grad_ids, table_grads = grads[name]
-            ids, values = pulled.rows[name]
-            at, parts = state.at.numpy(), dict(state.parts)
-            wanted = ids.numpy()[at]
-            grad_at, found = _places(wanted, grad_ids.numpy())
-            if not found.all():  # rows read on demand: not in the step's recorded ids
-                at, grad_at = at[found], grad_at[found]
-                parts = {part: v[torch.from_numpy(found)] for part, v in parts.items()}
-            rows = torch.from_numpy(at)
-            stepped = values.index_select(0, rows)
-            grad_rows = torch.from_numpy(grad_at)
-            rule = self.table_rules[name]
-            steps = parts.pop(ROW_STEPS, None)
-            apply_rows(
-                rule, stepped, parts, steps, torch.arange(rows.numel()),
-                table_grads.index_select(0, grad_rows), rule.lr_at(step, name),
-            )  # fmt: skip
-            values.index_copy_(0, rows, stepped)
-            updated += rows.numel()
-        return updated
+            taken = _Taken.of(name, pulled, state, grads.get(name))
+            if taken is not None:
+                rule, lr = self.table_rules[name], self.table_rules[name].lr_at(step, name)
+                width = (tuple(taken.values.shape[1:]), taken.values.dtype)
+                key: tuple[object, ...] = (type(rule), rule.config, lr, width)
+                together.setdefault(key, []).append(taken)
+                lrs[key] = lr
+        for key, group in together.items():
+            _step_together(self.table_rules[group[0].name], group, lrs[key])
+        return sum(taken.rows.numel() for group in together.values() for taken in group)
+
+
+@dataclass
+class _Taken:
+    """One table's rows that take the pending update: their places among its pulled values,
+    the values gathered, their gradients and state."""
+
+    name: str
+    values: Tensor  # every pulled row of the table, updated in place
+    rows: Tensor
+    taken: Tensor
+    grads: Tensor
+    parts: dict[str, Tensor]
+
+    @classmethod
+    def of(
+        cls, name: str, pulled: Pulled, state: RowState, grads: tuple[Tensor, Tensor] | None
+    ) -> _Taken | None:
+        if grads is None or not state.at.numel() or not grads[0].numel():
+            return None
+        grad_ids, table_grads = grads
+        ids, values = pulled.rows[name]
+        at, parts = state.at.numpy(), dict(state.parts)
+        grad_at, found = _places(ids.numpy()[at], grad_ids.numpy())
+        if not found.all():  # rows read on demand: not in the step's recorded ids
+            at, grad_at = at[found], grad_at[found]
+            parts = {part: v[torch.from_numpy(found)] for part, v in parts.items()}
+        rows = torch.from_numpy(at)
+        gathered = table_grads.index_select(0, torch.from_numpy(grad_at))
+        return cls(name, values, rows, values.index_select(0, rows), gathered, parts)
+
+
+def _step_together(rule: UpdateRule, group: list[_Taken], lr: float) -> None:
+    """One update of every table's taken rows (joined where there are several), put back."""
+    if len(group) == 1:
+        values, grads, parts = group[0].taken, group[0].grads, dict(group[0].parts)
+    else:
+        values = torch.cat([t.taken for t in group])
+        grads = torch.cat([t.grads for t in group])
+        parts = {part: torch.cat([t.parts[part] for t in group]) for part in group[0].parts}
+    steps = parts.pop(ROW_STEPS, None)
+    apply_rows(rule, values, parts, steps, torch.arange(values.shape[0]), grads, lr)
+    counts = [t.rows.numel() for t in group]
+    for taken, stepped in zip(group, values.split(counts), strict=True):
+        taken.values.index_copy_(0, taken.rows, stepped)
 
 
 def _among(values: np.ndarray, others: Tensor | None) -> np.ndarray:
