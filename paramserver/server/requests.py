@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -300,26 +300,15 @@ class RequestChecks:
             pulled = request.pull_rows.get(name)
             if pulled is None or self.cache_lag is None:
                 raise self._reject(name, "cached versions without a pull, or caching is off")
-            if (
-                not isinstance(cached, Tensor)
-                or cached.dtype != torch.int64
-                or tuple(cached.shape) != (num_ids(pulled),)
-                or cached.layout != torch.strided
-                or cached.device.type != "cpu"
-                or (cached.numel() and int(cached.min()) < -1)
+            if not _one_per_id(cached, torch.int64, pulled) or (
+                cached.numel() and int(cached.min()) < -1
             ):
                 raise self._reject(name, "cached versions must be int64 >= -1, one per id")
         for name, mask in request.pull_state.items():
             pulled = request.pull_rows.get(name)
             if pulled is None:
                 raise self._reject(name, "row state asked without a pull")
-            if (
-                not isinstance(mask, Tensor)
-                or mask.dtype != torch.bool
-                or tuple(mask.shape) != (num_ids(pulled),)
-                or mask.layout != torch.strided
-                or mask.device.type != "cpu"
-            ):
+            if not _one_per_id(mask, torch.bool, pulled):
                 raise self._reject(
                     name, "the rows whose state to answer must be a bool mask, one per id"
                 )
@@ -399,6 +388,17 @@ class RequestChecks:
             raise self._reject(name, "row ids routed to the wrong server")
         if sorted_unique and not ordered:
             raise self._reject(name, "row ids must be sorted and unique")
+
+
+def _one_per_id(values: object, dtype: torch.dtype, ids: Tensor | PackedIds) -> TypeGuard[Tensor]:
+    """Whether ``values`` is a plain CPU tensor of ``dtype`` with one entry per id of ``ids``."""
+    return (
+        isinstance(values, Tensor)
+        and values.dtype == dtype
+        and tuple(values.shape) == (num_ids(ids),)
+        and values.layout == torch.strided
+        and values.device.type == "cpu"
+    )
 
 
 def _plain_ids(ids: object) -> bool:
