@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.futures import completed
 from paramserver.launch.roles import build_server
 from paramserver.protocol import (
     ROW_HELD,
@@ -20,9 +21,10 @@ from paramserver.protocol import (
     PushPullReply,
     PushPullRequest,
     RowBlock,
+    payload_size,
     state_key,
 )
-from paramserver.trainer.client import InFlight, Route
+from paramserver.trainer.client import InFlight, PSClient, Route, Traffic
 from tests.helpers import MakeServer, own_ids
 
 NUM_STEPS = 12
@@ -155,6 +157,10 @@ def test_the_trainer_joins_the_servers_state_of_the_rows_that_take_its_update() 
     state = in_flight._row_state(replies)["t"]
     assert state.at.tolist() == [1, 3]  # ids 2 and 4; id 1 does not take it
     assert state.parts["sum"].flatten().tolist() == [2.0, 4.0]
+    replies[1].row_state[state_key("t", ROW_HELD)] = torch.tensor([0])  # not a mask
+    with pytest.raises(ParamServerError, match="row state 't'/'held'"):
+        in_flight._row_state(replies)
+    replies[1].row_state[state_key("t", ROW_HELD)] = torch.tensor([False])
     replies[0].row_state[state_key("t", "sum")] = torch.zeros(1, 1)  # one row short
     with pytest.raises(ParamServerError, match="row state 't'/'sum'"):
         in_flight._row_state(replies)
@@ -183,3 +189,24 @@ def test_a_request_asking_state_badly_is_refused(
     unpulled = PushPullRequest(0, 0, pull_state={"user.weight": torch.tensor([True])})
     with pytest.raises(InvalidPushError, match="row state asked without a pull"):
         server.coordinator.push_pull(unpulled).wait()
+
+
+def test_a_dense_state_not_shaped_as_its_value_is_refused_by_the_trainer() -> None:
+    """A dense value's state parts are shaped as it (its count 0-d), of a value sent."""
+    reply = PushPullReply(dense={"w": torch.zeros(2, 3)})
+    reply.dense_state = {
+        state_key("w", "sum"): torch.zeros(2, 3),
+        state_key("w", ROW_STEPS): torch.zeros(()),
+    }
+    in_flight = InFlight(
+        PSClient.__new__(PSClient), [completed((reply, payload_size(reply)))], {}, {}, 1, {}, {}
+    )
+    in_flight.client.alarm, in_flight.client.traffic = None, Traffic()
+    assert set(in_flight.wait().dense_state["w"]) == {"sum", ROW_STEPS}
+    reply.dense_state[state_key("w", "sum")] = torch.zeros(3)
+    in_flight.result = None
+    with pytest.raises(ParamServerError, match="dense state 'w/sum' is not shaped"):
+        in_flight.wait()
+    reply.dense_state = {state_key("v", ROW_STEPS): torch.zeros(())}  # no such dense value
+    with pytest.raises(ParamServerError, match="dense state 'v/steps'"):
+        in_flight.wait()

@@ -25,6 +25,7 @@ from paramserver.futures import wait_all
 from paramserver.idcodec import PackedIds, compact_all
 from paramserver.protocol import (
     ROW_HELD,
+    ROW_STEPS,
     BagBlock,
     PayloadSize,
     PooledGrad,
@@ -438,10 +439,17 @@ class InFlight:
             pulled.dense_versions.update(reply.dense_versions)
             for key, value in reply.dense_state.items():
                 name, part = split_state_key(key)
-                if name not in reply.dense or not isinstance(value, Tensor):
+                value_of = pulled.dense.get(name)
+                shape = () if part == ROW_STEPS or value_of is None else tuple(value_of.shape)
+                if (
+                    name not in reply.dense
+                    or value_of is None
+                    or not isinstance(value, Tensor)
+                    or value.shape != shape
+                ):
                     raise ParamServerError(
-                        f"server {server} sent a malformed answer: dense state {key!r} of no "
-                        "dense value it sent"
+                        f"server {server} sent a malformed answer: dense state {key!r} is not "
+                        "shaped as the dense value it sent"
                     )
                 pulled.dense_state.setdefault(name, {})[part] = value
         for name, (shape, dtype) in self.pooled_shapes.items():
@@ -492,7 +500,8 @@ class InFlight:
         parts: dict[str, Tensor] = {}
         for part, by_server in [(ROW_HELD, held), *sent.items()]:
             if (part != ROW_HELD and len(by_server) != servers) or any(
-                v.shape[0] != asked[s].numel() for s, v in by_server.items()
+                v.shape[0] != asked[s].numel() or (part == ROW_HELD and v.dtype != torch.bool)
+                for s, v in by_server.items()
             ):
                 raise ParamServerError(
                     f"a server sent a malformed answer: row state {name!r}/{part!r} is not "
