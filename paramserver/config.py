@@ -271,8 +271,8 @@ class TrainConfig:
         default=True,
         metadata=_doc(
             "prefetching: apply this trainer's own latest update to the prefetched rows it "
-            "touched (the servers send those rows' optimizer state), so they miss no update "
-            "of its own; off: they miss its latest push"
+            "touched and to the dense values (the servers send their optimizer state), so "
+            "they miss no update of its own; off: they miss its latest push"
         ),
     )
     ssp_bound: int = field(

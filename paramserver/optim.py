@@ -1,4 +1,6 @@
-"""Update rules applied on servers, with torch.optim's functional implementations doing the math.
+"""Update rules, with torch.optim's functional implementations doing the math: servers apply
+them, and a prefetching trainer applies its own last update to the values it prefetched
+(:mod:`paramserver.trainer.ownupdates`), bitwise as its servers will.
 
 A rule updates one *block*: a tensor of parameters (a whole dense parameter, or rows gathered
 from a table) with its gradient, its state slots (tensors shaped like the block, or ``[rows, 1]``
