@@ -24,7 +24,8 @@ from paramserver.protocol import (
     payload_size,
     state_key,
 )
-from paramserver.trainer.client import InFlight, PSClient, Route, Traffic
+from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
+from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from tests.helpers import MakeServer, own_ids
 
 NUM_STEPS = 12
@@ -210,3 +211,27 @@ def test_a_dense_state_not_shaped_as_its_value_is_refused_by_the_trainer() -> No
     reply.dense_state = {state_key("v", ROW_STEPS): torch.zeros(())}  # no such dense value
     with pytest.raises(ParamServerError, match="dense state 'v/steps'"):
         in_flight.wait()
+
+
+def test_the_update_finds_its_gradients_with_or_without_the_places_asked() -> None:
+    """With the places the ask found, or searching (the step read rows on demand since), the
+    same rows take the same update; a row without a gradient takes none."""
+    config = ps.TrainConfig(optimizer="adagrad", lr=0.5)
+    own = OwnUpdates.of(config, ["t"])
+    following, pending = torch.tensor([1, 3, 5, 7]), torch.tensor([0, 3, 4, 7])
+    asked = own.rows_to_ask({"t": following}, {"t": pending})
+    assert asked.masks["t"].tolist() == [False, True, False, True]
+
+    def updated(grad_ids: Tensor, known: Asked | None) -> Tensor:
+        values = torch.ones(4, 2)
+        pulled = Pulled(rows={"t": (following, values)})
+        pulled.row_state = {"t": RowState(torch.tensor([1, 3]), {"sum": torch.zeros(2, 2)})}
+        grads = torch.arange(2.0 * grad_ids.numel()).view(-1, 2) + 1
+        own.apply(pulled, {}, {"t": (grad_ids, grads)}, 0, known)
+        return values
+
+    known = updated(pending, asked)
+    assert torch.equal(known, updated(pending, None))
+    assert known[[0, 2]].eq(1).all() and known[[1, 3]].ne(1).all()
+    on_demand = updated(torch.tensor([0, 3, 4]), None)  # 7 has no gradient this time
+    assert torch.equal(on_demand[:3], known[:3]) and on_demand[3].eq(1).all()

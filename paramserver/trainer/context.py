@@ -46,7 +46,7 @@ from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.lookups import RecordedLookups
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.ownupdates import OwnUpdates
+from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.trainer.replica import Call, Replica
 from paramserver.types import Progress
 
@@ -177,6 +177,7 @@ class TrainContext:
         self._pending = Gradients()  # the last step's, not sent yet
         self._in_flight: InFlight | None = None
         self._in_flight_pulls: Step | None = None  # the step whose values it pulls
+        self._in_flight_asked: Asked | None = None  # the state it asks, prefetching
         self._to_skip = resumed.steps * engine.config.accumulate  # batches trained before
         self._pulled: Pulled | None = None  # the current step's answer (None: not begun)
         self._last_call: int | None = None  # the newest call answered
@@ -397,7 +398,7 @@ class TrainContext:
         # The pending gradients are not in the answer: applied to it once the next call,
         # which pushes them, is under way (the servers' work then overlaps the trainer's).
         pending = self._pending
-        own = (pending.dense, pending.rows, pending.pull_call)
+        own = (pending.dense, pending.rows, pending.pull_call, self._in_flight_asked)
         # Before a checkpoint's part is saved, and before computing; prefetching (the mode
         # allows a step of staleness), the last step's all-reduce may go on during this one.
         self._apply_dense(keep=1 if self._prefetch else 0)
@@ -434,13 +435,14 @@ class TrainContext:
         """Start the call that pushes the pending gradients and pulls ``following``'s values;
         ``pending_of``: the step whose gradients will be pending when it is answered (a
         prefetch), whose own update is then applied to the rows both touch."""
-        masks, dense_state = None, False
+        asked, dense_state = None, False
         own = self._own_updates
         if own is not None and following is not None and pending_of is not None:
-            masks = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
+            asked = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
             dense_state = own.asks_dense_state
+        masks = asked.masks if asked is not None else None
         self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
-        self._in_flight_pulls = following
+        self._in_flight_pulls, self._in_flight_asked = following, asked
 
     def _end_step(self) -> None:
         engine = self._engine

@@ -22,7 +22,7 @@ applied the step after next, see :mod:`paramserver.trainer.dense`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -53,15 +53,19 @@ class OwnUpdates:
         return not self.dense_rule.stateless
 
     @staticmethod
-    def rows_to_ask(
-        following: Mapping[str, Tensor], pending: Mapping[str, Tensor]
-    ) -> dict[str, Tensor]:
+    def rows_to_ask(following: Mapping[str, Tensor], pending: Mapping[str, Tensor]) -> Asked:
         """Per table of ``following`` (a prefetched step's sorted unique ids), which of its
         rows the ``pending`` step's update will touch (those it pulled): whose state to ask."""
-        return {
-            name: torch.from_numpy(_among(ids.numpy(), pending.get(name)))
-            for name, ids in following.items()
-        }
+        asked = Asked()
+        for name, ids in following.items():
+            touched = pending.get(name)
+            if touched is None or not touched.numel():
+                asked.masks[name] = torch.zeros(ids.numel(), dtype=torch.bool)
+                continue
+            places, found = _places(ids.numpy(), touched.numpy())
+            asked.masks[name] = torch.from_numpy(found)
+            asked.places[name] = (touched, places)
+        return asked
 
     @torch.no_grad()
     def apply(
@@ -70,13 +74,15 @@ class OwnUpdates:
         dense_grads: Mapping[str, Tensor],
         row_grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
+        asked: Asked | None = None,
     ) -> int:
         """Apply gradients computed at training ``step``, not yet pushed, to the values of
         ``pulled``, in place, with the state it came with: ``dense_grads`` to its dense values,
         ``row_grads`` (per table: sorted unique ids and their gradients) to the rows they
-        touch; returns the rows updated."""
+        touch (``asked``: what :meth:`rows_to_ask` gave for ``pulled``'s call); returns the
+        rows updated."""
         self._apply_dense(pulled, dense_grads, step)
-        return self._apply_rows(pulled, row_grads, step)
+        return self._apply_rows(pulled, row_grads, step, asked.places if asked else {})
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
@@ -93,7 +99,11 @@ class OwnUpdates:
             self.dense_rule.step_blocks(blocks, self.dense_rule.lr_at(step, "dense"))
 
     def _apply_rows(
-        self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int
+        self,
+        pulled: Pulled,
+        grads: Mapping[str, tuple[Tensor, Tensor]],
+        step: int,
+        places: Mapping[str, tuple[Tensor, np.ndarray]],
     ) -> int:
         """The rows with state of every table: gathered with their gradients, the tables of
         one rule, lr and width stepped together (as on a server, where they share an arena:
@@ -101,7 +111,7 @@ class OwnUpdates:
         together: dict[tuple[object, ...], list[_Taken]] = {}
         lrs: dict[tuple[object, ...], float] = {}
         for name, state in pulled.row_state.items():
-            taken = _Taken.of(name, pulled, state, grads.get(name))
+            taken = _Taken.of(name, pulled, state, grads.get(name), places.get(name))
             if taken is not None:
                 rule, lr = self.table_rules[name], self.table_rules[name].lr_at(step, name)
                 width = (tuple(taken.values.shape[1:]), taken.values.dtype)
@@ -111,6 +121,16 @@ class OwnUpdates:
         for key, group in together.items():
             _step_together(self.table_rules[group[0].name], group, lrs[key])
         return sum(taken.rows.numel() for group in together.values() for taken in group)
+
+
+@dataclass
+class Asked:
+    """What a prefetch asks the state of: per table, a bool mask of its ids, and the ids of
+    the step whose update is pending with each asked id's place among them (so the update
+    finds its gradients without searching again)."""
+
+    masks: dict[str, Tensor] = field(default_factory=dict)
+    places: dict[str, tuple[Tensor, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,15 +147,24 @@ class _Taken:
 
     @classmethod
     def of(
-        cls, name: str, pulled: Pulled, state: RowState, grads: tuple[Tensor, Tensor] | None
+        cls,
+        name: str,
+        pulled: Pulled,
+        state: RowState,
+        grads: tuple[Tensor, Tensor] | None,
+        asked: tuple[Tensor, np.ndarray] | None,
     ) -> _Taken | None:
+        """``asked``: the ids the state was asked against and each pulled id's place among
+        them (:attr:`Asked.places`), used where the gradients' ids are those."""
         if grads is None or not state.at.numel() or not grads[0].numel():
             return None
         grad_ids, table_grads = grads
         ids, values = pulled.rows[name]
         at, parts = state.at.numpy(), dict(state.parts)
-        grad_at, found = _places(ids.numpy()[at], grad_ids.numpy())
-        if not found.all():  # rows read on demand: not in the step's recorded ids
+        if asked is not None and torch.equal(asked[0], grad_ids):  # every asked row has one
+            grad_at = asked[1][at]
+        else:  # rows read on demand since: the step's ids are not those recorded
+            grad_at, found = _places(ids.numpy()[at], grad_ids.numpy())
             at, grad_at = at[found], grad_at[found]
             parts = {part: v[torch.from_numpy(found)] for part, v in parts.items()}
         rows = torch.from_numpy(at)
@@ -156,14 +185,6 @@ def _step_together(rule: UpdateRule, group: list[_Taken], lr: float) -> None:
     counts = [t.rows.numel() for t in group]
     for taken, stepped in zip(group, values.split(counts), strict=True):
         taken.values.index_copy_(0, taken.rows, stepped)
-
-
-def _among(values: np.ndarray, others: Tensor | None) -> np.ndarray:
-    """Which of ``values`` (sorted unique ids) are among ``others`` (sorted unique), as a
-    bool array."""
-    if others is None or not others.numel():
-        return np.zeros(values.size, dtype=bool)
-    return _places(values, others.numpy())[1]
 
 
 def _places(values: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
