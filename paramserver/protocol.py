@@ -312,6 +312,10 @@ class PushPullRequest:
     pool_rows: dict[str, BagBlock] = field(default_factory=dict)
     pooled_grads: dict[str, PooledGrad] = field(default_factory=dict)
     grads_call: int = -1  # the call whose answer the gradients were computed from
+    # The training step the gradients are of, for the schedule's learning rate (-1: grads_call,
+    # as where every step is a call that pulls; a call carrying one of several steps computed
+    # from one pull names its step: TrainConfig.steps_per_call).
+    grads_step: int = -1
     # Per table, aligned with pull_rows: the version of each row the trainer has cached (-1:
     # none); the server sends only the rows that must_send picks (see row_versions).
     pull_versions: dict[str, Tensor] = field(default_factory=dict)

@@ -22,7 +22,7 @@ from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server import tables
-from paramserver.server.dynamic import DynamicTable
+from paramserver.server.dynamic import PULLS_KEPT, DynamicTable
 from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.server.tables import (
@@ -132,14 +132,20 @@ def test_a_gradient_goes_only_to_the_row_it_was_computed_from() -> None:
     assert torch.equal(after[0], before[0]) and torch.equal(after[2], before[2])
     torch.testing.assert_close(after[1], before[1] - 1)
     assert t.stats()["dropped_grads"] == 2
-    # The same check before a sync round sums trainers' gradients; the pull's record is spent.
+    # The same check before a sync round sums trainers' gradients. The pull's record serves
+    # every push computed from that read (grouped steps push several), until newer reads of
+    # the same trainer push it out.
     t.read(ids(1, 2), Reading(train=True, clock=7, pull=(0, 7)))
     t.read(ids(4), Reading(train=True, clock=20, pull=(1, 20)))  # 1 and 2 expire...
     t.read(ids(1), Reading(train=True, clock=21, pull=(1, 21)))
     t.read(ids(1), Reading(train=True, clock=22, pull=(1, 22)))  # ...and 1 comes back
     kept = t.rows_still_pulled(ids(1, 2), (0, 7))
     assert kept is not None and kept.tolist() == [False, False]
-    assert t.rows_still_pulled(ids(1, 2), (0, 7)) is None  # spent: no record left
+    again = t.rows_still_pulled(ids(1, 2), (0, 7))
+    assert again is not None and again.tolist() == [False, False]
+    for call in range(8, 8 + PULLS_KEPT):
+        t.read(ids(4), Reading(train=True, clock=22, pull=(0, call)))
+    assert t.rows_still_pulled(ids(1, 2), (0, 7)) is None  # pushed out: no record left
     before = t.read(ids(1), Reading(train=False, clock=22))
     t.apply(ids(1), torch.ones(1, 4), clock=22, lr=1.0)  # no pull named: the current row
     torch.testing.assert_close(t.read(ids(1), Reading(train=False, clock=22)), before - 1)

@@ -29,10 +29,10 @@ Membership: all trainers start in the round set. A push marked ``final`` (the tr
 ended) takes part in its round and then removes the trainer; later rounds aggregate the rest.
 
 Learning rates: an update is applied at the rate its group's schedule gives for the training
-step of its gradients (:mod:`paramserver.schedule`): a push's ``grads_call`` in async and ssp
-(its own trainer's step), ``t - 1`` for the round of call ``t`` in sync (every trainer's step
-``t - 1``). A schedule that gives no valid factor fails the push (or the round) with a
-ConfigError before anything is changed.
+step of its gradients (:mod:`paramserver.schedule`): a push's ``grads_step``, or else its
+``grads_call``, in async and ssp (its own trainer's step), ``t - 1`` for the round of call
+``t`` in sync (every trainer's step ``t - 1``). A schedule that gives no valid factor fails
+the push (or the round) with a ConfigError before anything is changed.
 
 Staleness: each answer that trains records how many updates this server had applied; when the
 gradients computed from it arrive (``grads_call`` names that call), the updates applied since
@@ -59,7 +59,7 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.compression import Encoded
-from paramserver.config import ConsistencySettings
+from paramserver.config import CALLS_PER_MESSAGE, ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.futures import chain, completed, failed
 from paramserver.protocol import (
@@ -177,6 +177,40 @@ class Coordinator:
             return waiter
         return self._apply_and_answer(request, clock)
 
+    def push_pulls(self, requests: object) -> Future:
+        """Several calls of one trainer in one message (a trainer that pulls every few steps
+        pushes each step's gradients with a call of its own): each taken as :meth:`push_pull`
+        takes it, in order, the next once the last is answered; answers with the last one's
+        answer. One refused or failed ends the message there: the calls before it stay
+        taken (a retry repeats them harmlessly), those after it are not looked at."""
+        if (
+            type(requests) is not list
+            or not 0 < len(requests) <= CALLS_PER_MESSAGE
+            or any(type(r) is not PushPullRequest for r in requests)
+        ):
+            return failed(
+                ParamServerError(
+                    f"server {self.shard.server}: push_pulls takes a list of 1 to "
+                    f"{CALLS_PER_MESSAGE} requests"
+                )
+            )
+        answered: Future = Future()
+        last = len(requests) - 1
+
+        def take(at: int) -> None:  # the next once the last is answered (at once in async)
+            taken = self.push_pull(requests[at])
+            if at == last:
+                taken.add_done_callback(lambda done: _settle(answered, done))
+            else:
+                taken.add_done_callback(lambda done: _next(done, at + 1))
+
+        def _next(done: Future, at: int) -> None:
+            if not _failed(done, answered):
+                take(at)
+
+        take(0)
+        return answered
+
     def _check_and_decode(self, request: PushPullRequest) -> int:
         """Check the request whole and decode its ids and gradients (a repeat's gradients,
         already applied, are dropped first); returns its size on the wire. Raises
@@ -251,7 +285,8 @@ class Coordinator:
             if request.has_grads:
                 self._record_staleness([request])
                 pull = (request.trainer, request.grads_call)
-                step = max(request.grads_call, 0)  # its trainer's step: the schedule's
+                # Its trainer's step, the schedule's: named, or that of the call it read.
+                step = request.grads_step if request.grads_step >= 0 else max(request.grads_call, 0)
                 self.shard.apply(request.dense_grads, request.row_grads, clock, pull, step)
                 self._count_update()
             with self.lock:  # counted for the SSP bound only once applied
@@ -621,6 +656,21 @@ class Coordinator:
         self.checkpoints.members_changed()
         for future in done:
             future.set_result(None)
+
+
+def _failed(done: Future, answered: Future) -> bool:
+    """Whether ``done`` failed; if so ``answered`` fails with its error."""
+    try:
+        done.value()
+    except Exception as error:
+        answered.set_exception(error)
+        return True
+    return False
+
+
+def _settle(answered: Future, done: Future) -> None:
+    if not _failed(done, answered):
+        answered.set_result(done.value())
 
 
 def _start_watchdog(coordinator: Coordinator) -> threading.Thread:

@@ -63,7 +63,10 @@ from paramserver.server.tables import (
 )
 from paramserver.sharding import DynamicOptions, TableSpec
 
-PULLS_KEPT = 3  # pull records per trainer: this step's, the prefetched one, a retry
+# Pull records per trainer: this step's, the prefetched one, a retry. A record serves every
+# push computed from its read (several, where a trainer pulls every few steps) until newer
+# reads push it out.
+PULLS_KEPT = 3
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
 
@@ -256,21 +259,18 @@ class DynamicTable:
     def rows_taking_update(self, ids: Tensor, rows: Tensor, pull: Pull) -> Tensor:
         """Which of ``rows`` (those of ``ids``, now) a gradient computed from the read
         ``pull`` would update: those that exist and are the rows that read handed out."""
-        then = self._rows_at_pull(ids, pull, spend=False)
+        then = self._rows_at_pull(ids, pull)
         held = rows >= 0
         return held if then is None else held & (then == rows)
 
-    def _rows_at_pull(self, ids: Tensor, pull: Pull, spend: bool = True) -> Tensor | None:
-        """The row each id had at the read ``pull`` and still has (-1: none), its record then
-        spent unless ``spend`` is False; ids that read did not hand out get their current
-        rows. None: no record."""
+    def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
+        """The row each id had at the read ``pull`` and still has (-1: none); ids that read
+        did not hand out get their current rows. None: no record."""
         trainer, call = pull
         records = self._pulls.get(trainer)
         record = next((r for r in reversed(records or ()) if r.call == call), None)
         if records is None or record is None:
             return None
-        if spend:
-            records.remove(record)
         pulled = record.ids
         if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
             return record.rows

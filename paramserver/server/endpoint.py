@@ -27,6 +27,7 @@ from paramserver.server.coordinator import Coordinator
 # Each registered operation and the types of its positional arguments.
 OPERATIONS: dict[str, tuple[type, ...]] = {
     "push_pull": (object,),  # the request's own fields are checked by the coordinator
+    "push_pulls": (list,),  # several calls of one trainer, taken in order
     "pull": (object,),
     "wait_all_left": (),
     "export_state": (bool,),
@@ -44,7 +45,8 @@ OPERATIONS: dict[str, tuple[type, ...]] = {
     "add_trainer_part": (int, int, Part),
     "trainer_parts": (int,),
 }
-SIZED_BY_COORDINATOR = ("push_pull", "pull")  # request and answer, naming the parameter
+# Measured by the coordinator, request and answer, naming the parameter.
+SIZED_BY_COORDINATOR = ("push_pull", "push_pulls", "pull")
 
 
 class ServerEndpoint:
@@ -89,6 +91,9 @@ class ServerEndpoint:
 
     def _op_push_pull(self, request: Any) -> Future:
         return self.coordinator.push_pull(request)
+
+    def _op_push_pulls(self, requests: list) -> Future:
+        return self.coordinator.push_pulls(requests)
 
     def _op_pull(self, request: Any) -> Future:
         return self.coordinator.pull(request)

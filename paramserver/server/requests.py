@@ -70,6 +70,8 @@ class RequestChecks:
             raise ParamServerError(f"server {server}: bad call {request.call!r}")
         if type(request.grads_call) is not int or not -1 <= request.grads_call < request.call:
             raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
+        if type(request.grads_step) is not int or request.grads_step < -1:
+            raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
         flags = (request.final, request.pull_dense, request.pull_dense_state)
         if not all(type(flag) is bool for flag in flags):
             raise ParamServerError(f"server {server}: malformed request: flags must be bools")
