@@ -454,12 +454,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"trainer bytes  sent {traffic['trainers']['sent'] / 1e6:,.1f} MB, received "
         f"{traffic['trainers']['received'] / 1e6:,.1f} MB"
     )
-    calls = summary.get("calls", {}).get("push_pull")
-    if calls:
-        lines.append(
-            f"push_pull      {calls['calls']:,} calls, latency p50 {calls['p50_ms']:.1f} ms, "
-            f"p99 {calls['p99_ms']:.1f} ms"
-        )
+    for op in ("push_pull", "push_pulls"):
+        calls = summary.get("calls", {}).get(op)
+        if calls:
+            lines.append(
+                f"{op:<15}{calls['calls']:,} calls, latency p50 {calls['p50_ms']:.1f} ms, "
+                f"p99 {calls['p99_ms']:.1f} ms"
+            )
     lines.append(f"wall time      {summary['wall_s']:.1f} s")
     print("\n".join(lines))
 

@@ -38,6 +38,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 MODES = ("async", "sync", "ssp")
 DENSE_SYNCS = ("server", "allreduce")
+# The most calls one message (a server's ``push_pulls``) may carry: a trainer that pulls every
+# few steps (``steps_per_call``) sends their pushes together.
+CALLS_PER_MESSAGE = 64
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
 GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
@@ -273,6 +276,15 @@ class TrainConfig:
             "prefetching: apply this trainer's own latest update to the prefetched rows it "
             "touched and to the dense values (the servers send their optimizer state), so "
             "they miss no update of its own; off: they miss its latest push"
+        ),
+    )
+    steps_per_call: int = field(
+        default=1,
+        metadata=_doc(
+            "async and ssp: steps a trainer computes from one pull of all their rows, applying "
+            "its own updates between them (the servers send the state); their pushes then "
+            "travel together with the next pull, one message per server every this many steps "
+            "(ssp counts the steps past the pull in its bound; the pull is not prefetched)"
         ),
     )
     ssp_bound: int = field(
@@ -513,6 +525,7 @@ class TrainConfig:
             )
         if not isinstance(self.ssp_bound, int) or self.ssp_bound < 0:
             raise ConfigError(f"--ssp-bound must be an integer >= 0, got {self.ssp_bound!r}")
+        self._check_steps_per_call()
         if self.round_deadline is not None and not self.round_deadline > 0:
             raise ConfigError(f"--round-deadline must be > 0 seconds, got {self.round_deadline}")
         if self.min_contributors > self.trainers:
@@ -532,6 +545,35 @@ class TrainConfig:
             raise ConfigError(
                 f"--stall-timeout ({self.stall_timeout} s) must be at least --trainer-timeout "
                 f"({self.trainer_timeout} s)"
+            )
+
+    def _check_steps_per_call(self) -> None:
+        k = self.steps_per_call
+        if not isinstance(k, int) or not 1 <= k <= CALLS_PER_MESSAGE:
+            raise ConfigError(
+                f"--steps-per-call must be an integer from 1 to {CALLS_PER_MESSAGE}, got {k!r}"
+            )
+        if k == 1:
+            return
+        if self.mode == "sync":
+            raise ConfigError(
+                "--steps-per-call > 1 needs --mode async or ssp: sync applies every trainer's "
+                "step before the next, so each step needs a pull of its own"
+            )
+        if self.mode == "ssp" and self.ssp_bound < k - 1:
+            raise ConfigError(
+                f"--steps-per-call {k} computes {k - 1} steps past each pull: it needs "
+                f"--ssp-bound >= {k - 1}, got {self.ssp_bound}"
+            )
+        if self.server_pooling:
+            raise ConfigError(
+                "--steps-per-call > 1 does not work with --server-pooling (the servers pool "
+                "one step's bags per pull)"
+            )
+        if self.dense_sync == "allreduce":
+            raise ConfigError(
+                "--steps-per-call > 1 does not work with --dense-sync allreduce (its "
+                "all-reduce goes with each call)"
             )
 
     def _check_codecs(self) -> None:
@@ -703,9 +745,12 @@ class TrainConfig:
 
     @property
     def prefetches(self) -> bool:
-        """Whether trainers prefetch: sync never does, ssp only with a bound to spend on it."""
-        return self.prefetch and (
-            self.mode == "async" or (self.mode == "ssp" and self.ssp_bound >= 1)
+        """Whether trainers prefetch: sync never does, ssp only with a bound to spend on it,
+        nor a trainer that pulls every few steps."""
+        return (
+            self.prefetch
+            and self.steps_per_call == 1
+            and (self.mode == "async" or (self.mode == "ssp" and self.ssp_bound >= 1))
         )
 
     @property
@@ -718,8 +763,13 @@ class TrainConfig:
         return ConsistencySettings(
             mode=self.mode,
             num_trainers=self.trainers,
-            # With prefetch a trainer computes one step past its last call: bound one less.
-            ssp_bound=self.ssp_bound - int(self.prefetches) if self.mode == "ssp" else None,
+            # With prefetch a trainer computes one step past its last call, with steps per
+            # call k - 1 steps past its last pull: the servers' bound is that much less.
+            ssp_bound=(
+                self.ssp_bound - int(self.prefetches) - (self.steps_per_call - 1)
+                if self.mode == "ssp"
+                else None
+            ),
             round_deadline=self.round_deadline,
             min_contributors=self.min_contributors,
             trainer_timeout=self.trainer_timeout,

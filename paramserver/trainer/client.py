@@ -8,10 +8,10 @@ parameters to return and, in sync mode, counts this trainer in its round.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -71,6 +71,17 @@ class PushCodecs:
             {name: config.codecs_for_table(name)[0] for name in tables},
             config.topk_ratio,
         )
+
+
+@dataclass
+class StepPush:
+    """A step's gradients, pushed by a call of their own ahead of a later step's in the same
+    message (see :meth:`PSClient.push_pull`)."""
+
+    dense: dict[str, Tensor]
+    rows: RowsById
+    grads_call: int  # the call whose answer they were computed from
+    grads_step: int  # their training step
 
 
 @dataclass
@@ -217,8 +228,10 @@ class PSClient:
         final: bool = False,
         report: TrainerReport | None = None,
         grads_call: int = -1,
+        grads_step: int = -1,
         pull_state: dict[str, Tensor] | None = None,
         pull_dense_state: bool = False,
+        earlier: Sequence[StepPush] = (),
     ) -> InFlight:
         """Start one step's fused call to every server; ``wait()`` on the result for the values.
 
@@ -231,28 +244,45 @@ class PSClient:
         Server-pooled tables: ``pool_bags`` asks for the pooled sums of bags (the answer's
         ``pooled``), and ``pooled_grads`` maps a table to ``(pull_call, gradient of the pooled
         sums)`` for the bags pulled by the call numbered ``pull_call`` (``Pulled.call``).
-        ``grads_call``: the call whose answer the gradients were computed from. ``pull_state``:
-        per table of ``pull_ids``, a bool mask of its ids whose rows' optimizer state to answer
-        too (``Pulled.row_state``); ``pull_dense_state``: the dense values' state too
-        (``Pulled.dense_state``).
+        ``grads_call``: the call whose answer the gradients were computed from; ``grads_step``:
+        their training step where it is not that call's number. ``pull_state``: per table of
+        ``pull_ids``, a bool mask of its ids whose rows' optimizer state to answer too
+        (``Pulled.row_state``); ``pull_dense_state``: the dense values' state too
+        (``Pulled.dense_state``). ``earlier``: steps pushed before this one, each by a call of
+        its own, in the same message to each server (``push_pulls``).
         """
-        dense_state = pull_dense and pull_dense_state
-        requests = [
-            PushPullRequest(
-                self.trainer, self.next_call, pull_dense=pull_dense, final=final, report=report,
-                grads_call=grads_call, pull_dense_state=dense_state,
-            )
-            for _ in range(self.plan.num_servers)
-        ]  # fmt: skip
-        self._add_dense_grads(requests, dense_grads)
-        self._add_row_grads(requests, row_grads, grads_call)
+        preceding = [self._numbered_push(push) for push in earlier]
+        requests = self._numbered(
+            dense_grads, row_grads, pull_dense=pull_dense, final=final, report=report,
+            grads_call=grads_call, grads_step=grads_step,
+            pull_dense_state=pull_dense and pull_dense_state,
+        )  # fmt: skip
         self._add_pooled_grads(requests, pooled_grads or {})
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
-        self.next_call += 1
         return self._start(
-            "push_pull", requests, pull_ids, report, self.next_call - 1, pooled_shapes,
-            cached=True, state_masks=pull_state or {},
+            "push_pull", requests, pull_ids, report, requests[0].call, pooled_shapes,
+            cached=True, state_masks=pull_state or {}, preceding=preceding,
         )  # fmt: skip
+
+    def _numbered_push(self, push: StepPush) -> list[PushPullRequest]:
+        """An earlier step's push, numbered as a call of its own that pulls nothing."""
+        return self._numbered(
+            push.dense, push.rows, pull_dense=False,
+            grads_call=push.grads_call, grads_step=push.grads_step,
+        )  # fmt: skip
+
+    def _numbered(
+        self, dense_grads: dict[str, Tensor], row_grads: RowsById, **fields: Any
+    ) -> list[PushPullRequest]:
+        """The next call's request to each server, with its share of the gradients."""
+        requests = [
+            PushPullRequest(self.trainer, self.next_call, **fields)
+            for _ in range(self.plan.num_servers)
+        ]
+        self.next_call += 1
+        self._add_dense_grads(requests, dense_grads)
+        self._add_row_grads(requests, row_grads, requests[0].grads_call)
+        return requests
 
     def _add_dense_grads(
         self, requests: list[PushPullRequest], dense_grads: dict[str, Tensor]
@@ -304,12 +334,12 @@ class PSClient:
                     part_ids, part_bags, bags.num_bags, weights[0] if weights else None
                 )
                 servers.append(server)
-            self._pool_servers[(self.next_call, name)] = servers
+            self._pool_servers[(requests[0].call, name)] = servers
         return pooled_shapes
 
     def wire_bytes(self) -> tuple[int, int]:
         """Bytes sent and received by this client's data calls so far."""
-        return self.transport.profile.bytes_of("push_pull", "pull")
+        return self.transport.profile.bytes_of("push_pull", "push_pulls", "pull")
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state)."""
@@ -343,7 +373,11 @@ class PSClient:
         pooled_shapes: dict[str, tuple[tuple[int, int], torch.dtype]] | None = None,
         cached: bool = False,
         state_masks: dict[str, Tensor] | None = None,
+        preceding: Sequence[list[PushPullRequest]] = (),
     ) -> InFlight:
+        """Send ``requests`` (one per server), asking each for its part of ``pull_ids``;
+        ``preceding``: calls (a request per server each) that go before them in the same
+        message."""
         routes = {name: self._route(name, ids) for name, ids in pull_ids.items()}
         state_masks = state_masks or {}
         pack_together(routes.values())
@@ -366,19 +400,36 @@ class PSClient:
             self._routes[call] = routes
             for old in [c for c in self._routes if c <= call - ROUTED_CALLS_KEPT]:
                 del self._routes[old]
-        # Each request is measured once: for the traffic, the report and the call profile.
-        sizes = [payload_size(r) for r in requests]
-        self.traffic.uncompressed_sent += sum(size.uncompressed_nbytes for size in sizes)
-        if report is not None:
-            self._fill_report(report, sum(size.nbytes for size in sizes))
-        futures = [
-            self.transport.call_sized(server, op, request, size.nbytes)
-            for server, (request, size) in enumerate(zip(requests, sizes, strict=True))
-        ]
+        futures = self._send(op, requests, preceding, report)
         return InFlight(
             self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions,
             state_masks,
         )  # fmt: skip
+
+    def _send(
+        self,
+        op: str,
+        requests: list[PushPullRequest],
+        preceding: Sequence[list[PushPullRequest]],
+        report: TrainerReport | None,
+    ) -> list[Future[Any]]:
+        """One message per server: its request, after its part of the ``preceding`` calls
+        (then the message is a ``push_pulls`` call)."""
+        # Each request is measured once: for the traffic, the report and the call profile.
+        messages = [
+            [*(calls[server] for calls in preceding), r] for server, r in enumerate(requests)
+        ]
+        sizes = [[payload_size(r) for r in message] for message in messages]
+        self.traffic.uncompressed_sent += sum(s.uncompressed_nbytes for each in sizes for s in each)
+        nbytes = [sum(size.nbytes for size in each) for each in sizes]
+        if report is not None:
+            self._fill_report(report, sum(nbytes))
+        return [
+            self.transport.call_sized(server, op, message[0], n)
+            if len(message) == 1
+            else self.transport.call_sized(server, "push_pulls", message, n)
+            for server, (message, n) in enumerate(zip(messages, nbytes, strict=True))
+        ]
 
     def _fill_report(self, report: TrainerReport, sending: int) -> None:
         """The traffic totals of a leaving call's report (it pulls nothing, so they are final

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -41,7 +42,7 @@ from paramserver.errors import LoopError, ParamServerError
 from paramserver.observe import startup
 from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
-from paramserver.trainer.client import InFlight, PSClient, Pulled
+from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
 from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.lookups import RecordedLookups
@@ -85,6 +86,55 @@ class Step:
 
 
 @dataclass
+class Group:
+    """Steps computed from one pull (``steps_per_call``): what they look up together, and
+    once the answer is in, the values each step loads, with each step's own update applied
+    to them before the next (see :class:`TrainContext`)."""
+
+    steps: list[Step]
+    ids: dict[str, Tensor]  # per table: the ids any step looks up, sorted unique
+    masks: dict[str, Tensor]  # per table: those two steps or more look up, whose state to ask
+    places: list[dict[str, Tensor]]  # per step and table: where its ids are in ``ids``
+    values: Pulled | None = None  # the answer, updated step by step
+    at: int = 0  # the step computing
+
+    @classmethod
+    def of(cls, steps: list[Step]) -> Group:
+        ids, masks = {}, {}
+        places: list[dict[str, Tensor]] = [{} for _ in steps]
+        for name in {name for step in steps for name in step.ids or {}}:
+            looked_up = [
+                (i, step.ids[name]) for i, step in enumerate(steps) if step.ids and name in step.ids
+            ]
+            joined = torch.cat([each for _, each in looked_up]).numpy()
+            union, inverse, counts = np.unique(joined, return_inverse=True, return_counts=True)
+            ids[name], masks[name] = torch.from_numpy(union), torch.from_numpy(counts > 1)
+            ends = np.cumsum([each.numel() for _, each in looked_up])
+            for (i, _), at in zip(looked_up, np.split(inverse, ends[:-1]), strict=True):
+                places[i][name] = torch.from_numpy(at)
+        return cls(steps, ids, masks, places)
+
+    def step_values(self, at: int) -> Pulled:
+        """What step ``at`` of the group loads: its rows of the values, and the dense ones."""
+        values = self.values
+        assert values is not None
+        step = self.steps[at]
+        rows = {
+            name: (ids, values.rows[name][1].index_select(0, self.places[at][name]))
+            for name, ids in (step.ids or {}).items()
+        }
+        # Its dense values are the answer's with the group's earlier steps' updates.
+        versions = {name: version + at for name, version in values.dense_versions.items()}
+        return Pulled(
+            values.dense,
+            rows,
+            call=values.call,
+            checkpoint_at=values.checkpoint_at,
+            dense_versions=versions,
+        )
+
+
+@dataclass
 class Gradients:
     """A step's gradients, waiting to ride on the next call."""
 
@@ -92,12 +142,21 @@ class Gradients:
     rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
     pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
     pull_call: int = -1  # the call whose answer they were computed from
+    step: int = -1  # their training step, where it is not pull_call (steps per call > 1)
+    # The steps before it computed from the same pull, pushed by calls of their own before it.
+    earlier: list[StepPush] = field(default_factory=list)
 
     @classmethod
-    def of(cls, replica: Replica, pull_call: int) -> Gradients:
+    def of(cls, replica: Replica, pull_call: int, step: int = -1) -> Gradients:
         dense, rows = replica.gradients()
         pooled = {name: (pull_call, g) for name, g in replica.pooled_gradients().items()}
-        return cls(dense, rows, pooled, pull_call)
+        return cls(dense, rows, pooled, pull_call, step)
+
+    def with_earlier(self) -> list[StepPush]:
+        """These gradients (if any) after the earlier ones: what a later step pushes first."""
+        if self.pull_call < 0:
+            return []
+        return [*self.earlier, StepPush(self.dense, self.rows, self.pull_call, self.step)]
 
     def push(
         self,
@@ -121,10 +180,13 @@ class Gradients:
             final=final,
             report=report,
             grads_call=self.pull_call,
+            grads_step=self.step,
             pull_state=state_masks,
             pull_dense_state=dense_state,
+            earlier=self.earlier,
         )
-        self.dense, self.rows, self.pooled, self.pull_call = {}, {}, {}, -1
+        self.dense, self.rows, self.pooled, self.pull_call, self.step = {}, {}, {}, -1, -1
+        self.earlier = []
         return in_flight
 
 
@@ -167,13 +229,18 @@ class TrainContext:
         self._resumed = resumed
         self._thread = threading.get_ident()
         self._prefetch = engine.config.prefetches
+        self._steps_per_call = engine.config.steps_per_call
         # Prefetching, the last step's update is applied to the rows of the next (see
-        # paramserver.trainer.ownupdates), where the config asks for it.
+        # paramserver.trainer.ownupdates), where the config asks for it; pulling every few
+        # steps, each step's to the rows of the steps after it.
         self._own_updates = (
             OwnUpdates.of(engine.config, list(engine.replica.tables))
-            if self._prefetch and engine.config.prefetch_own_updates
+            if (self._prefetch and engine.config.prefetch_own_updates) or self._steps_per_call > 1
             else None
         )
+        self._group: Group | None = None  # the steps computing from the current pull
+        self._next_group: Group | None = None  # drawn and recorded while it was pulled
+        self._leftover: Step | None = None  # a step drawn without its lookups: ends grouping
         self._pending = Gradients()  # the last step's, not sent yet
         self._in_flight: InFlight | None = None
         self._in_flight_pulls: Step | None = None  # the step whose values it pulls
@@ -321,7 +388,11 @@ class TrainContext:
         self._batches_open = True
         try:
             recorder = _AheadRecorder(self._engine, self._groups(self._replayed(source)), inputs)
-            step = recorder.next()
+            if self._steps_per_call > 1:
+                yield from self._grouped(recorder)
+                step, self._leftover = self._leftover, None
+            else:
+                step = recorder.next()
             while step is not None:
                 self._drawn = False
                 if step.ids is not None:
@@ -330,13 +401,90 @@ class TrainContext:
                     self._record_next = recorder.next
                 yield from self._each_batch(step)
                 self._record_next = None
-                if len(step.batches) < self._engine.config.accumulate and self._micro:
-                    self._end_short_step()
+                self._end_if_short(step)
                 step = self._ahead if self._drawn else recorder.next()
                 self._ahead = None
         finally:
             self._batches_open = False
             self._record_next = None
+
+    def _grouped(self, recorder: _AheadRecorder) -> Iterator[Any]:
+        """``steps_per_call`` steps at a time from one pull, while their lookups are recorded
+        (a step drawn without them is left in ``_leftover``, for one call per step)."""
+        group = self._draw_group(recorder)
+        while group is not None:
+            self._begin_group(group, recorder)
+            for at, step in enumerate(group.steps):
+                self._load_group_step(group, at)
+                yield from self._each_batch(step)
+                self._end_if_short(step)
+            group, self._next_group = self._next_group, None
+
+    def _draw_group(self, recorder: _AheadRecorder) -> Group | None:
+        """Up to ``steps_per_call`` recorded steps (None: none left)."""
+        steps: list[Step] = []
+        while self._leftover is None and len(steps) < self._steps_per_call:
+            step = recorder.next()
+            if step is None:
+                break
+            if step.ids is None:
+                self._leftover = step
+            else:
+                steps.append(step)
+        return Group.of(steps) if steps else None
+
+    def _begin_group(self, group: Group, recorder: _AheadRecorder) -> None:
+        """Get ``group``'s values (sending its call unless it is under way), drawing and
+        recording the next group meanwhile."""
+        engine = self._engine
+        self._restore_rng()
+        if self._in_flight is None:
+            self._send_group(group)
+        assert self._in_flight is not None and self._in_flight_pulls is group.steps[0]
+        rng = rng_state() if engine.checkpoints.enabled else None
+        self._next_group = self._draw_group(recorder)
+        pulled = self._in_flight.wait()
+        self._in_flight = None
+        self._last_call = pulled.call
+        engine.checkpoints.after_reply(
+            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng
+        )
+        group.values, self._group = pulled, group
+
+    def _send_group(self, group: Group) -> None:
+        """Push the pending steps, each with a call of its own, and pull ``group``'s rows (with
+        the state of those several of its steps touch) in one message per server."""
+        asks_state = len(group.steps) > 1
+        masks = group.masks if asks_state else None
+        dense_state = (
+            asks_state and self._own_updates is not None and self._own_updates.asks_dense_state
+        )
+        following = Step([], group.ids)
+        self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
+        self._in_flight_pulls, self._in_flight_asked = group.steps[0], None
+
+    def _load_group_step(self, group: Group, at: int) -> None:
+        group.at, self._pulled = at, group.step_values(at)
+        step = group.steps[at]
+        self._engine.replica.load(self._pulled.dense, self._pulled.rows, {}, step.lookups)
+
+    def _after_group_step(self, group: Group) -> None:
+        """Once a step of ``group`` has its gradients pending: apply them to the values the
+        group's later steps load, or after its last, send them all with the next group's
+        pull."""
+        pending, own = self._pending, self._own_updates
+        assert own is not None and group.values is not None
+        if group.at < len(group.steps) - 1:
+            own.apply(group.values, pending.dense, pending.rows, pending.step, keep_state=True)
+            return
+        self._group = None
+        following = self._next_group
+        if following is not None:
+            # The checkpoint step is the message's last call: the one that pulls.
+            self._engine.checkpoints.announce_if_due(
+                self._engine.client.next_call + len(pending.earlier) - 1
+            )
+            self._send_group(following)
 
     def _each_batch(self, step: Step) -> Iterator[Any]:
         for batch in step.batches:
@@ -421,6 +569,10 @@ class TrainContext:
             step.lookups,
         )
 
+    def _end_if_short(self, step: Step) -> None:
+        if len(step.batches) < self._engine.config.accumulate and self._micro:
+            self._end_short_step()
+
     def _end_short_step(self) -> None:
         """End the step the data ended inside, its gradients scaled to a full step's weight
         (``accumulate`` over its batches: with the loss divided by ``accumulate``, the mean)."""
@@ -450,7 +602,13 @@ class TrainContext:
         assert pulled is not None
         if engine.config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), engine.config.clip_grad_norm)
-        self._pending = Gradients.of(replica, pulled.call)
+        group = self._group
+        if group is None:
+            self._pending = Gradients.of(replica, pulled.call)
+        else:  # the group's earlier steps' gradients go first
+            earlier = self._pending.with_earlier()
+            self._pending = Gradients.of(replica, pulled.call, pulled.call + group.at)
+            self._pending.earlier = earlier
         if engine.dense is not None:  # averaged among the trainers, not pushed
             engine.dense.start(self._pending.dense, pulled.call)
             self._pending.dense = {}
@@ -462,7 +620,9 @@ class TrainContext:
         self.losses.append(self._step_loss)
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
         ahead = self._ahead
-        if not self._prefetch and ahead is not None and ahead.ids is not None:
+        if group is not None:
+            self._after_group_step(group)
+        elif not self._prefetch and ahead is not None and ahead.ids is not None:
             self._send(ahead)
         engine.observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
         if engine.on_progress is not None:

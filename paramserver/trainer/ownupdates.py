@@ -75,14 +75,17 @@ class OwnUpdates:
         row_grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
         asked: Asked | None = None,
+        keep_state: bool = False,
     ) -> int:
         """Apply gradients computed at training ``step``, not yet pushed, to the values of
         ``pulled``, in place, with the state it came with: ``dense_grads`` to its dense values,
         ``row_grads`` (per table: sorted unique ids and their gradients) to the rows they
         touch (``asked``: what :meth:`rows_to_ask` gave for ``pulled``'s call); returns the
-        rows updated."""
+        rows updated. ``keep_state``: the state is stepped too (it is where it can be, in
+        place), for a later step's update."""
         self._apply_dense(pulled, dense_grads, step)
-        return self._apply_rows(pulled, row_grads, step, asked.places if asked else {})
+        places = asked.places if asked else {}
+        return self._apply_rows(pulled, row_grads, step, places, keep_state)
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
@@ -104,6 +107,7 @@ class OwnUpdates:
         grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
         places: Mapping[str, tuple[Tensor, np.ndarray]],
+        keep_state: bool,
     ) -> int:
         """The rows with state of every table: gathered with their gradients, the tables of
         one rule, lr and width stepped together (as on a server, where they share an arena:
@@ -119,7 +123,7 @@ class OwnUpdates:
                 together.setdefault(key, []).append(taken)
                 lrs[key] = lr
         for key, group in together.items():
-            _step_together(self.table_rules[group[0].name], group, lrs[key])
+            _step_together(self.table_rules[group[0].name], group, lrs[key], keep_state)
         return sum(taken.rows.numel() for group in together.values() for taken in group)
 
 
@@ -144,6 +148,8 @@ class _Taken:
     taken: Tensor
     grads: Tensor
     parts: dict[str, Tensor]
+    state: RowState
+    state_at: Tensor | None  # the places of parts' entries in state's (None: all, in order)
 
     @classmethod
     def of(
@@ -161,19 +167,32 @@ class _Taken:
         grad_ids, table_grads = grads
         ids, values = pulled.rows[name]
         at, parts = state.at.numpy(), dict(state.parts)
+        state_at = None
         if asked is not None and torch.equal(asked[0], grad_ids):  # every asked row has one
             grad_at = asked[1][at]
-        else:  # rows read on demand since: the step's ids are not those recorded
+        else:  # some rows take no gradient: read on demand since, or a later step's
             grad_at, found = _places(ids.numpy()[at], grad_ids.numpy())
             at, grad_at = at[found], grad_at[found]
-            parts = {part: v[torch.from_numpy(found)] for part, v in parts.items()}
+            state_at = torch.from_numpy(np.flatnonzero(found))
+            parts = {part: v.index_select(0, state_at) for part, v in parts.items()}
         rows = torch.from_numpy(at)
         gathered = table_grads.index_select(0, torch.from_numpy(grad_at))
-        return cls(name, values, rows, values.index_select(0, rows), gathered, parts)
+        return cls(
+            name, values, rows, values.index_select(0, rows), gathered, parts, state, state_at
+        )
+
+    def keep(self, part: str, stepped: Tensor) -> None:
+        """Put ``stepped``, this table's rows' ``part`` after the update, back in its state."""
+        kept = self.state.parts[part]
+        if self.state_at is not None:
+            kept.index_copy_(0, self.state_at, stepped)
+        elif stepped.data_ptr() != kept.data_ptr():  # stepped in place where it was not joined
+            kept.copy_(stepped)
 
 
-def _step_together(rule: UpdateRule, group: list[_Taken], lr: float) -> None:
-    """One update of every table's taken rows (joined where there are several), put back."""
+def _step_together(rule: UpdateRule, group: list[_Taken], lr: float, keep_state: bool) -> None:
+    """One update of every table's taken rows (joined where there are several), put back
+    (with their state where ``keep_state``)."""
     if len(group) == 1:
         values, grads, parts = group[0].taken, group[0].grads, dict(group[0].parts)
     else:
@@ -185,6 +204,11 @@ def _step_together(rule: UpdateRule, group: list[_Taken], lr: float) -> None:
     counts = [t.rows.numel() for t in group]
     for taken, stepped in zip(group, values.split(counts), strict=True):
         taken.values.index_copy_(0, taken.rows, stepped)
+    if keep_state:
+        stepped_state = parts if steps is None else {**parts, ROW_STEPS: steps}
+        for part, value in stepped_state.items():
+            for taken, stepped in zip(group, value.split(counts), strict=True):
+                taken.keep(part, stepped)
 
 
 def _places(values: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
