@@ -9,16 +9,18 @@ Workloads (SGD everywhere, one torch thread per process):
   beyond its forward and backward.
 
 Systems, each in fresh processes (``systems.run_isolated``): ``plain``, one PyTorch process
-(``paramserver.baseline``, sparse gradients), and ``ps``, paramserver with 1 server and 1 trainer
-(async, the local launcher). Each runs twice, for ``--steps`` and for ``--steps`` x 5, and its
-figures are the differences: samples/s is extra samples over extra training seconds, and CPU per
-sample is extra CPU seconds (the launcher and every worker process, or the one process) over
-extra samples, so start-up and the job's end drop out. CPU per sample moves far less with the
-host's other tenants than samples/s does.
+(``paramserver.baseline``, sparse gradients); ``ps``, paramserver with 1 server and 1 trainer
+(async, the local launcher); and ``ps_grouped``, the same computing ``--steps-per-call`` steps
+from each pull (one message per that many steps). Each runs twice, for ``--steps`` and for
+``--steps`` x 5, and its figures are the differences: samples/s is extra samples over extra
+training seconds, and CPU per sample is extra CPU seconds (the launcher and every worker
+process, or the one process) over extra samples, so start-up and the job's end drop out. CPU
+per sample moves far less with the host's other tenants than samples/s does.
 
 For ``tiny`` it also reports, per step: the CPU of plain PyTorch's forward and backward alone,
 and the chief trainer's process CPU over its loop (``paramserver.run``; every thread of the
-process: the RPC's included); their difference is the trainer's fixed cost per step.
+process: the RPC's included), one pull per step and grouped; their difference is the trainer's
+fixed cost per step.
 
     .venv/bin/python benchmarks/bench_field.py --out benchmarks/results/bench_field.json
     .venv/bin/python benchmarks/bench_field.py --quick    # smoke run
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import resource
 import statistics
 import time
@@ -73,12 +76,11 @@ def plain(workload: Workload) -> dict[str, float]:
     return {"samples": stats["samples"], "seconds": stats["seconds"], "cpu_s": cpu_seconds() - cpu}
 
 
-def paramserver(workload: Workload) -> dict[str, float]:
+def paramserver(workload: Workload, steps_per_call: int = 1) -> dict[str, float]:
     torch.set_num_threads(1)
     cpu = cpu_seconds()
-    result = ps.train(
-        workload.model, workload.batches, loss_fn, config(servers=1, trainers=1, gather_model=False)
-    )
+    job = config(servers=1, trainers=1, gather_model=False, steps_per_call=steps_per_call)
+    result = ps.train(workload.model, workload.batches, loss_fn, job)
     assert result is not None
     summary = result.summary
     return {
@@ -99,7 +101,7 @@ def forward_backward_cpu(workload: Workload) -> dict[str, float]:
     return {"cpu_per_step_s": (time.process_time() - started) / len(batches)}
 
 
-def trainer_loop_cpu(workload: Workload) -> dict[str, float]:
+def trainer_loop_cpu(workload: Workload, steps_per_call: int = 1) -> dict[str, float]:
     """The chief trainer's process CPU and wall time per step over its loop (1+1, async)."""
 
     def loop(ctx: ps.TrainContext) -> dict[str, float]:
@@ -115,7 +117,8 @@ def trainer_loop_cpu(workload: Workload) -> dict[str, float]:
         }
 
     torch.set_num_threads(1)
-    result = ps.run(workload.model, loop, config(servers=1, trainers=1, gather_model=False))
+    job = config(servers=1, trainers=1, gather_model=False, steps_per_call=steps_per_call)
+    result = ps.run(workload.model, loop, job)
     assert result is not None
     return dict(result.value)
 
@@ -142,8 +145,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs; medians reported")
     parser.add_argument("--quick", action="store_true", help="a smoke run: few steps, one repeat")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
+    parser.add_argument(
+        "--steps-per-call", type=int, default=8, help="steps from one pull for ps_grouped"
+    )
     parser.add_argument("--out", default="bench_field.json")
     args = parser.parse_args()
+    grouped = functools.partial(paramserver, steps_per_call=args.steps_per_call)
     steps, repeats = (5, 1) if args.quick else (args.steps, args.repeats)
     workloads = [
         Workload("bags", 128, steps),
@@ -152,30 +159,35 @@ def main() -> None:
     ]
     entries: dict[str, dict[str, Any]] = {}
     for workload in workloads:
-        runs: dict[str, list[dict[str, float]]] = {"plain": [], "ps": []}
+        systems = [("plain", plain), ("ps", paramserver), ("ps_grouped", grouped)]
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in systems}
         for repeat in range(repeats):  # alternate which system runs first
-            order = [("plain", plain), ("ps", paramserver)]
-            for name, system in order if repeat % 2 == 0 else order[::-1]:
+            for name, system in systems if repeat % 2 == 0 else systems[::-1]:
                 runs[name].append(differential(system, workload, LONGER, args.timeout))
         entry: dict[str, Any] = {"runs": runs}
         for name, figures in runs.items():
             entry[name] = {key: statistics.median(f[key] for f in figures) for key in figures[0]}
         entry["ratio"] = {
-            "samples_per_s": entry["ps"]["samples_per_s"] / entry["plain"]["samples_per_s"],
-            "cpu_per_sample": entry["ps"]["cpu_us_per_sample"]
-            / entry["plain"]["cpu_us_per_sample"],
+            name: {
+                "samples_per_s": entry[name]["samples_per_s"] / entry["plain"]["samples_per_s"],
+                "cpu_per_sample": entry[name]["cpu_us_per_sample"]
+                / entry["plain"]["cpu_us_per_sample"],
+            }
+            for name in ("ps", "ps_grouped")
         }
         if workload.name == "tiny":
             longer = workload.longer(LONGER)
             fwd_bwd = run_isolated(forward_backward_cpu, [(longer,)], args.timeout)[0]
-            trainer = run_isolated(trainer_loop_cpu, [(longer,)], args.timeout)[0]
-            entry["per_step_us"] = {
-                "forward_backward_cpu": 1e6 * fwd_bwd["cpu_per_step_s"],
-                "trainer_cpu": 1e6 * trainer["cpu_per_step_s"],
-                "trainer_wall": 1e6 * trainer["wall_per_step_s"],
-                "trainer_cpu_beyond_forward_backward": 1e6
-                * (trainer["cpu_per_step_s"] - fwd_bwd["cpu_per_step_s"]),
-            }
+            entry["per_step_us"] = {"forward_backward_cpu": 1e6 * fwd_bwd["cpu_per_step_s"]}
+            for name, steps_per_call in (("ps", 1), ("ps_grouped", args.steps_per_call)):
+                runs = [(longer, steps_per_call)]
+                (trainer,) = run_isolated(trainer_loop_cpu, runs, args.timeout)
+                entry["per_step_us"][name] = {
+                    "trainer_cpu": 1e6 * trainer["cpu_per_step_s"],
+                    "trainer_wall": 1e6 * trainer["wall_per_step_s"],
+                    "trainer_cpu_beyond_forward_backward": 1e6
+                    * (trainer["cpu_per_step_s"] - fwd_bwd["cpu_per_step_s"]),
+                }
         entries[f"{workload.name}_b{workload.batch_size}"] = entry
     save(
         {
@@ -184,6 +196,7 @@ def main() -> None:
             "machine": machine(),
             "steps": steps,
             "repeats": repeats,
+            "steps_per_call": args.steps_per_call,
             "entries": entries,
         },
         args.out,
