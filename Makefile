@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint typecheck unit system bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +27,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The tests in two tiers: unit (in one process, under a minute) and system (tests marked
+# `system`: they start processes, run the command line, kill or starve something, or measure
+# a whole job). `make test` runs both. pytest exits 5 when it collected no test: that must
+# fail too, so any non-zero status fails.
 unit: $(STAMP)
-	$(BIN)/python -m pytest -p no:cacheprovider
+	$(BIN)/python -m pytest -p no:cacheprovider -m "not system"
 
-# pytest exits 5 when it collected no test: that must fail too, so any non-zero status fails.
-test: lint typecheck unit
+system: $(STAMP)
+	$(BIN)/python -m pytest -p no:cacheprovider -m system
+
+test: lint typecheck
+	$(BIN)/python -m pytest -p no:cacheprovider
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_core.py

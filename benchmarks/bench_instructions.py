@@ -48,8 +48,8 @@ def server_calls(kind: str, calls: int) -> None:
     model = DLRM(table_rows=[1_000_000] * 8, embedding_dim=32, dynamic_tables=kind == "dynamic")
     endpoint = build_server(0, config, lambda: model)
     endpoint.coordinator.close()  # its watchdog thread's instructions would count too
-    names = sorted(endpoint.shard.tables)
-    dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.dense.items()}
+    names = sorted(endpoint.shard.store.tables)
+    dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.store.dense.items()}
     grads = [[torch.full((i.numel(), 32), 0.01) for i in ids] for ids in step_ids]
     previous: dict[str, RowBlock] = {}
     for call in range(FILL_CALLS + calls):

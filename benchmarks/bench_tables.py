@@ -40,15 +40,15 @@ from torch import Tensor, nn
 import paramserver as ps
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.idcodec import PackedIds
-from paramserver.idmap import IdMap
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server.dynamic import DynamicTable
-from paramserver.server.tables import Reading
 from paramserver.sharding import DynamicOptions, TableSpec
+from paramserver.store.dynamic import DynamicTable
+from paramserver.store.idmap import IdMap
+from paramserver.store.table import Reading
 
 
 def bench_id_map(rows: int) -> dict[str, float]:
@@ -234,8 +234,8 @@ def _server_passes(
     the dynamic_vs_fixed model with ``kind`` tables, and the rows its tables hold then."""
     model = DLRM(table_rows=[1_000_000] * 8, embedding_dim=32, dynamic_tables=kind == "dynamic")
     endpoint = build_server(0, config, lambda: model)
-    names = sorted(endpoint.shard.tables)
-    dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.dense.items()}
+    names = sorted(endpoint.shard.store.tables)
+    dense = {n: torch.full_like(s.value, 1e-3) for n, s in endpoint.shard.store.dense.items()}
     # Each step's gradients, made before timing too (a trainer's work).
     grads = [[torch.full((i.numel(), 32), 0.01) for i in table_ids] for table_ids in step_ids]
     step, seconds = 0, []
@@ -253,7 +253,7 @@ def _server_passes(
             previous = {name: RowBlock(ids, grad) for name, ids, grad in together}
             step += 1
         seconds.append((time.thread_time() - started) / len(step_ids))
-    made = sum(t.stats()["rows"] for t in endpoint.shard.tables.values())
+    made = sum(t.stats()["rows"] for t in endpoint.shard.store.tables.values())
     endpoint.coordinator.close()
     return seconds, made
 

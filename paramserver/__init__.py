@@ -21,6 +21,7 @@ from paramserver.errors import (
     ModelError,
     ParamServerError,
     ServerLostError,
+    StoreError,
     TrainerDepartedError,
     TrainerGroupError,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "OptimizerConfig",
     "ParamServerError",
     "ServerLostError",
+    "StoreError",
     "TableCodecs",
     "TrainConfig",
     "TrainContext",

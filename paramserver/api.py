@@ -169,12 +169,11 @@ def _launch(
     # One job per --checkpoint-dir: refused here, before any process starts, if another holds it.
     with hold_checkpoint_dir(config, launcher):
         if launcher == "threads":
-            from paramserver.launch.roles import summarize
             from paramserver.launch.threads import run_threads
 
             chief, _ = run_threads(config, model_fn, loop_fn, on_progress, evaluation)
             assert chief.state is not None
-            summary = summarize(chief, config, time.perf_counter() - started)
+            summary = chief.summary(config, time.perf_counter() - started)
             result: ChiefResult | None = ChiefResult(chief.state, summary, chief.value)
         elif launcher == "torchrun":
             from paramserver.launch.torchrun import run_torchrun_rank

@@ -6,7 +6,7 @@ sparse gradients; Adam's tables use SparseAdam). Batches of all trainers are int
 the order a sync job would see them.
 
 :class:`~paramserver.DynamicEmbedding` tables are trained with the servers' own table code,
-in this process: each a :class:`~paramserver.server.dynamic.DynamicTable` with its update
+in this process: a :class:`~paramserver.store.store.Store` of them, each with its update
 rule. A forward pass loads the rows its ids read (admitting and creating them as a server's
 training read does, at the step's clock: the sync round), and their gradients are applied
 after the backward pass, summed per id, at the next step's clock (a trainer pushes them with
@@ -34,10 +34,10 @@ from paramserver.config import TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ConfigError
 from paramserver.modelplan import EMBEDDINGS, find_embeddings, initial_model, plan_of
-from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server.dynamic import DynamicTable
-from paramserver.server.tables import Reading
+from paramserver.sharding import ShardPlan
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
 from paramserver.types import Batch, DataFn, LossFn, ModelFn, as_tuple
 
 
@@ -116,8 +116,9 @@ class InProcessTables:
         found = find_embeddings(model)
         self.modules = {n: m for n, m in found.items() if isinstance(m, DynamicEmbedding)}
         plan = plan_of(model, 1)
-        rules = config.shard_settings(plan.tables).table_rules
-        self.tables = {n: DynamicTable(plan.tables[n], make_rule(rules[n])) for n in self.modules}
+        settings = config.shard_settings(plan.tables)
+        dynamic = ShardPlan([], [plan.tables[name] for name in self.modules], 1)
+        self.store = Store(0, dynamic, {}, {}, settings.dense_rule, settings.table_rules)
         self.loaded: dict[str, list[tuple[Tensor, nn.Parameter]]] = {n: [] for n in self.modules}
         self.clock = 0
         self.step = 0  # the training step whose learning rate applies
@@ -130,7 +131,7 @@ class InProcessTables:
         """Before ``module`` runs: give it the rows of the ids it is called with."""
         ids = torch.unique(args[0].to(torch.int64))
         reading = Reading(train=module.training, clock=self.clock)
-        values = self.tables[name].read(ids, reading)
+        values = self.store.read({name: ids}, reading).values[name]
         weight = nn.Parameter(values, requires_grad=module.training)
         module.ids, module.weight = ids, weight
         if module.training:
@@ -146,19 +147,17 @@ class InProcessTables:
                 unique, inverse = torch.unique(ids, return_inverse=True)
                 summed = torch.zeros(unique.numel(), grads.shape[1]).index_add_(0, inverse, grads)
                 # A server applies a step's gradients with the next call, at its clock.
-                table = self.tables[name]
-                lr = table.rule.lr_at(self.step, name)
-                table.apply(unique, summed, self.clock + 1, lr=lr)
+                _, lrs = self.store.learning_rates(self.step, (), (name,))
+                self.store.apply_rows({name: (unique, summed)}, lrs, self.clock + 1)
                 loaded.clear()
 
     def finish(self) -> None:
         """Every table's rows into its module (a plain model, as one gathered from servers)."""
         for hook in self._hooks:
             hook.remove()
+        rows = self.store.export_state()
         for name, module in self.modules.items():
-            table = self.tables[name]
-            ids, rows = table.ids.live_rows()
-            module.ids, module.weight = ids, nn.Parameter(table.weight[rows].clone())
+            module.ids, module.weight = rows[name]["ids"], nn.Parameter(rows[name]["value"])
 
 
 def _grad_of(weight: nn.Parameter) -> Tensor:

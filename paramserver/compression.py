@@ -49,9 +49,10 @@ always equals the sum of the true gradients (see :class:`ErrorFeedback`).
 
 A server must not trust an :class:`Encoded` from a peer: :func:`validate` checks one without
 raising, and :func:`decode` is safe on anything it accepted. Each path accepts only the codecs
-trainers use on it: any of :data:`CODECS` for dense gradients (top-k comes with error feedback
-there), :data:`ROW_CODECS` for embedding rows and pooled vectors, whose top-k encoding no trainer
-sends and which would decode to a tensor far larger than its message.
+trainers use on it (their names: ``paramserver.config``): any of ``GRADIENT_CODECS`` for dense
+gradients (top-k comes with error feedback there), ``VALUE_CODECS`` for embedding rows and
+pooled vectors, whose top-k encoding no trainer sends and which would decode to a tensor far
+larger than its message.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-CODECS = ("none", "fp16", "bf16", "int8", "topk")
-ROW_CODECS = ("none", "fp16", "bf16", "int8")  # rows and pooled vectors: no top-k
+from paramserver.config import GRADIENT_CODECS
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -94,7 +94,7 @@ class Encoded:
 
 
 def encode(codec: str, tensor: Tensor, *, topk_ratio: float = 0.01) -> Encoded:
-    """Encode a float32 ``tensor`` of any shape with ``codec`` (one of :data:`CODECS`).
+    """Encode a float32 ``tensor`` of any shape with ``codec`` (one of :data:`GRADIENT_CODECS`).
 
     The result may share storage with ``tensor`` (always for ``none``): the caller must not
     modify ``tensor`` until the message is sent. ``topk_ratio`` in ``(0, 1]`` is the fraction
@@ -138,7 +138,7 @@ def decode(encoded: Encoded) -> Tensor:
         out = torch.zeros(math.prod(shape), dtype=torch.float32)
         out[indices] = values
         return out.reshape(shape)
-    raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+    raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(GRADIENT_CODECS)}")
 
 
 def error_bound(codec: str, tensor: Tensor) -> Tensor:
@@ -165,7 +165,7 @@ def error_bound(codec: str, tensor: Tensor) -> Tensor:
 
 
 def validate(
-    encoded: object, shape: tuple[int, ...], codecs: tuple[str, ...] = CODECS
+    encoded: object, shape: tuple[int, ...], codecs: tuple[str, ...] = GRADIENT_CODECS
 ) -> str | None:
     """None if ``encoded`` is a well-formed :class:`Encoded` in one of ``codecs`` that decodes
     to a finite float32 tensor of exactly ``shape``; otherwise a short reason. Never raises,
@@ -195,9 +195,9 @@ def _header_problem(
     codec = getattr(encoded, "codec", None)
     claimed = getattr(encoded, "shape", None)
     tensors = getattr(encoded, "tensors", None)
-    if type(codec) is not str or codec not in CODECS:
+    if type(codec) is not str or codec not in GRADIENT_CODECS:
         what = repr(codec[:32]) if type(codec) is str else type(codec).__name__
-        return f"unknown codec {what}; expected one of {', '.join(CODECS)}"
+        return f"unknown codec {what}; expected one of {', '.join(GRADIENT_CODECS)}"
     if codec not in codecs:
         return f"codec {codec} is not used here; expected one of {', '.join(codecs)}"
     if type(claimed) is not tuple or not all(type(d) is int for d in claimed):
@@ -277,8 +277,8 @@ class ErrorFeedback:
 
 
 def _check_codec(codec: str) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODECS)}")
+    if codec not in GRADIENT_CODECS:
+        raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(GRADIENT_CODECS)}")
 
 
 def _check_float32(tensor: Tensor) -> None:

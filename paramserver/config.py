@@ -42,8 +42,10 @@ DENSE_SYNCS = ("server", "allreduce")
 # few steps (``steps_per_call``) sends their pushes together.
 CALLS_PER_MESSAGE = 64
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
-GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")  # paramserver.compression.CODECS
-VALUE_CODECS = ("none", "fp16", "bf16", "int8")  # top-k only suits gradients, with feedback
+# The codecs' names, defined once (paramserver.compression implements them): any for dense
+# gradients (top-k with error feedback), the others for values, rows and pooled vectors.
+GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")
+VALUE_CODECS = ("none", "fp16", "bf16", "int8")
 # A trainer stuck in its data or loop (heartbeats going on) is departed after this many
 # --trainer-timeout periods without progress: long enough for a slow batch or evaluation.
 STALL_TIMEOUT_FACTOR = 6

@@ -5,7 +5,7 @@ Put it in a model where ``nn.Embedding`` (``mode=None``) or ``nn.EmbeddingBag`` 
 Under paramserver it becomes a dynamic table sharded over the servers by hash bucket: a row is
 created the first time an admitted id is trained on (initialized by a seeded rule, so a run is
 reproducible), and rows can expire (``ttl_steps``) or be evicted least-recently-used above
-``capacity`` rows per server. See :mod:`paramserver.server.dynamic` for the exact rules.
+``capacity`` rows per server. See :mod:`paramserver.store.dynamic` for the exact rules.
 
 Outside paramserver (the trained ``result.model``, or a model loaded from its ``state_dict``),
 the module holds the rows it was given: ``ids`` (sorted) and ``weight`` (one row per id). An id

@@ -72,3 +72,8 @@ class LoopError(ParamServerError, RuntimeError):
 class TrainerGroupError(ParamServerError, RuntimeError):
     """The trainers' all-reduce (``--dense-sync allreduce``) failed: a trainer died, froze past
     the group's timeout or failed, and a collective cannot go on without it."""
+
+
+class StoreError(ParamServerError, ValueError):
+    """A change a table cannot take: rows set that do not fit it, or ids deleted from a
+    table whose rows cannot go (a fixed table's)."""

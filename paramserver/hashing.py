@@ -1,7 +1,7 @@
 """Integer hashing shared by every layer: SplitMix64's finalizer on int64 ids.
 
 Routing a dynamic table's ids to servers (:mod:`paramserver.sharding`), seeding a new row's
-initial values (:mod:`paramserver.server.dynamic`) and hashing Criteo's categorical strings
+initial values (:mod:`paramserver.store.dynamic`) and hashing Criteo's categorical strings
 (:mod:`paramserver.data.criteo`) all need a well-spread, reproducible hash of int64 values that
 does not depend on the process (Python's ``hash`` of a str does). All arithmetic wraps at 64
 bits, as numpy's int64 does.

@@ -6,7 +6,7 @@ cost: a server's step touches a few thousand rows scattered over gigabytes, so o
 is what sets its speed. Each user of a loop keeps its numpy path and takes the loop where it
 applies, with the same result (the tests run both and compare):
 
-- :class:`~paramserver.idmap.IdMap` searches a batch of ids and places new ones one id at a
+- :class:`~paramserver.store.idmap.IdMap` searches a batch of ids and places new ones one id at a
   time, reading a slot and its row's record once each (numpy: a round of array operations per
   window of slots);
 - Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row in place, read
@@ -15,7 +15,7 @@ applies, with the same result (the tests run both and compare):
 - a server checks a request's row ids (each set rising, within its table's bounds) and its
   gradients (no NaN or Inf) in one call each, whatever the number of tables (numpy: a few
   array operations over the sets joined; torch: a sum over the gradients joined, a copy);
-- a dynamic table's new rows (:mod:`paramserver.server.dynamic_rows`) get their values and
+- a dynamic table's new rows (:mod:`paramserver.store.rowinit`) get their values and
   optimizer state in one write per row (numpy and torch: a pass per array);
 - a trainer's record pass (:mod:`paramserver.trainer.replica`) finds every table's unique ids
   in one call (torch: a ``torch.unique`` per table, each with its own cost);
@@ -23,7 +23,7 @@ applies, with the same result (the tests run both and compare):
   adds their gradients in one (torch: an ``index_select`` and an ``index_add_`` per lookup).
 
 The module also names ``MAP_NORESERVE`` for :mod:`mmap`, which Python's does not: a dynamic
-table's storage maps room to grow in with it (:mod:`paramserver.server.tables`).
+table's storage maps room to grow in with it (:mod:`paramserver.store.growth`).
 
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
 out).

@@ -77,7 +77,7 @@ class UpdateRule(ABC):
     def init_state(self, param: Tensor, empty: Empty = _empty) -> State:
         """State slots for ``param`` (a dense parameter or a table's local rows), each
         :meth:`slot_shape` and filled with :attr:`initial_value`, in storage from ``empty``
-        (tables pass theirs, see :func:`~paramserver.server.tables.row_storage`)."""
+        (tables pass theirs, see :func:`~paramserver.store.growth.row_storage`)."""
         shape = self.slot_shape(param)
         return {slot: empty(shape, param.dtype).fill_(self.initial_value) for slot in self.slots}
 
@@ -410,7 +410,7 @@ def apply_updates(rule: UpdateRule, updates: Sequence[RowUpdate], lr: float) -> 
 
 def _merged(parts: list[RowUpdate]) -> RowUpdate:
     """``parts`` (updates of disjoint rows in one storage: tables sharing a
-    :class:`~paramserver.server.tables.RowArena`) made one, so their rows are gathered,
+    :class:`~paramserver.store.arena.RowArena`) made one, so their rows are gathered,
     stepped and scattered in one call each (joining their gradients costs less than the
     rule's per-tensor work: Criteo's 26 tables step ~2.5x faster as one)."""
     if len(parts) == 1:

@@ -356,13 +356,6 @@ class PushPullRequest:
         return _malformed_field(self, (*_BUNDLED_REQUEST_FIELDS, "row_grads"))
 
 
-# The parts of a row's optimizer state besides its rule's slots: its count of updates (where
-# the rule reads it) and, where some would not, which rows take the update the trainer has
-# pending (computed from its previous call's read): a dynamic table's rows that exist and
-# are the rows that read handed out.
-ROW_STEPS, ROW_HELD = "steps", "held"
-
-
 def state_key(table: str, part: str) -> str:
     """The key of ``table``'s state ``part`` (a slot, ROW_STEPS or ROW_HELD) in a reply."""
     return f"{table}/{part}"

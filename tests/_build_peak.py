@@ -41,7 +41,7 @@ def main() -> None:
     if role == "server":
         config = ps.TrainConfig(servers=servers, trainers=1, optimizer="sgd")
         endpoint = build_server(1 % servers, config, model_fn)
-        rows_held = endpoint.shard.tables["table.weight"].nbytes() // (DIM * 4)
+        rows_held = endpoint.shard.store.tables["table.weight"].nbytes() // (DIM * 4)
         endpoint.coordinator.close()
     else:
         rows_held = 0

@@ -76,7 +76,7 @@ def state_of(endpoint: ServerEndpoint) -> tuple[dict[str, dict[str, Tensor]], st
     coordinator = endpoint.coordinator
     with coordinator.lock:
         calls = repr((coordinator.last_call, sorted(coordinator.pool_specs), coordinator.updates))
-    return endpoint.shard.export_state(with_optimizer=True), calls
+    return endpoint.shard.store.export_state(with_optimizer=True), calls
 
 
 def same_state(a: tuple[dict[str, dict[str, Tensor]], str], b: tuple[dict, str]) -> bool:

@@ -18,9 +18,9 @@ from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, wr
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.modelplan import initial_model
-from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions
+from paramserver.store.rowinit import init_rows
 from paramserver.trainer.loop import TrainerOutcome, default_loop
 from paramserver.transport.local import LocalTransport
 from tests.fakes import FaultyTransport
@@ -228,7 +228,7 @@ def own_ids(endpoint: ServerEndpoint, *ids: int) -> torch.Tensor:
 
 def a_dense_name(endpoint: ServerEndpoint) -> str:
     """A dense parameter this server holds."""
-    return sorted(endpoint.shard.dense)[0]
+    return sorted(endpoint.shard.store.dense)[0]
 
 
 # ---- checkpoints written by hand, and damage done to them ----

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_suite.py"
 PS_SYSTEMS = ("naive_ps", "ps_async", "ps_sync", "ps_ssp")
 EXPECTED = {

@@ -184,8 +184,8 @@ def test_a_request_with_a_spoiled_bundle_is_refused_and_changes_nothing(
     make_server: MakeServer,
 ) -> None:
     endpoint = make_server(0, servers=1, trainers=1)  # all the dense parameters: two or more
-    before = endpoint.shard.state_hash()
-    dense = {name: torch.ones_like(slot.value) for name, slot in endpoint.shard.dense.items()}
+    before = endpoint.shard.store.state_hash()
+    dense = {name: torch.ones_like(slot.value) for name, slot in endpoint.shard.store.dense.items()}
     ids = own_ids(endpoint, 0, 1)
     request = PushPullRequest(
         trainer=0,
@@ -210,9 +210,9 @@ def test_a_request_with_a_spoiled_bundle_is_refused_and_changes_nothing(
     with pytest.raises(ParamServerError, match="name different tables"):
         endpoint.coordinator.push_pull(request_of({**state, "row_grads": mismatched})).wait()
     assert refused == 3 * len(spoiled(values))
-    assert endpoint.shard.state_hash() == before and endpoint.shard.stats.pushes == 0
+    assert endpoint.shard.store.state_hash() == before and endpoint.shard.stats.pushes == 0
     endpoint.coordinator.push_pull(request_of(state)).wait()  # the unspoiled one is applied
-    assert endpoint.shard.state_hash() != before
+    assert endpoint.shard.store.state_hash() != before
 
 
 def test_a_spoiled_answer_is_a_typed_error_for_the_trainer(make_server: MakeServer) -> None:
@@ -261,7 +261,7 @@ def test_a_nan_in_a_bundle_that_arrived_whole_is_refused(make_server: MakeServer
     """The server sums a bundle of gradients as it arrived: a NaN in any of its views is found
     and named, and changes nothing."""
     endpoint = make_server(0, servers=1, trainers=1)
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     ids = own_ids(endpoint, 0, 1)
     grads = {"user.weight": torch.ones(2, 4), "items.weight": torch.ones(2, 4)}
     grads["items.weight"][1, 2] = float("nan")
@@ -272,4 +272,4 @@ def test_a_nan_in_a_bundle_that_arrived_whole_is_refused(make_server: MakeServer
     assert joined_already([block.values for block in received.row_grads.values()]) is not None
     with pytest.raises(ParamServerError, match="items.weight.*NaN or Inf"):
         endpoint.coordinator.push_pull(received).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before

@@ -90,6 +90,7 @@ def other_job(tmp_path: Path) -> Iterator[OtherJob]:
         job.kill()
 
 
+@pytest.mark.system
 @pytest.mark.timeout(120)
 def test_a_second_job_is_refused_naming_the_directory_and_a_dead_ones_lock_is_taken_over(
     tmp_path: Path, other_job: OtherJob, caplog: pytest.LogCaptureFixture

@@ -243,6 +243,7 @@ def test_read_part_rechecks_files_changed_after_loading(tmp_path: Path) -> None:
     assert found.read_part("server-1")[1] == {"writer": 1, "step": 1}
 
 
+@pytest.mark.system
 @pytest.mark.timeout(60)
 def test_sigkill_at_random_moments_leaves_a_loadable_checkpoint(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

@@ -206,6 +206,7 @@ def test_train_refuses_batch_size_which_only_the_cli_datasets_use() -> None:
     assert parse("--batch-size", "64").batch_size == 64
 
 
+@pytest.mark.system
 def test_train_shows_progress_every_log_every_seconds_unless_told_not_to(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -14,7 +14,6 @@ from torch import Tensor
 
 from paramserver import compression
 from paramserver.compression import (
-    CODECS,
     Encoded,
     ErrorFeedback,
     decode,
@@ -22,6 +21,7 @@ from paramserver.compression import (
     error_bound,
     validate,
 )
+from paramserver.config import GRADIENT_CODECS
 
 SHAPES: list[tuple[int, ...]] = [(), (0,), (0, 16), (16, 0), (1000,), (64, 16), (4, 5, 6)]
 SCALES = [1e-6, 1.0, 1e4]
@@ -57,7 +57,7 @@ def _wide(n: int, max_exp: int, seed: int) -> Tensor:
 # ---- round trips and bounds ----
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", GRADIENT_CODECS)
 def test_round_trip_stays_within_the_documented_bound(codec: str) -> None:
     gen = _gen()
     for shape in SHAPES:
@@ -68,7 +68,7 @@ def test_round_trip_stays_within_the_documented_bound(codec: str) -> None:
     _round_trip(codec, _wide(4000, 127, seed=2).reshape(100, 40))
 
 
-@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("codec", GRADIENT_CODECS)
 def test_round_trip_of_rows_of_subnormals(codec: str) -> None:
     # int8 scales of such rows would underflow to 0 (or lose their precision) unless raised.
     x = torch.tensor([[3e-45, -1.4e-45, 0.0], [1e-40, 5e-41, -2e-41], [1e-38, 0.0, -1e-39]])
@@ -96,7 +96,7 @@ def test_int8_scales_are_the_rows_peak_over_127_rounded_up_to_bfloat16() -> None
 def test_round_trip_with_a_value_above_fp16_max() -> None:
     x = torch.randn(8, 16, generator=_gen())
     x[3, 5] = 1e5
-    for codec in CODECS:
+    for codec in GRADIENT_CODECS:
         _round_trip(codec, x)
 
 
@@ -228,7 +228,7 @@ def test_unknown_codec_and_non_float32_input_raise() -> None:
     with pytest.raises(ValueError, match="unknown codec"):
         error_bound("gzip", torch.randn(3))
     for bad in [torch.randn(3, dtype=torch.float64), torch.randn(3).half(), torch.arange(3)]:
-        for codec in CODECS:
+        for codec in GRADIENT_CODECS:
             with pytest.raises(ValueError, match="float32"):
                 encode(codec, bad)
     with pytest.raises(ValueError, match="float32"):
@@ -237,7 +237,7 @@ def test_unknown_codec_and_non_float32_input_raise() -> None:
 
 def test_encoded_pickles_and_decodes_the_same() -> None:
     x = torch.randn(6, 9, generator=_gen())
-    for codec in CODECS:
+    for codec in GRADIENT_CODECS:
         encoded = encode(codec, x, topk_ratio=0.2)
         copy = pickle.loads(pickle.dumps(encoded))
         assert type(copy) is Encoded
@@ -247,7 +247,7 @@ def test_encoded_pickles_and_decodes_the_same() -> None:
 
 def test_encode_detaches_autograd_inputs() -> None:
     x = torch.randn(5, requires_grad=True)
-    for codec in CODECS:
+    for codec in GRADIENT_CODECS:
         encoded = encode(codec, x, topk_ratio=0.5)
         assert validate(encoded, (5,)) is None
         assert not decode(encoded).requires_grad
@@ -331,7 +331,7 @@ def test_validate_accepts_every_well_formed_encoding() -> None:
     gen = _gen()
     big = torch.randn(4, 8, generator=gen)
     big[0, 0] = 1e6
-    for codec in CODECS:
+    for codec in GRADIENT_CODECS:
         for shape in SHAPES:
             x = torch.randn(shape, generator=gen)
             assert validate(encode(codec, x, topk_ratio=0.3), shape) is None
@@ -481,7 +481,7 @@ def _mutate(rng: random.Random, encoded: Encoded) -> Any:
     if not tensors:  # an earlier mutation removed them all
         tensors.append(_random_tensor(rng))
     if kind == 0:
-        return _replace(encoded, codec=rng.choice([*CODECS, "gzip", "", "INT8"]))
+        return _replace(encoded, codec=rng.choice([*GRADIENT_CODECS, "gzip", "", "INT8"]))
     if kind == 1:
         return _replace(encoded, shape=_random_shape(rng))
     if kind == 2:
@@ -512,7 +512,7 @@ def test_validate_fuzz_never_raises_and_accepted_messages_decode() -> None:
     for _ in range(500):
         shape = _random_shape(rng)
         x = torch.randn(shape) * 10 ** rng.uniform(-3, 6)
-        message: Any = encode(rng.choice(CODECS), x, topk_ratio=rng.uniform(0.01, 1.0))
+        message: Any = encode(rng.choice(GRADIENT_CODECS), x, topk_ratio=rng.uniform(0.01, 1.0))
         for _ in range(rng.choice([0, 1, 1, 2, 3])):
             message = _mutate(rng, message)
         reason = validate(message, shape)

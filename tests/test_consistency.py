@@ -91,10 +91,10 @@ def test_a_sync_round_closes_at_its_deadline_and_the_late_push_is_not_applied(
     assert not first.done()  # before the deadline the round waits for trainer 1
     server.coordinator.check_liveness(time.monotonic() + 1.0)
     first.wait()
-    before = server.shard.state_hash()
+    before = server.shard.store.state_hash()
     late = push(server, 1, 1, row_grads=row_grad(server), grads_call=0)
     late.wait()  # answered at once with current values...
-    assert server.shard.state_hash() == before  # ...and its gradients dropped
+    assert server.shard.store.state_hash() == before  # ...and its gradients dropped
     stats = server.coordinator.liveness_stats()
     assert stats["short_rounds"] == 1 and stats["late_pushes"] == 1
     # Both are in step again: round 2 needs both.
@@ -132,10 +132,10 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused(make_server: M
     waiting.wait()  # the round closed without the departed trainer
     assert server.coordinator.liveness_stats()["departed"] == [1]
     assert server.coordinator.heartbeat(1, 0.0).wait().startswith("departed: silent")
-    before = server.shard.state_hash()
+    before = server.shard.store.state_hash()
     with pytest.raises(TrainerDepartedError, match="declared departed"):
         push(server, 1, 1, row_grads=row_grad(server), grads_call=0).wait()
-    assert server.shard.state_hash() == before
+    assert server.shard.store.state_hash() == before
 
 
 def test_staleness_is_zero_in_sync_mode_and_counts_updates_in_between_in_async(
@@ -205,6 +205,7 @@ def test_ssp_job_keeps_the_bound_and_reports_staleness() -> None:
     assert any(s["held_answers"] for s in summary["server_stats"])
 
 
+@pytest.mark.system
 def test_sync_job_with_a_straggler_and_a_deadline_finishes_with_short_rounds() -> None:
     config = ps.TrainConfig(
         servers=1, trainers=2, mode="sync", round_deadline=0.05, optimizer="sgd", lr=0.05,

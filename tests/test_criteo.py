@@ -390,6 +390,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.system
 @pytest.mark.usefixtures("one_thread")
 def test_planted_signal_is_learnable(tmp_path: Path) -> None:
     write_synthetic_criteo(tmp_path / "signal", 6000, seed=11)
@@ -403,6 +404,7 @@ def test_planted_signal_is_learnable(tmp_path: Path) -> None:
     assert chance_auc < 0.56, chance_auc
 
 
+@pytest.mark.system
 @pytest.mark.usefixtures("one_thread")
 def test_files_of_other_seeds_share_the_planted_signal_unless_told_otherwise(
     tmp_path: Path,
@@ -428,6 +430,7 @@ def test_files_of_other_seeds_share_the_planted_signal_unless_told_otherwise(
     assert torch.equal(held_out[0], other[0])
 
 
+@pytest.mark.system
 def test_a_criteo_job_is_compared_with_its_single_process_reference(tmp_path: Path) -> None:
     """Hashed ids in dynamic tables: the reference trains them in-process with the servers'
     table code; one trainer in sync mode reaches the same model, so the same AUC."""
@@ -450,6 +453,7 @@ def test_a_criteo_job_is_compared_with_its_single_process_reference(tmp_path: Pa
     assert abs(reference["eval_auc"] - result["eval_auc"]) < 1e-3, (reference, result)
 
 
+@pytest.mark.system
 def test_cli_trains_on_criteo_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plain, train, held_out = tmp_path / "train.txt", tmp_path / "train.gz", tmp_path / "eval.txt"
     write_synthetic_criteo(plain, 3000, seed=3)
@@ -512,6 +516,7 @@ def test_eval_fraction_never_cuts_a_gzip_file(tmp_path: Path) -> None:
             CriteoFiles(paths, eval_fraction=fraction)
 
 
+@pytest.mark.system
 def test_cli_eval_fraction(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path, packed = tmp_path / "day_0", tmp_path / "day_0.gz"
     write_synthetic_criteo(path, 4000, seed=0)

@@ -78,6 +78,7 @@ def random_good_lines(rng: random.Random, count: int) -> bytes:
     return "\n".join(text).encode()  # the last line without its newline
 
 
+@pytest.mark.system
 @pytest.mark.parametrize("num_trainers", [1, 2, 3])
 @pytest.mark.parametrize("batch_size", [1, 64, 1000])
 def test_batches_are_the_line_by_line_readers(
@@ -185,6 +186,7 @@ def test_a_file_of_empty_lines_has_no_batches(tmp_path: Path) -> None:
 # ---- the reading thread ----
 
 
+@pytest.mark.system
 def test_no_reading_thread_outlives_its_iterator(tmp_path: Path) -> None:
     path = tmp_path / "day_0"
     write_synthetic_criteo(path, 20_000, seed=0)
@@ -206,6 +208,7 @@ def test_no_reading_thread_outlives_its_iterator(tmp_path: Path) -> None:
     assert not reader_threads()
 
 
+@pytest.mark.system
 def test_a_cli_job_that_stops_early_leaves_no_reading_thread(tmp_path: Path) -> None:
     path = tmp_path / "day_0"
     write_synthetic_criteo(path, 20_000, seed=0)

@@ -28,6 +28,8 @@ from tests.helpers import (
 )
 from tests.procs import children_of_launcher
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 NUM_TRAINERS = 3
 NUM_STEPS = 20
 OPTIMIZERS = PARITY_OPTIMIZERS

@@ -16,23 +16,23 @@ from torch.futures import Future
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
-from paramserver.idmap import RESERVE_GROWTH
 from paramserver.launch.roles import build_server
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server import tables
-from paramserver.server.dynamic import PULLS_KEPT, DynamicTable
-from paramserver.server.dynamic_rows import init_rows
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.server.tables import (
+from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+from paramserver.store import growth
+from paramserver.store.dynamic import PULLS_KEPT, DynamicTable
+from paramserver.store.growth import (
     GROWTH_ROOM_BYTES,
     HUGE_PAGE_BYTES,
-    Reading,
+    RESERVE_GROWTH,
     regrown,
     row_storage,
 )
-from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+from paramserver.store.rowinit import init_rows
+from paramserver.store.table import Reading
 from tests.helpers import EXTREMES, NUM_IDS, HashedModel, hashed_batches, mse
 
 
@@ -175,7 +175,7 @@ def call(server: ServerEndpoint, trainer: int, step: int, **fields: Any) -> Futu
 
 def test_an_async_push_skips_a_row_replaced_since_its_pull() -> None:
     server = capped_server("async", trainers=2)
-    emb = server.shard.tables["emb.weight"]
+    emb = server.shard.store.tables["emb.weight"]
     x = ids(1000)
     call(server, 0, 0, pull_rows={"emb.weight": x}).wait()  # trainer 0 reads x at step 0
     call(server, 1, 0).wait()
@@ -193,7 +193,7 @@ def test_a_sync_round_skips_a_row_replaced_since_its_pull() -> None:
     """Round 1 closes at its deadline with trainer 0 alone, who reads x; before round 2 sums
     its gradient, late calls of the others evict x (capacity 6) and admit it again."""
     server = capped_server("sync", trainers=3, round_deadline=0.5, min_contributors=1)
-    emb = server.shard.tables["emb.weight"]
+    emb = server.shard.store.tables["emb.weight"]
     x = ids(1000)
     for trainer in range(3):
         call(server, trainer, 0).wait()
@@ -233,7 +233,7 @@ def test_a_sync_initial_read_counts_at_step_0_whatever_arrived_before_it(overtak
     config = ps.TrainConfig(servers=1, trainers=2, mode="sync", optimizer="sgd", lr=1.0)
     server = build_server(0, config, AdmittingModel)
     try:
-        emb = server.shard.tables["emb.weight"]
+        emb = server.shard.store.tables["emb.weight"]
         x = ids(1000)
         if not overtaken:
             call(server, 0, 0, pull_rows={"emb.weight": x}).wait()
@@ -386,16 +386,26 @@ def vm_flags(address: int) -> list[str]:
 
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="Linux's huge pages")
-def test_storage_allocated_whole_asks_for_huge_pages() -> None:
-    """A fixed table's storage of a huge page or more is mapped with huge pages advised
-    (VmFlags ``hg``); smaller tensors are plain ones."""
+def test_storage_allocated_whole_asks_for_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed table's storage of a huge page or more is mapped on its own with huge pages
+    advised (VmFlags ``hg``); smaller tensors are plain ones, mapped by no one here (the
+    allocator's heap they land in may carry any flags)."""
+    mappings: list[int] = []
+    mapped = growth._mapped
+
+    def counted(nbytes: int, **kwargs: bool) -> mmap.mmap:
+        mappings.append(nbytes)
+        return mapped(nbytes, **kwargs)
+
+    monkeypatch.setattr(growth, "_mapped", counted)
     rows = HUGE_PAGE_BYTES // (32 * 4) + 100
     big = row_storage((rows, 32), torch.float32)
     assert big.shape == (rows, 32) and "hg" in vm_flags(big.data_ptr())
+    assert mappings == [rows * 32 * 4]
     big.copy_(torch.arange(rows * 32, dtype=torch.float32).view(rows, 32))
     assert float(big[-1, -1]) == rows * 32 - 1
     small = row_storage((100, 32), torch.float32)
-    assert small.shape == (100, 32) and "hg" not in vm_flags(small.data_ptr())
+    assert small.shape == (100, 32) and mappings == [rows * 32 * 4]
 
 
 def resident_bytes() -> int:
@@ -417,7 +427,7 @@ def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
     before = resident_bytes()
     grown = [regrown(plain, 307) for _ in range(4)][-1]  # copied, with room to grow in place
     assert resident_bytes() - before < 64 << 20  # the room is address space, not memory
-    room = GROWTH_ROOM_BYTES if tables._MAP_NORESERVE else 0
+    room = GROWTH_ROOM_BYTES if growth._MAP_NORESERVE else 0
     assert grown.untyped_storage().nbytes() >= max(room, 307 * RESERVE_GROWTH * 16)
     # A fork charged for the room would fail (ENOMEM): preexec_fn makes Popen fork, not vfork.
     subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=lambda: None)
@@ -427,7 +437,7 @@ def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
     assert again.data_ptr() == grown.data_ptr() and torch.equal(again[:307], grown)
     bounded = regrown(plain, 307, most=1000)
     assert bounded.untyped_storage().nbytes() == 1000 * 16 and torch.equal(bounded[:300], plain)
-    mapped = tables._mapped
+    mapped = growth._mapped
 
     def refused_beyond(limit: int) -> Any:
         def mapping(nbytes: int, *, reserved: bool = True) -> mmap.mmap:
@@ -437,9 +447,9 @@ def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
 
         return mapping
 
-    monkeypatch.setattr(tables, "_mapped", refused_beyond(307 * RESERVE_GROWTH * 16))
+    monkeypatch.setattr(growth, "_mapped", refused_beyond(307 * RESERVE_GROWTH * 16))
     assert regrown(plain, 307).untyped_storage().nbytes() == 307 * RESERVE_GROWTH * 16
-    monkeypatch.setattr(tables, "_mapped", refused_beyond(0))
+    monkeypatch.setattr(growth, "_mapped", refused_beyond(0))
     alone = regrown(plain, 307)
     assert alone.untyped_storage().nbytes() == 307 * 16 and torch.equal(alone[:300], plain)
     monkeypatch.undo()
@@ -488,13 +498,13 @@ def test_one_read_of_several_tables_makes_each_tables_own_rows() -> None:
         reply = endpoint.coordinator.push_pull(PushPullRequest(0, 0, pull_rows=wanted)).wait()
         rows = {}
         for name, table_ids in wanted.items():
-            table = endpoint.shard.tables[name]
+            table = endpoint.shard.store.tables[name]
             expected = init_rows(name, table.options, table_ids, table.spec.dim)
             torch.testing.assert_close(reply.rows[name], expected, rtol=0, atol=0)
             assert table.stats()["rows"] == table_ids.numel()
             rows[name] = table.ids.live_rows()[1]
             torch.testing.assert_close(table.weight[rows[name]], expected, rtol=0, atol=0)
-        tables = endpoint.shard.tables
+        tables = endpoint.shard.store.tables
         assert tables["a.weight"].weight is tables["b.weight"].weight
         assert tables["c.weight"].weight is not tables["a.weight"].weight
         shared = torch.cat([rows["a.weight"], rows["b.weight"]]).sort().values
@@ -527,7 +537,7 @@ def test_tables_read_together_admit_and_evict_as_each_would_alone() -> None:
     shard = endpoint.shard
     rule = OptimizerConfig(name="adagrad", lr=0.5)
     alone = {n: DynamicTable(shard.plan.tables[n], make_rule(rule)) for n in names}
-    assert shard.tables[names[0]].weight is shard.tables[names[2]].weight
+    assert shard.store.tables[names[0]].weight is shard.store.tables[names[2]].weight
     g = torch.Generator().manual_seed(0)
     last: dict[str, Tensor] = {}
     try:
@@ -550,7 +560,7 @@ def test_tables_read_together_admit_and_evict_as_each_would_alone() -> None:
                 torch.testing.assert_close(reply.rows[name], own, rtol=0, atol=0)
             last = wanted
         for name in names:
-            together, own = shard.tables[name].stats(), alone[name].stats()
+            together, own = shard.store.tables[name].stats(), alone[name].stats()
             for counter in (
                 "rows",
                 "admitted",
@@ -560,8 +570,8 @@ def test_tables_read_together_admit_and_evict_as_each_would_alone() -> None:
                 "dropped_grads",
             ):
                 assert together[counter] == own[counter], (name, counter)
-        assert shard.tables["counting.weight"].stats()["pending_ids"] > 0
-        assert shard.tables["expiring.weight"].stats()["evicted"] > 0
+        assert shard.store.tables["counting.weight"].stats()["pending_ids"] > 0
+        assert shard.store.tables["expiring.weight"].stats()["evicted"] > 0
     finally:
         endpoint.coordinator.close()
 

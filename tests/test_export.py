@@ -22,8 +22,8 @@ from paramserver.checkpoint.store import load_latest, write_part
 from paramserver.cli import main
 from paramserver.errors import CheckpointError, ConfigError
 from paramserver.modelplan import plan_of
-from paramserver.server.snapshot import snapshot_shard
 from paramserver.sharding import ShardPlan
+from paramserver.store.snapshot import snapshot_store
 from paramserver.trainer.loop import trainer_model
 from tests.helpers import TinyRecModel, hashed_batches, mse, threads_job
 from tests.procs import REPO
@@ -137,7 +137,7 @@ def test_export_writes_the_checkpoints_values_in_windows(
         servers=3, trainers=2, optimizer="adam", lr=0.01, launcher="threads", progress=False
     )
     _, transport = threads_job(config, MixedModel, lambda t, n: hashed_batches(t), mse)
-    saved = [snapshot_shard(endpoint.shard) for endpoint in transport.endpoints]
+    saved = [snapshot_store(endpoint.shard.store) for endpoint in transport.endpoints]
     found = committed(tmp_path / "ckpt", saved)
     out = tmp_path / "model.pt"
     assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0
@@ -234,6 +234,7 @@ def export_peak_rss(tmp_path: Path, name: str, rows: int) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_export_holds_about_one_shard_of_a_table_it_writes_whole(tmp_path: Path) -> None:
     """A 256 MB table over 4 servers exports in under half a table (one shard is a quarter)
@@ -271,7 +272,7 @@ def shared_table_batches(trainer: int) -> Iterator[tuple[Tensor, Tensor]]:
 def test_export_names_a_shared_table_by_each_of_its_names(tmp_path: Path) -> None:
     config = ps.TrainConfig(servers=2, trainers=1, launcher="threads", progress=False)
     _, transport = threads_job(config, SharedTable, lambda t, n: shared_table_batches(t), mse)
-    saved = [snapshot_shard(endpoint.shard) for endpoint in transport.endpoints]
+    saved = [snapshot_store(endpoint.shard.store) for endpoint in transport.endpoints]
     committed(tmp_path / "ckpt", saved)
     out = tmp_path / "model.pt"
     assert main(["export", str(tmp_path / "ckpt"), str(out)]) == 0

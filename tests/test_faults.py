@@ -33,6 +33,8 @@ from tests.procs import (
     wait_until,
 )
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 
 def dying_at(step: int, victim: int = 1) -> Any:
     """Data whose trainer ``victim`` SIGKILLs its own process at ``step``."""

@@ -151,6 +151,7 @@ def test_a_weight_used_other_than_by_lookups_is_refused_naming_the_table(
     assert replica.model.item.weight.shape == (10, 4)  # its shape may still be asked
 
 
+@pytest.mark.system
 def test_a_field_model_trains_in_worker_processes() -> None:
     """The path where numpy sizes first failed: the plan's fingerprint compared over RPC."""
     config = ps.TrainConfig(servers=2, trainers=1, launcher="processes", progress=False)

@@ -28,7 +28,7 @@ GARBAGE: list[Any] = [
 def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullRequest], None]]:
     """Ways to spoil a valid request, each always fatal to it."""
     dense = a_dense_name(endpoint)
-    shape = tuple(endpoint.shard.dense[dense].value.shape)
+    shape = tuple(endpoint.shard.store.dense[dense].value.shape)
     junk = lambda: rng.choice(GARBAGE)  # noqa: E731
 
     def bad_ids() -> torch.Tensor:
@@ -113,7 +113,7 @@ def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
 ) -> None:
     rng = random.Random(0)
     endpoint = make_server()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     spoilers = corruptions(endpoint, rng)
     kinds: dict[str, int] = {}
     for _ in range(1200):
@@ -131,7 +131,7 @@ def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
         with pytest.raises(ParamServerError) as caught:
             future.wait()
         kinds[type(caught.value).__name__] = kinds.get(type(caught.value).__name__, 0) + 1
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     assert endpoint.shard.stats.pushes == 0
     assert kinds.get("InvalidPushError", 0) > 300  # most are caught by content checks
 
@@ -142,13 +142,13 @@ def junk_request(rng: random.Random) -> Any:
 
 def test_a_call_over_the_size_cap_is_refused(make_server: MakeServer) -> None:
     endpoint = make_server(max_message_mb=0.0002)  # 209 bytes
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     ids = own_ids(endpoint, *range(20))
     small = {"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))}
     for wire in (ids, compact_ids(ids)):  # packed: 28 bytes on the wire, 160 once unpacked
         big = {"user.weight": RowBlock(wire, torch.ones(20, 4))}
         with pytest.raises(InvalidPushError, match="exceeds the cap"):
             endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=big)).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     endpoint.coordinator.push_pull(PushPullRequest(0, 0, row_grads=small)).wait()
-    assert endpoint.shard.state_hash() != before
+    assert endpoint.shard.store.state_hash() != before

@@ -19,6 +19,8 @@ from tests.fakes import FaultyTransport
 from tests.helpers import FaultyJobs, MakeServer, TinyRecModel, mse, tiny_batches
 from tests.procs import children_of_launcher
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 STALL_S = 3.0
 
 

@@ -201,7 +201,7 @@ def test_a_server_applies_and_answers_packed_ids_as_it_does_plain_ones(
         read = PushPullRequest(0, 0, pull_dense=False, pull_rows={"user.weight": wire})
         assert endpoint.handle("pull", (read,)).wait().rows["user.weight"].shape == (3, 4)
     assert torch.equal(answers[0].rows["items.weight"], answers[1].rows["items.weight"])
-    assert plain.shard.state_hash() == packed.shard.state_hash()
+    assert plain.shard.store.state_hash() == packed.shard.store.state_hash()
 
 
 def spoiled_packings(endpoint: Any) -> list[tuple[str, PackedIds, str]]:
@@ -233,7 +233,7 @@ def test_a_malformed_packing_is_refused_whole_and_changes_nothing(
     make_server: MakeServer, where: str
 ) -> None:
     endpoint = make_server()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     for what, bad, reason in spoiled_packings(endpoint):
         grads = torch.ones(2, 4)
         if where == "row_grads":
@@ -245,7 +245,7 @@ def test_a_malformed_packing_is_refused_whole_and_changes_nothing(
         with pytest.raises(InvalidPushError, match=reason) as caught:
             endpoint.handle("push_pull", (request,)).wait()
         assert "'user.weight'" in str(caught.value) and "server 0" in str(caught.value), what
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     assert endpoint.coordinator.last_call == {}  # no call was taken
 
 
@@ -253,7 +253,7 @@ def test_packed_ids_count_unpacked_against_the_cap_before_they_are_unpacked(
     make_server: MakeServer,
 ) -> None:
     endpoint = make_server(servers=1, trainers=1, max_message_mb=1 / 4096)  # 256 bytes
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     # 40 ids: 48 bytes on the wire, 320 once unpacked (and 640 of rows the pull would read).
     many = compact_ids(torch.arange(40))
     assert type(many) is PackedIds and many.nbytes == 48
@@ -271,7 +271,7 @@ def test_packed_ids_count_unpacked_against_the_cap_before_they_are_unpacked(
     assert endpoint.handle("pull", (pull_of(10),)).wait().rows["items.weight"].shape == (10, 4)
     with pytest.raises(InvalidPushError, match="answer reading 320 bytes"):
         endpoint.handle("push_pull", (pull_of(20),)).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
 
 # ---- a job's bytes per step ----

@@ -1,4 +1,4 @@
-"""The dynamic tables' id map (paramserver.idmap): collisionless for any int64, one map shared
+"""The dynamic tables' id map (paramserver.store.idmap): collisionless for any int64, one map shared
 by several tables like one per table, rows reused, arrays grown in place."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver.idmap import FusedIdMap, IdMap
+from paramserver.store.idmap import FusedIdMap, IdMap
 from tests.helpers import EXTREMES
 
 # Every test runs with the compiled loops and with numpy only (tests/conftest.py).

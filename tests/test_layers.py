@@ -177,6 +177,7 @@ def test_a_stale_reference_is_caught(stale: str) -> None:
     assert unknown_references(f"See {stale} and `Coordinator.push_pull()`.") == [stale.strip("`")]
 
 
+@pytest.mark.system
 def test_importing_the_package_loads_no_role_transport_or_launcher() -> None:
     script = "import sys, paramserver; print(*(m for m in sys.modules if 'paramserver' in m))"
     loaded = subprocess.run(

@@ -33,6 +33,8 @@ from tests.helpers import (
 )
 from tests.procs import REPO, descendants, free_port, stop
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 NUM_TRAINERS = 3
 NUM_STEPS = 20
 WARMUP, DECAY = 4, 12  # warm-up, then a cosine decay to 10% of the lr, flat after step 16

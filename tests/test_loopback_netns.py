@@ -19,6 +19,8 @@ import pytest
 from tests._netns_job import HOST_ADDRESS
 from tests.procs import REPO, SMALL_JOB, is_loopback
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 NAMESPACES = ["unshare", "--net", "--uts", "--mount"]
 
 

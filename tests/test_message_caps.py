@@ -51,6 +51,7 @@ HOSTILE_CASES = {
 }
 
 
+@pytest.mark.system
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", sorted(HOSTILE_CASES))
 def test_a_hostile_call_is_refused_within_a_memory_bound(
@@ -70,49 +71,49 @@ def test_top_k_is_refused_for_rows_and_pooled_vectors_but_not_dense_gradients(
     make_server: MakeServer,
 ) -> None:
     endpoint = make_server(servers=1, trainers=1)
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     rows = RowBlock(own_ids(endpoint, 0, 1), encode("topk", torch.ones(2, 4), topk_ratio=0.5))
     with pytest.raises(InvalidPushError, match="codec topk is not used here") as caught:
         endpoint.handle(
             "push_pull", (PushPullRequest(0, 0, row_grads={"user.weight": rows}),)
         ).wait()
     assert "'user.weight'" in str(caught.value) and "server 0" in str(caught.value)
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
     # Pooled gradients: pull bags first, then send their gradient top-k encoded.
     bags = BagBlock(own_ids(endpoint, 0, 1), torch.tensor([0, 1]), 2)
     endpoint.handle("push_pull", (PushPullRequest(0, 0, pool_rows={"items.weight": bags}),)).wait()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     pooled = PooledGrad(0, encode("topk", torch.ones(2, 4), topk_ratio=0.5))
     request = PushPullRequest(0, 1, grads_call=0, pooled_grads={"items.weight": pooled})
     with pytest.raises(InvalidPushError, match="codec topk is not used here"):
         endpoint.handle("push_pull", (request,)).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
     # Dense gradients may come top-k encoded (with error feedback on the trainer).
-    name, slot = next(iter(endpoint.shard.dense.items()))
+    name, slot = next(iter(endpoint.shard.store.dense.items()))
     dense = {name: encode("topk", torch.ones(slot.value.shape), topk_ratio=0.5)}
     endpoint.handle("push_pull", (PushPullRequest(0, 1, grads_call=0, dense_grads=dense),)).wait()
-    assert endpoint.shard.state_hash() != before
+    assert endpoint.shard.store.state_hash() != before
 
 
 def test_row_ids_are_checked_before_a_row_gradient_is_decoded(make_server: MakeServer) -> None:
     endpoint = make_server()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     # Valid int8 for 2 rows, so only the ids (routed to the other server) are wrong.
     block = RowBlock(own_ids(endpoint, 0, 1) + 1, encode("int8", torch.ones(2, 4)))
     request = PushPullRequest(0, 0, row_grads={"user.weight": block})
     with pytest.raises(InvalidPushError, match="routed to the wrong server"):
         endpoint.handle("push_pull", (request,)).wait()
     assert type(block.values) is Encoded  # refused before it was decoded
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
 
 def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads(
     make_server: MakeServer,
 ) -> None:
     endpoint = make_server(servers=1, trainers=1, max_message_mb=1 / 4096)  # 256 bytes
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     # 12 rows of 4: 96 bytes of ids + 48 of int8 + 24 of scales on the wire, under the cap;
     # decoding adds 192.
     block = RowBlock(own_ids(endpoint, *range(12)), encode("int8", torch.ones(12, 4)))
@@ -130,7 +131,7 @@ def test_the_cap_counts_encoded_tensors_decoded_and_the_rows_an_answer_reads(
     for op in ("pull", "push_pull"):
         with pytest.raises(InvalidPushError, match=r"'items.weight'.*answer reading 320 bytes"):
             endpoint.handle(op, (many,)).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     assert endpoint.coordinator.last_call == {}  # the refused push_pull was not counted
 
 

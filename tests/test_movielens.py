@@ -257,6 +257,7 @@ def test_dataset_defaults_yield_to_the_flags(tmp_path: Path) -> None:
     assert config_from_args(args, MOVIELENS_DEFAULTS).epochs == 2  # so does the file
 
 
+@pytest.mark.system
 @needs_files
 @pytest.mark.timeout(90)
 def test_cli_job_beats_the_global_mean_and_matches_one_process(

@@ -21,6 +21,8 @@ import pytest
 
 from tests.procs import REPO, SMALL_JOB, stop
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 SUBNET = "10.213.77"
 
 

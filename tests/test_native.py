@@ -11,10 +11,10 @@ import torch
 
 from paramserver import native, optim
 from paramserver.hashing import GOLDEN_GAMMA
-from paramserver.idmap import FusedIdMap
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server.dynamic_rows import _init_values_and_state
-from paramserver.server.tables import RowArena
+from paramserver.store.arena import RowArena
+from paramserver.store.idmap import FusedIdMap
+from paramserver.store.rowinit import init_values_and_state
 from paramserver.trainer.lookups import unique_each
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
@@ -197,7 +197,7 @@ def test_new_rows_made_by_the_loop_are_numpys(
         arena.weight.fill_(7.0)
         for slot in arena.state.values():
             slot.fill_(7.0)
-        _init_values_and_state(arena, rows, ids, salts, scales)
+        init_values_and_state(arena, rows, ids, salts, scales)
         arenas[mode] = arena
     made, kept = arenas["compiled"], arenas["numpy"]
     assert torch.equal(made.weight, kept.weight) and made.state.keys() == kept.state.keys()

@@ -300,6 +300,7 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
+@pytest.mark.system
 @pytest.mark.timeout(180)
 def test_cli_run_with_a_run_directory_and_its_report(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -404,6 +405,7 @@ def test_report_of_a_directory_without_records_is_a_clear_error(tmp_path: Path) 
         write_report(tmp_path)
 
 
+@pytest.mark.system
 def test_a_workers_peak_memory_is_its_own_not_its_launchers() -> None:
     """ru_maxrss of a forked and exec'd process starts at its parent's peak; a worker's
     reported peak must not."""

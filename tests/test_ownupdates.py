@@ -12,15 +12,8 @@ import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
-from paramserver.protocol import (
-    ROW_HELD,
-    ROW_STEPS,
-    PushPullReply,
-    PushPullRequest,
-    RowBlock,
-    payload_size,
-    state_key,
-)
+from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock, payload_size, state_key
+from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from tests.factorization import RULES, Factorization, train
@@ -60,23 +53,23 @@ def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
         shard = endpoint.shard
         ids, asked = torch.tensor([0, 2, 4]), torch.tensor([True, False, True])
         request = PushPullRequest(0, 0, pull_dense=False)
-        request.pull_rows = {name: ids for name in shard.tables}
-        request.pull_state = {name: asked for name in shard.tables}
+        request.pull_rows = {name: ids for name in shard.store.tables}
+        request.pull_state = {name: asked for name in shard.store.tables}
         if cached:
-            request.pull_versions = {name: torch.full((3,), -1) for name in shard.tables}
+            request.pull_versions = {name: torch.full((3,), -1) for name in shard.store.tables}
         shard.read(request, train=True)  # the dynamic table sees each id once: no rows yet
         request.pull_rows["users.weight"] = torch.tensor([0, 2, 5])  # 5: first seen now
         reply = shard.read(request, train=True, clock=1)
         held = reply.row_state[state_key("users.weight", ROW_HELD)]
         assert held.tolist() == [True, False]  # ids 0 and 5
-        for name, table in shard.tables.items():
+        for name, table in shard.store.tables.items():
             steps = reply.row_state[state_key(name, ROW_STEPS)]
             assert steps.shape == (2,) and not steps.any()  # no update yet
             for slot in table.state:
                 part = reply.row_state[state_key(name, slot)]
                 assert part.shape == (2, table.spec.dim) and not part.any()  # Adam's zeros
         # Once updated, a fixed row's state is its own.
-        items = shard.tables["items.weight"]
+        items = shard.store.tables["items.weight"]
         shard.apply({}, {"items.weight": RowBlock(ids, torch.ones(3, 8))}, step=0)
         reply = shard.read(request, train=True)
         assert state_key("items.weight", ROW_HELD) not in reply.row_state  # every row is

@@ -31,7 +31,8 @@ from tests.procs import (
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(180)
+# Starts processes or whole jobs: the system tier.
+pytestmark = [pytest.mark.timeout(180), pytest.mark.system]
 
 
 def test_sync_over_rpc_equals_the_in_process_run_and_ships_closures() -> None:

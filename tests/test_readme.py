@@ -56,6 +56,8 @@ SHORT = (
     "--train-batches", "24", "--rows-per-table", "1000", "--eval-samples", "1024",
     "--batch-size", "128", "--no-progress",
 )  # fmt: skip
+
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
 THREADS = ("--launcher", "threads")
 
 

@@ -91,7 +91,7 @@ def final_state_and_counters(
     state = gather_state(transport, transport.endpoints[0].shard.plan, with_optimizer=True)
     counters: dict[str, dict[str, int]] = {}
     for endpoint in transport.endpoints:
-        for name, stats in endpoint.shard.table_stats().items():
+        for name, stats in endpoint.shard.store.table_stats().items():
             if "admitted" in stats:
                 total = counters.setdefault(name, dict.fromkeys(COUNTERS, 0))
                 for key in COUNTERS:

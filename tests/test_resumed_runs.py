@@ -14,7 +14,7 @@ from torch import nn
 import paramserver as ps
 from paramserver.checkpoint import CheckpointError
 from paramserver.launch.roles import build_server
-from paramserver.server.snapshot import restore_shard, snapshot_shard
+from paramserver.store.snapshot import restore_store, snapshot_store
 from tests.helpers import (
     NUM_IDS,
     TinyRecModel,
@@ -24,6 +24,8 @@ from tests.helpers import (
     tiny_batches,
     wait_for_checkpoint,
 )
+
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
 
 STEPS = 12
 SAVED_AT = 8
@@ -126,16 +128,16 @@ def test_restoring_onto_fewer_servers_than_a_capacity_allows_is_refused() -> Non
     assert NUM_IDS > 3 * 12
     job = ps.TrainConfig(servers=3, trainers=2, launcher="threads", progress=False)
     _, transport = threads_job(job, CappedModel, lambda t, n: hashed_batches(t), mse)
-    saved = [snapshot_shard(e.shard) for e in transport.endpoints]
-    rows = [e.shard.tables["emb.weight"].ids.num_rows for e in transport.endpoints]
+    saved = [snapshot_store(e.shard.store) for e in transport.endpoints]
+    rows = [e.shard.store.tables["emb.weight"].ids.num_rows for e in transport.endpoints]
     assert all(10 <= r <= 12 for r in rows), rows  # each server at its capacity
     # As many servers: every server gets back its own rows, which fit. (On more servers the
     # ids re-route through hash buckets, and one server may still get more than its capacity.)
     for server in range(3):
-        restore_shard(build_server(server, job, CappedModel).shard, saved)
+        restore_store(build_server(server, job, CappedModel).shard.store, saved)
     fresh = build_server(0, job.replace(servers=1), CappedModel)
     with pytest.raises(CheckpointError) as refused:
-        restore_shard(fresh.shard, saved)
+        restore_store(fresh.shard.store, saved)
     message = str(refused.value)
     assert "'emb.weight'" in message and f"{sum(rows)} rows" in message
     assert "capacity of 12 rows per server" in message and "saved by 3 servers" in message

@@ -66,12 +66,12 @@ def test_gradients_are_decoded_once_where_they_are_checked(make_server: MakeServ
     shard = endpoint.shard
     ids = torch.tensor([0, 3])
     grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
-    before = shard.export_state()[TABLE]["value"][ids]
+    before = shard.store.export_state()[TABLE]["value"][ids]
     request = PushPullRequest(0, 0, row_grads={TABLE: RowBlock(ids, encode("fp16", grads))})
     shard.checks.decode_request(request)
     assert type(request.row_grads[TABLE].values) is torch.Tensor
     shard.apply({}, request.row_grads)
-    assert torch.equal(shard.export_state()[TABLE]["value"][ids], before - grads)  # sgd, lr 1
+    assert torch.equal(shard.store.export_state()[TABLE]["value"][ids], before - grads)  # sgd, lr 1
     # Past that step nothing decodes: an encoded gradient there is a bug, not a peer's error.
     with pytest.raises(TypeError, match="past decoding"):
         shard.apply({}, {TABLE: RowBlock(ids, encode("fp16", grads))})
@@ -92,14 +92,14 @@ def test_a_pooled_pulls_distinct_ids_serve_its_gradients_push(
     monkeypatch.setattr(torch, "unique", counted)
     bags = BagBlock(torch.tensor([5, 2, 2, 1]), torch.tensor([0, 0, 1, 1]), num_bags=2)
     pull = PushPullRequest(0, 0, pull_dense=False, pool_rows={"items.weight": bags})
-    rows = coordinator.shard.export_state()["items.weight"]["value"]
+    rows = coordinator.shard.store.export_state()["items.weight"]["value"]
     pooled = coordinator.push_pull(pull).wait().pooled["items.weight"]
     assert torch.equal(pooled, torch.stack([rows[5] + rows[2], rows[2] + rows[1]]))
     grads = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 30.0, 40.0]])
     push = PushPullRequest(0, 1, pooled_grads={"items.weight": PooledGrad(0, grads)}, grads_call=0)
     coordinator.push_pull(push).wait()
     assert uniques == [[5, 2, 2, 1]]  # once, at the pull
-    after = coordinator.shard.export_state()["items.weight"]["value"]
+    after = coordinator.shard.store.export_state()["items.weight"]["value"]
     summed = torch.stack([grads[1], grads[0] + grads[1], grads[0]])  # rows 1, 2, 5's bags
     assert torch.equal(after[[1, 2, 5]], rows[[1, 2, 5]] - summed)  # sgd, lr 1
 

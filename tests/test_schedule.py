@@ -255,7 +255,7 @@ def push(
 ) -> torch.futures.Future:
     """A push of ``value`` to one row of user.weight and to a dense parameter."""
     dense = a_dense_name(endpoint)
-    shape = endpoint.shard.dense[dense].value.shape
+    shape = endpoint.shard.store.dense[dense].value.shape
     request = PushPullRequest(
         trainer=trainer,
         call=call,
@@ -269,14 +269,14 @@ def push(
 
 def moved(endpoint: ServerEndpoint, before: tuple[torch.Tensor, torch.Tensor]) -> list[float]:
     """How far (SGD at lr 1: minus lr x gradient) the row and the dense parameter moved."""
-    row = endpoint.shard.tables["user.weight"].weight[0]
-    dense = endpoint.shard.dense[a_dense_name(endpoint)].value
+    row = endpoint.shard.store.tables["user.weight"].weight[0]
+    dense = endpoint.shard.store.dense[a_dense_name(endpoint)].value
     return [float((row - before[0])[0]), float((dense - before[1]).view(-1)[0])]
 
 
 def values_of(endpoint: ServerEndpoint) -> tuple[torch.Tensor, torch.Tensor]:
-    row = endpoint.shard.tables["user.weight"].weight[0].clone()
-    return row, endpoint.shard.dense[a_dense_name(endpoint)].value.clone()
+    row = endpoint.shard.store.tables["user.weight"].weight[0].clone()
+    return row, endpoint.shard.store.dense[a_dense_name(endpoint)].value.clone()
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
@@ -331,17 +331,17 @@ def test_a_bad_factor_on_a_server_is_refused_and_changes_nothing(
     endpoint = make_server(mode=mode, trainers=1, lr_schedule=fails_from(1, bad))
     endpoint.handle("push_pull", (PushPullRequest(trainer=0, call=0),)).wait()
     push(endpoint, 0, 1, 0, 1.0).wait()  # step 0 is fine
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     with pytest.raises(ConfigError, match="lr_schedule of 'dense' returned .* at step 1"):
         push(endpoint, 0, 2, 1, 1.0).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     ids = own_ids(endpoint, 0)
     rows_only = PushPullRequest(
         trainer=0, call=3, grads_call=2, row_grads={"user.weight": RowBlock(ids, torch.ones(1, 4))}
     )
     with pytest.raises(ConfigError, match="lr_schedule of 'user.weight' returned .* at step 2"):
         endpoint.handle("push_pull", (rows_only,)).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
 
 def test_a_job_whose_schedule_fails_midway_stops_naming_the_step() -> None:
@@ -546,6 +546,7 @@ def test_the_lr_of_each_group_is_in_the_run_records_and_the_summary(tmp_path: Pa
             assert rates == pytest.approx(expected(record["step"])), record
 
 
+@pytest.mark.system
 @pytest.mark.timeout(180)
 def test_a_python_schedule_travels_to_worker_processes() -> None:
     """The processes launcher ships the config with cloudpickle: a closure works there."""

@@ -18,7 +18,7 @@ from tests.helpers import MakeServer, a_dense_name, new_server, own_ids
 def bad_requests(endpoint: ServerEndpoint) -> dict[str, PushPullRequest]:
     """One request per class of bad input, each mixed with a valid part that must not apply."""
     dense = a_dense_name(endpoint)
-    shape = endpoint.shard.dense[dense].value.shape
+    shape = endpoint.shard.store.dense[dense].value.shape
     good_rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.ones(2, 4))}
 
     def request(**fields: object) -> PushPullRequest:
@@ -100,12 +100,12 @@ def bad_request_names() -> list[str]:
 def test_bad_push_is_rejected_whole_and_changes_nothing(case: str, make_server: MakeServer) -> None:
     endpoint = make_server()
     request = bad_requests(endpoint)[case]
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     transport = LocalTransport([endpoint])
     with pytest.raises(InvalidPushError) as caught:
         transport.push_pull(0, request).wait()
     assert "server 0" in str(caught.value)
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     assert endpoint.shard.stats.pushes == 0
     # The server still works: the same trainer's valid push applies afterwards.
     good = PushPullRequest(
@@ -114,7 +114,7 @@ def test_bad_push_is_rejected_whole_and_changes_nothing(case: str, make_server: 
         row_grads={"user.weight": RowBlock(own_ids(endpoint, 0), torch.ones(1, 4))},
     )
     transport.push_pull(0, good).wait()
-    assert endpoint.shard.state_hash() != before
+    assert endpoint.shard.store.state_hash() != before
 
 
 def test_error_names_the_parameter(make_server: MakeServer) -> None:
@@ -133,7 +133,7 @@ def test_the_gradient_that_is_not_finite_is_named_among_many(
     one of several, laid out in order or not, is refused naming that one."""
     endpoint = make_server()
     dense = a_dense_name(endpoint)
-    shape = endpoint.shard.dense[dense].value.shape
+    shape = endpoint.shard.store.dense[dense].value.shape
     huge = torch.full(shape, 3e38)  # finite, but sums to inf
     rows = {"user.weight": RowBlock(own_ids(endpoint, 0, 1), torch.full((2, 4), 3e38))}
     accepted = PushPullRequest(trainer=0, call=0, dense_grads={dense: huge}, row_grads=rows)
@@ -197,7 +197,7 @@ def test_ids_checked_together_pass_exactly_what_each_set_checked_alone_passes(
         alone = True
         for name, ids in [*pushed.items(), *pulled.items()]:
             try:
-                checks._check_ids(name, endpoint.shard.tables[name], ids, sorted_unique=True)
+                checks._check_ids(name, endpoint.shard.store.tables[name], ids, sorted_unique=True)
             except InvalidPushError:
                 alone = False
         assert checks._ids_all_valid(request) == alone
@@ -212,7 +212,7 @@ def test_ids_checked_together_pass_exactly_what_each_set_checked_alone_passes(
 
 def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
     endpoint = make_server()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     junk_report = PushPullRequest(trainer=0, call=1, report="junk")  # type: ignore[arg-type]
     cases = [
         ("drop_tables", ()),
@@ -235,7 +235,7 @@ def test_malformed_calls_are_refused(make_server: MakeServer) -> None:
     for op, args in cases:
         with pytest.raises(ParamServerError):
             endpoint.handle(op, args).wait()
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
     assert endpoint.coordinator.last_call == {}
 
 
@@ -261,10 +261,10 @@ def test_a_bad_call_number_is_refused_naming_its_field(
 
 def test_randomized_malformed_pushes_never_change_state(make_server: MakeServer) -> None:
     endpoint = make_server()
-    before = endpoint.shard.state_hash()
+    before = endpoint.shard.store.state_hash()
     g = torch.Generator().manual_seed(0)
     dense = a_dense_name(endpoint)
-    shape = endpoint.shard.dense[dense].value.shape
+    shape = endpoint.shard.store.dense[dense].value.shape
     rejected = 0
     for call in range(1, 301):
         garbage = torch.randn(shape, generator=g)
@@ -281,13 +281,13 @@ def test_randomized_malformed_pushes_never_change_state(make_server: MakeServer)
             endpoint.handle("push_pull", (request,)).wait()
         rejected += 1
     assert rejected == 300
-    assert endpoint.shard.state_hash() == before
+    assert endpoint.shard.store.state_hash() == before
 
 
 def test_concurrent_async_pushes_to_the_same_rows_lose_nothing(make_server: MakeServer) -> None:
     endpoint = make_server(server=0, servers=1, trainers=8)
     ids = torch.tensor([0, 3, 5, 7], dtype=torch.int64)
-    start = endpoint.shard.tables["user.weight"].weight[ids].clone()
+    start = endpoint.shard.store.tables["user.weight"].weight[ids].clone()
     pushes_per_trainer = 50
     barrier = threading.Barrier(8)
 
@@ -310,7 +310,7 @@ def test_concurrent_async_pushes_to_the_same_rows_lose_nothing(make_server: Make
         thread.join()
     total = sum(0.001 * (t + 1) for t in range(8)) * pushes_per_trainer
     expected = start - total  # SGD, lr 1: every push subtracts its gradient
-    torch.testing.assert_close(endpoint.shard.tables["user.weight"].weight[ids], expected)
+    torch.testing.assert_close(endpoint.shard.store.tables["user.weight"].weight[ids], expected)
     assert endpoint.shard.stats.pushes == 8 * pushes_per_trainer
 
 
@@ -357,7 +357,7 @@ def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once(
 ) -> None:
     endpoint = make_server(mode="sync", trainers=3)
     start(endpoint, 3)
-    initial = endpoint.shard.tables["user.weight"].weight[0].clone()
+    initial = endpoint.shard.store.tables["user.weight"].weight[0].clone()
     first = sync_push(endpoint, 0, 1, 1.0)
     second = sync_push(endpoint, 2, 1, 2.0)
     assert not first.done() and not second.done()
@@ -372,7 +372,7 @@ def test_sync_round_waits_for_every_trainer_then_applies_the_mean_once(
 def test_sync_rounds_continue_without_a_trainer_that_left(make_server: MakeServer) -> None:
     endpoint = make_server(mode="sync", trainers=2)
     start(endpoint, 2)
-    initial = endpoint.shard.tables["user.weight"].weight[0].clone()
+    initial = endpoint.shard.store.tables["user.weight"].weight[0].clone()
     a = sync_push(endpoint, 0, 1, 1.0)
     b = sync_push(endpoint, 1, 1, 3.0, final=True)  # trainer 1's data ended
     torch.testing.assert_close(b.wait().rows["user.weight"][0], initial - 2.0)
@@ -406,7 +406,7 @@ def test_a_call_number_gap_is_refused_and_moves_no_clock(make_server: MakeServer
     jump = PushPullRequest(trainer=1, call=10**6, pull_dense=False)
     with pytest.raises(ParamServerError, match="sent call 1000000 after 0"):
         endpoint.handle("push_pull", (jump,)).wait()
-    assert endpoint.shard.clock == 0
+    assert endpoint.shard.store.clock == 0
     assert endpoint.coordinator.last_call == {0: 0, 1: 0}
 
 

@@ -15,8 +15,8 @@ from paramserver.config import ShardSettings
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.protocol import RowBlock
 from paramserver.server.shard import ServerShard
-from paramserver.server.tables import Reading
 from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
+from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
 
 RULES = [
@@ -49,7 +49,7 @@ def make_shard(rule: OptimizerConfig) -> ServerShard:
     values = {"w1": torch.randn(3, 5, generator=g), "w2": torch.randn(5, generator=g)}
     inits = {n: RowInit.given(n, torch.randn(40, 4, generator=g)) for n in FIXED}
     shard = ServerShard(0, plan, values, inits, settings)
-    shard.tables["d"].read(torch.arange(0, 80, 2), Reading(train=True))  # rows exist
+    shard.store.tables["d"].read(torch.arange(0, 80, 2), Reading(train=True))  # rows exist
     return shard
 
 
@@ -71,19 +71,19 @@ def test_a_push_applied_together_equals_each_table_alone(rule: OptimizerConfig) 
     together, alone = make_shard(rule), make_shard(rule)
     for step, (dense, rows) in enumerate(pushes(1)):
         together.apply(dense, rows, clock=step, step=step)
-        dense_lr, table_lrs = alone.learning_rates(step, dense, rows)
+        dense_lr, table_lrs = alone.store.learning_rates(step, dense, rows)
         for name, grad in dense.items():
-            slot = alone.dense[name]
+            slot = alone.store.dense[name]
             slot.rule.step(slot.value, grad, slot.state, slot.version, dense_lr)
         for name, block in rows.items():
-            alone.tables[name].apply(block.ids, block.values, step, lr=table_lrs[name])
-    got = together.export_state(with_optimizer=True)
-    want = alone.export_state(with_optimizer=True)
+            alone.store.tables[name].apply(block.ids, block.values, step, lr=table_lrs[name])
+    got = together.store.export_state(with_optimizer=True)
+    want = alone.store.export_state(with_optimizer=True)
     assert got.keys() == want.keys()
     for name, entry in want.items():
         assert entry.keys() == got[name].keys()
         for key, value in entry.items():
             assert torch.equal(got[name][key], value), f"{name} {key}"
     assert together.stats.rows_updated == 4 * 15 * 5
-    start = make_shard(rule).export_state()
+    start = make_shard(rule).store.export_state()
     assert all(not torch.equal(got[n]["value"], start[n]["value"]) for n in got), "vacuous"

@@ -24,6 +24,8 @@ from paramserver.transport.rpc import RpcTransport
 from tests.helpers import TinyRecModel, mse, tiny_batches
 from tests.procs import REPO, SMALL_JOB, children_of_launcher, rank_pid, stop
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 EOF_ERROR = (
     "EOF: end of file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)"
 )

@@ -9,7 +9,7 @@ from torch import nn
 import paramserver as ps
 from paramserver.checkpoint import gather_saved
 from paramserver.launch.roles import build_server
-from paramserver.server.snapshot import restore_shard, snapshot_shard
+from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.trainer.client import gather_state
 from paramserver.transport.local import LocalTransport
 from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, threads_job, tiny_batches
@@ -36,12 +36,12 @@ def test_a_snapshot_restores_every_value_and_state_on_any_server_count(
     config, transport = trained(model_fn, lambda t, n: data(t), servers=2)  # type: ignore[operator]
     plan = transport.endpoints[0].shard.plan
     before = gather_state(transport, plan, with_optimizer=True)
-    saved = [snapshot_shard(e.shard) for e in transport.endpoints]
+    saved = [snapshot_store(e.shard.store) for e in transport.endpoints]
 
     new_config = config.replace(servers=new_servers)
     fresh = [build_server(s, new_config, model_fn) for s in range(new_servers)]
     for endpoint in fresh:
-        restore_shard(endpoint.shard, saved)
+        restore_store(endpoint.shard.store, saved)
     after = gather_state(LocalTransport(fresh), fresh[0].shard.plan, with_optimizer=True)
     assert before.keys() == after.keys()
     for name, entry in before.items():

@@ -169,7 +169,7 @@ def test_a_message_of_calls_applies_each_in_order_and_answers_the_last(
     make_server: MakeServer,
 ) -> None:
     endpoint = make_server()
-    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    start = endpoint.shard.store.tables["user.weight"].weight[0].clone()
     reply = endpoint.handle("push_pulls", ([push(endpoint, c, float(c)) for c in range(3)],))
     answer = reply.wait()
     assert isinstance(answer, PushPullReply)
@@ -185,12 +185,12 @@ def test_a_message_of_calls_applies_each_in_order_and_answers_the_last(
 def test_a_refused_call_ends_the_message_there(make_server: MakeServer) -> None:
     """The calls before it stay applied, those after it are not looked at."""
     endpoint = make_server()
-    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    start = endpoint.shard.store.tables["user.weight"].weight[0].clone()
     bad = push(endpoint, 1, float("nan"))
     calls = [push(endpoint, 0, 1.0), bad, push(endpoint, 2, 5.0)]
     with pytest.raises(InvalidPushError, match="NaN or Inf"):
         endpoint.handle("push_pulls", (calls,)).wait()
-    torch.testing.assert_close(endpoint.shard.tables["user.weight"].weight[0], start - 1.0)
+    torch.testing.assert_close(endpoint.shard.store.tables["user.weight"].weight[0], start - 1.0)
     assert endpoint.coordinator.last_call == {0: 0}
 
 
@@ -221,7 +221,7 @@ def test_a_sync_message_joins_each_calls_round_in_turn(make_server: MakeServer) 
     endpoint = make_server(mode="sync", trainers=2)
     for trainer in range(2):
         endpoint.handle("push_pull", (PushPullRequest(trainer, 0, pull_dense=False),)).wait()
-    start = endpoint.shard.tables["user.weight"].weight[0].clone()
+    start = endpoint.shard.store.tables["user.weight"].weight[0].clone()
     message = endpoint.handle("push_pulls", ([push(endpoint, 1, 2.0), push(endpoint, 2, 2.0)],))
     assert not message.done()  # its first call waits for round 1
     endpoint.handle("push_pull", (push(endpoint, 1, 4.0, trainer=1),)).wait()

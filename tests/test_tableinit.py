@@ -19,7 +19,7 @@ from paramserver.launch.roles import build_server
 from paramserver.modelplan import build_model, initial_model, plan_of, seeded_model
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.server.tables import FixedTable
+from paramserver.store.fixed import FixedTable
 from paramserver.trainer.loop import trainer_model
 from tests.procs import REPO
 
@@ -173,7 +173,7 @@ def test_a_model_fn_that_needs_its_tables_values_is_built_whole_everywhere_alike
     config = ps.TrainConfig(servers=2, trainers=1)
     endpoint = build_server(1, config, ReadsItsTable)
     try:
-        table = endpoint.shard.tables["table.weight"]
+        table = endpoint.shard.store.tables["table.weight"]
         assert torch.equal(table.weight, whole.table.weight.detach()[1::2])
     finally:
         endpoint.coordinator.close()
@@ -187,6 +187,7 @@ def build_peak(role: str, rows: int, servers: int) -> dict[str, float]:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_a_server_allocates_about_its_share_of_a_table() -> None:
     table_mib = 1_000_000 * 64 * 4 / 2**20  # 244 MiB whole
@@ -197,6 +198,7 @@ def test_a_server_allocates_about_its_share_of_a_table() -> None:
     assert whole["growth_mib"] > table_mib  # the measure sees a table built whole
 
 
+@pytest.mark.system
 @pytest.mark.timeout(300)
 def test_a_trainers_memory_does_not_grow_with_its_tables() -> None:
     small, large = build_peak("trainer", 1_000, 1), build_peak("trainer", 1_000_000, 1)
@@ -226,6 +228,7 @@ print(sorted(m for m in ("torch._dynamo", "torchmetrics") if m in sys.modules))
 """
 
 
+@pytest.mark.system
 def test_building_a_model_loads_neither_torch_dynamo_nor_torchmetrics() -> None:
     """Each costs every process of a job about a second (dynamo) and half a second at its
     start: torch imports dynamo at a dispatch mode's first call and for a meta tensor's

@@ -22,6 +22,8 @@ from paramserver.trainer.loop import default_loop, run_trainer, trainer_model
 from paramserver.transport.local import LocalTransport
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
+pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
+
 
 @pytest.mark.timeout(300)
 def test_async_two_trainers_learn_as_well_as_single_process_on_the_default_job() -> None:
@@ -136,7 +138,7 @@ def test_pulls_only_the_rows_a_step_touches() -> None:
     # Prefetching, the rows the step before also touched come with their optimizer state
     # (see tests/test_ownupdates.py), Adagrad's sum, and so do the dense values, with their
     # count of updates, from the second call on.
-    state_bytes = transport.endpoints[0].shard.tables["user.weight"].arena.state_row_nbytes()
+    state_bytes = transport.endpoints[0].shard.store.tables["user.weight"].arena.state_row_nbytes()
     assert state_bytes == row_bytes
     per_step = [
         sum(transport.pulled_per_call[i * servers : (i + 1) * servers]) for i in range(steps)

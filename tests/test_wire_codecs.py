@@ -56,13 +56,13 @@ def test_a_malformed_or_mismatched_encoding_is_refused_and_changes_nothing(
 ) -> None:
     server = make_server()
     dense = a_dense_name(server)
-    shape = tuple(server.shard.dense[dense].value.shape)
+    shape = tuple(server.shard.store.dense[dense].value.shape)
     good_rows = {"user.weight": RowBlock(own_ids(server, 0), torch.ones(1, 4))}
     wrong_shape = encode("int8", torch.ones(shape[0] + 1, *shape[1:]))
     nan_scale = encode("int8", torch.ones(shape))
     nan_scale.tensors[1][0] = float("nan")
     bad_rows = RowBlock(own_ids(server, 0, 1), encode("fp16", torch.ones(3, 4)))
-    before = server.shard.state_hash()
+    before = server.shard.store.state_hash()
     for dense_grads, row_grads in (
         ({dense: wrong_shape}, good_rows),
         ({dense: nan_scale}, good_rows),
@@ -72,7 +72,7 @@ def test_a_malformed_or_mismatched_encoding_is_refused_and_changes_nothing(
         request = PushPullRequest(0, 0, dense_grads=dense_grads, row_grads=row_grads)  # type: ignore[arg-type]
         with pytest.raises(InvalidPushError, match="malformed encoding"):
             server.coordinator.push_pull(request).wait()
-    assert server.shard.state_hash() == before
+    assert server.shard.store.state_hash() == before
 
 
 def test_per_table_codecs_come_from_the_toml_file(tmp_path: Path) -> None:

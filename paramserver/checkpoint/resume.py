@@ -4,7 +4,7 @@ plain state_dict assembled from its servers' saved shards.
 Servers and trainers both resume from :func:`resume_from`; :func:`gather_saved` assembles a
 model's state_dict in memory (``paramserver export`` streams it instead, see
 :mod:`paramserver.checkpoint.export`). What a saved shard holds is written by
-:func:`paramserver.server.snapshot.snapshot_shard`: dense values by name, table rows by global
+:func:`paramserver.store.snapshot.snapshot_store`: dense values by name, table rows by global
 row id (fixed tables) or id (dynamic tables).
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from torch import Tensor
 
@@ -27,10 +26,9 @@ from paramserver.checkpoint.store import (
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, ConfigError
 from paramserver.sharding import merge_rows
+from paramserver.store.snapshot import Saved
 
 log = logging.getLogger(__name__)
-
-Saved = tuple[dict[str, Tensor], dict[str, Any]]  # one part: its tensors and its JSON metadata
 
 
 def check_fresh_start(config: TrainConfig) -> None:

@@ -20,7 +20,7 @@ from torch.futures import Future
 from paramserver.checkpoint import Part, checkpoint_dir, write_part
 from paramserver.futures import completed
 from paramserver.server.shard import ServerShard
-from paramserver.server.snapshot import model_signature, snapshot_shard
+from paramserver.store.snapshot import model_signature, snapshot_store
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ class ServerCheckpoints:
         if self.root is None or step < 0:
             raise ValueError(f"server {self.shard.server}: no checkpoint directory, or bad step")
         directory = checkpoint_dir(self.root, step)
-        tensors, meta = snapshot_shard(self.shard)
+        tensors, meta = snapshot_store(self.shard.store)
         meta["step"] = step
-        meta["signature"] = model_signature(self.shard)
+        meta["signature"] = model_signature(self.shard.store)
         written: Future = Future()
 
         def write() -> None:

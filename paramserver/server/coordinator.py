@@ -256,7 +256,7 @@ class Coordinator:
             del self._read_at[read]
         if request.report is not None:
             self.reports[request.trainer] = request.report
-        clock = self.shard.advance_clock(request.call)
+        clock = self.shard.store.advance_clock(request.call)
         if self.mode == "sync" and request.call == 0:
             # Initial reads run at call 0, as round t's run at t. The highest call seen depends
             # on arrival: a faster trainer's call 1 (waiting in round 1) can come before a
@@ -484,7 +484,7 @@ class Coordinator:
                 raise InvalidPushError(
                     "both row and pooled gradients", param=name, server=self.shard.server
                 )
-            table = self.shard.tables[name]
+            table = self.shard.store.tables[name]
             shape = (spec.num_bags, table.spec.dim)
             grads = pooled.grads
             if type(grads) is Encoded:

@@ -102,11 +102,11 @@ class ServerEndpoint:
         return self.coordinator.wait_all_left()
 
     def _op_export_state(self, with_optimizer: bool) -> Future:
-        return completed(self.shard.export_state(with_optimizer=bool(with_optimizer)))
+        return completed(self.shard.store.export_state(with_optimizer=bool(with_optimizer)))
 
     def _op_stats(self) -> Future:
         stats: dict[str, Any] = dict(self.shard.stats.as_dict())
-        stats["tables"] = self.shard.table_stats()
+        stats["tables"] = self.shard.store.table_stats()
         with self.coordinator.lock:
             stats["reports"] = dict(self.coordinator.reports)
             stats["left"] = sorted(self.coordinator.left)

@@ -16,7 +16,8 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.bundles import joined_already
-from paramserver.compression import CODECS, ROW_CODECS, Encoded, decode, validate
+from paramserver.compression import Encoded, decode, validate
+from paramserver.config import GRADIENT_CODECS, VALUE_CODECS
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
 from paramserver.protocol import (
@@ -27,8 +28,8 @@ from paramserver.protocol import (
     message_nbytes,
     message_sizes,
 )
-from paramserver.server.tables import TableShard
 from paramserver.sharding import ShardPlan
+from paramserver.store.table import TableShard
 
 
 class HasValue(Protocol):
@@ -207,7 +208,7 @@ class RequestChecks:
     def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
         """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
         for ``name``: any for a dense gradient, no top-k for rows or pooled vectors."""
-        codecs = CODECS if name in self.dense else ROW_CODECS
+        codecs = GRADIENT_CODECS if name in self.dense else VALUE_CODECS
         problem = validate(encoded, shape, codecs)
         if problem is not None:
             raise self._reject(name, f"malformed encoding: {problem}")

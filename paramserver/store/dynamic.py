@@ -1,10 +1,10 @@
 """A dynamic table: a server's rows of an embedding table keyed by any int64 id (hashed).
 
-It answers the calls of :class:`~paramserver.server.tables.TableShard`; this module holds what
+It answers the calls of :class:`~paramserver.store.table.TableShard`; this module holds what
 only it does: admission, eviction and the records of which row each pull handed out.
 
 A row is created the first time an admitted id is pulled for training, initialized by
-:func:`~paramserver.server.dynamic_rows.init_rows` (a pure function of the table's seed and the
+:func:`~paramserver.store.rowinit.init_rows` (a pure function of the table's seed and the
 id, so it does not depend on the server or on arrival order), and kept in storage (shared with
 the server's other dynamic tables of its kind) that grows by 15% at a time. Admission
 (``min_count``): a training read admits an id pulled for training in ``min_count`` calls,
@@ -23,7 +23,7 @@ reads, and none evicts a row another read of step ``t`` handed out. Trainers' fi
 faster trainer's call 1 arrived (not at the highest step seen, which depends on arrival), and
 a sync round answers in trainer order: a sync job is reproducible, and a checkpoint taken after
 round ``t``'s answers holds every row as each trainer read it, so a resumed trainer reads call
-``t`` again from it without counting it (a :class:`~paramserver.server.tables.Reading` with a
+``t`` again from it without counting it (a :class:`~paramserver.store.table.Reading` with a
 ``pull`` but not ``train``).
 
 Versions: a row created anew starts ``cache_lag + 1`` past any version an evicted row reached,
@@ -42,26 +42,26 @@ than the last few pulls of its trainer) goes to the id's current row, if any.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.idmap import FusedIdMap, IdMap, TableIds, grown_rows, with_rows
-from paramserver.optim import RowUpdate, State, UpdateRule, apply_updates
-from paramserver.server.dynamic_rows import dynamic_arena, locate_together, values_together
-from paramserver.server.tables import (
-    Pull,
-    Reading,
-    RowArena,
-    nbytes_of,
-    restore_rows,
-    row_entries,
-)
+from paramserver.errors import StoreError
+from paramserver.optim import State, UpdateRule, apply_updates, take_rows
 from paramserver.sharding import DynamicOptions, TableSpec
+from paramserver.store.arena import RowArena, by_arena, nbytes_of, restore_rows, row_entries
+from paramserver.store.changes import ChangeFeed
+from paramserver.store.growth import grown_rows, with_rows
+from paramserver.store.idmap import Found, FusedIdMap, IdMap, TableIds
+from paramserver.store.rowinit import init_values_and_state, salt
+from paramserver.store.table import Pull, ReadAsks, Reading, RowsRead, TableUpdate
 
 # Pull records per trainer: this step's, the prefetched one, a retry. A record serves every
 # push computed from its read (several, where a trainer pulls every few steps) until newer
@@ -79,6 +79,7 @@ class SharedRows:
     ids: TableIds
     lock: threading.Lock
     arena: RowArena
+    changes: ChangeFeed
 
 
 @dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
@@ -117,8 +118,9 @@ class DynamicTable:
         self.id_bounds = (-(2**63), 2**63 - 1)  # every int64 id is valid
         if shared is None:
             arena = dynamic_arena([spec], rule, cache_lag)
-            shared = SharedRows(FusedIdMap(1).table(0), threading.Lock(), arena)
+            shared = SharedRows(FusedIdMap(1).table(0), threading.Lock(), arena, ChangeFeed())
         self.ids = shared.ids
+        self.changes = shared.changes
         self.lock = shared.lock
         # Storage grows with the rows that exist: a capacity is a bound, not a reservation.
         self.arena = shared.arena
@@ -222,10 +224,10 @@ class DynamicTable:
         (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
         by :meth:`rows_still_pulled`) at learning rate ``lr``; returns the rows updated."""
         update = self.row_update(ids, grads, pull)
-        apply_updates(self.rule, [update], lr)
+        apply_updates(self.rule, [update.rows], lr)
         return self.updated(update, clock)
 
-    def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> RowUpdate:
+    def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> TableUpdate:
         """The rows of ``ids`` at the read ``pull`` (see :meth:`apply`); the gradients of ids
         without one are dropped (counted)."""
         rows = self._rows_at_pull(ids, pull) if pull is not None else None
@@ -235,15 +237,17 @@ class DynamicTable:
         if not present.all():  # no row at the pull (pending), or it was removed since
             kept = torch.from_numpy(present)
             self.counters.dropped_grads += ids.numel() - int(present.sum())
-            rows, grads = rows[kept], grads[kept]
-        return self.arena.update(rows, grads)
+            ids, rows, grads = ids[kept], rows[kept], grads[kept]
+        return TableUpdate(self.arena.update(rows, grads), ids)
 
-    def updated(self, update: RowUpdate, clock: int) -> int:
+    def updated(self, update: TableUpdate, clock: int) -> int:
+        rows = update.rows.rows
         if self.last_touched is not None:
-            self.last_touched[update.rows] = clock
+            self.last_touched[rows] = clock
         if self.versions is not None:
-            self.versions[update.rows] += 1
-        return update.rows.numel()
+            self.versions[rows] += 1
+        self.changes.rows_written(self.spec.name, update.ids)
+        return rows.numel()
 
     def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
         """Which gradients of ``ids`` (sorted, unique), computed from the read ``pull``, still
@@ -302,13 +306,7 @@ class DynamicTable:
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Add the rows and pending ids of ``saved`` (this server's, from any shard layout)
         with their state; add its counters to this table's."""
-        ids = saved["ids"]
-        if ids.numel():
-            rows = self.ids.insert(ids)
-            self.fit_rows()
-            restore_rows(rows, saved, self.weight, self.state, self.steps, self.versions)
-            if self.last_touched is not None and "last_touched" in saved:
-                self.last_touched[rows] = saved["last_touched"]
+        self.set_rows(saved)
         pending = saved["pending.ids"]
         if pending.numel():
             self.pending.insert(pending)
@@ -324,6 +322,31 @@ class DynamicTable:
             setattr(self.counters, name, getattr(self.counters, name) + int(value))
         self.swept_at = max(self.swept_at, int(meta["swept_at"]))
         self.fresh_version = max(self.fresh_version, int(meta["fresh_version"]))
+
+    def set_rows(self, entries: Mapping[str, Tensor]) -> None:
+        """Set the rows of ``entries["ids"]`` (unique), making those of ids without one (no
+        longer pending: they are rows now)."""
+        ids = entries["ids"]
+        if not ids.numel():
+            return
+        if ids.dtype != torch.int64 or ids.dim() != 1 or ids.unique().numel() != ids.numel():
+            raise StoreError(f"table {self.spec.name!r}: rows set need unique 1-D int64 ids")
+        rows = self.ids.lookup(ids)
+        absent = rows < 0
+        if bool(absent.any()):
+            if self.pending.num_rows:
+                self.pending.remove(ids[absent])
+            rows[absent] = self.ids.insert(ids[absent])
+            self.fit_rows()
+        restore_rows(rows, entries, self.weight, self.state, self.steps, self.versions)
+        if self.last_touched is not None and "last_touched" in entries:
+            self.last_touched[rows] = entries["last_touched"]
+        self.changes.rows_written(self.spec.name, ids)
+
+    def delete_ids(self, ids: Tensor) -> None:
+        """Remove the rows of those of ``ids`` that have one, as an eviction does (counted as
+        evicted; a gradient computed from a removed row is dropped)."""
+        self._remove(ids[self.ids.lookup(ids) >= 0])
 
     def nbytes(self) -> int:
         """This table's bytes: its pending ids', and its share of the arena's and the id
@@ -422,6 +445,7 @@ class DynamicTable:
                 reached = int(self.versions[rows].max())
                 self.fresh_version = max(self.fresh_version, reached + self.cache_lag + 1)
             self._strike_from_pulls(rows)
+            self.changes.ids_removed(self.spec.name, ids)
 
     def _strike_from_pulls(self, removed: Tensor) -> None:
         """Mark ``removed`` rows as gone in every pull record: their gradients are dropped."""
@@ -432,3 +456,204 @@ class DynamicTable:
         for record in records:
             at = torch.searchsorted(removed, record.rows).clamp_(max=removed.numel() - 1)
             record.rows[removed[at] == record.rows] = -1
+
+
+class DynamicTables:
+    """A store's dynamic tables, read together: a :class:`~paramserver.store.table.TableGroup`.
+    They share one id map (so a read of all of them costs one search and one insert,
+    :func:`locate_together`) and so one lock."""
+
+    def __init__(
+        self, tables: Mapping[str, DynamicTable], id_map: FusedIdMap, lock: threading.Lock
+    ):
+        self.tables = dict(tables)
+        self.names = frozenset(tables)
+        self.id_map = id_map
+        self.lock = lock
+
+    def read(
+        self, wanted: Mapping[str, Tensor], reading: Reading, asks: ReadAsks, into: RowsRead
+    ) -> None:
+        """The rows of ``wanted``, all found (and made) together; the state of those the masks
+        pick, with which of them take the reader's ``asks.pending`` push."""
+        with self.lock:
+            located = locate_together(self.tables, wanted, self.id_map, reading)
+            values = values_together(self.tables, located)
+            for name, found in located.items():
+                table = self.tables[name]
+                into.values[name] = values[name]
+                if name in asks.versioned:
+                    into.versions[name] = table.versions_of(found)
+                mask = asks.state_masks.get(name)
+                if mask is not None:
+                    asked, at = wanted[name][mask], found[mask]
+                    pending = asks.pending
+                    held = None if pending is None else table.rows_taking_update(asked, at, pending)
+                    into.state[name] = table.arena.state_of(at, held)
+
+
+def dynamic_tables(
+    specs: Sequence[Sequence[TableSpec]],
+    rules: Mapping[str, UpdateRule],
+    cache_lag: int | None,
+    changes: ChangeFeed,
+) -> DynamicTables:
+    """A server's dynamic tables, each of ``specs`` a kind (width, dtype, update rule) whose
+    rows share one arena, all sharing one id map (a row group per kind) and one lock."""
+    groups = [kind for kind, names in enumerate(specs) for _ in names]
+    id_map = FusedIdMap(len(groups), groups=groups)
+    spaces = itertools.count()  # each table's space in the id map, in group order
+    lock = threading.Lock()
+    tables = {}
+    for kind in specs:
+        arena = dynamic_arena(kind, rules[kind[0].name], cache_lag)
+        for spec in kind:
+            shared = SharedRows(id_map.table(next(spaces)), lock, arena, changes)
+            tables[spec.name] = DynamicTable(spec, rules[spec.name], cache_lag, shared)
+    return DynamicTables(tables, id_map, lock)
+
+
+def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:
+    """Empty, growing row storage for the dynamic tables ``specs`` (of one kind: width, dtype,
+    ``rule``; see :func:`~paramserver.store.growth.regrown`), growing no further than their
+    capacities sum to where each has one."""
+    options = [spec.dynamic for spec in specs if spec.dynamic is not None]
+    assert len(options) == len(specs) and specs
+    capacities = [o.capacity for o in options if o.capacity is not None]
+    return RowArena(
+        specs[0].dim,
+        specs[0].dtype,
+        rule,
+        touched=any(o.ttl_steps is not None or o.capacity is not None for o in options),
+        versions=cache_lag is not None,
+        empty=_empty_rows,
+        max_rows=sum(capacities) if len(capacities) == len(options) else None,
+    )
+
+
+def _empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def locate_together(
+    tables: Mapping[str, DynamicTable],
+    wanted: Mapping[str, Tensor],
+    shared: FusedIdMap,
+    reading: Reading,
+) -> dict[str, Tensor]:
+    """The rows of the ids ``wanted`` of each table, as each table's own read locates them,
+    for tables sharing the id map ``shared`` (their lock held): all their ids searched in one
+    call, and their admitted ids inserted in one."""
+    names = list(wanted)
+    counts = [wanted[n].numel() for n in names]
+    ids = torch.cat([wanted[n] for n in names])
+    spaces = np.repeat(np.array([tables[n].ids.space for n in names], dtype=np.int16), counts)
+    found = shared.find(spaces, ids)
+    rows = found.rows
+    starts = [0, *itertools.accumulate(counts)]
+    if reading.train and bool((rows.numpy() < 0).any()):  # numpy: cheaper for a few thousand
+        rows = _admit_absent(tables, wanted, ids, spaces, found, starts, reading.clock, shared)
+    elif reading.train:  # every id has its row: nothing to admit, only lookups to count
+        for name, count in zip(names, counts, strict=True):
+            tables[name].counters.lookups += count
+    each = rows.split_with_sizes(counts)  # Tensor.split: a slower Python wrapper of it
+    return {n: tables[n].settle(wanted[n], each[i], reading) for i, n in enumerate(names)}
+
+
+def values_together(
+    tables: Mapping[str, DynamicTable], located: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """The values of each table's ``located`` rows, the default vector where a row is -1;
+    those of tables sharing an arena taken in one call (the tensors are then views of one)."""
+    values: dict[str, Tensor] = {}
+    for names in by_arena(tables, located):
+        rows = torch.cat([located[name] for name in names])
+        counts = [located[name].numel() for name in names]
+        weight = tables[names[0]].arena.weight
+        present = rows >= 0
+        if bool(present.all()):
+            together = take_rows(weight, rows.numpy())
+        else:  # the default vectors where an id has no row
+            defaults = [tables[name].options.default_value for name in names]
+            default = torch.tensor(defaults, dtype=weight.dtype)
+            default = default.repeat_interleave(torch.tensor(counts)).unsqueeze(1)
+            together = default.expand(-1, weight.shape[1]).clone()
+            if bool(present.any()):
+                together[present] = take_rows(weight, rows[present].numpy())
+        values.update(zip(names, together.split_with_sizes(counts), strict=True))
+    return values
+
+
+def _admit_absent(
+    tables: Mapping[str, DynamicTable],
+    wanted: Mapping[str, Tensor],
+    ids: Tensor,
+    spaces: np.ndarray,
+    found: Found,
+    starts: list[int],
+    clock: int,
+    shared: FusedIdMap,
+) -> Tensor:
+    """:func:`locate_together`'s admission, for a training read some of whose ids (``ids``,
+    the tables' ``wanted`` one after another from ``starts``) are absent: each table admits
+    its absent ids (all of them, or, counting sightings, those seen ``min_count`` times), and
+    the admitted ids of all tables are inserted in ``shared`` in one call and made
+    (:func:`_make_rows`); returns the rows of ``ids`` now."""
+    rows = found.rows
+    names = list(wanted)
+    absent = rows.numpy() < 0  # a new array: the admitted positions, once refined below
+    for i, name in enumerate(names):
+        table = tables[name]
+        table.counters.lookups += starts[i + 1] - starts[i]
+        if table.options.min_count > 1:  # admits only ids seen often enough
+            part = absent[starts[i] : starts[i + 1]]
+            seen_at = np.flatnonzero(part)
+            if seen_at.size:
+                seen = table.count_sightings(wanted[name][torch.from_numpy(seen_at)], clock)
+                part[seen_at] = seen.numpy()
+    admit = np.flatnonzero(absent)
+    if not admit.size:
+        return rows
+    # numpy from here: a few thousand ids, where each torch call would cost more.
+    new_ids = ids.numpy()[admit]
+    inserted = shared.insert(spaces[admit], torch.from_numpy(new_ids), found.subset(admit))
+    new_rows = inserted.numpy()
+    now = rows.numpy().copy()
+    now[admit] = new_rows
+    bounds = np.searchsorted(admit, starts).tolist()  # each table's admitted positions
+    made = {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(names)}
+    _make_rows(
+        tables, {n: span for n, span in made.items() if span[1] > span[0]}, new_ids, new_rows
+    )
+    return torch.from_numpy(now)
+
+
+def _make_rows(
+    tables: Mapping[str, DynamicTable],
+    made: Mapping[str, tuple[int, int]],
+    ids: np.ndarray,
+    rows: np.ndarray,
+) -> None:
+    """Initialize the rows just inserted in the id map, ``ids`` and ``rows`` (``made[table]``:
+    where a table's are in them): values from :func:`init_rows`, state at the rule's start,
+    step counts at 0, versions at the table's fresh version; those of tables sharing an arena
+    in one pass."""
+    for names in by_arena(tables, made):
+        first = tables[names[0]]
+        first.fit_rows()  # the arena holds every row its group's tables were given
+        arena = first.arena
+        spans = [made[name] for name in names]
+        counts = [end - start for start, end in spans]
+        group_ids = np.concatenate([ids[start:end] for start, end in spans])
+        group_rows = np.concatenate([rows[start:end] for start, end in spans])
+        salts = np.repeat([salt(name, tables[name].options) for name in names], counts)
+        scales = np.repeat([tables[name].options.init_scale for name in names], counts)
+        init_values_and_state(arena, group_rows, group_ids, salts.astype(np.int64), scales)
+        if arena.steps is not None:
+            arena.steps.index_fill_(0, torch.from_numpy(group_rows), 0)
+        if arena.versions is not None:
+            fresh = np.repeat([tables[name].fresh_version for name in names], counts)
+            arena.versions[torch.from_numpy(group_rows)] = torch.from_numpy(fresh)
+        for name, (start, end) in zip(names, spans, strict=True):
+            tables[name].counters.admitted += end - start
+            tables[name].changes.rows_written(name, torch.from_numpy(ids[start:end]))

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.hashing import GOLDEN_GAMMA
+from paramserver.store.growth import grown_array, grown_rows
 
 EMPTY = -1
 DELETED = -2
@@ -37,14 +38,7 @@ WINDOW = 8  # slots examined per id in one probe round
 _WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
-ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
-RESERVE_GROWTH = 8  # grown storage reserves room (untouched) for this many times its rows
 _SPACE_STRIDE = -7046029254386353131  # spaces' offsets: odd multiples of 2^64/phi
-
-
-def grown_rows(held: int, needed: int) -> int:
-    """The row capacity to grow storage of ``held`` rows to, when ``needed`` rows must fit."""
-    return max(needed, int(held * ROW_GROWTH) + 16)
 
 
 def _record(spaces: int) -> np.dtype:
@@ -58,35 +52,8 @@ def _record(spaces: int) -> np.dtype:
     )  # fmt: skip
 
 
-def _grown(array: np.ndarray, size: int) -> np.ndarray:
-    """``array`` (1-D) with ``size`` entries, its own first and the others uninitialised: a
-    longer view of the allocation it starts, where that has room, else copied into a new one
-    with room (untouched, so costing no memory until used) for :data:`RESERVE_GROWTH` times
-    ``size``: so copies are rare as a map grows."""
-    base = array.base
-    if (
-        isinstance(base, np.ndarray)
-        and base.dtype == array.dtype
-        and base.ndim == 1
-        and base.size >= size
-        and base.ctypes.data == array.ctypes.data
-    ):
-        return base[:size]
-    grown = np.empty(size * RESERVE_GROWTH, dtype=array.dtype)[:size]
-    grown[: array.size] = array
-    return grown
-
-
 def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
     return None if array is None else np.ascontiguousarray(array)
-
-
-def with_rows(tensor: Tensor, rows: int) -> Tensor:
-    """``tensor`` copied into storage of ``rows`` rows; the new rows are uninitialized (their
-    owners set every row before it is read)."""
-    grown = torch.empty((rows, *tensor.shape[1:]), dtype=tensor.dtype)
-    grown[: tensor.shape[0]] = tensor
-    return grown
 
 
 class Found(NamedTuple):
@@ -132,9 +99,9 @@ class IdMap:
     def _set_capacity(self, rows: int) -> None:
         """Grow the per-row arrays to ``rows`` rows (the views of the records' fields too)."""
         if self.records is None:
-            self.row_ids = _grown(self.row_ids, rows)
+            self.row_ids = grown_array(self.row_ids, rows)
             return
-        self.records = _grown(self.records, rows)
+        self.records = grown_array(self.records, rows)
         self.row_ids = self.records["id"]
         self.row_spaces = self.records["space"]
         self.row_payloads = self.records["payload"]
@@ -432,7 +399,7 @@ class FusedIdMap:
     whatever the number of tables.
 
     Rows are numbered densely from 0 per *row group*: tables of one group share row storage
-    (a server's :class:`~paramserver.server.tables.RowArena`), so they share one numbering, and
+    (a server's :class:`~paramserver.store.arena.RowArena`), so they share one numbering, and
     each group hands out, frees and reuses its own row numbers. ``groups[t]`` is table ``t``'s
     group; by default each table is a group of its own.
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from paramserver.idmap import IdMap, grown_rows, with_rows
+from paramserver.store.growth import grown_rows, with_rows
+from paramserver.store.idmap import IdMap
 
 EVICT_TO = 0.9
 

@@ -24,8 +24,6 @@ from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
 from paramserver.idcodec import PackedIds, compact_all
 from paramserver.protocol import (
-    ROW_HELD,
-    ROW_STEPS,
     BagBlock,
     PayloadSize,
     PooledGrad,
@@ -39,6 +37,7 @@ from paramserver.protocol import (
     split_state_key,
 )
 from paramserver.sharding import ShardPlan, merge_rows
+from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport

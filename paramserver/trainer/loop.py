@@ -29,6 +29,7 @@ from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
 from paramserver.observe import peak_rss_bytes, startup
+from paramserver.observe.summary import summarize
 from paramserver.protocol import TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
@@ -53,6 +54,11 @@ class TrainerOutcome:
     graceful: bool = True  # whether the RPC world can shut down together (no one departed)
     evals: list[dict[str, float]] = field(default_factory=list)  # chief only: held-out metrics
     value: Any = None  # chief only: what loop_fn returned
+
+    def summary(self, config: TrainConfig, wall_s: float) -> dict[str, Any]:
+        """The chief's job summary (:func:`~paramserver.observe.summary.summarize`)."""
+        assert self.server_stats is not None, "only the chief gathers the servers' statistics"
+        return summarize(self.server_stats, self.report, self.evals, config, wall_s)
 
 
 def trainer_model(model_fn: ModelFn, seed: int) -> nn.Module:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from paramserver.config import TrainConfig
 from paramserver.optim import Block, UpdateRule, apply_rows, make_rule
-from paramserver.protocol import ROW_STEPS
+from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled, RowState
 
 

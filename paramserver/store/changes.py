@@ -1,0 +1,82 @@
+"""Every change to a store's rows and dense values, numbered in one order: the seam that a
+change log (rows to publish to serving) and recovery by replay build on.
+
+A store's tables and dense values report each change once it is made: rows written (updated
+by a push, created by a dynamic table's admission, set by a restore or a replay), ids removed
+(a dynamic table's eviction and expiry, or a delete), dense values written. Each report takes
+the store's next sequence number, so the numbers order the changes of one server; an observer
+attached (:meth:`ChangeFeed.attach`) is called with it, under the feed's lock, so it sees them
+in that order. With no observer a change costs one lock and one addition.
+
+What a report names: a table and the ids whose rows changed (global row ids of a fixed table,
+the ids themselves of a dynamic one), or dense parameters by name; not the values, which an
+observer reads when it needs them (a change log reads the latest value of a row once per cut,
+however often it changed).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from torch import Tensor
+
+
+class ChangeObserver(Protocol):
+    """Told of every change to a store, in order (see the module doc). Called under the feed's
+    lock from the thread that made the change: it must be quick and must not call the store.
+    The ids given are the caller's: an observer that keeps them copies them."""
+
+    def rows_written(self, table: str, ids: Tensor, sequence: int) -> None: ...
+
+    def ids_removed(self, table: str, ids: Tensor, sequence: int) -> None: ...
+
+    def dense_written(self, names: Sequence[str], sequence: int) -> None: ...
+
+
+class ChangeFeed:
+    """A store's changes, numbered (:attr:`sequence`: the number of the last one, 0 before
+    any), told to the observer attached, if any."""
+
+    def __init__(self) -> None:
+        self.sequence = 0
+        self.observer: ChangeObserver | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, observer: ChangeObserver | None) -> None:
+        """From the next change on, tell ``observer`` (None: no one)."""
+        with self._lock:
+            self.observer = observer
+
+    def continue_from(self, sequence: int) -> None:
+        """Number the next change after ``sequence`` at least (a store restored from a
+        snapshot that covered it)."""
+        with self._lock:
+            self.sequence = max(self.sequence, sequence)
+
+    def rows_written(self, table: str, ids: Tensor) -> None:
+        if ids.numel():
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    self.observer.rows_written(table, ids, self.sequence)
+
+    def ids_removed(self, table: str, ids: Tensor) -> None:
+        if ids.numel():
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    self.observer.ids_removed(table, ids, self.sequence)
+
+    def dense_written(self, names: Sequence[str]) -> None:
+        if names:
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    self.observer.dense_written(names, self.sequence)
+
+    def covered(self) -> int:
+        """The number of the last change made so far."""
+        with self._lock:
+            return self.sequence
