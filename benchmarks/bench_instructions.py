@@ -64,9 +64,11 @@ def server_calls(kind: str, calls: int) -> None:
 
 
 def instructions(tree: Path, kind: str, calls: int) -> int:
-    """Instructions of this script's worker run in ``tree`` (its paramserver imported) with
+    """Instructions of the worker of ``tree``'s own copy of this script (its paramserver
+    imported, so a tree whose modules moved is counted by the worker written for it) with
     ``calls`` warm calls, whole process, address layout fixed where setarch can."""
-    command = [sys.executable, __file__, "--worker", kind, str(calls)]
+    script = tree / "benchmarks" / Path(__file__).name
+    command = [sys.executable, str(script), "--worker", kind, str(calls)]
     valgrind = [
         "valgrind",
         "--tool=cachegrind",

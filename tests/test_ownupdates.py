@@ -12,7 +12,8 @@ import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock, payload_size, state_key
+from paramserver.protocol import PushPullReply, PushPullRequest, payload_size, state_key
+from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
@@ -70,7 +71,7 @@ def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
                 assert part.shape == (2, table.spec.dim) and not part.any()  # Adam's zeros
         # Once updated, a fixed row's state is its own.
         items = shard.store.tables["items.weight"]
-        shard.apply({}, {"items.weight": RowBlock(ids, torch.ones(3, 8))}, step=0)
+        shard.apply({}, {"items.weight": RowGrads(ids, torch.ones(3, 8))}, step=0)
         reply = shard.read(request, train=True)
         assert state_key("items.weight", ROW_HELD) not in reply.row_state  # every row is
         for slot, values in items.state.items():

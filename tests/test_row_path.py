@@ -20,6 +20,7 @@ from paramserver.protocol import (
     must_send,
     rows_sent,
 )
+from paramserver.server.decoded import DecodedRequest
 from paramserver.server.rounds import aggregate_mean
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
@@ -69,12 +70,14 @@ def test_gradients_are_decoded_once_where_they_are_checked(make_server: MakeServ
     before = shard.store.export_state()[TABLE]["value"][ids]
     request = PushPullRequest(0, 0, row_grads={TABLE: RowBlock(ids, encode("fp16", grads))})
     shard.checks.decode_request(request)
-    assert type(request.row_grads[TABLE].values) is torch.Tensor
-    shard.apply({}, request.row_grads)
+    decoded = DecodedRequest.of(request)
+    assert type(decoded.row_grads[TABLE].values) is torch.Tensor
+    shard.apply({}, decoded.row_grads)
     assert torch.equal(shard.store.export_state()[TABLE]["value"][ids], before - grads)  # sgd, lr 1
-    # Past that step nothing decodes: an encoded gradient there is a bug, not a peer's error.
+    # Past that step nothing decodes: a request still encoded there is a bug, not a peer's error.
+    undecoded = PushPullRequest(0, 1, row_grads={TABLE: RowBlock(ids, encode("fp16", grads))})
     with pytest.raises(TypeError, match="past decoding"):
-        shard.apply({}, {TABLE: RowBlock(ids, encode("fp16", grads))})
+        DecodedRequest.of(undecoded)
 
 
 def test_a_pooled_pulls_distinct_ids_serve_its_gradients_push(

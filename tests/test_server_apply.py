@@ -13,7 +13,7 @@ from torch import Tensor
 
 from paramserver.config import ShardSettings
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.protocol import RowBlock
+from paramserver.server.decoded import RowGrads
 from paramserver.server.shard import ServerShard
 from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
 from paramserver.store.table import Reading
@@ -53,7 +53,7 @@ def make_shard(rule: OptimizerConfig) -> ServerShard:
     return shard
 
 
-def pushes(seed: int) -> list[tuple[dict[str, Tensor], dict[str, RowBlock]]]:
+def pushes(seed: int) -> list[tuple[dict[str, Tensor], dict[str, RowGrads]]]:
     g = torch.Generator().manual_seed(seed)
     made = []
     for _ in range(4):
@@ -61,7 +61,7 @@ def pushes(seed: int) -> list[tuple[dict[str, Tensor], dict[str, RowBlock]]]:
         rows = {}
         for name in (*FIXED, *DYNAMIC):
             ids = torch.randperm(40, generator=g)[:15].sort().values * (2 if name == "d" else 1)
-            rows[name] = RowBlock(ids, torch.randn(15, 4, generator=g))
+            rows[name] = RowGrads(ids, torch.randn(15, 4, generator=g))
         made.append((dense, rows))
     return made
 

@@ -71,6 +71,7 @@ from paramserver.protocol import (
     payload_nbytes,
 )
 from paramserver.server.checkpointing import ServerCheckpoints
+from paramserver.server.decoded import DecodedRequest
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
 
@@ -83,7 +84,7 @@ log = logging.getLogger(__name__)
 class _Held:
     """An SSP answer held back until the slowest live trainer catches up."""
 
-    request: PushPullRequest
+    request: DecodedRequest
     future: Future
     clock: int
     since: float = field(default_factory=time.monotonic)
@@ -146,7 +147,7 @@ class Coordinator:
 
     # ---- the calls a trainer makes ----
 
-    def push_pull(self, request: PushPullRequest) -> Future:
+    def push_pull(self, message: PushPullRequest) -> Future:
         """Validate, apply per the consistency mode and answer; never blocks on other calls.
 
         The request's path: check and decode it whole (a refusal changes nothing); answer a
@@ -154,7 +155,7 @@ class Coordinator:
         then, per mode, join its sync round or apply it at once and answer (an SSP answer
         held back until the slowest trainer is within the bound)."""
         try:
-            received = self._check_and_decode(request)
+            request, received = self._check_and_decode(message)
         except ParamServerError as error:
             return failed(error)
         with self.shard.stats.lock:
@@ -211,10 +212,10 @@ class Coordinator:
         take(0)
         return answered
 
-    def _check_and_decode(self, request: PushPullRequest) -> int:
+    def _check_and_decode(self, request: PushPullRequest) -> tuple[DecodedRequest, int]:
         """Check the request whole and decode its ids and gradients (a repeat's gradients,
-        already applied, are dropped first); returns its size on the wire. Raises
-        ParamServerError, changing nothing."""
+        already applied, are dropped first); returns it decoded, and its size on the wire.
+        Raises ParamServerError, changing nothing."""
         self.shard.checks.check_header(request, self.num_trainers)
         with self.lock:
             repeat = request.call <= self.last_call.get(request.trainer, -1)
@@ -226,9 +227,9 @@ class Coordinator:
         self.shard.checks.decode_request(request)
         self._expand_pooled_grads(request)
         self.shard.checks.validate(request)
-        return received
+        return DecodedRequest.of(request), received
 
-    def _answer_repeat(self, request: PushPullRequest) -> Future | None:
+    def _answer_repeat(self, request: DecodedRequest) -> Future | None:
         """The answer to a call this server already took, if it is one: a push still waiting
         in its round gets that round's answer; an applied one is answered with current
         values (the read, outside the lock, changes nothing)."""
@@ -240,14 +241,14 @@ class Coordinator:
             return chain(original, lambda reply: reply)
         return completed(self._answer_again(request))
 
-    def _admit(self, request: PushPullRequest) -> int:
+    def _admit(self, request: DecodedRequest) -> int:
         """Take a new call in order (raises why it is refused); returns the table clock it
         runs at. Called with the lock held."""
         refusal = self._refusal(request, self.last_call.get(request.trainer, -1))
         if refusal is not None:
             raise refusal
-        for name, pooled in request.pooled_grads.items():  # each pooled pull is used once
-            del self.pool_specs[(request.trainer, pooled.pull_call, name)]
+        for name, pull_call in request.pooled_from.items():  # each pooled pull is used once
+            del self.pool_specs[(request.trainer, pull_call, name)]
         self.last_call[request.trainer] = request.call
         self._seen(request.trainer)
         # A trainer's later gradients come from reads at grads_call or after.
@@ -264,7 +265,7 @@ class Coordinator:
             return 0
         return clock
 
-    def _joins_round(self, request: PushPullRequest) -> bool:
+    def _joins_round(self, request: DecodedRequest) -> bool:
         """Whether an admitted call joins its sync round. In sync mode every push after the
         initial pull does, gradients or not (the round waits for each member's call,
         whatever this server owns of it), unless its round closed without it: then it is
@@ -278,7 +279,7 @@ class Coordinator:
         request.drop_gradients()
         return False
 
-    def _apply_and_answer(self, request: PushPullRequest, clock: int) -> Future:
+    def _apply_and_answer(self, request: DecodedRequest, clock: int) -> Future:
         """Async and SSP (and a late or initial sync call): apply the gradients now, then
         answer, under SSP once the slowest live trainer is within the bound."""
         try:
@@ -315,7 +316,7 @@ class Coordinator:
             self.shard.checks.validate(request)
         except ParamServerError as error:
             return failed(error)
-        return completed(self._answer(request, train=False))
+        return completed(self._answer(DecodedRequest.of(request), train=False))
 
     def heartbeat(self, trainer: int, idle_s: float) -> Future:
         """Note that ``trainer`` is alive, its loop idle for ``idle_s`` seconds; answers what
@@ -443,7 +444,7 @@ class Coordinator:
             f"({self.departure_reasons[trainer]}); its later calls are refused"
         )
 
-    def _refusal(self, request: PushPullRequest, previous: int) -> ParamServerError | None:
+    def _refusal(self, request: DecodedRequest, previous: int) -> ParamServerError | None:
         """Why a new call must be refused, if it must. Called with the lock held."""
         server, trainer = self.shard.server, request.trainer
         if trainer in self.departed:
@@ -457,7 +458,8 @@ class Coordinator:
                 f"server {server}: trainer {trainer} sent call {request.call} after {previous}"
             )
         if not all(
-            (trainer, p.pull_call, n) in self.pool_specs for n, p in request.pooled_grads.items()
+            (trainer, pull_call, n) in self.pool_specs
+            for n, pull_call in request.pooled_from.items()
         ):
             return InvalidPushError(
                 "pooled gradients for bags that were already used", server=server
@@ -492,7 +494,7 @@ class Coordinator:
             self.shard.checks.check_tensor(name, grads, shape, table.weight.dtype)
             request.row_grads[name] = bag_grads_to_rows(spec, grads)  # type: ignore[arg-type]
 
-    def _answer_again(self, request: PushPullRequest) -> PushPullReply:
+    def _answer_again(self, request: DecodedRequest) -> PushPullReply:
         """Answer a call already applied with current values, counting nothing again.
 
         A repeat of the trainer's newest call is read as that call was, for the push to come
@@ -510,7 +512,7 @@ class Coordinator:
         return reply
 
     def _answer(
-        self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
+        self, request: DecodedRequest, *, train: bool, clock: int = 0, again: bool = False
     ) -> PushPullReply:
         """Read what ``request`` asks for; a ``train`` read (or one ``again``: see
         :meth:`_answer_again`) is recorded for the gradients that will come back."""
@@ -526,7 +528,7 @@ class Coordinator:
             self.shard.stats.bytes_sent += payload_nbytes(reply)
         return reply
 
-    def _record_staleness(self, requests: list[PushPullRequest]) -> None:
+    def _record_staleness(self, requests: list[DecodedRequest]) -> None:
         with self.lock:
             for request in requests:
                 read_at = self._read_at.pop((request.trainer, request.grads_call), None)
@@ -545,7 +547,7 @@ class Coordinator:
         slowest = min((self.applied_call.get(t, -1) for t in self.members), default=call)
         return slowest >= call - self.ssp_bound
 
-    def _answer_within_bound(self, request: PushPullRequest, clock: int) -> Future:
+    def _answer_within_bound(self, request: DecodedRequest, clock: int) -> Future:
         with self.lock:
             if not self._within_bound(request.call):
                 held = _Held(request, Future(), clock)

@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch.futures import Future
 
-from paramserver.protocol import PushPullRequest, RowBlock
-from paramserver.server.shard import already_decoded, already_unpacked
+from paramserver.server.decoded import DecodedRequest, RowGrads
 
 
 @dataclass
 class Round:
-    requests: dict[int, PushPullRequest] = field(default_factory=dict)
+    requests: dict[int, DecodedRequest] = field(default_factory=dict)
     waiters: dict[int, Future] = field(default_factory=dict)
     closing: bool = False  # may close, being applied; stays listed until answered
     opened_at: float = field(default_factory=time.monotonic)
@@ -38,7 +37,7 @@ class SyncRounds:
     def closed(self, call: int) -> bool:
         return call <= self.closed_through
 
-    def join(self, request: PushPullRequest) -> Future:
+    def join(self, request: DecodedRequest) -> Future:
         """Add ``request`` to its round; returns the future of its answer."""
         round_ = self.open.setdefault(request.call, Round())
         round_.requests[request.trainer] = request
@@ -82,10 +81,9 @@ class SyncRounds:
 
 
 def aggregate_mean(
-    requests: list[PushPullRequest],
-) -> tuple[dict[str, torch.Tensor], dict[str, RowBlock]]:
-    """The mean of the requests' gradients (decoded: see RequestChecks.decode_request), summed
-    in the order given.
+    requests: list[DecodedRequest],
+) -> tuple[dict[str, torch.Tensor], dict[str, RowGrads]]:
+    """The mean of the requests' gradients, summed in the order given.
 
     Every request counts in the denominator, including those that did not touch a parameter or a
     row: the mean gradient of the global batch, where the others contributed zero.
@@ -95,12 +93,12 @@ def aggregate_mean(
     for request in requests:
         for name, grad in request.dense_grads.items():
             if name in dense:
-                dense[name] += already_decoded(grad)
+                dense[name] += grad
             else:
-                dense[name] = already_decoded(grad).clone()
+                dense[name] = grad.clone()
     for total in dense.values():
         total.div_(count)
-    rows: dict[str, RowBlock] = {}
+    rows: dict[str, RowGrads] = {}
     tables = sorted({name for r in requests for name in r.row_grads})
     for name in tables:
         blocks = [r.row_grads[name] for r in requests if name in r.row_grads]
@@ -108,12 +106,12 @@ def aggregate_mean(
             # One push's ids are sorted and unique already (validated): nothing to merge. Adding
             # 0.0 is what summing into zeros does (-0.0 becomes 0.0), so the bits are the same.
             only = blocks[0]
-            rows[name] = RowBlock(only.ids, already_decoded(only.values).add(0.0).div_(count))
+            rows[name] = RowGrads(only.ids, only.values.add(0.0).div_(count))
             continue
-        ids = torch.cat([already_unpacked(b.ids) for b in blocks])
-        values = torch.cat([already_decoded(b.values) for b in blocks])
+        ids = torch.cat([b.ids for b in blocks])
+        values = torch.cat([b.values for b in blocks])
         unique, inverse = torch.unique(ids, return_inverse=True)
         summed = torch.zeros((unique.numel(), values.shape[1]), dtype=values.dtype)
         summed.index_add_(0, inverse, values)
-        rows[name] = RowBlock(unique, summed.div_(count))
+        rows[name] = RowGrads(unique, summed.div_(count))
     return dense, rows

@@ -20,21 +20,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserver.compression import Encoded, encode
+from paramserver.compression import encode
 from paramserver.config import ShardSettings
 from paramserver.errors import ParamServerError
-from paramserver.idcodec import PackedIds
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
 from paramserver.protocol import (
     BagBlock,
     PushPullReply,
-    PushPullRequest,
     RowBlock,
     ServerView,
     must_send,
     state_key,
 )
+from paramserver.server.decoded import DecodedRequest, RowGrads
 from paramserver.server.requests import RequestChecks
 from paramserver.sharding import ShardPlan
 from paramserver.store.store import Store
@@ -65,23 +64,6 @@ class ServerStats:
                 "bytes_received": self.bytes_received,
                 "bytes_sent": self.bytes_sent,
             }
-
-
-def already_decoded(value: Tensor | Encoded) -> Tensor:
-    """A gradient of a request past :meth:`RequestChecks.decode_request`, which decoded every
-    encoded one, once, after checking it: the tensor itself. Nothing after that step decodes
-    (an encoded value here is a bug: raises TypeError)."""
-    if not isinstance(value, Tensor):
-        raise TypeError(f"an encoded gradient past decoding: {type(value).__name__}")
-    return value
-
-
-def already_unpacked(ids: Tensor | PackedIds) -> Tensor:
-    """Row ids of a request past :meth:`RequestChecks.decode_request`, which unpacked every
-    packed one after checking it: the tensor itself (packed ids here are a bug: TypeError)."""
-    if not isinstance(ids, Tensor):
-        raise TypeError(f"packed ids past decoding: {type(ids).__name__}")
-    return ids
 
 
 def bag_grads_to_rows(block: BagBlock, grads: Tensor) -> RowBlock:
@@ -129,13 +111,13 @@ class ServerShard:
     @torch.no_grad()
     def apply(
         self,
-        dense_grads: Mapping[str, Tensor | Encoded],
-        row_grads: Mapping[str, RowBlock],
+        dense_grads: Mapping[str, Tensor],
+        row_grads: Mapping[str, RowGrads],
         clock: int = 0,
         pull: Pull | None = None,
         step: int = 0,
     ) -> None:
-        """Apply gradients decoded and validated (:attr:`checks`).
+        """Apply a validated request's gradients (decoded: :class:`DecodedRequest`'s).
 
         ``pull``: the (trainer, call) whose answer the gradients were computed from (None for
         a sync round's sum, checked by :meth:`drop_grads_of_replaced_rows` first), so dynamic
@@ -146,33 +128,24 @@ class ServerShard:
         start = time.perf_counter()
         dense_lr, table_lrs = self.store.learning_rates(step, dense_grads, row_grads)
         if dense_grads:
-            grads = {name: already_decoded(g) for name, g in dense_grads.items()}
-            self.store.apply_dense(grads, dense_lr)
-        rows = 0
-        if row_grads:
-            blocks = {
-                name: (already_unpacked(block.ids), already_decoded(block.values))
-                for name, block in row_grads.items()
-            }
-            rows = self.store.apply_rows(blocks, table_lrs, clock, pull)
+            self.store.apply_dense(dense_grads, dense_lr)
+        rows = self.store.apply_rows(row_grads, table_lrs, clock, pull) if row_grads else 0
         with self.stats.lock:
             self.stats.pushes += 1
             self.stats.rows_updated += rows
             self.stats.update_seconds += time.perf_counter() - start
 
-    def drop_grads_of_replaced_rows(self, request: PushPullRequest) -> None:
+    def drop_grads_of_replaced_rows(self, request: DecodedRequest) -> None:
         """Drop the row gradients of ``request`` whose rows dynamic tables removed since its
         call ``grads_call`` read them (before a sync round sums several trainers' gradients)."""
         pull = (request.trainer, request.grads_call)
-        for name, block in request.row_grads.items():
-            ids = already_unpacked(block.ids)
+        for name, (ids, values) in request.row_grads.items():
             kept = self.store.rows_still_pulled(name, ids, pull)
             if kept is not None and not bool(kept.all()):
-                values = already_decoded(block.values)
-                request.row_grads[name] = RowBlock(ids[kept], values[kept])
+                request.row_grads[name] = RowGrads(ids[kept], values[kept])
 
     def read(
-        self, request: PushPullRequest, *, train: bool, clock: int = 0, again: bool = False
+        self, request: DecodedRequest, *, train: bool, clock: int = 0, again: bool = False
     ) -> PushPullReply:
         """Snapshot the values ``request`` asks for (copies, owned by the caller).
 
@@ -191,7 +164,7 @@ class ServerShard:
             reply.dense_versions.update(dense.versions)
             for name, state in dense.state.items():
                 _add_state(reply.dense_state, name, state)
-        pulls = {name: already_unpacked(ids) for name, ids in request.pull_rows.items()}
+        pulls = request.pull_rows
         asks = ReadAsks(
             request.pull_versions.keys(), request.pull_state, (request.trainer, request.call - 1)
         )
@@ -213,7 +186,7 @@ class ServerShard:
     def _answer(
         self,
         reply: PushPullReply,
-        request: PushPullRequest,
+        request: DecodedRequest,
         name: str,
         values: Tensor,
         versions: Tensor | None,
