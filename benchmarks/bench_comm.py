@@ -18,11 +18,11 @@ The minimal bytes of a step, computed from the data (``minimal_bytes_per_step``)
   those its next step pulls (the same step's set, sent twice over two calls). A set of ``k``
   distinct rows out of the ``N`` a server holds of a table takes at least ``log2 C(N, k)``
   bits: that many sets exist, and no encoding names every one of them in fewer bits (nor, on
-  average, sets drawn uniformly). It is ``paramserver.idcodec.min_id_nbytes``; summed over both
+  average, sets drawn uniformly). It is ``paramserver.wire.idcodec.min_id_nbytes``; summed over both
   sets of every table and server and averaged over steps, it is ``ids_push`` in the JSON.
 
 ``id_bytes_per_id`` gives, over the same sets, what an id costs as int64, as packed on the wire
-(``paramserver.idcodec.compact_ids``, first ids included) and at the bound.
+(``paramserver.wire.idcodec.compact_ids``, first ids included) and at the bound.
 
     .venv/bin/python benchmarks/bench_comm.py --out benchmarks/results/bench_comm.json
 """
@@ -42,10 +42,10 @@ from report import machine, save
 import paramserver as ps
 from paramserver.baseline import train_single_process
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
-from paramserver.idcodec import compact_ids, min_id_nbytes
 from paramserver.metrics import evaluate_binary
 from paramserver.models.dlrm import DLRM
-from paramserver.protocol import payload_nbytes
+from paramserver.wire.idcodec import compact_ids, min_id_nbytes
+from paramserver.wire.sizing import payload_nbytes
 
 
 def codec(name: str) -> dict[str, Any]:

@@ -38,7 +38,7 @@ def server_calls(kind: str, calls: int) -> None:
     import torch
     from bench_tables import DLRM, SyntheticClickLogs, SyntheticSpec, build_server, ps
 
-    from paramserver.protocol import PushPullRequest, RowBlock
+    from paramserver.wire.messages import PushPullRequest, RowBlock
 
     torch.set_num_threads(1)
     config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)

@@ -44,9 +44,10 @@ from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
 from paramserver.launch.roles import build_server
 from paramserver.modelplan import plan_of
 from paramserver.models.dlrm import DLRM
-from paramserver.protocol import PushPullReply, PushPullRequest, clone_message
 from paramserver.trainer.client import PSClient, PushCodecs
 from paramserver.transport.base import Transport
+from paramserver.wire.messages import PushPullReply, PushPullRequest
+from paramserver.wire.sizing import clone_message
 
 ROWS, DIM, BATCH, TABLES = 1_000_000, 32, 1024, 8
 

@@ -39,16 +39,16 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
-from paramserver.idcodec import PackedIds
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.sharding import DynamicOptions, TableSpec
 from paramserver.store.dynamic import DynamicTable
 from paramserver.store.idmap import IdMap
 from paramserver.store.table import Reading
+from paramserver.wire.idcodec import PackedIds
+from paramserver.wire.messages import PushPullRequest, RowBlock
 
 
 def bench_id_map(rows: int) -> dict[str, float]:

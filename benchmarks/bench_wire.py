@@ -8,7 +8,7 @@ the answer brings the 26 tables' rows and the 8 dense values. The server's side 
 deserialising.
 
 - ``bundled``: as paramserver sends them: each mapping of tensors as one
-  (:class:`paramserver.bundles.Bundle`), about 8 tensors a round trip;
+  (:class:`paramserver.wire.bundles.Bundle`), about 8 tensors a round trip;
 - ``per_tensor``: every tensor on its own (bundling turned off in both processes), ~150.
 
 Reported per variant: the median round trip (wall) and the caller's CPU time to send (the
@@ -32,10 +32,10 @@ import torch.multiprocessing as mp
 from report import machine, save
 from torch.futures import Future
 
-from paramserver import protocol
 from paramserver.futures import completed
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
 from paramserver.transport import rpc
+from paramserver.wire import messages as protocol
+from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
 
 TABLES = 26
 DIM = 16

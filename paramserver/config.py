@@ -42,7 +42,7 @@ DENSE_SYNCS = ("server", "allreduce")
 # few steps (``steps_per_call``) sends their pushes together.
 CALLS_PER_MESSAGE = 64
 LAUNCHERS = ("auto", "processes", "torchrun", "threads")
-# The codecs' names, defined once (paramserver.compression implements them): any for dense
+# The codecs' names, defined once (paramserver.wire.compression implements them): any for dense
 # gradients (top-k with error feedback), the others for values, rows and pooled vectors.
 GRADIENT_CODECS = ("none", "fp16", "bf16", "int8", "topk")
 VALUE_CODECS = ("none", "fp16", "bf16", "int8")

@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
-from paramserver.compression import Encoded
 from paramserver.embedding import DynamicEmbedding
-from paramserver.idcodec import compact_ids
 from paramserver.launch.roles import build_server
-from paramserver.protocol import BagBlock, PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
+from paramserver.wire.compression import Encoded
+from paramserver.wire.idcodec import compact_ids
+from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
 from tests.procs import reset_peak, vm_kib
 
 DIM = 64

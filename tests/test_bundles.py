@@ -1,4 +1,4 @@
-"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.bundles'
+"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.wire.bundles'
 Bundle), arrives equal, and a spoiled bundle is refused with a typed error that changes
 nothing, on a server and on a trainer."""
 
@@ -12,19 +12,14 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.bundles import Bundle, MalformedBundle, bundled, joined_already, unbundled
-from paramserver.compression import Encoded, encode
 from paramserver.errors import ParamServerError
-from paramserver.idcodec import PackedIds, compact_ids
-from paramserver.protocol import (
-    PushPullReply,
-    PushPullRequest,
-    RowBlock,
-    RowBlocksBundle,
-    message_sizes,
-)
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
+from paramserver.wire.bundles import Bundle, MalformedBundle, bundled, joined_already, unbundled
+from paramserver.wire.compression import Encoded, encode
+from paramserver.wire.idcodec import PackedIds, compact_ids
+from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock, RowBlocksBundle
+from paramserver.wire.sizing import message_sizes
 from tests.helpers import MakeServer, own_ids
 
 

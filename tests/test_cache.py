@@ -10,8 +10,9 @@ import torch
 
 import paramserver as ps
 from paramserver.errors import InvalidPushError
-from paramserver.protocol import PushPullRequest, RowBlock, must_send
 from paramserver.trainer.cache import RowCache
+from paramserver.wire.caching import must_send
+from paramserver.wire.messages import PushPullRequest, RowBlock
 from tests.helpers import MakeServer, TinyRecModel, mse, own_ids, tiny_batches
 
 

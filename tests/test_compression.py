@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver import compression
-from paramserver.compression import (
+from paramserver.config import GRADIENT_CODECS
+from paramserver.wire import compression
+from paramserver.wire.compression import (
     Encoded,
     ErrorFeedback,
     decode,
@@ -21,7 +22,6 @@ from paramserver.compression import (
     error_bound,
     validate,
 )
-from paramserver.config import GRADIENT_CODECS
 
 SHAPES: list[tuple[int, ...]] = [(), (0,), (0, 16), (16, 0), (1000,), (64, 16), (4, 5, 6)]
 SCALES = [1e-6, 1.0, 1e4]

@@ -13,9 +13,9 @@ from torch.futures import Future
 import paramserver as ps
 from paramserver.errors import ServerLostError, TrainerDepartedError
 from paramserver.futures import wait_all
-from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.heartbeat import Heartbeats
+from paramserver.wire.messages import PushPullRequest, RowBlock
 from tests.helpers import MakeServer, TinyRecModel, mse, own_ids, tiny_batches
 
 

@@ -33,8 +33,8 @@ from paramserver.data.criteo import (
 )
 from paramserver.errors import ConfigError, InvalidBatchError
 from paramserver.hashing import mix64
-from paramserver.protocol import TrainerReport
 from paramserver.trainer.loop import input_bytes_read
+from paramserver.wire.reports import TrainerReport
 from tests.criteo_files import (
     HAND_LINES,
     criteo_line,

@@ -19,7 +19,6 @@ from paramserver.baseline import train_single_process
 from paramserver.launch.roles import build_server
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 from paramserver.store import growth
@@ -33,6 +32,7 @@ from paramserver.store.growth import (
 )
 from paramserver.store.rowinit import init_rows
 from paramserver.store.table import Reading
+from paramserver.wire.messages import PushPullRequest, RowBlock
 from tests.helpers import EXTREMES, NUM_IDS, HashedModel, hashed_batches, mse
 
 

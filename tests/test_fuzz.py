@@ -1,6 +1,6 @@
 """Randomized malformed calls from a peer: each is refused with a typed error and changes
 nothing; a call over the size cap is refused too. Row ids come plain or packed
-(paramserver.idcodec), and packed ids are spoiled as any other field."""
+(paramserver.wire.idcodec), and packed ids are spoiled as any other field."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError, ParamServerError
-from paramserver.idcodec import PackedIds, compact_ids
-from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock, TrainerReport
+from paramserver.wire.compression import Encoded, encode
+from paramserver.wire.idcodec import PackedIds, compact_ids
+from paramserver.wire.messages import BagBlock, PooledGrad, PushPullRequest, RowBlock
+from paramserver.wire.reports import TrainerReport
 from tests.helpers import MakeServer, a_dense_name, own_ids
 
 GARBAGE: list[Any] = [

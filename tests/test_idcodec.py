@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.errors import InvalidPushError
-from paramserver.idcodec import (
+from paramserver.wire.idcodec import (
     STEP_DTYPES,
     PackedIds,
     compact_all,
@@ -28,7 +28,8 @@ from paramserver.idcodec import (
     packed_problem,
     unpack_ids,
 )
-from paramserver.protocol import PushPullRequest, RowBlock, clone_message, message_sizes
+from paramserver.wire.messages import PushPullRequest, RowBlock
+from paramserver.wire.sizing import clone_message, message_sizes
 from tests.helpers import MakeServer, own_ids
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from paramserver.checkpoint import Part
-from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError, ParamServerError
-from paramserver.protocol import BagBlock, PooledGrad, PushPullRequest, RowBlock
+from paramserver.wire.compression import Encoded, encode
+from paramserver.wire.messages import BagBlock, PooledGrad, PushPullRequest, RowBlock
 from tests.helpers import MakeServer, own_ids
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +146,7 @@ def test_every_operation_s_arguments_are_capped(make_server: MakeServer) -> None
 
 
 def test_message_nbytes_bounds_what_a_message_holds_and_survives_any_message() -> None:
-    from paramserver.protocol import message_nbytes  # new: imported here, the others run without
+    from paramserver.wire.sizing import message_nbytes
 
     ids = torch.arange(10)
     assert message_nbytes(RowBlock(ids, torch.ones(10, 4))) == 80 + 160
@@ -172,7 +172,7 @@ def test_message_nbytes_walks_subclasses_as_their_base_types() -> None:
     dict, a tuple or a dataclass is measured like its base, and a class is not an instance."""
     from collections import OrderedDict, namedtuple
 
-    from paramserver.protocol import message_nbytes
+    from paramserver.wire.sizing import message_nbytes
 
     @dataclass
     class Sub(RowBlock):

@@ -26,10 +26,11 @@ from paramserver.modelplan import initial_model
 from paramserver.observe import runlog
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import RunLog, read_records
-from paramserver.protocol import NUM_BUCKETS, CallStats, PushPullRequest, TrainerReport
 from paramserver.transport.base import Transport
 from paramserver.transport.local import LocalTransport
 from paramserver.transport.profiled import ProfiledTransport
+from paramserver.wire.messages import PushPullRequest
+from paramserver.wire.reports import NUM_BUCKETS, CallStats, TrainerReport
 from tests.helpers import TinyRecModel, mse, tiny_batches
 
 pytestmark = pytest.mark.timeout(120)

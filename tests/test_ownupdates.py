@@ -12,11 +12,12 @@ import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
-from paramserver.protocol import PushPullReply, PushPullRequest, payload_size, state_key
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
+from paramserver.wire.messages import PushPullReply, PushPullRequest, state_key
+from paramserver.wire.sizing import payload_size
 from tests.factorization import RULES, Factorization, train
 from tests.helpers import MakeServer, own_ids
 

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from paramserver import native
-from paramserver.bundles import joined_already
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import plan_of
 from paramserver.trainer.replica import Call, MissingRows, Replica
+from paramserver.wire.bundles import joined_already
 
 
 def run_remote(module: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -11,19 +11,13 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver.compression import encode
-from paramserver.protocol import (
-    BagBlock,
-    PooledGrad,
-    PushPullRequest,
-    RowBlock,
-    must_send,
-    rows_sent,
-)
 from paramserver.server.decoded import DecodedRequest
 from paramserver.server.rounds import aggregate_mean
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
+from paramserver.wire.caching import must_send, rows_sent
+from paramserver.wire.compression import encode
+from paramserver.wire.messages import BagBlock, PooledGrad, PushPullRequest, RowBlock
 from tests.helpers import MakeServer
 
 TABLE = "user.weight"

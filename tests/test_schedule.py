@@ -24,9 +24,9 @@ from paramserver.modelplan import initial_model
 from paramserver.observe.runlog import read_records
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.protocol import PushPullRequest, RowBlock
 from paramserver.schedule import Schedule
 from paramserver.server.endpoint import ServerEndpoint
+from paramserver.wire.messages import PushPullRequest, RowBlock
 from tests.helpers import (
     PARITY_OPTIMIZERS,
     HashedModel,

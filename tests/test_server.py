@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.local import LocalTransport
+from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
 from tests.helpers import MakeServer, a_dense_name, new_server, own_ids
 
 

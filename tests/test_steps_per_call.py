@@ -14,8 +14,8 @@ from torch import Tensor
 import paramserver as ps
 from paramserver.config import CALLS_PER_MESSAGE
 from paramserver.errors import ConfigError, InvalidPushError, JobFailedError, ParamServerError
-from paramserver.protocol import PushPullReply, PushPullRequest, RowBlock
 from paramserver.trainer.ownupdates import OwnUpdates
+from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
 from tests.factorization import NUM_STEPS, RULES, Factorization, batches, train
 from tests.helpers import (
     MakeServer,

@@ -191,7 +191,9 @@ def test_the_build_refuses_a_store_module_that_imports_the_wire(tmp_path: Path) 
     )
     shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
     arena = copy / "paramserver" / "store" / "arena.py"
-    arena.write_text(arena.read_text() + "\nfrom paramserver.protocol import RowBlock  # noqa\n")
+    arena.write_text(
+        arena.read_text() + "\nfrom paramserver.wire.messages import RowBlock  # noqa\n"
+    )
     lint = Path(sys.executable).parent / "lint-imports"
     result = subprocess.run(
         [str(lint)], cwd=copy, capture_output=True, text=True, timeout=120,
@@ -199,4 +201,4 @@ def test_the_build_refuses_a_store_module_that_imports_the_wire(tmp_path: Path) 
     )  # fmt: skip
     assert result.returncode != 0
     assert "The store knows no wire" in result.stdout and "BROKEN" in result.stdout
-    assert "paramserver.store.arena -> paramserver.protocol" in result.stdout
+    assert "paramserver.store.arena -> paramserver.wire.messages" in result.stdout

@@ -17,9 +17,9 @@ from paramserver.launch.roles import build_server
 from paramserver.metrics import evaluate_binary
 from paramserver.modelplan import initial_model
 from paramserver.models.dlrm import DLRM
-from paramserver.protocol import payload_nbytes
 from paramserver.trainer.loop import default_loop, run_trainer, trainer_model
 from paramserver.transport.local import LocalTransport
+from paramserver.wire.sizing import payload_nbytes
 from tests.helpers import TinyRecModel, mse, nan_loss, tiny_batches
 
 pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier

@@ -10,9 +10,9 @@ import torch
 
 import paramserver as ps
 from paramserver.cli import build_parser, config_from_args
-from paramserver.compression import Encoded, encode
 from paramserver.errors import InvalidPushError
-from paramserver.protocol import PushPullRequest, RowBlock
+from paramserver.wire.compression import Encoded, encode
+from paramserver.wire.messages import PushPullRequest, RowBlock
 from tests.helpers import MakeServer, TinyRecModel, a_dense_name, mse, own_ids, tiny_batches
 
 

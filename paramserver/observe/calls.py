@@ -1,6 +1,6 @@
 """Per-operation call profiles: how many calls, their bytes, and a latency histogram.
 
-A trainer's :class:`CallProfile` fills one :class:`~paramserver.protocol.CallStats` per
+A trainer's :class:`CallProfile` fills one :class:`~paramserver.wire.reports.CallStats` per
 operation (the record its report carries to the servers, where the job summary merges them).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-from paramserver.protocol import CallStats
+from paramserver.wire.reports import CallStats
 
 
 class CallProfile:

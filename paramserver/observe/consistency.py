@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from paramserver.protocol import ServerView
+from paramserver.wire.messages import ServerView
 
 
 def checksum(tensor: Tensor) -> str:

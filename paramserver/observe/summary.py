@@ -9,7 +9,7 @@ from typing import Any
 from paramserver.config import TrainConfig
 from paramserver.observe import startup
 from paramserver.observe.consistency import merge_checks
-from paramserver.protocol import CallStats, TrainerReport
+from paramserver.wire.reports import CallStats, TrainerReport
 
 
 def summarize(

@@ -58,22 +58,17 @@ from typing import Any
 
 from torch.futures import Future
 
-from paramserver.compression import Encoded
 from paramserver.config import CALLS_PER_MESSAGE, ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.futures import chain, completed, failed
-from paramserver.protocol import (
-    BagBlock,
-    PooledGrad,
-    PushPullReply,
-    PushPullRequest,
-    TrainerReport,
-    payload_nbytes,
-)
 from paramserver.server.checkpointing import ServerCheckpoints
 from paramserver.server.decoded import DecodedRequest
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
+from paramserver.wire.compression import Encoded
+from paramserver.wire.messages import BagBlock, PooledGrad, PushPullReply, PushPullRequest
+from paramserver.wire.reports import TrainerReport
+from paramserver.wire.sizing import payload_nbytes
 
 WATCHDOG_PERIOD_S = 0.1
 

@@ -1,6 +1,6 @@
 """A request past its checks: the one form the server works with once the wire is behind it.
 
-A :class:`~paramserver.protocol.PushPullRequest` arrives as the wire has it: row ids packed,
+A :class:`~paramserver.wire.messages.PushPullRequest` arrives as the wire has it: row ids packed,
 gradients encoded, pooled gradients not yet turned into row gradients, any field possibly
 malformed. The coordinator checks it whole and decodes it (server/requests.py), then hands on
 a :class:`DecodedRequest`: ids as int64 tensors, gradients as float tensors, every part
@@ -15,9 +15,10 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from paramserver.compression import Encoded
-from paramserver.idcodec import PackedIds
-from paramserver.protocol import BagBlock, PushPullRequest, TrainerReport
+from paramserver.wire.compression import Encoded
+from paramserver.wire.idcodec import PackedIds
+from paramserver.wire.messages import BagBlock, PushPullRequest
+from paramserver.wire.reports import TrainerReport
 
 
 class RowGrads(NamedTuple):
@@ -30,7 +31,7 @@ class RowGrads(NamedTuple):
 @dataclass
 class DecodedRequest:
     """What a validated request asks, decoded (see the module doc); fields as
-    :class:`~paramserver.protocol.PushPullRequest` names them."""
+    :class:`~paramserver.wire.messages.PushPullRequest` names them."""
 
     trainer: int
     call: int

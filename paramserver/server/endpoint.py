@@ -21,8 +21,8 @@ from torch.futures import Future
 from paramserver.checkpoint import Part
 from paramserver.errors import ParamServerError
 from paramserver.futures import completed, failed
-from paramserver.protocol import message_nbytes
 from paramserver.server.coordinator import Coordinator
+from paramserver.wire.sizing import message_nbytes
 
 # Each registered operation and the types of its positional arguments.
 OPERATIONS: dict[str, tuple[type, ...]] = {

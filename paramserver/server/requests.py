@@ -15,21 +15,16 @@ import torch
 from torch import Tensor
 
 from paramserver import native
-from paramserver.bundles import joined_already
-from paramserver.compression import Encoded, decode, validate
 from paramserver.config import GRADIENT_CODECS, VALUE_CODECS
 from paramserver.errors import InvalidPushError, ParamServerError
-from paramserver.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
-from paramserver.protocol import (
-    BagBlock,
-    PushPullRequest,
-    RowBlock,
-    TrainerReport,
-    message_nbytes,
-    message_sizes,
-)
 from paramserver.sharding import ShardPlan
 from paramserver.store.table import TableShard
+from paramserver.wire.bundles import joined_already
+from paramserver.wire.compression import Encoded, decode, validate
+from paramserver.wire.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
+from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
+from paramserver.wire.reports import TrainerReport
+from paramserver.wire.sizing import message_nbytes, message_sizes
 
 
 class HasValue(Protocol):
@@ -101,7 +96,7 @@ class RequestChecks:
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before
         anything in it is decoded or read; returns its bytes on the wire (measured in the same
-        walk: :func:`~paramserver.protocol.message_sizes`).
+        walk: :func:`~paramserver.wire.sizing.message_sizes`).
 
         Two measures, each against ``max_bytes``: the request with its tensors decoded, and
         the rows its answer reads (``n`` ids of a ``dim``-wide table read ``n x dim`` values
@@ -459,7 +454,7 @@ def _all_finite(tensors: list[Tensor]) -> bool:
 
 def _joined(tensors: list[Tensor]) -> list[Tensor]:
     """A few tensors holding every value of ``tensors``: those that arrived as one bundle
-    (views filling one storage, :func:`~paramserver.bundles.joined_already`) as that bundle,
+    (views filling one storage, :func:`~paramserver.wire.bundles.joined_already`) as that bundle,
     not copied again; the others joined, one tensor per dtype."""
     groups: dict[tuple[torch.dtype, int], list[Tensor]] = {}
     for tensor in tensors:

@@ -20,25 +20,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserver.compression import encode
 from paramserver.config import ShardSettings
 from paramserver.errors import ParamServerError
 from paramserver.observe import peak_rss_bytes
 from paramserver.observe.consistency import checksum
-from paramserver.protocol import (
-    BagBlock,
-    PushPullReply,
-    RowBlock,
-    ServerView,
-    must_send,
-    state_key,
-)
 from paramserver.server.decoded import DecodedRequest, RowGrads
 from paramserver.server.requests import RequestChecks
 from paramserver.sharding import ShardPlan
 from paramserver.store.store import Store
 from paramserver.store.table import Pull, ReadAsks, Reading
 from paramserver.tableinit import RowInit
+from paramserver.wire.caching import must_send
+from paramserver.wire.compression import encode
+from paramserver.wire.messages import BagBlock, PushPullReply, RowBlock, ServerView, state_key
 
 
 @dataclass

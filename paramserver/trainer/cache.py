@@ -4,9 +4,9 @@ Recommendation ids are heavily skewed: a few rows appear in nearly every batch. 
 copies of the rows it used most recently, each with the server's version of the row (its count of
 applied updates) when fetched. Each step it sends the servers those versions with the ids it
 needs; a server sends back a row only if the copy misses more than ``--cache-lag`` updates
-(:func:`~paramserver.protocol.must_send`, decided there alone), plus the version of every row
+(:func:`~paramserver.wire.caching.must_send`, decided there alone), plus the version of every row
 the trainer then holds (the cached one, for a row not sent), from which the trainer reads which
-rows came (:func:`~paramserver.protocol.rows_sent`). Gradients still go to the servers every
+rows came (:func:`~paramserver.wire.caching.rows_sent`). Gradients still go to the servers every
 step; only reads are saved. Capacity is per table, in rows: past it, the
 least recently used rows go, down to 90% of it (so eviction runs once per 10% of turnover).
 """

@@ -18,29 +18,27 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.compression import Encoded, ErrorFeedback, encode, plain
 from paramserver.config import TrainConfig
 from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
-from paramserver.idcodec import PackedIds, compact_all
-from paramserver.protocol import (
-    BagBlock,
-    PayloadSize,
-    PooledGrad,
-    PushPullReply,
-    PushPullRequest,
-    RowBlock,
-    TrainerReport,
-    payload_nbytes,
-    payload_size,
-    rows_sent,
-    split_state_key,
-)
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
+from paramserver.wire.caching import rows_sent
+from paramserver.wire.compression import Encoded, ErrorFeedback, encode, plain
+from paramserver.wire.idcodec import PackedIds, compact_all
+from paramserver.wire.messages import (
+    BagBlock,
+    PooledGrad,
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    split_state_key,
+)
+from paramserver.wire.reports import TrainerReport
+from paramserver.wire.sizing import PayloadSize, payload_nbytes, payload_size
 
 RowsById = dict[str, tuple[Tensor, Tensor]]
 

@@ -40,7 +40,6 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError, ParamServerError
 from paramserver.observe import startup
-from paramserver.protocol import BagBlock, TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
 from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
@@ -50,6 +49,8 @@ from paramserver.trainer.observer import Observer
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.trainer.replica import Call, Replica
 from paramserver.types import Progress
+from paramserver.wire.messages import BagBlock
+from paramserver.wire.reports import TrainerReport
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from paramserver import native
 from paramserver.errors import ModelError
-from paramserver.protocol import BagBlock
+from paramserver.wire.messages import BagBlock
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
 from paramserver.observe import peak_rss_bytes, startup
 from paramserver.observe.summary import summarize
-from paramserver.protocol import TrainerReport
 from paramserver.trainer.checkpointing import TrainerCheckpoints
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
 from paramserver.trainer.context import Engine, Gradients, Resumed, TrainContext
@@ -42,6 +41,7 @@ from paramserver.transport.base import Transport
 from paramserver.transport.group import TrainerGroup
 from paramserver.transport.profiled import ProfiledTransport
 from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress, as_tuple
+from paramserver.wire.reports import TrainerReport
 
 log = logging.getLogger(__name__)
 

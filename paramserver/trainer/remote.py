@@ -33,8 +33,8 @@ from torch import Tensor, nn
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import SERVED, Embedding, find_embeddings, table_size
-from paramserver.protocol import BagBlock
 from paramserver.trainer.lookups import RecordedLookups, Recorder, StepLookups
+from paramserver.wire.messages import BagBlock
 
 
 def remote_tables(model: nn.Module) -> tuple[nn.Module, dict[str, RemoteEmbedding]]:

@@ -33,7 +33,6 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.errors import ModelError
-from paramserver.protocol import BagBlock
 from paramserver.trainer.discovery import InputLookups
 from paramserver.trainer.lookups import (
     Recorded,
@@ -45,6 +44,7 @@ from paramserver.trainer.lookups import (
 )
 from paramserver.trainer.remote import MissingRows, remote_tables
 from paramserver.types import Inputs, as_tuple
+from paramserver.wire.messages import BagBlock
 
 
 @dataclass(frozen=True)

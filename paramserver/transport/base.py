@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
-from paramserver.protocol import PushPullRequest
+from paramserver.wire.messages import PushPullRequest
 
 
 class Endpoint(Protocol):

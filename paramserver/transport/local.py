@@ -12,8 +12,8 @@ from typing import Any
 from torch.futures import Future
 
 from paramserver.futures import chain
-from paramserver.protocol import clone_message
 from paramserver.transport.base import Endpoint, Transport
+from paramserver.wire.sizing import clone_message
 
 
 class LocalTransport(Transport):

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 from torch.futures import Future
 
 from paramserver.observe.calls import CallProfile
-from paramserver.protocol import payload_nbytes, payload_size
 from paramserver.transport.base import Transport
+from paramserver.wire.sizing import payload_nbytes, payload_size
 
 
 class CallTracker(Protocol):

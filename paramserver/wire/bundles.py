@@ -3,7 +3,7 @@ its tensors end to end in one, and arrives as views of it (:func:`bundled`, :fun
 
 TensorPipe ships every tensor as a buffer of its own, at tens of microseconds each way whatever
 its size: a step of a model with many tables moves a few tensors per table, and one copy into a
-bundle costs far less (``benchmarks/bench_wire.py``). :mod:`paramserver.protocol` bundles its
+bundle costs far less (``benchmarks/bench_wire.py``). :mod:`paramserver.wire.messages` bundles its
 messages' mappings when they are pickled.
 
 A peer's bundle is checked whole before anything of it is read: :func:`unbundled` never raises,
