@@ -22,7 +22,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
 from paramserver.store import growth
-from paramserver.store.dynamic import PULLS_KEPT, DynamicTable
+from paramserver.store.dynamic import DynamicTable
 from paramserver.store.growth import (
     GROWTH_ROOM_BYTES,
     HUGE_PAGE_BYTES,
@@ -30,6 +30,7 @@ from paramserver.store.growth import (
     regrown,
     row_storage,
 )
+from paramserver.store.pulls import PULLS_KEPT
 from paramserver.store.rowinit import init_rows
 from paramserver.store.table import Reading
 from paramserver.wire.messages import PushPullRequest, RowBlock

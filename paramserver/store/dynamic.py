@@ -1,7 +1,9 @@
 """A dynamic table: a server's rows of an embedding table keyed by any int64 id (hashed).
 
 It answers the calls of :class:`~paramserver.store.table.TableShard`; this module holds what
-only it does: admission, eviction and the records of which row each pull handed out.
+only it does: admission (the counts of ids not admitted yet: store/admission.py), eviction, and
+the records of which row each pull handed out (store/pulls.py); and the reads of all of a
+server's dynamic tables at once (:class:`DynamicTables`, :func:`locate_together`).
 
 A row is created the first time an admitted id is pulled for training, initialized by
 :func:`~paramserver.store.rowinit.init_rows` (a pure function of the table's seed and the
@@ -44,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,17 +57,15 @@ from torch import Tensor
 from paramserver.errors import StoreError
 from paramserver.optim import State, UpdateRule, apply_updates, take_rows
 from paramserver.sharding import DynamicOptions, TableSpec
-from paramserver.store.arena import RowArena, by_arena, nbytes_of, restore_rows, row_entries
+from paramserver.store.admission import PendingIds
+from paramserver.store.arena import RowArena, by_arena, restore_rows, row_entries
 from paramserver.store.changes import ChangeFeed
-from paramserver.store.growth import grown_rows, with_rows
-from paramserver.store.idmap import Found, FusedIdMap, IdMap, TableIds
+from paramserver.store.growth import grown_rows
+from paramserver.store.idmap import Found, FusedIdMap, TableIds
+from paramserver.store.pulls import PullRecords
 from paramserver.store.rowinit import init_values_and_state, salt
 from paramserver.store.table import Pull, ReadAsks, Reading, RowsRead, TableUpdate
 
-# Pull records per trainer: this step's, the prefetched one, a retry. A record serves every
-# push computed from its read (several, where a trainer pulls every few steps) until newer
-# reads push it out.
-PULLS_KEPT = 3
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
 
@@ -80,15 +79,6 @@ class SharedRows:
     lock: threading.Lock
     arena: RowArena
     changes: ChangeFeed
-
-
-@dataclass(eq=False)  # records are compared by identity (their tensors have no truth value)
-class PullRecord:
-    """What one training read of a dynamic table handed out: the row of each id (-1: none)."""
-
-    call: int  # the trainer's call number
-    ids: Tensor  # sorted, unique
-    rows: Tensor  # -1 also where the row was removed since
 
 
 @dataclass
@@ -126,13 +116,10 @@ class DynamicTable:
         self.arena = shared.arena
         self.cache_lag = cache_lag
         self.fresh_version = 0  # where a new row's version starts
-        self.pending = IdMap(initial_slots=16)  # ids seen but not yet admitted
-        self.pending_counts = torch.empty(0, dtype=torch.int32)  # training calls that saw it
-        self.pending_seen = torch.empty(0, dtype=torch.int64)  # the last step that saw it
-        self.pending_latest = torch.empty(0, dtype=torch.int32)  # its calls at that step
+        self.pending = PendingIds()  # ids seen but not yet admitted
         self.counters = TableCounters()
         self.swept_at = 0
-        self._pulls: dict[int, deque[PullRecord]] = {}  # each trainer's last training reads
+        self.pulls = PullRecords()  # each trainer's last training reads
 
     # Rows live in the arena (shared with the server's other dynamic tables of this kind),
     # at the row numbers the id map hands out; it may move as it grows, so it is read anew.
@@ -206,11 +193,9 @@ class DynamicTable:
             if self._evict(reading.clock):  # spares this step's rows, unless they alone overflow
                 rows = self.ids.lookup(ids)
         if reading.pull is not None:
-            trainer, call = reading.pull
-            records = self._pulls.setdefault(trainer, deque(maxlen=PULLS_KEPT))
             # Not copied: rows is this read's own (a slice of the rows it found for all its
             # tables, which no one changes), and the record's writes stay in its slice.
-            records.append(PullRecord(call, ids, rows))
+            self.pulls.record(reading.pull, ids, rows)
         return rows
 
     def values(self, rows: Tensor) -> Tensor:
@@ -270,19 +255,7 @@ class DynamicTable:
     def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
         """The row each id had at the read ``pull`` and still has (-1: none); ids that read
         did not hand out get their current rows. None: no record."""
-        trainer, call = pull
-        records = self._pulls.get(trainer)
-        record = next((r for r in reversed(records or ()) if r.call == call), None)
-        if records is None or record is None:
-            return None
-        pulled = record.ids
-        if pulled.numel() == ids.numel() and torch.equal(pulled, ids):
-            return record.rows
-        if pulled.numel() == 0:
-            return self.ids.lookup(ids)
-        at = torch.searchsorted(pulled, ids).clamp_(max=pulled.numel() - 1)
-        handed_out = pulled[at] == ids
-        return torch.where(handed_out, record.rows[at], self.ids.lookup(ids))
+        return self.pulls.rows_at(ids, pull, self.ids.lookup)
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every live row with its state and bookkeeping, keyed by id, the pending
@@ -291,11 +264,7 @@ class DynamicTable:
         entries = row_entries(
             ids, self.weight, self.state, self.steps, self.versions, rows, self.last_touched
         )
-        pending_ids, slots = self.pending.live_rows()
-        entries["pending.ids"] = pending_ids
-        entries["pending.counts"] = self.pending_counts[slots]
-        entries["pending.seen"] = self.pending_seen[slots]
-        entries["pending.latest"] = self.pending_latest[slots]
+        entries.update(self.pending.snapshot())
         meta = {
             "counters": dataclasses.asdict(self.counters),
             "swept_at": self.swept_at,
@@ -307,17 +276,7 @@ class DynamicTable:
         """Add the rows and pending ids of ``saved`` (this server's, from any shard layout)
         with their state; add its counters to this table's."""
         self.set_rows(saved)
-        pending = saved["pending.ids"]
-        if pending.numel():
-            self.pending.insert(pending)
-            self._fit_pending()
-            slots = self.pending.lookup(pending)
-            self.pending_counts[slots] = saved["pending.counts"]
-            self.pending_seen[slots] = saved["pending.seen"]
-            # Saved before this counter existed: 0, which matters only for a training read at
-            # the saved step itself, and a resumed job's first training reads come after it.
-            latest = saved.get("pending.latest")
-            self.pending_latest[slots] = 0 if latest is None else latest
+        self.pending.restore(saved)
         for name, value in meta["counters"].items():
             setattr(self.counters, name, getattr(self.counters, name) + int(value))
         self.swept_at = max(self.swept_at, int(meta["swept_at"]))
@@ -334,8 +293,7 @@ class DynamicTable:
         rows = self.ids.lookup(ids)
         absent = rows < 0
         if bool(absent.any()):
-            if self.pending.num_rows:
-                self.pending.remove(ids[absent])
+            self.pending.remove(ids[absent])
             rows[absent] = self.ids.insert(ids[absent])
             self.fit_rows()
         restore_rows(rows, entries, self.weight, self.state, self.steps, self.versions)
@@ -351,10 +309,9 @@ class DynamicTable:
     def nbytes(self) -> int:
         """This table's bytes: its pending ids', and its share of the arena's and the id
         map's by its share of their live rows."""
-        own = nbytes_of(self.pending_counts, self.pending_seen, self.pending_latest)
         live = self.ids.group_rows
         arena = self.arena.nbytes() * self.ids.num_rows // live if live else 0
-        return own + arena + self.ids.nbytes() + self.pending.nbytes()
+        return arena + self.ids.nbytes() + self.pending.nbytes()
 
     def stats(self) -> dict[str, int]:
         return {
@@ -362,44 +319,13 @@ class DynamicTable:
             "admitted": self.counters.admitted,
             "evicted": self.counters.evicted,
             "lookups": self.counters.lookups,
-            "pending_ids": self.pending.num_rows,
+            "pending_ids": self.pending.num_ids,
             "dropped_grads": self.counters.dropped_grads,
             "memory_bytes": self.nbytes(),
             "id_map_bytes": self.ids.nbytes(),
         }
 
     # ---- admission and eviction ----
-
-    def count_sightings(self, absent: Tensor, clock: int) -> Tensor:
-        """Count this call's sighting of ``absent``; return a mask of those admitted: seen in
-        ``min_count`` calls counting this one and those of earlier steps (not the other calls
-        of step ``clock``, so the reads of one step admit alike in any order). Admitted ids'
-        counters are dropped: from now on they are rows."""
-        slots = self.pending.lookup(absent)
-        new = absent[slots < 0]
-        if new.numel():
-            self.pending.insert(new)
-            self._fit_pending()
-            slots = self.pending.lookup(absent)
-            fresh = self.pending.lookup(new)
-            self.pending_counts[fresh] = 0
-            self.pending_seen[fresh] = -1
-            self.pending_latest[fresh] = 0
-        this_step = self.pending_seen[slots] == clock
-        latest = torch.where(this_step, self.pending_latest[slots], 0)
-        admitted = self.pending_counts[slots] - latest + 1 >= self.options.min_count
-        self.pending_counts[slots] += 1
-        self.pending_latest[slots] = latest + 1
-        self.pending_seen[slots] = clock
-        self.pending.remove(absent[admitted])
-        return admitted
-
-    def _fit_pending(self) -> None:
-        capacity = self.pending.capacity_rows
-        if self.pending_counts.numel() < capacity:
-            self.pending_counts = with_rows(self.pending_counts, capacity)
-            self.pending_seen = with_rows(self.pending_seen, capacity)
-            self.pending_latest = with_rows(self.pending_latest, capacity)
 
     def fit_rows(self) -> None:
         """Grow the arena to every row number the id map has handed out in it."""
@@ -421,9 +347,7 @@ class DynamicTable:
             ids, rows = self.ids.live_rows()
             stale = self.last_touched[rows] < clock - ttl
             self._remove(ids[stale])
-            if self.pending.num_rows:
-                pending_ids, slots = self.pending.live_rows()
-                self.pending.remove(pending_ids[self.pending_seen[slots] < clock - ttl])
+            self.pending.expire(before=clock - ttl)
         capacity = self.options.capacity
         if capacity is not None and self.ids.num_rows > capacity:
             ids, rows = self.ids.live_rows()
@@ -444,18 +368,8 @@ class DynamicTable:
             if self.versions is not None and self.cache_lag is not None and rows.numel():
                 reached = int(self.versions[rows].max())
                 self.fresh_version = max(self.fresh_version, reached + self.cache_lag + 1)
-            self._strike_from_pulls(rows)
+            self.pulls.strike(rows)
             self.changes.ids_removed(self.spec.name, ids)
-
-    def _strike_from_pulls(self, removed: Tensor) -> None:
-        """Mark ``removed`` rows as gone in every pull record: their gradients are dropped."""
-        records = [record for kept in self._pulls.values() for record in kept]
-        if not records or removed.numel() == 0:
-            return
-        removed = removed.sort().values  # sorted once; each record then costs one search
-        for record in records:
-            at = torch.searchsorted(removed, record.rows).clamp_(max=removed.numel() - 1)
-            record.rows[removed[at] == record.rows] = -1
 
 
 class DynamicTables:
@@ -609,7 +523,8 @@ def _admit_absent(
             part = absent[starts[i] : starts[i + 1]]
             seen_at = np.flatnonzero(part)
             if seen_at.size:
-                seen = table.count_sightings(wanted[name][torch.from_numpy(seen_at)], clock)
+                sighted = wanted[name][torch.from_numpy(seen_at)]
+                seen = table.pending.count_sightings(sighted, clock, table.options.min_count)
                 part[seen_at] = seen.numpy()
     admit = np.flatnonzero(absent)
     if not admit.size:
