@@ -75,7 +75,9 @@ def hostile_calls() -> Iterator[tuple[str, str, PushPullRequest]]:
 def state_of(endpoint: ServerEndpoint) -> tuple[dict[str, dict[str, Tensor]], str]:
     coordinator = endpoint.coordinator
     with coordinator.lock:
-        calls = repr((coordinator.last_call, sorted(coordinator.pool_specs), coordinator.updates))
+        calls = repr(
+            (coordinator.last_call, sorted(coordinator.pooled.bags), coordinator.ages.updates)
+        )
     return endpoint.shard.store.export_state(with_optimizer=True), calls
 
 

@@ -52,7 +52,6 @@ import logging
 import threading
 import time
 import weakref
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +60,14 @@ from torch.futures import Future
 from paramserver.config import CALLS_PER_MESSAGE, ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
 from paramserver.futures import chain, completed, failed
+from paramserver.server.ages import GradientAges
 from paramserver.server.checkpointing import ServerCheckpoints
 from paramserver.server.decoded import DecodedRequest
+from paramserver.server.pooling import PooledPulls
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
 from paramserver.wire.compression import Encoded
-from paramserver.wire.messages import BagBlock, PooledGrad, PushPullReply, PushPullRequest
+from paramserver.wire.messages import PooledGrad, PushPullReply, PushPullRequest
 from paramserver.wire.reports import TrainerReport
 from paramserver.wire.sizing import payload_nbytes
 
@@ -92,7 +93,6 @@ class LivenessStats:
     held_answers: int = 0  # SSP answers that had to wait
     held_seconds: float = 0.0
     released_at_deadline: int = 0
-    staleness: Counter[int] = field(default_factory=Counter)
     silence_s: dict[int, float] = field(default_factory=dict)  # departed trainer -> silence
 
 
@@ -120,11 +120,8 @@ class Coordinator:
         self.last_seen: dict[int, float] = {}
         self._first_contact: float | None = None
         self.reports: dict[int, TrainerReport] = {}
-        # The bags each trainer pulled for server-side pooling, until their gradients come
-        # back: (trainer, pull call, table) -> bags.
-        self.pool_specs: dict[tuple[int, int, str], BagBlock] = {}
-        self.updates = 0  # updates applied (pushes, or rounds in sync mode)
-        self._read_at: dict[tuple[int, int], int] = {}  # (trainer, call) -> updates then
+        self.pooled = PooledPulls()
+        self.ages = GradientAges()
         self.liveness = LivenessStats()
         self.rounds = SyncRounds(settings.round_deadline, settings.min_contributors)
         self._held: list[_Held] = []
@@ -242,14 +239,10 @@ class Coordinator:
         refusal = self._refusal(request, self.last_call.get(request.trainer, -1))
         if refusal is not None:
             raise refusal
-        for name, pull_call in request.pooled_from.items():  # each pooled pull is used once
-            del self.pool_specs[(request.trainer, pull_call, name)]
+        self.pooled.use(request.trainer, request.pooled_from)
         self.last_call[request.trainer] = request.call
         self._seen(request.trainer)
-        # A trainer's later gradients come from reads at grads_call or after.
-        stale = [k for k in self._read_at if k[0] == request.trainer and k[1] < request.grads_call]
-        for read in stale:
-            del self._read_at[read]
+        self.ages.forget_before(request.trainer, request.grads_call)
         if request.report is not None:
             self.reports[request.trainer] = request.report
         clock = self.shard.store.advance_clock(request.call)
@@ -270,7 +263,7 @@ class Coordinator:
         if not self.rounds.closed(request.call):
             return True
         self.liveness.late_pushes += 1
-        self._read_at.pop((request.trainer, request.grads_call), None)
+        self.ages.dropped(request.trainer, request.grads_call)
         request.drop_gradients()
         return False
 
@@ -411,17 +404,13 @@ class Coordinator:
                 "held_answers": stats.held_answers,
                 "held_seconds": stats.held_seconds,
                 "released_at_deadline": stats.released_at_deadline,
-                "staleness": dict(sorted(stats.staleness.items())),
+                "staleness": dict(sorted(self.ages.histogram.items())),
             }
 
     def staleness_totals(self) -> dict[str, int]:
         """The gradients applied so far and their summed staleness."""
         with self.lock:
-            counts = self.liveness.staleness
-            return {
-                "gradients": sum(counts.values()),
-                "staleness_sum": sum(age * n for age, n in counts.items()),
-            }
+            return self.ages.totals()
 
     # ---- internals ----
 
@@ -452,10 +441,7 @@ class Coordinator:
             return ParamServerError(
                 f"server {server}: trainer {trainer} sent call {request.call} after {previous}"
             )
-        if not all(
-            (trainer, pull_call, n) in self.pool_specs
-            for n, pull_call in request.pooled_from.items()
-        ):
+        if not self.pooled.all_held(trainer, request.pooled_from):
             return InvalidPushError(
                 "pooled gradients for bags that were already used", server=server
             )
@@ -470,7 +456,7 @@ class Coordinator:
                     "malformed pooled gradient", param=name, server=self.shard.server
                 )
             with self.lock:
-                spec = self.pool_specs.get((request.trainer, pooled.pull_call, name))
+                spec = self.pooled.of(request.trainer, pooled.pull_call, name)
             if spec is None:
                 raise InvalidPushError(
                     f"no pooled pull at call {pooled.pull_call} to match",
@@ -514,9 +500,8 @@ class Coordinator:
         if train or again:
             with self.lock:
                 if request.trainer in self.members:  # a leaver's pulls will never come back
-                    self._read_at[(request.trainer, request.call)] = self.updates
-                    for name, block in request.pool_rows.items():
-                        self.pool_specs[(request.trainer, request.call, name)] = block
+                    self.ages.read(request.trainer, request.call)
+                    self.pooled.pulled(request.trainer, request.call, request.pool_rows)
         reply = self.shard.read(request, train=train, clock=clock, again=again)
         reply.checkpoint_at = self.checkpoints.planned
         with self.shard.stats.lock:
@@ -526,13 +511,11 @@ class Coordinator:
     def _record_staleness(self, requests: list[DecodedRequest]) -> None:
         with self.lock:
             for request in requests:
-                read_at = self._read_at.pop((request.trainer, request.grads_call), None)
-                if read_at is not None:
-                    self.liveness.staleness[self.updates - read_at] += 1
+                self.ages.arrived(request.trainer, request.grads_call)
 
     def _count_update(self) -> None:
         with self.lock:
-            self.updates += 1
+            self.ages.updates += 1
 
     # ---- SSP ----
 
@@ -642,8 +625,8 @@ class Coordinator:
                 else:
                     self.left.add(trainer)
             gone = set(trainers)
-            self.pool_specs = {k: v for k, v in self.pool_specs.items() if k[0] not in gone}
-            self._read_at = {k: v for k, v in self._read_at.items() if k[0] not in gone}
+            self.pooled.forget_trainers(gone)
+            self.ages.forget_trainers(gone)
             ready = self._ready_rounds()
             done = [] if self.members else self._all_left
             if not self.members:
