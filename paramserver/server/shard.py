@@ -83,9 +83,8 @@ class ServerShard:
         table_inits: Mapping[str, RowInit],
         settings: ShardSettings,
     ):
-        """``dense`` holds the starting values of the dense parameters (those placed here are
-        copied), ``table_inits`` how each fixed table's rows start (this server makes its own
-        rows only); dynamic tables start empty."""
+        """``dense`` and ``table_inits`` as :class:`~paramserver.store.store.Store` takes
+        them; ``settings``: each parameter's update rule, the pull codecs and the cache lag."""
         self.server = server
         self.plan = plan
         self.stats = ServerStats()
