@@ -182,7 +182,7 @@ class DynamicTable:
         return locate_together({name: self}, {name: ids}, self.ids.fused, reading)[name]
 
     # The parts of a read particular to a table, for a server reading several dynamic tables
-    # at once (one search and one insert in their shared id map, see ServerShard.read).
+    # at once (one search and one insert in their shared id map, see DynamicTables.read).
 
     def settle(self, ids: Tensor, rows: Tensor, reading: Reading) -> Tensor:
         """After a read found or made ``rows`` for ``ids``: touch and evict (a training read),

@@ -104,7 +104,7 @@ class TableGroup(Protocol):
 
 
 class TableShard(Protocol):
-    """A server's rows of one embedding table, as the server's shard calls them.
+    """A server's rows of one embedding table, as the store calls them.
 
     Thread-safety: no method locks; the caller holds :attr:`lock` around every call and
     every use of :attr:`weight` but its dtype (:attr:`id_bounds` never changes).
