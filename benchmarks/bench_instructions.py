@@ -76,7 +76,11 @@ def instructions(tree: Path, kind: str, calls: int) -> int:
         "--cachegrind-out-file=/dev/null",
     ]
     fixed_layout = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
-    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
+    # One thread per pool: an idle BLAS or OpenMP worker spins, and its spinning counts as
+    # instructions that depend on scheduling (cg_annotate showed OpenBLAS's blas_thread_server
+    # among the differences between two trees' counts), not on the calls measured.
+    single = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+    env = {**os.environ, **single, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
     done = subprocess.run(
         [*fixed_layout, *valgrind, *command], cwd=tree, env=env, capture_output=True, text=True
     )
