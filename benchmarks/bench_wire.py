@@ -34,17 +34,17 @@ from torch.futures import Future
 
 from paramserver.futures import completed
 from paramserver.transport import rpc
-from paramserver.wire import messages as protocol
+from paramserver.wire import messages
 from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
 
 TABLES = 26
 DIM = 16
 DENSE_SHAPES = [(64, 13), (64,), (16, 64), (16,), (64, 367), (64,), (1, 64), (1,)]
-_BUNDLED = protocol.bundled
+_BUNDLED = messages.bundled
 
 
 def set_bundling(on: bool) -> None:
-    protocol.bundled = _BUNDLED if on else (lambda mapping: mapping)
+    messages.bundled = _BUNDLED if on else (lambda mapping: mapping)
 
 
 class Answering:
