@@ -54,7 +54,8 @@ class DecodedRequest:
     @classmethod
     def of(cls, request: PushPullRequest) -> DecodedRequest:
         """``request`` once checked and decoded in place (its ids unpacked, its gradients
-        decoded, its pooled gradients turned into row gradients): its one typed form."""
+        decoded, its pooled gradients turned into row gradients): its one typed form, which
+        shares the request's mappings of reads (nothing uses the request after this)."""
         rows = {n: RowGrads(_ids(b.ids), _values(b.values)) for n, b in request.row_grads.items()}
         return cls(
             request.trainer, request.call, request.grads_call, request.grads_step,
@@ -62,7 +63,7 @@ class DecodedRequest:
             {name: _values(grad) for name, grad in request.dense_grads.items()},
             rows,
             {name: _ids(ids) for name, ids in request.pull_rows.items()},
-            dict(request.pull_versions), dict(request.pull_state), dict(request.pool_rows),
+            request.pull_versions, request.pull_state, request.pool_rows,
             {name: grad.pull_call for name, grad in request.pooled_grads.items()},
         )  # fmt: skip
 

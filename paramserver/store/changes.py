@@ -57,24 +57,22 @@ class ChangeFeed:
 
     def rows_written(self, table: str, ids: Tensor) -> None:
         if ids.numel():
-            with self._lock:
-                self.sequence += 1
-                if self.observer is not None:
-                    self.observer.rows_written(table, ids, self.sequence)
+            self._tell("rows_written", table, ids)
 
     def ids_removed(self, table: str, ids: Tensor) -> None:
         if ids.numel():
-            with self._lock:
-                self.sequence += 1
-                if self.observer is not None:
-                    self.observer.ids_removed(table, ids, self.sequence)
+            self._tell("ids_removed", table, ids)
 
     def dense_written(self, names: Sequence[str]) -> None:
         if names:
-            with self._lock:
-                self.sequence += 1
-                if self.observer is not None:
-                    self.observer.dense_written(names, self.sequence)
+            self._tell("dense_written", names)
+
+    def _tell(self, report: str, *change: object) -> None:
+        """Number the change and tell the observer (its method ``report``), under the lock."""
+        with self._lock:
+            self.sequence += 1
+            if self.observer is not None:
+                getattr(self.observer, report)(*change, self.sequence)
 
     def covered(self) -> int:
         """The number of the last change made so far."""
