@@ -94,6 +94,20 @@ def test_without_an_observer_changes_are_still_numbered() -> None:
     assert recorder.seen == [(3, "written", "fixed", [1])]
 
 
+def test_one_update_of_several_tables_is_one_change_told_table_by_table() -> None:
+    store = make_store()
+    train_read(store, 1, hashed=ids(5))
+    train_read(store, 2, hashed=ids(5))  # admitted: change 1
+    recorder = Recorder()
+    store.changes.attach(recorder)
+    grads = {"fixed": (ids(3), torch.ones(1, 4)), "hashed": (ids(5, 6), torch.ones(2, 4))}
+    assert store.apply_rows(grads, {"fixed": 0.5, "hashed": 0.5}, clock=2) == 2
+    assert recorder.seen == [(2, "written", "fixed", [3]), (2, "written", "hashed", [5])]
+    # An update whose every gradient is dropped (6 has no row) changes nothing: no number.
+    store.apply_rows({"hashed": (ids(6), torch.ones(1, 4))}, {"hashed": 0.5}, clock=2)
+    assert store.changes.sequence == 2 and len(recorder.seen) == 2
+
+
 def trained_store() -> Store:
     store = make_store()
     train_read(store, 1, hashed=ids(3, 4, 8))

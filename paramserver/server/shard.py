@@ -162,11 +162,12 @@ class ServerShard:
             request.pull_versions.keys(), request.pull_state, (request.trainer, request.call - 1)
         )
         read = self.store.read(pulls, reading, asks)
-        for name, values in read.values.items():
-            self._answer(reply, request, name, values, read.versions.get(name))
+        reply.rows.update(read.values)
+        for name, versions in read.versions.items():
+            self._leave_out_cached(reply, request, name, read.values[name], versions)
         for name, state in read.state.items():
             _add_state(reply.row_state, name, state)
-        rows = sum(ids.numel() for ids in pulls.values())
+        rows = sum([ids.numel() for ids in pulls.values()])
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
             rows += block.ids.numel()
@@ -176,19 +177,16 @@ class ServerShard:
             self.stats.read_seconds += time.perf_counter() - start
         return reply
 
-    def _answer(
+    def _leave_out_cached(
         self,
         reply: PushPullReply,
         request: DecodedRequest,
         name: str,
         values: Tensor,
-        versions: Tensor | None,
+        versions: Tensor,
     ) -> None:
-        """Put the rows read for ``name`` in ``reply``: with versions (the trainer caches), only
-        those its cached copies are too old for."""
-        if versions is None:
-            reply.rows[name] = values
-            return
+        """Answer with only those of the rows read for ``name`` (``values`` with their
+        ``versions``: the trainer caches them) that its cached copies are too old for."""
         assert self.cache_lag is not None  # validated
         cached = request.pull_versions[name]
         sending = must_send(cached, versions, self.cache_lag)

@@ -9,8 +9,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from paramserver.optim import Empty, RowUpdate, State, UpdateRule
+from paramserver.optim import Empty, State, UpdateRule
 from paramserver.store.growth import regrown, row_storage
+from paramserver.store.table import TableUpdate
 
 # The parts of a row's optimizer state besides its rule's slots: its count of updates (where
 # the rule reads it) and, where some would not, which rows take the update the trainer has
@@ -73,9 +74,9 @@ class RowArena:
         if self.versions is not None:
             self.versions = regrown(self.versions, rows, most)
 
-    def update(self, rows: Tensor, grads: Tensor) -> RowUpdate:
-        """The update of ``rows`` (unique) with ``grads``."""
-        return RowUpdate(self.weight, self.state, self.steps, rows, grads)
+    def update(self, rows: Tensor, grads: Tensor, ids: Tensor) -> TableUpdate:
+        """The update of ``rows`` (unique; those of a table's ``ids``) with ``grads``."""
+        return TableUpdate(self.weight, self.state, self.steps, rows, grads, ids)
 
     def slice(self, start: int, end: int) -> tuple[Tensor, State, Tensor | None, Tensor | None]:
         """Views of rows ``start`` to ``end``: values, state, step counts, versions."""

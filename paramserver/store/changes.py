@@ -6,7 +6,9 @@ by a push, created by a dynamic table's admission, set by a restore or a replay)
 (a dynamic table's eviction and expiry, or a delete), dense values written. Each report takes
 the store's next sequence number, so the numbers order the changes of one server; an observer
 attached (:meth:`ChangeFeed.attach`) is called with it, under the feed's lock, so it sees them
-in that order. With no observer a change costs one lock and one addition.
+in that order. One operation over several tables (an update of all a push's tables, the rows
+a read made) is one report: one number, told to the observer table by table. With no
+observer a report costs one lock and one addition.
 
 What a report names: a table and the ids whose rows changed (global row ids of a fixed table,
 the ids themselves of a dynamic one), or dense parameters by name; not the values, which an
@@ -17,7 +19,7 @@ however often it changed).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from torch import Tensor
@@ -55,24 +57,29 @@ class ChangeFeed:
         with self._lock:
             self.sequence = max(self.sequence, sequence)
 
-    def rows_written(self, table: str, ids: Tensor) -> None:
-        if ids.numel():
-            self._tell("rows_written", table, ids)
-
-    def ids_removed(self, table: str, ids: Tensor) -> None:
-        if ids.numel():
-            self._tell("ids_removed", table, ids)
-
-    def dense_written(self, names: Sequence[str]) -> None:
-        if names:
-            self._tell("dense_written", names)
-
-    def _tell(self, report: str, *change: object) -> None:
-        """Number the change and tell the observer (its method ``report``), under the lock."""
+    def rows_written(self, rows: Mapping[str, Tensor]) -> None:
+        """The rows of ids ``rows[table]`` written by one operation (the caller has checked
+        that some are): one number, the observer told of each table with ids."""
         with self._lock:
             self.sequence += 1
             if self.observer is not None:
-                getattr(self.observer, report)(*change, self.sequence)
+                for table, ids in rows.items():
+                    if ids.numel():
+                        self.observer.rows_written(table, ids, self.sequence)
+
+    def ids_removed(self, table: str, ids: Tensor) -> None:
+        if ids.numel():
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    self.observer.ids_removed(table, ids, self.sequence)
+
+    def dense_written(self, names: Sequence[str]) -> None:
+        if names:
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    self.observer.dense_written(names, self.sequence)
 
     def covered(self) -> int:
         """The number of the last change made so far."""

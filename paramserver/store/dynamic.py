@@ -209,7 +209,9 @@ class DynamicTable:
         (None: from the ids' current rows, as for a sync round's sum, whose parts were checked
         by :meth:`rows_still_pulled`) at learning rate ``lr``; returns the rows updated."""
         update = self.row_update(ids, grads, pull)
-        apply_updates(self.rule, [update.rows], lr)
+        apply_updates(self.rule, [update], lr)
+        if update.ids.numel():
+            self.changes.rows_written({self.spec.name: update.ids})
         return self.updated(update, clock)
 
     def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> TableUpdate:
@@ -223,15 +225,14 @@ class DynamicTable:
             kept = torch.from_numpy(present)
             self.counters.dropped_grads += ids.numel() - int(present.sum())
             ids, rows, grads = ids[kept], rows[kept], grads[kept]
-        return TableUpdate(self.arena.update(rows, grads), ids)
+        return self.arena.update(rows, grads, ids)
 
     def updated(self, update: TableUpdate, clock: int) -> int:
-        rows = update.rows.rows
+        rows = update.rows
         if self.last_touched is not None:
             self.last_touched[rows] = clock
         if self.versions is not None:
             self.versions[rows] += 1
-        self.changes.rows_written(self.spec.name, update.ids)
         return rows.numel()
 
     def rows_still_pulled(self, ids: Tensor, pull: Pull) -> Tensor | None:
@@ -299,7 +300,7 @@ class DynamicTable:
         restore_rows(rows, entries, self.weight, self.state, self.steps, self.versions)
         if self.last_touched is not None and "last_touched" in entries:
             self.last_touched[rows] = entries["last_touched"]
-        self.changes.rows_written(self.spec.name, ids)
+        self.changes.rows_written({self.spec.name: ids})
 
     def delete_ids(self, ids: Tensor) -> None:
         """Remove the rows of those of ``ids`` that have one, as an eviction does (counted as
@@ -569,6 +570,8 @@ def _make_rows(
         if arena.versions is not None:
             fresh = np.repeat([tables[name].fresh_version for name in names], counts)
             arena.versions[torch.from_numpy(group_rows)] = torch.from_numpy(fresh)
+        made_ids = {}
         for name, (start, end) in zip(names, spans, strict=True):
             tables[name].counters.admitted += end - start
-            tables[name].changes.rows_written(name, torch.from_numpy(ids[start:end]))
+            made_ids[name] = torch.from_numpy(ids[start:end])
+        first.changes.rows_written(made_ids)

@@ -79,11 +79,12 @@ class FixedTable:
         """Rows never move: every gradient applies to its row, whatever ``clock`` and
         ``pull``."""
         update = self.row_update(ids, grads, pull)
-        apply_updates(self.rule, [update.rows], lr)
+        apply_updates(self.rule, [update], lr)
+        self.changes.rows_written({self.spec.name: ids})
         return self.updated(update, clock)
 
     def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> TableUpdate:
-        return TableUpdate(self.arena.update(self.arena_rows(ids), grads), ids)
+        return self.arena.update(self.arena_rows(ids), grads, ids)
 
     def arena_rows(self, ids: Tensor) -> Tensor:
         """The rows of ``ids`` in :attr:`arena` (read only)."""
@@ -92,8 +93,7 @@ class FixedTable:
 
     def updated(self, update: TableUpdate, clock: int) -> int:
         if self.arena.versions is not None:
-            self.arena.versions[update.rows.rows] += 1
-        self.changes.rows_written(self.spec.name, update.ids)
+            self.arena.versions[update.rows] += 1
         return update.ids.numel()
 
     def read_versioned(self, ids: Tensor, reading: Reading) -> tuple[Tensor, Tensor]:
@@ -129,7 +129,8 @@ class FixedTable:
             )
         local = self.plan.local_rows(ids)
         restore_rows(local, entries, self.weight, self.state, self.steps, self.versions)
-        self.changes.rows_written(self.spec.name, ids)
+        if ids.numel():
+            self.changes.rows_written({self.spec.name: ids})
 
     def delete_ids(self, ids: Tensor) -> None:
         raise StoreError(
@@ -157,6 +158,9 @@ class FixedTables:
     def read(
         self, wanted: Mapping[str, Tensor], reading: Reading, asks: ReadAsks, into: RowsRead
     ) -> None:
+        if not asks.versioned:
+            self._read_plain(wanted, asks.state_masks, into)
+            return
         versioned = {n: ids for n, ids in wanted.items() if n in asks.versioned}
         for name, ids in versioned.items():
             table = self.tables[name]
@@ -178,7 +182,7 @@ class FixedTables:
             tables = [self.tables[name] for name in names]
             arena_rows = [t.arena_rows(wanted[n]) for t, n in zip(tables, names, strict=True)]
             rows = torch.cat(arena_rows)
-            with holding(table.lock for table in tables):
+            with holding([table.lock for table in tables]):
                 together = take_rows(tables[0].arena.weight, rows.numpy())
                 for name, table_rows in zip(names, arena_rows, strict=True):
                     if name in state_masks:

@@ -159,7 +159,7 @@ class Store:
         blocks = [
             Block(slot.value, grads[name], slot.state, slot.version) for name, slot in slots.items()
         ]
-        with holding(slot.lock for slot in slots.values()):
+        with holding([slot.lock for slot in slots.values()]):
             next(iter(slots.values())).rule.step_blocks(blocks, lr)
             self.changes.dense_written(list(grads))
 
@@ -174,9 +174,10 @@ class Store:
         ``[len(ids), dim]``), computed from the read ``pull`` (None: from the rows' current
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step ``clock``
         of the tables' clock, at each table's lr of ``lrs``. The tables of one rule and lr
-        are stepped together, their locks held together; returns the rows updated."""
+        are stepped together, their locks held together; returns the rows updated (one change
+        told for all)."""
         tables = {name: self.tables[name] for name in grads}
-        with holding(table.lock for table in tables.values()):
+        with holding([table.lock for table in tables.values()]):
             updates: dict[str, TableUpdate] = {}
             together: dict[tuple[object, ...], list[str]] = {}
             for name, (ids, table_grads) in grads.items():
@@ -186,8 +187,13 @@ class Store:
                 together.setdefault(key, []).append(name)
             for names in together.values():
                 rule = tables[names[0]].rule  # the same rule as the others'
-                apply_updates(rule, [updates[name].rows for name in names], lrs[names[0]])
-            return sum(tables[name].updated(updates[name], clock) for name in updates)
+                apply_updates(rule, [updates[name] for name in names], lrs[names[0]])
+            updated = 0
+            for name, update in updates.items():
+                updated += tables[name].updated(update, clock)
+            if updated:
+                self.changes.rows_written({name: update.ids for name, update in updates.items()})
+            return updated
 
     def set_dense(
         self, name: str, value: Tensor, state: Mapping[str, Tensor], version: Tensor

@@ -52,11 +52,10 @@ class Reading:
 
 
 @dataclass
-class TableUpdate:
+class TableUpdate(RowUpdate):
     """One table's part of an update: the rule's step on its rows, and the ids of those rows
     (those that take it), which the change feed is told once it is applied."""
 
-    rows: RowUpdate
     ids: Tensor
 
 
@@ -149,7 +148,8 @@ class TableShard(Protocol):
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
         ``clock`` of the table's clock, at learning rate ``lr`` (the schedule's, for the
         gradients' training step); returns the rows updated. :meth:`row_update`, the rule's
-        step (:func:`~paramserver.optim.apply_updates`) and :meth:`updated`."""
+        step (:func:`~paramserver.optim.apply_updates`) and :meth:`updated`, and the change
+        told."""
         ...
 
     def row_update(self, ids: Tensor, grads: Tensor, pull: Pull | None) -> TableUpdate:
@@ -160,8 +160,8 @@ class TableShard(Protocol):
 
     def updated(self, update: TableUpdate, clock: int) -> int:
         """The last part of :meth:`apply`, once ``update`` (from :meth:`row_update`) has been
-        applied at step ``clock``: versions and touches, and the change feed told; returns the
-        rows updated."""
+        applied at step ``clock``: versions and touches; returns the rows updated. The caller
+        tells the change feed (:meth:`apply` itself; a store once for all its tables)."""
         ...
 
     def set_rows(self, entries: Mapping[str, Tensor]) -> None:
