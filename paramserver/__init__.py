@@ -12,6 +12,7 @@ from paramserver.api import TrainResult, run, train
 from paramserver.config import TableCodecs, TrainConfig
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import (
+    ChangeLogError,
     CheckpointError,
     ConfigError,
     InvalidBatchError,
@@ -29,6 +30,7 @@ from paramserver.metrics import Evaluation
 from paramserver.optimconfig import OptimizerConfig
 
 __all__ = [
+    "ChangeLogError",
     "CheckpointError",
     "ConfigError",
     "DynamicEmbedding",

@@ -77,3 +77,9 @@ class TrainerGroupError(ParamServerError, RuntimeError):
 class StoreError(ParamServerError, ValueError):
     """A change a table cannot take: rows set that do not fit it, or ids deleted from a
     table whose rows cannot go (a fixed table's)."""
+
+
+class ChangeLogError(ParamServerError):
+    """A change log segment or manifest is missing, damaged, or out of its chain (a gap, a
+    duplicate, an older segment after a newer one); the message names the file and what is
+    wrong. Nothing of it is applied."""

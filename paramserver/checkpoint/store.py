@@ -51,16 +51,13 @@ cannot run code, and metadata lives in JSON, not in pickles.
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import stat
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -81,13 +78,13 @@ from paramserver.checkpoint.manifest import (
     read_manifest_json,
 )
 from paramserver.errors import CheckpointError
+from paramserver.files import fsync_dir, hash_stream, write_atomic
 
 logger = logging.getLogger(__name__)
 
 LATEST = "LATEST"
 
 _DIR_NAME = re.compile(r"ckpt-([0-9]{10,})")
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -179,7 +176,7 @@ class Checkpoint:
         except OSError as e:
             raise CheckpointError(f"{path}: cannot open: {e}") from e
         with f:
-            found = _hash_stream(f)
+            found = hash_stream(f)
             if found != self.files[file_name]:
                 raise CheckpointError(
                     f"{path}: changed since the checkpoint was verified "
@@ -220,8 +217,8 @@ def write_part(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     files: FileDigests = {
-        f"{name}.pt": _write_atomic(directory / f"{name}.pt", lambda f: torch.save(state, f)),
-        f"{name}.json": _write_atomic(directory / f"{name}.json", lambda f: f.write(meta_json)),
+        f"{name}.pt": write_atomic(directory / f"{name}.pt", lambda f: torch.save(state, f)),
+        f"{name}.json": write_atomic(directory / f"{name}.json", lambda f: f.write(meta_json)),
     }
     return Part(name, files)
 
@@ -281,7 +278,7 @@ def _rehash_written(path: Path, part_name: str, expected: tuple[int, str]) -> tu
     """``path``'s (size, sha256), which must be what part ``part_name`` wrote there."""
     try:
         with open(path, "rb") as f:
-            found = _hash_stream(f)
+            found = hash_stream(f)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (part {part_name!r} wrote it)") from None
     except OSError as e:
@@ -298,9 +295,9 @@ def _publish(root: Path, directory: Path, manifest: Mapping[str, Any]) -> None:
     """Commit ``directory``: its manifest, then ``LATEST`` naming it, each durable before the
     next is written (the order the module docstring explains)."""
     manifest_json = _json_bytes(manifest)
-    _write_atomic(directory / MANIFEST, lambda f: f.write(manifest_json))
-    _fsync_dir(root)  # the checkpoint's own entry in ROOT, before LATEST may name it
-    _write_atomic(root / LATEST, lambda f: f.write(f"{directory.name}\n".encode()))
+    write_atomic(directory / MANIFEST, lambda f: f.write(manifest_json))
+    fsync_dir(root)  # the checkpoint's own entry in ROOT, before LATEST may name it
+    write_atomic(root / LATEST, lambda f: f.write(f"{directory.name}\n".encode()))
     for leftover in root.glob(f".{LATEST}.*.tmp"):  # from a chief killed mid-write
         with contextlib.suppress(OSError):
             leftover.unlink()
@@ -414,7 +411,7 @@ def _file_problem(path: Path, size: int, digest: str, *, hash_files: bool) -> st
             return f"size mismatch ({info.st_size} bytes, expected {size})"
         if hash_files:
             with open(path, "rb") as f:
-                if _hash_stream(f) != (size, digest):
+                if hash_stream(f) != (size, digest):
                     return "sha256 checksum mismatch"
     except FileNotFoundError:
         return "missing file"
@@ -476,48 +473,6 @@ def _step_of(name: str) -> int | None:
     if match is None or name != f"ckpt-{int(match[1]):010d}":
         return None
     return int(match[1])
-
-
-def _write_atomic(path: Path, write: Callable[[IO[bytes]], object]) -> tuple[int, str]:
-    """Write a file through ``write`` so that ``path`` holds either its old content or all of
-    the new, durably; returns the new content's (size, sha256)."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    # os.open rather than mkstemp: mode 0o666 under the umask, as a plain open() would create.
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "w+b") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            f.seek(0)
-            digest = _hash_stream(f)  # what reached the file, not what we meant to write
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return digest
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:  # some file systems cannot fsync a directory; their renames are durable
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
-
-
-def _hash_stream(f: IO[bytes]) -> tuple[int, str]:
-    sha = hashlib.sha256()
-    size = 0
-    while chunk := f.read(_CHUNK):
-        sha.update(chunk)
-        size += len(chunk)
-    return size, sha.hexdigest()
 
 
 def _compact(tensor: Tensor) -> Tensor:

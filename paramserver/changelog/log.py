@@ -1,0 +1,216 @@
+"""A change log on disk: each training server's chain of segments, listed in its manifest.
+
+Layout under a publish directory ``DIR``::
+
+    DIR/
+      server-0/
+        MANIFEST.json                 the chain: every kept segment, in order, with its place
+        segment-000000000001.pslog    one segment (paramserver.changelog.segment)
+        segment-000000000002.pslog
+      server-1/
+        ...
+
+A server appends (:class:`LogWriter`): it writes the segment under a temporary name, fsyncs
+and renames it, then rewrites the manifest the same way. A reader that sees a segment in the
+manifest so finds it whole; a segment on disk that no manifest lists is not yet published.
+A manifest keeps the newest ``keep`` segments (older ones are deleted after the manifest that
+drops them): a follower that falls further behind is told so.
+
+A follower (:class:`ChainFollower`) reads each server's manifest, takes the segments after the
+last it applied, and checks the chain: each segment names the one before it (``previous``),
+numbers rise by one, and each file's header agrees with its manifest entry. A gap, a duplicate
+or a segment out of order is a :class:`~paramserver.errors.ChangeLogError` naming the file,
+and nothing of that server's new segments is handed on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from paramserver.changelog.segment import Segment, read_segment, write_segment
+from paramserver.errors import ChangeLogError
+from paramserver.files import write_atomic
+
+MANIFEST = "MANIFEST.json"
+FORMAT = 1
+DEFAULT_KEEP = 3600  # an hour of segments at one a second
+_SERVER_DIR = re.compile(r"server-(0|[1-9][0-9]*)")
+
+
+def segment_name(sequence: int) -> str:
+    return f"segment-{sequence:012d}.pslog"
+
+
+def server_dir(root: str | os.PathLike[str], server: int) -> Path:
+    return Path(root) / f"server-{server}"
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A manifest's entry for one segment: its place in the chain, its file, what it covers."""
+
+    sequence: int
+    previous: int
+    file: str
+    size: int
+    first_step: int
+    last_step: int
+    changes: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    job: str
+    server: int
+    segments: tuple[Listed, ...]
+
+    @property
+    def last(self) -> int:
+        """The newest segment's sequence (0: none yet)."""
+        return self.segments[-1].sequence if self.segments else 0
+
+
+class LogWriter:
+    """Server ``server``'s chain under ``root`` (see the module doc): each :meth:`append`
+    publishes one segment. A writer continues the chain it finds there (a job resumed, or a
+    server restarted), numbering on from its last segment."""
+
+    def __init__(
+        self, root: str | os.PathLike[str], job: str, server: int, keep: int = DEFAULT_KEEP
+    ):
+        if keep < 1:
+            raise ValueError(f"a change log keeps at least one segment, not {keep}")
+        self.directory = server_dir(root, server)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.job, self.server, self.keep = job, server, keep
+        found = read_manifest(self.directory) if (self.directory / MANIFEST).exists() else None
+        self.segments: list[Listed] = list(found.segments) if found else []
+
+    @property
+    def last(self) -> int:
+        return self.segments[-1].sequence if self.segments else 0
+
+    def append(self, segment: Segment, codec: str = "none") -> Listed:
+        """Publish ``segment`` (its ``sequence`` and ``previous`` are set here) durably:
+        its file, then the manifest that lists it; returns its entry."""
+        segment.job, segment.server = self.job, self.server
+        segment.previous, segment.sequence = self.last, self.last + 1
+        name = segment_name(segment.sequence)
+        size, _ = write_atomic(
+            self.directory / name, lambda f: write_segment(f, segment, codec), hash_written=False
+        )
+        listed = Listed(
+            segment.sequence, segment.previous, name, size, segment.first_step,
+            segment.last_step, segment.changes,
+        )  # fmt: skip
+        self.segments.append(listed)
+        dropped, self.segments = self.segments[: -self.keep], self.segments[-self.keep :]
+        document = {
+            "format": FORMAT,
+            "job": self.job,
+            "server": self.server,
+            "segments": [asdict(entry) for entry in self.segments],
+        }
+        text = json.dumps(document, separators=(",", ":")).encode()
+        write_atomic(self.directory / MANIFEST, lambda f: f.write(text), hash_written=False)
+        for entry in dropped:  # only once no manifest lists them
+            (self.directory / entry.file).unlink(missing_ok=True)
+        return listed
+
+
+def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
+    """The manifest of one server's directory, every field checked."""
+    path = Path(directory) / MANIFEST
+    try:
+        document = json.loads(path.read_bytes())
+    except OSError as error:
+        raise ChangeLogError(f"change log manifest {path}: cannot read it: {error}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ChangeLogError(f"change log manifest {path}: not JSON: {error}") from None
+    problem = _manifest_problem(document)
+    if problem:
+        raise ChangeLogError(f"change log manifest {path}: {problem}")
+    segments = tuple(Listed(**entry) for entry in document["segments"])
+    return Manifest(document["job"], document["server"], segments)
+
+
+def _manifest_problem(document: Any) -> str | None:
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        return f"not a format {FORMAT} manifest"
+    if not isinstance(document.get("job"), str) or type(document.get("server")) is not int:
+        return "job must be a string and server an integer"
+    segments = document.get("segments")
+    if not isinstance(segments, list):
+        return "segments must be a list"
+    fields = set(Listed.__dataclass_fields__)
+    for entry in segments:
+        if not isinstance(entry, dict) or set(entry) != fields:
+            return f"a segment entry must have the keys {sorted(fields)}: {entry!r}"
+        if not all(type(entry[k]) is int and entry[k] >= 0 for k in fields - {"file"}):
+            return f"a segment entry's numbers must be integers >= 0: {entry!r}"
+        if entry["file"] != segment_name(entry["sequence"]):
+            return f"segment {entry['sequence']} must be in {segment_name(entry['sequence'])}"
+    return None
+
+
+def servers_under(root: str | os.PathLike[str]) -> list[int]:
+    """The servers that publish under ``root`` (those with a directory there), in order."""
+    found = [_SERVER_DIR.fullmatch(entry.name) for entry in os.scandir(root) if entry.is_dir()]
+    return sorted(int(match[1]) for match in found if match)
+
+
+class ChainFollower:
+    """Follows one server's chain (see the module doc) from after segment ``applied``."""
+
+    def __init__(self, root: str | os.PathLike[str], server: int, applied: int = 0):
+        self.directory = server_dir(root, server)
+        self.server = server
+        self.applied = applied
+
+    def pending(self) -> tuple[list[Segment], ChangeLogError | None]:
+        """The segments after the last one applied, read and checked, in order, up to the
+        first that breaks the chain, whose error comes beside them (None: no break). Taking
+        them applies nothing: the caller says which it applied (:meth:`applied_up_to`)."""
+        if not (self.directory / MANIFEST).exists():
+            return [], None
+        found: list[Segment] = []
+        try:
+            manifest = read_manifest(self.directory)
+            if manifest.server != self.server:
+                raise ChangeLogError(
+                    f"change log manifest {self.directory / MANIFEST} is server "
+                    f"{manifest.server}'s, in server {self.server}'s directory"
+                )
+            after = self.applied
+            for entry in (e for e in manifest.segments if e.sequence > self.applied):
+                found.append(self._read(entry, after))
+                after = entry.sequence
+        except ChangeLogError as error:
+            return found, error
+        return found, None
+
+    def applied_up_to(self, sequence: int) -> None:
+        self.applied = sequence
+
+    def _read(self, entry: Listed, after: int) -> Segment:
+        """The segment of ``entry``, which must come right after segment ``after``."""
+        path = self.directory / entry.file
+        if entry.previous != after or entry.sequence != after + 1:
+            raise ChangeLogError(
+                f"change log segment {path}: numbered {entry.sequence} after {entry.previous}, "
+                f"but the next after {after} is {after + 1} (a gap, a duplicate or out of "
+                f"order)"
+            )
+        segment = read_segment(path)
+        told = (segment.server, segment.sequence, segment.previous, segment.changes)
+        if told != (self.server, entry.sequence, entry.previous, entry.changes):
+            raise ChangeLogError(
+                f"change log segment {path}: its header (server, sequence, previous, changes) "
+                f"{told} disagrees with its manifest entry"
+            )
+        return segment

@@ -1,0 +1,297 @@
+"""One segment of a training server's change log: what changed on it between two cuts.
+
+A segment holds, for each table, the ids of the rows written since the server's previous cut
+with their current values (weights only), and the ids removed (a dynamic table's evictions,
+expiries and deletes: tombstones); and the dense parameters written, with their values. Each id
+is in a segment at most once, as a row or as a tombstone (the last thing that happened to it).
+
+The file, written once and never changed::
+
+    MAGIC (8 bytes) | header length (8 bytes, little-endian) | header (JSON) | payload | digest
+
+The header (:class:`SegmentHeader`) says where the segment sits in its server's chain
+(``sequence``, ``previous``), what it covers (the server's steps, the store's change
+sequence) and, for each tensor of the payload, its place, dtype and shape. The digest is
+BLAKE2b-256 of every byte before it: a truncated or damaged file fails it. A reader that
+accepts a segment (:func:`read_segment`) has checked every field, every tensor's bounds and
+that no id appears twice; anything else is a :class:`~paramserver.errors.ChangeLogError`
+naming the file.
+
+Values travel with a codec (``none``, ``bf16``, ``int8``: int8 per row with a bf16 scale,
+:mod:`paramserver.wire.compression`), per table as the encoder chose it (a bf16 value out of
+bf16's range falls back to ``none``); dense values are always ``none``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from paramserver.errors import ChangeLogError
+from paramserver.wire.compression import Encoded, decode, encode
+
+MAGIC = b"PSLOG\x00\x01\n"
+SEGMENT_CODECS = ("none", "bf16", "int8")
+_DIGEST_BYTES = 32
+_LENGTH = struct.Struct("<Q")
+_ALIGN = 8
+_MAX_HEADER_BYTES = 64 << 20
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "int64": torch.int64,
+}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_HEADER_KEYS = {
+    "job", "server", "sequence", "previous", "first_step", "last_step", "changes", "tables",
+    "dense", "tensors",
+}  # fmt: skip
+# The tensors a table may have in a segment, by role.
+_ROLES = ("ids", "values", "scales", "removed")
+
+
+@dataclass
+class TableChanges:
+    """One table's part of a segment: ``ids`` (unique) with their rows' ``values``
+    (``[len(ids), dim]``, float32 once read), and the ids ``removed`` (unique, none of
+    ``ids``)."""
+
+    ids: Tensor
+    values: Tensor
+    removed: Tensor
+
+
+@dataclass
+class Segment:
+    """A segment's content (see the module doc) and where it sits: ``sequence`` in the chain
+    of server ``server`` of job ``job``, after ``previous`` (0: the chain's first); it covers
+    the server's steps ``first_step`` to ``last_step`` and its store's changes up to
+    ``changes`` (the change feed's sequence)."""
+
+    job: str
+    server: int
+    sequence: int
+    previous: int
+    first_step: int
+    last_step: int
+    changes: int
+    tables: dict[str, TableChanges] = field(default_factory=dict)
+    dense: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(t.ids.numel() for t in self.tables.values())
+
+    @property
+    def num_removed(self) -> int:
+        return sum(t.removed.numel() for t in self.tables.values())
+
+
+def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
+    """Write ``segment`` to ``f`` (see the module doc), its rows' values encoded with
+    ``codec``."""
+    if codec not in SEGMENT_CODECS:
+        raise ValueError(f"segment codec {codec!r}: choose from {SEGMENT_CODECS}")
+    placed: list[dict[str, Any]] = []
+    payload: list[memoryview] = []
+    offset = 0
+
+    def place(entry: dict[str, Any], tensor: Tensor) -> None:
+        nonlocal offset
+        data = _bytes_of(tensor)
+        placed.append({**entry, "dtype": _NAMES[tensor.dtype], "shape": list(tensor.shape),
+                       "offset": offset})  # fmt: skip
+        payload.append(data)
+        padded = _aligned(data.nbytes)
+        if padded > data.nbytes:
+            payload.append(memoryview(bytes(padded - data.nbytes)))
+        offset += padded
+
+    tables = {}
+    for name, changes in segment.tables.items():
+        encoded = encode(codec, changes.values.float().contiguous())
+        rows, removed = changes.ids.numel(), changes.removed.numel()
+        dim = _dim(changes.values)
+        tables[name] = {"codec": encoded.codec, "rows": rows, "removed": removed, "dim": dim}
+        place({"table": name, "role": "ids"}, changes.ids)
+        for role, tensor in zip(("values", "scales"), encoded.tensors, strict=False):
+            place({"table": name, "role": role}, tensor)
+        place({"table": name, "role": "removed"}, changes.removed)
+    for name, value in segment.dense.items():
+        place({"dense": name}, value.float().contiguous())
+    header = {
+        "job": segment.job, "server": segment.server, "sequence": segment.sequence,
+        "previous": segment.previous, "first_step": segment.first_step,
+        "last_step": segment.last_step, "changes": segment.changes, "tables": tables,
+        "dense": list(segment.dense), "tensors": placed,
+    }  # fmt: skip
+    digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    parts: list[bytes | memoryview] = [MAGIC, *_header_bytes(header), *payload]
+    for part in parts:
+        digest.update(part)
+        f.write(part)
+    f.write(digest.digest())
+
+
+def read_segment(path: str | Path) -> Segment:
+    """The segment at ``path``, every part checked (see the module doc); a ChangeLogError
+    naming the file for anything else."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ChangeLogError(f"change log segment {path}: cannot read it: {error}") from None
+    try:
+        return _parse(data)
+    except _Bad as bad:
+        raise ChangeLogError(f"change log segment {path}: {bad}") from None
+
+
+class _Bad(Exception):
+    """What is wrong with a segment's bytes (the reader adds the file's name)."""
+
+
+def _parse(data: bytes) -> Segment:
+    fixed = len(MAGIC) + _LENGTH.size
+    if len(data) < fixed + _DIGEST_BYTES or data[: len(MAGIC)] != MAGIC:
+        raise _Bad("not a segment (bad magic or too short)")
+    body, digest = data[:-_DIGEST_BYTES], data[-_DIGEST_BYTES:]
+    if hashlib.blake2b(body, digest_size=_DIGEST_BYTES).digest() != digest:
+        raise _Bad("digest mismatch: the file is truncated or damaged")
+    (header_length,) = _LENGTH.unpack_from(body, len(MAGIC))
+    if header_length > min(_MAX_HEADER_BYTES, len(body) - fixed):
+        raise _Bad(f"header length {header_length} runs past the file")
+    try:
+        header = json.loads(body[fixed : fixed + header_length])
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _Bad(f"header is not JSON: {error}") from None
+    _check_header(header)
+    payload = memoryview(body)[fixed + header_length :]
+    segment = Segment(**{k: header[k] for k in _HEADER_KEYS - {"tables", "dense", "tensors"}})
+    found = _tensors(header["tensors"], payload)
+    for name, counts in header["tables"].items():
+        segment.tables[name] = _table(name, counts, found)
+    for name in header["dense"]:
+        if ("dense", name) not in found:
+            raise _Bad(f"dense parameter {name!r} has no tensor")
+        segment.dense[name] = found.pop(("dense", name))
+    if found:
+        raise _Bad(f"tensors that no table or dense parameter names: {sorted(found)[:3]}")
+    return segment
+
+
+def _check_header(header: Any) -> None:
+    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
+        got = sorted(header) if isinstance(header, dict) else type(header).__name__
+        raise _Bad(f"header must have the keys {sorted(_HEADER_KEYS)}, has {got}")
+    if not isinstance(header["job"], str):
+        raise _Bad("header: job must be a string")
+    for key in ("server", "sequence", "previous", "first_step", "last_step", "changes"):
+        if type(header[key]) is not int or header[key] < 0:
+            raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
+    if not header["previous"] < header["sequence"]:
+        raise _Bad(f"header: previous {header['previous']} is not before {header['sequence']}")
+    if not isinstance(header["tables"], dict) or not isinstance(header["dense"], list):
+        raise _Bad("header: tables must be an object and dense a list")
+    if not isinstance(header["tensors"], list):
+        raise _Bad("header: tensors must be a list")
+
+
+def _tensors(entries: list[Any], payload: memoryview) -> dict[tuple[str, str], Tensor]:
+    """The payload's tensors by (table, role) or ("dense", name), each checked to lie within
+    the payload with its dtype and shape."""
+    found: dict[tuple[str, str], Tensor] = {}
+    for entry in entries:
+        key, tensor = _tensor(entry, payload)
+        if key in found:
+            raise _Bad(f"tensor {key} appears twice")
+        found[key] = tensor
+    return found
+
+
+def _tensor(entry: Any, payload: memoryview) -> tuple[tuple[str, str], Tensor]:
+    if not isinstance(entry, dict):
+        raise _Bad("a tensor entry must be an object")
+    if "dense" in entry and isinstance(entry["dense"], str):
+        key = ("dense", entry["dense"])
+    elif isinstance(entry.get("table"), str) and entry.get("role") in _ROLES:
+        key = (entry["table"], entry["role"])
+    else:
+        raise _Bad(f"tensor entry {entry!r} names no table role or dense parameter")
+    dtype, shape, offset = entry.get("dtype"), entry.get("shape"), entry.get("offset")
+    if dtype not in _DTYPES or not isinstance(shape, list) or type(offset) is not int:
+        raise _Bad(f"tensor {key}: bad dtype, shape or offset")
+    if not all(type(n) is int and n >= 0 for n in shape) or len(shape) > 8:
+        raise _Bad(f"tensor {key}: bad shape {shape}")
+    nbytes = math.prod(shape) * _DTYPES[dtype].itemsize
+    if offset < 0 or offset % _ALIGN or offset + nbytes > len(payload):
+        raise _Bad(f"tensor {key}: bytes {offset}..{offset + nbytes} outside the payload")
+    if not nbytes:
+        return key, torch.empty(shape, dtype=_DTYPES[dtype])
+    raw = np.frombuffer(payload, dtype=np.uint8, count=nbytes, offset=offset).copy()
+    return key, torch.from_numpy(raw).view(_DTYPES[dtype]).reshape(shape)
+
+
+def _table(name: str, counts: Any, found: dict[tuple[str, str], Tensor]) -> TableChanges:
+    """Table ``name``'s changes from its tensors in ``found`` (taken out), decoded and
+    checked against ``counts`` (its header entry)."""
+    if not isinstance(counts, dict) or counts.get("codec") not in SEGMENT_CODECS:
+        raise _Bad(f"table {name!r}: bad header entry {counts!r}")
+    if not all(type(counts.get(k)) is int and counts[k] >= 0 for k in ("rows", "removed", "dim")):
+        raise _Bad(f"table {name!r}: rows, removed and dim must be integers >= 0")
+    rows: int = counts["rows"]
+    removed: int = counts["removed"]
+    dim: int = counts["dim"]
+    parts = {role: found.pop((name, role), None) for role in _ROLES}
+    ids, values, removed_ids = parts["ids"], parts["values"], parts["removed"]
+    if ids is None or values is None or removed_ids is None:
+        raise _Bad(f"table {name!r}: ids, values or removed missing")
+    if ids.dtype != torch.int64 or removed_ids.dtype != torch.int64:
+        raise _Bad(f"table {name!r}: ids must be int64")
+    if tuple(ids.shape) != (rows,) or tuple(removed_ids.shape) != (removed,):
+        raise _Bad(f"table {name!r}: ids do not match the header's counts")
+    codec, scales = counts["codec"], parts["scales"]
+    value_dtype = {"none": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}[codec]
+    if values.dtype != value_dtype or tuple(values.shape) != (rows, dim):
+        raise _Bad(f"table {name!r}: values must be {value_dtype} [{rows}, {dim}]")
+    if (codec == "int8") != (scales is not None):
+        raise _Bad(f"table {name!r}: scales go with int8 values, and only with them")
+    if scales is not None and (scales.dtype != torch.bfloat16 or tuple(scales.shape) != (rows,)):
+        raise _Bad(f"table {name!r}: int8 scales must be bfloat16 [{rows}]")
+    everything = torch.cat([ids, removed_ids])
+    if everything.unique().numel() != everything.numel():
+        raise _Bad(f"table {name!r}: an id appears more than once")
+    tensors = (values,) if scales is None else (values, scales)
+    decoded = decode(Encoded(codec, (rows, dim), tensors))
+    return TableChanges(ids, decoded.float(), removed_ids)
+
+
+def _header_bytes(header: Mapping[str, Any]) -> tuple[bytes, bytes]:
+    text = json.dumps(header, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(text)), text
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return flat.numpy().view(np.uint8).data
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _dim(values: Tensor) -> int:
+    return int(values.shape[1]) if values.dim() == 2 else 0

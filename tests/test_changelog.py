@@ -1,0 +1,177 @@
+"""The change log's files (paramserver.changelog): segments round-trip with each codec, any
+damage is refused naming the file, and a follower hands on a server's chain only in order."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, read_manifest, server_dir
+from paramserver.changelog.segment import Segment, TableChanges, read_segment, write_segment
+from paramserver.errors import ChangeLogError
+from paramserver.wire.compression import error_bound
+
+
+def segment(first_step: int = 1, rows: int = 5, dim: int = 4, seed: int = 0) -> Segment:
+    generator = torch.Generator().manual_seed(seed)
+    made = Segment("job", 0, 1, 0, first_step, first_step + 9, changes=first_step * 10)
+    ids = torch.randperm(1000, generator=generator)[: rows + 2]
+    values = torch.randn(rows, dim, generator=generator)
+    made.tables["t"] = TableChanges(ids[:rows], values, ids[rows:])
+    made.tables["quiet"] = TableChanges(
+        torch.zeros(0, dtype=torch.int64), torch.zeros(0, 8), torch.zeros(0, dtype=torch.int64)
+    )
+    made.dense["conv.weight"] = torch.randn(2, 3, 2, 2, generator=generator)
+    return made
+
+
+def write(path: Path, made: Segment, codec: str = "none") -> bytes:
+    buffer = io.BytesIO()
+    write_segment(buffer, made, codec)
+    path.write_bytes(buffer.getvalue())
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("codec", ["none", "bf16", "int8"])
+def test_a_segment_round_trips_within_its_codecs_bound(tmp_path: Path, codec: str) -> None:
+    made = segment()
+    write(tmp_path / "s", made, codec)
+    read = read_segment(tmp_path / "s")
+    assert (read.job, read.server, read.sequence, read.previous) == ("job", 0, 1, 0)
+    assert (read.first_step, read.last_step, read.changes) == (1, 10, 10)
+    written, got = made.tables["t"], read.tables["t"]
+    assert torch.equal(got.ids, written.ids) and torch.equal(got.removed, written.removed)
+    error = (got.values - written.values).abs()
+    assert bool((error <= error_bound(codec, written.values)).all())
+    assert (codec == "none") == bool((error == 0).all())
+    assert read.tables["quiet"].values.shape == (0, 8)
+    assert torch.equal(read.dense["conv.weight"], made.dense["conv.weight"])  # always exact
+
+
+@pytest.mark.parametrize(("codec", "value_bytes"), [("none", 4 * 32), ("int8", 32 + 4)])
+def test_a_segment_costs_an_id_and_the_rows_value_bytes_per_row(
+    tmp_path: Path, codec: str, value_bytes: int
+) -> None:
+    def size(rows: int) -> int:
+        made = Segment("job", 0, 1, 0, 1, 1, 1)
+        ids = torch.arange(rows, dtype=torch.int64)
+        made.tables["t"] = TableChanges(ids, torch.randn(rows, 32), ids[:0])
+        return len(write(tmp_path / "s", made, codec))
+
+    per_row = (size(20_000) - size(10_000)) / 10_000
+    assert per_row < 8 + value_bytes + 0.001  # (the header's byte offsets grow a digit)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:-7],  # truncated
+        lambda data: data[:200] + bytes([data[200] ^ 1]) + data[201:],  # one bit flipped
+        lambda data: b"NOTALOG!" + data[8:],
+        lambda data: b"",
+    ],
+    ids=["truncated", "bit flipped", "bad magic", "empty"],
+)
+def test_a_damaged_segment_is_refused_naming_its_file(tmp_path: Path, damage) -> None:
+    data = write(tmp_path / "s", segment())
+    (tmp_path / "bad").write_bytes(damage(data))
+    with pytest.raises(ChangeLogError, match=str(tmp_path / "bad")):
+        read_segment(tmp_path / "bad")
+
+
+def test_a_segment_naming_an_id_twice_is_refused(tmp_path: Path) -> None:
+    made = segment()
+    t = made.tables["t"]
+    made.tables["t"] = TableChanges(t.ids, t.values, t.ids[:1])  # written and removed
+    write(tmp_path / "s", made)
+    with pytest.raises(ChangeLogError, match="more than once"):
+        read_segment(tmp_path / "s")
+
+
+def published(root: Path, count: int, keep: int = 100) -> LogWriter:
+    writer = LogWriter(root, "job", server=0, keep=keep)
+    for i in range(count):
+        writer.append(segment(first_step=10 * i + 1, seed=i))
+    return writer
+
+
+def test_a_follower_hands_on_the_chain_in_order_and_only_what_is_new(tmp_path: Path) -> None:
+    published(tmp_path, 3)
+    follower = ChainFollower(tmp_path, 0)
+    found, error = follower.pending()
+    assert error is None
+    assert [(s.sequence, s.previous, s.first_step) for s in found] == [
+        (1, 0, 1),
+        (2, 1, 11),
+        (3, 2, 21),
+    ]
+    assert follower.pending()[0][0].sequence == 1  # nothing counts as applied until said
+    follower.applied_up_to(2)
+    LogWriter(tmp_path, "resumed", server=0).append(segment(first_step=31))  # numbers on
+    assert [s.sequence for s in follower.pending()[0]] == [3, 4]
+    assert read_manifest(server_dir(tmp_path, 0)).job == "resumed"
+
+
+def test_a_manifest_keeps_the_newest_segments_and_a_follower_behind_them_is_told(
+    tmp_path: Path,
+) -> None:
+    published(tmp_path, 5, keep=2)
+    directory = server_dir(tmp_path, 0)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        MANIFEST,
+        "segment-000000000004.pslog",
+        "segment-000000000005.pslog",
+    ]
+    found, error = ChainFollower(tmp_path, 0, applied=1).pending()
+    assert found == [] and error is not None and "a gap" in str(error)
+    assert [s.sequence for s in ChainFollower(tmp_path, 0, applied=3).pending()[0]] == [4, 5]
+
+
+def edit_manifest(root: Path, edit) -> None:
+    path = server_dir(root, 0) / MANIFEST
+    document = json.loads(path.read_text())
+    document["segments"] = edit(document["segments"])
+    path.write_text(json.dumps(document))
+
+
+@pytest.mark.parametrize(
+    ("edit", "good"),
+    [
+        (lambda s: [s[0], s[2], s[3]], 1),  # a gap
+        (lambda s: [s[0], s[1], s[1], s[2]], 2),  # a duplicate
+        (lambda s: [s[0], s[2], s[1], s[3]], 1),  # out of order
+    ],
+    ids=["gap", "duplicate", "out of order"],
+)
+def test_a_broken_chain_hands_on_what_comes_before_the_break_and_names_the_file(
+    tmp_path: Path,
+    edit,
+    good: int,
+) -> None:
+    published(tmp_path, 4)
+    edit_manifest(tmp_path, edit)
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert [s.sequence for s in found] == list(range(1, good + 1))
+    assert error is not None and "segment-0000000000" in str(error)
+
+
+def test_a_segment_whose_header_disagrees_with_its_entry_is_refused(tmp_path: Path) -> None:
+    published(tmp_path, 3)
+    directory = server_dir(tmp_path, 0)
+    (directory / "segment-000000000003.pslog").write_bytes(
+        (directory / "segment-000000000002.pslog").read_bytes()
+    )
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert [s.sequence for s in found] == [1, 2]
+    assert error is not None and "disagrees with its manifest entry" in str(error)
+
+
+def test_a_damaged_manifest_is_refused_naming_it(tmp_path: Path) -> None:
+    published(tmp_path, 1)
+    (server_dir(tmp_path, 0) / MANIFEST).write_text('{"format": 1, "job": 3}')
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert found == [] and error is not None and MANIFEST in str(error)
