@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from paramserver.changelog.collect import attach_collector, cut
 from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, read_manifest, server_dir
 from paramserver.changelog.segment import Segment, TableChanges, read_segment, write_segment
 from paramserver.errors import ChangeLogError
+from paramserver.store.table import Reading
 from paramserver.wire.compression import error_bound
+from tests.test_store import ids, make_store, train_read
 
 
 def segment(first_step: int = 1, rows: int = 5, dim: int = 4, seed: int = 0) -> Segment:
@@ -175,3 +178,36 @@ def test_a_damaged_manifest_is_refused_naming_it(tmp_path: Path) -> None:
     (server_dir(tmp_path, 0) / MANIFEST).write_text('{"format": 1, "job": 3}')
     found, error = ChainFollower(tmp_path, 0).pending()
     assert found == [] and error is not None and MANIFEST in str(error)
+
+
+def test_a_cut_publishes_each_ids_last_change_with_the_rows_current_value() -> None:
+    store = make_store()
+    collector = attach_collector(store)
+    train_read(store, 1, hashed=ids(5, 7))
+    train_read(store, 2, hashed=ids(5, 7))  # both admitted
+    store.apply_rows({"fixed": (ids(2, 9), torch.ones(2, 4))}, {"fixed": 0.5}, clock=2)
+    store.apply_dense({"w": torch.ones(3)}, lr=0.5)
+    store.delete_ids("hashed", ids(7))  # written, then removed: a tombstone
+    made = cut(store, collector, first_step=1, last_step=2)
+    assert made.changes == store.changes.sequence and made.server == 0
+    assert made.tables["fixed"].ids.tolist() == [2, 9]
+    assert made.tables["hashed"].ids.tolist() == [5]
+    assert made.tables["hashed"].removed.tolist() == [7]
+    now = store.read({"fixed": ids(2, 9), "hashed": ids(5)}, Reading()).values
+    assert torch.equal(made.tables["fixed"].values, now["fixed"])
+    assert torch.equal(made.tables["hashed"].values, now["hashed"])
+    assert torch.equal(made.dense["w"], store.read_dense(["w"]).values["w"])
+    again = cut(store, collector, first_step=3, last_step=3)  # nothing since
+    assert again.tables == {} and again.dense == {} and again.changes == made.changes
+
+
+def test_an_id_removed_then_made_again_is_published_as_a_row() -> None:
+    store = make_store()
+    train_read(store, 1, hashed=ids(5))
+    train_read(store, 2, hashed=ids(5))
+    collector = attach_collector(store)
+    store.delete_ids("hashed", ids(5))
+    train_read(store, 3, hashed=ids(5))
+    train_read(store, 4, hashed=ids(5))  # admitted again
+    made = cut(store, collector, first_step=3, last_step=4)
+    assert made.tables["hashed"].ids.tolist() == [5] and made.tables["hashed"].removed.numel() == 0

@@ -46,10 +46,12 @@ class ChangeFeed:
         self.observer: ChangeObserver | None = None
         self._lock = threading.Lock()
 
-    def attach(self, observer: ChangeObserver | None) -> None:
-        """From the next change on, tell ``observer`` (None: no one)."""
+    def attach(self, observer: ChangeObserver | None) -> int:
+        """From the next change on, tell ``observer`` (None: no one); returns the number of
+        the last change it is not told of."""
         with self._lock:
             self.observer = observer
+            return self.sequence
 
     def continue_from(self, sequence: int) -> None:
         """Number the next change after ``sequence`` at least (a store restored from a

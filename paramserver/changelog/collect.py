@@ -1,0 +1,117 @@
+"""What a training server publishes: the changes its store reports, gathered between cuts, and
+a cut that turns them into a segment of current values.
+
+A :class:`ChangeCollector` is the store's change observer
+(:class:`~paramserver.store.changes.ChangeObserver`): it keeps the ids each report names (a
+copy, in the feed's order) and the dense parameters written, and does nothing else under the
+feed's lock. :func:`cut` takes what it gathered (the collector starts over) and reads, for
+every id whose last change was a write, its row's current value; an id whose last change was
+a removal becomes a tombstone. Values are read after the take, so a row changed again in
+between is published with its newer value (and again in the next segment): a segment's
+values are never older than the changes it covers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from paramserver.changelog.segment import Segment, TableChanges
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
+
+
+@dataclass
+class Changed:
+    """What changed since the previous take: per table, the ids whose last change wrote their
+    row and those whose last change removed it (each sorted and unique); the dense parameters
+    written; the store's change sequence it covers."""
+
+    written: dict[str, Tensor] = field(default_factory=dict)
+    removed: dict[str, Tensor] = field(default_factory=dict)
+    dense: list[str] = field(default_factory=list)
+    changes: int = 0
+
+
+class ChangeCollector:
+    """A store's changes since the last :meth:`take` (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[str, list[tuple[Tensor, bool]]] = {}
+        self._dense: set[str] = set()
+        self._changes = 0
+
+    def starts_after(self, sequence: int) -> None:
+        """The store's change sequence when this was attached (what a take with nothing new
+        covers)."""
+        with self._lock:
+            self._changes = max(self._changes, sequence)
+
+    def rows_written(self, table: str, ids: Tensor, sequence: int) -> None:
+        self._add(table, ids, True, sequence)
+
+    def ids_removed(self, table: str, ids: Tensor, sequence: int) -> None:
+        self._add(table, ids, False, sequence)
+
+    def dense_written(self, names: Sequence[str], sequence: int) -> None:
+        with self._lock:
+            self._dense.update(names)
+            self._changes = sequence
+
+    def _add(self, table: str, ids: Tensor, written: bool, sequence: int) -> None:
+        copy = ids.clone()  # the caller's, which it may reuse
+        with self._lock:
+            self._events.setdefault(table, []).append((copy, written))
+            self._changes = sequence
+
+    def take(self) -> Changed:
+        """What changed since the last take, each id's last change deciding its fate."""
+        with self._lock:
+            events, self._events = self._events, {}
+            dense, self._dense = self._dense, set()
+            changes = self._changes
+        changed = Changed(dense=sorted(dense), changes=changes)
+        for table, table_events in events.items():
+            changed.written[table], changed.removed[table] = _last_changes(table_events)
+        return changed
+
+
+def _last_changes(events: list[tuple[Tensor, bool]]) -> tuple[Tensor, Tensor]:
+    """The ids whose last event wrote their row, and those whose last event removed it."""
+    ids = torch.cat([ids for ids, _ in events])
+    wrote = torch.cat([torch.full((ids.numel(),), written) for ids, written in events])
+    unique, inverse = torch.unique(ids, return_inverse=True)
+    order = torch.arange(ids.numel())
+    last = torch.full((unique.numel(),), -1, dtype=torch.int64)
+    last.scatter_reduce_(0, inverse, order, reduce="amax")
+    final = wrote[last]
+    return unique[final], unique[~final]
+
+
+def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: int) -> Segment:
+    """A segment of what ``collector`` gathered from ``store`` (see the module doc), covering
+    steps ``first_step`` to ``last_step``; its place in a chain is the log writer's to set."""
+    changed = collector.take()
+    written = {name: ids for name, ids in changed.written.items() if ids.numel()}
+    values = store.read(written, Reading()).values if written else {}
+    segment = Segment("", store.server, 0, 0, first_step, last_step, changed.changes)
+    for name in changed.written:
+        ids, removed = changed.written[name], changed.removed[name]
+        table_values = values.get(name)
+        if table_values is None:
+            table_values = torch.zeros(0, store.tables[name].spec.dim)
+        segment.tables[name] = TableChanges(ids, table_values, removed)
+    segment.dense = store.read_dense(changed.dense).values if changed.dense else {}
+    return segment
+
+
+def attach_collector(store: Store) -> ChangeCollector:
+    """A collector attached to ``store``'s change feed, from its next change on."""
+    collector = ChangeCollector()
+    collector.starts_after(store.changes.attach(collector))
+    return collector
