@@ -4,7 +4,9 @@ damage is refused naming the file, and a follower hands on a server's chain only
 from __future__ import annotations
 
 import io
+import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 
 from paramserver.changelog.collect import attach_collector, cut
 from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, read_manifest, server_dir
+from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.segment import Segment, TableChanges, read_segment, write_segment
 from paramserver.errors import ChangeLogError
 from paramserver.store.table import Reading
@@ -211,3 +214,72 @@ def test_an_id_removed_then_made_again_is_published_as_a_row() -> None:
     train_read(store, 4, hashed=ids(5))  # admitted again
     made = cut(store, collector, first_step=3, last_step=4)
     assert made.tables["hashed"].ids.tolist() == [5] and made.tables["hashed"].removed.numel() == 0
+
+
+def replay(root: Path, server: int = 0) -> dict[str, dict[int, list[float]]]:
+    """Every row and dense value the chain under ``root`` ends with, applied in order."""
+    state: dict[str, dict[int, list[float]]] = {}
+    found, error = ChainFollower(root, server).pending()
+    assert error is None
+    for made in found:
+        for name, changes in made.tables.items():
+            rows = state.setdefault(name, {})
+            rows.update(zip(changes.ids.tolist(), changes.values.tolist(), strict=True))
+            for gone in changes.removed.tolist():
+                rows.pop(gone, None)
+        for name, value in made.dense.items():
+            state[name] = {0: value.flatten().tolist()}
+    return state
+
+
+def test_a_timed_publisher_chain_replays_to_the_stores_state(tmp_path: Path) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=0.02)
+    generator = torch.Generator().manual_seed(0)
+    for clock in range(1, 40):
+        store.advance_clock(clock)
+        hashed = torch.randint(0, 12, (4,), generator=generator).unique()
+        train_read(store, clock, hashed=hashed)  # admits, and expires what sat 3 steps
+        fixed = torch.randint(0, 20, (3,), generator=generator).unique()
+        store.apply_rows({"fixed": (fixed, torch.ones(fixed.numel(), 4))}, {"fixed": 0.1}, clock)
+        store.apply_dense({"w": torch.ones(3)}, lr=0.1)
+        time.sleep(0.003)
+    publisher.close()
+    assert publisher.stats.segments >= 3 and publisher.stats.failures == 0
+    state = replay(tmp_path)
+    held = store.export_state()
+    hashed_rows = dict(
+        zip(held["hashed"]["ids"].tolist(), held["hashed"]["value"].tolist(), strict=True)
+    )
+    assert state["hashed"] == hashed_rows and publisher.stats.removed > 0
+    changed = {row: value for row, value in enumerate(held["fixed"]["value"].tolist())}
+    assert all(changed[row] == value for row, value in state["fixed"].items())
+    assert state["w"] == {0: held["w"]["value"].tolist()}
+    steps = [(s.first_step, s.last_step) for s in ChainFollower(tmp_path, 0).pending()[0]]
+    assert steps[0][0] == 1 and steps[-1][1] == 39
+    assert all(b[0] == a[1] + 1 for a, b in itertools.pairwise(steps))
+
+
+def test_a_segment_that_cannot_be_written_is_tried_again_and_the_chain_skips_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=0.01, timed=False)
+    append, failed = publisher.writer.append, []
+
+    def full_disk_once(segment: Segment, codec: str = "none") -> object:
+        if not failed:
+            failed.append(segment.first_step)
+            raise OSError(28, "No space left on device")
+        return append(segment, codec)
+
+    monkeypatch.setattr(publisher.writer, "append", full_disk_once)
+    for clock in (1, 2, 3):
+        store.advance_clock(clock)
+        store.apply_rows({"fixed": (ids(clock), torch.ones(1, 4))}, {"fixed": 0.1}, clock)
+        publisher.cut()
+    publisher.close()
+    assert failed == [1] and publisher.stats.failures == 1
+    found = ChainFollower(tmp_path, 0).pending()[0]
+    assert [(s.sequence, s.first_step) for s in found] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert [s.tables["fixed"].ids.tolist() for s in found[:3]] == [[1], [2], [3]]

@@ -76,7 +76,8 @@ class TableChanges:
 class Segment:
     """A segment's content (see the module doc) and where it sits: ``sequence`` in the chain
     of server ``server`` of job ``job``, after ``previous`` (0: the chain's first); it covers
-    the server's steps ``first_step`` to ``last_step`` and its store's changes up to
+    the server's steps ``first_step`` to ``last_step`` (none where ``first_step`` is
+    ``last_step + 1``: a cut with no step since the last) and its store's changes up to
     ``changes`` (the change feed's sequence)."""
 
     job: str

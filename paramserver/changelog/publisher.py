@@ -1,0 +1,141 @@
+"""A training server's publisher: it cuts its store's changes into segments and appends them
+to its chain, every ``every_s`` seconds or when told.
+
+Cutting (:func:`~paramserver.changelog.collect.cut`) copies the changed rows under the
+store's locks in the caller's thread: quick, and in a sync job the round's own thread, so a
+segment ends exactly at a round. Writing (encode, fsync, rename, manifest) happens in the
+publisher's thread, in order. A segment that cannot be written (a full disk) stays first in
+line and is tried again each period, later segments behind it, so the chain never skips one;
+each failure is logged and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from paramserver.changelog.collect import attach_collector, cut
+from paramserver.changelog.log import DEFAULT_KEEP, LogWriter
+from paramserver.changelog.segment import Segment
+from paramserver.store.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PublishStats:
+    segments: int = 0
+    rows: int = 0
+    removed: int = 0
+    bytes: int = 0
+    write_seconds: float = 0.0
+    failures: int = 0
+
+
+class Publisher:
+    """Server ``server``'s publisher (see the module doc) for ``store``, into ``root``."""
+
+    def __init__(
+        self,
+        store: Store,
+        root: str | os.PathLike[str],
+        job: str,
+        *,
+        every_s: float,
+        codec: str = "none",
+        keep: int = DEFAULT_KEEP,
+        timed: bool = True,
+    ):
+        """``timed``: cut every ``every_s`` seconds on its own (an async job); else only when
+        :meth:`cut` is called (a sync job cuts at a round's end)."""
+        self.store, self.every_s, self.codec = store, every_s, codec
+        self.writer = LogWriter(root, job, store.server, keep)
+        self.collector = attach_collector(store)
+        self.stats = PublishStats()
+        self._next_step = store.clock + 1
+        self._cut_lock = threading.Lock()
+        self._waiting: deque[Segment] = deque()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._timed = timed
+        self._last_cut = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._run, name=f"publisher-{store.server}", daemon=True
+        )
+        self._thread.start()
+
+    def due(self) -> bool:
+        """Whether a period has passed since the last cut."""
+        return time.monotonic() - self._last_cut >= self.every_s
+
+    def cut(self, last_step: int | None = None) -> None:
+        """Cut what changed up to now, covering the steps up to ``last_step`` (by default the
+        store's clock), and queue it for writing."""
+        with self._cut_lock:
+            # No step since the last cut: the segment covers none (first = last + 1).
+            last = max(self.store.clock if last_step is None else last_step, self._next_step - 1)
+            segment = cut(self.store, self.collector, self._next_step, last)
+            self._next_step = last + 1
+            self._last_cut = time.monotonic()
+        with self._wake:
+            self._waiting.append(segment)
+            self._wake.notify()
+
+    def close(self, timeout: float = 60.0) -> None:
+        """A last cut, every segment written (within ``timeout`` seconds), the store let go."""
+        self.cut()
+        self.store.changes.attach(None)
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.error(
+                "server %d: %d change log segments not written after %.0f s",
+                self.store.server, len(self._waiting), timeout,
+            )  # fmt: skip
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._waiting and not self._closing:
+                    self._wake.wait(self._until_next_cut())
+                closing, segment = self._closing, self._waiting[0] if self._waiting else None
+            if segment is not None:
+                if not self._write(segment):
+                    if closing:
+                        return
+                    time.sleep(min(self.every_s, 1.0))
+                continue
+            if closing:
+                return
+            if self._timed and self.due():
+                self.cut()
+
+    def _until_next_cut(self) -> float | None:
+        if not self._timed:
+            return None
+        return max(0.0, self.every_s - (time.monotonic() - self._last_cut))
+
+    def _write(self, segment: Segment) -> bool:
+        """Append ``segment`` to the chain (then let it go); False where that failed."""
+        start = time.perf_counter()
+        try:
+            listed = self.writer.append(segment, self.codec)
+        except OSError as error:
+            self.stats.failures += 1
+            logger.warning("server %d: a change log segment was not written: %s",
+                           self.store.server, error)  # fmt: skip
+            return False
+        with self._wake:
+            self._waiting.popleft()
+        self.stats.segments += 1
+        self.stats.rows += segment.num_rows
+        self.stats.removed += segment.num_removed
+        self.stats.bytes += listed.size
+        self.stats.write_seconds += time.perf_counter() - start
+        return True
