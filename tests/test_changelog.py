@@ -24,7 +24,7 @@ from tests.test_store import ids, make_store, train_read
 
 def segment(first_step: int = 1, rows: int = 5, dim: int = 4, seed: int = 0) -> Segment:
     generator = torch.Generator().manual_seed(seed)
-    made = Segment("job", 0, 1, 0, first_step, first_step + 9, changes=first_step * 10)
+    made = Segment("job", 0, 1, 0, first_step, first_step + 9, first_step - 1, first_step + 9)
     ids = torch.randperm(1000, generator=generator)[: rows + 2]
     values = torch.randn(rows, dim, generator=generator)
     made.tables["t"] = TableChanges(ids[:rows], values, ids[rows:])
@@ -48,7 +48,7 @@ def test_a_segment_round_trips_within_its_codecs_bound(tmp_path: Path, codec: st
     write(tmp_path / "s", made, codec)
     read = read_segment(tmp_path / "s")
     assert (read.job, read.server, read.sequence, read.previous) == ("job", 0, 1, 0)
-    assert (read.first_step, read.last_step, read.changes) == (1, 10, 10)
+    assert (read.first_step, read.last_step, read.after_changes, read.changes) == (1, 10, 0, 10)
     written, got = made.tables["t"], read.tables["t"]
     assert torch.equal(got.ids, written.ids) and torch.equal(got.removed, written.removed)
     error = (got.values - written.values).abs()
@@ -63,7 +63,7 @@ def test_a_segment_costs_an_id_and_the_rows_value_bytes_per_row(
     tmp_path: Path, codec: str, value_bytes: int
 ) -> None:
     def size(rows: int) -> int:
-        made = Segment("job", 0, 1, 0, 1, 1, 1)
+        made = Segment("job", 0, 1, 0, 1, 1, 0, 1)
         ids = torch.arange(rows, dtype=torch.int64)
         made.tables["t"] = TableChanges(ids, torch.randn(rows, 32), ids[:0])
         return len(write(tmp_path / "s", made, codec))
@@ -116,7 +116,7 @@ def test_a_follower_hands_on_the_chain_in_order_and_only_what_is_new(tmp_path: P
         (3, 2, 21),
     ]
     assert follower.pending()[0][0].sequence == 1  # nothing counts as applied until said
-    follower.applied_up_to(2)
+    follower.applied_up_to(found[1])
     LogWriter(tmp_path, "resumed", server=0).append(segment(first_step=31))  # numbers on
     assert [s.sequence for s in follower.pending()[0]] == [3, 4]
     assert read_manifest(server_dir(tmp_path, 0)).job == "resumed"
@@ -132,9 +132,9 @@ def test_a_manifest_keeps_the_newest_segments_and_a_follower_behind_them_is_told
         "segment-000000000004.pslog",
         "segment-000000000005.pslog",
     ]
-    found, error = ChainFollower(tmp_path, 0, applied=1).pending()
-    assert found == [] and error is not None and "a gap" in str(error)
-    assert [s.sequence for s in ChainFollower(tmp_path, 0, applied=3).pending()[0]] == [4, 5]
+    found, error = ChainFollower(tmp_path, 0, changes=10).pending()  # segment 1 applied
+    assert found == [] and error is not None and "no longer reaches back" in str(error)
+    assert [s.sequence for s in ChainFollower(tmp_path, 0, changes=30).pending()[0]] == [4, 5]
 
 
 def edit_manifest(root: Path, edit) -> None:
@@ -283,3 +283,19 @@ def test_a_segment_that_cannot_be_written_is_tried_again_and_the_chain_skips_non
     found = ChainFollower(tmp_path, 0).pending()[0]
     assert [(s.sequence, s.first_step) for s in found] == [(1, 1), (2, 2), (3, 3), (4, 4)]
     assert [s.tables["fixed"].ids.tolist() for s in found[:3]] == [[1], [2], [3]]
+
+
+def test_a_follower_from_a_base_starts_at_the_segment_that_holds_the_bases_change(
+    tmp_path: Path,
+) -> None:
+    published(tmp_path, 3)  # changes (0, 10], (10, 20], (20, 30]
+    assert [s.sequence for s in ChainFollower(tmp_path, 0, changes=15).pending()[0]] == [2, 3]
+    assert ChainFollower(tmp_path, 0, changes=30).pending() == ([], None)  # the base is newest
+
+
+def test_a_log_rewound_by_a_resume_from_an_earlier_checkpoint_is_refused(tmp_path: Path) -> None:
+    published(tmp_path, 2)  # changes (0, 10], (10, 20]
+    LogWriter(tmp_path, "resumed", server=0).append(segment(first_step=6))  # (5, 15]
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert [s.sequence for s in found] == [1, 2]
+    assert error is not None and "rewinds the log" in str(error)

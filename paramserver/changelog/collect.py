@@ -29,11 +29,12 @@ from paramserver.store.table import Reading
 class Changed:
     """What changed since the previous take: per table, the ids whose last change wrote their
     row and those whose last change removed it (each sorted and unique); the dense parameters
-    written; the store's change sequence it covers."""
+    written; the store's changes it covers: after ``after_changes``, up to ``changes``."""
 
     written: dict[str, Tensor] = field(default_factory=dict)
     removed: dict[str, Tensor] = field(default_factory=dict)
     dense: list[str] = field(default_factory=list)
+    after_changes: int = 0
     changes: int = 0
 
 
@@ -44,13 +45,12 @@ class ChangeCollector:
         self._lock = threading.Lock()
         self._events: dict[str, list[tuple[Tensor, bool]]] = {}
         self._dense: set[str] = set()
-        self._changes = 0
+        self._changes = self._taken = 0
 
     def starts_after(self, sequence: int) -> None:
-        """The store's change sequence when this was attached (what a take with nothing new
-        covers)."""
+        """The store's change sequence when this was attached (where the first take starts)."""
         with self._lock:
-            self._changes = max(self._changes, sequence)
+            self._changes = self._taken = max(self._changes, sequence)
 
     def rows_written(self, table: str, ids: Tensor, sequence: int) -> None:
         self._add(table, ids, True, sequence)
@@ -74,8 +74,9 @@ class ChangeCollector:
         with self._lock:
             events, self._events = self._events, {}
             dense, self._dense = self._dense, set()
-            changes = self._changes
-        changed = Changed(dense=sorted(dense), changes=changes)
+            after, changes = self._taken, self._changes
+            self._taken = changes
+        changed = Changed(dense=sorted(dense), after_changes=after, changes=changes)
         for table, table_events in events.items():
             changed.written[table], changed.removed[table] = _last_changes(table_events)
         return changed
@@ -99,7 +100,9 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
     changed = collector.take()
     written = {name: ids for name, ids in changed.written.items() if ids.numel()}
     values = store.read(written, Reading()).values if written else {}
-    segment = Segment("", store.server, 0, 0, first_step, last_step, changed.changes)
+    segment = Segment(
+        "", store.server, 0, 0, first_step, last_step, changed.after_changes, changed.changes
+    )
     for name in changed.written:
         ids, removed = changed.written[name], changed.removed[name]
         table_values = values.get(name)

@@ -60,6 +60,7 @@ class Listed:
     size: int
     first_step: int
     last_step: int
+    after_changes: int
     changes: int
 
 
@@ -106,7 +107,7 @@ class LogWriter:
         )
         listed = Listed(
             segment.sequence, segment.previous, name, size, segment.first_step,
-            segment.last_step, segment.changes,
+            segment.last_step, segment.after_changes, segment.changes,
         )  # fmt: skip
         self.segments.append(listed)
         dropped, self.segments = self.segments[: -self.keep], self.segments[-self.keep :]
@@ -165,17 +166,19 @@ def servers_under(root: str | os.PathLike[str]) -> list[int]:
 
 
 class ChainFollower:
-    """Follows one server's chain (see the module doc) from after segment ``applied``."""
+    """Follows one server's chain (see the module doc) from a state that covers that server's
+    store up to change ``changes`` (a base's: its checkpoint records it; 0: the job's start)."""
 
-    def __init__(self, root: str | os.PathLike[str], server: int, applied: int = 0):
+    def __init__(self, root: str | os.PathLike[str], server: int, changes: int = 0):
         self.directory = server_dir(root, server)
         self.server = server
-        self.applied = applied
+        self.applied: int | None = None  # the last segment applied (None: none since the base)
+        self.changes = changes
 
     def pending(self) -> tuple[list[Segment], ChangeLogError | None]:
-        """The segments after the last one applied, read and checked, in order, up to the
-        first that breaks the chain, whose error comes beside them (None: no break). Taking
-        them applies nothing: the caller says which it applied (:meth:`applied_up_to`)."""
+        """The segments after the state followed, read and checked, in order, up to the first
+        that breaks the chain, whose error comes beside them (None: no break). Taking them
+        applies nothing: the caller says which it applied (:meth:`applied`)."""
         if not (self.directory / MANIFEST).exists():
             return [], None
         found: list[Segment] = []
@@ -186,26 +189,52 @@ class ChainFollower:
                     f"change log manifest {self.directory / MANIFEST} is server "
                     f"{manifest.server}'s, in server {self.server}'s directory"
                 )
-            after = self.applied
-            for entry in (e for e in manifest.segments if e.sequence > self.applied):
-                found.append(self._read(entry, after))
-                after = entry.sequence
+            newer = self._newer(manifest.segments)
+            after = (newer[0].previous, self.changes) if newer else None
+            for entry in newer:
+                assert after is not None
+                found.append(self._read(entry, *after, first=not found))
+                after = (entry.sequence, entry.changes)
         except ChangeLogError as error:
             return found, error
         return found, None
 
-    def applied_up_to(self, sequence: int) -> None:
-        self.applied = sequence
+    def applied_up_to(self, segment: Segment) -> None:
+        """``segment`` (the last of those :meth:`pending` gave) and those before it applied."""
+        self.applied, self.changes = segment.sequence, segment.changes
 
-    def _read(self, entry: Listed, after: int) -> Segment:
-        """The segment of ``entry``, which must come right after segment ``after``."""
-        path = self.directory / entry.file
-        if entry.previous != after or entry.sequence != after + 1:
+    def _newer(self, segments: tuple[Listed, ...]) -> list[Listed]:
+        """The entries after the state followed: after the last applied, or from the base on
+        (the first that reaches past the base's change)."""
+        if self.applied is not None:
+            return [entry for entry in segments if entry.sequence > self.applied]
+        newer = [entry for entry in segments if entry.changes > self.changes]
+        if newer and newer[0].after_changes > self.changes:
             raise ChangeLogError(
-                f"change log segment {path}: numbered {entry.sequence} after {entry.previous}, "
-                f"but the next after {after} is {after + 1} (a gap, a duplicate or out of "
-                f"order)"
+                f"change log {self.directory}: its oldest segment kept starts after change "
+                f"{newer[0].after_changes}, past the base's change {self.changes}: the log no "
+                f"longer reaches back to the base (serve from a newer base)"
             )
+        return newer
+
+    def _read(self, entry: Listed, sequence: int, changes: int, *, first: bool) -> Segment:
+        """The segment of ``entry``, which must come right after segment ``sequence``, which
+        ended at change ``changes`` (``first``: the base's change, inside the entry's)."""
+        path = self.directory / entry.file
+        if self.applied is not None or not first:
+            if entry.previous != sequence or entry.sequence != sequence + 1:
+                raise ChangeLogError(
+                    f"change log segment {path}: numbered {entry.sequence} after "
+                    f"{entry.previous}, but the next after {sequence} is {sequence + 1} (a "
+                    f"gap, a duplicate or out of order)"
+                )
+            if entry.after_changes != changes:
+                raise ChangeLogError(
+                    f"change log segment {path}: starts after change {entry.after_changes} "
+                    f"of server {self.server}'s store, but the state followed ends at change "
+                    f"{changes} (a job resumed from an earlier checkpoint rewinds the log: "
+                    f"serve from that checkpoint)"
+                )
         segment = read_segment(path)
         told = (segment.server, segment.sequence, segment.previous, segment.changes)
         if told != (self.server, entry.sequence, entry.previous, entry.changes):

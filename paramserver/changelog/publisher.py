@@ -61,6 +61,7 @@ class Publisher:
         self._waiting: deque[Segment] = deque()
         self._wake = threading.Condition()
         self._closing = False
+        self._give_up_at = float("inf")  # when closing: the time to stop trying
         self._timed = timed
         self._last_cut = time.monotonic()
         self._thread = threading.Thread(
@@ -91,6 +92,7 @@ class Publisher:
         self.store.changes.attach(None)
         with self._wake:
             self._closing = True
+            self._give_up_at = time.monotonic() + timeout
             self._wake.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
@@ -107,7 +109,7 @@ class Publisher:
                 closing, segment = self._closing, self._waiting[0] if self._waiting else None
             if segment is not None:
                 if not self._write(segment):
-                    if closing:
+                    if time.monotonic() >= self._give_up_at:
                         return
                     time.sleep(min(self.every_s, 1.0))
                 continue

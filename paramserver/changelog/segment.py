@@ -54,8 +54,8 @@ _DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_KEYS = {
-    "job", "server", "sequence", "previous", "first_step", "last_step", "changes", "tables",
-    "dense", "tensors",
+    "job", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
+    "changes", "tables", "dense", "tensors",
 }  # fmt: skip
 # The tensors a table may have in a segment, by role.
 _ROLES = ("ids", "values", "scales", "removed")
@@ -77,8 +77,8 @@ class Segment:
     """A segment's content (see the module doc) and where it sits: ``sequence`` in the chain
     of server ``server`` of job ``job``, after ``previous`` (0: the chain's first); it covers
     the server's steps ``first_step`` to ``last_step`` (none where ``first_step`` is
-    ``last_step + 1``: a cut with no step since the last) and its store's changes up to
-    ``changes`` (the change feed's sequence)."""
+    ``last_step + 1``: a cut with no step since the last) and its store's changes after
+    ``after_changes`` up to ``changes`` (the change feed's sequence numbers)."""
 
     job: str
     server: int
@@ -86,6 +86,7 @@ class Segment:
     previous: int
     first_step: int
     last_step: int
+    after_changes: int
     changes: int
     tables: dict[str, TableChanges] = field(default_factory=dict)
     dense: dict[str, Tensor] = field(default_factory=dict)
@@ -134,7 +135,8 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
     header = {
         "job": segment.job, "server": segment.server, "sequence": segment.sequence,
         "previous": segment.previous, "first_step": segment.first_step,
-        "last_step": segment.last_step, "changes": segment.changes, "tables": tables,
+        "last_step": segment.last_step, "after_changes": segment.after_changes,
+        "changes": segment.changes, "tables": tables,
         "dense": list(segment.dense), "tensors": placed,
     }  # fmt: skip
     digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
@@ -198,11 +200,13 @@ def _check_header(header: Any) -> None:
         raise _Bad(f"header must have the keys {sorted(_HEADER_KEYS)}, has {got}")
     if not isinstance(header["job"], str):
         raise _Bad("header: job must be a string")
-    for key in ("server", "sequence", "previous", "first_step", "last_step", "changes"):
+    for key in _HEADER_KEYS - {"job", "tables", "dense", "tensors"}:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
     if not header["previous"] < header["sequence"]:
         raise _Bad(f"header: previous {header['previous']} is not before {header['sequence']}")
+    if not header["after_changes"] <= header["changes"]:
+        raise _Bad("header: after_changes is past changes")
     if not isinstance(header["tables"], dict) or not isinstance(header["dense"], list):
         raise _Bad("header: tables must be an object and dense a list")
     if not isinstance(header["tensors"], list):
