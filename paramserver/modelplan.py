@@ -152,11 +152,11 @@ def initial_model(model_fn: ModelFn, seed: int) -> nn.Module:
         weight = module.weight
         if weight.is_meta:
             rows = built.inits[name].rows(torch.arange(module.num_embeddings))
-            _replace_parameter(built.model, weight, nn.Parameter(rows, weight.requires_grad))
+            replace_parameter(built.model, weight, nn.Parameter(rows, weight.requires_grad))
     return built.model
 
 
-def _replace_parameter(model: nn.Module, old: Tensor, new: nn.Parameter) -> None:
+def replace_parameter(model: nn.Module, old: Tensor, new: nn.Parameter) -> None:
     """``new`` in place of ``old`` wherever a module holds it (a shared weight stays shared)."""
     for module in model.modules():
         for key, value in module._parameters.items():

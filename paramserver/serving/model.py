@@ -1,0 +1,207 @@
+"""The model a serving process answers from, one version at a time.
+
+Serving holds every table and dense value of the model in one
+:class:`~paramserver.store.store.Store` (one "server" of a plan of one), whatever the number of
+training servers whose logs it follows. The user's model is bound to that store: each fixed
+table's weight *is* the store's rows (a view, so the model's own forward reads them, bags,
+shared weights and all), each dense parameter *is* the store's value, and each
+``DynamicEmbedding`` reads the rows of the ids it is called with from the store just before
+it runs (an id without a row reads as the table's default vector: serving never creates
+rows). Nothing of a version is copied into the model: applying one writes the store in place.
+
+One lock orders the two: a version is applied whole under it, and each request (a lookup, a
+prediction) runs whole under it, so no request sees part of a version.
+
+The base a serving process starts from is a checkpoint (each training server's part records
+the change of its store it covers, where that server's log is followed from), or the job's
+initial model (the model ``model_fn`` builds under the job's seed: every log from its start).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from paramserver.changelog.segment import Segment
+from paramserver.checkpoint.store import Checkpoint
+from paramserver.embedding import DynamicEmbedding
+from paramserver.errors import ChangeLogError, CheckpointError, InvalidBatchError
+from paramserver.modelplan import (
+    build_model,
+    find_embeddings,
+    plan_of,
+    replace_parameter,
+    table_aliases,
+)
+from paramserver.optimconfig import OptimizerConfig
+from paramserver.store.snapshot import model_signature, restore_store
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
+from paramserver.types import ModelFn
+
+_NO_UPDATES = OptimizerConfig(name="sgd", lr=1.0)  # serving applies no gradient: no state
+
+
+@dataclass
+class Version:
+    """What a served model holds: each training server's last applied segment (sequence,
+    last step) and the store change it covers; ``number`` counts versions applied."""
+
+    number: int = 0
+    segments: dict[int, int] = field(default_factory=dict)
+    steps: dict[int, int] = field(default_factory=dict)
+    changes: dict[int, int] = field(default_factory=dict)
+    applied_at: float = 0.0  # time.time() of the newest segment's publication it holds
+
+
+class ServedModel:
+    """The user's model over a store of all its tables (see the module doc)."""
+
+    def __init__(self, model_fn: ModelFn, seed: int = 0):
+        built = build_model(model_fn, seed)
+        self.model = built.model.eval()
+        self.plan = plan_of(self.model, 1)
+        self.aliases = table_aliases(self.model)
+        parameters = dict(self.model.named_parameters())
+        dense = {name: parameters[name].detach() for name in self.plan.dense}
+        rules = dict.fromkeys(self.plan.tables, _NO_UPDATES)
+        self.store = Store(0, self.plan, dense, built.inits, _NO_UPDATES, rules)
+        self.lock = threading.Lock()
+        self.version = Version()
+        self._bind(parameters)
+
+    def _bind(self, parameters: Mapping[str, nn.Parameter]) -> None:
+        """Make the model read the store (see the module doc)."""
+        for name, slot in self.store.dense.items():
+            parameters[name].requires_grad_(False)
+            parameters[name].data = slot.value
+        for name, module in find_embeddings(self.model).items():
+            module.weight.requires_grad_(False)
+            if isinstance(module, DynamicEmbedding):
+                module.register_forward_pre_hook(functools.partial(self._load_rows, name))
+            else:  # a fixed table's weight is on the meta device: replaced, shared or not
+                rows = nn.Parameter(self.store.tables[name].weight, requires_grad=False)
+                replace_parameter(self.model, module.weight, rows)
+
+    def _load_rows(self, name: str, module: DynamicEmbedding, args: tuple[Any, ...]) -> None:
+        ids = torch.unique(args[0].to(torch.int64))
+        module.ids, module.weight.data = ids, self.store.read({name: ids}, Reading()).values[name]
+
+    # ---- the base ----
+
+    def load_checkpoint(self, found: Checkpoint) -> None:
+        """Take the model of checkpoint ``found`` (saved by any number of servers) and the
+        store change each training server's part covers."""
+        names = sorted(n for n in found.part_names if n.startswith("server-"))
+        signature = model_signature(self.store)
+        covered: dict[int, int] = {}
+
+        def parts() -> Any:
+            for name in names:
+                tensors, meta = found.read_part(name)
+                if meta.get("signature") != signature:
+                    raise CheckpointError(
+                        f"{found.directory}: {name} was saved from a different model than the "
+                        f"one served (other parameters, tables or shapes)"
+                    )
+                covered[int(meta["server"])] = int(meta.get("sequence", 0))
+                yield tensors, meta
+
+        with self.lock:
+            restore_store(self.store, parts())
+            self.version = Version(changes=covered)
+
+    # ---- versions ----
+
+    def apply(self, segments: Sequence[Segment], published_at: float = 0.0) -> None:
+        """Apply ``segments`` (each the next of its server's chain) as one version: checked
+        whole first (tables, widths, ids), so a bad one changes nothing (ChangeLogError)."""
+        for segment in segments:
+            self._check(segment)
+        with self.lock:
+            for segment in segments:
+                self._write(segment)
+            version = self.version
+            self.version = Version(
+                version.number + 1,
+                {**version.segments, **{s.server: s.sequence for s in segments}},
+                {**version.steps, **{s.server: s.last_step for s in segments}},
+                {**version.changes, **{s.server: s.changes for s in segments}},
+                max(version.applied_at, published_at),
+            )
+
+    def _check(self, segment: Segment) -> None:
+        for name, changes in segment.tables.items():
+            table = self.store.tables.get(name)
+            where = f"segment {segment.sequence} of server {segment.server}: table {name!r}"
+            if table is None:
+                raise ChangeLogError(f"{where}: the served model has no such table")
+            if changes.ids.numel() and changes.values.shape[1] != table.spec.dim:
+                raise ChangeLogError(f"{where}: rows of width {changes.values.shape[1]}, "
+                                     f"not {table.spec.dim}")  # fmt: skip
+            everything = torch.cat([changes.ids, changes.removed])
+            if table.spec.dynamic is None and everything.numel() and (
+                int(everything.min()) < 0 or int(everything.max()) >= table.spec.num_rows
+                or changes.removed.numel()
+            ):  # fmt: skip
+                raise ChangeLogError(f"{where}: ids outside its rows, or a fixed row removed")
+        for name, value in segment.dense.items():
+            slot = self.store.dense.get(name)
+            if slot is None or slot.value.shape != value.shape:
+                raise ChangeLogError(
+                    f"segment {segment.sequence} of server {segment.server}: dense parameter "
+                    f"{name!r} is not one of the served model's, of that shape"
+                )
+
+    def _write(self, segment: Segment) -> None:
+        for name, changes in segment.tables.items():
+            dtype = self.store.tables[name].spec.dtype
+            if changes.ids.numel():
+                rows = {"ids": changes.ids, "value": changes.values.to(dtype)}
+                self.store.set_rows(name, rows)
+            if changes.removed.numel():
+                self.store.delete_ids(name, changes.removed)
+        for name, value in segment.dense.items():
+            slot = self.store.dense[name]
+            self.store.set_dense(name, value.to(slot.value.dtype), {}, slot.version)
+
+    # ---- requests ----
+
+    def lookup(self, table: str, ids: Tensor) -> tuple[Tensor, Version]:
+        """The rows of ``ids`` (int64, any shape) of ``table`` (any of its names): the
+        table's default vector for a dynamic table's id without a row; with the version
+        they are of."""
+        name = self.aliases.get(table, table)
+        spec = self.plan.tables.get(name)
+        if spec is None:
+            raise InvalidBatchError(
+                f"no table {table!r}; the tables are {sorted(self.plan.tables)}"
+            )
+        if ids.dtype != torch.int64:
+            raise InvalidBatchError(f"table {table!r}: ids must be int64, got {ids.dtype}")
+        flat = ids.reshape(-1)
+        if spec.dynamic is None and flat.numel() and (
+            int(flat.min()) < 0 or int(flat.max()) >= spec.num_rows
+        ):  # fmt: skip
+            raise InvalidBatchError(
+                f"table {table!r}: ids must be in 0..{spec.num_rows - 1}, got "
+                f"{int(flat.min())}..{int(flat.max())}"
+            )
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        with self.lock:
+            rows = self.store.read({name: unique}, Reading()).values[name]
+            version = self.version
+        return rows[inverse].reshape(*ids.shape, spec.dim), version
+
+    @torch.no_grad()
+    def predict(self, inputs: Sequence[Tensor]) -> tuple[Any, Version]:
+        """The model's forward on ``inputs`` (its tensor arguments, in order), and the
+        version it read."""
+        with self.lock:
+            return self.model(*inputs), self.version
