@@ -14,6 +14,7 @@ values are never older than the changes it covers.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -101,7 +102,15 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
     written = {name: ids for name, ids in changed.written.items() if ids.numel()}
     values = store.read(written, Reading()).values if written else {}
     segment = Segment(
-        "", store.server, 0, 0, first_step, last_step, changed.after_changes, changed.changes
+        "",
+        store.server,
+        0,
+        0,
+        first_step,
+        last_step,
+        changed.after_changes,
+        changed.changes,
+        cut_at=time.time(),
     )
     for name in changed.written:
         ids, removed = changed.written[name], changed.removed[name]

@@ -1,0 +1,89 @@
+"""What every transport of serving shares: the models it answers for, and each answer counted.
+
+The HTTP and gRPC transports (:mod:`paramserver.serving.http`, :mod:`paramserver.serving.grpc`)
+turn their requests into :meth:`Frontend.infer` calls and its answers and errors into their own
+messages; nothing here knows a transport.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+from paramserver.serving.metrics import ServingMetrics
+from paramserver.serving.model import ServedModel, Version
+from paramserver.serving.protocol import (
+    WHOLE_MODEL,
+    Endpoint,
+    ModelEndpoint,
+    ProtocolError,
+    TableEndpoint,
+    checked_inputs,
+)
+
+log = logging.getLogger(__name__)
+
+SERVER_NAME = "paramserver"
+
+
+class Frontend:
+    """The models of ``served`` as the protocol names them: the whole model (where
+    ``example`` inputs say its inputs' types and shapes) under ``model_name``, and every
+    table under each of its names."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        example: Sequence[Tensor] | None = None,
+        model_name: str = WHOLE_MODEL,
+    ):
+        self.served = served
+        self.metrics = ServingMetrics()
+        self.ready = False  # set once the base is loaded
+        self.endpoints: dict[str, Endpoint] = {}
+        for table in [*served.plan.tables, *served.aliases]:
+            self.endpoints[table] = TableEndpoint(served, table)
+        if example is not None:
+            if model_name in self.endpoints:
+                raise ProtocolError(f"--model-name {model_name!r} is also a table's name")
+            self.endpoints[model_name] = ModelEndpoint(served, example, model_name)
+
+    def endpoint(self, name: str) -> Endpoint:
+        found = self.endpoints.get(name)
+        if found is None:
+            raise ProtocolError(
+                f"no model {name!r}; this server has {sorted(self.endpoints)}", not_found=True
+            )
+        return found
+
+    def server_metadata(self) -> dict[str, Any]:
+        return {
+            "name": SERVER_NAME,
+            "version": importlib.metadata.version("paramserver"),
+            "extensions": ["binary_tensor_data"],
+        }
+
+    def infer(
+        self, protocol: str, model: str, given: Sequence[tuple[str, str, Sequence[int], Any]]
+    ) -> tuple[Endpoint, dict[str, np.ndarray], Version]:
+        """``model``'s answer to inputs ``given`` (see
+        :func:`~paramserver.serving.protocol.checked_inputs`), counted under ``protocol``."""
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            endpoint = self.endpoint(model)
+            outputs, version = endpoint.infer(checked_inputs(endpoint, given))
+            outcome = "ok"
+            return endpoint, outputs, version
+        except ProtocolError as error:
+            outcome = "not_found" if error.not_found else "bad_request"
+            raise
+        finally:
+            counted = model if model in self.endpoints else "(unknown)"
+            self.metrics.request(protocol, counted, outcome, time.perf_counter() - start)
