@@ -66,7 +66,6 @@ from paramserver.server.decoded import DecodedRequest
 from paramserver.server.pooling import PooledPulls
 from paramserver.server.rounds import Round, SyncRounds, aggregate_mean
 from paramserver.server.shard import ServerShard, bag_grads_to_rows
-from paramserver.wire.compression import Encoded
 from paramserver.wire.messages import PooledGrad, PushPullReply, PushPullRequest
 from paramserver.wire.reports import TrainerReport
 from paramserver.wire.sizing import payload_nbytes
@@ -467,13 +466,8 @@ class Coordinator:
                 raise InvalidPushError(
                     "both row and pooled gradients", param=name, server=self.shard.server
                 )
-            table = self.shard.store.tables[name]
-            shape = (spec.num_bags, table.spec.dim)
-            grads = pooled.grads
-            if type(grads) is Encoded:
-                grads = self.shard.checks.decoded(name, grads, shape)
-            self.shard.checks.check_tensor(name, grads, shape, table.weight.dtype)
-            request.row_grads[name] = bag_grads_to_rows(spec, grads)  # type: ignore[arg-type]
+            grads = self.shard.checks.pooled_grads(name, pooled.grads, spec.num_bags)
+            request.row_grads[name] = bag_grads_to_rows(spec, grads)
 
     def _answer_again(self, request: DecodedRequest) -> PushPullReply:
         """Answer a call already applied with current values, counting nothing again.
