@@ -1,4 +1,5 @@
-"""The package's functions stay short enough to read in one screen (issue 12).
+"""The package's functions stay short enough to read in one screen (issue 12), and the server's
+and the store's classes small enough to hold one concern each.
 
 A function of ``paramserver/`` longer than ``MAX_FUNCTION_LINES`` lines (its ``def`` line to its
 last line, docstring included) fails unless a ``# Long: <reason>`` comment, on its ``def`` line
@@ -6,6 +7,10 @@ or in the comment block just above it (or above its decorators), says why: a rea
 that is genuinely one flat list (an argparse table, a summary's dict literal), not for a
 function that does several things. Complexity is ruff's job (``C90`` in ``pyproject.toml``,
 ``max-complexity = 12``); a ``# noqa: C901`` there must give its reason too, after ``--``.
+
+A class of ``paramserver/server/`` or ``paramserver/store/`` longer than ``MAX_CLASS_LINES``
+(its ``class`` line to its last line) fails, without exception: a longer one holds several
+concerns, each of which can be a class of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "paramserver"
 MAX_FUNCTION_LINES = 50
+MAX_CLASS_LINES = 300
+CLASS_LIMITED_FOLDERS = ("server", "store")  # of paramserver/
 _REASON = re.compile(r"#\s*Long:\s*\S.{9,}")  # a reason of ten characters or more
 _NOQA_C901 = re.compile(r"#\s*noqa:[^#]*\bC901\b")
 _NOQA_REASON = re.compile(r"#\s*noqa:[^#]*\bC901\b[^#]*?\s--\s*\S")
@@ -39,6 +46,28 @@ def long_functions(source: str, max_lines: int = MAX_FUNCTION_LINES) -> list[tup
                 visit(child, f"{prefix}{child.name}.")
             else:
                 visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return found
+
+
+def long_classes(source: str, max_lines: int = MAX_CLASS_LINES) -> list[tuple[str, int, int]]:
+    """(qualified name, line of ``class``, length in lines) of each class in ``source``
+    longer than ``max_lines``, nested ones included."""
+    found: list[tuple[str, int, int]] = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = prefix
+            if isinstance(child, ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                length = (child.end_lineno or child.lineno) - child.lineno + 1
+                if length > max_lines:
+                    found.append((name, child.lineno, length))
+                name += "."
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                name = f"{prefix}{child.name}."
+            visit(child, name)
 
     visit(ast.parse(source), "")
     return found
@@ -86,6 +115,21 @@ def test_no_function_of_the_package_is_longer_than_the_limit_without_a_reason() 
     )
 
 
+def test_no_class_of_the_server_or_the_store_is_longer_than_the_limit() -> None:
+    folders = {path: path.relative_to(PACKAGE).parts[0] for path in _package_files()}
+    files = [path for path, folder in folders.items() if folder in CLASS_LIMITED_FOLDERS]
+    assert {folders[path] for path in files} == set(CLASS_LIMITED_FOLDERS)
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line} {name} ({length} lines)"
+        for path in files
+        for name, line, length in long_classes(path.read_text())
+    ]
+    assert not offenders, (
+        f"{len(offenders)} class(es) longer than {MAX_CLASS_LINES} lines: give each of its "
+        "concerns a class of its own:\n  " + "\n  ".join(offenders)
+    )
+
+
 def test_every_silenced_complexity_check_gives_its_reason() -> None:
     offenders = [
         f"{path.relative_to(PACKAGE.parent)}:{line}"
@@ -129,6 +173,20 @@ def test_the_length_check_flags_long_functions_and_methods_and_accepts_a_reason(
     ]
     for source in unexplained:
         assert [name for name, _, _ in long_functions(source)] == ["long"], source
+
+
+def test_the_class_check_measures_classes_and_nested_classes() -> None:
+    def body(lines: int, indent: str) -> str:
+        return "".join(f"{indent}x{i} = {i}\n" for i in range(lines))
+
+    short = "class Short:\n" + body(MAX_CLASS_LINES - 1, "    ")  # exactly the limit
+    long = "class Long:\n" + body(MAX_CLASS_LINES, "    ")
+    nested = "def make() -> None:\n    class Inner:\n" + body(MAX_CLASS_LINES + 4, "        ")
+    found = long_classes("\n".join([short, long, nested]))
+    assert [(name, length) for name, _, length in found] == [
+        ("Long", MAX_CLASS_LINES + 1),
+        ("make.Inner", MAX_CLASS_LINES + 5),
+    ]
 
 
 def test_the_noqa_check_wants_a_reason() -> None:

@@ -127,7 +127,7 @@ def test_a_silent_trainer_departs_and_its_late_pushes_are_refused(make_server: M
     now = time.monotonic()
     server.coordinator.check_liveness(now + 1.0)
     assert not waiting.done()
-    server.coordinator.last_seen[0] = now + 2.5  # trainer 0 keeps beating; 1 stays silent
+    server.coordinator.liveness.last_seen[0] = now + 2.5  # trainer 0 keeps beating; 1 stays silent
     server.coordinator.check_liveness(now + 3.0)
     waiting.wait()  # the round closed without the departed trainer
     assert server.coordinator.liveness_stats()["departed"] == [1]

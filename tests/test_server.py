@@ -197,10 +197,10 @@ def test_ids_checked_together_pass_exactly_what_each_set_checked_alone_passes(
         alone = True
         for name, ids in [*pushed.items(), *pulled.items()]:
             try:
-                checks._check_ids(name, endpoint.shard.store.tables[name], ids, sorted_unique=True)
+                checks.ids.check(name, endpoint.shard.store.tables[name], ids, sorted_unique=True)
             except InvalidPushError:
                 alone = False
-        assert checks._ids_all_valid(request) == alone
+        assert checks.ids.all_valid(request) == alone
         if alone:
             checks.validate(request)
         else:

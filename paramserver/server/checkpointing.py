@@ -39,6 +39,11 @@ class ServerCheckpoints:
         self._waiting: dict[int, list[Future]] = {}
         self._lock = threading.Lock()
 
+    def resume_at(self, step: int) -> None:
+        """The job resumed from checkpoint ``step``: it counts as announced and taken."""
+        with self._lock:
+            self.planned = self.taken_through = step
+
     def pending_snapshot(self) -> int | None:
         """The announced step whose snapshot is not taken yet, if any."""
         with self._lock:

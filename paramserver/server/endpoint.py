@@ -58,6 +58,7 @@ class ServerEndpoint:
         self.coordinator = coordinator
         self.buffers = buffers or {}
         self.shard = coordinator.shard
+        self.checkpoints = coordinator.checkpoints
         # Set by the chief once the job's results are gathered: the server may then go.
         self.finished = threading.Event()
         self.graceful = True
@@ -107,10 +108,7 @@ class ServerEndpoint:
     def _op_stats(self) -> Future:
         stats: dict[str, Any] = dict(self.shard.stats.as_dict())
         stats["tables"] = self.shard.store.table_stats()
-        with self.coordinator.lock:
-            stats["reports"] = dict(self.coordinator.reports)
-            stats["left"] = sorted(self.coordinator.left)
-        stats.update(self.coordinator.liveness_stats())
+        stats.update(self.coordinator.stats())
         return completed(stats)
 
     def _op_load(self) -> Future:
@@ -126,23 +124,22 @@ class ServerEndpoint:
         return self.coordinator.heartbeat(trainer, idle_s)
 
     def _op_plan_checkpoint(self, step: int) -> Future:
-        return self.coordinator.checkpoints.plan(step)
+        return self.checkpoints.plan(step)
 
     def _op_take_checkpoint(self, step: int) -> Future:
-        return self.coordinator.checkpoints.take(step)
+        return self.checkpoints.take(step)
 
     def _op_checkpoint_part(self, step: int) -> Future:
-        return self.coordinator.checkpoints.part(step)
+        return self.checkpoints.part(step)
 
     def _op_add_trainer_part(self, step: int, trainer: int, part: Part) -> Future:
-        return self.coordinator.checkpoints.add_trainer_part(step, trainer, part)
+        return self.checkpoints.add_trainer_part(step, trainer, part)
 
     def _op_trainer_parts(self, step: int) -> Future:
-        return self.coordinator.checkpoints.trainer_parts(step)
+        return self.checkpoints.trainer_parts(step)
 
     def _op_departed(self) -> Future:
-        with self.coordinator.lock:
-            return completed(sorted(self.coordinator.departed))
+        return completed(self.coordinator.departed())
 
     def _op_finish_job(self, graceful: bool) -> Future:
         self.graceful = bool(graceful)

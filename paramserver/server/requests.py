@@ -1,7 +1,13 @@
 """A server's checks of a request, before anything in it is applied or read: its header's field
 types, its size against the cap, its packed ids and encoded gradients decoded, and its contents
-validated whole (a refused request changes nothing). :class:`RequestChecks` does them for a
-:class:`~paramserver.server.shard.ServerShard`, over its dense parameters and tables.
+validated whole (a refused request changes nothing).
+
+:class:`RequestChecks` takes a request through them, one method a step, for a
+:class:`~paramserver.server.shard.ServerShard`, over its dense parameters and tables. The
+steps share three kinds of check: the header's (:func:`~paramserver.server.header.check_header`),
+the row ids' (:class:`IdChecks`: plain, in range, on this server, sorted and unique) and the
+values' (:class:`ValueChecks`: a tensor's form, its finiteness, an encoding); the size cap is
+:class:`SizeCap`'s.
 """
 
 from __future__ import annotations
@@ -16,14 +22,14 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.config import GRADIENT_CODECS, VALUE_CODECS
-from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.errors import InvalidPushError
+from paramserver.server.header import check_header
 from paramserver.sharding import ShardPlan
 from paramserver.store.table import TableShard
 from paramserver.wire.bundles import joined_already
 from paramserver.wire.compression import Encoded, decode, validate
 from paramserver.wire.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
 from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
-from paramserver.wire.reports import TrainerReport
 from paramserver.wire.sizing import message_nbytes, message_sizes
 
 
@@ -46,68 +52,178 @@ class RequestChecks:
         cache_lag: int | None,
     ):
         self.server = server
-        self.plan = plan
         self.dense = dense
         self.tables = tables
         self.cache_lag = cache_lag
+        self.sizes = SizeCap(server, tables)
+        self.ids = IdChecks(server, plan, tables)
+        self.values = ValueChecks(server, dense)
 
     def check_header(self, request: object, num_trainers: int) -> None:
         """Reject a request whose fields are not of the types the protocol defines (first of
         all: the other checks read them), from a trainer outside ``num_trainers``."""
-        server = self.server
-        if type(request) is not PushPullRequest:
-            raise ParamServerError(f"server {server}: malformed request {type(request).__name__}")
-        problem = request.malformed()
-        if problem is not None:
-            raise ParamServerError(f"server {server}: malformed request: {problem}")
-        if type(request.trainer) is not int or not 0 <= request.trainer < num_trainers:
-            raise ParamServerError(f"server {server}: unknown trainer {request.trainer!r}")
-        if type(request.call) is not int or request.call < 0:
-            raise ParamServerError(f"server {server}: bad call {request.call!r}")
-        if type(request.grads_call) is not int or not -1 <= request.grads_call < request.call:
-            raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
-        if type(request.grads_step) is not int or request.grads_step < -1:
-            raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
-        flags = (request.final, request.pull_dense, request.pull_dense_state)
-        if not all(type(flag) is bool for flag in flags):
-            raise ParamServerError(f"server {server}: malformed request: flags must be bools")
-        for name in (
-            "dense_grads",
-            "row_grads",
-            "pull_rows",
-            "pool_rows",
-            "pooled_grads",
-            "pull_versions",
-            "pull_state",
-        ):
-            value = getattr(request, name)
-            if type(value) is not dict or not all(type(k) is str for k in value):
-                raise ParamServerError(
-                    f"server {server}: malformed request: {name} must map names to values"
-                )
-        report = request.report
-        if report is not None and not (
-            type(report) is TrainerReport
-            and report.trainer == request.trainer
-            and report.is_well_formed()
-        ):
-            raise ParamServerError(f"server {server}: malformed trainer report")
+        check_header(request, self.server, num_trainers)
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before
-        anything in it is decoded or read; returns its bytes on the wire (measured in the same
-        walk: :func:`~paramserver.wire.sizing.message_sizes`).
+        anything in it is decoded or read; returns its bytes on the wire (see
+        :meth:`SizeCap.check`)."""
+        return self.sizes.check(request, max_bytes)
+
+    def decode_request(self, request: PushPullRequest) -> None:
+        """Replace packed row ids by int64 ids and encoded gradients by their float32 values
+        (before :meth:`validate`), the one place a request's ids and gradients are decoded
+        (pooled ones: as they are expanded); raise :class:`InvalidPushError` for packed ids
+        that are malformed (checked before they are unpacked, and first of all), for an
+        encoding that does not stand for the expected shape, in a codec trainers use there,
+        or for row ids that are invalid (checked before a row gradient is decoded: they set
+        the size it decodes to). A request without gradients has its ids unpacked alone."""
+        self._unpack_ids(request)
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if type(grad) is Encoded and slot is not None:
+                shape = tuple(slot.value.shape)
+                request.dense_grads[name] = self.values.decoded(name, grad, shape)
+        for name, block in request.row_grads.items():
+            table = self.tables.get(name)
+            if type(block) is RowBlock and type(block.values) is Encoded and table is not None:
+                self.ids.check(name, table, block.ids, sorted_unique=True)
+                shape = (num_ids(block.ids), table.spec.dim)
+                block.values = self.values.decoded(name, block.values, shape)
+
+    def _unpack_ids(self, request: PushPullRequest) -> None:
+        """Unpack the packed ids of row gradients and pulls, each checked first; others stay
+        as they are (plain ids, or anything else, which :meth:`validate` refuses)."""
+        for name, block in request.row_grads.items():
+            if type(block) is RowBlock:
+                block.ids = self._unpacked(name, block.ids)
+        for name, ids in request.pull_rows.items():
+            request.pull_rows[name] = self._unpacked(name, ids)
+
+    def _unpacked(self, name: str, ids: Tensor | PackedIds) -> Tensor | PackedIds:
+        if type(ids) is not PackedIds:
+            return ids
+        problem = packed_problem(ids)
+        if problem is not None:
+            raise _reject(self.server, name, f"malformed packed ids: {problem}")
+        return unpack_ids(ids)
+
+    def pooled_grads(self, name: str, grads: object, num_bags: int) -> Tensor:
+        """The gradient of ``num_bags`` pooled sums of table ``name`` (one this server answered
+        a pooled pull of), decoded and checked; raises :class:`InvalidPushError`."""
+        table = self.tables[name]
+        shape = (num_bags, table.spec.dim)
+        if type(grads) is Encoded:
+            grads = self.values.decoded(name, grads, shape)
+        return self.values.tensor(name, grads, shape, table.weight.dtype)
+
+    def validate(self, request: PushPullRequest) -> None:
+        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed.
+
+        The request's header (field types) was checked by the coordinator; this checks contents:
+        the gradients, then the reads.
+        """
+        ids_valid = self.ids.all_valid(request)
+        self._check_grads(request, ids_valid)
+        self._check_reads(request, ids_valid)
+
+    def _check_grads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
+        """The gradients' checks (their ids' skipped where ``ids_valid`` says they pass)."""
+        grads: dict[str, Tensor] = {}
+        for name, grad in request.dense_grads.items():
+            slot = self.dense.get(name)
+            if slot is None:
+                raise _reject(self.server, name, self.ids.not_here(name))
+            grads[name] = self.values.tensor(
+                name, grad, slot.value.shape, slot.value.dtype, finite=False
+            )
+        for name, block in request.row_grads.items():
+            table = self.ids.table(name)
+            if type(block) is not RowBlock:
+                raise _reject(self.server, name, "malformed row gradients: expected a RowBlock")
+            if not ids_valid:
+                self.ids.check(name, table, block.ids, sorted_unique=True)
+            shape = (num_ids(block.ids), table.spec.dim)
+            grads[name] = self.values.tensor(
+                name, block.values, shape, table.weight.dtype, finite=False
+            )
+        self.values.check_finite(grads)
+
+    def _check_reads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
+        """The reads' checks (the pulled ids' skipped where ``ids_valid`` says they pass)."""
+        for name, ids in request.pull_rows.items():
+            table = self.ids.table(name)
+            if not ids_valid:
+                self.ids.check(name, table, ids, sorted_unique=True)
+        for name, cached in request.pull_versions.items():
+            pulled = request.pull_rows.get(name)
+            if pulled is None or self.cache_lag is None:
+                raise _reject(
+                    self.server, name, "cached versions without a pull, or caching is off"
+                )
+            if not _one_per_id(cached, torch.int64, pulled) or (
+                cached.numel() and int(cached.min()) < -1
+            ):
+                raise _reject(self.server, name, "cached versions must be int64 >= -1, one per id")
+        for name, mask in request.pull_state.items():
+            pulled = request.pull_rows.get(name)
+            if pulled is None:
+                raise _reject(self.server, name, "row state asked without a pull")
+            if not _one_per_id(mask, torch.bool, pulled):
+                raise _reject(
+                    self.server,
+                    name,
+                    "the rows whose state to answer must be a bool mask, one per id",
+                )
+        for name, bags in request.pool_rows.items():
+            self._check_bags(name, self.ids.table(name), bags)
+
+    def _check_bags(self, name: str, table: TableShard, block: object) -> None:
+        if type(block) is not BagBlock or type(block.num_bags) is not int:
+            raise _reject(self.server, name, "malformed bags: expected a BagBlock")
+        if block.num_bags < 0:  # its size is capped with the answer's (check_size)
+            raise _reject(self.server, name, f"negative num_bags {block.num_bags}")
+        self.ids.check(name, table, block.ids, sorted_unique=False)
+        count = block.ids.numel()
+        bags = block.bags
+        if (
+            not isinstance(bags, Tensor)
+            or bags.dtype != torch.int64
+            or tuple(bags.shape) != (count,)
+            or bags.layout != torch.strided
+            or bags.device.type != "cpu"
+        ):
+            raise _reject(self.server, name, "bag indices must be int64, one per id")
+        if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
+            raise _reject(self.server, name, f"bag index outside [0, {block.num_bags})")
+        if block.weights is not None:
+            self.values.tensor(name, block.weights, (count,), table.weight.dtype)
+
+
+class SizeCap:
+    """The cap on what one call makes server ``server`` hold (``--max-message-mb``), measured
+    against its ``tables``; thread-safe."""
+
+    def __init__(self, server: int, tables: Mapping[str, TableShard]):
+        self.server = server
+        self.tables = tables
+
+    def check(self, request: PushPullRequest, max_bytes: int) -> int:
+        """Refuse a call that would make this server hold over ``max_bytes`` for it; returns
+        its bytes on the wire (measured in the same walk:
+        :func:`~paramserver.wire.sizing.message_sizes`).
 
         Two measures, each against ``max_bytes``: the request with its tensors decoded, and
         the rows its answer reads (``n`` ids of a ``dim``-wide table read ``n x dim`` values
         however few are sent; a pooled pull also reads a row per id, then ``num_bags x dim``
         sums). Dense values are not counted: their size is the model's, not the caller's. Only
         the request's header (field types) must have been checked; malformed contents count 0
-        here and are refused by :meth:`validate`.
+        here and are refused by :meth:`RequestChecks.validate`.
         """
         held, sent = message_sizes(request)
         if held > max_bytes:
-            raise self._reject(
+            raise _reject(
+                self.server,
                 _largest(self._request_nbytes(request)),
                 f"a call holding {held} bytes once decoded exceeds the cap of {max_bytes} "
                 "bytes (--max-message-mb)",
@@ -115,7 +231,8 @@ class RequestChecks:
         answer = self._answer_nbytes(request)
         read = sum(answer.values())
         if read > max_bytes:
-            raise self._reject(
+            raise _reject(
+                self.server,
                 _largest(answer),
                 f"an answer reading {read} bytes of rows exceeds the cap of {max_bytes} bytes "
                 "(--max-message-mb)",
@@ -139,7 +256,7 @@ class RequestChecks:
         return sizes
 
     def _answer_nbytes(self, request: PushPullRequest) -> dict[str, int]:
-        """Bytes of rows each table's part of the answer reads (see :meth:`check_size`)."""
+        """Bytes of rows each table's part of the answer reads (see :meth:`check`)."""
         sizes: dict[str, int] = {}
         for name, ids in request.pull_rows.items():
             table = self.tables.get(name)
@@ -163,68 +280,34 @@ class RequestChecks:
                 sizes[name] = sizes.get(name, 0) + rows * row_bytes
         return sizes
 
-    def decode_request(self, request: PushPullRequest) -> None:
-        """Replace packed row ids by int64 ids and encoded gradients by their float32 values
-        (before :meth:`validate`), the one place a request's ids and gradients are decoded
-        (pooled ones: as they are expanded); raise :class:`InvalidPushError` for packed ids
-        that are malformed (checked before they are unpacked, and first of all), for an
-        encoding that does not stand for the expected shape, in a codec trainers use there,
-        or for row ids that are invalid (checked before a row gradient is decoded: they set
-        the size it decodes to). A request without gradients has its ids unpacked alone."""
-        self._unpack_ids(request)
-        for name, grad in request.dense_grads.items():
-            slot = self.dense.get(name)
-            if type(grad) is Encoded and slot is not None:
-                request.dense_grads[name] = self.decoded(name, grad, tuple(slot.value.shape))
-        for name, block in request.row_grads.items():
-            table = self.tables.get(name)
-            if type(block) is RowBlock and type(block.values) is Encoded and table is not None:
-                self._check_ids(name, table, block.ids, sorted_unique=True)
-                shape = (num_ids(block.ids), table.spec.dim)
-                block.values = self.decoded(name, block.values, shape)
 
-    def _unpack_ids(self, request: PushPullRequest) -> None:
-        """Unpack the packed ids of row gradients and pulls, each checked first; others stay
-        as they are (plain ids, or anything else, which :meth:`validate` refuses)."""
-        for name, block in request.row_grads.items():
-            if type(block) is RowBlock:
-                block.ids = self._unpacked(name, block.ids)
-        for name, ids in request.pull_rows.items():
-            request.pull_rows[name] = self._unpacked(name, ids)
+class IdChecks:
+    """The checks of the row ids a request names, against server ``server``'s ``tables``:
+    plain int64 ids, within the table, routed to this server, sorted and unique; thread-safe."""
 
-    def _unpacked(self, name: str, ids: Tensor | PackedIds) -> Tensor | PackedIds:
-        if type(ids) is not PackedIds:
-            return ids
-        problem = packed_problem(ids)
-        if problem is not None:
-            raise self._reject(name, f"malformed packed ids: {problem}")
-        return unpack_ids(ids)
+    def __init__(self, server: int, plan: ShardPlan, tables: Mapping[str, TableShard]):
+        self.server = server
+        self.plan = plan
+        self.tables = tables
 
-    def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
-        """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
-        for ``name``: any for a dense gradient, no top-k for rows or pooled vectors."""
-        codecs = GRADIENT_CODECS if name in self.dense else VALUE_CODECS
-        problem = validate(encoded, shape, codecs)
-        if problem is not None:
-            raise self._reject(name, f"malformed encoding: {problem}")
-        return decode(encoded)
+    def table(self, name: str) -> TableShard:
+        """The table ``name``, or the refusal of a request naming one this server lacks."""
+        table = self.tables.get(name)
+        if table is None:
+            raise _reject(self.server, name, self.not_here(name))
+        return table
 
-    def _reject(self, param: str | None, reason: str) -> InvalidPushError:
-        return InvalidPushError(reason, param=param, server=self.server)
+    def not_here(self, name: str) -> str:
+        """Why this server holds no parameter ``name``."""
+        if name in self.plan.dense_server:
+            return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
+        if name in self.plan.dense:
+            return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
+        return "unknown parameter or table name"
 
-    def validate(self, request: PushPullRequest) -> None:
-        """Raise :class:`InvalidPushError` if any part of ``request`` is malformed.
-
-        The request's header (field types) was checked by the coordinator; this checks contents:
-        the gradients, then the reads.
-        """
-        ids_valid = self._ids_all_valid(request)
-        self._check_grads(request, ids_valid)
-        self._check_reads(request, ids_valid)
-
-    def _ids_all_valid(self, request: PushPullRequest) -> bool:
+    def all_valid(self, request: PushPullRequest) -> bool:
         """Whether every set of ids ``request`` pushes or pulls rows of is valid (what
-        :meth:`_check_ids` checks of sorted unique ids), looked at together
+        :meth:`check` checks of sorted unique ids), looked at together
         (:func:`_ascending_within`; not a few calls per table: a request names dozens). False
         also where anything about them is malformed: then each is checked on its own, in
         order, and the first refused is named."""
@@ -249,99 +332,49 @@ class RequestChecks:
             if isinstance(ids, Tensor) and ids.numel()
         )
 
-    def _table(self, name: str) -> TableShard:
-        """The table ``name``, or the refusal of a request naming one this server lacks."""
-        table = self.tables.get(name)
-        if table is None:
-            raise self._reject(name, self._not_here(name))
-        return table
-
-    def _check_grads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
-        """The gradients' checks (their ids' skipped where ``ids_valid`` says they pass)."""
-        grads: dict[str, Tensor] = {}
-        for name, grad in request.dense_grads.items():
-            slot = self.dense.get(name)
-            if slot is None:
-                raise self._reject(name, self._not_here(name))
-            grads[name] = self.check_tensor(
-                name, grad, slot.value.shape, slot.value.dtype, finite=False
-            )
-        for name, block in request.row_grads.items():
-            table = self._table(name)
-            if type(block) is not RowBlock:
-                raise self._reject(name, "malformed row gradients: expected a RowBlock")
-            if not ids_valid:
-                self._check_ids(name, table, block.ids, sorted_unique=True)
-            shape = (num_ids(block.ids), table.spec.dim)
-            grads[name] = self.check_tensor(
-                name, block.values, shape, table.weight.dtype, finite=False
-            )
-        self._check_finite(grads)
-
-    def _check_finite(self, tensors: Mapping[str, Tensor]) -> None:
-        """Refuse a request whose ``tensors`` (checked, each a plain CPU tensor) hold a NaN or
-        Inf, naming the first that does: all looked at together (:func:`_all_finite`; not one
-        call per tensor: a request has dozens), one by one only if that finds one."""
-        if _all_finite(list(tensors.values())):
+    def check(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
+        """Refuse ``ids`` of table ``name`` unless they are plain, in its range and on this
+        server (and, with ``sorted_unique``, sorted and unique)."""
+        if not _plain_ids(ids):
+            raise _reject(self.server, name, "row ids must be a 1-D int64 CPU tensor")
+        assert isinstance(ids, Tensor)
+        if ids.numel() == 0:
             return
-        for name, tensor in tensors.items():
-            if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
-                raise self._reject(name, "gradient contains NaN or Inf")
-
-    def _check_reads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
-        """The reads' checks (the pulled ids' skipped where ``ids_valid`` says they pass)."""
-        for name, ids in request.pull_rows.items():
-            table = self._table(name)
-            if not ids_valid:
-                self._check_ids(name, table, ids, sorted_unique=True)
-        for name, cached in request.pull_versions.items():
-            pulled = request.pull_rows.get(name)
-            if pulled is None or self.cache_lag is None:
-                raise self._reject(name, "cached versions without a pull, or caching is off")
-            if not _one_per_id(cached, torch.int64, pulled) or (
-                cached.numel() and int(cached.min()) < -1
-            ):
-                raise self._reject(name, "cached versions must be int64 >= -1, one per id")
-        for name, mask in request.pull_state.items():
-            pulled = request.pull_rows.get(name)
-            if pulled is None:
-                raise self._reject(name, "row state asked without a pull")
-            if not _one_per_id(mask, torch.bool, pulled):
-                raise self._reject(
-                    name, "the rows whose state to answer must be a bool mask, one per id"
-                )
-        for name, bags in request.pool_rows.items():
-            self._check_bags(name, self._table(name), bags)
-
-    def _check_bags(self, name: str, table: TableShard, block: object) -> None:
-        if type(block) is not BagBlock or type(block.num_bags) is not int:
-            raise self._reject(name, "malformed bags: expected a BagBlock")
-        if block.num_bags < 0:  # its size is capped with the answer's (check_size)
-            raise self._reject(name, f"negative num_bags {block.num_bags}")
-        self._check_ids(name, table, block.ids, sorted_unique=False)
-        count = block.ids.numel()
-        bags = block.bags
-        if (
-            not isinstance(bags, Tensor)
-            or bags.dtype != torch.int64
-            or tuple(bags.shape) != (count,)
-            or bags.layout != torch.strided
-            or bags.device.type != "cpu"
+        values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
+        ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
+        # The ends of sorted ids are their extremes.
+        ends = (values[0], values[-1]) if ordered else (values.min(), values.max())
+        (low, high), least, greatest = table.id_bounds, int(ends[0]), int(ends[1])
+        if least < low or greatest > high:
+            bad = least if least < low else greatest
+            raise _reject(self.server, name, f"row id {bad} out of range [{low}, {high + 1})")
+        if self.plan.num_servers > 1 and bool(
+            (self.plan.server_of_rows(name, ids) != self.server).any()
         ):
-            raise self._reject(name, "bag indices must be int64, one per id")
-        if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
-            raise self._reject(name, f"bag index outside [0, {block.num_bags})")
-        if block.weights is not None:
-            self.check_tensor(name, block.weights, (count,), table.weight.dtype)
+            raise _reject(self.server, name, "row ids routed to the wrong server")
+        if sorted_unique and not ordered:
+            raise _reject(self.server, name, "row ids must be sorted and unique")
 
-    def _not_here(self, name: str) -> str:
-        if name in self.plan.dense_server:
-            return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
-        if name in self.plan.dense:
-            return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
-        return "unknown parameter or table name"
 
-    def check_tensor(
+class ValueChecks:
+    """The checks of the values a request carries, for server ``server`` holding the ``dense``
+    parameters named: each a plain CPU tensor of the expected shape and dtype, without NaN or
+    Inf, and an encoding in a codec trainers use there; thread-safe."""
+
+    def __init__(self, server: int, dense: Mapping[str, HasValue]):
+        self.server = server
+        self.dense = dense
+
+    def decoded(self, name: str, encoded: Encoded, shape: tuple[int, ...]) -> Tensor:
+        """``encoded`` decoded, once checked to stand for ``shape`` in a codec trainers use
+        for ``name``: any for a dense gradient, no top-k for rows or pooled vectors."""
+        codecs = GRADIENT_CODECS if name in self.dense else VALUE_CODECS
+        problem = validate(encoded, shape, codecs)
+        if problem is not None:
+            raise _reject(self.server, name, f"malformed encoding: {problem}")
+        return decode(encoded)
+
+    def tensor(
         self,
         name: str,
         value: object,
@@ -353,39 +386,36 @@ class RequestChecks:
         """``value``, refused unless it is a plain CPU tensor of ``shape`` and ``dtype`` that
         (``finite``; else the caller checks it) holds no NaN or Inf."""
         if not isinstance(value, Tensor):
-            raise self._reject(name, f"expected a tensor, got {type(value).__name__}")
+            raise _reject(self.server, name, f"expected a tensor, got {type(value).__name__}")
         if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
-            raise self._reject(name, "expected a plain dense CPU tensor without autograd")
+            raise _reject(self.server, name, "expected a plain dense CPU tensor without autograd")
         if value.dtype != dtype:
-            raise self._reject(name, f"gradient dtype {value.dtype} != parameter dtype {dtype}")
+            raise _reject(
+                self.server, name, f"gradient dtype {value.dtype} != parameter dtype {dtype}"
+            )
         if tuple(value.shape) != tuple(shape):
-            raise self._reject(
-                name, f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}"
+            raise _reject(
+                self.server,
+                name,
+                f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}",
             )
         if finite:
-            self._check_finite({name: value})
+            self.check_finite({name: value})
         return value
 
-    def _check_ids(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
-        if not _plain_ids(ids):
-            raise self._reject(name, "row ids must be a 1-D int64 CPU tensor")
-        assert isinstance(ids, Tensor)
-        if ids.numel() == 0:
+    def check_finite(self, tensors: Mapping[str, Tensor]) -> None:
+        """Refuse a request whose ``tensors`` (checked, each a plain CPU tensor) hold a NaN or
+        Inf, naming the first that does: all looked at together (:func:`_all_finite`; not one
+        call per tensor: a request has dozens), one by one only if that finds one."""
+        if _all_finite(list(tensors.values())):
             return
-        values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
-        ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
-        # The ends of sorted ids are their extremes.
-        ends = (values[0], values[-1]) if ordered else (values.min(), values.max())
-        (low, high), least, greatest = table.id_bounds, int(ends[0]), int(ends[1])
-        if least < low or greatest > high:
-            bad = least if least < low else greatest
-            raise self._reject(name, f"row id {bad} out of range [{low}, {high + 1})")
-        if self.plan.num_servers > 1 and bool(
-            (self.plan.server_of_rows(name, ids) != self.server).any()
-        ):
-            raise self._reject(name, "row ids routed to the wrong server")
-        if sorted_unique and not ordered:
-            raise self._reject(name, "row ids must be sorted and unique")
+        for name, tensor in tensors.items():
+            if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
+                raise _reject(self.server, name, "gradient contains NaN or Inf")
+
+
+def _reject(server: int, param: str | None, reason: str) -> InvalidPushError:
+    return InvalidPushError(reason, param=param, server=server)
 
 
 def _one_per_id(values: object, dtype: torch.dtype, ids: Tensor | PackedIds) -> TypeGuard[Tensor]:
