@@ -18,9 +18,13 @@ from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, wr
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.modelplan import initial_model
+from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.sharding import DynamicOptions
+from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
 from paramserver.store.rowinit import init_rows
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
+from paramserver.tableinit import RowInit
 from paramserver.trainer.loop import TrainerOutcome, default_loop
 from paramserver.transport.local import LocalTransport
 from tests.fakes import FaultyTransport
@@ -352,3 +356,28 @@ def two_task_job(launcher: str) -> dict[str, object]:
     assert result.model is not None
     steps = result.summary["trainer_steps"]
     return {"state": result.model.state_dict(), "value": result.value, "steps": steps}
+
+
+# ---- a small store (paramserver.store) ----
+
+
+def make_store(servers: int = 1, server: int = 0) -> Store:
+    """A fixed table ``fixed`` (20 rows), a dynamic table ``hashed`` (admitted at the second
+    sighting, gone after 3 steps untouched) and one dense value, all under Adagrad."""
+    tables = [
+        TableSpec("fixed", 20, 4, torch.float32),
+        TableSpec("hashed", 0, 4, torch.float32, dynamic=DynamicOptions(min_count=2, ttl_steps=3)),
+    ]
+    plan = ShardPlan([DenseSpec("w", (3,), torch.float32)], tables, num_servers=servers)
+    rule = OptimizerConfig(name="adagrad", lr=0.5)
+    inits = {"fixed": RowInit.given("fixed", torch.arange(80.0).view(20, 4))}
+    dense = {"w": torch.ones(3)}
+    return Store(server, plan, dense, inits, rule, {"fixed": rule, "hashed": rule})
+
+
+def ids(*values: int) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def train_read(store: Store, clock: int, **wanted: Tensor) -> None:
+    store.read(wanted, Reading(train=True, clock=clock))

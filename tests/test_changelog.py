@@ -19,7 +19,7 @@ from paramserver.changelog.segment import Segment, TableChanges, read_segment, w
 from paramserver.errors import ChangeLogError
 from paramserver.store.table import Reading
 from paramserver.wire.compression import error_bound
-from tests.test_store import ids, make_store, train_read
+from tests.helpers import ids, make_store, train_read
 
 
 def segment(first_step: int = 1, rows: int = 5, dim: int = 4, seed: int = 0) -> Segment:

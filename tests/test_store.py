@@ -14,12 +14,10 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import StoreError
-from paramserver.optimconfig import OptimizerConfig
-from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import ReadAsks, Reading
-from paramserver.tableinit import RowInit
+from tests.helpers import ids, make_store, train_read
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -38,28 +36,6 @@ class Recorder:
 
     def dense_written(self, names: list[str], sequence: int) -> None:  # type: ignore[override]
         self.seen.append((sequence, "dense", "", list(names)))
-
-
-def make_store(servers: int = 1, server: int = 0) -> Store:
-    """A fixed table ``fixed`` (20 rows), a dynamic table ``hashed`` (admitted at the second
-    sighting, gone after 3 steps untouched) and one dense value, all under Adagrad."""
-    tables = [
-        TableSpec("fixed", 20, 4, torch.float32),
-        TableSpec("hashed", 0, 4, torch.float32, dynamic=DynamicOptions(min_count=2, ttl_steps=3)),
-    ]
-    plan = ShardPlan([DenseSpec("w", (3,), torch.float32)], tables, num_servers=servers)
-    rule = OptimizerConfig(name="adagrad", lr=0.5)
-    inits = {"fixed": RowInit.given("fixed", torch.arange(80.0).view(20, 4))}
-    dense = {"w": torch.ones(3)}
-    return Store(server, plan, dense, inits, rule, {"fixed": rule, "hashed": rule})
-
-
-def ids(*values: int) -> Tensor:
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def train_read(store: Store, clock: int, **wanted: Tensor) -> None:
-    store.read(wanted, Reading(train=True, clock=clock))
 
 
 def test_every_change_is_told_once_in_order_with_its_sequence_number() -> None:
