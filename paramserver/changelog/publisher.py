@@ -73,13 +73,15 @@ class Publisher:
         """Whether a period has passed since the last cut."""
         return time.monotonic() - self._last_cut >= self.every_s
 
-    def cut(self, last_step: int | None = None) -> None:
+    def cut(self, last_step: int | None = None, *, aligned: bool = False) -> None:
         """Cut what changed up to now, covering the steps up to ``last_step`` (by default the
-        store's clock), and queue it for writing."""
+        store's clock), and queue it for writing; ``aligned``: at a sync round's end that
+        every server cuts at."""
         with self._cut_lock:
             # No step since the last cut: the segment covers none (first = last + 1).
             last = max(self.store.clock if last_step is None else last_step, self._next_step - 1)
             segment = cut(self.store, self.collector, self._next_step, last)
+            segment.aligned = aligned
             self._next_step = last + 1
             self._last_cut = time.monotonic()
         with self._wake:

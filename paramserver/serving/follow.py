@@ -1,0 +1,118 @@
+"""Serving follows the training servers' change logs: every ``poll_s`` seconds it reads each
+server's manifest, takes the segments after the last it applied (each chain checked: see
+:mod:`paramserver.changelog.log`), and applies them to the served model as one version.
+
+Which segments make a version: in a sync job each segment is cut at a round every server cut
+at (``aligned``), so a version is every server's segments up to the newest step all of them
+have reached: the model after that step, exactly; a server ahead waits for the others. In an
+async job a version is each server's newest cut. A server whose chain breaks (a gap, a
+duplicate, a damaged file) is reported (logged, counted, :attr:`Follower.problems`) and its
+segments up to the break are still applied; serving keeps answering from the last good
+version, and takes that server's chain up again once it is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from paramserver.changelog.log import ChainFollower, servers_under
+from paramserver.changelog.segment import Segment
+from paramserver.errors import ChangeLogError
+from paramserver.serving.metrics import ServingMetrics
+from paramserver.serving.model import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+class Follower:
+    """Follows the logs under ``root`` into ``served`` (see the module doc)."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        root: str | os.PathLike[str],
+        metrics: ServingMetrics | None = None,
+        poll_s: float = 0.1,
+    ):
+        self.served, self.root, self.poll_s = served, Path(root), poll_s
+        self.metrics = metrics or ServingMetrics()
+        self.chains: dict[int, ChainFollower] = {}
+        self.problems: dict[int, str] = {}  # each server's last refusal, while it lasts
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="serving-follow", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # a bug: keep serving what is applied, say so
+                log.exception("following the change logs under %s failed", self.root)
+
+    def poll(self) -> int:
+        """One round of reading and applying; returns the segments applied."""
+        pending = self._pending()
+        chosen = _version(pending)
+        if not any(chosen.values()):
+            return 0
+        segments = [segment for found in chosen.values() for segment in found]
+        try:
+            self.served.apply(segments, max(s.cut_at for s in segments))
+        except ChangeLogError as error:
+            self._refused(segments[0].server, str(error), len(segments))
+            return 0
+        for server, found in chosen.items():
+            if found:
+                self.chains[server].applied_up_to(found[-1])
+        self.metrics.segments_done(len(segments), 0)
+        return len(segments)
+
+    def _pending(self) -> dict[int, list[Segment]]:
+        if self.root.is_dir():
+            for server in servers_under(self.root):
+                if server not in self.chains:
+                    covered = self.served.version.changes.get(server, 0)
+                    self.chains[server] = ChainFollower(self.root, server, covered)
+        pending = {}
+        for server, chain in self.chains.items():
+            found, error = chain.pending()
+            if error is not None:
+                self._refused(server, str(error), 1)
+            else:
+                self.problems.pop(server, None)
+            pending[server] = found
+        return pending
+
+    def _refused(self, server: int, problem: str, count: int) -> None:
+        if self.problems.get(server) != problem:
+            log.error("serving refuses server %d's change log: %s", server, problem)
+            self.metrics.segments_done(0, count)
+        self.problems[server] = problem
+
+
+def _version(pending: dict[int, list[Segment]]) -> dict[int, list[Segment]]:
+    """The segments of ``pending`` that make the next version (see the module doc)."""
+    found = [s for segments in pending.values() for s in segments]
+    if not found or not all(s.aligned for s in found):
+        return pending
+    reached = [segments[-1].last_step for segments in pending.values() if segments]
+    if len(reached) < len(pending):
+        return {server: [] for server in pending}  # a server has nothing new: wait for it
+    step = min(reached)
+    return {server: _up_to(segments, step) for server, segments in pending.items()}
+
+
+def _up_to(segments: Sequence[Segment], step: int) -> list[Segment]:
+    return [s for s in segments if s.last_step <= step]
