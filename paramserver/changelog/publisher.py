@@ -88,6 +88,11 @@ class Publisher:
             self._waiting.append(segment)
             self._wake.notify()
 
+    def flush(self, timeout: float) -> bool:
+        """Wait until every segment cut so far is written (False: not within ``timeout``)."""
+        with self._wake:
+            return self._wake.wait_for(lambda: not self._waiting, timeout)
+
     def close(self, timeout: float = 60.0) -> None:
         """A last cut, every segment written (within ``timeout`` seconds), the store let go."""
         self.cut()
@@ -137,6 +142,7 @@ class Publisher:
             return False
         with self._wake:
             self._waiting.popleft()
+            self._wake.notify_all()  # a flush waits for the line to empty
         self.stats.segments += 1
         self.stats.rows += segment.num_rows
         self.stats.removed += segment.num_removed

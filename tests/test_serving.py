@@ -1,0 +1,233 @@
+"""Serving (paramserver.serving): a served model follows training servers' change logs version
+by version, answers tritonclient over HTTP and gRPC, and refuses bad requests and broken
+chains without changing what it serves.
+
+The training servers here are real stores (paramserver.store) with real publishers writing
+real files; the clients are tritonclient's, unchanged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as triton_grpc
+import tritonclient.http as triton_http
+from torch import Tensor, nn
+from tritonclient.utils import InferenceServerException
+
+import paramserver as ps
+from paramserver.changelog.log import MANIFEST, server_dir
+from paramserver.changelog.publisher import Publisher
+from paramserver.modelplan import build_model, plan_of
+from paramserver.optimconfig import OptimizerConfig
+from paramserver.serving.follow import Follower
+from paramserver.serving.frontend import Frontend
+from paramserver.serving.grpc import GrpcServing
+from paramserver.serving.http import HttpServing
+from paramserver.serving.model import ServedModel
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
+
+SERVERS = 2
+
+
+class Ranker(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.item = nn.Embedding(50, 4)
+        self.user = ps.DynamicEmbedding(4, default_value=0.5)
+        self.out = nn.Linear(8, 1)
+
+    def forward(self, items: Tensor, users: Tensor) -> Tensor:
+        return self.out(torch.cat([self.item(items), self.user(users)], dim=1))
+
+
+EXAMPLE = [torch.tensor([1, 2]), torch.tensor([10, 11])]
+
+
+class Training:
+    """Two training servers' stores of Ranker, each publishing into ``root``."""
+
+    def __init__(self, root: Path, aligned: bool = False):
+        built = build_model(Ranker, 0)
+        plan = plan_of(built.model, SERVERS)
+        rule = OptimizerConfig(name="sgd", lr=0.5)
+        dense = {n: p.detach() for n, p in built.model.named_parameters() if n in plan.dense}
+        rules = dict.fromkeys(plan.tables, rule)
+        self.plan, self.aligned, self.step = plan, aligned, 0
+        self.stores = [Store(s, plan, dense, built.inits, rule, rules) for s in range(SERVERS)]
+        self.publishers = [
+            Publisher(store, root, "job", every_s=3600, timed=False) for store in self.stores
+        ]
+
+    def train(self, items: list[int], users: list[int]) -> None:
+        """One step: every row of ``items`` and ``users`` (and every dense value) updated."""
+        self.step += 1
+        for store in self.stores:
+            store.advance_clock(self.step)
+            for table, ids in (("item.weight", items), ("user.weight", users)):
+                mine = torch.tensor(ids)[
+                    self.plan.server_of_rows(table, torch.tensor(ids)) == store.server
+                ]
+                mine = mine.unique()
+                if not mine.numel():
+                    continue
+                store.read({table: mine}, Reading(train=True, clock=self.step))
+                grads = torch.full((mine.numel(), 4), -float(self.step))
+                store.apply_rows({table: (mine, grads)}, {table: 0.5}, self.step)
+            if store.dense:
+                store.apply_dense(
+                    {n: torch.ones_like(s.value) for n, s in store.dense.items()}, 0.5
+                )
+
+    def publish(self) -> None:
+        for publisher in self.publishers:
+            publisher.cut(self.step, aligned=self.aligned)
+        for publisher in self.publishers:
+            assert publisher.flush(5.0)
+
+    def rows(self, table: str, ids: list[int]) -> Tensor:
+        out = []
+        for i in ids:
+            store = self.stores[int(self.plan.server_of_rows(table, torch.tensor([i]))[0])]
+            out.append(store.read({table: torch.tensor([i])}, Reading()).values[table][0])
+        return torch.stack(out)
+
+    def close(self) -> None:
+        for publisher in self.publishers:
+            publisher.close()
+
+
+@pytest.fixture
+def training(tmp_path: Path):
+    job = Training(tmp_path)
+    yield job
+    job.close()
+
+
+def follower_of(root: Path) -> tuple[ServedModel, Follower]:
+    served = ServedModel(Ranker, 0)
+    return served, Follower(served, root)
+
+
+def test_served_rows_equal_the_training_servers_after_each_version(
+    tmp_path: Path, training: Training
+) -> None:
+    served, follower = follower_of(tmp_path)
+    start, _ = served.lookup("item.weight", torch.arange(50))
+    assert torch.equal(start, training.rows("item.weight", list(range(50))))  # the same init
+    training.train(items=[1, 2, 3], users=[10, 11])
+    training.publish()
+    assert follower.poll() == SERVERS
+    assert torch.equal(served.lookup("item.weight", torch.tensor([1, 2, 3]))[0],
+                       training.rows("item.weight", [1, 2, 3]))  # fmt: skip
+    assert torch.equal(served.lookup("user.weight", torch.tensor([10, 11]))[0],
+                       training.rows("user.weight", [10, 11]))  # fmt: skip
+    unseen, version = served.lookup("user.weight", torch.tensor([99]))
+    assert torch.equal(unseen, torch.full((1, 4), 0.5)) and version.number == 1  # the default
+    assert served.store.tables["user.weight"].stats()["rows"] == 2  # serving made no row
+    for name, slot in served.store.dense.items():
+        owner = training.stores[training.plan.dense_server[name]]
+        assert torch.equal(slot.value, owner.dense[name].value)
+
+
+def test_a_sync_version_holds_every_servers_segments_of_one_step(tmp_path: Path) -> None:
+    training = Training(tmp_path, aligned=True)
+    served, follower = follower_of(tmp_path)
+    try:
+        training.train(items=[1, 2], users=[10])
+        training.publish()
+        training.train(items=[1, 2], users=[10])
+        training.publishers[0].cut(training.step, aligned=True)  # server 1 has not cut step 2
+        assert training.publishers[0].flush(5.0)
+        assert follower.poll() == SERVERS  # step 1 only
+        assert served.version.steps == {0: 1, 1: 1}
+        training.publishers[1].cut(training.step, aligned=True)
+        assert training.publishers[1].flush(5.0)
+        assert follower.poll() == SERVERS and served.version.steps == {0: 2, 1: 2}
+    finally:
+        training.close()
+
+
+def test_a_broken_chain_is_refused_and_the_last_good_version_stays_served(
+    tmp_path: Path, training: Training
+) -> None:
+    served, follower = follower_of(tmp_path)
+    training.train(items=[1], users=[10])
+    training.publish()
+    follower.poll()
+    good = served.lookup("item.weight", torch.tensor([1]))[0]
+    training.train(items=[1], users=[10])
+    training.publish()
+    manifest = server_dir(tmp_path, 1) / MANIFEST
+    document = json.loads(manifest.read_text())
+    document["segments"][-1]["previous"] = 0  # a segment claiming to follow the chain's start
+    manifest.write_text(json.dumps(document))
+    follower.poll()
+    assert 1 in follower.problems and "segment-000000000002" in follower.problems[1]
+    assert served.version.segments == {0: 2, 1: 1}  # server 0 went on, server 1 stayed
+    if int(training.plan.server_of_rows("item.weight", torch.tensor([1]))[0]) == 1:
+        assert torch.equal(served.lookup("item.weight", torch.tensor([1]))[0], good)
+
+
+@pytest.fixture
+def serving(tmp_path: Path):
+    served = ServedModel(Ranker, 0)
+    frontend = Frontend(served, example=EXAMPLE)
+    frontend.ready = True
+    http, grpc = HttpServing(frontend), GrpcServing(frontend)
+    yield served, http, grpc
+    http.close()
+    grpc.close()
+
+
+def test_tritonclient_over_http_and_grpc_reads_what_is_served(serving) -> None:
+    served, http, grpc = serving
+    ids = np.array([[3, 4, 5], [5, 6, 7]], dtype=np.int64)
+    expected, _ = served.lookup("item.weight", torch.from_numpy(ids))
+    for client, module in (
+        (triton_http.InferenceServerClient(f"127.0.0.1:{http.port}"), triton_http),
+        (triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc.port}"), triton_grpc),
+    ):
+        assert client.is_server_live() and client.is_server_ready()
+        assert client.is_model_ready("model") and client.is_model_ready("item.weight")
+        lookup = module.InferInput("ids", list(ids.shape), "INT64")
+        lookup.set_data_from_numpy(ids)
+        rows = client.infer("item.weight", [lookup]).as_numpy("rows")
+        assert rows.shape == (2, 3, 4) and np.array_equal(rows, expected.numpy())
+        items = module.InferInput("items", [2], "INT64")
+        items.set_data_from_numpy(EXAMPLE[0].numpy())
+        users = module.InferInput("users", [2], "INT64")
+        users.set_data_from_numpy(EXAMPLE[1].numpy())
+        scores = client.infer("model", [items, users]).as_numpy("output")
+        assert np.array_equal(scores, served.predict(EXAMPLE)[0].numpy())
+
+
+@pytest.mark.parametrize(
+    ("model", "name", "datatype", "values", "message"),
+    [
+        ("nope", "ids", "INT64", [1], "no model 'nope'"),
+        ("item.weight", "ids", "INT64", [1, 50], "must be in 0..49"),
+        ("item.weight", "ids", "INT32", [1], "must be INT64"),
+        ("item.weight", "wrong", "INT64", [1], "takes the inputs"),
+        ("model", "items", "FP32", [1.0], "takes the inputs"),
+    ],
+)
+def test_a_bad_request_gets_the_protocols_error_and_changes_nothing(
+    serving, model: str, name: str, datatype: str, values: list, message: str
+) -> None:
+    served, http, grpc = serving
+    before = served.lookup("item.weight", torch.arange(50))[0]
+    for client, module in (
+        (triton_http.InferenceServerClient(f"127.0.0.1:{http.port}"), triton_http),
+        (triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc.port}"), triton_grpc),
+    ):
+        given = module.InferInput(name, [len(values)], datatype)
+        given.set_data_from_numpy(np.array(values, dtype=triton_http.triton_to_np_dtype(datatype)))
+        with pytest.raises(InferenceServerException, match=message):
+            client.infer(model, [given])
+        assert client.is_server_ready()
+    assert torch.equal(served.lookup("item.weight", torch.arange(50))[0], before)
