@@ -52,6 +52,7 @@ __all__ = [
     "TrainerGroupError",
     "metrics",
     "run",
+    "serve",
     "train",
 ]
 
@@ -62,4 +63,8 @@ def __getattr__(name: str) -> Any:
         from paramserver.trainer.context import TrainContext
 
         return TrainContext
+    if name == "serve":  # serving's modules too: loaded when asked for
+        from paramserver.serving.run import serve
+
+        return serve
     raise AttributeError(f"module 'paramserver' has no attribute {name!r}")

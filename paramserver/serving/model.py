@@ -117,6 +117,32 @@ class ServedModel:
             restore_store(self.store, parts())
             self.version = Version(changes=covered)
 
+    def load_state(self, state: Mapping[str, Tensor], where: str) -> None:
+        """Take a plain state_dict's values (``paramserver export``'s: a dynamic table's as
+        ``NAME.ids`` and ``NAME.weight``); every dense parameter and table must be there with
+        its shape (CheckpointError naming ``where`` and what is missing or wrong)."""
+        with self.lock:
+            for name, slot in self.store.dense.items():
+                value = self._entry(state, name, where, slot.value.shape)
+                self.store.set_dense(name, value.to(slot.value.dtype), {}, slot.version)
+            for name, spec in self.plan.tables.items():
+                if spec.dynamic is None:
+                    weight = self._entry(state, name, where, (spec.num_rows, spec.dim))
+                    ids = torch.arange(spec.num_rows)
+                else:
+                    ids = state.get(name.removesuffix("weight") + "ids", torch.empty(0))
+                    weight = self._entry(state, name, where, (ids.numel(), spec.dim))
+                if ids.numel():
+                    self.store.set_rows(name, {"ids": ids, "value": weight.to(spec.dtype)})
+
+    @staticmethod
+    def _entry(state: Mapping[str, Tensor], name: str, where: str, shape: Any) -> Tensor:
+        value = state.get(name)
+        if not isinstance(value, Tensor) or tuple(value.shape) != tuple(shape):
+            got = tuple(value.shape) if isinstance(value, Tensor) else "nothing"
+            raise CheckpointError(f"{where}: {name} must be of shape {tuple(shape)}, has {got}")
+        return value
+
     # ---- versions ----
 
     def apply(self, segments: Sequence[Segment], published_at: float = 0.0) -> None:

@@ -1,0 +1,122 @@
+"""``paramserver.serve()``: a serving process's parts started together (the command line's
+``paramserver serve`` calls it too).
+
+The base: a checkpoint (a checkpoint directory's newest, or one ``ckpt-*`` directory), an
+export (``paramserver export``'s file: it records no store changes, so each log is followed
+from its start, which leaves every row at its newest value whatever the export's age), or
+nothing (the job's initial model). Then the change logs under ``follow``, if given.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from paramserver.checkpoint import load_latest, open_checkpoint
+from paramserver.checkpoint.manifest import MANIFEST
+from paramserver.errors import CheckpointError, ConfigError
+from paramserver.serving.follow import Follower
+from paramserver.serving.frontend import Frontend
+from paramserver.serving.http import HttpServing
+from paramserver.serving.model import ServedModel
+from paramserver.serving.protocol import WHOLE_MODEL
+from paramserver.types import ModelFn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Serving:
+    """A running serving process's parts (see :func:`serve`); :meth:`close` stops them."""
+
+    served: ServedModel
+    frontend: Frontend
+    follower: Follower | None
+    http: HttpServing | None
+    grpc: object | None  # a GrpcServing: its module needs the serve extra
+
+    @property
+    def http_port(self) -> int | None:
+        return None if self.http is None else self.http.port
+
+    @property
+    def grpc_port(self) -> int | None:
+        return None if self.grpc is None else self.grpc.port  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        if self.follower is not None:
+            self.follower.close()
+        for transport in (self.http, self.grpc):
+            if transport is not None:
+                transport.close()  # type: ignore[attr-defined]
+
+
+def serve(
+    model_fn: ModelFn,
+    *,
+    follow: str | os.PathLike[str] | None = None,
+    base: str | os.PathLike[str] | None = None,
+    example_inputs: Sequence[Tensor] | None = None,
+    seed: int = 0,
+    model_name: str = WHOLE_MODEL,
+    host: str = "127.0.0.1",
+    http_port: int | None = 8000,
+    grpc_port: int | None = 8001,
+    poll_s: float = 0.1,
+) -> Serving:
+    """Serve ``model_fn``'s model (built under the job's ``seed``) from ``base`` (see the
+    module doc), following the change logs under ``follow``, over HTTP and gRPC on ``host``
+    (ports 0: free ones; None: not that transport). ``example_inputs`` (the forward's tensor
+    arguments, a batch of any size) make the whole model servable as ``model_name``; without
+    them only the tables are. Returns once it answers; :meth:`Serving.close` stops it."""
+    served = ServedModel(model_fn, seed)
+    if base is not None:
+        load_base(served, Path(base))
+    frontend = Frontend(served, example_inputs, model_name)
+    follower = None
+    if follow is not None:
+        follower = Follower(served, follow, frontend.metrics, poll_s)
+        follower.poll()  # what is published already, before the first answer
+        follower.start()
+    frontend.ready = True
+    http = None if http_port is None else HttpServing(frontend, host, http_port)
+    grpc = None
+    if grpc_port is not None:
+        try:
+            from paramserver.serving.grpc import GrpcServing
+        except ImportError as error:
+            raise ConfigError(
+                f"serving over gRPC needs the serve extra (pip install 'paramserver[serve]'): "
+                f"{error}"
+            ) from None
+        grpc = GrpcServing(frontend, host, grpc_port)
+    return Serving(served, frontend, follower, http, grpc)
+
+
+def load_base(served: ServedModel, base: Path) -> None:
+    """Load ``base`` (a checkpoint directory or an export file) into ``served``."""
+    if base.is_file():
+        load_export(served, base)
+        return
+    found = open_checkpoint(base) if (base / MANIFEST).exists() else load_latest(base)
+    if found is None:
+        raise CheckpointError(f"{base}: no committed checkpoint to serve from")
+    served.load_checkpoint(found)
+    log.info("serving from checkpoint %s (step %d)", found.directory, found.step)
+
+
+def load_export(served: ServedModel, path: Path) -> None:
+    """An export's values into ``served``: every dense value and table row it has."""
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as error:
+        raise CheckpointError(f"{path}: not an export paramserver can read: {error}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: not a state_dict")
+    served.load_state(state, str(path))
