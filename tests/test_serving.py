@@ -8,6 +8,7 @@ real files; the clients are tritonclient's, unchanged."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 import paramserver as ps
 from paramserver.changelog.log import MANIFEST, server_dir
 from paramserver.changelog.publisher import Publisher
+from paramserver.changelog.segment import Segment, TableChanges
 from paramserver.modelplan import build_model, plan_of
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.serving.follow import Follower
@@ -231,3 +233,35 @@ def test_a_bad_request_gets_the_protocols_error_and_changes_nothing(
             client.infer(model, [given])
         assert client.is_server_ready()
     assert torch.equal(served.lookup("item.weight", torch.arange(50))[0], before)
+
+
+def test_no_lookup_sees_part_of_a_version(tmp_path: Path) -> None:
+    """Each version sets rows 0..39 of ``item.weight`` and every dense value to its number;
+    lookups made meanwhile must each see one number throughout."""
+    served = ServedModel(Ranker, 0)
+    stop, torn, seen = threading.Event(), [], set()
+
+    def apply_versions() -> None:
+        number = 0
+        while not stop.is_set():
+            number += 1
+            made = Segment("job", 0, number, number - 1, number, number, number - 1, number)
+            ids = torch.arange(40)
+            made.tables["item.weight"] = TableChanges(
+                ids, torch.full((40, 4), float(number)), torch.zeros(0, dtype=torch.int64)
+            )
+            served.apply([made])
+
+    writer = threading.Thread(target=apply_versions)
+    writer.start()
+    try:
+        for _ in range(3000):
+            rows, version = served.lookup("item.weight", torch.arange(40))
+            values = rows.unique()
+            if version.number and (values.numel() != 1 or float(values[0]) != version.number):
+                torn.append((values.tolist(), version.number))
+            seen.add(version.number)
+    finally:
+        stop.set()
+        writer.join()
+    assert torn == [] and len(seen) > 10  # versions changed under the lookups, none torn
