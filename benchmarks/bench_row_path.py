@@ -117,7 +117,7 @@ def run(calls: int, codec: str, tables: str = "fixed") -> dict[str, Any]:
     # the next pull (of the same ids: each step's answer is the same prepared reply).
     reply = coordinator.push_pull(PushPullRequest(0, 0, pull_rows=dict(ids))).wait()
     transport = AnswerAtOnce(reply)
-    client = PSClient(transport, plan, 0, codecs=PushCodecs.of(config, plan.tables))
+    client = PSClient(transport, plan, 0, codecs=PushCodecs.of(config.sections.codecs, plan.tables))
     building, waiting = [], []
     pending = client.push_pull({}, {}, ids)
     for _ in range(calls):

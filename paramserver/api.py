@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.data import RandomSampler
 
-from paramserver.config import TrainConfig
+from paramserver.config import Launcher, TrainConfig
 from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import build_model, load_job_state
@@ -156,7 +156,7 @@ def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | 
 
 def _launch(
     config: TrainConfig,
-    launcher: str,
+    launcher: Launcher,
     model_fn: ModelFn,
     loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,

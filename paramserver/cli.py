@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import train_single_process
@@ -31,7 +31,7 @@ from paramserver.checkpoint import Checkpoint, load_latest, open_checkpoint
 from paramserver.checkpoint.export import export_checkpoint
 from paramserver.checkpoint.manifest import MANIFEST
 from paramserver.checkpoint.store import LATEST, checkpoint_dir, verify
-from paramserver.config import RENAMED_FIELDS, TrainConfig, read_toml
+from paramserver.config import RENAMED_FIELDS, TrainConfig, choices_of, read_toml, type_parts
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
 from paramserver.jobs import DATASET_DEFAULTS, build_job
@@ -126,6 +126,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         "schedule and codecs: TrainConfig.table_optimizers and table_codecs, fields without a "
         "flag like lr_schedule (a Python function of the step).",
     )
+    hints = get_type_hints(TrainConfig)
     for f in fields(TrainConfig):
         if not f.metadata.get("cli", True):
             continue
@@ -140,22 +141,25 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
             continue
-        kind = str(f.type)
-        parse: Callable[[str], Any]
-        if "int" in kind:
-            parse = int
-        elif "float" in kind:
-            parse = float
-        else:
-            parse = str
+        hint = hints[f.name]
         group.add_argument(
             flag,
             dest=f.name,
-            type=parse,
-            choices=f.metadata.get("choices"),
+            type=_word_parser(hint),
+            choices=choices_of(hint),  # a Literal's values
             default=argparse.SUPPRESS,
             help=help_text,
         )
+
+
+def _word_parser(hint: Any) -> Callable[[str], Any]:
+    """How a flag's word is read, by its field's type: an int, a float, else a string."""
+    parts = type_parts(hint)
+    if int in parts:
+        return int
+    if float in parts:
+        return float
+    return str
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,8 @@
 """The settings of an update rule: the optimizer, its hyper-parameters (torch.optim's names and
 defaults) and its learning-rate schedule, as the job gives them for the dense parameters and
 for each table (:class:`OptimizerConfig`); and every group's learning rate at a step
-(:class:`LearningRates`). :class:`paramserver.config.TrainConfig` makes them from its flags;
-servers and trainers read them.
+(:class:`LearningRates`). TrainConfig's optim section (:class:`paramserver.config.OptimSection`)
+makes them from its flags; servers and trainers read them.
 """
 
 from __future__ import annotations
@@ -11,17 +11,18 @@ import dataclasses
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
 from paramserver.errors import ConfigError
-from paramserver.schedule import DECAYS, LrSchedule, Schedule, checked_factor
+from paramserver.schedule import DECAYS, Decay, LrSchedule, Schedule, checked_factor
 
-OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+OptimizerName = Literal["sgd", "adagrad", "rowwise_adagrad", "adam"]
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 BUILTIN_SCHEDULE_KEYS = ("warmup_steps", "decay", "decay_steps", "decay_rate", "min", "min_ratio")
 
 
 def builtin_schedule_keys(settings: Any) -> dict[str, Any]:
-    """The built-in schedule's keys of ``settings`` (an OptimizerConfig or a TrainConfig: their
+    """The built-in schedule's keys of ``settings`` (an OptimizerConfig or an OptimSection: their
     ``lr_*`` fields), as :class:`Schedule` names them (``lr_`` dropped)."""
     return {key: getattr(settings, f"lr_{key}") for key in BUILTIN_SCHEDULE_KEYS}
 
@@ -33,7 +34,7 @@ class OptimizerConfig:
     ``lr_decay_steps``, ``lr_decay_rate``, ``lr_min``, ``lr_min_ratio``, as TrainConfig's) or
     ``lr_schedule``; a table's rule that sets none of them takes the job's schedule."""
 
-    name: str = "adagrad"
+    name: OptimizerName = "adagrad"
     lr: float = 0.01
     momentum: float = 0.0
     dampening: float = 0.0
@@ -45,9 +46,9 @@ class OptimizerConfig:
     initial_accumulator_value: float = 0.0
     # The learning-rate schedule (paramserver.schedule): the built-in's keys, or lr_schedule,
     # a function of the step returning a factor of lr. None: not set (a table's rule then
-    # takes the job's schedule, see TrainConfig.table_optimizer_for).
+    # takes the job's schedule, see OptimSection.table_optimizer_for).
     lr_warmup_steps: int | None = None
-    lr_decay: str | None = None
+    lr_decay: Decay | None = None
     lr_decay_steps: int | None = None
     lr_decay_rate: float | None = None
     lr_min: float | None = None

@@ -36,10 +36,12 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
+from typing import Literal, get_args
 
 from paramserver.errors import ConfigError
 
-DECAYS = ("none", "linear", "cosine", "exponential", "step")
+Decay = Literal["none", "linear", "cosine", "exponential", "step"]
+DECAYS: tuple[Decay, ...] = get_args(Decay)
 DEFAULT_DECAY_RATE = 0.1
 
 LrSchedule = Callable[[int], float]
@@ -60,7 +62,7 @@ class Schedule:
     when it is made, with a :class:`ConfigError` naming the flag (and the TOML key)."""
 
     warmup_steps: int = 0
-    decay: str = "none"
+    decay: Decay = "none"
     decay_steps: int | None = None
     decay_rate: float | None = None  # exponential and step only; None: 0.1
     min_lr: float | None = None  # the floor as an lr ...

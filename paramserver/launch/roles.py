@@ -21,7 +21,7 @@ from paramserver.checkpoint import (
     lock_directory,
     resume_from,
 )
-from paramserver.config import TrainConfig
+from paramserver.config import Launcher, TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import build_model, plan_of
@@ -98,7 +98,7 @@ def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainCon
 
 
 def hold_checkpoint_dir(
-    config: TrainConfig, launcher: str
+    config: TrainConfig, launcher: Launcher
 ) -> contextlib.AbstractContextManager[object]:
     """The lock on ``--checkpoint-dir`` (see :mod:`paramserver.checkpoint.lock`), taken now, for
     the job to hold until it ends: by the launching process under the threads and processes

@@ -23,7 +23,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -39,7 +39,7 @@ from paramserver.checkpoint import (
     commit,
     write_part,
 )
-from paramserver.config import CheckpointSettings
+from paramserver.config import CheckpointSection
 from paramserver.errors import ServerLostError
 from paramserver.futures import wait_all
 from paramserver.transport.base import Transport
@@ -74,9 +74,16 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
 
 class TrainerCheckpoints:
     def __init__(
-        self, settings: CheckpointSettings, trainer: int, transport: Transport, alarm: Future
+        self,
+        settings: CheckpointSection,
+        job: Mapping[str, Any],
+        trainer: int,
+        transport: Transport,
+        alarm: Future,
     ):
+        """``job``: what a checkpoint records of the job that saved it."""
         self.settings = settings
+        self.job = job
         self.trainer = trainer
         self.transport = transport
         self.alarm = alarm
@@ -96,7 +103,7 @@ class TrainerCheckpoints:
 
     @property
     def enabled(self) -> bool:
-        return self.settings.enabled
+        return self.settings.writes_checkpoints
 
     def after_reply(
         self, call: int, announced: int, steps_done: int, samples: int, rng: RngState | None
@@ -105,7 +112,7 @@ class TrainerCheckpoints:
         ``rng``: the RNG states from before the next step's batches were drawn (what a resume
         restores before drawing them again), or None where none are drawn yet (the current
         states are those)."""
-        if not self.settings.enabled:
+        if not self.settings.writes_checkpoints:
             return
         if announced > self.saved_through and call >= announced:
             self._save_own_part(announced, steps_done, samples, rng)
@@ -121,14 +128,14 @@ class TrainerCheckpoints:
         """Chief: announce step ``call + 1`` if a checkpoint is due. Call it only with the
         batches of that next step in hand (see the module docstring)."""
         settings = self.settings
-        if not settings.enabled or self.trainer != 0:
+        if not settings.writes_checkpoints or self.trainer != 0:
             return
         due = (
-            settings.every_steps is not None
-            and call + 1 - self.last_planned_step >= settings.every_steps
+            settings.checkpoint_every is not None
+            and call + 1 - self.last_planned_step >= settings.checkpoint_every
         ) or (
-            settings.every_s is not None
-            and time.monotonic() - self.last_planned_at >= settings.every_s
+            settings.checkpoint_every_s is not None
+            and time.monotonic() - self.last_planned_at >= settings.checkpoint_every_s
         )
         # One checkpoint at a time: a trainer saves only the newest announced step, so a new
         # one waits until the last is committed (or given up).
@@ -142,7 +149,7 @@ class TrainerCheckpoints:
     def _save_own_part(
         self, step: int, steps_done: int, samples: int, rng: RngState | None
     ) -> None:
-        root = self.settings.root
+        root = self.settings.checkpoint_dir
         assert root is not None
         tensors, meta = rng if rng is not None else rng_state()
         meta = {**meta, "step": step, "steps_done": steps_done, "samples": samples}
@@ -156,7 +163,7 @@ class TrainerCheckpoints:
 
     def _take_and_commit(self, step: int) -> None:
         """Chief: every server snapshots now; a thread commits once every part is written."""
-        root = self.settings.root
+        root = self.settings.checkpoint_dir
         assert root is not None
         wait_all(
             self.transport.call_all("take_checkpoint", step),
@@ -173,7 +180,7 @@ class TrainerCheckpoints:
                 answers = wait_all([*servers, trainers], self.alarm)
                 trainer_parts = cast(list[Part], answers.pop())
                 parts = [*cast(list[Part], answers), *trainer_parts, *dense]
-                commit(root, step, parts, dict(settings.job), keep=settings.keep)
+                commit(root, step, parts, dict(self.job), keep=settings.checkpoint_keep)
                 log.info("checkpoint %d committed in %s", step, checkpoint_dir(root, step))
             except ServerLostError as lost:  # the job stops on its own report; no traceback
                 log.warning("checkpoint %d not committed (%s); the previous one stays", step, lost)

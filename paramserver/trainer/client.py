@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.config import TrainConfig
+from paramserver.config import CodecsSection, GradientCodec, ValueCodec
 from paramserver.errors import ParamServerError
 from paramserver.futures import wait_all
 from paramserver.sharding import ShardPlan, merge_rows
@@ -57,16 +57,16 @@ class Traffic:
 class PushCodecs:
     """How a trainer encodes what it pushes (servers choose the codecs of what they send)."""
 
-    dense: str = "none"
-    tables: Mapping[str, str] = field(default_factory=dict)  # table -> codec; absent: none
+    dense: GradientCodec = "none"
+    tables: Mapping[str, ValueCodec] = field(default_factory=dict)  # table -> codec; absent: none
     topk_ratio: float = 0.01
 
     @classmethod
-    def of(cls, config: TrainConfig, tables: Iterable[str]) -> PushCodecs:
+    def of(cls, codecs: CodecsSection, tables: Iterable[str]) -> PushCodecs:
         return cls(
-            config.dense_push_codec,
-            {name: config.codecs_for_table(name)[0] for name in tables},
-            config.topk_ratio,
+            codecs.dense_push_codec,
+            {name: codecs.codecs_for_table(name)[0] for name in tables},
+            codecs.topk_ratio,
         )
 
 

@@ -229,14 +229,16 @@ class TrainContext:
         self._engine = engine
         self._resumed = resumed
         self._thread = threading.get_ident()
-        self._prefetch = engine.config.prefetches
-        self._steps_per_call = engine.config.steps_per_call
+        sections = engine.config.sections
+        self._prefetch = sections.consistency.prefetches
+        self._steps_per_call = sections.consistency.steps_per_call
         # Prefetching, the last step's update is applied to the rows of the next (see
         # paramserver.trainer.ownupdates), where the config asks for it; pulling every few
         # steps, each step's to the rows of the steps after it.
+        own_updates = self._prefetch and sections.consistency.prefetch_own_updates
         self._own_updates = (
-            OwnUpdates.of(engine.config, list(engine.replica.tables))
-            if (self._prefetch and engine.config.prefetch_own_updates) or self._steps_per_call > 1
+            OwnUpdates.of(sections.optim, list(engine.replica.tables))
+            if own_updates or self._steps_per_call > 1
             else None
         )
         self._group: Group | None = None  # the steps computing from the current pull

@@ -181,13 +181,15 @@ class _TrainerRun:
             self.plan,
             trainer,
             self.alarm,
-            PushCodecs.of(config, self.plan.tables),
+            PushCodecs.of(config.sections.codecs, self.plan.tables),
             cache_rows=config.cache_rows,
         )
         self.client.check_servers()
         initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
         self.replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
-        self.checkpoints = TrainerCheckpoints(config.checkpointing, trainer, transport, self.alarm)
+        self.checkpoints = TrainerCheckpoints(
+            config.sections.checkpoint, config.checkpoint_job, trainer, transport, self.alarm
+        )
         self.dense = None
         if not config.dense_on_servers:
             if group is None:
@@ -212,9 +214,11 @@ class _TrainerRun:
             resumed = resume_trainer(
                 self.trainer, self.config, self.client, self.checkpoints, self.dense
             )
+        config = self.config
         observer = Observer(
-            self.trainer, self.config.observing, self.client, self.replica, evaluation,
+            self.trainer, config.sections.observe, self.client, self.replica, evaluation,
             self.alarm, resumed.steps, resumed.samples,
+            learning_rates=config.learning_rates, one_process=config.launcher == "threads",
         )  # fmt: skip
         engine = Engine(
             self.trainer, self.config, self.replica, self.client, self.checkpoints,

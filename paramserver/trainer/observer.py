@@ -28,11 +28,12 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.config import ObserveSettings
+from paramserver.config import ObserveSection
 from paramserver.futures import wait_all
 from paramserver.metrics import Evaluation
 from paramserver.observe.consistency import Divergence, checksum, compare, summarize_checks
 from paramserver.observe.runlog import RunLog
+from paramserver.optimconfig import LearningRates
 from paramserver.trainer.client import PSClient, Pulled
 from paramserver.trainer.replica import Call, Inputs, Replica
 
@@ -45,17 +46,23 @@ class Observer:
     def __init__(
         self,
         trainer: int,
-        settings: ObserveSettings,
+        settings: ObserveSection,
         client: PSClient,
         replica: Replica,
         evaluation: Evaluation | None,
         alarm: Future,
         steps: int = 0,
         samples: int = 0,
+        *,
+        learning_rates: LearningRates,
+        one_process: bool = False,
     ):
-        """``steps`` and ``samples``: where the trainer starts (after a resume, not 0)."""
+        """``steps`` and ``samples``: where the trainer starts (after a resume, not 0);
+        ``learning_rates``: each group's rule, for the rates it records; ``one_process``: the
+        trainers share this process (the threads launcher), and its one profiler."""
         self.trainer = trainer
         self.settings = settings
+        self.learning_rates = learning_rates
         self.client = client
         self.replica = replica
         self.alarm = alarm
@@ -67,7 +74,7 @@ class Observer:
         board = settings.tensorboard
         self.log = RunLog(run_dir, f"trainer-{trainer}", board, steps) if run_dir else None
         self.server_logs = (
-            [RunLog(run_dir, f"server-{s}", board, steps) for s in range(settings.num_servers)]
+            [RunLog(run_dir, f"server-{s}", board, steps) for s in range(client.plan.num_servers)]
             if run_dir and self.chief
             else []
         )
@@ -77,7 +84,7 @@ class Observer:
         self._losses: list[float] = []
         self._profiler: Any = None
         # The profiler is per process: under the threads launcher only the chief's runs.
-        self._profiles = bool(settings.profile_steps) and (self.chief or not settings.one_process)
+        self._profiles = bool(settings.profile_steps) and (self.chief or not one_process)
         if self._profiles and settings.profile_start <= steps < settings.profile_start + (
             settings.profile_steps
         ):  # from the start, or resumed inside the profiled steps
@@ -154,7 +161,7 @@ class Observer:
     def _learning_rates(self, steps: int) -> dict[str, float]:
         """``lr/GROUP``: the rate of each group at the last step done (``steps - 1``, the
         step the schedule gives its gradients; see :mod:`paramserver.schedule`)."""
-        rates = self.settings.learning_rates.at(max(steps - 1, 0), self.client.plan.tables)
+        rates = self.learning_rates.at(max(steps - 1, 0), self.client.plan.tables)
         return {f"lr/{group}": lr for group, lr in rates.items()}
 
     def _record_servers(self, steps: int) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver.config import TrainConfig
+from paramserver.config import OptimSection
 from paramserver.optim import Block, UpdateRule, apply_rows, make_rule
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled, RowState
@@ -43,9 +43,9 @@ class OwnUpdates:
         self.table_rules = dict(table_rules)
 
     @classmethod
-    def of(cls, config: TrainConfig, tables: list[str]) -> OwnUpdates:
-        rules = {name: make_rule(config.table_optimizer_for(name)) for name in tables}
-        return cls(make_rule(config.dense_optimizer()), rules)
+    def of(cls, optim: OptimSection, tables: list[str]) -> OwnUpdates:
+        rules = {name: make_rule(optim.table_optimizer_for(name)) for name in tables}
+        return cls(make_rule(optim.dense_optimizer()), rules)
 
     @property
     def asks_dense_state(self) -> bool:
