@@ -17,6 +17,7 @@ from paramserver.config import (
     GRADIENT_CODECS,
     LAUNCHERS,
     MODES,
+    PUBLISH_CODECS,
     VALUE_CODECS,
     CheckpointSection,
     CodecsSection,
@@ -132,6 +133,7 @@ CHOICES = {
     "dense_pull_codec": VALUE_CODECS,
     "table_push_codec": VALUE_CODECS,
     "table_pull_codec": VALUE_CODECS,
+    "publish_codec": PUBLISH_CODECS,
 }
 
 

@@ -17,6 +17,7 @@ from paramserver.config.choices import (
     GRADIENT_CODECS,
     LAUNCHERS,
     MODES,
+    PUBLISH_CODECS,
     VALUE_CODECS,
     type_parts,
 )
@@ -50,7 +51,16 @@ def check(config: TrainConfig) -> None:
     _check_checkpoints(config)
     _check_training(config)
     _check_observing(config)
+    _check_publishing(config)
     _check_schedules(config)
+
+
+def _check_publishing(config: TrainConfig) -> None:
+    """The change log."""
+    if not config.publish_every > 0:
+        raise ConfigError(f"--publish-every must be > 0 seconds, got {config.publish_every}")
+    if config.publish_keep < 1:
+        raise ConfigError(f"--publish-keep must be >= 1, got {config.publish_keep}")
 
 
 _SimpleTypes = dict[str, tuple[tuple[type, ...], str]]
@@ -191,12 +201,13 @@ def _check_steps_per_call(config: TrainConfig) -> None:
 
 
 def _check_codecs(config: TrainConfig) -> None:
-    """Codecs on the wire and the trainers' row cache."""
+    """Codecs on the wire and in the change log, and the trainers' row cache."""
     for name, codecs in (
         ("dense_push_codec", GRADIENT_CODECS),
         ("dense_pull_codec", VALUE_CODECS),
         ("table_push_codec", VALUE_CODECS),
         ("table_pull_codec", VALUE_CODECS),
+        ("publish_codec", PUBLISH_CODECS),
     ):
         if getattr(config, name) not in codecs:
             raise ConfigError(

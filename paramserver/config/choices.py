@@ -18,12 +18,14 @@ Launcher = Literal["auto", "processes", "torchrun", "threads"]
 # gradients (top-k with error feedback), the others for values, rows and pooled vectors.
 GradientCodec = Literal["none", "fp16", "bf16", "int8", "topk"]
 ValueCodec = Literal["none", "fp16", "bf16", "int8"]
+PublishCodec = Literal["none", "bf16", "int8"]  # a change log's row values
 
 MODES: tuple[Mode, ...] = get_args(Mode)
 DENSE_SYNCS: tuple[DenseSync, ...] = get_args(DenseSync)
 LAUNCHERS: tuple[Launcher, ...] = get_args(Launcher)
 GRADIENT_CODECS: tuple[GradientCodec, ...] = get_args(GradientCodec)
 VALUE_CODECS: tuple[ValueCodec, ...] = get_args(ValueCodec)
+PUBLISH_CODECS: tuple[PublishCodec, ...] = get_args(PublishCodec)
 
 
 def type_parts(hint: Any) -> tuple[Any, ...]:

@@ -14,6 +14,7 @@ fields (the stall limit, whether trainers prefetch) are its properties, computed
 - :class:`TablesSection`: bags pooled by the servers, the trainers' row cache;
 - :class:`CheckpointSection`: checkpoints (a trainer's :class:`TrainerCheckpoints`);
 - :class:`ObserveSection`: progress, metrics, evaluation, checks, traces (the observer);
+- :class:`PublishSection`: the change log the servers publish for serving;
 - update rules, schedules and codecs: :mod:`paramserver.config.rules`.
 
 Sections check nothing themselves: TrainConfig validates the whole job once
@@ -25,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from paramserver.config.choices import DenseSync, Launcher, Mode
+from paramserver.config.choices import DenseSync, Launcher, Mode, PublishCodec
 
 # The most calls one message (a server's ``push_pulls``) may carry: a trainer that pulls every
 # few steps (``steps_per_call``) sends their pushes together.
@@ -345,4 +346,35 @@ class ObserveSection:
     )
     profile_start: int = field(
         default=10, metadata=doc("the step the profiler trace starts at (after warm-up)")
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class PublishSection:
+    """The change log each server publishes for serving (``paramserver serve --follow``)."""
+
+    publish_dir: str | None = field(
+        default=None,
+        metadata=doc(
+            "publish each server's changed rows and dense values here, for `paramserver serve` "
+            "to follow (default: none, nothing published)"
+        ),
+    )
+    publish_every: float = field(
+        default=1.0,
+        metadata=doc(
+            "seconds between a server's change log segments (sync: the chief's rounds, so "
+            "every server cuts at the same step)"
+        ),
+    )
+    publish_codec: PublishCodec = field(
+        default="none",
+        metadata=doc("codec of the published row values (int8: per row, with a bf16 scale)"),
+    )
+    publish_keep: int = field(
+        default=3600,
+        metadata=doc(
+            "segments each server's log keeps (older ones are deleted: a serving process "
+            "further behind must restart from a newer base)"
+        ),
     )

@@ -24,6 +24,7 @@ from paramserver.config.sections import (
     LaunchSection,
     LoopSection,
     ObserveSection,
+    PublishSection,
     TablesSection,
 )
 from paramserver.config.views import ConsistencySettings, ShardSettings
@@ -34,9 +35,10 @@ _Section = TypeVar("_Section")
 
 
 # A dataclass takes its bases' fields last base first: the flags appear in --help (and
-# dataclasses.fields(TrainConfig) lists them) from LaunchSection's to ObserveSection's.
+# dataclasses.fields(TrainConfig) lists them) from LaunchSection's to PublishSection's.
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(
+    PublishSection,
     ObserveSection,
     CheckpointSection,
     CodecsSection,
@@ -105,6 +107,7 @@ class Sections:
     codecs: CodecsSection
     checkpoint: CheckpointSection
     observe: ObserveSection
+    publish: PublishSection
 
     @classmethod
     def of(cls, config: TrainConfig) -> Sections:
