@@ -47,7 +47,7 @@ def test_a_segment_round_trips_within_its_codecs_bound(tmp_path: Path, codec: st
     made = segment()
     write(tmp_path / "s", made, codec)
     read = read_segment(tmp_path / "s")
-    assert (read.job, read.server, read.sequence, read.previous) == ("job", 0, 1, 0)
+    assert (read.writer, read.server, read.sequence, read.previous) == ("job", 0, 1, 0)
     assert (read.first_step, read.last_step, read.after_changes, read.changes) == (1, 10, 0, 10)
     written, got = made.tables["t"], read.tables["t"]
     assert torch.equal(got.ids, written.ids) and torch.equal(got.removed, written.removed)
@@ -119,7 +119,7 @@ def test_a_follower_hands_on_the_chain_in_order_and_only_what_is_new(tmp_path: P
     follower.applied_up_to(found[1])
     LogWriter(tmp_path, "resumed", server=0).append(segment(first_step=31))  # numbers on
     assert [s.sequence for s in follower.pending()[0]] == [3, 4]
-    assert read_manifest(server_dir(tmp_path, 0)).job == "resumed"
+    assert read_manifest(server_dir(tmp_path, 0)).writer == "resumed"
 
 
 def test_a_manifest_keeps_the_newest_segments_and_a_follower_behind_them_is_told(
@@ -178,7 +178,7 @@ def test_a_segment_whose_header_disagrees_with_its_entry_is_refused(tmp_path: Pa
 
 def test_a_damaged_manifest_is_refused_naming_it(tmp_path: Path) -> None:
     published(tmp_path, 1)
-    (server_dir(tmp_path, 0) / MANIFEST).write_text('{"format": 1, "job": 3}')
+    (server_dir(tmp_path, 0) / MANIFEST).write_text('{"format": 1, "writer": 3}')
     found, error = ChainFollower(tmp_path, 0).pending()
     assert found == [] and error is not None and MANIFEST in str(error)
 

@@ -66,7 +66,7 @@ class Listed:
 
 @dataclass(frozen=True)
 class Manifest:
-    job: str
+    writer: str
     server: int
     segments: tuple[Listed, ...]
 
@@ -82,13 +82,13 @@ class LogWriter:
     server restarted), numbering on from its last segment."""
 
     def __init__(
-        self, root: str | os.PathLike[str], job: str, server: int, keep: int = DEFAULT_KEEP
+        self, root: str | os.PathLike[str], writer: str, server: int, keep: int = DEFAULT_KEEP
     ):
         if keep < 1:
             raise ValueError(f"a change log keeps at least one segment, not {keep}")
         self.directory = server_dir(root, server)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.job, self.server, self.keep = job, server, keep
+        self.writer_id, self.server, self.keep = writer, server, keep
         found = read_manifest(self.directory) if (self.directory / MANIFEST).exists() else None
         self.segments: list[Listed] = list(found.segments) if found else []
 
@@ -99,7 +99,7 @@ class LogWriter:
     def append(self, segment: Segment, codec: str = "none") -> Listed:
         """Publish ``segment`` (its ``sequence`` and ``previous`` are set here) durably:
         its file, then the manifest that lists it; returns its entry."""
-        segment.job, segment.server = self.job, self.server
+        segment.writer, segment.server = self.writer_id, self.server
         segment.previous, segment.sequence = self.last, self.last + 1
         name = segment_name(segment.sequence)
         size, _ = write_atomic(
@@ -113,7 +113,7 @@ class LogWriter:
         dropped, self.segments = self.segments[: -self.keep], self.segments[-self.keep :]
         document = {
             "format": FORMAT,
-            "job": self.job,
+            "writer": self.writer_id,
             "server": self.server,
             "segments": [asdict(entry) for entry in self.segments],
         }
@@ -137,14 +137,14 @@ def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
     if problem:
         raise ChangeLogError(f"change log manifest {path}: {problem}")
     segments = tuple(Listed(**entry) for entry in document["segments"])
-    return Manifest(document["job"], document["server"], segments)
+    return Manifest(document["writer"], document["server"], segments)
 
 
 def _manifest_problem(document: Any) -> str | None:
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         return f"not a format {FORMAT} manifest"
-    if not isinstance(document.get("job"), str) or type(document.get("server")) is not int:
-        return "job must be a string and server an integer"
+    if not isinstance(document.get("writer"), str) or type(document.get("server")) is not int:
+        return "writer must be a string and server an integer"
     segments = document.get("segments")
     if not isinstance(segments, list):
         return "segments must be a list"

@@ -43,7 +43,7 @@ class Publisher:
         self,
         store: Store,
         root: str | os.PathLike[str],
-        job: str,
+        writer: str,
         *,
         every_s: float,
         codec: str = "none",
@@ -53,7 +53,7 @@ class Publisher:
         """``timed``: cut every ``every_s`` seconds on its own (an async job); else only when
         :meth:`cut` is called (a sync job cuts at a round's end)."""
         self.store, self.every_s, self.codec = store, every_s, codec
-        self.writer = LogWriter(root, job, store.server, keep)
+        self.writer = LogWriter(root, writer, store.server, keep)
         self.collector = attach_collector(store)
         self.stats = PublishStats()
         self._next_step = store.clock + 1
@@ -94,8 +94,12 @@ class Publisher:
             return self._wake.wait_for(lambda: not self._waiting, timeout)
 
     def close(self, timeout: float = 60.0) -> None:
-        """A last cut, every segment written (within ``timeout`` seconds), the store let go."""
-        self.cut()
+        """A last cut, every segment written (within ``timeout`` seconds), the store let go.
+        Again: nothing."""
+        with self._wake:
+            if self._closing:
+                return
+        self.cut(aligned=not self._timed)  # a sync job's servers all end at its last round
         self.store.changes.attach(None)
         with self._wake:
             self._closing = True

@@ -54,7 +54,7 @@ _DTYPES = {
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_KEYS = {
-    "job", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
+    "writer", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
     "changes", "cut_at", "aligned", "tables", "dense", "tensors",
 }  # fmt: skip
 # The tensors a table may have in a segment, by role.
@@ -75,12 +75,13 @@ class TableChanges:
 @dataclass
 class Segment:
     """A segment's content (see the module doc) and where it sits: ``sequence`` in the chain
-    of server ``server`` of job ``job``, after ``previous`` (0: the chain's first); it covers
+    of server ``server``, written by ``writer`` (the server process: host and pid), after
+    ``previous`` (0: the chain's first); it covers
     the server's steps ``first_step`` to ``last_step`` (none where ``first_step`` is
     ``last_step + 1``: a cut with no step since the last) and its store's changes after
     ``after_changes`` up to ``changes`` (the change feed's sequence numbers)."""
 
-    job: str
+    writer: str
     server: int
     sequence: int
     previous: int
@@ -137,7 +138,7 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
     for name, value in segment.dense.items():
         place({"dense": name}, value.float().contiguous())
     header = {
-        "job": segment.job, "server": segment.server, "sequence": segment.sequence,
+        "writer": segment.writer, "server": segment.server, "sequence": segment.sequence,
         "previous": segment.previous, "first_step": segment.first_step,
         "last_step": segment.last_step, "after_changes": segment.after_changes,
         "changes": segment.changes, "cut_at": segment.cut_at, "aligned": segment.aligned,
@@ -203,13 +204,13 @@ def _check_header(header: Any) -> None:
     if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
         got = sorted(header) if isinstance(header, dict) else type(header).__name__
         raise _Bad(f"header must have the keys {sorted(_HEADER_KEYS)}, has {got}")
-    if not isinstance(header["job"], str):
-        raise _Bad("header: job must be a string")
+    if not isinstance(header["writer"], str):
+        raise _Bad("header: writer must be a string")
     if type(header["cut_at"]) not in (int, float) or not header["cut_at"] >= 0:
         raise _Bad(f"header: cut_at must be a time >= 0, got {header['cut_at']!r}")
     if not isinstance(header["aligned"], bool):
         raise _Bad("header: aligned must be true or false")
-    for key in _HEADER_KEYS - {"job", "cut_at", "aligned", "tables", "dense", "tensors"}:
+    for key in _HEADER_KEYS - {"writer", "cut_at", "aligned", "tables", "dense", "tensors"}:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
     if not header["previous"] < header["sequence"]:

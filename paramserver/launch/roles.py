@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from paramserver.changelog.publisher import Publisher
 from paramserver.checkpoint import (
     DENSE_PART,
     Saved,
@@ -21,7 +23,7 @@ from paramserver.checkpoint import (
     lock_directory,
     resume_from,
 )
-from paramserver.config import Launcher, TrainConfig
+from paramserver.config import Launcher, Mode, PublishSection, TrainConfig
 from paramserver.errors import CheckpointError, JobFailedError, TrainerDepartedError
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import build_model, plan_of
@@ -65,7 +67,23 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     coordinator = Coordinator(shard, config.consistency)
     if config.resume:
         resume_server(shard, coordinator, config)
+    if config.publish_dir is not None:  # after a resume: what it restored is not a change
+        coordinator.publish_to(publisher_of(shard, config.sections.publish, config.mode))
     return ServerEndpoint(coordinator, buffers)
+
+
+def publisher_of(shard: ServerShard, settings: PublishSection, mode: Mode) -> Publisher:
+    """Server ``shard``'s publisher: on a timer, or in sync mode at the chief's rounds."""
+    assert settings.publish_dir is not None
+    return Publisher(
+        shard.store,
+        settings.publish_dir,
+        f"{socket.gethostname()}:{os.getpid()}",
+        every_s=settings.publish_every,
+        codec=settings.publish_codec,
+        keep=settings.publish_keep,
+        timed=mode != "sync",
+    )
 
 
 def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:

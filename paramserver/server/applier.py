@@ -10,12 +10,17 @@ Staleness: each answer that trains records how many updates this server had appl
 gradients computed from it arrive (``grads_call`` names that call), the updates applied since
 are the gradient's staleness (always 0 in sync mode), kept as a histogram
 (:class:`~paramserver.server.ages.GradientAges`).
+
+Publishing (``--publish-dir``): in sync mode a round the chief's call marks ``publish`` is cut
+into the change log once applied, before any of its answers is read, so every server's segment
+ends at that round (:mod:`paramserver.changelog.publisher`); other modes cut on a timer.
 """
 
 from __future__ import annotations
 
 import threading
 
+from paramserver.changelog.publisher import Publisher
 from paramserver.server.ages import GradientAges
 from paramserver.server.checkpointing import ServerCheckpoints
 from paramserver.server.decoded import DecodedRequest
@@ -50,6 +55,7 @@ class Applier:
         self.ages = ages
         self.pooled = pooled
         self.checkpoints = checkpoints
+        self.publisher: Publisher | None = None  # set where the job publishes a change log
 
     def apply(self, request: DecodedRequest, clock: int) -> None:
         """Apply one call's gradients now (async, ssp; a late or initial sync call), at its
@@ -77,6 +83,8 @@ class Applier:
         # Round ``call`` holds the gradients of step ``call - 1`` (read by call - 1).
         self.shard.apply(dense, rows, clock=call, step=call - 1)
         self._count_update()
+        if self.publisher is not None and any(request.publish for request in requests):
+            self.publisher.cut(call, aligned=True)
 
     def drop_late(self, request: DecodedRequest) -> None:
         """Drop the gradients of a push whose sync round closed without it: they will never be

@@ -24,6 +24,7 @@ from typing import Any
 
 from torch.futures import Future
 
+from paramserver.changelog.publisher import Publisher
 from paramserver.config import CALLS_PER_MESSAGE, ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import chain, completed, failed
@@ -73,9 +74,17 @@ class Coordinator:
         )
         self._watchdog = Watchdog(self.check_liveness, shard.server)
 
+    def publish_to(self, publisher: Publisher) -> None:
+        """Publish the shard's changes with ``publisher`` (attached to its store) from now on;
+        :meth:`close` cuts its last segment."""
+        self.applier.publisher = publisher
+
     def close(self) -> None:
-        """Stop the watchdog thread; returns once it has ended. The shard stays readable."""
+        """Stop the watchdog thread and publishing (a last segment cut and written); returns
+        once they have ended. The shard stays readable."""
         self._watchdog.stop()
+        if self.applier.publisher is not None:
+            self.applier.publisher.close()
 
     # ---- the calls a trainer makes ----
 

@@ -41,6 +41,7 @@ class DecodedRequest:
     report: TrainerReport | None = None
     pull_dense: bool = True
     pull_dense_state: bool = False
+    publish: bool = False
     dense_grads: dict[str, Tensor] = field(default_factory=dict)
     row_grads: dict[str, RowGrads] = field(default_factory=dict)
     pull_rows: dict[str, Tensor] = field(default_factory=dict)
@@ -60,7 +61,7 @@ class DecodedRequest:
         return cls(
             request.trainer, request.call, request.grads_call, request.grads_step,
             request.final, request.report, request.pull_dense, request.pull_dense_state,
-            {name: _values(grad) for name, grad in request.dense_grads.items()},
+            request.publish, {name: _values(grad) for name, grad in request.dense_grads.items()},
             rows,
             {name: _ids(ids) for name, ids in request.pull_rows.items()},
             request.pull_versions, request.pull_state, request.pool_rows,

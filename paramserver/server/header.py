@@ -40,7 +40,7 @@ def check_header(request: object, server: int, num_trainers: int) -> None:
         raise ParamServerError(f"server {server}: bad grads_call {request.grads_call!r}")
     if type(request.grads_step) is not int or request.grads_step < -1:
         raise ParamServerError(f"server {server}: bad grads_step {request.grads_step!r}")
-    flags = (request.final, request.pull_dense, request.pull_dense_state)
+    flags = (request.final, request.pull_dense, request.pull_dense_state, request.publish)
     if not all(type(flag) is bool for flag in flags):
         raise ParamServerError(f"server {server}: malformed request: flags must be bools")
     for name in NAMED_PARTS:

@@ -8,6 +8,7 @@ parameters to return and, in sync mode, counts this trainer in its round.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -171,11 +172,14 @@ class PSClient:
         alarm: Future | None = None,
         codecs: PushCodecs | None = None,
         cache_rows: int = 0,
+        publish_every: float | None = None,
     ):
         """``alarm``: a future that fails when the job is lost (see :mod:`.heartbeat`); waits
         on calls end at once when it does. ``codecs``: how to encode pushes (default: none);
         dense gradients are encoded with error feedback. ``cache_rows``: rows of each table
-        to cache (see :mod:`.cache`; which rows the cache serves is the servers' decision)."""
+        to cache (see :mod:`.cache`; which rows the cache serves is the servers' decision).
+        ``publish_every``: the chief of a sync job that publishes marks a call ``publish``
+        this often (seconds): every server cuts its change log at that call's round."""
         if transport.num_servers != plan.num_servers:
             raise ParamServerError(
                 f"transport reaches {transport.num_servers} servers but the "
@@ -189,6 +193,8 @@ class PSClient:
         self.trainer = trainer
         self.alarm = alarm
         self.codecs = codecs or PushCodecs()
+        self.publish_every = publish_every
+        self._publish_at = time.monotonic() + (publish_every or 0.0)
         self.feedback = ErrorFeedback()
         self.caches = {
             name: RowCache(cache_rows, spec.dim, spec.dtype)
@@ -252,7 +258,7 @@ class PSClient:
         requests = self._numbered(
             dense_grads, row_grads, pull_dense=pull_dense, final=final, report=report,
             grads_call=grads_call, grads_step=grads_step,
-            pull_dense_state=pull_dense and pull_dense_state,
+            pull_dense_state=pull_dense and pull_dense_state, publish=self._publish_due(),
         )  # fmt: skip
         self._add_pooled_grads(requests, pooled_grads or {})
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
@@ -260,6 +266,13 @@ class PSClient:
             "push_pull", requests, pull_ids, report, requests[0].call, pooled_shapes,
             cached=True, state_masks=pull_state or {}, preceding=preceding,
         )  # fmt: skip
+
+    def _publish_due(self) -> bool:
+        """Whether this call marks its round for the change log (see ``publish_every``)."""
+        if self.publish_every is None or time.monotonic() < self._publish_at:
+            return False
+        self._publish_at = time.monotonic() + self.publish_every
+        return True
 
     def _numbered_push(self, push: StepPush) -> list[PushPullRequest]:
         """An earlier step's push, numbered as a call of its own that pulls nothing."""

@@ -183,6 +183,7 @@ class _TrainerRun:
             self.alarm,
             PushCodecs.of(config.sections.codecs, self.plan.tables),
             cache_rows=config.cache_rows,
+            publish_every=_rounds_marked_every(config, trainer),
         )
         self.client.check_servers()
         initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
@@ -346,3 +347,10 @@ def resume_trainer(
         client.next_call = saved_at + 1
     # Restored once the loop's data is replayed: it may draw from the same RNGs.
     return Resumed(saved_at, steps_done, int(meta["samples"]), rng=(tensors, meta))
+
+
+def _rounds_marked_every(config: TrainConfig, trainer: int) -> float | None:
+    """How often this trainer marks its call's round for the servers' change logs: the chief
+    of a sync job that publishes (other jobs' servers cut on their own timers)."""
+    publishes = config.publish_dir is not None and config.mode == "sync"
+    return config.publish_every if publishes and trainer == 0 else None

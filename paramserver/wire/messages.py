@@ -165,6 +165,9 @@ class PushPullRequest:
     # mask: the rows the trainer's pending update touches; see row_state).
     pull_state: dict[str, Tensor] = field(default_factory=dict)
     pull_dense_state: bool = False  # with pull_dense: the dense values' state too (dense_state)
+    # The chief's sync call: every server cuts its change log once this call's round is
+    # applied (so all cut at one step: paramserver.changelog.publisher).
+    publish: bool = False
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a duplicate, or a push too late for its round)."""

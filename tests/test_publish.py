@@ -1,0 +1,88 @@
+"""Publishing from a training job (--publish-dir): the servers' change logs, followed by a
+served model from the job's initial model, end at the job's final model, bitwise; a sync job's
+versions are the model after one step on every server; publishing off changes nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import paramserver as ps
+from paramserver.changelog.log import ChainFollower
+from paramserver.serving.follow import Follower
+from paramserver.serving.model import ServedModel
+from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
+
+
+def served_state(served: ServedModel) -> dict[str, torch.Tensor]:
+    """What serving holds, as a plain state_dict (a dynamic table's rows sorted by id)."""
+    state = {}
+    for name, slot in served.store.dense.items():
+        state[name] = slot.value.clone()
+    exported = served.store.export_state()
+    for name, spec in served.plan.tables.items():
+        rows = exported[name]
+        if spec.dynamic is None:
+            state[name] = rows["value"][torch.argsort(rows["ids"])]
+        else:
+            order = torch.argsort(rows["ids"])
+            state[name.removesuffix("weight") + "ids"] = rows["ids"][order]
+            state[name] = rows["value"][order]
+    return state
+
+
+def follow_all(model_fn, root: Path) -> ServedModel:
+    served = ServedModel(model_fn, 0)
+    follower = Follower(served, root)
+    while follower.poll():
+        pass
+    assert follower.problems == {}
+    return served
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_the_log_of_a_job_ends_at_its_final_model(tmp_path: Path, mode: str) -> None:
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode=mode, launcher="threads", optimizer="adagrad", lr=0.1,
+        publish_dir=str(tmp_path), publish_every=0.01, progress=False,
+    )  # fmt: skip
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 30), mse, config)
+    assert result is not None and result.model is not None
+    served = follow_all(TinyRecModel, tmp_path)
+    final = {k: v for k, v in result.model.state_dict().items()}
+    assert served_state(served).keys() == final.keys()
+    for name, value in served_state(served).items():
+        assert torch.equal(value, final[name]), name
+    segments = [ChainFollower(tmp_path, s).pending()[0] for s in (0, 1)]
+    assert all(len(chain) >= 2 for chain in segments)  # cut during the job, not only at its end
+    if mode == "sync":  # every server cut at the same rounds
+        assert [s.last_step for s in segments[0]] == [s.last_step for s in segments[1]]
+        assert all(s.aligned for chain in segments for s in chain)
+
+
+def test_a_dynamic_tables_evictions_are_published_as_tombstones(tmp_path: Path) -> None:
+    class Expiring(HashedModel):
+        def __init__(self) -> None:
+            super().__init__(dynamic=True)
+            self.emb = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1, ttl_steps=2)
+
+    config = ps.TrainConfig(
+        servers=2, trainers=1, launcher="threads", optimizer="sgd", lr=0.1,
+        publish_dir=str(tmp_path), publish_every=0.01, progress=False,
+    )  # fmt: skip
+    result = ps.train(Expiring, lambda t, n: hashed_batches(t, 30), mse, config)
+    assert result is not None and result.model is not None
+    removed = sum(
+        s.tables["emb.weight"].removed.numel()
+        for server in (0, 1)
+        for s in ChainFollower(tmp_path, server).pending()[0]
+        if "emb.weight" in s.tables
+    )
+    assert removed > 0
+    served = follow_all(Expiring, tmp_path)
+    final = result.model.state_dict()
+    held = served_state(served)
+    assert torch.equal(held["emb.ids"], final["emb.ids"])
+    assert torch.equal(held["emb.weight"], final["emb.weight"])
