@@ -5,6 +5,8 @@
     paramserver train --config job.toml --lr 0.1
     paramserver train --dataset movielens --compare-single-process   # ratings; RMSE vs 1 process
     paramserver train --checkpoint-dir ckpt --resume
+    paramserver train --publish-dir log          # and in another terminal, serving it:
+    paramserver serve --follow log --http-port 8000 --grpc-port 8001
     torchrun --nnodes 2 --nproc-per-node 2 ... -m paramserver train --servers 2 --trainers 2
 
 Every TrainConfig field but the per-table mappings (table_optimizers, table_codecs: [tables.NAME]
@@ -19,7 +21,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field, fields
 from pathlib import Path
@@ -34,6 +38,7 @@ from paramserver.checkpoint.store import LATEST, checkpoint_dir, verify
 from paramserver.config import RENAMED_FIELDS, TrainConfig, choices_of, read_toml, type_parts
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
+from paramserver.files import write_atomic
 from paramserver.jobs import DATASET_DEFAULTS, build_job
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
@@ -170,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train(commands)
+    _add_serve(commands)
     _add_checkpoint_commands(commands)
     report = commands.add_parser(
         "report", help="plot a run directory's metrics (PNG) and summarize it (markdown)"
@@ -202,6 +208,44 @@ def _add_train(commands: Any) -> None:
     run.set_defaults(compare_single_process=False)
     _add_data_flags(run)
     add_config_flags(run)
+
+
+def _add_serve(commands: Any) -> None:
+    """``paramserver serve``: a base, the change logs it follows, where it listens."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve a training job's model (predictions and table lookups) over the Open "
+        "Inference Protocol, HTTP and gRPC, following its change log as it trains",
+        description="Serve the model of a `paramserver train` job: load a base (--from; "
+        "default: the job's initial model), follow the change log the job publishes "
+        "(--follow: its --publish-dir), and answer the Open Inference Protocol (KServe v2: "
+        "tritonclient, curl) for the whole model (--model-name) and each table. The job's "
+        "model is rebuilt from the train command the job recorded in FOLLOW/job.json (or "
+        "--job). Stops on SIGTERM or Ctrl-C with status 0; 2 for invalid flags or a base "
+        "that does not fit.",
+    )
+    serve.add_argument(
+        "--from", dest="base", type=Path,
+        help="a checkpoint directory (its newest checkpoint), one ckpt-* directory, or a "
+        "`paramserver export` file (default: the job's initial model)",
+    )  # fmt: skip
+    serve.add_argument("--follow", type=Path, help="the training job's --publish-dir")
+    serve.add_argument(
+        "--job", type=Path,
+        help="the train command's record (default: FOLLOW/job.json, written by the job)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--host", default="127.0.0.1",
+        help="the address to listen on (default: loopback only; 0.0.0.0 for every interface)",
+    )  # fmt: skip
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (0: a free one)")
+    serve.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (0: a free one)")
+    serve.add_argument(
+        "--model-name", default="model", help="the whole model's name in the protocol"
+    )
+    serve.add_argument(
+        "--poll-every", type=float, default=0.1, help="seconds between reads of the logs"
+    )
 
 
 def _add_data_flags(run: argparse.ArgumentParser) -> None:
@@ -379,8 +423,10 @@ def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dic
     return summary
 
 
-def run_train(args: argparse.Namespace) -> int:
+def run_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+    if config.publish_dir is not None:  # for `paramserver serve` to rebuild the job's model
+        record_job(Path(config.publish_dir), list(argv[argv.index("train") + 1 :]))
     if under_torchrun():  # every rank runs this: its log lines name its role
         rank = int(os.environ["RANK"])
         role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
@@ -425,6 +471,65 @@ def run_train(args: argparse.Namespace) -> int:
         args.summary_json.write_text(json.dumps(result.summary, indent=2) + "\n")
     if config.run_dir is not None:  # again, with the held-out metrics
         write_summary(config.run_dir, result.summary)
+    return 0
+
+
+JOB_RECORD = "job.json"
+
+
+def record_job(publish_dir: Path, argv: list[str]) -> None:
+    """Write the train command into ``publish_dir`` (``job.json``), so that ``paramserver
+    serve --follow`` rebuilds the job's model as the job built it."""
+    publish_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"train_argv": argv}, indent=2).encode()
+    write_atomic(publish_dir / JOB_RECORD, lambda f: f.write(text), hash_written=False)
+
+
+def recorded_job(path: Path) -> tuple[argparse.Namespace, TrainConfig]:
+    """The train command ``path`` records, parsed as ``paramserver train`` parses it."""
+    try:
+        record = json.loads(path.read_text())
+        argv = record["train_argv"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(
+            f"{path}: not a job record `paramserver train --publish-dir` writes ({error}); "
+            f"give the train command's record with --job"
+        ) from None
+    if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
+        raise ConfigError(f"{path}: train_argv must be a list of strings")
+    args = build_parser().parse_args(["train", *argv])
+    return args, config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve the recorded job's model until SIGTERM or Ctrl-C (see ``paramserver serve -h``)."""
+    from paramserver.serving.run import serve  # not on `paramserver train`'s way to its start
+
+    record = args.job or (args.follow / JOB_RECORD if args.follow else None)
+    if record is None:
+        raise ConfigError("paramserver serve needs --follow DIR (a job's --publish-dir) or --job")
+    train_args, config = recorded_job(record)
+    job = build_job(train_args, config)
+    inputs, _ = next(iter(job.data_fn(0, 1)))
+    example = [t[:2] for t in (inputs if isinstance(inputs, tuple | list) else (inputs,))]
+    serving = serve(
+        job.model_fn, follow=args.follow, base=args.base, example_inputs=example,
+        seed=config.seed, model_name=args.model_name, host=args.host,
+        http_port=args.http_port, grpc_port=args.grpc_port, poll_s=args.poll_every,
+    )  # fmt: skip
+    print(
+        f"serving {args.model_name!r} and {len(serving.served.plan.tables)} tables on "
+        f"http://{args.host}:{serving.http_port} and grpc {args.host}:{serving.grpc_port}",
+        flush=True,
+    )
+    stopped = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopped.set())
+    try:
+        while not stopped.wait(1.0):
+            pass
+    finally:
+        serving.close()
     return 0
 
 
@@ -488,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         refuse_numeric_lr_decay_flag(argv)
         args = build_parser().parse_args(argv)
         if args.command == "train":
-            return run_train(args)
+            return run_train(args, argv)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "export":
             return run_export(args)
         if args.command == "check":
