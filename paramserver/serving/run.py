@@ -84,7 +84,6 @@ def serve(
         follower = Follower(served, follow, frontend.metrics, poll_s)
         follower.poll()  # what is published already, before the first answer
         follower.start()
-    frontend.ready = True
     http = None if http_port is None else HttpServing(frontend, host, http_port)
     grpc = None
     if grpc_port is not None:
@@ -96,6 +95,7 @@ def serve(
                 f"{error}"
             ) from None
         grpc = GrpcServing(frontend, host, grpc_port)
+    frontend.ready = True  # every transport listens
     return Serving(served, frontend, follower, http, grpc)
 
 
