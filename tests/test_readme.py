@@ -149,6 +149,15 @@ COMMANDS: dict[str, Run] = {
     "tensorboard --logdir runs/a/tensorboard": Run(
         equivalent="served on 127.0.0.1:FREE_PORT, asked for its runs over HTTP, stopped"
     ),
+    "paramserver train --publish-dir log --publish-every 1 --checkpoint-dir ckpt "
+    "--checkpoint-every 50": Run((*SHORT, "--publish-every", "0.05", "--checkpoint-every", "4")),
+    "paramserver serve --follow log --http-port 8000 --grpc-port 8001": Run(
+        equivalent="started as a process on free ports, stopped after the queries below"
+    ),
+    'curl -s localhost:8000/v2/models/embeddings.0.weight/infer -d {"inputs": [{"name": "ids", '
+    '"shape": [3], "datatype": "INT64", "data": [1, 2, 3]}]}': Run(
+        equivalent="run as written against the serving process's free HTTP port"
+    ),
 }
 TEXT_BLOCKS = {"paramserver/": "the file map"}
 
@@ -245,7 +254,7 @@ def test_every_block_of_the_readme_is_covered() -> None:
         if block.language == "":
             first = block.text.splitlines()[0].strip()
             assert first in TEXT_BLOCKS, f"README.md:{block.line}: a plain block not covered"
-    assert len(blocks_of("python")) == 3 and len(blocks_of("toml")) == 1  # each run below
+    assert len(blocks_of("python")) == 4 and len(blocks_of("toml")) == 1  # each run below
 
 
 # --- Quickstart -----------------------------------------------------------------------------
@@ -341,7 +350,7 @@ def test_toml_blocks_load_as_job_configs() -> None:
 
 @pytest.mark.timeout(180)
 def test_python_blocks_run_as_scripts(scratch: Path) -> None:
-    api, tables = blocks_of("python")[1:]
+    api, tables = blocks_of("python")[1:3]
     assert "ps.run(" in api.text and "ps.train(" in api.text and "DynamicEmbedding(" in tables.text
     out = run_script(api.text, scratch, "api.py", timeout=150)
     assert float(out.strip().splitlines()[-1]) > 0  # the printed training loss
@@ -451,3 +460,41 @@ def test_watching_a_run_commands(scratch: Path) -> None:
             assert time.monotonic() < deadline, "tensorboard never listed the run"
             time.sleep(0.5)
     assert any(name.startswith("trainer") for name in runs), runs
+
+
+# --- Serving while it trains ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_serving_commands_answer_curl_and_tritonclient(scratch: Path) -> None:
+    train, serve, curl = sh_commands("Serving while it trains")
+    directory = scratch / "serving"
+    directory.mkdir()
+    assert paramserver(train, directory, "published.json") == 0
+    assert (directory / "log" / "job.json").exists() and (directory / "ckpt" / "LATEST").exists()
+    http, grpc = free_port(), free_port()
+    argv = [str(BIN / "paramserver"), *shlex.split(serve)[1:]]
+    argv += ["--http-port", str(http), "--grpc-port", str(grpc)]
+    with serving(argv, directory) as server:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready") as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert server.poll() is None, server.stderr.read() if server.stderr else ""
+            assert time.monotonic() < deadline, "serve never became ready"
+            time.sleep(0.2)
+        written = next(line for line in README.read_text().splitlines() if line.startswith("curl"))
+        assert " ".join(shlex.split(written)) == curl
+        answer = subprocess.run(
+            shlex.split(written.replace("localhost:8000", f"127.0.0.1:{http}")),
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+        rows = json.loads(answer)["outputs"][0]
+        assert rows["name"] == "rows" and rows["shape"] == [3, 16]
+        script = blocks_of("python")[3].text.replace("localhost:8001", f"127.0.0.1:{grpc}")
+        out = run_script(script, directory, "query.py", timeout=60)
+        assert "0:" in out and "1:" in out  # the steps of both servers in the version read
