@@ -37,6 +37,7 @@ class Changed:
     dense: list[str] = field(default_factory=list)
     after_changes: int = 0
     changes: int = 0
+    first_change_at: float = 0.0  # time.time() of its oldest change (0: none)
 
 
 class ChangeCollector:
@@ -47,6 +48,7 @@ class ChangeCollector:
         self._events: dict[str, list[tuple[Tensor, bool]]] = {}
         self._dense: set[str] = set()
         self._changes = self._taken = 0
+        self._first_change_at = 0.0
 
     def starts_after(self, sequence: int) -> None:
         """The store's change sequence when this was attached (where the first take starts)."""
@@ -63,21 +65,24 @@ class ChangeCollector:
         with self._lock:
             self._dense.update(names)
             self._changes = sequence
+            self._first_change_at = self._first_change_at or time.time()
 
     def _add(self, table: str, ids: Tensor, written: bool, sequence: int) -> None:
         copy = ids.clone()  # the caller's, which it may reuse
         with self._lock:
             self._events.setdefault(table, []).append((copy, written))
             self._changes = sequence
+            self._first_change_at = self._first_change_at or time.time()
 
     def take(self) -> Changed:
         """What changed since the last take, each id's last change deciding its fate."""
         with self._lock:
             events, self._events = self._events, {}
             dense, self._dense = self._dense, set()
-            after, changes = self._taken, self._changes
-            self._taken = changes
+            after, changes, first = self._taken, self._changes, self._first_change_at
+            self._taken, self._first_change_at = changes, 0.0
         changed = Changed(dense=sorted(dense), after_changes=after, changes=changes)
+        changed.first_change_at = first
         for table, table_events in events.items():
             changed.written[table], changed.removed[table] = _last_changes(table_events)
         return changed
@@ -111,6 +116,7 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
         changed.after_changes,
         changed.changes,
         cut_at=time.time(),
+        first_change_at=changed.first_change_at,
     )
     for name in changed.written:
         ids, removed = changed.written[name], changed.removed[name]

@@ -55,7 +55,7 @@ _DTYPES = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_KEYS = {
     "writer", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
-    "changes", "cut_at", "aligned", "tables", "dense", "tensors",
+    "changes", "cut_at", "first_change_at", "aligned", "tables", "dense", "tensors",
 }  # fmt: skip
 # The tensors a table may have in a segment, by role.
 _ROLES = ("ids", "values", "scales", "removed")
@@ -90,6 +90,7 @@ class Segment:
     after_changes: int
     changes: int
     cut_at: float = 0.0  # when it was cut (time.time()): how old what it holds is
+    first_change_at: float = 0.0  # when its oldest change was made (0: it holds none)
     # Cut at a sync round's end that every server cut at: serving applies the segments of
     # one step on all servers together (a version is the model after that step).
     aligned: bool = False
@@ -141,7 +142,8 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
         "writer": segment.writer, "server": segment.server, "sequence": segment.sequence,
         "previous": segment.previous, "first_step": segment.first_step,
         "last_step": segment.last_step, "after_changes": segment.after_changes,
-        "changes": segment.changes, "cut_at": segment.cut_at, "aligned": segment.aligned,
+        "changes": segment.changes, "cut_at": segment.cut_at,
+        "first_change_at": segment.first_change_at, "aligned": segment.aligned,
         "tables": tables,
         "dense": list(segment.dense), "tensors": placed,
     }  # fmt: skip
@@ -206,11 +208,13 @@ def _check_header(header: Any) -> None:
         raise _Bad(f"header must have the keys {sorted(_HEADER_KEYS)}, has {got}")
     if not isinstance(header["writer"], str):
         raise _Bad("header: writer must be a string")
-    if type(header["cut_at"]) not in (int, float) or not header["cut_at"] >= 0:
-        raise _Bad(f"header: cut_at must be a time >= 0, got {header['cut_at']!r}")
+    for key in ("cut_at", "first_change_at"):
+        if type(header[key]) not in (int, float) or not header[key] >= 0:
+            raise _Bad(f"header: {key} must be a time >= 0, got {header[key]!r}")
     if not isinstance(header["aligned"], bool):
         raise _Bad("header: aligned must be true or false")
-    for key in _HEADER_KEYS - {"writer", "cut_at", "aligned", "tables", "dense", "tensors"}:
+    times = {"cut_at", "first_change_at"}
+    for key in _HEADER_KEYS - times - {"writer", "aligned", "tables", "dense", "tensors"}:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
     if not header["previous"] < header["sequence"]:

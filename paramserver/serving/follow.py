@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from paramserver.changelog.log import ChainFollower, servers_under
@@ -42,6 +43,9 @@ class Follower:
         self.metrics = metrics or ServingMetrics()
         self.chains: dict[int, ChainFollower] = {}
         self.problems: dict[int, str] = {}  # each server's last refusal, while it lasts
+        # Told of each version applied: its segments and when (time.time()); benchmarks
+        # measure freshness with it.
+        self.on_applied: Callable[[list[Segment], float], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -77,6 +81,8 @@ class Follower:
             if found:
                 self.chains[server].applied_up_to(found[-1])
         self.metrics.segments_done(len(segments), 0)
+        if self.on_applied is not None:
+            self.on_applied(segments, time.time())
         return len(segments)
 
     def _pending(self) -> dict[int, list[Segment]]:
