@@ -46,7 +46,7 @@ from report import machine, save
 import paramserver as ps
 from paramserver.changelog.log import server_dir, servers_under
 from paramserver.changelog.segment import MAGIC, Segment, TableChanges, read_segment
-from paramserver.cli import build_parser, config_from_args
+from paramserver.cli import build_parser, config_from_args, record_job
 from paramserver.jobs import build_job
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
@@ -106,9 +106,9 @@ def follow_a_job(scratch: Path) -> tuple[dict[str, Any], Path, Path, Any]:
     """Train the default job publishing into ``scratch/log`` while this process follows it;
     returns freshness, correctness, the log, the final model's state_dict file, the job."""
     publish = scratch / "log"
-    args = build_parser().parse_args(
-        ["train", *JOB_FLAGS, "--publish-dir", str(publish), "--publish-every", "1"]
-    )
+    argv = [*JOB_FLAGS, "--publish-dir", str(publish), "--publish-every", "1"]
+    args = build_parser().parse_args(["train", *argv])
+    record_job(publish, argv)  # as `paramserver train` does: what `paramserver serve` rebuilds
     config = config_from_args(args)
     job = build_job(args, config)
     served = ServedModel(job.model_fn, config.seed)
