@@ -7,10 +7,12 @@ real files; the clients are tritonclient's, unchanged."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -28,7 +30,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.serving.follow import Follower
 from paramserver.serving.frontend import Frontend
 from paramserver.serving.grpc import GrpcServing
-from paramserver.serving.http import HttpServing
+from paramserver.serving.http import MAX_BODY_BYTES, HttpServing
 from paramserver.serving.model import ServedModel
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
@@ -265,3 +267,69 @@ def test_no_lookup_sees_part_of_a_version(tmp_path: Path) -> None:
         stop.set()
         writer.join()
     assert torn == [] and len(seen) > 10  # versions changed under the lookups, none torn
+
+
+def raw_http(port: int, method: str, path: str, body: bytes, headers: dict | None = None):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    connection.request(method, path, body, headers or {})
+    answer = connection.getresponse()
+    return answer.status, answer.read()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "headers", "status", "message"),
+    [
+        ("/v2/models/item.weight/infer", b"{not json", {}, 400, b"not JSON"),
+        ("/v2/models/item.weight/infer", b"[1, 2]", {}, 400, b"a list of inputs"),
+        ("/v2/models/item.weight/infer",
+         json.dumps({"inputs": [{"name": "ids", "shape": [2], "datatype": "INT64",
+                                 "data": [1]}]}).encode(), {}, 400, b"1 values for shape"),
+        ("/v2/models/model/infer",
+         json.dumps({"inputs": [{"name": "items", "shape": [2, 2], "datatype": "INT64",
+                                 "data": [1, 2, 3, 4]},
+                                {"name": "users", "shape": [2], "datatype": "INT64",
+                                 "data": [1, 2]}]}).encode(), {}, 400, b"does not fit"),
+        ("/v2/models/item.weight/infer",
+         json.dumps({"inputs": [{"name": "ids", "shape": [1 << 23], "datatype": "INT64",
+                                 "parameters": {"binary_data_size": 8}}]}).encode() + bytes(8),
+         {"Inference-Header-Content-Length": "0"}, 400, b"not JSON"),
+        ("/v2/models/item.weight/infer",
+         json.dumps({"inputs": [{"name": "ids", "shape": [1 << 23], "datatype": "INT64",
+                                 "data": []}]}).encode(), {}, 400, b"over the limit"),
+        ("/v2/models/nope/infer", b'{"inputs": []}', {}, 404, b"no model"),
+        ("/v2/nothing", b"", {}, 404, b"no such endpoint"),
+    ],
+    ids=["malformed JSON", "not an object", "too few values", "wrong shape", "bad header length",
+         "a huge batch", "unknown model", "unknown path"],
+)  # fmt: skip
+def test_a_malformed_http_request_gets_its_status_and_serving_goes_on(
+    serving, path: str, body: bytes, headers: dict, status: int, message: bytes
+) -> None:
+    served, http_serving, _ = serving
+    before = served.lookup("item.weight", torch.arange(50))[0]
+    got, answer = raw_http(http_serving.port, "POST", path, body, headers)
+    assert got == status and message in answer, answer
+    assert raw_http(http_serving.port, "GET", "/v2/health/ready", b"")[0] == 200
+    assert torch.equal(served.lookup("item.weight", torch.arange(50))[0], before)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(serving) -> None:
+    _, http_serving, _ = serving
+    connection = http.client.HTTPConnection("127.0.0.1", http_serving.port, timeout=30)
+    connection.putrequest("POST", "/v2/models/item.weight/infer")
+    connection.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+    connection.endheaders()
+    answer = connection.getresponse()
+    assert answer.status == 413 and b"the limit is" in answer.read()
+
+
+def test_a_malformed_protobuf_gets_the_protocols_error_and_serving_goes_on(serving) -> None:
+    _, _, grpc_serving = serving
+    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_serving.port}")
+    infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    with pytest.raises(grpc.RpcError) as refused:
+        infer(b"\xff\xff\xff not a protobuf", timeout=10)
+    assert refused.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_serving.port}")
+    assert client.is_server_ready()
+    channel.close()
