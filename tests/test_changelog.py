@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -299,3 +301,39 @@ def test_a_log_rewound_by_a_resume_from_an_earlier_checkpoint_is_refused(tmp_pat
     found, error = ChainFollower(tmp_path, 0).pending()
     assert [s.sequence for s in found] == [1, 2]
     assert error is not None and "rewinds the log" in str(error)
+
+
+@pytest.fixture
+def threads_switching_often():
+    """Threads switch between any two steps of a cut (the interpreter's default: 5 ms)."""
+    default = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(default)
+
+
+@pytest.mark.usefixtures("threads_switching_often")
+def test_segments_cut_from_many_threads_at_once_queue_in_their_order(tmp_path: Path) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=0.001)  # its timer cuts too
+    stop = threading.Event()
+
+    def cutting() -> None:
+        while not stop.is_set():
+            publisher.cut()
+            time.sleep(0.002)
+
+    threads = [threading.Thread(target=cutting) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for clock in range(1, 200):
+        store.advance_clock(clock)
+        store.apply_rows({"fixed": (ids(clock % 20), torch.ones(1, 4))}, {"fixed": 0.1}, clock)
+        time.sleep(0.001)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    publisher.close()
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert error is None and len(found) > 10
+    assert found[-1].changes == store.changes.sequence

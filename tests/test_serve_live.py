@@ -4,16 +4,25 @@ checkpoint and serving from the job's initial model end at the same model, bitwi
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
+import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
+from paramserver.cli import JOB_RECORD, recorded_job
+from paramserver.jobs import build_job
+from paramserver.serving.follow import Follower
+from paramserver.serving.model import ServedModel
+from paramserver.serving.protocol import version_parameters
 from tests.procs import REPO, SMALL_JOB, free_port, stop, wait_until
 
 pytestmark = pytest.mark.system
@@ -117,3 +126,68 @@ def test_serve_follows_a_live_sync_job_and_any_base_ends_at_one_model(tmp_path: 
         assert 'paramserver_segments_total{outcome="refused"} 0' in metrics
     finally:
         stop(*processes)
+
+
+@pytest.mark.timeout(300)  # 21 serving processes started, each loading torch (2-3 s)
+def test_serve_killed_at_random_moments_while_a_job_publishes_restarts_to_one_model(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL `serve` 20 times while a job publishes; each restart replays its base and the
+    log, and follows on (its versions never go back); the last one ends at the model that a
+    replay of the whole log in this process ends at, bitwise."""
+    publish = tmp_path / "log"
+    train = start(
+        "train", *SMALL_JOB, "--mode", "async", "--train-batches", "3000", "--no-progress",
+        "--publish-dir", str(publish), "--publish-every", "0.1", log=tmp_path / "train.log",
+    )  # fmt: skip
+    processes = [train]
+    rng = random.Random(0)
+    try:
+        wait_until(lambda: (publish / "job.json").exists(), 60, "the job to record itself")
+        reached = ""
+        for restart in range(20):
+            process, http, _ = serve(publish, tmp_path / f"serve-{restart}.log")
+            processes.append(process)
+            client = triton_http.InferenceServerClient(f"127.0.0.1:{http}")
+            steps = lookup(client, triton_http, TABLES[0], np.arange(3))[2]
+            assert _steps(steps) >= _steps(reached), (steps, reached)  # never behind
+            reached = steps
+            time.sleep(rng.uniform(0.0, 0.5))
+            process.kill()
+            process.wait(30)
+        assert train.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()
+        last, http, _ = serve(publish, tmp_path / "serve-last.log")
+        processes.append(last)
+        replayed = replay(publish)
+        wait_until(
+            lambda: lookup(triton_http.InferenceServerClient(f"127.0.0.1:{http}"), triton_http,
+                           TABLES[0], np.arange(1))[2] == replayed.steps,
+            30, "the last version",
+        )  # fmt: skip
+        served = every_row(http)
+        for table in TABLES:
+            assert np.array_equal(served[table], replayed.rows[table]), table
+    finally:
+        stop(*processes)
+
+
+def _steps(text: str) -> list[int]:
+    return [int(pair.split(":")[1]) for pair in text.split(",") if pair]
+
+
+@dataclass
+class Replayed:
+    steps: str
+    rows: dict[str, np.ndarray]
+
+
+def replay(publish: Path) -> Replayed:
+    """The whole log applied in this process, from the job's initial model."""
+    args, config = recorded_job(publish / JOB_RECORD)
+    served = ServedModel(build_job(args, config).model_fn, config.seed)
+    follower = Follower(served, publish)
+    while follower.poll():
+        pass
+    assert follower.problems == {}
+    rows = {t: served.lookup(t, torch.arange(2000))[0].numpy() for t in TABLES}
+    return Replayed(version_parameters(served.version)["steps"], rows)

@@ -77,16 +77,16 @@ class Publisher:
         """Cut what changed up to now, covering the steps up to ``last_step`` (by default the
         store's clock), and queue it for writing; ``aligned``: at a sync round's end that
         every server cuts at."""
-        with self._cut_lock:
+        with self._cut_lock:  # taken and queued in one step: segments queue in their order
             # No step since the last cut: the segment covers none (first = last + 1).
             last = max(self.store.clock if last_step is None else last_step, self._next_step - 1)
             segment = cut(self.store, self.collector, self._next_step, last)
             segment.aligned = aligned
             self._next_step = last + 1
             self._last_cut = time.monotonic()
-        with self._wake:
-            self._waiting.append(segment)
-            self._wake.notify()
+            with self._wake:
+                self._waiting.append(segment)
+                self._wake.notify()
 
     def flush(self, timeout: float) -> bool:
         """Wait until every segment cut so far is written (False: not within ``timeout``)."""
