@@ -137,8 +137,8 @@ def test_serve_killed_at_random_moments_while_a_job_publishes_restarts_to_one_mo
     replay of the whole log in this process ends at, bitwise."""
     publish = tmp_path / "log"
     train = start(
-        "train", *SMALL_JOB, "--mode", "async", "--train-batches", "3000", "--no-progress",
-        "--publish-dir", str(publish), "--publish-every", "0.1", log=tmp_path / "train.log",
+        "train", *SMALL_JOB, "--mode", "async", "--train-batches", "2000", "--no-progress",
+        "--publish-dir", str(publish), "--publish-every", "0.5", log=tmp_path / "train.log",
     )  # fmt: skip
     processes = [train]
     rng = random.Random(0)
