@@ -220,18 +220,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_http(port: int, path: str, process: subprocess.Popen[bytes]) -> None:
+def wait_http(
+    port: int, process: subprocess.Popen[bytes], path: str, body: bytes | None = None
+) -> None:
+    """Until ``port`` answers 200 to a GET of ``path`` (a POST of ``body``, where given)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("GET", path)
+            headers = {"Content-Type": "application/json"}
+            connection.request("GET" if body is None else "POST", path, body, headers)
             if connection.getresponse().status == 200:
                 return
         except OSError:
             pass
         if process.poll() is not None:
-            raise SystemExit(f"the server exited: {process.returncode}")
+            raise SystemExit(f"the server on port {port} exited: {process.returncode}")
         time.sleep(0.2)
     raise SystemExit(f"no answer on port {port}")
 
@@ -335,8 +339,8 @@ def latency(publish: Path, model_file: Path, rows: int, count: int) -> dict[str,
         env={**os.environ, "PYTHONPATH": str(REPO), "BASELINE_MODEL": str(model_file)},
     )  # fmt: skip
     try:
-        wait_http(http_port, "/v2/health/ready", serve)
-        wait_for_baseline(base_port, baseline)
+        wait_http(http_port, serve, "/v2/health/ready")
+        wait_http(base_port, baseline, "/lookup", json.dumps({"table": 0, "ids": [0]}).encode())
         ours: dict[str, Any] = {}
         for name, module, port in (
             ("http", triton_http, http_port),
@@ -407,23 +411,6 @@ def latency(publish: Path, model_file: Path, rows: int, count: int) -> dict[str,
         for process in (serve, baseline):
             process.kill()
             process.wait(30)
-
-
-def wait_for_baseline(port: int, process: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 120
-    body = json.dumps({"table": 0, "ids": [0]}).encode()
-    while time.monotonic() < deadline:
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            connection.request("POST", "/lookup", body, {"Content-Type": "application/json"})
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        if process.poll() is not None:
-            raise SystemExit(f"the FastAPI baseline exited: {process.returncode}")
-        time.sleep(0.2)
-    raise SystemExit("the FastAPI baseline never answered")
 
 
 def main() -> None:
