@@ -15,11 +15,11 @@ from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
+from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.modelplan import initial_model
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.sharding import DynamicOptions
 from paramserver.store.rowinit import init_rows
 from paramserver.trainer.loop import TrainerOutcome, default_loop
 from paramserver.transport.local import LocalTransport

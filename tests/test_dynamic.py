@@ -17,11 +17,12 @@ from torch.futures import Future
 import paramserver as ps
 from paramserver import native
 from paramserver.baseline import train_single_process
+from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store import growth
 from paramserver.store.dynamic import DynamicTable
 from paramserver.store.growth import (

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch import Tensor
 
+from paramserver.embedding import DynamicOptions
 from paramserver.errors import StoreError
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
+from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import ReadAsks, Reading

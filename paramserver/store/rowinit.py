@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from paramserver import native
+from paramserver.embedding import DynamicOptions
 from paramserver.hashing import mix64_array
 from paramserver.native import Recipe
 from paramserver.optim import put_rows
-from paramserver.sharding import DynamicOptions
 from paramserver.store.arena import RowArena
 
 
