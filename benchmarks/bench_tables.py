@@ -39,11 +39,12 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver.data.synthetic import SyntheticClickLogs, SyntheticSpec
+from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
 from paramserver.models.dlrm import DLRM
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.sharding import DynamicOptions, TableSpec
+from paramserver.sharding import TableSpec
 from paramserver.store.dynamic import DynamicTable
 from paramserver.store.idmap import IdMap
 from paramserver.store.table import Reading

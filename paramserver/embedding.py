@@ -15,15 +15,41 @@ tensors (``ids``, ``weight``) and loads with any number of rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from paramserver.sharding import DynamicOptions
-
 BAG_MODES = ("sum", "mean", "max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DynamicOptions:
+    """How a dynamic table creates, admits and evicts rows: a :class:`DynamicEmbedding`'s
+    options (documented there), which its table's spec carries to the servers
+    (:class:`paramserver.sharding.TableSpec`)."""
+
+    min_count: int = 1
+    ttl_steps: int | None = None
+    capacity: int | None = None  # rows per server
+    init_scale: float = 0.01
+    default_value: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_count < 1:
+            raise ValueError(f"min_count must be >= 1, got {self.min_count}")
+        if self.ttl_steps is not None and self.ttl_steps < 1:
+            raise ValueError(f"ttl_steps must be >= 1, got {self.ttl_steps}")
+        if self.capacity is not None and self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+        if self.min_count > 1 and self.ttl_steps is None:
+            raise ValueError(
+                "min_count > 1 needs ttl_steps, so counters of ids never admitted "
+                "expire instead of growing without bound"
+            )
 
 
 class DynamicEmbedding(nn.Module):

@@ -1,39 +1,60 @@
-"""paramserver's compiled loops, where the install could build them (``_native.c``, built by
-``setup.py``; a C compiler is optional): ``loops`` is the module, or None.
+"""paramserver's hot loops, compiled where the install could build them (``_native.c``, built by
+``setup.py``; a C compiler is optional), and the one place that decides, call by call, whether
+the compiled loop or numpy (or torch) does the work.
 
 numpy does the same work in several passes over memory, each a separate call with its own
 cost: a server's step touches a few thousand rows scattered over gigabytes, so one pass per row
-is what sets its speed. Each user of a loop keeps its numpy path and takes the loop where it
-applies, with the same result (the tests run both and compare):
+is what sets its speed. The operations, each a function here with the same result either way
+(the tests run both and compare):
 
-- :class:`~paramserver.store.idmap.IdMap` searches a batch of ids and places new ones one id at a
-  time, reading a slot and its row's record once each (numpy: a round of array operations per
-  window of slots);
-- Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row in place, read
-  and written once (torch.optim: a gather, the rule's passes, a scatter), with torch's float
-  operations in torch's order: bitwise the same;
-- a server checks a request's row ids (each set rising, within its table's bounds) and its
-  gradients (no NaN or Inf) in one call each, whatever the number of tables (numpy: a few
-  array operations over the sets joined; torch: a sum over the gradients joined, a copy);
-- a dynamic table's new rows (:mod:`paramserver.store.rowinit`) get their values and
-  optimizer state in one write per row (numpy and torch: a pass per array);
-- a trainer's record pass (:mod:`paramserver.trainer.replica`) finds every table's unique ids
-  in one call (torch: a ``torch.unique`` per table, each with its own cost);
-- a trainer's forward makes its step's lookups of every table in one call, and its backward
-  adds their gradients in one (torch: an ``index_select`` and an ``index_add_`` per lookup).
+- :func:`probe` and :func:`place`: an id map (:mod:`paramserver.store.idmap`) searches a batch
+  of ids and places new ones one id at a time, reading a slot and its row's record once each
+  (numpy, :mod:`paramserver.store.probing`: a round of array operations per window of slots);
+- :func:`adagrad_rows`: Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row
+  in place, read and written once (torch.optim: a gather, the rule's passes, a scatter), with
+  torch's float operations in torch's order: bitwise the same;
+- :func:`ascending_within` and :func:`all_finite`: a server checks a request's row ids (each
+  set rising, within its table's bounds) and its gradients (no NaN or Inf) in one call each,
+  whatever the number of tables (numpy: a few array operations over the sets joined; torch: a
+  sum over the gradients joined, a copy);
+- :func:`init_rows`: a dynamic table's new rows (:mod:`paramserver.store.rowinit`) get their
+  values and optimizer state in one write per row (numpy and torch: a pass per array);
+- :func:`unique_each`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds every
+  table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
+- :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
+  every table in one call, and its backward adds their gradients in one (torch: an
+  ``index_select`` and an ``index_add_`` per lookup).
 
-The module also names ``MAP_NORESERVE`` for :mod:`mmap`, which Python's does not: a dynamic
+A caller calls the operation and never asks whether the loops are built. Where both paths give
+one result, the caller hands in its own path as ``fallback``, which the operation calls with
+the same arguments where there is no loop or the loop does not take the arrays given. The
+fallbacks stay beside their callers, not here: each works on its caller's structures (the id
+map's slot array, a table's arena, a request's bundles of tensors) and reads best beside the
+algorithm it belongs to; this module holds only the choice and the compiled calls' arguments.
+Where a caller's algorithm itself differs with the loops, the caller asks a capability,
+:func:`takes_rows` (Adagrad stepped in place rather than gathered; a step's lookups joined in
+one autograd node) or :func:`placing_is_cheap` (an id map's inserts), and then calls a loop that
+has no fallback.
+
+The module also names :data:`MAP_NORESERVE` for :mod:`mmap`, which Python's does not: a dynamic
 table's storage maps room to grow in with it (:mod:`paramserver.store.growth`).
 
 ``PARAMSERVER_NATIVE=0`` in the environment turns the loops off (to compare, or to rule them
-out).
+out). A test takes the numpy paths by setting :data:`loops` to None (tests/conftest.py's
+``loop_mode`` runs a test both ways), or calls a caller's fallback itself. Every operation reads
+:data:`loops` when called, so that switch holds from the next call on.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable, Sequence
 from types import ModuleType
+
+import numpy as np
+import torch
+from torch import Tensor
 
 
 def _load() -> ModuleType | None:
@@ -46,3 +67,207 @@ def _load() -> ModuleType | None:
 
 
 loops: ModuleType | None = _load()
+"""The compiled module, or None: read only by this module's functions."""
+
+MAP_NORESERVE: int = getattr(loops, "MAP_NORESERVE", 0)
+"""mmap's flag for address space charged to the system's commit only once touched (0: none)."""
+
+Probed = tuple[np.ndarray, np.ndarray, np.ndarray | None]  # rows, where searches ended, payloads
+Recipe = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # ids, salts, scales, multipliers
+# An id map's search and placement by numpy: (slots, records or ids, ids, spaces, hashing).
+Search = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]], Probed]
+Placement = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]], int]
+
+
+def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
+    return None if array is None else np.ascontiguousarray(array)
+
+
+# ---- capabilities: where a caller's algorithm differs with the loops ----
+
+
+def takes_rows(*tensors: Tensor) -> bool:
+    """Whether the loops are built and take these tensors as tables of rows: float32, 2-D and
+    contiguous (what they index as plain arrays)."""
+    return loops is not None and all(
+        t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in tensors
+    )
+
+
+def placing_is_cheap() -> bool:
+    """Whether :func:`place` walks from each id's home slot in a loop: then placing an id costs
+    about what claiming the slot that ended its search would, and an id map skips that claim
+    (numpy places in rounds of array operations, which the claim mostly spares)."""
+    return loops is not None
+
+
+# ---- one result by either path: the caller's own path handed in ----
+
+
+def probe(
+    slots: np.ndarray,
+    records: np.ndarray,
+    ids: np.ndarray,
+    spaces: np.ndarray | None,
+    hashing: tuple[int, int],
+    fallback: Search,
+) -> Probed:
+    """Search an id map's ``slots`` (int32 rows; -1 empty, -2 deleted; not all full) for
+    ``ids``, each in its space of ``spaces`` (None: a map without spaces): each id's row (-1:
+    absent), the slot where its search ended and, for a map keyed by space, its row's payload.
+    ``records``: each row's id (int64), or its record (fields id, payload and space: a map keyed
+    by space). ``hashing``: the home slot's hash, (multiplier, space stride)."""
+    if loops is None:
+        return fallback(slots, records, ids, spaces, hashing)
+    rows = np.empty(ids.size, dtype=np.int64)
+    ends = np.empty(ids.size, dtype=np.int64)
+    fields = records.dtype.fields
+    if fields is None:
+        payloads, layout = None, (8, -1, 1, -1)
+    else:
+        payloads = np.empty(ids.size, dtype=np.int32)
+        layout = (records.itemsize, fields["space"][1], fields["space"][0].itemsize,
+                  fields["payload"][1])  # fmt: skip
+        records = records.view(np.uint8)
+    loops.probe(
+        slots, records, *layout, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
+        *hashing, rows, ends, payloads,
+    )  # fmt: skip
+    return rows, ends, payloads
+
+
+def place(
+    slots: np.ndarray,
+    ids: np.ndarray,
+    rows: np.ndarray,
+    spaces: np.ndarray | None,
+    hashing: tuple[int, int],
+    fallback: Placement,
+) -> int:
+    """Put the ``rows`` of absent ``ids`` in the first free slot of their probe sequences, in
+    ``slots`` (as :func:`probe`'s); returns how many of the slots taken were deleted ones. The
+    loop places the ids one by one, in order; numpy's rounds may leave another layout of slots,
+    as valid."""
+    if loops is None:
+        return fallback(slots, ids, rows, spaces, hashing)
+    return int(
+        loops.place(
+            slots, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
+            np.ascontiguousarray(rows, dtype=np.int64), *hashing,
+        )
+    )  # fmt: skip
+
+
+def ascending_within(
+    arrays: list[np.ndarray],
+    bounds: list[tuple[int, int]],
+    fallback: Callable[[list[np.ndarray], list[tuple[int, int]]], bool],
+) -> bool:
+    """Whether each of ``arrays`` (int64 ids) rises strictly and lies within its ``bounds``
+    (low, high: both included)."""
+    if loops is None:
+        return fallback(arrays, bounds)
+    return bool(loops.ascending_within(arrays, bounds))
+
+
+def all_finite(tensors: list[Tensor], fallback: Callable[[list[Tensor]], bool]) -> bool:
+    """Whether ``tensors`` (plain CPU tensors) hold no NaN or Inf: the contiguous float32 ones
+    in one pass of the loop, the others (all of them, without it) by ``fallback``."""
+    if loops is None:
+        return fallback(tensors)
+    plain = [t.dtype == torch.float32 and t.is_contiguous() for t in tensors]
+    try:
+        arrays = [t.numpy() for t, fits in zip(tensors, plain, strict=True) if fits]
+    except RuntimeError:  # a tensor numpy cannot view (a negative bit): all to the fallback
+        arrays = []
+        plain = [False] * len(tensors)
+    if not loops.all_finite(arrays):
+        return False
+    return fallback([t for t, fits in zip(tensors, plain, strict=True) if not fits])
+
+
+def init_rows(
+    weight: Tensor,
+    state: Sequence[Tensor],
+    initial: float,
+    rows: np.ndarray,
+    recipe: Recipe,
+    fallback: Callable[[Tensor, Sequence[Tensor], float, np.ndarray, Recipe], None],
+) -> None:
+    """Set new ``rows`` of a table's ``weight`` and its ``state`` slots: each row's values
+    uniform in ``[-scale, scale)`` by the ``recipe`` (each row's id, salt and scale, and each
+    column's multiplier, as :func:`paramserver.store.rowinit.init_rows` describes), its state
+    ``initial``. The loop takes float32 rows."""
+    if not takes_rows(weight, *state):
+        fallback(weight, state, initial, rows, recipe)
+        return
+    assert loops is not None
+    ids, salts, scales, multipliers = recipe
+    loops.init_rows(
+        weight.numpy(), weight.shape[1], np.ascontiguousarray(rows), np.ascontiguousarray(ids),
+        salts, scales.astype(np.float32), multipliers, tuple(slot.numpy() for slot in state),
+        initial,
+    )  # fmt: skip
+
+
+def unique_each(
+    ids: Tensor,
+    sizes: tuple[int, ...],
+    fallback: Callable[[Tensor, tuple[int, ...]], list[tuple[Tensor, Tensor]]],
+) -> list[tuple[Tensor, Tensor]]:
+    """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
+    given ``sizes``: every part in one call of the loop."""
+    if loops is None:
+        return fallback(ids, sizes)
+    unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
+    counts = loops.unique_inverse(ids.numpy(), sizes, unique.numpy(), inverse.numpy())
+    return [
+        (part[:count], positions)
+        for part, positions, count in zip(
+            unique.split(sizes), inverse.split(sizes), counts, strict=True
+        )
+    ]
+
+
+# ---- loops without a fallback: called once a capability says they apply ----
+
+
+def adagrad_rows(
+    storage: tuple[Tensor, Tensor],
+    parts: Sequence[tuple[Tensor, Tensor]],
+    lr: float,
+    *,
+    eps: float,
+    weight_decay: float,
+    fused: bool,
+) -> None:
+    """torch's fused Adagrad (float32, no lr decay) on ``weight[rows]`` and ``sums[rows]`` in
+    place with ``grads``, for each (rows, grads) of ``parts`` (``storage``: weight and sums,
+    which :func:`takes_rows`); ``fused``: multiply-adds rounded once (else twice). One call a
+    part, not one for all, which would join the parts' gradients first: a copy as long as the
+    loop's work."""
+    assert loops is not None, "called where takes_rows() says the loops apply"
+    weight, sums = (t.numpy() for t in storage)
+    for rows, grads in parts:
+        loops.adagrad_rows(weight, sums, weight.shape[1], rows.contiguous().numpy(),
+                           grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
+
+
+def gather_rows(
+    tables: list[np.ndarray], lookups: list[tuple[int, np.ndarray, np.ndarray]], dim: int
+) -> None:
+    """Copy each lookup's rows, ``tables[table][positions]``, into its output, for each
+    (table, positions, output) of ``lookups`` (the tables and outputs float32 rows of
+    ``dim``, which :func:`takes_rows`)."""
+    assert loops is not None, "called where takes_rows() says the loops apply"
+    loops.gather_rows(tables, lookups, dim)
+
+
+def scatter_rows(
+    tables: list[np.ndarray], lookups: list[tuple[int, np.ndarray, np.ndarray]], dim: int
+) -> None:
+    """Add each lookup's gradient rows into ``tables[table]`` at its positions, lookup by
+    lookup and row by row (``index_add_``'s order), for each (table, positions, gradients)
+    of ``lookups``."""
+    assert loops is not None, "called where takes_rows() says the loops apply"
+    loops.scatter_rows(tables, lookups, dim)

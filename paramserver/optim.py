@@ -216,50 +216,24 @@ class Adagrad(UpdateRule):
         c, first = self.config, updates[0]
         storage = (first.weight, first.state["sum"])
         grads = [update.grads for update in updates]
-        if c.adagrad_lr_decay or first.steps is not None or not loops_take(*storage, *grads):
+        if c.adagrad_lr_decay or first.steps is not None or not native.takes_rows(*storage, *grads):
             return False
         fused = _adagrad_loop_rounding()
         if fused is None:
             return False
         parts = [(update.rows, update.grads) for update in updates]
-        _adagrad_rows(storage, parts, lr, c.resolved_eps, c.weight_decay, fused)
+        native.adagrad_rows(
+            storage, parts, lr, eps=c.resolved_eps, weight_decay=c.weight_decay, fused=fused
+        )
         return True
-
-
-def loops_take(*tensors: Tensor) -> bool:
-    """Whether the compiled loops (:mod:`paramserver.native`) are built and take these
-    tensors: float32 rows, 2-D and contiguous (what they index as plain arrays)."""
-    return native.loops is not None and all(
-        t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in tensors
-    )
-
-
-def _adagrad_rows(
-    storage: tuple[Tensor, Tensor],
-    parts: Sequence[tuple[Tensor, Tensor]],
-    lr: float,
-    eps: float,
-    weight_decay: float,
-    fused: bool,
-) -> None:
-    """The compiled Adagrad loop on ``weight[rows]``, ``sums[rows]`` with ``grads``, for each
-    (rows, grads) of ``parts`` (``storage`` is weight and sums): one call each, not one for
-    all, which would join the parts' gradients first, a copy as long as the loop's work."""
-    assert native.loops is not None
-    weight, sums = (t.numpy() for t in storage)
-    for rows, grads in parts:
-        native.loops.adagrad_rows(weight, sums, weight.shape[1], rows.contiguous().numpy(),
-                                  grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
 
 
 @functools.cache
 def _adagrad_loop_rounding() -> bool | None:
     """Which rounding of the compiled Adagrad loop gives torch's results on this machine:
-    multiply-adds rounded once (True) or twice (False); None where neither does (or there is
-    no loop), and torch.optim does all. Found by trying both on rows where the two differ
-    (with and without weight decay) against torch's own step."""
-    if native.loops is None:
-        return None
+    multiply-adds rounded once (True) or twice (False); None where neither does, and
+    torch.optim does all. Found by trying both on rows where the two differ (with and without
+    weight decay) against torch's own step; asked once :func:`paramserver.native.takes_rows`."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 33, generator=generator)
     sums = torch.rand(64, 33, generator=generator)
@@ -280,8 +254,8 @@ def _adagrad_agrees(
     """Whether the loop's step of every row of ``tensors`` is bitwise torch.optim's."""
     weight, sums, grads = tensors
     looped = (weight.clone(), sums.clone())
-    _adagrad_rows(looped, [(torch.arange(weight.shape[0]), grads)], 0.1, 1e-10, weight_decay,
-                  fused)  # fmt: skip
+    native.adagrad_rows(looped, [(torch.arange(weight.shape[0]), grads)], 0.1, eps=1e-10,
+                        weight_decay=weight_decay, fused=fused)  # fmt: skip
     stepped = Block(weight.clone(), grads.clone(), {"sum": sums.clone()}, torch.zeros(()))
     rule = Adagrad(OptimizerConfig(name="adagrad", lr=0.1, weight_decay=weight_decay))
     rule.step_blocks([stepped], 0.1)

@@ -29,35 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from paramserver.embedding import DynamicOptions
 from paramserver.hashing import mix64
 
 NUM_BUCKETS = 1 << 12
 _BUCKET_SALT = 0x5DEECE66D  # routing must not share bits with a server's own id-map hash
-
-
-@dataclass(frozen=True, kw_only=True)
-class DynamicOptions:
-    """How a dynamic table creates, admits and evicts rows (see paramserver.DynamicEmbedding)."""
-
-    min_count: int = 1
-    ttl_steps: int | None = None
-    capacity: int | None = None  # rows per server
-    init_scale: float = 0.01
-    default_value: float = 0.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.min_count < 1:
-            raise ValueError(f"min_count must be >= 1, got {self.min_count}")
-        if self.ttl_steps is not None and self.ttl_steps < 1:
-            raise ValueError(f"ttl_steps must be >= 1, got {self.ttl_steps}")
-        if self.capacity is not None and self.capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
-        if self.min_count > 1 and self.ttl_steps is None:
-            raise ValueError(
-                "min_count > 1 needs ttl_steps, so counters of ids never admitted "
-                "expire instead of growing without bound"
-            )
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,13 @@ from torch.func import functional_call
 
 import paramserver as ps
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
+from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
 from paramserver.launch.threads import run_threads
 from paramserver.modelplan import initial_model
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
+from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.store.rowinit import init_rows
 from paramserver.store.store import Store
 from paramserver.store.table import Reading

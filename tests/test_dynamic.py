@@ -15,12 +15,14 @@ from torch import Tensor, nn
 from torch.futures import Future
 
 import paramserver as ps
+from paramserver import native
 from paramserver.baseline import train_single_process
+from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.endpoint import ServerEndpoint
-from paramserver.sharding import DynamicOptions, ShardPlan, TableSpec
+from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store import growth
 from paramserver.store.dynamic import DynamicTable
 from paramserver.store.growth import (
@@ -428,7 +430,7 @@ def test_a_dynamic_tables_storage_grows_in_place_keeping_its_rows(
     before = resident_bytes()
     grown = [regrown(plain, 307) for _ in range(4)][-1]  # copied, with room to grow in place
     assert resident_bytes() - before < 64 << 20  # the room is address space, not memory
-    room = GROWTH_ROOM_BYTES if growth._MAP_NORESERVE else 0
+    room = GROWTH_ROOM_BYTES if native.MAP_NORESERVE else 0
     assert grown.untyped_storage().nbytes() >= max(room, 307 * RESERVE_GROWTH * 16)
     # A fork charged for the room would fail (ENOMEM): preexec_fn makes Popen fork, not vfork.
     subprocess.run([sys.executable, "-c", "pass"], check=True, preexec_fn=lambda: None)

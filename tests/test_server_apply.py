@@ -12,10 +12,11 @@ import torch
 from torch import Tensor
 
 from paramserver.config import ShardSettings
+from paramserver.embedding import DynamicOptions
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.server.decoded import RowGrads
 from paramserver.server.shard import ServerShard
-from paramserver.sharding import DenseSpec, DynamicOptions, ShardPlan, TableSpec
+from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
 

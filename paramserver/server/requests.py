@@ -442,10 +442,14 @@ def _plain_ids(ids: object) -> bool:
 
 def _ascending_within(arrays: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
     """Whether each of ``arrays`` (int64 ids) rises strictly and lies within its ``bounds``
-    (low, high: both included): in one compiled call, else joined and compared in a few
-    array operations (not a few per array: a request has dozens)."""
-    if native.loops is not None:
-        return bool(native.loops.ascending_within(arrays, bounds))
+    (low, high: both included): in one compiled call (:func:`paramserver.native.ascending_within`),
+    else by :func:`_ascending_within_joined`."""
+    return native.ascending_within(arrays, bounds, _ascending_within_joined)
+
+
+def _ascending_within_joined(arrays: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
+    """:func:`_ascending_within` by numpy: the arrays joined and compared in a few array
+    operations (not a few per array: a request has dozens)."""
     sizes = np.array([array.size for array in arrays], dtype=np.int64)
     ends = np.cumsum(sizes)
     values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
@@ -465,21 +469,16 @@ def _largest(sizes: dict[str, int]) -> str | None:
 
 def _all_finite(tensors: list[Tensor]) -> bool:
     """Whether ``tensors`` (plain CPU tensors) hold no NaN or Inf: contiguous float32 ones in
-    one compiled pass; the others summed as a few tensors (:func:`_joined`), since a finite
-    sum proves every element finite (NaN and Inf propagate; a sum that overflows is a false
-    alarm, which the caller's closer look clears)."""
-    loose = tensors
-    if native.loops is not None:
-        plain = [t.dtype == torch.float32 and t.is_contiguous() for t in tensors]
-        try:
-            arrays = [t.numpy() for t, fits in zip(tensors, plain, strict=True) if fits]
-        except RuntimeError:  # a tensor numpy cannot view (a negative bit): all summed
-            arrays = []
-            plain = [False] * len(tensors)
-        if not native.loops.all_finite(arrays):
-            return False
-        loose = [t for t, fits in zip(tensors, plain, strict=True) if not fits]
-    return all(math.isfinite(float(joined.sum())) for joined in _joined(loose))
+    one compiled pass (:func:`paramserver.native.all_finite`), the others by
+    :func:`_sums_finite`."""
+    return native.all_finite(tensors, _sums_finite)
+
+
+def _sums_finite(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` hold no NaN or Inf, summed as a few tensors (:func:`_joined`), since
+    a finite sum proves every element finite (NaN and Inf propagate; a sum that overflows is a
+    false alarm, which the caller's closer look clears)."""
+    return all(math.isfinite(float(joined.sum())) for joined in _joined(tensors))
 
 
 def _joined(tensors: list[Tensor]) -> list[Tensor]:

@@ -54,9 +54,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver.embedding import DynamicOptions
 from paramserver.errors import StoreError
 from paramserver.optim import State, UpdateRule, apply_updates, take_rows
-from paramserver.sharding import DynamicOptions, TableSpec
+from paramserver.sharding import TableSpec
 from paramserver.store.admission import PendingIds
 from paramserver.store.arena import RowArena, by_arena, restore_rows, row_entries
 from paramserver.store.changes import ChangeFeed

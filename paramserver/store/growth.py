@@ -23,9 +23,6 @@ RESERVE_GROWTH = 8  # grown storage reserves room (untouched) for this many time
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-# mmap's flag for address space charged to the system's commit only once touched: Python's
-# mmap module does not name it, the compiled loops' module does (0: none).
-_MAP_NORESERVE: int = getattr(native.loops, "MAP_NORESERVE", 0)
 
 
 def _half_the_memory() -> int:
@@ -101,7 +98,7 @@ def _mapped(nbytes: int, *, reserved: bool = True) -> mmap.mmap:
     workers) is charged all of it, and refused."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if not reserved:
-        flags |= _MAP_NORESERVE
+        flags |= native.MAP_NORESERVE
     return mmap.mmap(-1, nbytes, flags=flags)
 
 
@@ -137,7 +134,7 @@ def _room(shape: tuple[int, ...], dtype: torch.dtype, most: int | None) -> Tenso
     the compiled loops): :data:`RESERVE_GROWTH` times the rows, else the rows alone."""
     rows, row_bytes = shape[0], math.prod(shape[1:]) * dtype.itemsize
     reserve = rows * RESERVE_GROWTH
-    wide = max(GROWTH_ROOM_BYTES // row_bytes, reserve) if _MAP_NORESERVE else reserve
+    wide = max(GROWTH_ROOM_BYTES // row_bytes, reserve) if native.MAP_NORESERVE else reserve
     for room, reserved in ((wide, False), (reserve, True)):
         room = room if most is None else min(room, most)
         if room > rows:

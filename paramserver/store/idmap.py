@@ -7,12 +7,12 @@ id, so a probe compares ``row_ids[slots[h]]`` with the id. That keeps the map's 
 4 bytes per slot plus 8 per row (about 13-19 bytes per row at the load factors kept here,
 against 24-32 for a slot array of int64 keys and int32 values).
 
-Every operation works on a whole batch of ids with array ops: one probe round examines a
-window of WINDOW slots for every id still unresolved, so one round nearly always suffices.
-Inserts into one slot by several ids of a batch are resolved deterministically (the lowest
-pending index wins), so a run is reproducible. The arrays are numpy arrays and the calls take
-and return torch tensors (shared memory, no copies): a step looks up a few hundred ids per
-table, where numpy's per-operation cost is a fraction of torch's.
+Every operation works on a whole batch of ids: its search and placement are the compiled
+loops' (:mod:`paramserver.native`), or rounds of array operations
+(:mod:`paramserver.store.probing`) where there are none; this module keeps the rows' books.
+The arrays are numpy arrays and the calls take and return torch tensors (shared memory, no
+copies): a step looks up a few hundred ids per table, where numpy's per-operation cost is a
+fraction of torch's.
 
 Rows are numbered densely from 0; a deleted row's number is reused by a later insert, so the
 storage of an evicted row is reused rather than grown. Not thread-safe: its owner serializes
@@ -29,16 +29,12 @@ import torch
 from torch import Tensor
 
 from paramserver import native
-from paramserver.hashing import GOLDEN_GAMMA
+from paramserver.store import probing
 from paramserver.store.growth import grown_array, grown_rows
+from paramserver.store.probing import DELETED, EMPTY, HASHING
 
-EMPTY = -1
-DELETED = -2
-WINDOW = 8  # slots examined per id in one probe round
-_WINDOW_OFFSETS = np.arange(WINDOW)
 MAX_LOAD = 0.5  # grow the slot array past this load...
 REHASH_LOAD = 0.4  # ...to the smallest power of two at or under this one
-_SPACE_STRIDE = -7046029254386353131  # spaces' offsets: odd multiples of 2^64/phi
 
 
 def _record(spaces: int) -> np.dtype:
@@ -50,10 +46,6 @@ def _record(spaces: int) -> np.dtype:
         {"names": ["id", "payload", "space"], "formats": ["<i8", "<i4", space],
          "offsets": [0, 8, 12], "itemsize": size}
     )  # fmt: skip
-
-
-def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
-    return None if array is None else np.ascontiguousarray(array)
 
 
 class Found(NamedTuple):
@@ -74,11 +66,13 @@ class IdMap:
         space in ``range(spaces)`` (as :class:`FusedIdMap` uses it)."""
         size = 1 << max(4, (initial_slots - 1).bit_length())
         self.slots = np.full(size, EMPTY, dtype=np.int32)
-        self.row_ids = np.empty(0, dtype=np.int64)  # capacity_rows long
-        self.row_spaces: np.ndarray | None = None
-        # Keyed by space: each row's id, space and payload (an int32 its owner keeps there)
-        # side by side in one record, so a probe's reads of them share a cache line.
-        self.records = np.empty(0, dtype=_record(spaces)) if spaces else None
+        # Each row's record, capacity_rows long, which a search reads: its id; keyed by space,
+        # its id, space and payload (an int32 its owner keeps there) side by side, so a probe's
+        # reads of them share a cache line. row_ids, row_spaces and row_payloads view their
+        # fields (row_ids: the records themselves, where a record is an id).
+        self.records = np.empty(0, dtype=_record(spaces) if spaces else np.int64)
+        self.row_ids = self.records
+        self.row_spaces: np.ndarray | None = None  # keyed by space only
         self.row_payloads: np.ndarray | None = None
         self._set_capacity(0)
         self.used_rows = 0  # row numbers handed out so far (live plus free)
@@ -90,18 +84,17 @@ class IdMap:
     @property
     def capacity_rows(self) -> int:
         """Rows the table's storage must hold: grows by ROW_GROWTH when row numbers run out."""
-        return self.row_ids.size
+        return self.records.size
 
     def nbytes(self) -> int:
-        rows = self.row_ids.nbytes if self.records is None else self.records.nbytes
-        return self.slots.nbytes + rows + self.free_rows.nbytes
+        return self.slots.nbytes + self.records.nbytes + self.free_rows.nbytes
 
     def _set_capacity(self, rows: int) -> None:
-        """Grow the per-row arrays to ``rows`` rows (the views of the records' fields too)."""
-        if self.records is None:
-            self.row_ids = grown_array(self.row_ids, rows)
-            return
+        """Grow the records to ``rows`` rows (and the views of their fields)."""
         self.records = grown_array(self.records, rows)
+        if self.records.dtype.names is None:  # a row's record is its id
+            self.row_ids = self.records
+            return
         self.row_ids = self.records["id"]
         self.row_spaces = self.records["space"]
         self.row_payloads = self.records["payload"]
@@ -144,18 +137,19 @@ class IdMap:
         self.free_rows = self.free_rows[count:]
         start = self.used_rows
         self.used_rows += count - reused.size
-        if self.used_rows > self.row_ids.size:
-            self._set_capacity(grown_rows(self.row_ids.size, self.used_rows))
+        if self.used_rows > self.records.size:
+            self._set_capacity(grown_rows(self.records.size, self.used_rows))
         rows = np.concatenate([reused, np.arange(start, self.used_rows)])
-        if self.records is None:
+        if self.row_spaces is None:
             self.row_ids[rows] = keys
         else:
             assert spaces is not None, "a map keyed by space needs each id's space"
             self._write_records(reused, start, keys, spaces, payloads)
-        if found is None or native.loops is not None:  # the loop's search from home is cheap
+        # Where each search ended holds for the slot array searched, and saves numpy's rounds.
+        if found is None or found.layout != self.layout or native.placing_is_cheap():
             self._place(keys, rows, spaces)
         else:
-            left = self._claim_ends(found, rows)
+            left = probing.claim_ends(self.slots, found.ends, rows)
             if left.any():
                 self._place(keys[left], rows[left], None if spaces is None else spaces[left])
         self.num_rows += count
@@ -172,7 +166,6 @@ class IdMap:
         """Set the records of new rows: freed rows ``reused``, then fresh ones from ``start``
         on; built whole, then copied in (a slice for the fresh rows). Payloads not given are
         -1."""
-        assert self.records is not None
         records = cast(
             "np.ndarray[Any, np.dtype[np.void]]", np.empty_like(self.records, shape=keys.size)
         )
@@ -195,8 +188,10 @@ class IdMap:
 
     def live_rows(self) -> tuple[Tensor, Tensor]:
         """Ids and rows of every live entry, sorted by id."""
-        ids, rows = self._live()
-        return torch.from_numpy(ids), torch.from_numpy(rows)
+        occupied = self._occupied()
+        ids = self.row_ids[occupied]
+        order = np.argsort(ids, kind="stable")
+        return torch.from_numpy(ids[order]), torch.from_numpy(occupied[order])
 
     # ---- internals, on numpy arrays ----
 
@@ -204,162 +199,24 @@ class IdMap:
         """The row of every occupied slot, in slot order."""
         return self.slots[self.slots >= 0].astype(np.int64)
 
-    def _live(self) -> tuple[np.ndarray, np.ndarray]:
-        occupied = self._occupied()
-        ids = self.row_ids[occupied]
-        order = np.argsort(ids, kind="stable")
-        return ids[order], occupied[order]
-
-    def _home(self, ids: np.ndarray, spaces: np.ndarray | None) -> np.ndarray:
-        # Fibonacci hashing: the top bits of id * 2^64/phi (wrapping multiply, well spread); a
-        # space moves its ids' homes apart (the same id in two tables lands elsewhere).
-        if spaces is not None:
-            ids = ids ^ (spaces.astype(np.int64) * np.int64(_SPACE_STRIDE))
-        bits = self.slots.size.bit_length() - 1
-        return ((ids * np.int64(GOLDEN_GAMMA)) >> (64 - bits)) & (self.slots.size - 1)
-
-    def _window(self, where: np.ndarray) -> np.ndarray:
-        return (where[:, None] + _WINDOW_OFFSETS) & (self.slots.size - 1)
-
     def _probe(
         self, ids: np.ndarray, spaces: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """For each id, its row (-1 if absent), the slot where its search ended (its own, or
         the empty slot that proved it absent; -1 for every id if the map is empty) and, in a
-        map keyed by space, its row's payload (-1 if absent).
-
-        An id is at the first slot of its probe sequence holding it, and absent if an empty
-        slot comes first. Its home slot settles most ids (the load stays under a half), so it
-        is looked at alone first; then each round looks at a window of WINDOW consecutive
-        slots per unsettled id: wide windows keep the number of rounds (each a few array ops)
-        small. A slot's row is read as one record (id, space and payload together): one
-        random read per slot looked at.
-        """
-        if native.loops is not None and self.num_rows:
-            return self._probe_natively(ids, spaces)
-        payloads = None if self.records is None else np.full(ids.size, EMPTY, dtype=np.int32)
+        map keyed by space, its row's payload (-1 if absent)."""
         if self.num_rows == 0:
             empty = np.full(ids.size, EMPTY, dtype=np.int64)
+            keyed = self.row_spaces is not None
+            payloads = np.full(ids.size, EMPTY, dtype=np.int32) if keyed else None
             return empty, empty.copy(), payloads
-        home = self._home(ids, spaces)
-        found = self.slots.take(home)
-        match, held = self._matches(found, ids, spaces)
-        rows = np.where(match, found, EMPTY).astype(np.int64)
-        if payloads is not None and held is not None:
-            np.copyto(payloads, held, where=match)
-        positions = np.where(match | (found == EMPTY), home, EMPTY)
-        pending = np.flatnonzero(positions == EMPTY)
-        where = home[pending] + 1
-        while pending.size:
-            window = self._window(where)
-            found = self.slots.take(window)
-            match, held = self._matches(
-                found, ids[pending, None], None if spaces is None else spaces[pending, None]
-            )
-            stop = match | (found == EMPTY)
-            first = stop.argmax(axis=1)[:, None]
-            resolved = np.take_along_axis(stop, first, axis=1)[:, 0]
-            hit = np.take_along_axis(match, first, axis=1)[:, 0] & resolved
-            at = pending[resolved]
-            rows[at] = EMPTY
-            rows[pending[hit]] = np.take_along_axis(found, first, axis=1)[hit, 0]
-            if payloads is not None and held is not None:
-                payloads[pending[hit]] = np.take_along_axis(held, first, axis=1)[hit, 0]
-            positions[at] = np.take_along_axis(window, first, axis=1)[resolved, 0]
-            pending = pending[~resolved]
-            where = where[~resolved] + WINDOW
-        return rows, positions, payloads
-
-    def _probe_natively(
-        self, ids: np.ndarray, spaces: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """:meth:`_probe` of a map holding rows, by the compiled loop (see
-        :mod:`paramserver.native`), which writes every output."""
-        assert native.loops is not None
-        rows = np.empty(ids.size, dtype=np.int64)
-        positions = np.empty(ids.size, dtype=np.int64)
-        payloads = None if self.records is None else np.empty(ids.size, dtype=np.int32)
-        if self.records is None:
-            records, layout = self.row_ids, (8, -1, 1, -1)
-        else:
-            fields = self.records.dtype.fields
-            assert fields is not None
-            records = self.records.view(np.uint8)
-            layout = (self.records.itemsize, fields["space"][1], fields["space"][0].itemsize,
-                      fields["payload"][1])  # fmt: skip
-        native.loops.probe(
-            self.slots, records, *layout, np.ascontiguousarray(ids, dtype=np.int64),
-            _contiguous(spaces), GOLDEN_GAMMA, _SPACE_STRIDE, rows, positions, payloads,
-        )  # fmt: skip
-        return rows, positions, payloads
-
-    def _matches(
-        self, found: np.ndarray, keys: np.ndarray, spaces: np.ndarray | None
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        """Which of the slots ``found`` hold the row of their id (``keys``, broadcast against
-        ``found``, like ``spaces``), and, in a map keyed by space, the payload of each slot's
-        row (meaningful where it matches)."""
-        entries = np.maximum(found, 0)
-        if self.records is None:
-            return (self.row_ids.take(entries) == keys) & (found >= 0), None
-        assert spaces is not None, "a map keyed by space needs each id's space"
-        held = self.records.take(entries)
-        match = (held["id"] == keys) & (held["space"] == spaces) & (found >= 0)
-        return match, held["payload"]
-
-    def _claim_ends(self, found: Found, rows: np.ndarray) -> np.ndarray:
-        """Put each new row in the empty slot that ended its id's search, where the slot array
-        is the one searched and no other new id ended there too; returns a mask of the rows
-        left to place. Correct because slots only turn empty when the array is rebuilt: the
-        first empty slot of an id's probe sequence stays first (and a later id that finds it
-        taken searches on past it)."""
-        ends = found.ends
-        if found.layout != self.layout or ends.size == 0 or int(ends.min()) < 0:
-            return np.ones(rows.size, dtype=bool)  # -1: searched an empty map
-        order = np.argsort(ends, kind="stable")
-        ordered = ends[order]
-        shared = np.zeros(ends.size, dtype=bool)
-        shared[1:] = ordered[1:] == ordered[:-1]
-        shared[:-1] |= shared[1:]
-        left = np.empty(ends.size, dtype=bool)
-        left[order] = shared
-        left |= self.slots[ends] != EMPTY
-        claim = ~left
-        self.slots[ends[claim]] = rows[claim]
-        return left
+        return native.probe(self.slots, self.records, ids, spaces, HASHING, probing.search)
 
     def _place(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
-        """Put absent ``ids`` in the first free slot of their probe sequences. Ids that pick
-        the same slot in a round: the lowest index takes it, the others look on from there.
-        (The compiled loop places them one by one, in order: a different layout of slots, as
-        valid.)"""
-        if native.loops is not None:
-            self.num_deleted_slots -= native.loops.place(
-                self.slots, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
-                np.ascontiguousarray(rows, dtype=np.int64), GOLDEN_GAMMA, _SPACE_STRIDE,
-            )  # fmt: skip
-            return
-        pending = np.arange(ids.size)
-        where = self._home(ids, spaces)
-        while pending.size:
-            window = self._window(where)
-            free = self.slots[window] < 0
-            has_free = free.any(axis=1)
-            chosen = window[np.arange(pending.size), free.argmax(axis=1)]
-            # Without a free slot in the window, move on to the next window.
-            where = np.where(has_free, chosen, (where + WINDOW) & (self.slots.size - 1))
-            candidates = np.flatnonzero(has_free)
-            order = candidates[np.argsort(chosen[candidates], kind="stable")]
-            sorted_slots = chosen[order]
-            winner = np.ones(sorted_slots.size, dtype=bool)
-            winner[1:] = sorted_slots[1:] != sorted_slots[:-1]
-            claims = order[winner]
-            claimed = chosen[claims]
-            self.num_deleted_slots -= int((self.slots[claimed] == DELETED).sum())
-            self.slots[claimed] = rows[pending[claims]]
-            keep = np.ones(pending.size, dtype=bool)
-            keep[claims] = False
-            pending, where = pending[keep], where[keep]
+        """Put absent ``ids`` in the first free slot of their probe sequences."""
+        self.num_deleted_slots -= native.place(
+            self.slots, ids, rows, spaces, HASHING, probing.place
+        )
 
     def _reserve(self, live: int) -> None:
         """Grow (or clean deleted slots from) the slot array so ``live`` rows fit under the
@@ -378,17 +235,9 @@ class IdMap:
         self._build(ids, rows, None if self.row_spaces is None else self.row_spaces[rows])
 
     def _build(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
-        """Place ``ids`` in an empty slot array at once: taken in order of home slot, each
-        goes to the first free slot at or after its home, which is a running maximum over
-        them (what :meth:`_place` finds, without its rounds); the few that would run past the
-        array's end wrap around through :meth:`_place`."""
-        home = self._home(ids, spaces)
-        order = np.argsort(home, kind="stable")
-        before = np.arange(order.size)
-        slot = np.maximum.accumulate(home[order] - before) + before
-        inside = slot < self.slots.size
-        self.slots[slot[inside]] = rows[order[inside]]
-        past = order[~inside]
+        """Place ``ids`` in an empty slot array at once, in order of home slot; the few that
+        would run past the array's end wrap around through :meth:`_place`."""
+        past = probing.place_in_order_of_home(self.slots, ids, rows, spaces, HASHING)
         if past.size:
             self._place(ids[past], rows[past], None if spaces is None else spaces[past])
 

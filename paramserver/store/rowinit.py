@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import functools
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from paramserver import native
+from paramserver.embedding import DynamicOptions
 from paramserver.hashing import mix64_array
-from paramserver.optim import loops_take, put_rows
-from paramserver.sharding import DynamicOptions
+from paramserver.native import Recipe
+from paramserver.optim import put_rows
 from paramserver.store.arena import RowArena
 
 
@@ -27,18 +29,20 @@ def init_rows(table: str, options: DynamicOptions, ids: Tensor, dim: int) -> Ten
     """
     salts = np.array([salt(table, options)], dtype=np.int64)
     scales = np.array([options.init_scale], dtype=np.float32)
-    return _uniform_rows(salts, ids.numpy(), dim, scales)
+    return _uniform_rows(salts, ids.numpy(), column_multipliers(dim), scales)
 
 
 def salt(table: str, options: DynamicOptions) -> int:
     return zlib.crc32(table.encode()) * 0x10001 + options.seed * 0x9E3779B1
 
 
-def _uniform_rows(salts: np.ndarray, ids: np.ndarray, dim: int, scales: np.ndarray) -> Tensor:
+def _uniform_rows(
+    salts: np.ndarray, ids: np.ndarray, multipliers: np.ndarray, scales: np.ndarray
+) -> Tensor:
     """:func:`init_rows` of ``ids``, each with its table's salt and scale (or one of each for
-    all)."""
+    all), a column for each of :func:`column_multipliers`."""
     seeds = mix64_array(ids.astype(np.int64) + salts)
-    bits = (seeds[:, None] * column_multipliers(dim)).view(np.uint64)
+    bits = (seeds[:, None] * multipliers).view(np.uint64)
     bits >>= np.uint64(40)  # in place from here: fewer passes over fresh memory
     unit = bits.astype(np.float32)  # exact: under 2^24
     scales = np.asarray(scales, dtype=np.float32).reshape(-1, 1)
@@ -59,17 +63,18 @@ def init_values_and_state(
 ) -> None:
     """Set ``arena``'s new ``rows``: values as :func:`_uniform_rows` makes them, state at the
     rule's start. By the compiled loop where the arena is float32 (each row written once),
-    else by numpy and torch."""
-    dim, initial = arena.weight.shape[1], arena.rule.initial_value
-    if loops_take(arena.weight, *arena.state.values()):
-        assert native.loops is not None
-        native.loops.init_rows(
-            arena.weight.numpy(), dim, np.ascontiguousarray(rows), np.ascontiguousarray(ids),
-            salts, scales.astype(np.float32), column_multipliers(dim),
-            tuple(slot.numpy() for slot in arena.state.values()), initial,
-        )  # fmt: skip
-        return
-    values = _uniform_rows(salts, ids, dim, scales)
-    put_rows(arena.weight, rows, values.to(arena.weight.dtype))
-    for slot in arena.state.values():
+    else by :func:`_init_by_numpy`."""
+    recipe = (ids, salts, scales, column_multipliers(arena.weight.shape[1]))
+    state = tuple(arena.state.values())
+    native.init_rows(arena.weight, state, arena.rule.initial_value, rows, recipe, _init_by_numpy)
+
+
+def _init_by_numpy(
+    weight: Tensor, state: Sequence[Tensor], initial: float, rows: np.ndarray, recipe: Recipe
+) -> None:
+    """:func:`init_values_and_state` by numpy and torch: a pass per array."""
+    ids, salts, scales, multipliers = recipe
+    values = _uniform_rows(salts, ids, multipliers, scales)
+    put_rows(weight, rows, values.to(weight.dtype))
+    for slot in state:
         slot.index_fill_(0, torch.from_numpy(rows), initial)

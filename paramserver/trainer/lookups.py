@@ -93,9 +93,9 @@ class StepLookups:
     each with its own overhead (a DLRM's 26 tables: about 1.5 ms a step).
 
     It takes the lookups a record pass saw (:class:`RecordedLookups`) of the tables that join
-    (plain lookups of float32 rows, see :class:`LookupTable`), on the first
-    such lookup inside :meth:`forward`; a lookup it does not hold is made on its own. Needs the
-    compiled loops (``native.loops``): without them every lookup is made on its own. The node's
+    (plain lookups of rows the compiled loops take, :func:`paramserver.native.takes_rows`;
+    see :class:`LookupTable`), on the first such lookup inside :meth:`forward`; a lookup it
+    does not hold is made on its own, as every lookup is without the loops. The node's
     backward is differentiable once: a second-order gradient through a lookup needs the loops
     off (``PARAMSERVER_NATIVE=0``), where ``index_select``'s double backward gives it.
     """
@@ -108,7 +108,7 @@ class StepLookups:
     @contextmanager
     def forward(self) -> Iterator[None]:
         """Within: the lookups of one forward (its tables' leaves are those of now)."""
-        self._active, self._outputs = native.loops is not None, None
+        self._active, self._outputs = True, None
         try:
             yield
         finally:
@@ -127,13 +127,7 @@ class StepLookups:
         """Every joining table's recorded lookups, one node per width of rows."""
         by_dim: dict[int, list[LookupTable]] = {}
         for remote in self._tables.values():
-            rows = remote.rows
-            if (
-                remote.joins_step_lookups
-                and remote.lookups
-                and rows.dtype == torch.float32
-                and rows.is_contiguous()
-            ):
+            if remote.joins_step_lookups and remote.lookups and native.takes_rows(remote.rows):
                 by_dim.setdefault(remote.embedding_dim, []).append(remote)
         gathered: dict[str, tuple[Tensor, ...]] = {}
         for remotes in by_dim.values():
@@ -153,12 +147,11 @@ class _Lookups(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
-        assert native.loops is not None
         dim = tables[0].shape[1]
         outputs = tuple(
             torch.empty(len(positions), dim, dtype=torch.float32) for _, positions in plan
         )
-        native.loops.gather_rows(
+        native.gather_rows(
             [t.detach().numpy() for t in tables],
             [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
             dim,
@@ -170,7 +163,6 @@ class _Lookups(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        assert native.loops is not None
         plan, sizes, dim = ctx.plan, ctx.sizes, ctx.dim
         touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
         if not touched:
@@ -178,7 +170,7 @@ class _Lookups(torch.autograd.Function):
         buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
         parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
         order = {t: i for i, t in enumerate(touched)}
-        native.loops.scatter_rows(
+        native.scatter_rows(
             [parts[t].numpy() for t in touched],
             [
                 (order[t], p.numpy(), grad.reshape(-1, dim).contiguous().numpy())
@@ -217,15 +209,10 @@ def unique_lookups(
 
 def unique_each(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
     """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
-    given ``sizes``: the compiled loop does all parts in one call where it is built."""
-    parts = ids.split(sizes)
-    if native.loops is None:
-        return [torch.unique(part, return_inverse=True) for part in parts]
-    unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
-    counts = native.loops.unique_inverse(ids.numpy(), sizes, unique.numpy(), inverse.numpy())
-    return [
-        (part[:count], positions)
-        for part, positions, count in zip(
-            unique.split(sizes), inverse.split(sizes), counts, strict=True
-        )
-    ]
+    given ``sizes``: the compiled loop does all parts in one call where it is built
+    (:func:`paramserver.native.unique_each`), else :func:`_unique_each_by_torch`."""
+    return native.unique_each(ids, sizes, _unique_each_by_torch)
+
+
+def _unique_each_by_torch(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
+    return [torch.unique(part, return_inverse=True) for part in ids.split(sizes)]
