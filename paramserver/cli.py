@@ -423,7 +423,7 @@ def single_process_summary(args: argparse.Namespace, config: TrainConfig) -> dic
     return summary
 
 
-def run_train(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
     config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
     if config.publish_dir is not None:  # for `paramserver serve` to rebuild the job's model
         record_job(Path(config.publish_dir), list(argv[argv.index("train") + 1 :]))

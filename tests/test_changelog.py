@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import paramserver.changelog.log as log_module
 from paramserver.changelog.collect import attach_collector, cut
 from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, read_manifest, server_dir
 from paramserver.changelog.publisher import Publisher
@@ -337,3 +338,23 @@ def test_segments_cut_from_many_threads_at_once_queue_in_their_order(tmp_path: P
     found, error = ChainFollower(tmp_path, 0).pending()
     assert error is None and len(found) > 10
     assert found[-1].changes == store.changes.sequence
+
+
+def test_a_manifest_that_could_not_be_written_leaves_the_chain_to_number_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = published(tmp_path, 1)
+    real, failed = log_module.write_atomic, []
+
+    def manifest_fails_once(path: Path, write, **kwargs):
+        if path.name == MANIFEST and not failed:
+            failed.append(path)
+            raise OSError(28, "No space left on device")
+        return real(path, write, **kwargs)
+
+    monkeypatch.setattr(log_module, "write_atomic", manifest_fails_once)
+    with pytest.raises(OSError):
+        writer.append(segment(first_step=11, seed=1))
+    writer.append(segment(first_step=11, seed=1))  # the publisher's retry
+    found, error = ChainFollower(tmp_path, 0).pending()
+    assert error is None and [s.sequence for s in found] == [1, 2]

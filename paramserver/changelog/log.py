@@ -109,16 +109,17 @@ class LogWriter:
             segment.sequence, segment.previous, name, size, segment.first_step,
             segment.last_step, segment.after_changes, segment.changes,
         )  # fmt: skip
-        self.segments.append(listed)
-        dropped, self.segments = self.segments[: -self.keep], self.segments[-self.keep :]
+        listing = [*self.segments, listed]
+        dropped, kept = listing[: -self.keep], listing[-self.keep :]
         document = {
             "format": FORMAT,
             "writer": self.writer_id,
             "server": self.server,
-            "segments": [asdict(entry) for entry in self.segments],
+            "segments": [asdict(entry) for entry in kept],
         }
         text = json.dumps(document, separators=(",", ":")).encode()
         write_atomic(self.directory / MANIFEST, lambda f: f.write(text), hash_written=False)
+        self.segments = kept  # only once listed: a failed write is tried again as this number
         for entry in dropped:  # only once no manifest lists them
             (self.directory / entry.file).unlink(missing_ok=True)
         return listed

@@ -60,7 +60,7 @@ class Publisher:
         self._cut_lock = threading.Lock()
         self._waiting: deque[Segment] = deque()
         self._wake = threading.Condition()
-        self._closing = False
+        self._closing = self._close_started = False
         self._give_up_at = float("inf")  # when closing: the time to stop trying
         self._timed = timed
         self._last_cut = time.monotonic()
@@ -97,10 +97,11 @@ class Publisher:
         """A last cut, every segment written (within ``timeout`` seconds), the store let go.
         Again: nothing."""
         with self._wake:
-            if self._closing:
+            if self._close_started:
                 return
+            self._close_started = True
+        self.store.changes.attach(None)  # first: every change before it is in the last cut
         self.cut(aligned=not self._timed)  # a sync job's servers all end at its last round
-        self.store.changes.attach(None)
         with self._wake:
             self._closing = True
             self._give_up_at = time.monotonic() + timeout
@@ -139,9 +140,9 @@ class Publisher:
         start = time.perf_counter()
         try:
             listed = self.writer.append(segment, self.codec)
-        except OSError as error:
+        except Exception as error:  # a full disk, or a bug: the chain waits, training goes on
             self.stats.failures += 1
-            logger.warning("server %d: a change log segment was not written: %s",
+            logger.warning("server %d: a change log segment was not written: %r",
                            self.store.server, error)  # fmt: skip
             return False
         with self._wake:

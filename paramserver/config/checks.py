@@ -61,6 +61,11 @@ def _check_publishing(config: TrainConfig) -> None:
         raise ConfigError(f"--publish-every must be > 0 seconds, got {config.publish_every}")
     if config.publish_keep < 1:
         raise ConfigError(f"--publish-keep must be >= 1, got {config.publish_keep}")
+    if config.publish_dir is not None and config.dense_sync == "allreduce":
+        raise ConfigError(
+            "--publish-dir publishes what the servers hold; with --dense-sync allreduce the "
+            "trainers hold the dense parameters, which serving would then never see"
+        )
 
 
 _SimpleTypes = dict[str, tuple[tuple[type, ...], str]]
