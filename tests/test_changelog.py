@@ -16,10 +16,19 @@ import torch
 
 import paramserver.changelog.log as log_module
 from paramserver.changelog.collect import attach_collector, cut
-from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, read_manifest, server_dir
+from paramserver.changelog.log import (
+    MANIFEST,
+    WRITER_LOCK,
+    ChainFollower,
+    LogWriter,
+    read_manifest,
+    server_dir,
+)
 from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.segment import Segment, TableChanges, read_segment, write_segment
 from paramserver.errors import ChangeLogError
+from paramserver.store.snapshot import restore_store, snapshot_store
+from paramserver.store.store import Store
 from paramserver.store.table import Reading
 from paramserver.wire.compression import error_bound
 from tests.helpers import ids, make_store, train_read
@@ -102,9 +111,11 @@ def test_a_segment_naming_an_id_twice_is_refused(tmp_path: Path) -> None:
 
 
 def published(root: Path, count: int, keep: int = 100) -> LogWriter:
+    """A chain of ``count`` segments, its writer closed (another may take the chain on)."""
     writer = LogWriter(root, "job", server=0, keep=keep)
     for i in range(count):
         writer.append(segment(first_step=10 * i + 1, seed=i))
+    writer.close()
     return writer
 
 
@@ -131,6 +142,7 @@ def test_a_manifest_keeps_the_newest_segments_and_a_follower_behind_them_is_told
     published(tmp_path, 5, keep=2)
     directory = server_dir(tmp_path, 0)
     assert sorted(p.name for p in directory.iterdir()) == [
+        WRITER_LOCK,
         MANIFEST,
         "segment-000000000004.pslog",
         "segment-000000000005.pslog",
@@ -296,12 +308,77 @@ def test_a_follower_from_a_base_starts_at_the_segment_that_holds_the_bases_chang
     assert ChainFollower(tmp_path, 0, changes=30).pending() == ([], None)  # the base is newest
 
 
-def test_a_log_rewound_by_a_resume_from_an_earlier_checkpoint_is_refused(tmp_path: Path) -> None:
+def test_a_segment_that_does_not_start_where_the_chain_ends_is_refused(tmp_path: Path) -> None:
     published(tmp_path, 2)  # changes (0, 10], (10, 20]
-    LogWriter(tmp_path, "resumed", server=0).append(segment(first_step=6))  # (5, 15]
+    LogWriter(tmp_path, "other", server=0).append(segment(first_step=6))  # (5, 15], not full
     found, error = ChainFollower(tmp_path, 0).pending()
     assert [s.sequence for s in found] == [1, 2]
-    assert error is not None and "rewinds the log" in str(error)
+    assert error is not None and "starts after change 5" in str(error)
+    assert "segment-000000000003.pslog" in str(error)
+
+
+def test_a_chain_takes_one_writer_at_a_time(tmp_path: Path) -> None:
+    first = LogWriter(tmp_path, "host-a:11", server=0)
+    with pytest.raises(ChangeLogError, match=r"another process writes this chain \(host-a:11\)"):
+        LogWriter(tmp_path, "host-b:22", server=0)
+    LogWriter(tmp_path, "host-b:22", server=1).close()  # another server's chain is free
+    first.close()
+    LogWriter(tmp_path, "host-b:22", server=0).close()  # free once its writer let go
+
+
+def resumed_store(saved: tuple) -> Store:
+    """A store as a resumed server builds it: fresh, then restored from ``saved``."""
+    store = make_store()
+    restore_store(store, [saved])
+    return store
+
+
+def test_a_job_resumed_from_an_earlier_checkpoint_publishes_a_full_segment_first(
+    tmp_path: Path,
+) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=60.0, timed=False)
+    for clock in (1, 2):
+        store.advance_clock(clock)
+        train_read(store, clock, hashed=ids(5, 6))  # admitted at the second sighting
+        store.apply_rows({"fixed": (ids(clock), torch.ones(1, 4))}, {"fixed": 0.5}, clock)
+        if clock == 1:
+            checkpoint = snapshot_store(store)  # taken before step 2's changes
+        publisher.cut(clock)
+    publisher.close()
+    ended_at = publisher.writer.last_changes
+    follower = ChainFollower(tmp_path, 0)
+    follower.applied_up_to(follower.pending()[0][-1])  # serving has the whole first run
+
+    resumed = resumed_store(checkpoint)  # back at step 1: step 2's changes are gone
+    assert resumed.changes.covered() < ended_at
+    again = Publisher(resumed, tmp_path, "job-resumed", every_s=60.0, timed=False)
+    resumed.apply_rows({"fixed": (ids(7), torch.ones(1, 4))}, {"fixed": 0.5}, 2)
+    again.close()
+    found, error = follower.pending()
+    assert error is None and [s.full for s in found] == [True, False]
+    full = found[0]
+    assert full.after_changes == 0 and full.changes == ended_at  # numbered on, never back
+    assert found[1].after_changes == ended_at and found[1].tables["fixed"].ids.tolist() == [7]
+    held = resumed.export_state()
+    assert full.tables["fixed"].ids.tolist() == list(range(20))
+    assert full.tables["hashed"].ids.tolist() == held["hashed"]["ids"].tolist() == []
+    assert torch.equal(found[1].tables["fixed"].values, held["fixed"]["value"][7:8])
+    # A follower from the job's start replays to the resumed store's state too.
+    assert replay(tmp_path)["fixed"] == dict(enumerate(held["fixed"]["value"].tolist()))
+
+
+def test_a_job_resumed_where_its_log_ends_numbers_on_without_a_full_segment(
+    tmp_path: Path,
+) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=60.0, timed=False)
+    store.apply_rows({"fixed": (ids(3), torch.ones(1, 4))}, {"fixed": 0.5}, 1)
+    publisher.close()
+    again = Publisher(resumed_store(snapshot_store(store)), tmp_path, "job", every_s=60.0)
+    again.close()
+    found = ChainFollower(tmp_path, 0).pending()[0]
+    assert [s.full for s in found] == [False, False] and found[1].after_changes == found[0].changes
 
 
 @pytest.fixture

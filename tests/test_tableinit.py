@@ -61,7 +61,7 @@ def shard_rows(model_fn: Callable[[], nn.Module], table: str, servers: int) -> T
     whole = torch.full((spec.num_rows, spec.dim), math.nan)
     for server in range(servers):
         shard = FixedTable(spec, plan, server, built.inits[table], make_rule(SGD))
-        whole[shard.global_ids()] = shard.weight
+        whole[shard.held_ids()] = shard.weight
     return whole
 
 

@@ -117,6 +117,7 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
         changed.changes,
         cut_at=time.time(),
         first_change_at=changed.first_change_at,
+        servers=store.plan.num_servers,
     )
     for name in changed.written:
         ids, removed = changed.written[name], changed.removed[name]
@@ -133,3 +134,23 @@ def attach_collector(store: Store) -> ChangeCollector:
     collector = ChangeCollector()
     collector.starts_after(store.changes.attach(collector))
     return collector
+
+
+def full_cut(store: Store, collector: ChangeCollector, first_step: int, last_step: int) -> Segment:
+    """A full segment of ``store``: every row and dense value it holds now, covering the steps
+    ``first_step`` to ``last_step``; what ``collector`` gathered so far is in it (taken)."""
+    changed = collector.take()
+    names = list(store.tables)
+    held = {name: store.held_ids(name) for name in names}
+    values = store.read({n: ids for n, ids in held.items() if ids.numel()}, Reading()).values
+    segment = Segment(
+        "", store.server, 0, 0, first_step, last_step, 0, changed.changes,
+        cut_at=time.time(), first_change_at=changed.first_change_at,
+        servers=store.plan.num_servers, full=True,
+    )  # fmt: skip
+    for name in names:
+        dim = store.tables[name].spec.dim
+        rows = values.get(name, torch.zeros(0, dim))
+        segment.tables[name] = TableChanges(held[name], rows, torch.zeros(0, dtype=torch.int64))
+    segment.dense = store.read_dense(list(store.dense)).values if store.dense else {}
+    return segment

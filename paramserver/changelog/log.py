@@ -7,6 +7,7 @@ Layout under a publish directory ``DIR``::
         MANIFEST.json                 the chain: every kept segment, in order, with its place
         segment-000000000001.pslog    one segment (paramserver.changelog.segment)
         segment-000000000002.pslog
+        .writer.lock                  flock held by the one process writing the chain
       server-1/
         ...
 
@@ -16,15 +17,26 @@ manifest so finds it whole; a segment on disk that no manifest lists is not yet 
 A manifest keeps the newest ``keep`` segments (older ones are deleted after the manifest that
 drops them): a follower that falls further behind is told so.
 
+A chain outlives its server process: a server restarted, or a job resumed, numbers on from
+the chain's last segment. Where its store does not end at that segment's change (resumed from
+an earlier checkpoint: the log holds changes the store no longer has), its first segment is
+*full* (every row and dense value it holds), which replaces that server's part whatever came
+before it, and its store numbers its changes after the log's, so they only ever rise along
+the chain.
+
 A follower (:class:`ChainFollower`) reads each server's manifest, takes the segments after the
 last it applied, and checks the chain: each segment names the one before it (``previous``),
-numbers rise by one, and each file's header agrees with its manifest entry. A gap, a duplicate
-or a segment out of order is a :class:`~paramserver.errors.ChangeLogError` naming the file,
-and nothing of that server's new segments is handed on.
+numbers rise by one, each starts at the change the one before it ended at, and each file's
+header agrees with its manifest entry. A gap, a duplicate or a segment out of order is a
+:class:`~paramserver.errors.ChangeLogError` naming the file, and nothing of that server's new
+segments is handed on. A full segment is taken after anything, and a follower starts at the
+newest full segment it has not applied (what came before it no longer matters).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -37,6 +49,7 @@ from paramserver.errors import ChangeLogError
 from paramserver.files import write_atomic
 
 MANIFEST = "MANIFEST.json"
+WRITER_LOCK = ".writer.lock"
 FORMAT = 1
 DEFAULT_KEEP = 3600  # an hour of segments at one a second
 _SERVER_DIR = re.compile(r"server-(0|[1-9][0-9]*)")
@@ -62,6 +75,7 @@ class Listed:
     last_step: int
     after_changes: int
     changes: int
+    full: bool
 
 
 @dataclass(frozen=True)
@@ -89,12 +103,24 @@ class LogWriter:
         self.directory = server_dir(root, server)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.writer_id, self.server, self.keep = writer, server, keep
+        self._lock_fd: int | None = _writer_lock(self.directory, writer)
         found = read_manifest(self.directory) if (self.directory / MANIFEST).exists() else None
         self.segments: list[Listed] = list(found.segments) if found else []
 
     @property
     def last(self) -> int:
         return self.segments[-1].sequence if self.segments else 0
+
+    @property
+    def last_changes(self) -> int:
+        """The store change the chain's newest segment ends at (0: no segment)."""
+        return self.segments[-1].changes if self.segments else 0
+
+    def close(self) -> None:
+        """Let another writer take this chain (the lock goes with the process too)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def append(self, segment: Segment, codec: str = "none") -> Listed:
         """Publish ``segment`` (its ``sequence`` and ``previous`` are set here) durably:
@@ -107,7 +133,7 @@ class LogWriter:
         )
         listed = Listed(
             segment.sequence, segment.previous, name, size, segment.first_step,
-            segment.last_step, segment.after_changes, segment.changes,
+            segment.last_step, segment.after_changes, segment.changes, segment.full,
         )  # fmt: skip
         listing = [*self.segments, listed]
         dropped, kept = listing[: -self.keep], listing[-self.keep :]
@@ -123,6 +149,28 @@ class LogWriter:
         for entry in dropped:  # only once no manifest lists them
             (self.directory / entry.file).unlink(missing_ok=True)
         return listed
+
+
+def _writer_lock(directory: Path, writer: str) -> int | None:
+    """Hold ``flock`` on the chain's lock file for this writer's life: two processes writing
+    one chain would number over each other's segments. None where the file system has no
+    flock (then nothing guards the chain)."""
+    path = directory / WRITER_LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        if error.errno in (errno.ENOLCK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise ChangeLogError(
+            f"change log {directory}: another process writes this chain ({holder}); a "
+            f"publish directory takes one job at a time"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, writer.encode(), 0)
+    return fd
 
 
 def read_manifest(directory: str | os.PathLike[str]) -> Manifest:
@@ -153,8 +201,10 @@ def _manifest_problem(document: Any) -> str | None:
     for entry in segments:
         if not isinstance(entry, dict) or set(entry) != fields:
             return f"a segment entry must have the keys {sorted(fields)}: {entry!r}"
-        if not all(type(entry[k]) is int and entry[k] >= 0 for k in fields - {"file"}):
+        if not all(type(entry[k]) is int and entry[k] >= 0 for k in fields - {"file", "full"}):
             return f"a segment entry's numbers must be integers >= 0: {entry!r}"
+        if not isinstance(entry["full"], bool):
+            return f"a segment entry's full must be true or false: {entry!r}"
         if entry["file"] != segment_name(entry["sequence"]):
             return f"segment {entry['sequence']} must be in {segment_name(entry['sequence'])}"
     return None
@@ -206,11 +256,16 @@ class ChainFollower:
 
     def _newer(self, segments: tuple[Listed, ...]) -> list[Listed]:
         """The entries after the state followed: after the last applied, or from the base on
-        (the first that reaches past the base's change)."""
+        (the first that reaches past the base's change); from the newest full segment among
+        them, which replaces everything before it."""
         if self.applied is not None:
-            return [entry for entry in segments if entry.sequence > self.applied]
-        newer = [entry for entry in segments if entry.changes > self.changes]
-        if newer and newer[0].after_changes > self.changes:
+            newer = [entry for entry in segments if entry.sequence > self.applied]
+        else:
+            newer = [entry for entry in segments if entry.changes > self.changes]
+        full = [i for i, entry in enumerate(newer) if entry.full]
+        if full:
+            return newer[full[-1] :]
+        if self.applied is None and newer and newer[0].after_changes > self.changes:
             raise ChangeLogError(
                 f"change log {self.directory}: its oldest segment kept starts after change "
                 f"{newer[0].after_changes}, past the base's change {self.changes}: the log no "
@@ -222,7 +277,7 @@ class ChainFollower:
         """The segment of ``entry``, which must come right after segment ``sequence``, which
         ended at change ``changes`` (``first``: the base's change, inside the entry's)."""
         path = self.directory / entry.file
-        if self.applied is not None or not first:
+        if not entry.full and (self.applied is not None or not first):
             if entry.previous != sequence or entry.sequence != sequence + 1:
                 raise ChangeLogError(
                     f"change log segment {path}: numbered {entry.sequence} after "
@@ -233,14 +288,13 @@ class ChainFollower:
                 raise ChangeLogError(
                     f"change log segment {path}: starts after change {entry.after_changes} "
                     f"of server {self.server}'s store, but the state followed ends at change "
-                    f"{changes} (a job resumed from an earlier checkpoint rewinds the log: "
-                    f"serve from that checkpoint)"
+                    f"{changes} (a segment lost, or segments of another job)"
                 )
         segment = read_segment(path)
-        told = (segment.server, segment.sequence, segment.previous, segment.changes)
-        if told != (self.server, entry.sequence, entry.previous, entry.changes):
+        told = (segment.server, segment.sequence, segment.previous, segment.changes, segment.full)
+        if told != (self.server, entry.sequence, entry.previous, entry.changes, entry.full):
             raise ChangeLogError(
-                f"change log segment {path}: its header (server, sequence, previous, changes) "
-                f"{told} disagrees with its manifest entry"
+                f"change log segment {path}: its header (server, sequence, previous, changes, "
+                f"full) {told} disagrees with its manifest entry"
             )
         return segment

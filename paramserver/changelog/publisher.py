@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from paramserver.changelog.collect import attach_collector, cut
+from paramserver.changelog.collect import attach_collector, cut, full_cut
 from paramserver.changelog.log import DEFAULT_KEEP, LogWriter
 from paramserver.changelog.segment import Segment
 from paramserver.store.store import Store
@@ -54,11 +54,22 @@ class Publisher:
         :meth:`cut` is called (a sync job cuts at a round's end)."""
         self.store, self.every_s, self.codec = store, every_s, codec
         self.writer = LogWriter(root, writer, store.server, keep)
+        # A store that does not continue its chain where it ends (a job resumed from an
+        # earlier or a later checkpoint, or onto another server count): a full segment
+        # first, and changes numbered on after the log's (see paramserver.changelog.log).
+        changes = store.changes
+        rebase = changes.resharded or self.writer.last_changes != changes.covered()
+        if rebase:
+            store.changes.continue_from(self.writer.last_changes)
         self.collector = attach_collector(store)
         self.stats = PublishStats()
         self._next_step = store.clock + 1
         self._cut_lock = threading.Lock()
         self._waiting: deque[Segment] = deque()
+        if rebase:
+            full = full_cut(store, self.collector, self._next_step, store.clock)
+            full.aligned = not timed  # a resumed sync job's servers all start at one step
+            self._waiting.append(full)
         self._wake = threading.Condition()
         self._closing = self._close_started = False
         self._give_up_at = float("inf")  # when closing: the time to stop trying
@@ -107,11 +118,13 @@ class Publisher:
             self._give_up_at = time.monotonic() + timeout
             self._wake.notify()
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        if self._thread.is_alive():  # it may still write: the chain stays this process's
             logger.error(
                 "server %d: %d change log segments not written after %.0f s",
                 self.store.server, len(self._waiting), timeout,
             )  # fmt: skip
+        else:
+            self.writer.close()
 
     def _run(self) -> None:
         while True:

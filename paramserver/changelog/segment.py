@@ -55,7 +55,8 @@ _DTYPES = {
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_KEYS = {
     "writer", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
-    "changes", "cut_at", "first_change_at", "aligned", "tables", "dense", "tensors",
+    "changes", "cut_at", "first_change_at", "aligned", "servers", "full", "tables", "dense",
+    "tensors",
 }  # fmt: skip
 # The tensors a table may have in a segment, by role.
 _ROLES = ("ids", "values", "scales", "removed")
@@ -79,7 +80,10 @@ class Segment:
     ``previous`` (0: the chain's first); it covers
     the server's steps ``first_step`` to ``last_step`` (none where ``first_step`` is
     ``last_step + 1``: a cut with no step since the last) and its store's changes after
-    ``after_changes`` up to ``changes`` (the change feed's sequence numbers)."""
+    ``after_changes`` up to ``changes`` (the change feed's sequence numbers). ``servers``:
+    the job's server count. ``full``: it holds every row and dense value the server has, not
+    only what changed: it replaces the server's part whatever came before (a job resumed
+    from a checkpoint older than its log's end publishes one first)."""
 
     writer: str
     server: int
@@ -94,6 +98,8 @@ class Segment:
     # Cut at a sync round's end that every server cut at: serving applies the segments of
     # one step on all servers together (a version is the model after that step).
     aligned: bool = False
+    servers: int = 1
+    full: bool = False
     tables: dict[str, TableChanges] = field(default_factory=dict)
     dense: dict[str, Tensor] = field(default_factory=dict)
 
@@ -144,7 +150,7 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
         "last_step": segment.last_step, "after_changes": segment.after_changes,
         "changes": segment.changes, "cut_at": segment.cut_at,
         "first_change_at": segment.first_change_at, "aligned": segment.aligned,
-        "tables": tables,
+        "servers": segment.servers, "full": segment.full, "tables": tables,
         "dense": list(segment.dense), "tensors": placed,
     }  # fmt: skip
     digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
@@ -194,9 +200,9 @@ def _parse(data: bytes) -> Segment:
     for name, counts in header["tables"].items():
         segment.tables[name] = _table(name, counts, found)
     for name in header["dense"]:
-        if ("dense", name) not in found:
+        if (name,) not in found:
             raise _Bad(f"dense parameter {name!r} has no tensor")
-        segment.dense[name] = found.pop(("dense", name))
+        segment.dense[name] = found.pop((name,))
     if found:
         raise _Bad(f"tensors that no table or dense parameter names: {sorted(found)[:3]}")
     return segment
@@ -211,12 +217,16 @@ def _check_header(header: Any) -> None:
     for key in ("cut_at", "first_change_at"):
         if type(header[key]) not in (int, float) or not header[key] >= 0:
             raise _Bad(f"header: {key} must be a time >= 0, got {header[key]!r}")
-    if not isinstance(header["aligned"], bool):
-        raise _Bad("header: aligned must be true or false")
+    for key in ("aligned", "full"):
+        if not isinstance(header[key], bool):
+            raise _Bad(f"header: {key} must be true or false")
     times = {"cut_at", "first_change_at"}
-    for key in _HEADER_KEYS - times - {"writer", "aligned", "tables", "dense", "tensors"}:
+    flags = {"writer", "aligned", "full", "tables", "dense", "tensors"}
+    for key in _HEADER_KEYS - times - flags:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
+    if not header["server"] < header["servers"]:
+        raise _Bad(f"header: server {header['server']} of {header['servers']} servers")
     if not header["previous"] < header["sequence"]:
         raise _Bad(f"header: previous {header['previous']} is not before {header['sequence']}")
     if not header["after_changes"] <= header["changes"]:
@@ -227,10 +237,10 @@ def _check_header(header: Any) -> None:
         raise _Bad("header: tensors must be a list")
 
 
-def _tensors(entries: list[Any], payload: memoryview) -> dict[tuple[str, str], Tensor]:
-    """The payload's tensors by (table, role) or ("dense", name), each checked to lie within
+def _tensors(entries: list[Any], payload: memoryview) -> dict[tuple[str, ...], Tensor]:
+    """The payload's tensors by (table, role) or (dense name,), each checked to lie within
     the payload with its dtype and shape."""
-    found: dict[tuple[str, str], Tensor] = {}
+    found: dict[tuple[str, ...], Tensor] = {}
     for entry in entries:
         key, tensor = _tensor(entry, payload)
         if key in found:
@@ -239,11 +249,12 @@ def _tensors(entries: list[Any], payload: memoryview) -> dict[tuple[str, str], T
     return found
 
 
-def _tensor(entry: Any, payload: memoryview) -> tuple[tuple[str, str], Tensor]:
+def _tensor(entry: Any, payload: memoryview) -> tuple[tuple[str, ...], Tensor]:
     if not isinstance(entry, dict):
         raise _Bad("a tensor entry must be an object")
+    key: tuple[str, ...]
     if "dense" in entry and isinstance(entry["dense"], str):
-        key = ("dense", entry["dense"])
+        key = (entry["dense"],)
     elif isinstance(entry.get("table"), str) and entry.get("role") in _ROLES:
         key = (entry["table"], entry["role"])
     else:
@@ -262,7 +273,7 @@ def _tensor(entry: Any, payload: memoryview) -> tuple[tuple[str, str], Tensor]:
     return key, torch.from_numpy(raw).view(_DTYPES[dtype]).reshape(shape)
 
 
-def _table(name: str, counts: Any, found: dict[tuple[str, str], Tensor]) -> TableChanges:
+def _table(name: str, counts: Any, found: dict[tuple[str, ...], Tensor]) -> TableChanges:
     """Table ``name``'s changes from its tensors in ``found`` (taken out), decoded and
     checked against ``counts`` (its header entry)."""
     if not isinstance(counts, dict) or counts.get("codec") not in SEGMENT_CODECS:

@@ -40,6 +40,7 @@ from paramserver.modelplan import (
     table_aliases,
 )
 from paramserver.optimconfig import OptimizerConfig
+from paramserver.sharding import ShardPlan
 from paramserver.store.snapshot import model_signature, restore_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
@@ -74,6 +75,7 @@ class ServedModel:
         self.store = Store(0, self.plan, dense, built.inits, _NO_UPDATES, rules)
         self.lock = threading.Lock()
         self.version = Version()
+        self._routing: dict[int, ShardPlan] = {}  # a training job's, by its server count
         self._bind(parameters)
 
     def _bind(self, parameters: Mapping[str, nn.Parameter]) -> None:
@@ -188,6 +190,8 @@ class ServedModel:
     def _write(self, segment: Segment) -> None:
         for name, changes in segment.tables.items():
             dtype = self.store.tables[name].spec.dtype
+            if segment.full and self.plan.tables[name].dynamic is not None:
+                self._delete_unlisted(segment, name, changes.ids)
             if changes.ids.numel():
                 rows = {"ids": changes.ids, "value": changes.values.to(dtype)}
                 self.store.set_rows(name, rows)
@@ -196,6 +200,19 @@ class ServedModel:
         for name, value in segment.dense.items():
             slot = self.store.dense[name]
             self.store.set_dense(name, value.to(slot.value.dtype), {}, slot.version)
+
+    def _delete_unlisted(self, segment: Segment, table: str, listed: Tensor) -> None:
+        """A full segment holds every row its server has: delete the served ids of ``table``
+        that server owns (by the job's routing over ``segment.servers``) that it lacks."""
+        held = self.store.held_ids(table)
+        routing = self._routing.get(segment.servers)
+        if routing is None:
+            tables = list(self.plan.tables.values())
+            routing = self._routing[segment.servers] = ShardPlan([], tables, segment.servers)
+        owned = held[routing.server_of_rows(table, held) == segment.server]
+        gone = owned[~torch.isin(owned, listed)]
+        if gone.numel():
+            self.store.delete_ids(table, gone)
 
     # ---- requests ----
 

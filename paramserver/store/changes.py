@@ -44,6 +44,9 @@ class ChangeFeed:
     def __init__(self) -> None:
         self.sequence = 0
         self.observer: ChangeObserver | None = None
+        # Restored from parts of another shard layout (or several servers' parts): its rows
+        # are not its own server's of before, whatever its sequence says.
+        self.resharded = False
         self._lock = threading.Lock()
 
     def attach(self, observer: ChangeObserver | None) -> int:
@@ -52,6 +55,14 @@ class ChangeFeed:
         with self._lock:
             self.observer = observer
             return self.sequence
+
+    def restored(self, sequence: int, *, resharded: bool) -> None:
+        """A restore (no observer attached) made the store what a snapshot that covered
+        change ``sequence`` held: its own writes were no changes, the next is numbered after
+        ``sequence``."""
+        with self._lock:
+            assert self.observer is None, "a store is restored before it is observed"
+            self.sequence, self.resharded = sequence, resharded
 
     def continue_from(self, sequence: int) -> None:
         """Number the next change after ``sequence`` at least (a store restored from a

@@ -259,6 +259,9 @@ class DynamicTable:
         did not hand out get their current rows. None: no record."""
         return self.pulls.rows_at(ids, pull, self.ids.lookup)
 
+    def held_ids(self) -> Tensor:
+        return self.ids.live_rows()[0]
+
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every live row with its state and bookkeeping, keyed by id, the pending
         ids' counters, and the counters (for checkpoints)."""

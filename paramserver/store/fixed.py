@@ -51,7 +51,7 @@ class FixedTable:
         self.server = server
         self.rule = rule
         self.id_bounds = (0, spec.num_rows - 1)
-        ids = self.global_ids()
+        ids = self.held_ids()
         if place is None:
             tracks = cache_lag is not None
             place = RowArena(spec.dim, spec.dtype, rule, versions=tracks, rows=ids.numel()), 0
@@ -65,7 +65,7 @@ class FixedTable:
         """The local rows of ``ids`` (on one server, the ids themselves: read only)."""
         return ids if self.plan.num_servers == 1 else self.plan.local_rows(ids)
 
-    def global_ids(self) -> Tensor:
+    def held_ids(self) -> Tensor:
         """The global ids of this server's rows, in local order."""
         return torch.arange(self.server, self.spec.num_rows, self.plan.num_servers)
 
@@ -109,7 +109,7 @@ class FixedTable:
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
         return row_entries(
-            self.global_ids(), self.weight, self.state, self.steps, self.versions
+            self.held_ids(), self.weight, self.state, self.steps, self.versions
         ), {}
 
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:

@@ -15,7 +15,8 @@ read, and rather than scaling ``capacity``, which the model sets as its memory b
 A snapshot records the store's change sequence (:mod:`paramserver.store.changes`) taken before
 its copies: every change numbered up to it is in the snapshot (a later one may be too, in async
 mode, where training goes on while tables are copied one by one). A restored store numbers its
-changes on from the highest sequence saved.
+changes on from the highest sequence saved (what the restore itself wrote is no change), and
+says whether it was restored from its own part alone (``ChangeFeed.resharded``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def restore_store(store: Store, saved: Iterable[Saved]) -> None:
     serving). Raises :class:`CheckpointError` if a saved shard does not fit the model, or if
     a dynamic table's rows on this server would exceed its ``capacity``."""
     saved_servers = None
+    parts: list[tuple[Any, Any, int]] = []  # each part's server, server count and sequence
     for tensors, meta in saved:
         try:
             _restore_one(store, tensors, meta)
@@ -75,7 +77,13 @@ def restore_store(store: Store, saved: Iterable[Saved]) -> None:
                 f"{type(error).__name__}: {error}"
             ) from error
         saved_servers = meta.get("num_servers")
+        parts.append((meta["server"], saved_servers, int(meta.get("sequence", 0))))
     _check_capacity(store, saved_servers)
+    own = [(store.server, store.plan.num_servers)]
+    store.changes.restored(
+        max((sequence for *_, sequence in parts), default=0),
+        resharded=[part[:2] for part in parts] != own,
+    )
 
 
 def _check_capacity(store: Store, saved_servers: Any) -> None:
@@ -125,4 +133,3 @@ def _restore_one(store: Store, tensors: dict[str, Tensor], meta: dict[str, Any])
                 }
         table.restore(rows, table_meta)
     store.clock = max(store.clock, int(meta["clock"]))
-    store.changes.continue_from(int(meta.get("sequence", 0)))  # saved before it was kept: 0

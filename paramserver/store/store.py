@@ -229,6 +229,12 @@ class Store:
         with shard.lock:
             shard.delete_ids(ids)
 
+    def held_ids(self, table: str) -> Tensor:
+        """The ids of every row of ``table`` this server holds (sorted)."""
+        shard = self._table(table)
+        with shard.lock:
+            return shard.held_ids()
+
     def _table(self, name: str) -> TableShard:
         table = self.tables.get(name)
         if table is None:

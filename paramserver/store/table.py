@@ -176,6 +176,10 @@ class TableShard(Protocol):
         rows cannot go: raises StoreError), as an eviction would."""
         ...
 
+    def held_ids(self) -> Tensor:
+        """The ids of every row this server holds, sorted (a fixed table's global row ids)."""
+        ...
+
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id or id (``"ids"``), and
         JSON-ready metadata (for checkpoints)."""
