@@ -32,6 +32,7 @@ from paramserver.serving.frontend import Frontend
 from paramserver.serving.grpc import GrpcServing
 from paramserver.serving.http import MAX_BODY_BYTES, HttpServing
 from paramserver.serving.model import ServedModel
+from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
 
@@ -56,16 +57,24 @@ class Training:
     """Two training servers' stores of Ranker, each publishing into ``root``."""
 
     def __init__(self, root: Path, aligned: bool = False):
-        built = build_model(Ranker, 0)
-        plan = plan_of(built.model, SERVERS)
-        rule = OptimizerConfig(name="sgd", lr=0.5)
-        dense = {n: p.detach() for n, p in built.model.named_parameters() if n in plan.dense}
-        rules = dict.fromkeys(plan.tables, rule)
-        self.plan, self.aligned, self.step = plan, aligned, 0
-        self.stores = [Store(s, plan, dense, built.inits, rule, rules) for s in range(SERVERS)]
+        self.built = build_model(Ranker, 0)
+        self.plan, self.aligned, self.step = plan_of(self.built.model, SERVERS), aligned, 0
+        self.stores = [self.new_store(s) for s in range(SERVERS)]
         self.publishers = [
-            Publisher(store, root, "job", every_s=3600, timed=False) for store in self.stores
+            self.publisher(store, root, "job") for store in self.stores
         ]
+
+    def publisher(self, store: Store, root: Path, writer: str) -> Publisher:
+        """A sync job's publisher cuts when told; an async job's on a timer (here never)."""
+        return Publisher(store, root, writer, every_s=3600, timed=not self.aligned)
+
+    def new_store(self, server: int) -> Store:
+        """Server ``server``'s store as the job starts it."""
+        rule = OptimizerConfig(name="sgd", lr=0.5)
+        dense = {n: p.detach() for n, p in self.built.model.named_parameters()
+                 if n in self.plan.dense}  # fmt: skip
+        rules = dict.fromkeys(self.plan.tables, rule)
+        return Store(server, self.plan, dense, self.built.inits, rule, rules)
 
     def train(self, items: list[int], users: list[int]) -> None:
         """One step: every row of ``items`` and ``users`` (and every dense value) updated."""
@@ -333,3 +342,39 @@ def test_a_malformed_protobuf_gets_the_protocols_error_and_serving_goes_on(servi
     client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_serving.port}")
     assert client.is_server_ready()
     channel.close()
+
+
+def test_a_full_segment_deletes_the_served_ids_its_server_no_longer_holds(
+    tmp_path: Path, training: Training
+) -> None:
+    """A training server resumed from a checkpoint taken before some of its ids were made
+    publishes a full segment: serving drops those ids (they read as the default again) and
+    keeps every id of the other server."""
+    served, follower = follower_of(tmp_path)
+    owner = lambda i: int(training.plan.server_of_rows("user.weight", torch.tensor([i]))[0])  # noqa: E731
+    users = list(range(10, 30))
+    resumed_server = owner(users[0])
+    kept = [i for i in users if owner(i) == resumed_server][:2]
+    later = [i for i in users if owner(i) == resumed_server][2:4]
+    other = [i for i in users if owner(i) != resumed_server][:2]
+    training.train(items=[1], users=kept + other)
+    training.publish()
+    saved = snapshot_store(training.stores[resumed_server])
+    training.train(items=[1], users=later)
+    training.publish()
+    assert follower.poll() == 2 * SERVERS
+    assert not torch.equal(served.lookup("user.weight", torch.tensor(later))[0],
+                           torch.full((2, 4), 0.5))  # fmt: skip
+
+    training.publishers[resumed_server].close()
+    resumed = training.new_store(resumed_server)
+    restore_store(resumed, [saved])
+    training.stores[resumed_server] = resumed
+    training.publishers[resumed_server] = training.publisher(resumed, tmp_path, "job-resumed")
+    assert training.publishers[resumed_server].flush(5.0)
+    assert follower.poll() == 1 and follower.problems == {}
+    assert torch.equal(served.lookup("user.weight", torch.tensor(later))[0],
+                       torch.full((2, 4), 0.5))  # fmt: skip
+    for ids in (kept, other):
+        assert torch.equal(served.lookup("user.weight", torch.tensor(ids))[0],
+                           training.rows("user.weight", ids))  # fmt: skip
