@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from tritonclient.utils import InferenceServerException
 
 import paramserver as ps
-from paramserver.changelog.log import MANIFEST, server_dir
+from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, server_dir
 from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.segment import Segment, TableChanges
 from paramserver.modelplan import build_model, plan_of
@@ -60,9 +61,7 @@ class Training:
         self.built = build_model(Ranker, 0)
         self.plan, self.aligned, self.step = plan_of(self.built.model, SERVERS), aligned, 0
         self.stores = [self.new_store(s) for s in range(SERVERS)]
-        self.publishers = [
-            self.publisher(store, root, "job") for store in self.stores
-        ]
+        self.publishers = [self.publisher(store, root, "job") for store in self.stores]
 
     def publisher(self, store: Store, root: Path, writer: str) -> Publisher:
         """A sync job's publisher cuts when told; an async job's on a timer (here never)."""
@@ -378,3 +377,59 @@ def test_a_full_segment_deletes_the_served_ids_its_server_no_longer_holds(
     for ids in (kept, other):
         assert torch.equal(served.lookup("user.weight", torch.tensor(ids))[0],
                            training.rows("user.weight", ids))  # fmt: skip
+
+
+def item_segment(server: int, step: int, value: float, *, table: str = "item.weight",
+                 aligned: bool = False) -> Segment:  # fmt: skip
+    """A segment of server ``server`` (of SERVERS) at ``step``: rows 0..3 of ``table`` set
+    to ``value``."""
+    made = Segment("job", server, 0, 0, step, step, step - 1, step, aligned=aligned,
+                   servers=SERVERS)  # fmt: skip
+    made.tables[table] = TableChanges(
+        torch.arange(4), torch.full((4, 4), value), torch.zeros(0, dtype=torch.int64)
+    )
+    return made
+
+
+def test_a_sync_version_waits_for_a_server_that_has_not_published_yet(tmp_path: Path) -> None:
+    writer = LogWriter(tmp_path, "job", 0)
+    writer.append(item_segment(0, 1, 1.0, aligned=True))
+    served, follower = follower_of(tmp_path)  # server 1's directory is not there yet
+    assert follower.poll() == 0 and served.version.number == 0
+    LogWriter(tmp_path, "job", 1).append(item_segment(1, 1, 1.0, aligned=True))
+    assert follower.poll() == SERVERS and served.version.steps == {0: 1, 1: 1}
+
+
+def test_a_segment_that_does_not_fit_the_model_refuses_only_its_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    LogWriter(tmp_path, "job", 0).append(item_segment(0, 1, 1.0))
+    LogWriter(tmp_path, "job", 1).append(item_segment(1, 1, 1.0, table="nope.weight"))
+    served, follower = follower_of(tmp_path)
+    with caplog.at_level("ERROR"):
+        assert follower.poll() == 1 and follower.poll() == 0
+    assert served.version.segments == {0: 1}
+    assert "no such table" in follower.problems[1] and 0 not in follower.problems
+    assert sum("server 1" in r.message for r in caplog.records) == 1  # logged once
+    assert follower.metrics.segments == {"applied": 1, "refused": 1}
+
+
+def test_a_follower_far_behind_catches_up_a_bounded_number_of_segments_at_a_time(
+    tmp_path: Path,
+) -> None:
+    writer = LogWriter(tmp_path, "job", 0)
+    for step in range(1, 8):
+        writer.append(item_segment(0, step, float(step)))
+    served = ServedModel(Ranker, 0)
+    follower = Follower(served, tmp_path, poll_s=0.01)
+    follower.chains[0] = ChainFollower(tmp_path, 0, most=3)
+    assert follower.poll() == 3 and follower.chains[0].more
+    follower.start()
+    try:
+        deadline = time.monotonic() + 10
+        while served.version.segments.get(0) != 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        follower.close()
+    assert served.version.segments == {0: 7} and not follower.chains[0].more
+    assert torch.equal(served.lookup("item.weight", torch.arange(4))[0], torch.full((4, 4), 7.0))

@@ -220,19 +220,26 @@ class ChainFollower:
     """Follows one server's chain (see the module doc) from a state that covers that server's
     store up to change ``changes`` (a base's: its checkpoint records it; 0: the job's start)."""
 
-    def __init__(self, root: str | os.PathLike[str], server: int, changes: int = 0):
+    def __init__(self, root: str | os.PathLike[str], server: int, changes: int = 0, most: int = 64):
+        """``most``: the segments one :meth:`pending` reads at most (a follower far behind
+        catches up in several); :attr:`more` says whether it left some."""
         self.directory = server_dir(root, server)
         self.server = server
         self.applied: int | None = None  # the last segment applied (None: none since the base)
         self.changes = changes
+        self.most = most
+        self.more = False
+        self._read_before: dict[Listed, Segment] = {}  # pending but not applied: not read again
 
     def pending(self) -> tuple[list[Segment], ChangeLogError | None]:
-        """The segments after the state followed, read and checked, in order, up to the first
-        that breaks the chain, whose error comes beside them (None: no break). Taking them
-        applies nothing: the caller says which it applied (:meth:`applied`)."""
+        """The segments after the state followed (the first ``most``), read and checked, in
+        order, up to the first that breaks the chain, whose error comes beside them (None: no
+        break). Taking them applies nothing: the caller says which it applied
+        (:meth:`applied_up_to`)."""
         if not (self.directory / MANIFEST).exists():
             return [], None
         found: list[Segment] = []
+        read: dict[Listed, Segment] = {}
         try:
             manifest = read_manifest(self.directory)
             if manifest.server != self.server:
@@ -241,13 +248,17 @@ class ChainFollower:
                     f"{manifest.server}'s, in server {self.server}'s directory"
                 )
             newer = self._newer(manifest.segments)
+            self.more = len(newer) > self.most
             after = (newer[0].previous, self.changes) if newer else None
-            for entry in newer:
+            for entry in newer[: self.most]:
                 assert after is not None
-                found.append(self._read(entry, *after, first=not found))
+                read[entry] = self._read(entry, *after, first=not found)
+                found.append(read[entry])
                 after = (entry.sequence, entry.changes)
         except ChangeLogError as error:
             return found, error
+        finally:
+            self._read_before = read
         return found, None
 
     def applied_up_to(self, segment: Segment) -> None:
@@ -290,7 +301,7 @@ class ChainFollower:
                     f"of server {self.server}'s store, but the state followed ends at change "
                     f"{changes} (a segment lost, or segments of another job)"
                 )
-        segment = read_segment(path)
+        segment = self._read_before.get(entry) or read_segment(path)
         told = (segment.server, segment.sequence, segment.previous, segment.changes, segment.full)
         if told != (self.server, entry.sequence, entry.previous, entry.changes, entry.full):
             raise ChangeLogError(

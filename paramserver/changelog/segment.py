@@ -225,16 +225,20 @@ def _check_header(header: Any) -> None:
     for key in _HEADER_KEYS - times - flags:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
+    if not isinstance(header["tables"], dict) or not isinstance(header["dense"], list):
+        raise _Bad("header: tables must be an object and dense a list")
+    if not isinstance(header["tensors"], list):
+        raise _Bad("header: tensors must be a list")
+    _check_order(header)
+
+
+def _check_order(header: dict[str, Any]) -> None:
     if not header["server"] < header["servers"]:
         raise _Bad(f"header: server {header['server']} of {header['servers']} servers")
     if not header["previous"] < header["sequence"]:
         raise _Bad(f"header: previous {header['previous']} is not before {header['sequence']}")
     if not header["after_changes"] <= header["changes"]:
         raise _Bad("header: after_changes is past changes")
-    if not isinstance(header["tables"], dict) or not isinstance(header["dense"], list):
-        raise _Bad("header: tables must be an object and dense a list")
-    if not isinstance(header["tensors"], list):
-        raise _Bad("header: tensors must be a list")
 
 
 def _tensors(entries: list[Any], payload: memoryview) -> dict[tuple[str, ...], Tensor]:

@@ -4,11 +4,14 @@ server's manifest, takes the segments after the last it applied (each chain chec
 
 Which segments make a version: in a sync job each segment is cut at a round every server cut
 at (``aligned``), so a version is every server's segments up to the newest step all of them
-have reached: the model after that step, exactly; a server ahead waits for the others. In an
-async job a version is each server's newest cut. A server whose chain breaks (a gap, a
-duplicate, a damaged file) is reported (logged, counted, :attr:`Follower.problems`) and its
-segments up to the break are still applied; serving keeps answering from the last good
-version, and takes that server's chain up again once it is whole.
+have reached: the model after that step, exactly; a server ahead waits for the others, and no
+version is applied before every server of the job (each segment names how many) has cut. In
+an async job a version is each server's newest cut. A server whose chain breaks (a gap, a
+duplicate, a damaged file) or whose segment does not fit the served model is reported (logged
+once, counted, :attr:`Follower.problems`) and its segments up to the break are still applied;
+serving keeps answering from the last good version, and takes that server's chain up again
+once it is whole. A follower far behind (a restart replaying a long log) reads a bounded
+number of segments per server at a time and applies version after version until it is level.
 """
 
 from __future__ import annotations
@@ -61,22 +64,18 @@ class Follower:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                self.poll()
+                while self.poll() and any(chain.more for chain in self.chains.values()):
+                    pass  # behind: the next version at once
             except Exception:  # a bug: keep serving what is applied, say so
                 log.exception("following the change logs under %s failed", self.root)
 
     def poll(self) -> int:
-        """One round of reading and applying; returns the segments applied."""
-        pending = self._pending()
-        chosen = _version(pending)
+        """One round of reading and applying one version; returns the segments applied."""
+        chosen = _version(self._pending())
         if not any(chosen.values()):
             return 0
         segments = [segment for found in chosen.values() for segment in found]
-        try:
-            self.served.apply(segments, max(s.cut_at for s in segments))
-        except ChangeLogError as error:
-            self._refused(segments[0].server, str(error), len(segments))
-            return 0
+        self.served.apply(segments, max(s.cut_at for s in segments))
         for server, found in chosen.items():
             if found:
                 self.chains[server].applied_up_to(found[-1])
@@ -94,6 +93,12 @@ class Follower:
         pending = {}
         for server, chain in self.chains.items():
             found, error = chain.pending()
+            for at, segment in enumerate(found):
+                try:
+                    self.served.check(segment)
+                except ChangeLogError as unfit:
+                    found, error = found[:at], unfit
+                    break
             if error is not None:
                 self._refused(server, str(error), 1)
             else:
@@ -113,10 +118,10 @@ def _version(pending: dict[int, list[Segment]]) -> dict[int, list[Segment]]:
     found = [s for segments in pending.values() for s in segments]
     if not found or not all(s.aligned for s in found):
         return pending
-    reached = [segments[-1].last_step for segments in pending.values() if segments]
-    if len(reached) < len(pending):
+    servers = range(max(s.servers for s in found))  # the job's: a resharded job's old stay
+    if not all(pending.get(server) for server in servers):
         return {server: [] for server in pending}  # a server has nothing new: wait for it
-    step = min(reached)
+    step = min(pending[server][-1].last_step for server in servers)
     return {server: _up_to(segments, step) for server, segments in pending.items()}
 
 

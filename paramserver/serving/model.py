@@ -151,7 +151,7 @@ class ServedModel:
         """Apply ``segments`` (each the next of its server's chain) as one version: checked
         whole first (tables, widths, ids), so a bad one changes nothing (ChangeLogError)."""
         for segment in segments:
-            self._check(segment)
+            self.check(segment)
         with self.lock:
             for segment in segments:
                 self._write(segment)
@@ -164,7 +164,9 @@ class ServedModel:
                 max(version.applied_at, published_at),
             )
 
-    def _check(self, segment: Segment) -> None:
+    def check(self, segment: Segment) -> None:
+        """Whether ``segment`` fits the served model (its tables, widths, ids and dense
+        shapes); ChangeLogError where not."""
         for name, changes in segment.tables.items():
             table = self.store.tables.get(name)
             where = f"segment {segment.sequence} of server {segment.server}: table {name!r}"

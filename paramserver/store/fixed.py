@@ -108,9 +108,7 @@ class FixedTable:
 
     def snapshot(self) -> tuple[dict[str, Tensor], dict[str, Any]]:
         """Copies of every row with its state, keyed by global row id (for checkpoints)."""
-        return row_entries(
-            self.held_ids(), self.weight, self.state, self.steps, self.versions
-        ), {}
+        return row_entries(self.held_ids(), self.weight, self.state, self.steps, self.versions), {}
 
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Take the rows of ``saved`` (this server's, any shard layout it came from)."""
