@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import paramserver.changelog.log as log_module
-from paramserver.changelog.collect import attach_collector, cut
+from paramserver.changelog.collect import ChangeCollector, attach_collector, cut
 from paramserver.changelog.log import (
     MANIFEST,
     WRITER_LOCK,
@@ -278,26 +278,68 @@ def test_a_timed_publisher_chain_replays_to_the_stores_state(tmp_path: Path) -> 
 def test_a_segment_that_cannot_be_written_is_tried_again_and_the_chain_skips_none(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """While the disk is full no further segment is cut; the first cut after it is freed
+    covers every step since."""
     store = make_store()
     publisher = Publisher(store, tmp_path, "job", every_s=0.01, timed=False)
-    append, failed = publisher.writer.append, []
+    append, disk_freed = publisher.writer.append, threading.Event()
 
-    def full_disk_once(segment: Segment, codec: str = "none") -> object:
-        if not failed:
-            failed.append(segment.first_step)
+    def full_disk(segment: Segment, codec: str = "none") -> object:
+        if not disk_freed.is_set():
             raise OSError(28, "No space left on device")
         return append(segment, codec)
 
-    monkeypatch.setattr(publisher.writer, "append", full_disk_once)
-    for clock in (1, 2, 3):
+    def step(clock: int) -> None:
         store.advance_clock(clock)
         store.apply_rows({"fixed": (ids(clock), torch.ones(1, 4))}, {"fixed": 0.1}, clock)
         publisher.cut()
+
+    monkeypatch.setattr(publisher.writer, "append", full_disk)
+    step(1)
+    deadline = time.monotonic() + 10
+    while publisher.stats.failures < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)  # tried again and again
+    step(2)
+    step(3)
+    assert len(publisher._waiting) == 1  # steps 2 and 3 wait in the collector, not cut
+    disk_freed.set()
+    assert publisher.flush(10.0)
+    step(4)
     publisher.close()
-    assert failed == [1] and publisher.stats.failures == 1
     found = ChainFollower(tmp_path, 0).pending()[0]
-    assert [(s.sequence, s.first_step) for s in found] == [(1, 1), (2, 2), (3, 3), (4, 4)]
-    assert [s.tables["fixed"].ids.tolist() for s in found[:3]] == [[1], [2], [3]]
+    assert [(s.sequence, s.first_step, s.last_step) for s in found][:2] == [(1, 1, 1), (2, 2, 4)]
+    assert [s.tables["fixed"].ids.tolist() for s in found[:2]] == [[1], [2, 3, 4]]
+    assert publisher.stats.failures >= 3 and len(found) == 3  # and the closing cut
+
+
+def test_a_timed_publisher_cuts_nothing_while_nothing_changes(tmp_path: Path) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=0.01)
+    time.sleep(0.2)  # many periods, no change
+    assert publisher.stats.segments == 0
+    store.advance_clock(1)
+    store.apply_rows({"fixed": (ids(1), torch.ones(1, 4))}, {"fixed": 0.1}, 1)
+    deadline = time.monotonic() + 10
+    while publisher.stats.segments == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    publisher.close()
+    found = ChainFollower(tmp_path, 0).pending()[0]
+    assert [s.tables["fixed"].ids.tolist() for s in found[:1]] == [[1]]
+
+
+def test_a_collector_left_uncut_keeps_one_entry_per_changed_id(tmp_path: Path) -> None:
+    collector = ChangeCollector(compact_at=100)
+    for sequence in range(1, 1001):  # ids 0..9 written and removed again and again
+        collector.rows_written("t", torch.tensor([sequence % 10]), sequence)
+        if sequence % 7 == 0:
+            collector.ids_removed("t", torch.tensor([sequence % 10]), sequence)
+    assert sum(ids.numel() for ids, _ in collector._events["t"]) <= 110
+    changed = collector.take()
+    last_sequence = {k: max(s for s in range(1, 1001) if s % 10 == k) for k in range(10)}
+    last_removed = {k for k, s in last_sequence.items() if s % 7 == 0}
+    assert set(changed.removed["t"].tolist()) == last_removed
+    assert set(changed.written["t"].tolist()) == set(range(10)) - last_removed
+    assert (changed.after_changes, changed.changes) == (0, 1000)
 
 
 def test_a_follower_from_a_base_starts_at_the_segment_that_holds_the_bases_change(

@@ -41,11 +41,15 @@ class Changed:
 
 
 class ChangeCollector:
-    """A store's changes since the last :meth:`take` (see the module doc)."""
+    """A store's changes since the last :meth:`take` (see the module doc). Where a table's
+    reports hold over ``compact_at`` ids (no cut for long: its writing stalls), they are
+    folded into each id's last change, so what it keeps is bounded by the ids changed."""
 
-    def __init__(self) -> None:
+    def __init__(self, compact_at: int = 1 << 20) -> None:
         self._lock = threading.Lock()
+        self._compact_at = compact_at
         self._events: dict[str, list[tuple[Tensor, bool]]] = {}
+        self._held: dict[str, int] = {}  # ids in each table's events
         self._dense: set[str] = set()
         self._changes = self._taken = 0
         self._first_change_at = 0.0
@@ -70,14 +74,26 @@ class ChangeCollector:
     def _add(self, table: str, ids: Tensor, written: bool, sequence: int) -> None:
         copy = ids.clone()  # the caller's, which it may reuse
         with self._lock:
-            self._events.setdefault(table, []).append((copy, written))
+            events = self._events.setdefault(table, [])
+            events.append((copy, written))
+            self._held[table] = self._held.get(table, 0) + copy.numel()
+            if self._held[table] > self._compact_at:
+                kept, dropped = _last_changes(events)  # disjoint: their order no longer matters
+                self._events[table] = [(kept, True), (dropped, False)]
+                self._held[table] = kept.numel() + dropped.numel()
+                self._compact_at = max(self._compact_at, 2 * self._held[table])
             self._changes = sequence
             self._first_change_at = self._first_change_at or time.time()
+
+    def has_changes(self) -> bool:
+        """Whether anything changed since the last take."""
+        with self._lock:
+            return self._changes != self._taken or bool(self._events or self._dense)
 
     def take(self) -> Changed:
         """What changed since the last take, each id's last change deciding its fate."""
         with self._lock:
-            events, self._events = self._events, {}
+            events, self._events, self._held = self._events, {}, {}
             dense, self._dense = self._dense, set()
             after, changes, first = self._taken, self._changes, self._first_change_at
             self._taken, self._first_change_at = changes, 0.0

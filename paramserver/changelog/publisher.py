@@ -4,9 +4,13 @@ to its chain, every ``every_s`` seconds or when told.
 Cutting (:func:`~paramserver.changelog.collect.cut`) copies the changed rows under the
 store's locks in the caller's thread: quick, and in a sync job the round's own thread, so a
 segment ends exactly at a round. Writing (encode, fsync, rename, manifest) happens in the
-publisher's thread, in order. A segment that cannot be written (a full disk) stays first in
-line and is tried again each period, later segments behind it, so the chain never skips one;
-each failure is logged and counted.
+publisher's thread, in order. A timed cut with nothing changed since the last is skipped.
+
+A segment that cannot be written (a full disk) stays first in line and is tried again each
+period, so the chain never skips one; each failure is logged and counted. Meanwhile no further
+segment is cut (the store's changes keep gathering, and the first cut after the write
+succeeds covers all of them), so a long outage costs no more memory than the changes
+themselves; the closing cut always goes.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Publisher:
         self._wake = threading.Condition()
         self._closing = self._close_started = False
         self._give_up_at = float("inf")  # when closing: the time to stop trying
+        self._stalled = False  # the first segment in line failed to write: cut no more
         self._timed = timed
         self._last_cut = time.monotonic()
         self._thread = threading.Thread(
@@ -88,7 +93,12 @@ class Publisher:
         """Cut what changed up to now, covering the steps up to ``last_step`` (by default the
         store's clock), and queue it for writing; ``aligned``: at a sync round's end that
         every server cuts at."""
+        self._cut(last_step, aligned)
+
+    def _cut(self, last_step: int | None, aligned: bool, closing: bool = False) -> None:
         with self._cut_lock:  # taken and queued in one step: segments queue in their order
+            if self._stalled and not closing:
+                return  # its changes go in the first cut after the writing recovers
             # No step since the last cut: the segment covers none (first = last + 1).
             last = max(self.store.clock if last_step is None else last_step, self._next_step - 1)
             segment = cut(self.store, self.collector, self._next_step, last)
@@ -112,7 +122,7 @@ class Publisher:
                 return
             self._close_started = True
         self.store.changes.attach(None)  # first: every change before it is in the last cut
-        self.cut(aligned=not self._timed)  # a sync job's servers all end at its last round
+        self._cut(None, not self._timed, closing=True)  # a sync job's servers end at one round
         with self._wake:
             self._closing = True
             self._give_up_at = time.monotonic() + timeout
@@ -141,7 +151,17 @@ class Publisher:
             if closing:
                 return
             if self._timed and self.due():
-                self.cut()
+                self._timed_cut()
+
+    def _timed_cut(self) -> None:
+        if not self.collector.has_changes():
+            self._last_cut = time.monotonic()  # its steps go in the next segment
+            return
+        try:
+            self.cut()
+        except Exception:  # a bug: training goes on, the changes stay gathered
+            self.stats.failures += 1
+            logger.exception("server %d: cutting a change log segment failed", self.store.server)
 
     def _until_next_cut(self) -> float | None:
         if not self._timed:
@@ -155,9 +175,11 @@ class Publisher:
             listed = self.writer.append(segment, self.codec)
         except Exception as error:  # a full disk, or a bug: the chain waits, training goes on
             self.stats.failures += 1
+            self._stalled = True
             logger.warning("server %d: a change log segment was not written: %r",
                            self.store.server, error)  # fmt: skip
             return False
+        self._stalled = False
         with self._wake:
             self._waiting.popleft()
             self._wake.notify_all()  # a flush waits for the line to empty
