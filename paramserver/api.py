@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.utils.data import RandomSampler
 
+from paramserver.changelog.log import published_servers
 from paramserver.config import Launcher, TrainConfig
 from paramserver.errors import ConfigError, ModelError
 from paramserver.metrics import Evaluation, as_summary
@@ -152,6 +153,21 @@ def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | 
     if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
         raise ConfigError("evaluation: the held-out data yielded no batches")
     check_model_fits(model_fn, config)
+    _check_publish_dir(config)
+
+
+def _check_publish_dir(config: TrainConfig) -> None:
+    """A new job publishing over another's change log would tell serving that the other's
+    rows are its own: a resumed job continues the chains (see paramserver.changelog.log)."""
+    if config.publish_dir is None or config.resume:
+        return
+    found = published_servers(config.publish_dir)
+    if found:
+        raise ConfigError(
+            f"--publish-dir {config.publish_dir} already holds a change log (servers "
+            f"{', '.join(map(str, found))}); publish a new job into a new directory, or "
+            f"--resume the job that wrote it"
+        )
 
 
 def _launch(

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import paramserver as ps
+from paramserver import cli
 from paramserver.changelog.log import ChainFollower
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
@@ -86,3 +87,27 @@ def test_a_dynamic_tables_evictions_are_published_as_tombstones(tmp_path: Path) 
     held = served_state(served)
     assert torch.equal(held["emb.ids"], final["emb.ids"])
     assert torch.equal(held["emb.weight"], final["emb.weight"])
+
+
+def test_a_new_job_refuses_a_publish_dir_that_holds_another_jobs_log(tmp_path: Path) -> None:
+    config = ps.TrainConfig(
+        servers=2, trainers=1, launcher="threads", publish_dir=str(tmp_path), progress=False
+    )
+    ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 3), mse, config)
+    with pytest.raises(
+        ps.ConfigError, match=r"already holds a change log \(servers 0, 1\).*--resume"
+    ):
+        ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 3), mse, config)
+
+
+def test_the_command_line_refuses_a_used_publish_dir_with_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--steps", "3", "--servers", "2", "--trainers", "1", "--launcher",
+            "threads", "--no-progress", "--publish-dir", str(tmp_path / "log"),
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # fmt: skip
+    assert cli.main(argv) == 0
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    assert capsys.readouterr().err.count("already holds a change log (servers 0, 1)") == 1
+    assert cli.main([*argv, "--resume"]) == 0  # a resumed job continues the chains

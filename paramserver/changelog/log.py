@@ -216,6 +216,23 @@ def servers_under(root: str | os.PathLike[str]) -> list[int]:
     return sorted(int(match[1]) for match in found if match)
 
 
+def published_servers(root: str | os.PathLike[str]) -> list[int]:
+    """The servers under ``root`` whose chain lists a segment (a manifest that cannot be read
+    counts: something wrote there)."""
+    if not Path(root).is_dir():
+        return []
+    found = []
+    for server in servers_under(root):
+        directory = server_dir(root, server)
+        try:
+            listed = (directory / MANIFEST).exists() and read_manifest(directory).segments
+        except ChangeLogError:
+            listed = True
+        if listed:
+            found.append(server)
+    return found
+
+
 class ChainFollower:
     """Follows one server's chain (see the module doc) from a state that covers that server's
     store up to change ``changes`` (a base's: its checkpoint records it; 0: the job's start)."""
