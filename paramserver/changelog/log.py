@@ -225,7 +225,7 @@ def published_servers(root: str | os.PathLike[str]) -> list[int]:
     for server in servers_under(root):
         directory = server_dir(root, server)
         try:
-            listed = (directory / MANIFEST).exists() and read_manifest(directory).segments
+            listed = (directory / MANIFEST).exists() and bool(read_manifest(directory).segments)
         except ChangeLogError:
             listed = True
         if listed:
