@@ -64,10 +64,14 @@ class Follower:
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
             try:
-                while self.poll() and any(chain.more for chain in self.chains.values()):
-                    pass  # behind: the next version at once
+                self.catch_up()
             except Exception:  # a bug: keep serving what is applied, say so
                 log.exception("following the change logs under %s failed", self.root)
+
+    def catch_up(self) -> None:
+        """Poll until level with the logs: a follower behind applies version after version."""
+        while self.poll() and any(chain.more for chain in self.chains.values()):
+            pass
 
     def poll(self) -> int:
         """One round of reading and applying one version; returns the segments applied."""

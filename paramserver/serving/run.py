@@ -82,7 +82,7 @@ def serve(
     follower = None
     if follow is not None:
         follower = Follower(served, follow, frontend.metrics, poll_s)
-        follower.poll()  # what is published already, before the first answer
+        follower.catch_up()  # what is published already, before the first answer
         follower.start()
     http = None if http_port is None else HttpServing(frontend, host, http_port)
     grpc = None
