@@ -433,3 +433,14 @@ def test_a_follower_far_behind_catches_up_a_bounded_number_of_segments_at_a_time
         follower.close()
     assert served.version.segments == {0: 7} and not follower.chains[0].more
     assert torch.equal(served.lookup("item.weight", torch.arange(4))[0], torch.full((4, 4), 7.0))
+
+
+def test_tables_mapped_from_files_serve_what_tables_in_memory_serve(tmp_path: Path) -> None:
+    in_memory, mapped = ServedModel(Ranker, 0), ServedModel(Ranker, 0, mmap_dir=tmp_path)
+    for served in (in_memory, mapped):
+        served.apply([item_segment(0, 1, 3.0)])
+    for table, ids in (("item.weight", torch.arange(50)), ("user.weight", torch.tensor([7]))):
+        assert torch.equal(mapped.lookup(table, ids)[0], in_memory.lookup(table, ids)[0])
+    assert torch.equal(mapped.predict(EXAMPLE)[0], in_memory.predict(EXAMPLE)[0])
+    maps = Path("/proc/self/maps").read_text()
+    assert f"{tmp_path}/rows-" in maps and list(tmp_path.iterdir()) == []  # mapped, unlinked

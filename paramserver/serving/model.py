@@ -9,6 +9,12 @@ shared weights and all), each dense parameter *is* the store's value, and each
 it runs (an id without a row reads as the table's default vector: serving never creates
 rows). Nothing of a version is copied into the model: applying one writes the store in place.
 
+A model larger than the serving machine's memory: with ``mmap_dir`` the fixed tables' rows
+(most of a recommendation model) live in files there, mapped shared, so the system keeps the
+rows requests read in memory and writes back and drops the others under pressure (memory
+counted as ``RssFile``, reclaimable, rather than ``RssAnon``). A dynamic table's rows and the
+dense values stay in memory. (benchmarks/bench_serve_memory.py measures both.)
+
 One lock orders the two: a version is applied whole under it, and each request (a lookup, a
 prediction) runs whole under it, so no request sees part of a version.
 
@@ -20,6 +26,7 @@ initial model (the model ``model_fn`` builds under the job's seed: every log fro
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +48,7 @@ from paramserver.modelplan import (
 )
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.sharding import ShardPlan
+from paramserver.store.growth import file_backed
 from paramserver.store.snapshot import model_signature, restore_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
@@ -64,7 +72,11 @@ class Version:
 class ServedModel:
     """The user's model over a store of all its tables (see the module doc)."""
 
-    def __init__(self, model_fn: ModelFn, seed: int = 0):
+    def __init__(
+        self, model_fn: ModelFn, seed: int = 0, mmap_dir: str | os.PathLike[str] | None = None
+    ):
+        """``mmap_dir``: hold the fixed tables' rows in files there, mapped (see the module
+        doc); by default in memory."""
         built = build_model(model_fn, seed)
         self.model = built.model.eval()
         self.plan = plan_of(self.model, 1)
@@ -72,7 +84,9 @@ class ServedModel:
         parameters = dict(self.model.named_parameters())
         dense = {name: parameters[name].detach() for name in self.plan.dense}
         rules = dict.fromkeys(self.plan.tables, _NO_UPDATES)
-        self.store = Store(0, self.plan, dense, built.inits, _NO_UPDATES, rules)
+        storage = None if mmap_dir is None else file_backed(mmap_dir)
+        self.store = Store(0, self.plan, dense, built.inits, _NO_UPDATES, rules,
+                           fixed_storage=storage)  # fmt: skip
         self.lock = threading.Lock()
         self.version = Version()
         self._routing: dict[int, ShardPlan] = {}  # a training job's, by its server count

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import StoreError
-from paramserver.optim import UpdateRule, apply_updates, take_rows
+from paramserver.optim import Empty, UpdateRule, apply_updates, take_rows
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store.arena import RowArena, by_arena, nbytes_of, restore_rows, row_entries
 from paramserver.store.changes import ChangeFeed
@@ -197,13 +197,16 @@ def fixed_tables(
     rules: Mapping[str, UpdateRule],
     cache_lag: int | None,
     changes: ChangeFeed,
+    storage: Empty | None = None,
 ) -> dict[str, FixedTable]:
     """This server's shards of the fixed tables ``specs`` of one kind (width, dtype, update
-    rule), their rows in one arena one table after another, made from ``inits``."""
+    rule), their rows in one arena (allocated by ``storage``) one table after another, made
+    from ``inits``."""
     first = next(iter(specs))
     sizes = [len(range(server, spec.num_rows, plan.num_servers)) for spec in specs.values()]
     dim, dtype, rule = specs[first].dim, specs[first].dtype, rules[first]
-    arena = RowArena(dim, dtype, rule, versions=cache_lag is not None, rows=sum(sizes))
+    tracks = cache_lag is not None
+    arena = RowArena(dim, dtype, rule, versions=tracks, rows=sum(sizes), empty=storage)
     tables: dict[str, FixedTable] = {}
     start = 0
     for (name, spec), size in zip(specs.items(), sizes, strict=True):

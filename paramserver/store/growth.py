@@ -12,17 +12,20 @@ import contextlib
 import math
 import mmap
 import os
+import tempfile
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from paramserver import native
+from paramserver.optim import Empty
 
 RESERVE_GROWTH = 8  # grown storage reserves room (untouched) for this many times its rows
 ROW_GROWTH = 1.15  # row storage grows by this factor, bounding its slack to 15%
 HUGE_PAGE_BYTES = 2 << 20  # x86-64's and most arm64 kernels' transparent huge page
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_MADV_RANDOM: int | None = getattr(mmap, "MADV_RANDOM", None)
 
 
 def _half_the_memory() -> int:
@@ -88,6 +91,30 @@ def row_storage(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages: small ones
         memory.madvise(_MADV_HUGEPAGE)
     return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
+
+
+def file_backed(directory: str | os.PathLike[str]) -> Empty:
+    """An allocator like :func:`row_storage` whose storage is a file in ``directory``, mapped
+    shared: its pages are the file's, which the system writes back and drops under memory
+    pressure (counted as ``RssFile``, not ``RssAnon``), so rows larger than memory can be held,
+    the hot ones in memory. The file is unlinked at once: it lives as long as the mapping."""
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        fd, path = tempfile.mkstemp(prefix="rows-", dir=directory)
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, nbytes)
+            memory = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)  # the mapping holds the file
+        if _MADV_RANDOM is not None:  # rows are read at random: read no pages around them
+            memory.madvise(_MADV_RANDOM)
+        return torch.frombuffer(memory, dtype=dtype).view(shape)  # keeps ``memory`` mapped
+
+    return empty
 
 
 def _mapped(nbytes: int, *, reserved: bool = True) -> mmap.mmap:

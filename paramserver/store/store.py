@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import StoreError
-from paramserver.optim import Block, State, UpdateRule, apply_updates, make_rule
+from paramserver.optim import Block, Empty, State, UpdateRule, apply_updates, make_rule
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store.arena import ROW_STEPS
@@ -85,11 +85,14 @@ class Store:
         dense_rule: OptimizerConfig,
         table_rules: Mapping[str, OptimizerConfig],
         cache_lag: int | None = None,
+        fixed_storage: Empty | None = None,
     ):
         """``dense`` holds the starting values of the dense parameters (those placed here are
         copied), ``table_inits`` how each fixed table's rows start (this server makes its own
         rows only); dynamic tables start empty. ``cache_lag``: where trainers cache rows, the
-        lag they are served with (rows then keep versions)."""
+        lag they are served with (rows then keep versions). ``fixed_storage``: where fixed
+        tables' rows are allocated (by default :func:`~paramserver.store.growth.row_storage`;
+        serving maps them from files: :func:`~paramserver.store.growth.file_backed`)."""
         self.server = server
         self.plan = plan
         self.cache_lag = cache_lag
@@ -100,7 +103,9 @@ class Store:
             rule = make_rule(dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
         rules = {name: make_rule(table_rules[name]) for name in plan.tables}
-        self.groups = make_groups(plan, server, table_inits, rules, cache_lag, self.changes)
+        self.groups = make_groups(
+            plan, server, table_inits, rules, cache_lag, self.changes, fixed_storage
+        )
         made = {name: t for group in self.groups for name, t in group.tables.items()}
         self.tables: dict[str, TableShard] = {name: made[name] for name in plan.tables}
         self.clock = 0  # the highest call number seen: dynamic tables' time
@@ -289,6 +294,7 @@ def make_groups(
     rules: Mapping[str, UpdateRule],
     cache_lag: int | None,
     changes: ChangeFeed,
+    fixed_storage: Empty | None = None,
 ) -> list[TableGroup]:
     """This server's shards of the tables of ``plan``, each with its update rule from
     ``rules``, in their groups: the dynamic tables (read first), then the fixed ones.
@@ -309,6 +315,8 @@ def make_groups(
     for specs in kinds.values():
         if specs[0].dynamic is None:
             of_kind = {spec.name: spec for spec in specs}
-            fixed.update(fixed_tables(of_kind, plan, server, inits, rules, cache_lag, changes))
+            fixed.update(
+                fixed_tables(of_kind, plan, server, inits, rules, cache_lag, changes, fixed_storage)
+            )
     dynamic: DynamicTables = dynamic_tables(dynamic_kinds, rules, cache_lag, changes)
     return [dynamic, FixedTables(fixed)]
