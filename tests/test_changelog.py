@@ -152,6 +152,16 @@ def test_a_manifest_keeps_the_newest_segments_and_a_follower_behind_them_is_told
     assert [s.sequence for s in ChainFollower(tmp_path, 0, changes=30).pending()[0]] == [4, 5]
 
 
+def test_a_manifest_keeps_every_segment_since_the_newest_checkpoint(tmp_path: Path) -> None:
+    writer = LogWriter(tmp_path, "job", server=0, keep=2)
+    writer.keep_after = 15  # a checkpoint covers the store up to change 15
+    for i in range(5):
+        writer.append(segment(first_step=10 * i + 1, seed=i))  # changes (0, 10], (10, 20]...
+    assert [entry.sequence for entry in writer.segments] == [2, 3, 4, 5]
+    found, error = ChainFollower(tmp_path, 0, changes=15).pending()  # from the checkpoint
+    assert error is None and [s.sequence for s in found] == [2, 3, 4, 5]
+
+
 def edit_manifest(root: Path, edit) -> None:
     path = server_dir(root, 0) / MANIFEST
     document = json.loads(path.read_text())

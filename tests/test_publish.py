@@ -12,6 +12,7 @@ import torch
 import paramserver as ps
 from paramserver import cli
 from paramserver.changelog.log import ChainFollower
+from paramserver.checkpoint import load_latest
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
 from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
@@ -111,3 +112,25 @@ def test_the_command_line_refuses_a_used_publish_dir_with_one_message(
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.count("already holds a change log (servers 0, 1)") == 1
     assert cli.main([*argv, "--resume"]) == 0  # a resumed job continues the chains
+
+
+def test_serving_from_the_newest_checkpoint_replays_the_log_kept_since(tmp_path: Path) -> None:
+    """The log keeps every segment since the newest checkpoint, whatever --publish-keep says:
+    serving from that checkpoint replays to the job's final model."""
+    config = ps.TrainConfig(
+        servers=2, trainers=1, mode="sync", launcher="threads", publish_dir=str(tmp_path / "log"),
+        publish_every=0.001, publish_keep=1, checkpoint_dir=str(tmp_path / "ckpt"),
+        checkpoint_every=10, progress=False,
+    )  # fmt: skip
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 35), mse, config)
+    assert result is not None and result.model is not None
+    base = load_latest(tmp_path / "ckpt")
+    assert base is not None and base.step == 30
+    served = ServedModel(TinyRecModel, 0)
+    served.load_checkpoint(base)
+    follower = Follower(served, tmp_path / "log")
+    follower.catch_up()
+    assert follower.problems == {}
+    final = result.model.state_dict()
+    for name, value in served_state(served).items():
+        assert torch.equal(value, final[name]), name

@@ -14,8 +14,9 @@ Layout under a publish directory ``DIR``::
 A server appends (:class:`LogWriter`): it writes the segment under a temporary name, fsyncs
 and renames it, then rewrites the manifest the same way. A reader that sees a segment in the
 manifest so finds it whole; a segment on disk that no manifest lists is not yet published.
-A manifest keeps the newest ``keep`` segments (older ones are deleted after the manifest that
-drops them): a follower that falls further behind is told so.
+A manifest keeps the newest ``keep`` segments, and every segment since the newest committed
+checkpoint however many (older ones are deleted after the manifest that drops them): a
+follower that falls further behind is told so.
 
 A chain outlives its server process: a server restarted, or a job resumed, numbers on from
 the chain's last segment. Where its store does not end at that segment's change (resumed from
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -106,6 +108,9 @@ class LogWriter:
         self._lock_fd: int | None = _writer_lock(self.directory, writer)
         found = read_manifest(self.directory) if (self.directory / MANIFEST).exists() else None
         self.segments: list[Listed] = list(found.segments) if found else []
+        # Beyond the newest ``keep``, segments are dropped only up to this store change (a
+        # checkpoint's, which replay starts from: see ServerCheckpoints); by default all.
+        self.keep_after: float = float("inf")
 
     @property
     def last(self) -> int:
@@ -136,7 +141,9 @@ class LogWriter:
             segment.last_step, segment.after_changes, segment.changes, segment.full,
         )  # fmt: skip
         listing = [*self.segments, listed]
-        dropped, kept = listing[: -self.keep], listing[-self.keep :]
+        old = listing[: -self.keep]  # changes rise along the chain: those covered come first
+        dropped = list(itertools.takewhile(lambda e: e.changes <= self.keep_after, old))
+        kept = listing[len(dropped) :]
         document = {
             "format": FORMAT,
             "writer": self.writer_id,

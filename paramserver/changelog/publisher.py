@@ -85,6 +85,11 @@ class Publisher:
         )
         self._thread.start()
 
+    def keep_after(self, changes: int) -> None:
+        """Keep every segment that ends after store change ``changes`` (the newest committed
+        checkpoint's), however many: serving and recovery replay from there."""
+        self.writer.keep_after = changes
+
     def due(self) -> bool:
         """Whether a period has passed since the last cut."""
         return time.monotonic() - self._last_cut >= self.every_s

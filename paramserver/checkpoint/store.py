@@ -439,6 +439,15 @@ def _prune(root: Path, step: int, keep: int) -> None:
             logger.warning("could not delete old checkpoint %s: %s", path, e)
 
 
+def committed_steps(root: str | os.PathLike[str]) -> list[int]:
+    """The steps of the checkpoints committed under ``root`` (a manifest written), in order;
+    not verified (see :func:`load_latest`)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(step for step, path in _checkpoint_dirs(root) if os.path.lexists(path / MANIFEST))
+
+
 def _read_latest(root: Path) -> tuple[bool, str | None, str | None]:
     """Whether ``LATEST`` exists, the checkpoint name it holds (if valid) and its problem."""
     try:

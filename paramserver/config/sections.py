@@ -374,7 +374,8 @@ class PublishSection:
     publish_keep: int = field(
         default=3600,
         metadata=doc(
-            "segments each server's log keeps (older ones are deleted: a serving process "
-            "further behind must restart from a newer base)"
+            "segments each server's log keeps, beyond those since the newest checkpoint "
+            "(older ones are deleted: a serving process further behind must restart from a "
+            "newer base)"
         ),
     )

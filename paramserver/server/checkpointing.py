@@ -7,6 +7,10 @@ writes its own part and reports it (``add_trainer_part``, to server 0), and the 
 server to ``take`` its snapshot: the copy is made at once, under each parameter's lock, and
 written to disk by a background thread, so training goes on. The chief then waits (in its own
 thread) for ``part`` from every server and ``trainer_parts`` from server 0, and commits.
+
+A server whose changes are published keeps its change log back to the newest committed
+checkpoint (``on_committed`` is told that checkpoint's store change, learnt at each snapshot):
+serving, or a recovery, starts from that checkpoint and replays the log from there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable, Set
 from torch.futures import Future
 
 from paramserver.checkpoint import Part, checkpoint_dir, write_part
+from paramserver.checkpoint.store import committed_steps
 from paramserver.futures import completed
 from paramserver.server.shard import ServerShard
 from paramserver.store.snapshot import model_signature, snapshot_store
@@ -37,6 +42,8 @@ class ServerCheckpoints:
         self._writes: dict[int, Future] = {}  # step -> Future[Part]
         self._trainer_parts: dict[int, dict[int, Part]] = {}
         self._waiting: dict[int, list[Future]] = {}
+        self._changes_at: dict[int, int] = {}  # step -> the store change its snapshot covers
+        self.on_committed: Callable[[int], None] | None = None
         self._lock = threading.Lock()
 
     def resume_at(self, step: int) -> None:
@@ -62,9 +69,12 @@ class ServerCheckpoints:
         tensors, meta = snapshot_store(self.shard.store)
         meta["step"] = step
         meta["signature"] = model_signature(self.shard.store)
+        with self._lock:
+            self._changes_at[step] = int(meta["sequence"])
         written: Future = Future()
 
         def write() -> None:
+            self._tell_committed()  # here, not in the RPC thread: it reads the directory
             try:
                 part = write_part(directory, f"server-{self.shard.server}", tensors, meta)
             except Exception as error:  # the chief hears of it when it asks for the part
@@ -80,6 +90,20 @@ class ServerCheckpoints:
                 del self._writes[old]
         threading.Thread(target=write, name=f"checkpoint-{step}", daemon=True).start()
         return completed(None)
+
+    def _tell_committed(self) -> None:
+        """Tell ``on_committed`` the change of the newest committed checkpoint this server
+        snapshotted."""
+        if self.on_committed is None or self.root is None:
+            return
+        steps = committed_steps(self.root)
+        with self._lock:
+            known = [s for s in steps if s in self._changes_at]
+            if not known:
+                return
+            changes = self._changes_at[known[-1]]
+            self._changes_at = {s: c for s, c in self._changes_at.items() if s >= known[-1]}
+        self.on_committed(changes)
 
     def part(self, step: int) -> Future:
         """This server's part of checkpoint ``step``, once written."""

@@ -78,6 +78,7 @@ class Coordinator:
         """Publish the shard's changes with ``publisher`` (attached to its store) from now on;
         :meth:`close` cuts its last segment."""
         self.applier.publisher = publisher
+        self.checkpoints.on_committed = publisher.keep_after
 
     def close(self) -> None:
         """Stop the watchdog thread and publishing (a last segment cut and written); returns
