@@ -25,9 +25,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, Field, fields
+from dataclasses import MISSING, Field, dataclass, fields
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import TYPE_CHECKING, Any, get_type_hints
 
 from paramserver.api import train, under_torchrun
 from paramserver.baseline import train_single_process
@@ -39,11 +39,14 @@ from paramserver.config import RENAMED_FIELDS, TrainConfig, choices_of, read_tom
 from paramserver.data.synthetic import SyntheticSpec
 from paramserver.errors import CheckpointError, ConfigError, ParamServerError
 from paramserver.files import write_atomic
-from paramserver.jobs import DATASET_DEFAULTS, build_job
+from paramserver.jobs import DATASET_DEFAULTS, build_job, served_job
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.optimconfig import refuse_numeric_lr_decay
 from paramserver.progress import ProgressDisplay
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 log = logging.getLogger("paramserver")
 
@@ -478,18 +481,30 @@ JOB_RECORD = "job.json"
 
 
 def record_job(publish_dir: Path, argv: list[str]) -> None:
-    """Write the train command into ``publish_dir`` (``job.json``), so that ``paramserver
-    serve --follow`` rebuilds the job's model as the job built it."""
+    """Write the train command and the directory it ran in into ``publish_dir``
+    (``job.json``), so that ``paramserver serve --follow`` rebuilds the job's model as the job
+    built it, its relative paths meaning what they meant to the job."""
     publish_dir.mkdir(parents=True, exist_ok=True)
-    text = json.dumps({"train_argv": argv}, indent=2).encode()
+    text = json.dumps({"train_argv": argv, "cwd": os.getcwd()}, indent=2).encode()
     write_atomic(publish_dir / JOB_RECORD, lambda f: f.write(text), hash_written=False)
 
 
-def recorded_job(path: Path) -> tuple[argparse.Namespace, TrainConfig]:
-    """The train command ``path`` records, parsed as ``paramserver train`` parses it."""
+@dataclass
+class RecordedJob:
+    """What serving rebuilds of a recorded job: its config, model and two samples of its
+    inputs (see :func:`paramserver.jobs.served_job`)."""
+
+    config: TrainConfig
+    model_fn: Callable[[], nn.Module]
+    example: list[Tensor]
+
+
+def recorded_job(path: Path) -> RecordedJob:
+    """The job whose train command ``path`` records, parsed as ``paramserver train`` parses
+    it, in the directory it ran in (its relative paths mean what they meant to the job)."""
     try:
         record = json.loads(path.read_text())
-        argv = record["train_argv"]
+        argv, cwd = record["train_argv"], record["cwd"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConfigError(
             f"{path}: not a job record `paramserver train --publish-dir` writes ({error}); "
@@ -497,8 +512,21 @@ def recorded_job(path: Path) -> tuple[argparse.Namespace, TrainConfig]:
         ) from None
     if not (isinstance(argv, list) and all(isinstance(a, str) for a in argv)):
         raise ConfigError(f"{path}: train_argv must be a list of strings")
-    args = build_parser().parse_args(["train", *argv])
-    return args, config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+    if not isinstance(cwd, str):
+        raise ConfigError(f"{path}: cwd must be a string")
+    here = os.getcwd()
+    try:
+        os.chdir(cwd)
+    except OSError as error:
+        raise ConfigError(f"{path}: the job ran in {cwd}, which is not here: {error}") from None
+    try:
+        args = build_parser().parse_args(["train", *argv])
+        config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
+        return RecordedJob(config, *served_job(args, config))
+    except ConfigError as error:
+        raise ConfigError(f"{path}: the recorded job (run in {cwd}): {error}") from None
+    finally:
+        os.chdir(here)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -508,13 +536,10 @@ def run_serve(args: argparse.Namespace) -> int:
     record = args.job or (args.follow / JOB_RECORD if args.follow else None)
     if record is None:
         raise ConfigError("paramserver serve needs --follow DIR (a job's --publish-dir) or --job")
-    train_args, config = recorded_job(record)
-    job = build_job(train_args, config)
-    inputs, _ = next(iter(job.data_fn(0, 1)))
-    example = [t[:2] for t in (inputs if isinstance(inputs, tuple | list) else (inputs,))]
+    job = recorded_job(record)
     serving = serve(
-        job.model_fn, follow=args.follow, base=args.base, example_inputs=example,
-        seed=config.seed, model_name=args.model_name, host=args.host,
+        job.model_fn, follow=args.follow, base=args.base, example_inputs=job.example,
+        seed=job.config.seed, model_name=args.model_name, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, poll_s=args.poll_every,
     )  # fmt: skip
     print(

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from paramserver.config import TrainConfig
 from paramserver.data import movielens
@@ -65,24 +65,33 @@ def batch_size(config: TrainConfig) -> int:
     return DEFAULT_BATCH_SIZE if config.batch_size is None else config.batch_size
 
 
-def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    spec = SyntheticSpec(
+def _synthetic_model(spec: SyntheticSpec) -> Callable[[], DLRM]:
+    rows = spec.rows_per_table
+    return lambda: DLRM(num_dense=spec.num_dense, table_rows=[rows] * spec.num_tables)
+
+
+def _criteo_model() -> DLRM:
+    return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
+
+
+def _synthetic_spec(args: argparse.Namespace, config: TrainConfig) -> SyntheticSpec:
+    return SyntheticSpec(
         rows_per_table=args.rows_per_table,
         batch_size=batch_size(config),
         train_batches=args.train_batches,
         eval_samples=args.eval_samples,
         seed=config.seed,
     )
+
+
+def synthetic_job(args: argparse.Namespace, config: TrainConfig) -> Job:
+    spec = _synthetic_spec(args, config)
     data = SyntheticClickLogs(spec)
     steps_per_trainer = -(-spec.train_batches // config.trainers) * config.epochs
     steps_per_trainer = -(-steps_per_trainer // config.accumulate)
     if config.steps is not None:
         steps_per_trainer = min(steps_per_trainer, config.steps)
-    rows = spec.rows_per_table
-
-    def model_fn() -> DLRM:
-        return DLRM(table_rows=[rows] * spec.num_tables)
-
+    model_fn = _synthetic_model(spec)
     held_out = list(data.eval_batches())
     truth = torch.cat([logits for _, logits in held_out]).sigmoid()
     labels = torch.cat([batch[1] for batch, _ in held_out])
@@ -108,10 +117,7 @@ def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         raise ConfigError(f"--eval-fraction must be in (0, 1), got {fraction}")
     if held_out and fraction is not None:
         raise ConfigError("--eval-data and --eval-fraction: give one of them")
-
-    def model_fn() -> DLRM:
-        return DLRM(num_dense=NUM_DENSE, table_rows=[0] * NUM_CATEGORICAL, dynamic_tables=True)
-
+    model_fn = _criteo_model
     data = CriteoFiles(paths, batch_size=batch_size(config), eval_fraction=fraction or 0.0)
     if held_out:
         files = CriteoFiles(held_out, EVAL_BATCH_SIZE)
@@ -183,6 +189,24 @@ def movielens_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         F.mse_loss,
         lambda: {"eval_rmse_mean_predictor": mean_predictor["rmse"]},
     )
+
+
+def served_job(
+    args: argparse.Namespace, config: TrainConfig
+) -> tuple[Callable[[], nn.Module], list[Tensor]]:
+    """What serving needs of the job: its model and two samples of its inputs (their names,
+    types and shapes), without its training data where the model does not depend on it
+    (synthetic and Criteo: served where the data is not)."""
+    if args.dataset == "synthetic":
+        spec = _synthetic_spec(args, config)
+        tables = torch.zeros(2, spec.num_tables, dtype=torch.int64)
+        return _synthetic_model(spec), [torch.zeros(2, spec.num_dense), tables]
+    if args.dataset.startswith("criteo:"):
+        sparse = torch.zeros(2, NUM_CATEGORICAL, dtype=torch.int64)
+        return _criteo_model, [torch.zeros(2, NUM_DENSE), sparse]
+    job = build_job(args, config)  # MovieLens: its tables are as large as its data says
+    inputs, _ = next(iter(job.data_fn(0, 1)))
+    return job.model_fn, [t[:2] for t in inputs]
 
 
 def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:

@@ -134,3 +134,29 @@ def test_serving_from_the_newest_checkpoint_replays_the_log_kept_since(tmp_path:
     final = result.model.state_dict()
     for name, value in served_state(served).items():
         assert torch.equal(value, final[name]), name
+
+
+def test_serve_rebuilds_the_recorded_job_where_it_ran_and_without_its_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The train command's record keeps the directory it ran in: serving started elsewhere
+    reads the job's relative paths there (its --config here), and needs no training data to
+    rebuild a Criteo job's model and inputs."""
+    job_dir, elsewhere = tmp_path / "job", tmp_path / "elsewhere"
+    job_dir.mkdir()
+    elsewhere.mkdir()
+    (job_dir / "job.toml").write_text("seed = 7\n")
+    monkeypatch.chdir(job_dir)
+    cli.record_job(Path("log"), ["--dataset", "criteo:data/gone.txt", "--config", "job.toml"])
+    monkeypatch.chdir(elsewhere)
+    job = cli.recorded_job(job_dir / "log" / cli.JOB_RECORD)
+    assert job.config.seed == 7 and Path.cwd() == elsewhere
+    assert [(tuple(t.shape), t.dtype) for t in job.example] == [
+        ((2, 13), torch.float32),
+        ((2, 26), torch.int64),
+    ]
+    model = job.model_fn()
+    assert model(*job.example).shape == (2,)
+    (job_dir / "job.toml").unlink()
+    with pytest.raises(ps.ConfigError, match=r"recorded job \(run in .*job\).*job.toml"):
+        cli.recorded_job(job_dir / "log" / cli.JOB_RECORD)

@@ -19,7 +19,6 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 
 from paramserver.cli import JOB_RECORD, recorded_job
-from paramserver.jobs import build_job
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
 from paramserver.serving.protocol import version_parameters
@@ -183,8 +182,8 @@ class Replayed:
 
 def replay(publish: Path) -> Replayed:
     """The whole log applied in this process, from the job's initial model."""
-    args, config = recorded_job(publish / JOB_RECORD)
-    served = ServedModel(build_job(args, config).model_fn, config.seed)
+    job = recorded_job(publish / JOB_RECORD)
+    served = ServedModel(job.model_fn, job.config.seed)
     follower = Follower(served, publish)
     while follower.poll():
         pass
