@@ -2,7 +2,9 @@
 
 The HTTP and gRPC transports (:mod:`paramserver.serving.http`, :mod:`paramserver.serving.grpc`)
 turn their requests into :meth:`Frontend.infer` calls and its answers and errors into their own
-messages; nothing here knows a transport.
+messages; nothing here knows a transport. A request's path: find the model, check the inputs
+and the outputs asked for, check the answer's size where it is known before running, run,
+check the answer's size (see :mod:`paramserver.serving.protocol`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from torch import Tensor
 
 from paramserver.serving.metrics import ServingMetrics
@@ -23,8 +24,12 @@ from paramserver.serving.protocol import (
     Endpoint,
     ModelEndpoint,
     ProtocolError,
+    Requested,
     TableEndpoint,
+    brief,
+    check_answer_size,
     checked_inputs,
+    checked_outputs,
 )
 
 log = logging.getLogger(__name__)
@@ -58,7 +63,7 @@ class Frontend:
         found = self.endpoints.get(name)
         if found is None:
             raise ProtocolError(
-                f"no model {name!r}; this server has {sorted(self.endpoints)}", not_found=True
+                f"no model {brief(name)}; this server has {sorted(self.endpoints)}", not_found=True
             )
         return found
 
@@ -70,19 +75,35 @@ class Frontend:
         }
 
     def infer(
-        self, protocol: str, model: str, given: Sequence[tuple[str, str, Sequence[int], Any]]
-    ) -> tuple[Endpoint, dict[str, np.ndarray], Version]:
+        self,
+        protocol: str,
+        model: str,
+        given: Sequence[tuple[str, Any, Any, Any]],
+        requested: Sequence[Requested] = (),
+        raw: bool = True,
+    ) -> tuple[Endpoint, list[tuple[Requested, Tensor]], Version]:
         """``model``'s answer to inputs ``given`` (see
-        :func:`~paramserver.serving.protocol.checked_inputs`), counted under ``protocol``."""
+        :func:`~paramserver.serving.protocol.checked_inputs`): each output ``requested`` (all,
+        each ``raw`` or not, where none is), counted under ``protocol``."""
         start = time.perf_counter()
         outcome = "error"
         try:
             endpoint = self.endpoint(model)
-            outputs, version = endpoint.infer(checked_inputs(endpoint, given))
+            inputs = checked_inputs(endpoint, given)
+            wanted = checked_outputs(
+                endpoint, requested or [Requested(spec.name, raw) for spec in endpoint.outputs]
+            )
+            check_answer_size(model, wanted, endpoint.answer_sizes(inputs))  # before a lookup
+            outputs, version = endpoint.infer(inputs)
+            sizes = {name: (t.numel(), t.element_size()) for name, t in outputs.items()}
+            check_answer_size(model, wanted, sizes)  # a prediction's: known once it ran
             outcome = "ok"
-            return endpoint, outputs, version
+            return endpoint, [(output, outputs[output.name]) for output in wanted], version
         except ProtocolError as error:
-            outcome = "not_found" if error.not_found else "bad_request"
+            outcome = (
+                "not_found" if error.not_found else "too_large" if error.too_large
+                else "bad_request"
+            )  # fmt: skip
             raise
         finally:
             counted = model if model in self.endpoints else "(unknown)"

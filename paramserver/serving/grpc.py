@@ -3,9 +3,11 @@
 The service's messages are the protocol's generated ones as ``tritonclient[grpc]`` ships them
 (Triton's service is the protocol's with extensions), so this server and that client agree
 on every field by construction. Inputs come as raw bytes (``raw_input_contents``, what
-tritonclient sends) or typed contents; outputs go as raw bytes. A refused request ends with
-INVALID_ARGUMENT (NOT_FOUND for an unknown model) and its message; methods of Triton's
-extensions that serving has no use for answer UNIMPLEMENTED.
+tritonclient sends) or typed contents; outputs go as raw bytes (BF16 too). A refused request
+ends with INVALID_ARGUMENT (NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED for an answer
+over :data:`~paramserver.serving.protocol.MAX_RESPONSE_BYTES`, as gRPC's own limit on a
+message ends) and its message; methods of Triton's extensions that serving has no use for
+answer UNIMPLEMENTED. A request is at most :data:`~paramserver.serving.http.MAX_BODY_BYTES`.
 """
 
 from __future__ import annotations
@@ -15,12 +17,19 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import numpy as np
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from paramserver.serving.frontend import Frontend
 from paramserver.serving.http import MAX_BODY_BYTES
-from paramserver.serving.protocol import ProtocolError, version_parameters
+from paramserver.serving.protocol import (
+    MAX_RESPONSE_BYTES,
+    ProtocolError,
+    Requested,
+    brief,
+    datatype_of,
+    raw_bytes,
+    version_parameters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +80,10 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
             return self._infer(request)
         except ProtocolError as error:
             code = (
-                grpc.StatusCode.NOT_FOUND if error.not_found else grpc.StatusCode.INVALID_ARGUMENT
-            )
+                grpc.StatusCode.NOT_FOUND if error.not_found
+                else grpc.StatusCode.RESOURCE_EXHAUSTED if error.too_large
+                else grpc.StatusCode.INVALID_ARGUMENT
+            )  # fmt: skip
             context.abort(code, str(error))
         except Exception as error:  # a bug, not the client's: say so, keep serving
             log.exception("grpc infer on %s failed", request.model_name)
@@ -80,8 +91,10 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     def _infer(self, request: Any) -> Any:
         given = _inputs(request)
-        endpoint, outputs, version = self.frontend.infer("grpc", request.model_name, given)
-        wanted = [o.name for o in request.outputs] or list(outputs)
+        requested = [Requested(output.name) for output in request.outputs]
+        endpoint, outputs, version = self.frontend.infer(
+            "grpc", request.model_name, given, requested
+        )
         response = service_pb2.ModelInferResponse(
             model_name=endpoint.name, model_version="1", id=request.id
         )
@@ -91,13 +104,11 @@ class _Service(service_pb2_grpc.GRPCInferenceServiceServicer):
                 parameter.int64_param = value
             else:
                 parameter.string_param = value
-        datatypes = {spec.name: spec.datatype for spec in endpoint.outputs}
-        for name in wanted:
-            if name not in outputs:
-                raise ProtocolError(f"model {endpoint.name!r} has no output {name!r}")
-            array = np.ascontiguousarray(outputs[name])
-            response.outputs.add(name=name, datatype=datatypes[name], shape=list(array.shape))
-            response.raw_output_contents.append(array.tobytes())
+        for output, tensor in outputs:
+            response.outputs.add(
+                name=output.name, datatype=datatype_of(tensor.dtype), shape=list(tensor.shape)
+            )
+            response.raw_output_contents.append(raw_bytes(tensor))
         return response
 
 
@@ -113,7 +124,9 @@ def _inputs(request: Any) -> list[tuple[str, str, Any, Any]]:
         else:
             field = _CONTENTS.get(entry.datatype)
             if field is None:
-                raise ProtocolError(f"input {entry.name!r}: {entry.datatype} travels raw only")
+                raise ProtocolError(
+                    f"input {brief(entry.name)}: {brief(entry.datatype)} travels raw only"
+                )
             values = list(getattr(entry.contents, field))
         given.append((entry.name, entry.datatype, list(entry.shape), values))
     return given
@@ -125,18 +138,24 @@ class GrpcServing:
     def __init__(
         self, frontend: Frontend, host: str = "127.0.0.1", port: int = 0, threads: int = 4
     ):
-        limit = MAX_BODY_BYTES
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="serving-grpc"),
-            options=[("grpc.max_receive_message_length", limit),
-                     ("grpc.max_send_message_length", limit)],
+            options=[("grpc.max_receive_message_length", MAX_BODY_BYTES),
+                     # the answer's values, and room for its names and parameters
+                     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES + (1 << 20)),
+                     ("grpc.so_reuseport", 0)],  # a port in use is an error, not shared
         )  # fmt: skip
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             _Service(frontend), self._server
         )
-        self.port = self._server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"gRPC serving cannot listen on {host}:{port}")
+        reason = ""
+        try:
+            self.port = self._server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError as error:  # grpcio raises it where the port is in use
+            self.port, reason = 0, f": {error}"
+        if self.port == 0:  # older grpcio returns 0 instead
+            self._server.stop(None)
+            raise OSError(f"gRPC serving cannot listen on {host}:{port}{reason}")
         self._server.start()
 
     def close(self) -> None:

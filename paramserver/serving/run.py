@@ -5,10 +5,15 @@ The base: a checkpoint (a checkpoint directory's newest, or one ``ckpt-*`` direc
 export (``paramserver export``'s file: it records no store changes, so each log is followed
 from its start, which leaves every row at its newest value whatever the export's age), or
 nothing (the job's initial model). Then the change logs under ``follow``, if given.
+
+Started in order (the follower, HTTP, gRPC); where a part fails to start (its port taken, the
+serve extra missing), the parts already started are stopped before the error is raised, so no
+thread or listening socket outlives a failed start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -79,24 +84,31 @@ def serve(
     if base is not None:
         load_base(served, Path(base))
     frontend = Frontend(served, example_inputs, model_name)
-    follower = None
-    if follow is not None:
-        follower = Follower(served, follow, frontend.metrics, poll_s)
-        follower.catch_up()  # what is published already, before the first answer
-        follower.start()
-    http = None if http_port is None else HttpServing(frontend, host, http_port)
-    grpc = None
-    if grpc_port is not None:
-        try:
-            from paramserver.serving.grpc import GrpcServing
-        except ImportError as error:
-            raise ConfigError(
-                f"serving over gRPC needs the serve extra (pip install 'paramserver[serve]'): "
-                f"{error}"
-            ) from None
-        grpc = GrpcServing(frontend, host, grpc_port)
+    with contextlib.ExitStack() as started:  # on an error, what started is stopped
+        follower = None
+        if follow is not None:
+            follower = Follower(served, follow, frontend.metrics, poll_s)
+            follower.catch_up()  # what is published already, before the first answer
+            follower.start()
+            started.callback(follower.close)
+        http = None
+        if http_port is not None:
+            http = HttpServing(frontend, host, http_port)
+            started.callback(http.close)
+        grpc = None if grpc_port is None else _grpc_serving(frontend, host, grpc_port)
+        started.pop_all()  # all started: Serving.close stops them from now on
     frontend.ready = True  # every transport listens
     return Serving(served, frontend, follower, http, grpc)
+
+
+def _grpc_serving(frontend: Frontend, host: str, port: int) -> object:
+    try:
+        from paramserver.serving.grpc import GrpcServing
+    except ImportError as error:
+        raise ConfigError(
+            f"serving over gRPC needs the serve extra (pip install 'paramserver[serve]'): {error}"
+        ) from None
+    return GrpcServing(frontend, host, port)
 
 
 def load_base(served: ServedModel, base: Path) -> None:
