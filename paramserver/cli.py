@@ -249,6 +249,11 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument(
         "--poll-every", type=float, default=0.1, help="seconds between reads of the logs"
     )
+    serve.add_argument(
+        "--mmap-dir", type=Path,
+        help="hold the fixed tables' rows in files here, mapped: a model larger than memory "
+        "is served with the rows it is asked for in memory (default: all in memory)",
+    )  # fmt: skip
 
 
 def _add_data_flags(run: argparse.ArgumentParser) -> None:
@@ -541,6 +546,7 @@ def run_serve(args: argparse.Namespace) -> int:
         job.model_fn, follow=args.follow, base=args.base, example_inputs=job.example,
         seed=job.config.seed, model_name=args.model_name, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, poll_s=args.poll_every,
+        mmap_dir=args.mmap_dir,
     )  # fmt: skip
     print(
         f"serving {args.model_name!r} and {len(serving.served.plan.tables)} tables on "

@@ -107,9 +107,10 @@ def test_serve_follows_a_live_sync_job_and_any_base_ends_at_one_model(tmp_path: 
         )  # fmt: skip
         assert final_step
         from_start = every_row(http)
-        based, http_based, _ = serve(
-            publish, tmp_path / "based.log", "--from", str(checkpoints / "ckpt-0000000100")
-        )
+        based, http_based, _ = serve(  # and its tables mapped from files
+            publish, tmp_path / "based.log", "--from", str(checkpoints / "ckpt-0000000100"),
+            "--mmap-dir", str(tmp_path),
+        )  # fmt: skip
         processes.append(based)
         wait_until(
             lambda: lookup(triton_http.InferenceServerClient(f"127.0.0.1:{http_based}"),

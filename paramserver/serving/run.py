@@ -74,13 +74,16 @@ def serve(
     http_port: int | None = 8000,
     grpc_port: int | None = 8001,
     poll_s: float = 0.1,
+    mmap_dir: str | os.PathLike[str] | None = None,
 ) -> Serving:
     """Serve ``model_fn``'s model (built under the job's ``seed``) from ``base`` (see the
     module doc), following the change logs under ``follow``, over HTTP and gRPC on ``host``
     (ports 0: free ones; None: not that transport). ``example_inputs`` (the forward's tensor
     arguments, a batch of any size) make the whole model servable as ``model_name``; without
-    them only the tables are. Returns once it answers; :meth:`Serving.close` stops it."""
-    served = ServedModel(model_fn, seed)
+    them only the tables are. ``mmap_dir``: hold the fixed tables' rows in files there,
+    mapped (see :mod:`paramserver.serving.model`). Returns once it answers;
+    :meth:`Serving.close` stops it."""
+    served = ServedModel(model_fn, seed, mmap_dir)
     if base is not None:
         load_base(served, Path(base))
     frontend = Frontend(served, example_inputs, model_name)
