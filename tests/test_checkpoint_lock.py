@@ -19,6 +19,7 @@ import pytest
 import paramserver as ps
 from paramserver.checkpoint import CheckpointError, commit, load_latest, lock_directory
 from paramserver.checkpoint.lock import LOCK, read_holder
+from paramserver.cli import main
 from tests.helpers import (
     TinyRecModel,
     checkpoint_steps,
@@ -175,6 +176,22 @@ def test_a_fresh_job_is_refused_where_checkpoints_were_committed(tmp_path: Path)
     empty = tmp_path / "empty"
     empty.mkdir()
     assert ps.train(TinyRecModel, data, mse, job_config(empty)) is not None
+
+
+def test_a_resume_of_another_job_shape_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Checked from the manifest by the launcher: one message, exit status 2, no process."""
+    commit(tmp_path, 6, write_step(tmp_path, 6), {"trainers": 2, "mode": "sync"})
+    with pytest.raises(ps.ConfigError, match=r"saved by a job with 2 trainers in sync mode; "
+                       r"this job has 3 in sync mode .*trainers and mode may not"):  # fmt: skip
+        ps.train(TinyRecModel, data, mse, job_config(tmp_path, resume=True).replace(trainers=3))
+    argv = ["train", "--checkpoint-dir", str(tmp_path), "--resume", "--mode", "async",
+            "--trainers", "2", "--launcher", "threads", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("ckpt-0000000006: saved by a job with 2 trainers in sync mode") == 1, err
+    assert "this job has 2 in async mode" in err
 
 
 def test_commits_record_the_job_holding_the_lock(tmp_path: Path) -> None:

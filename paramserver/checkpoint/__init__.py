@@ -9,7 +9,7 @@ See :mod:`paramserver.checkpoint.store` for the layout on disk and why it surviv
 from paramserver.checkpoint.lock import DirectoryLock, lock_directory
 from paramserver.checkpoint.resume import (
     Saved,
-    check_fresh_start,
+    check_checkpoint_dir,
     gather_saved,
     resume_from,
     saved_dense,
@@ -34,7 +34,7 @@ __all__ = [
     "DirectoryLock",
     "Part",
     "Saved",
-    "check_fresh_start",
+    "check_checkpoint_dir",
     "checkpoint_dir",
     "commit",
     "gather_saved",

@@ -13,14 +13,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
+from paramserver.checkpoint.manifest import parse_manifest, read_manifest_json
 from paramserver.checkpoint.store import (
     DENSE_PART,
-    MANIFEST,
     Checkpoint,
-    _checkpoint_dirs,
+    checkpoint_dir,
+    committed_steps,
     load_latest,
 )
 from paramserver.config import TrainConfig
@@ -31,19 +33,45 @@ from paramserver.store.snapshot import Saved
 log = logging.getLogger(__name__)
 
 
-def check_fresh_start(config: TrainConfig) -> None:
-    """Refuse a job that starts afresh (no ``--resume``) in a ``--checkpoint-dir`` holding a
-    committed checkpoint: its commits could never become the newest (``LATEST`` never moves
-    back), and it would train with no checkpoint at all. Cheap: manifests are not verified."""
+def check_checkpoint_dir(config: TrainConfig) -> None:
+    """What the launcher refuses of ``--checkpoint-dir`` before any process starts (a
+    ConfigError, exit status 2), reading only manifests (not verified: the job's processes do):
+
+    - a job that starts afresh (no ``--resume``) where a checkpoint is committed: its commits
+      could never become the newest (``LATEST`` never moves back), and it would train with no
+      checkpoint at all;
+    - ``--resume`` from a checkpoint of another job shape (see :func:`resume_problem`)."""
     root = config.checkpoint_dir
-    if config.resume or root is None or not Path(root).is_dir():
+    if root is None or not Path(root).is_dir():
         return
-    committed = [step for step, path in _checkpoint_dirs(Path(root)) if (path / MANIFEST).exists()]
-    if committed:
+    committed = committed_steps(root)
+    if not committed:
+        return
+    if not config.resume:
         raise ConfigError(
             f"--checkpoint-dir {root} already holds checkpoints (the newest at step "
-            f"{max(committed)}): pass --resume to continue that job, or give an empty directory"
+            f"{committed[-1]}): pass --resume to continue that job, or give an empty directory"
         )
+    directory = checkpoint_dir(root, committed[-1])
+    document, problem = read_manifest_json(directory)
+    manifest = None if problem else parse_manifest(document)[0]
+    if manifest is None:
+        return  # the processes verify it, and say what is wrong, or take an older one
+    problem = resume_problem(manifest.meta, config)
+    if problem:
+        raise ConfigError(f"--resume from {directory}: {problem}")
+
+
+def resume_problem(saved: dict[str, Any], config: TrainConfig) -> str | None:
+    """Why a checkpoint whose job metadata is ``saved`` cannot continue as ``config``'s job."""
+    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
+        return (
+            f"saved by a job with {saved.get('trainers')} trainers in {saved.get('mode')} mode; "
+            f"this job has {config.trainers} in {config.mode} mode (servers may differ; "
+            f"trainers and mode may not: each trainer's data position and call numbering are "
+            f"saved per trainer, and the mode decides how its calls were counted)"
+        )
+    return None
 
 
 def resume_from(config: TrainConfig) -> Checkpoint | None:
@@ -54,13 +82,9 @@ def resume_from(config: TrainConfig) -> Checkpoint | None:
     if found is None:
         log.warning("--resume: no checkpoint in %s yet; starting afresh", config.checkpoint_dir)
         return None
-    saved = found.meta
-    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
-        raise CheckpointError(
-            f"--resume: {found.directory} was saved by a job with {saved.get('trainers')} "
-            f"trainers in {saved.get('mode')} mode; this job has {config.trainers} in "
-            f"{config.mode} mode (servers may differ, trainers and mode may not)"
-        )
+    problem = resume_problem(found.meta, config)
+    if problem:
+        raise CheckpointError(f"--resume: {found.directory} was {problem}")
     return found
 
 

@@ -19,7 +19,7 @@ from paramserver.changelog.publisher import Publisher
 from paramserver.checkpoint import (
     DENSE_PART,
     Saved,
-    check_fresh_start,
+    check_checkpoint_dir,
     lock_directory,
     resume_from,
 )
@@ -123,16 +123,16 @@ def hold_checkpoint_dir(
     launchers (so ``--max-restarts`` keeps it), by the chief trainer's rank alone under torchrun
     (a group torchrun restarts finds its dead chief's lock stale). A no-op without a checkpoint
     directory and on the other torchrun ranks. Raises :class:`CheckpointError` naming the
-    directory if another job holds it, and ConfigError if a job that starts afresh finds
-    committed checkpoints there."""
+    directory if another job holds it, and ConfigError where the checkpoints there do not fit
+    the job (:func:`~paramserver.checkpoint.resume.check_checkpoint_dir`)."""
     if config.checkpoint_dir is None:
         return contextlib.nullcontext()
     if launcher == "torchrun" and int(os.environ.get("RANK", "-1")) != config.servers:
-        check_fresh_start(config)
+        check_checkpoint_dir(config)
         return contextlib.nullcontext()
     lock = lock_directory(config.checkpoint_dir)  # first: a live job's lock is the reason
     try:
-        check_fresh_start(config)
+        check_checkpoint_dir(config)
     except BaseException:
         lock.release()
         raise
