@@ -5,6 +5,7 @@ user's own on every trainer; ``paramserver.train(model_fn, data_fn, loss_fn, con
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -27,6 +28,9 @@ from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress
 
 if TYPE_CHECKING:
     from paramserver.launch.roles import ChiefResult
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -154,6 +158,11 @@ def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | 
         raise ConfigError("evaluation: the held-out data yielded no batches")
     check_model_fits(model_fn, config)
     _check_publish_dir(config)
+    if not config.gather_model and config.checkpoint_dir is None:
+        log.warning(
+            "--no-gather-model without --checkpoint-dir: the model this job ends with will be "
+            "kept nowhere (give --checkpoint-dir: its final checkpoint is written at the end)"
+        )
 
 
 def _check_publish_dir(config: TrainConfig) -> None:

@@ -339,7 +339,12 @@ def find_checkpoint(path: Path) -> Checkpoint:
 def run_export(args: argparse.Namespace) -> int:
     found = find_checkpoint(args.checkpoint)
     written = export_checkpoint(found, args.out)
-    print(f"wrote {written} tensors of checkpoint {found.step} to {args.out}")
+    which = (
+        "the job's final model" if found.meta.get("final")
+        else "saved during the job, which may have trained past it"
+    )  # fmt: skip
+    print(f"wrote the model at step {found.step} ({which}): {written} tensors of "
+          f"{found.directory} to {args.out}")  # fmt: skip
     return 0
 
 

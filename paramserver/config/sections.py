@@ -269,8 +269,9 @@ class CheckpointSection:
     checkpoint_dir: str | None = field(
         default=None,
         metadata=doc(
-            "directory of checkpoints (shared by every host of a multi-host job; default: "
-            "none, no checkpoints)"
+            "directory of checkpoints (shared by every host of a multi-host job): the job's "
+            "final model at its end, and more with --checkpoint-every(-s) (default: none, no "
+            "checkpoints)"
         ),
     )
     checkpoint_every: int | None = field(

@@ -15,6 +15,11 @@ continues training while a background thread waits for the servers' and trainers
 commits (see :mod:`paramserver.checkpoint`). A checkpoint that cannot be completed is logged and
 skipped; the previous one stays valid. Every wait for a commit watches the heartbeat alarm, so
 a server lost while a checkpoint is written ends the job with its error instead of a hang.
+
+A job with a checkpoint directory also saves its final model: once every trainer has left, the
+chief has every server snapshot at the job's last step and commits that with no trainer part
+(each trainer had left the job, so a resume from it trains no more), marked ``final``. With
+``--checkpoint-dir`` alone, that is the only checkpoint.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from paramserver.checkpoint import (
     commit,
     write_part,
 )
+from paramserver.checkpoint.store import committed_steps
 from paramserver.config import CheckpointSection
 from paramserver.errors import ServerLostError
 from paramserver.futures import wait_all
@@ -123,6 +129,27 @@ class TrainerCheckpoints:
         """Wait for the commits under way (the chief, at the end of the job); a lost server
         ends the wait with its error."""
         wait_all(self._commits, self.alarm)
+
+    def save_final(self, step: int) -> None:
+        """Chief, once every trainer has left: the job's final checkpoint ``step`` (see the
+        module doc), unless a checkpoint of that step or later is committed already (a job
+        resumed from its final checkpoint, which trained no more)."""
+        root = self.settings.checkpoint_dir
+        if root is None:
+            return
+        newest = committed_steps(root)
+        if newest and newest[-1] >= step:
+            log.info("the final model is checkpoint %d already", newest[-1])
+            return
+        wait_all(self.transport.call_all("take_checkpoint", step), self.alarm)
+        parts = cast(
+            list[Part], wait_all(self.transport.call_all("checkpoint_part", step), self.alarm)
+        )
+        if self.dense_part is not None:
+            parts.append(write_part(checkpoint_dir(root, step), DENSE_PART, *self.dense_part()))
+        meta = {**self.job, "final": True}
+        commit(root, step, parts, meta, keep=self.settings.checkpoint_keep)
+        log.info("final checkpoint %d committed in %s", step, checkpoint_dir(root, step))
 
     def announce_if_due(self, call: int) -> None:
         """Chief: announce step ``call + 1`` if a checkpoint is due. Call it only with the

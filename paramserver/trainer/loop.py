@@ -296,6 +296,10 @@ class _TrainerRun:
             # The same decision as the chief's below: has any server declared anyone departed?
             departed = wait_all(transport.call_all("departed"), alarm)
             return TrainerOutcome(report, graceful=not any(departed))
+        reports = wait_all([transport.call(0, "stats")], alarm)[0]["reports"]  # type: ignore[index]
+        self.checkpoints.save_final(
+            max((r.steps + r.resumed_steps for r in reports.values()), default=report.steps)
+        )
         state: dict[str, Tensor] = {}
         if self.config.gather_model:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)
