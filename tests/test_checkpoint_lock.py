@@ -159,10 +159,13 @@ def test_jobs_of_one_process_take_turns_and_a_failed_one_releases_the_directory(
         yield from tiny_batches(trainer, num_batches=2)
         raise RuntimeError("crash")
 
+    # The job ended with its final checkpoint, from which a resume trains no more: a job that
+    # fails starts afresh elsewhere.
+    other = tmp_path / "other"
     with pytest.raises(ps.JobFailedError, match="crash"):
-        ps.train(TinyRecModel, crashing, mse, job_config(root, resume=True))
-    assert not (root / LOCK).exists()
-    assert ps.train(TinyRecModel, data, mse, job_config(root, resume=True)) is not None
+        ps.train(TinyRecModel, crashing, mse, job_config(other))
+    assert not (other / LOCK).exists()
+    assert ps.train(TinyRecModel, data, mse, job_config(other)) is not None
 
 
 def test_a_fresh_job_is_refused_where_checkpoints_were_committed(tmp_path: Path) -> None:

@@ -16,7 +16,14 @@ import pytest
 import paramserver as ps
 from paramserver.checkpoint import load_latest
 from tests.fakes import FaultyTransport
-from tests.helpers import FaultyJobs, MakeServer, TinyRecModel, mse, tiny_batches
+from tests.helpers import (
+    FaultyJobs,
+    MakeServer,
+    TinyRecModel,
+    checkpoint_steps,
+    mse,
+    tiny_batches,
+)
 from tests.procs import children_of_launcher
 
 pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
@@ -140,9 +147,11 @@ def test_no_checkpoint_is_announced_at_the_chiefs_last_step(
     assert result is not None
     for endpoint in transports[0].inner.endpoints:  # type: ignore[attr-defined]
         checkpoints = endpoint.coordinator.checkpoints
-        assert checkpoints.planned == checkpoints.taken_through == 3
+        assert checkpoints.planned == 3  # then the final one, once every trainer left
+        assert checkpoints.taken_through == 12
     found = load_latest(tmp_path)
-    assert found is not None and found.step == 3
+    assert found is not None and (found.step, found.meta["final"]) == (12, True)
+    assert checkpoint_steps(tmp_path) == [3, 12]
 
 
 @pytest.mark.timeout(60)

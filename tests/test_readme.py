@@ -46,6 +46,7 @@ from typing import Any
 import pytest
 import torch
 
+from paramserver.checkpoint import load_latest
 from paramserver.cli import build_parser, main, switches
 from paramserver.config import TrainConfig, read_toml
 
@@ -132,6 +133,7 @@ COMMANDS: dict[str, Run] = {
     "HOST_A --master-port 29500 -m paramserver train --servers 2 --trainers 2": Run(
         SHORT, equivalent="both hosts' commands at once on loopback"
     ),
+    "paramserver train --checkpoint-dir ckpt": Run(SHORT),
     "paramserver train --checkpoint-dir ckpt --checkpoint-every 500": Run(
         (*SHORT, "--checkpoint-every", "4")
     ),
@@ -397,10 +399,15 @@ def test_torchrun_commands_run_on_loopback(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_checkpoint_commands_run_in_order(scratch: Path) -> None:
     commands = sh_commands("Checkpoints and faults")
-    assert len(commands) == 5
+    assert len(commands) == 6
+    at_end, first, resumed, restarting, check, export = commands
+    alone = scratch / "at_end"
+    alone.mkdir()
+    assert paramserver(at_end, alone) == 0
+    found = load_latest(alone / "ckpt")
+    assert found is not None and found.meta["final"] is True  # the only checkpoint: the end
     directory = scratch / "checkpoints"
     directory.mkdir()
-    first, resumed, restarting, check, export = commands
     assert paramserver(first, directory, "first.json") == 0
     assert (directory / "ckpt" / "LATEST").exists()
     assert paramserver(resumed, directory, "resumed.json") == 0

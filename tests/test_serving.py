@@ -19,10 +19,9 @@ import pytest
 import torch
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
-from torch import Tensor, nn
+from torch import Tensor
 from tritonclient.utils import InferenceServerException
 
-import paramserver as ps
 from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, server_dir
 from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.segment import Segment, TableChanges
@@ -36,22 +35,9 @@ from paramserver.serving.model import ServedModel
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
+from tests.serving_helpers import EXAMPLE, Ranker, raw_http
 
 SERVERS = 2
-
-
-class Ranker(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.item = nn.Embedding(50, 4)
-        self.user = ps.DynamicEmbedding(4, default_value=0.5)
-        self.out = nn.Linear(8, 1)
-
-    def forward(self, items: Tensor, users: Tensor) -> Tensor:
-        return self.out(torch.cat([self.item(items), self.user(users)], dim=1))
-
-
-EXAMPLE = [torch.tensor([1, 2]), torch.tensor([10, 11])]
 
 
 class Training:
@@ -275,13 +261,6 @@ def test_no_lookup_sees_part_of_a_version(tmp_path: Path) -> None:
         stop.set()
         writer.join()
     assert torn == [] and len(seen) > 10  # versions changed under the lookups, none torn
-
-
-def raw_http(port: int, method: str, path: str, body: bytes, headers: dict | None = None):
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request(method, path, body, headers or {})
-    answer = connection.getresponse()
-    return answer.status, answer.read()
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ from paramserver.serving.http import HttpServing
 from paramserver.serving.model import ServedModel
 from paramserver.serving.run import serve
 from tests.procs import free_port
-from tests.test_serving import EXAMPLE, Ranker, raw_http
+from tests.serving_helpers import EXAMPLE, Ranker, raw_http
 
 INFER = "/v2/models/item.weight/infer"
 
