@@ -1,7 +1,7 @@
 /* Compiled loops for the hot paths that numpy can only do in several passes over memory (see
  * paramserver/native.py, which loads this module and says when each loop is used).
  *
- * - probe: search an id map (paramserver/idmap.py) for a batch of ids, one id at a time: a
+ * - probe: search an id map (paramserver/store/idmap.py) for a batch of ids, one id at a time: a
  *   slot, then its row's record, and on to the next slot until a match or an empty slot.
  * - place: put new ids in the first free slot of their probe sequences, in order.
  * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
@@ -15,14 +15,15 @@
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
  *   torch's loop is compiled for the CPU, so its multiply-adds are rounded once where the CPU
- *   has the instruction: the caller says which rounding matches (server/optim.py finds out).
+ *   has the instruction: the caller says which rounding matches (paramserver/optim.py finds out).
  *
  * The loops run without the GIL (other threads, a server's RPC threads, go on meanwhile): the
  * arrays stay exported to them until they return, and their owners' locks keep other writers
  * out. Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError);
  * their sizes are checked here, and every index read from the map or given is checked before
  * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
- * The module also names MAP_NORESERVE, which Python's mmap module does not (server/tables.py).
+ * The module also names MAP_NORESERVE, which Python's mmap module does not (for
+ * paramserver/store/growth.py).
  * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
