@@ -181,20 +181,21 @@ def test_a_fresh_job_is_refused_where_checkpoints_were_committed(tmp_path: Path)
     assert ps.train(TinyRecModel, data, mse, job_config(empty)) is not None
 
 
-def test_a_resume_of_another_job_shape_is_refused_before_anything_starts(
+def test_a_sync_resume_of_another_job_shape_is_refused_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Checked from the manifest by the launcher: one message, exit status 2, no process."""
     commit(tmp_path, 6, write_step(tmp_path, 6), {"trainers": 2, "mode": "sync"})
     with pytest.raises(ps.ConfigError, match=r"saved by a job with 2 trainers in sync mode; "
-                       r"this job has 3 in sync mode .*trainers and mode may not"):  # fmt: skip
+                       r"this job has 3 in sync mode: a sync job continues bitwise"):  # fmt: skip
         ps.train(TinyRecModel, data, mse, job_config(tmp_path, resume=True).replace(trainers=3))
-    argv = ["train", "--checkpoint-dir", str(tmp_path), "--resume", "--mode", "async",
+    commit(tmp_path, 7, write_step(tmp_path, 7), {"trainers": 2, "mode": "async"})
+    argv = ["train", "--checkpoint-dir", str(tmp_path), "--resume", "--mode", "sync",
             "--trainers", "2", "--launcher", "threads", "--no-progress"]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("ckpt-0000000006: saved by a job with 2 trainers in sync mode") == 1, err
-    assert "this job has 2 in async mode" in err
+    assert err.count("ckpt-0000000007: saved by a job with 2 trainers in async mode") == 1, err
+    assert "resume it in async or ssp mode to change either" in err
 
 
 def test_commits_record_the_job_holding_the_lock(tmp_path: Path) -> None:

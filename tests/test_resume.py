@@ -243,3 +243,29 @@ def test_a_server_reads_only_its_own_part_when_the_server_count_is_the_same(
         endpoint = build_server(1, job.replace(resume=True, servers=servers), TinyRecModel)
         endpoint.coordinator.close()
         assert read == parts, servers
+
+
+@pytest.mark.parametrize(
+    ("saved_mode", "trainers"), [("async", 3), ("async", 1), ("sync", 2), ("sync", 3)]
+)
+def test_an_async_job_continues_a_checkpoint_of_any_trainer_count_or_mode(
+    tmp_path: Path, saved_mode: str, trainers: int
+) -> None:
+    """As many trainers: each from its own saved position. Another count: the steps the saved
+    trainers had done are shared out, and each new trainer skips its share of its new split."""
+    root = tmp_path / "ckpt"
+    job = config(tmp_path, checkpoint_every=4).replace(mode=saved_mode)
+    with pytest.raises(JobFailedError, match="crash"):
+        threads_job(job, TinyRecModel, crashing_after(4, root, num_batches=STEPS), mse)
+    found = load_latest(root)
+    assert found is not None and found.meta["trainers"] == 2
+    done = [int(found.read_part(f"trainer-{t}")[1]["steps_done"]) for t in range(2)]
+    if trainers == 2:
+        skipped = done
+    else:
+        skipped = [sum(done) // trainers + (t < sum(done) % trainers) for t in range(trainers)]
+    resumed = job.replace(resume=True, mode="async", trainers=trainers)
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, STEPS), mse, resumed)
+    assert result is not None and result.model is not None
+    assert result.summary["trainer_steps"] == [STEPS - s for s in skipped]
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())

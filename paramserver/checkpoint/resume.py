@@ -63,13 +63,19 @@ def check_checkpoint_dir(config: TrainConfig) -> None:
 
 
 def resume_problem(saved: dict[str, Any], config: TrainConfig) -> str | None:
-    """Why a checkpoint whose job metadata is ``saved`` cannot continue as ``config``'s job."""
-    if saved.get("trainers") != config.trainers or saved.get("mode") != config.mode:
+    """Why a checkpoint whose job metadata is ``saved`` cannot continue as ``config``'s job.
+
+    A sync job continues bitwise, each trainer from its own data position and call: only from
+    a sync checkpoint of as many trainers. An async or SSP job promises no replay, so it may
+    continue any checkpoint on any trainer count (the data is split anew: see
+    :func:`paramserver.trainer.loop.resume_trainer`). Servers may always differ."""
+    saved_mode, saved_trainers = saved.get("mode"), saved.get("trainers")
+    if config.mode == "sync" and (saved_mode, saved_trainers) != ("sync", config.trainers):
         return (
-            f"saved by a job with {saved.get('trainers')} trainers in {saved.get('mode')} mode; "
-            f"this job has {config.trainers} in {config.mode} mode (servers may differ; "
-            f"trainers and mode may not: each trainer's data position and call numbering are "
-            f"saved per trainer, and the mode decides how its calls were counted)"
+            f"saved by a job with {saved_trainers} trainers in {saved_mode} mode; this job has "
+            f"{config.trainers} in sync mode: a sync job continues bitwise, each trainer from "
+            f"its own saved data position, so only from a sync checkpoint of as many trainers "
+            f"(resume it in async or ssp mode to change either)"
         )
     return None
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from paramserver.checkpoint import resume_from, saved_dense
+from paramserver.checkpoint import Checkpoint, resume_from, saved_dense
 from paramserver.config import TrainConfig
 from paramserver.errors import TrainerGroupError
 from paramserver.futures import wait_all
@@ -342,6 +342,8 @@ def resume_trainer(
     saved_at = found.step  # a checkpoint's step is the call number it was saved at
     client.next_call = saved_at
     checkpoints.resumed_at(saved_at)
+    if found.meta.get("trainers") != config.trainers:  # async or SSP (see resume_problem)
+        return _split_anew(found, trainer, config.trainers)
     name = f"trainer-{trainer}"
     if name not in found.part_names:
         return Resumed(saved_at, left=True)
@@ -351,6 +353,23 @@ def resume_trainer(
         client.next_call = saved_at + 1
     # Restored once the loop's data is replayed: it may draw from the same RNGs.
     return Resumed(saved_at, steps_done, int(meta["samples"]), rng=(tensors, meta))
+
+
+def _split_anew(found: Checkpoint, trainer: int, trainers: int) -> Resumed:
+    """Where ``trainer`` starts when the job resumes on another trainer count than saved
+    ``found``: the data is split anew, so no saved position is its own. The steps the saved
+    trainers had done in all are shared out as evenly as they go, and each trainer skips that
+    many steps of its new share (so the job trains on about as many batches in all as it
+    would have; which ones each skipped is not what the old trainers trained on); it repeats
+    call k first (a read), and its RNG states start afresh. A final checkpoint's job had
+    ended: every trainer leaves at once."""
+    if found.meta.get("final"):
+        return Resumed(found.step, left=True)
+    saved = [found.read_part(n)[1] for n in found.part_names if n.startswith("trainer-")]
+    steps = sum(int(meta["steps_done"]) for meta in saved)
+    samples = sum(int(meta["samples"]) for meta in saved)
+    share = steps // trainers + (1 if trainer < steps % trainers else 0)
+    return Resumed(found.step, share, samples * share // steps if steps else 0)
 
 
 def _rounds_marked_every(config: TrainConfig, trainer: int) -> float | None:
