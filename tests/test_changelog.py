@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import paramserver.changelog.log as log_module
+import paramserver.changelog.publisher as publisher_module
 from paramserver.changelog.collect import ChangeCollector, attach_collector, cut
 from paramserver.changelog.log import (
     MANIFEST,
@@ -335,6 +336,36 @@ def test_a_timed_publisher_cuts_nothing_while_nothing_changes(tmp_path: Path) ->
     publisher.close()
     found = ChainFollower(tmp_path, 0).pending()[0]
     assert [s.tables["fixed"].ids.tolist() for s in found[:1]] == [[1]]
+
+
+def test_after_a_cut_that_failed_the_next_segment_is_full(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cut that raised had taken its changes: the next segment holds every row, so serving
+    loses none of them."""
+    store = make_store()
+    failed = []
+
+    def failing_once(store: Store, collector: ChangeCollector, first: int, last: int) -> Segment:
+        if not failed:
+            failed.append(collector.take())  # what it held is gone with it
+            raise RuntimeError("a bug")
+        return cut(store, collector, first, last)
+
+    monkeypatch.setattr(publisher_module, "cut", failing_once)
+    publisher = Publisher(store, tmp_path, "job", every_s=0.01)
+    for clock in (1, 2):
+        store.advance_clock(clock)
+        store.apply_rows({"fixed": (ids(clock), torch.ones(1, 4))}, {"fixed": 0.1}, clock)
+        deadline = time.monotonic() + 10
+        while (publisher.stats.failures + publisher.stats.segments) < clock and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.005)
+    publisher.close()
+    assert failed and publisher.stats.failures == 1
+    found = ChainFollower(tmp_path, 0).pending()[0]
+    assert found[0].full and set(found[0].tables["fixed"].ids.tolist()) >= {1, 2}
 
 
 def test_a_collector_left_uncut_keeps_one_entry_per_changed_id(tmp_path: Path) -> None:

@@ -88,7 +88,7 @@ class ChangeCollector:
     def has_changes(self) -> bool:
         """Whether anything changed since the last take."""
         with self._lock:
-            return self._changes != self._taken or bool(self._events or self._dense)
+            return self._changes != self._taken  # every report numbers a change
 
     def take(self) -> Changed:
         """What changed since the last take, each id's last change deciding its fate."""

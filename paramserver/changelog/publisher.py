@@ -64,7 +64,7 @@ class Publisher:
         changes = store.changes
         rebase = changes.resharded or self.writer.last_changes != changes.covered()
         if rebase:
-            store.changes.continue_from(self.writer.last_changes)
+            changes.continue_from(self.writer.last_changes)
         self.collector = attach_collector(store)
         self.stats = PublishStats()
         self._next_step = store.clock + 1
@@ -78,6 +78,8 @@ class Publisher:
         self._closing = self._close_started = False
         self._give_up_at = float("inf")  # when closing: the time to stop trying
         self._stalled = False  # the first segment in line failed to write: cut no more
+        # A cut raised after taking the changes it held: the next is full, so none is lost.
+        self._cut_failed = False
         self._timed = timed
         self._last_cut = time.monotonic()
         self._thread = threading.Thread(
@@ -106,7 +108,9 @@ class Publisher:
                 return  # its changes go in the first cut after the writing recovers
             # No step since the last cut: the segment covers none (first = last + 1).
             last = max(self.store.clock if last_step is None else last_step, self._next_step - 1)
-            segment = cut(self.store, self.collector, self._next_step, last)
+            cutter = full_cut if self._cut_failed else cut
+            segment = cutter(self.store, self.collector, self._next_step, last)
+            self._cut_failed = False
             segment.aligned = aligned
             self._next_step = last + 1
             self._last_cut = time.monotonic()
@@ -164,8 +168,9 @@ class Publisher:
             return
         try:
             self.cut()
-        except Exception:  # a bug: training goes on, the changes stay gathered
+        except Exception:  # a bug: training goes on, and the next segment is full
             self.stats.failures += 1
+            self._cut_failed = True
             logger.exception("server %d: cutting a change log segment failed", self.store.server)
 
     def _until_next_cut(self) -> float | None:
