@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 class Recorder:
     """A change observer that keeps every report, in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, recovers: bool = False) -> None:
+        self.recovers = recovers
         self.seen: list[tuple[int, str, str, list[int] | list[str]]] = []
 
     def rows_written(self, table: str, ids: Tensor, sequence: int) -> None:
@@ -36,6 +37,12 @@ class Recorder:
 
     def dense_written(self, names: list[str], sequence: int) -> None:  # type: ignore[override]
         self.seen.append((sequence, "dense", "", list(names)))
+
+    def rows_touched(self, table: str, ids: Tensor, sequence: int) -> None:
+        self.seen.append((sequence, "touched", table, ids.tolist()))
+
+    def pending_changed(self, table: str, ids: Tensor, sequence: int) -> None:
+        self.seen.append((sequence, "pending", table, ids.tolist()))
 
 
 def test_every_change_is_told_once_in_order_with_its_sequence_number() -> None:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from paramserver.changelog.segment import Segment, TableChanges
+from paramserver.changelog.segment import Recovery, Segment, TableChanges
+from paramserver.store.arena import ROW_STEPS
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
 
@@ -34,6 +35,9 @@ class Changed:
 
     written: dict[str, Tensor] = field(default_factory=dict)
     removed: dict[str, Tensor] = field(default_factory=dict)
+    # Recovery only: ids whose rows a read touched, pending ids counted or forgotten.
+    touched: dict[str, Tensor] = field(default_factory=dict)
+    pending: dict[str, Tensor | None] = field(default_factory=dict)
     dense: list[str] = field(default_factory=list)
     after_changes: int = 0
     changes: int = 0
@@ -41,15 +45,18 @@ class Changed:
 
 
 class ChangeCollector:
-    """A store's changes since the last :meth:`take` (see the module doc). Where a table's
-    reports hold over ``compact_at`` ids (no cut for long: its writing stalls), they are
-    folded into each id's last change, so what it keeps is bounded by the ids changed."""
+    """A store's changes since the last :meth:`take` (see the module doc); with ``recovers``,
+    also the touches and pending ids recovery needs. Where a table's reports hold over
+    ``compact_at`` ids (no cut for long: its writing stalls), they are folded into each id's
+    last change, so what it keeps is bounded by the ids changed."""
 
-    def __init__(self, compact_at: int = 1 << 20) -> None:
+    def __init__(self, compact_at: int = 1 << 20, *, recovers: bool = False) -> None:
+        self.recovers = recovers
         self._lock = threading.Lock()
         self._compact_at = compact_at
         self._events: dict[str, list[tuple[Tensor, bool]]] = {}
         self._held: dict[str, int] = {}  # ids in each table's events
+        self._marked: dict[tuple[str, str], list[Tensor]] = {}  # (kind, table): ids
         self._dense: set[str] = set()
         self._changes = self._taken = 0
         self._first_change_at = 0.0
@@ -68,6 +75,22 @@ class ChangeCollector:
     def dense_written(self, names: Sequence[str], sequence: int) -> None:
         with self._lock:
             self._dense.update(names)
+            self._changes = sequence
+            self._first_change_at = self._first_change_at or time.time()
+
+    def rows_touched(self, table: str, ids: Tensor, sequence: int) -> None:
+        self._mark("touched", table, ids, sequence)
+
+    def pending_changed(self, table: str, ids: Tensor, sequence: int) -> None:
+        self._mark("pending", table, ids, sequence)
+
+    def _mark(self, kind: str, table: str, ids: Tensor, sequence: int) -> None:
+        copy = ids.clone()
+        with self._lock:
+            marked = self._marked.setdefault((kind, table), [])
+            marked.append(copy)
+            if len(marked) > 256:  # kept whole, the reports' ids would grow without bound
+                self._marked[(kind, table)] = [torch.cat(marked).unique()]
             self._changes = sequence
             self._first_change_at = self._first_change_at or time.time()
 
@@ -94,6 +117,7 @@ class ChangeCollector:
         """What changed since the last take, each id's last change deciding its fate."""
         with self._lock:
             events, self._events, self._held = self._events, {}, {}
+            marked, self._marked = self._marked, {}
             dense, self._dense = self._dense, set()
             after, changes, first = self._taken, self._changes, self._first_change_at
             self._taken, self._first_change_at = changes, 0.0
@@ -101,6 +125,9 @@ class ChangeCollector:
         changed.first_change_at = first
         for table, table_events in events.items():
             changed.written[table], changed.removed[table] = _last_changes(table_events)
+        for (kind, table), ids in marked.items():
+            into = changed.touched if kind == "touched" else changed.pending
+            into[table] = torch.cat(ids).unique()
         return changed
 
 
@@ -135,6 +162,8 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
         first_change_at=changed.first_change_at,
         servers=store.plan.num_servers,
     )
+    if collector.recovers:
+        segment.recovery = recovery_of(store, changed)
     for name in changed.written:
         ids, removed = changed.written[name], changed.removed[name]
         table_values = values.get(name)
@@ -145,9 +174,10 @@ def cut(store: Store, collector: ChangeCollector, first_step: int, last_step: in
     return segment
 
 
-def attach_collector(store: Store) -> ChangeCollector:
-    """A collector attached to ``store``'s change feed, from its next change on."""
-    collector = ChangeCollector()
+def attach_collector(store: Store, recovers: bool = False) -> ChangeCollector:
+    """A collector attached to ``store``'s change feed, from its next change on (with
+    ``recovers``: recording for recovery too)."""
+    collector = ChangeCollector(recovers=recovers)
     collector.starts_after(store.changes.attach(collector))
     return collector
 
@@ -169,4 +199,33 @@ def full_cut(store: Store, collector: ChangeCollector, first_step: int, last_ste
         rows = values.get(name, torch.zeros(0, dim))
         segment.tables[name] = TableChanges(held[name], rows, torch.zeros(0, dtype=torch.int64))
     segment.dense = store.read_dense(list(store.dense)).values if store.dense else {}
+    if collector.recovers:  # the whole store: every row, every pending id
+        whole = Changed(written=held, pending=dict.fromkeys(names), dense=list(store.dense))
+        segment.recovery = recovery_of(store, whole)
     return segment
+
+
+_NO_IDS = torch.empty(0, dtype=torch.int64)
+
+
+def recovery_of(store: Store, changed: Changed) -> Recovery:
+    """The recovery section (:mod:`paramserver.changelog.recover`) of a cut of ``store`` that
+    took ``changed``, read now (so never older than the changes it covers): each row written
+    or touched whole, the pending ids counted or forgotten (None for a table: all of them),
+    every dynamic table's counters, the dense values written with their state, the clock."""
+    recovery = Recovery(store.clock)
+    for name in store.tables:
+        written = changed.written.get(name, _NO_IDS)
+        touched = changed.touched.get(name, _NO_IDS)
+        rows = torch.cat([written, touched]).unique() if touched.numel() else written
+        pending = changed.pending.get(name, _NO_IDS)
+        entries, meta = store.snapshot_of(name, rows, pending)
+        if rows.numel() or pending is None or pending.numel() or meta:
+            recovery.tables[name], recovery.meta[name] = entries, meta
+    dense = store.read_dense(changed.dense, state=True)
+    for name, value in dense.values.items():
+        state = dict(dense.state[name])
+        version = state.pop(ROW_STEPS)
+        slots = {f"state.{slot}": tensor for slot, tensor in state.items()}
+        recovery.dense[name] = {"value": value, **slots, "version": version}
+    return recovery

@@ -53,9 +53,11 @@ class Publisher:
         codec: str = "none",
         keep: int = DEFAULT_KEEP,
         timed: bool = True,
+        recovers: bool = False,
     ):
         """``timed``: cut every ``every_s`` seconds on its own (an async job); else only when
-        :meth:`cut` is called (a sync job cuts at a round's end)."""
+        :meth:`cut` is called (a sync job cuts at a round's end). ``recovers``: each segment
+        holds a recovery section too (:mod:`paramserver.changelog.recover`)."""
         self.store, self.every_s, self.codec = store, every_s, codec
         self.writer = LogWriter(root, writer, store.server, keep)
         # A store that does not continue its chain where it ends (a job resumed from an
@@ -65,7 +67,7 @@ class Publisher:
         rebase = changes.resharded or self.writer.last_changes != changes.covered()
         if rebase:
             changes.continue_from(self.writer.last_changes)
-        self.collector = attach_collector(store)
+        self.collector = attach_collector(store, recovers)
         self.stats = PublishStats()
         self._next_step = store.clock + 1
         self._cut_lock = threading.Lock()

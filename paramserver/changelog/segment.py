@@ -20,6 +20,12 @@ naming the file.
 Values travel with a codec (``none``, ``bf16``, ``int8``: int8 per row with a bf16 scale,
 :mod:`paramserver.wire.compression`), per table as the encoder chose it (a bf16 value out of
 bf16's range falls back to ``none``); dense values are always ``none``.
+
+A segment may also hold a recovery section (:class:`Recovery`), which serving skips: what its
+server's store needs, beyond the values, to be rebuilt from a checkpoint and the segments
+since (:mod:`paramserver.changelog.recover`): the changed rows whole (value, optimizer state,
+step counts, versions, last touch, exactly), dynamic tables' pending ids and counters, the
+changed dense values' state, and the store's clock.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,19 +54,26 @@ _LENGTH = struct.Struct("<Q")
 _ALIGN = 8
 _MAX_HEADER_BYTES = 64 << 20
 _DTYPES = {
+    "float64": torch.float64,
     "float32": torch.float32,
+    "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
+    "int32": torch.int32,
     "int64": torch.int64,
 }
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _HEADER_KEYS = {
     "writer", "server", "sequence", "previous", "first_step", "last_step", "after_changes",
     "changes", "cut_at", "first_change_at", "aligned", "servers", "full", "tables", "dense",
-    "tensors",
+    "tensors", "recovery",
 }  # fmt: skip
 # The tensors a table may have in a segment, by role.
 _ROLES = ("ids", "values", "scales", "removed")
+# Those of a table's recovery section (a snapshot's entries), and of a dense value's.
+_RECOVERY_ROLE = re.compile(r"ids|value|steps|versions|last_touched|state\.\w+|"
+                            r"pending\.(ids|counts|seen|latest|forgotten)")  # fmt: skip
+_DENSE_RECOVERY_ROLE = re.compile(r"value|version|state\.\w+")
 
 
 @dataclass
@@ -71,6 +85,19 @@ class TableChanges:
     ids: Tensor
     values: Tensor
     removed: Tensor
+
+
+@dataclass
+class Recovery:
+    """A segment's recovery section (see the module doc): ``tables[name]``, the table's
+    partial snapshot (:meth:`~paramserver.store.store.Store.snapshot_of`'s entries) with its
+    metadata in ``meta[name]``; ``dense[name]``, a dense value with ``state.<slot>`` and
+    ``version``; ``clock``, the store's clock at the cut."""
+
+    clock: int
+    tables: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    meta: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dense: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +129,7 @@ class Segment:
     full: bool = False
     tables: dict[str, TableChanges] = field(default_factory=dict)
     dense: dict[str, Tensor] = field(default_factory=dict)
+    recovery: Recovery | None = None
 
     @property
     def num_rows(self) -> int:
@@ -144,7 +172,27 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
         place({"table": name, "role": "removed"}, changes.removed)
     for name, value in segment.dense.items():
         place({"dense": name}, value.float().contiguous())
-    header = {
+    recovery = segment.recovery
+    if recovery is not None:
+        sections = (("recovery", recovery.tables), ("recovery_dense", recovery.dense))
+        for kind, section in sections:
+            for name, entries in section.items():
+                for role, tensor in entries.items():
+                    place({kind: name, "role": role}, tensor.contiguous())
+    header = _header_of(segment, tables, placed)
+    digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    parts: list[bytes | memoryview] = [MAGIC, *_header_bytes(header), *payload]
+    for part in parts:
+        digest.update(part)
+        f.write(part)
+    f.write(digest.digest())
+
+
+def _header_of(
+    segment: Segment, tables: dict[str, Any], placed: list[dict[str, Any]]
+) -> dict[str, Any]:
+    recovery = segment.recovery
+    return {
         "writer": segment.writer, "server": segment.server, "sequence": segment.sequence,
         "previous": segment.previous, "first_step": segment.first_step,
         "last_step": segment.last_step, "after_changes": segment.after_changes,
@@ -152,13 +200,12 @@ def write_segment(f: IO[bytes], segment: Segment, codec: str = "none") -> None:
         "first_change_at": segment.first_change_at, "aligned": segment.aligned,
         "servers": segment.servers, "full": segment.full, "tables": tables,
         "dense": list(segment.dense), "tensors": placed,
+        "recovery": None if recovery is None else {
+            "clock": recovery.clock,
+            "tables": {name: recovery.meta.get(name, {}) for name in recovery.tables},
+            "dense": list(recovery.dense),
+        },
     }  # fmt: skip
-    digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
-    parts: list[bytes | memoryview] = [MAGIC, *_header_bytes(header), *payload]
-    for part in parts:
-        digest.update(part)
-        f.write(part)
-    f.write(digest.digest())
 
 
 def read_segment(path: str | Path) -> Segment:
@@ -195,7 +242,8 @@ def _parse(data: bytes) -> Segment:
         raise _Bad(f"header is not JSON: {error}") from None
     _check_header(header)
     payload = memoryview(body)[fixed + header_length :]
-    segment = Segment(**{k: header[k] for k in _HEADER_KEYS - {"tables", "dense", "tensors"}})
+    kept = _HEADER_KEYS - {"tables", "dense", "tensors", "recovery"}
+    segment = Segment(**{k: header[k] for k in kept})
     found = _tensors(header["tensors"], payload)
     for name, counts in header["tables"].items():
         segment.tables[name] = _table(name, counts, found)
@@ -203,6 +251,8 @@ def _parse(data: bytes) -> Segment:
         if (name,) not in found:
             raise _Bad(f"dense parameter {name!r} has no tensor")
         segment.dense[name] = found.pop((name,))
+    if header["recovery"] is not None:
+        segment.recovery = _recovery(header["recovery"], found)
     if found:
         raise _Bad(f"tensors that no table or dense parameter names: {sorted(found)[:3]}")
     return segment
@@ -221,7 +271,7 @@ def _check_header(header: Any) -> None:
         if not isinstance(header[key], bool):
             raise _Bad(f"header: {key} must be true or false")
     times = {"cut_at", "first_change_at"}
-    flags = {"writer", "aligned", "full", "tables", "dense", "tensors"}
+    flags = {"writer", "aligned", "full", "tables", "dense", "tensors", "recovery"}
     for key in _HEADER_KEYS - times - flags:
         if type(header[key]) is not int or header[key] < 0:
             raise _Bad(f"header: {key} must be an integer >= 0, got {header[key]!r}")
@@ -261,6 +311,10 @@ def _tensor(entry: Any, payload: memoryview) -> tuple[tuple[str, ...], Tensor]:
         key = (entry["dense"],)
     elif isinstance(entry.get("table"), str) and entry.get("role") in _ROLES:
         key = (entry["table"], entry["role"])
+    elif _recovery_entry(entry, "recovery", _RECOVERY_ROLE):
+        key = ("recovery", entry["recovery"], entry["role"])
+    elif _recovery_entry(entry, "recovery_dense", _DENSE_RECOVERY_ROLE):
+        key = ("recovery_dense", entry["recovery_dense"], entry["role"])
     else:
         raise _Bad(f"tensor entry {entry!r} names no table role or dense parameter")
     dtype, shape, offset = entry.get("dtype"), entry.get("shape"), entry.get("offset")
@@ -309,6 +363,61 @@ def _table(name: str, counts: Any, found: dict[tuple[str, ...], Tensor]) -> Tabl
     tensors = (values,) if scales is None else (values, scales)
     decoded = decode(Encoded(codec, (rows, dim), tensors))
     return TableChanges(ids, decoded.float(), removed_ids)
+
+
+def _recovery_entry(entry: dict[str, Any], kind: str, roles: re.Pattern[str]) -> bool:
+    role = entry.get("role")
+    return (
+        isinstance(entry.get(kind), str) and isinstance(role, str) and bool(roles.fullmatch(role))
+    )
+
+
+def _recovery(described: Any, found: dict[tuple[str, ...], Tensor]) -> Recovery:
+    """The recovery section ``described`` (its header entry), its tensors taken from
+    ``found``, each table's checked: unique int64 ids, one row of each per-row tensor per
+    id, the same of its pending ids, and integer counters."""
+    if not (
+        isinstance(described, dict) and set(described) == {"clock", "tables", "dense"}
+        and type(described["clock"]) is int and isinstance(described["tables"], dict)
+        and isinstance(described["dense"], list)
+    ):  # fmt: skip
+        raise _Bad(f"recovery: bad header entry {described!r}"[:200])
+    recovery = Recovery(described["clock"])
+    for name, meta in described["tables"].items():
+        entries = {key[2]: found.pop(key) for key in list(found) if key[:2] == ("recovery", name)}
+        _check_snapshot(name, entries, meta)
+        recovery.tables[name], recovery.meta[name] = entries, meta
+    for name in described["dense"]:
+        key = ("recovery_dense", name)
+        entries = {k[2]: found.pop(k) for k in list(found) if k[:2] == key}
+        if "value" not in entries or "version" not in entries:
+            raise _Bad(f"recovery: dense parameter {name!r} lacks its value or version")
+        recovery.dense[name] = entries
+    return recovery
+
+
+def _check_snapshot(name: str, entries: dict[str, Tensor], meta: Any) -> None:
+    """A table's recovery entries: unique 1-D int64 ``ids`` and ``pending.ids``, one entry of
+    each per-row tensor per id (of the pending ids for ``pending.*``), values with rows."""
+    where = f"recovery of table {name!r}"
+    for ids_role in ("ids", "pending.ids", "pending.forgotten"):
+        ids = entries.get(ids_role)
+        if ids is not None and (
+            ids.dtype != torch.int64 or ids.dim() != 1 or ids.unique().numel() != ids.numel()
+        ):
+            raise _Bad(f"{where}: {ids_role} must be unique 1-D int64 ids")
+    for role, tensor in entries.items():
+        if role == "pending.forgotten":
+            continue
+        of = "pending.ids" if role.startswith("pending.") else "ids"
+        ids = entries.get(of)
+        if ids is None or tensor.dim() == 0 or tensor.shape[0] != ids.numel():
+            raise _Bad(f"{where}: {role} has not one entry per id of {of}")
+    if "ids" in entries and "value" not in entries:
+        raise _Bad(f"{where}: rows without values")
+    counters = meta.get("counters", {}) if isinstance(meta, dict) else None
+    if not isinstance(counters, dict) or not all(type(v) is int for v in counters.values()):
+        raise _Bad(f"{where}: bad metadata")
 
 
 def _header_bytes(header: Mapping[str, Any]) -> tuple[bytes, bytes]:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from paramserver.store.arena import nbytes_of
 from paramserver.store.growth import with_rows
-from paramserver.store.idmap import IdMap
+from paramserver.store.idmap import IdMap, TableIds
 
 
 class PendingIds:
@@ -55,21 +55,36 @@ class PendingIds:
         if self.ids.num_rows:
             self.ids.remove(ids)
 
-    def expire(self, before: int) -> None:
-        """Forget the ids last seen before step ``before``."""
-        if self.ids.num_rows:
-            ids, slots = self.ids.live_rows()
-            self.ids.remove(ids[self.seen[slots] < before])
-
-    def snapshot(self) -> dict[str, Tensor]:
-        """Copies of every pending id and its counters, keyed for a table's snapshot."""
+    def expire(self, before: int) -> Tensor:
+        """Forget the ids last seen before step ``before``; returns them."""
+        if not self.ids.num_rows:
+            return torch.empty(0, dtype=torch.int64)
         ids, slots = self.ids.live_rows()
-        return {
+        forgotten = ids[self.seen[slots] < before]
+        self.ids.remove(forgotten)
+        return forgotten
+
+    def snapshot(
+        self, among: Tensor | None = None, rows: TableIds | None = None
+    ) -> dict[str, Tensor]:
+        """Copies of every pending id (of ``among`` only, where given) and its counters, keyed
+        for a table's snapshot; with ``among``, the ids of it neither pending nor with a row
+        in ``rows`` (the table's) as ``pending.forgotten``."""
+        if among is None:
+            ids, slots = self.ids.live_rows()
+        else:
+            found = self.ids.lookup(among) if self.ids.num_rows else torch.full_like(among, -1)
+            ids, slots = among[found >= 0], found[found >= 0]
+        entries = {
             "pending.ids": ids,
             "pending.counts": self.counts[slots],
             "pending.seen": self.seen[slots],
             "pending.latest": self.latest[slots],
         }
+        if among is not None:
+            assert rows is not None
+            entries["pending.forgotten"] = among[(found < 0) & (rows.lookup(among) < 0)]
+        return entries
 
     def restore(self, saved: dict[str, Tensor]) -> None:
         """Add the pending ids of ``saved`` (:meth:`snapshot`'s entries) with their counters."""
@@ -85,6 +100,24 @@ class PendingIds:
         # the saved step itself, and a resumed job's first training reads come after it.
         latest = saved.get("pending.latest")
         self.latest[slots] = 0 if latest is None else latest
+
+    def replay(self, saved: dict[str, Tensor]) -> None:
+        """Set the counters of the pending ids of ``saved`` (:meth:`snapshot`'s entries),
+        adding those not pending, and forget its ``pending.forgotten``: a recovery's replay."""
+        forgotten = saved.get("pending.forgotten")
+        if forgotten is not None and forgotten.numel():
+            self.remove(forgotten)
+        pending = saved.get("pending.ids")
+        if pending is None or not pending.numel():
+            return
+        absent = pending[self.ids.lookup(pending) < 0] if self.ids.num_rows else pending
+        if absent.numel():
+            self.ids.insert(absent)
+            self._fit()
+        slots = self.ids.lookup(pending)
+        self.counts[slots] = saved["pending.counts"]
+        self.seen[slots] = saved["pending.seen"]
+        self.latest[slots] = saved["pending.latest"]
 
     def nbytes(self) -> int:
         return nbytes_of(self.counts, self.seen, self.latest) + self.ids.nbytes()

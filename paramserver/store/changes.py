@@ -3,12 +3,15 @@ change log (rows to publish to serving) and recovery by replay build on.
 
 A store's tables and dense values report each change once it is made: rows written (updated
 by a push, created by a dynamic table's admission, set by a restore or a replay), ids removed
-(a dynamic table's eviction and expiry, or a delete), dense values written. Each report takes
-the store's next sequence number, so the numbers order the changes of one server; an observer
-attached (:meth:`ChangeFeed.attach`) is called with it, under the feed's lock, so it sees them
-in that order. One operation over several tables (an update of all a push's tables, the rows
-a read made) is one report: one number, told to the observer table by table. With no
-observer a report costs one lock and one addition.
+(a dynamic table's eviction and expiry, or a delete), dense values written; and, for recovery,
+what a training read changes of a dynamic table besides values: rows touched (their last
+touch, which expiry and eviction go by) and pending ids counted or forgotten (admission).
+Each report takes the store's next sequence number, so the numbers order the changes of one
+server; an observer attached (:meth:`ChangeFeed.attach`) is called with it, under the feed's
+lock, so it sees them in that order. One operation over several tables (an update of all a
+push's tables, the rows a read made) is one report: one number, told to the observer table by
+table. With no observer a report costs one lock and one addition (and the reports only
+recovery needs are not made: :attr:`ChangeFeed.recovering`).
 
 What a report names: a table and the ids whose rows changed (global row ids of a fixed table,
 the ids themselves of a dynamic one), or dense parameters by name; not the values, which an
@@ -34,7 +37,15 @@ class ChangeObserver(Protocol):
 
     def ids_removed(self, table: str, ids: Tensor, sequence: int) -> None: ...
 
+    # Whether it is told of touches and pending ids (rows_touched, pending_changed), which
+    # only recovery needs: a read makes those reports only for such an observer.
+    recovers: bool
+
     def dense_written(self, names: Sequence[str], sequence: int) -> None: ...
+
+    def rows_touched(self, table: str, ids: Tensor, sequence: int) -> None: ...
+
+    def pending_changed(self, table: str, ids: Tensor, sequence: int) -> None: ...
 
 
 class ChangeFeed:
@@ -81,11 +92,7 @@ class ChangeFeed:
                         self.observer.rows_written(table, ids, self.sequence)
 
     def ids_removed(self, table: str, ids: Tensor) -> None:
-        if ids.numel():
-            with self._lock:
-                self.sequence += 1
-                if self.observer is not None:
-                    self.observer.ids_removed(table, ids, self.sequence)
+        self._told("ids_removed", table, ids)
 
     def dense_written(self, names: Sequence[str]) -> None:
         if names:
@@ -93,6 +100,28 @@ class ChangeFeed:
                 self.sequence += 1
                 if self.observer is not None:
                     self.observer.dense_written(names, self.sequence)
+
+    @property
+    def recovering(self) -> bool:
+        """Whether the observer attached records for recovery: the reports only it needs
+        (touches, pending ids) are made only then, so they cost a read nothing otherwise."""
+        observer = self.observer
+        return observer is not None and observer.recovers
+
+    def rows_touched(self, table: str, ids: Tensor) -> None:
+        """The rows of ``ids`` were touched by a training read (their last touch changed)."""
+        self._told("rows_touched", table, ids)
+
+    def pending_changed(self, table: str, ids: Tensor) -> None:
+        """The pending ids ``ids`` were counted by a training read, or forgotten."""
+        self._told("pending_changed", table, ids)
+
+    def _told(self, event: str, table: str, ids: Tensor) -> None:
+        if ids.numel():
+            with self._lock:
+                self.sequence += 1
+                if self.observer is not None:
+                    getattr(self.observer, event)(table, ids, self.sequence)
 
     def covered(self) -> int:
         """The number of the last change made so far."""

@@ -190,8 +190,11 @@ class DynamicTable:
         record them for the read's pull; returns the rows of ``ids`` now."""
         if reading.train:
             if self.last_touched is not None:
-                self.last_touched[rows[rows >= 0]] = reading.clock
-            if self._evict(reading.clock):  # spares this step's rows, unless they alone overflow
+                held = rows >= 0
+                self.last_touched[rows[held]] = reading.clock
+                if self.changes.recovering:
+                    self.changes.rows_touched(self.spec.name, ids[held])
+            if _evict(self, reading.clock):  # spares this step's rows, unless they alone overflow
                 rows = self.ids.lookup(ids)
         if reading.pull is not None:
             # Not copied: rows is this read's own (a slice of the rows it found for all its
@@ -270,22 +273,37 @@ class DynamicTable:
             ids, self.weight, self.state, self.steps, self.versions, rows, self.last_touched
         )
         entries.update(self.pending.snapshot())
-        meta = {
-            "counters": dataclasses.asdict(self.counters),
-            "swept_at": self.swept_at,
-            "fresh_version": self.fresh_version,
-        }
-        return entries, meta
+        return entries, _books_of(self)
 
     def restore(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
         """Add the rows and pending ids of ``saved`` (this server's, from any shard layout)
         with their state; add its counters to this table's."""
         self.set_rows(saved)
         self.pending.restore(saved)
-        for name, value in meta["counters"].items():
-            setattr(self.counters, name, getattr(self.counters, name) + int(value))
-        self.swept_at = max(self.swept_at, int(meta["swept_at"]))
-        self.fresh_version = max(self.fresh_version, int(meta["fresh_version"]))
+        _take_books(self, meta, added=True)
+
+    def snapshot_of(
+        self, ids: Tensor, pending: Tensor | None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """:meth:`snapshot` of part of the table, for a recovery log: the rows of those of
+        ``ids`` that have one, the counters of those of ``pending`` still pending (None: of
+        all), the ids of ``pending`` now neither (``pending.forgotten``), and the table's
+        counters."""
+        rows = self.ids.lookup(ids)
+        held = rows >= 0
+        entries = row_entries(
+            ids[held], self.weight, self.state, self.steps, self.versions, rows[held],
+            self.last_touched,
+        )  # fmt: skip
+        entries.update(self.pending.snapshot(among=pending, rows=self.ids))
+        return entries, _books_of(self)
+
+    def replay(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Set the rows and pending ids of ``saved`` (:meth:`snapshot_of`'s), forget its
+        forgotten ones, and take its counters (they are the table's then, not a part's)."""
+        self.set_rows(saved)
+        self.pending.replay(saved)
+        _take_books(self, meta, added=False)
 
     def set_rows(self, entries: Mapping[str, Tensor]) -> None:
         """Set the rows of ``entries["ids"]`` (unique), making those of ids without one (no
@@ -309,7 +327,7 @@ class DynamicTable:
     def delete_ids(self, ids: Tensor) -> None:
         """Remove the rows of those of ``ids`` that have one, as an eviction does (counted as
         evicted; a gradient computed from a removed row is dropped)."""
-        self._remove(ids[self.ids.lookup(ids) >= 0])
+        self.remove_rows(ids[self.ids.lookup(ids) >= 0])
 
     def nbytes(self) -> int:
         """This table's bytes: its pending ids', and its share of the arena's and the id
@@ -341,32 +359,8 @@ class DynamicTable:
                 capacity = max(needed, min(capacity, arena.max_rows))
             arena.grow(capacity)
 
-    def _evict(self, clock: int) -> bool:
-        """Apply the TTL and capacity rules; returns whether any row went."""
-        if self.last_touched is None:  # neither rule is configured
-            return False
-        evicted_before = self.counters.evicted
-        ttl = self.options.ttl_steps
-        if ttl is not None and clock - self.swept_at >= max(1, ttl // 4):
-            self.swept_at = clock
-            ids, rows = self.ids.live_rows()
-            stale = self.last_touched[rows] < clock - ttl
-            self._remove(ids[stale])
-            self.pending.expire(before=clock - ttl)
-        capacity = self.options.capacity
-        if capacity is not None and self.ids.num_rows > capacity:
-            ids, rows = self.ids.live_rows()
-            # Least recently touched first; ties go to the smaller id, so eviction is exact.
-            touched = self.last_touched[rows]
-            order = torch.argsort(touched, stable=True)
-            earlier = int((touched < clock).sum())  # rows of earlier steps come first
-            excess = ids.numel() - int(capacity * EVICT_TO)
-            # This step's rows go only if they alone exceed capacity (down to it, not 95%).
-            gone = max(min(excess, earlier), ids.numel() - capacity)
-            self._remove(ids[order[:gone]])
-        return self.counters.evicted != evicted_before
-
-    def _remove(self, ids: Tensor) -> None:
+    def remove_rows(self, ids: Tensor) -> None:
+        """Remove the rows of ``ids`` (each with one), as its rules do: counted as evicted."""
         if ids.numel():
             rows = self.ids.remove(ids)
             self.counters.evicted += ids.numel()
@@ -375,6 +369,51 @@ class DynamicTable:
                 self.fresh_version = max(self.fresh_version, reached + self.cache_lag + 1)
             self.pulls.strike(rows)
             self.changes.ids_removed(self.spec.name, ids)
+
+
+def _evict(table: DynamicTable, clock: int) -> bool:
+    """Apply ``table``'s TTL and capacity rules at step ``clock``; returns whether any row
+    went."""
+    if table.last_touched is None:  # neither rule is configured
+        return False
+    evicted_before = table.counters.evicted
+    ttl = table.options.ttl_steps
+    if ttl is not None and clock - table.swept_at >= max(1, ttl // 4):
+        table.swept_at = clock
+        ids, rows = table.ids.live_rows()
+        stale = table.last_touched[rows] < clock - ttl
+        table.remove_rows(ids[stale])
+        forgotten = table.pending.expire(before=clock - ttl)
+        if table.changes.recovering:
+            table.changes.pending_changed(table.spec.name, forgotten)
+    capacity = table.options.capacity
+    if capacity is not None and table.ids.num_rows > capacity:
+        ids, rows = table.ids.live_rows()
+        # Least recently touched first; ties go to the smaller id, so eviction is exact.
+        touched = table.last_touched[rows]
+        order = torch.argsort(touched, stable=True)
+        earlier = int((touched < clock).sum())  # rows of earlier steps come first
+        excess = ids.numel() - int(capacity * EVICT_TO)
+        # This step's rows go only if they alone exceed capacity (down to it, not 95%).
+        gone = max(min(excess, earlier), ids.numel() - capacity)
+        table.remove_rows(ids[order[:gone]])
+    return table.counters.evicted != evicted_before
+
+
+def _books_of(table: DynamicTable) -> dict[str, Any]:
+    """A table's counters and the clocks its rules keep, as a snapshot's metadata."""
+    counters = dataclasses.asdict(table.counters)
+    return {"counters": counters, "swept_at": table.swept_at, "fresh_version": table.fresh_version}
+
+
+def _take_books(table: DynamicTable, meta: dict[str, Any], *, added: bool) -> None:
+    """Take a snapshot's metadata: ``added`` to the table's (a restore, of one part of
+    several), or as they are (a replay: the table's own at the time)."""
+    for name, value in meta["counters"].items():
+        setattr(table.counters, name, (getattr(table.counters, name) if added else 0) + int(value))
+    swept_at, fresh_version = int(meta["swept_at"]), int(meta["fresh_version"])
+    table.swept_at = max(table.swept_at, swept_at) if added else swept_at
+    table.fresh_version = max(table.fresh_version, fresh_version) if added else fresh_version
 
 
 class DynamicTables:
@@ -530,6 +569,8 @@ def _admit_absent(
             if seen_at.size:
                 sighted = wanted[name][torch.from_numpy(seen_at)]
                 seen = table.pending.count_sightings(sighted, clock, table.options.min_count)
+                if table.changes.recovering:
+                    table.changes.pending_changed(name, sighted)
                 part[seen_at] = seen.numpy()
     admit = np.flatnonzero(absent)
     if not admit.size:

@@ -114,6 +114,19 @@ class FixedTable:
         """Take the rows of ``saved`` (this server's, any shard layout it came from)."""
         self.set_rows(saved)
 
+    def snapshot_of(
+        self, ids: Tensor, pending: Tensor | None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """:meth:`snapshot` of the rows of ``ids`` (sorted, unique, this server's); a fixed
+        table has no pending ids."""
+        local = self._local(ids)
+        entries = row_entries(ids, self.weight, self.state, self.steps, self.versions, local)
+        return entries, {}
+
+    def replay(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Set the rows of ``saved`` (:meth:`snapshot_of`'s)."""
+        self.set_rows(saved)
+
     def set_rows(self, entries: Mapping[str, Tensor]) -> None:
         ids = entries["ids"]
         if ids.numel() and (

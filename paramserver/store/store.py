@@ -28,6 +28,7 @@ import hashlib
 import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -233,6 +234,20 @@ class Store:
         shard = self._table(table)
         with shard.lock:
             shard.delete_ids(ids)
+
+    def snapshot_of(
+        self, table: str, ids: Tensor, pending: Tensor | None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """A snapshot of part of ``table`` (see :meth:`TableShard.snapshot_of`)."""
+        shard = self._table(table)
+        with shard.lock:
+            return shard.snapshot_of(ids, pending)
+
+    def replay(self, table: str, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Take a :meth:`snapshot_of` of ``table`` (see :meth:`TableShard.replay`)."""
+        shard = self._table(table)
+        with shard.lock:
+            shard.replay(saved, meta)
 
     def held_ids(self, table: str) -> Tensor:
         """The ids of every row of ``table`` this server holds (sorted)."""

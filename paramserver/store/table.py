@@ -190,6 +190,18 @@ class TableShard(Protocol):
         shard layout); copies them."""
         ...
 
+    def snapshot_of(
+        self, ids: Tensor, pending: Tensor | None
+    ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """:meth:`snapshot` of part of the table, for a recovery log: the rows of ``ids``
+        (sorted, unique) that exist, and a dynamic table's pending ids among ``pending`` (None:
+        all) and its counters."""
+        ...
+
+    def replay(self, saved: dict[str, Tensor], meta: dict[str, Any]) -> None:
+        """Take a :meth:`snapshot_of` of this table, as it was then (counters included)."""
+        ...
+
     def nbytes(self) -> int:
         """Bytes of every tensor the table holds."""
         ...

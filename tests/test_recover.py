@@ -1,0 +1,180 @@
+"""A training server's store rebuilt from its last checkpoint and its change log since
+(paramserver.changelog.recover): bitwise the store it was at its last cut, its dynamic
+table's admissions, expiries and evictions included; from a full segment alone; and a
+recovery section that does not hold together is refused naming the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+from paramserver.changelog.collect import attach_collector, cut
+from paramserver.changelog.log import ChainFollower
+from paramserver.changelog.publisher import Publisher
+from paramserver.changelog.recover import recover_store, replay
+from paramserver.changelog.segment import Segment, read_segment, write_segment
+from paramserver.embedding import DynamicOptions
+from paramserver.errors import ChangeLogError
+from paramserver.optimconfig import OptimizerConfig
+from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
+from paramserver.store.snapshot import restore_store, snapshot_store
+from paramserver.store.store import Store
+from paramserver.store.table import Reading
+from paramserver.tableinit import RowInit
+
+DYNAMIC = DynamicOptions(min_count=2, ttl_steps=4, capacity=14)
+
+
+def make_store() -> Store:
+    """Adam (state and step counts), versions (a cache lag), a fixed table and a dynamic one
+    that admits at the second sighting, expires after 4 steps and holds at most 14 rows."""
+    tables = [
+        TableSpec("fixed", 30, 4, torch.float32),
+        TableSpec("hashed", 0, 4, torch.float32, dynamic=DYNAMIC),
+    ]
+    plan = ShardPlan([DenseSpec("w", (3,), torch.float32)], tables, num_servers=1)
+    rule = OptimizerConfig(name="adam", lr=0.05)
+    inits = {"fixed": RowInit.given("fixed", torch.arange(120.0).view(30, 4))}
+    return Store(
+        0, plan, {"w": torch.ones(3)}, inits, rule, {"fixed": rule, "hashed": rule}, cache_lag=2
+    )
+
+
+def train_step(store: Store, clock: int, generator: torch.Generator) -> None:
+    """One step: a training read of random ids of both tables (admitting, touching, expiring
+    and evicting), an update of some of the rows read (the others only touched), and one of
+    the dense value."""
+    store.advance_clock(clock)
+    hashed = torch.randint(0, 40, (8,), generator=generator).unique()
+    fixed = torch.randint(0, 30, (6,), generator=generator).unique()
+    store.read({"hashed": hashed, "fixed": fixed}, Reading(train=True, clock=clock))
+    grads = {
+        name: (ids[::2], torch.randn(ids[::2].numel(), 4, generator=generator))
+        for name, ids in (("hashed", hashed), ("fixed", fixed))
+    }
+    store.apply_rows(grads, {"hashed": 0.05, "fixed": 0.05}, clock)
+    store.apply_dense({"w": torch.randn(3, generator=generator)}, 0.05)
+
+
+def canonical(store: Store) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The store's snapshot with each table's rows and pending ids sorted by id (a rebuilt
+    dynamic table holds them at other places), less the change count (a rebuilt store numbers
+    its own changes)."""
+    tensors, meta = snapshot_store(store)
+    out = dict(tensors)
+    for name in store.tables:
+        for prefix in ("", "pending."):
+            key = f"table/{name}/{prefix}ids"
+            if key not in tensors:
+                continue
+            order = torch.argsort(tensors[key])
+            for role, tensor in tensors.items():
+                parts = role.split("/")
+                if parts[1] == name and parts[2].startswith(prefix) and (
+                    prefix or not parts[2].startswith("pending.")
+                ):  # fmt: skip
+                    out[role] = tensor[order]
+    return out, {k: v for k, v in meta.items() if k != "sequence"}
+
+
+def assert_same(a: Store, b: Store) -> None:
+    (tensors_a, meta_a), (tensors_b, meta_b) = canonical(a), canonical(b)
+    assert tensors_a.keys() == tensors_b.keys()
+    for key, tensor in tensors_a.items():
+        assert torch.equal(tensor, tensors_b[key]), key
+    assert meta_a == meta_b
+
+
+def test_a_store_rebuilt_from_its_checkpoint_and_log_is_the_one_it_was(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(3)
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=3600, timed=False, recovers=True)
+    checkpoint = None
+    for clock in range(1, 25):
+        train_step(store, clock, generator)
+        if clock == 9:  # between two cuts: the segment that holds its change is replayed too
+            checkpoint = snapshot_store(store)
+        if clock % 2 == 0:
+            publisher.cut(clock)
+    publisher.close()
+    assert checkpoint is not None
+    counters = store.table_stats()["hashed"]
+    assert counters["evicted"] > 0 and counters["pending_ids"] > 0  # every rule acted
+    segments, error = ChainFollower(tmp_path, 0, checkpoint[1]["sequence"], most=10**6).pending()
+    assert error is None and len(segments) == 9  # cut at clocks 10 to 24, and closing
+    rebuilt = make_store()
+    recover_store(rebuilt, [checkpoint], segments)
+    assert_same(store, rebuilt)
+    # What the segments hold for serving is what it was: the values of the rows written.
+    last = segments[-2].tables["fixed"]
+    assert torch.equal(last.values, store.read({"fixed": last.ids}, Reading()).values["fixed"])
+
+
+def test_a_store_is_rebuilt_from_a_full_segment_without_its_checkpoint(tmp_path: Path) -> None:
+    generator = torch.Generator().manual_seed(5)
+    first = make_store()
+    for clock in range(1, 8):
+        train_step(first, clock, generator)
+    saved = snapshot_store(first)
+    resumed = make_store()  # a job resumed from that checkpoint onto a log it never wrote
+    restore_store(resumed, [saved])
+    publisher = Publisher(resumed, tmp_path, "job", every_s=3600, timed=False, recovers=True)
+    for clock in range(8, 12):
+        train_step(resumed, clock, generator)
+        publisher.cut(clock)
+    publisher.close()
+    segments, error = ChainFollower(tmp_path, 0, most=10**6).pending()
+    assert error is None and segments[0].full and segments[0].recovery is not None
+    rebuilt = make_store()
+    recover_store(rebuilt, [], segments)  # no checkpoint: the full segment holds the store
+    assert_same(resumed, rebuilt)
+
+
+def test_a_segment_published_for_serving_only_cannot_be_replayed(tmp_path: Path) -> None:
+    store = make_store()
+    publisher = Publisher(store, tmp_path, "job", every_s=3600, timed=False)
+    train_step(store, 1, torch.Generator().manual_seed(0))
+    publisher.close()
+    segment = ChainFollower(tmp_path, 0).pending()[0][0]
+    with pytest.raises(ChangeLogError, match="holds no recovery section"):
+        replay(make_store(), segment)
+
+
+def recovery_segment() -> Segment:
+    """A segment of two steps, with its recovery section."""
+    store = make_store()
+    collector = attach_collector(store, recovers=True)
+    train_step(store, 1, torch.Generator().manual_seed(1))
+    train_step(store, 2, torch.Generator().manual_seed(2))
+    segment = cut(store, collector, 1, 2)
+    segment.sequence = 1
+    return segment
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda r: r.tables["fixed"].update(steps=r.tables["fixed"]["steps"][1:]),
+         "steps has not one entry per id of ids"),
+        (lambda r: r.tables["hashed"].update(ids=torch.zeros_like(r.tables["hashed"]["ids"])),
+         "ids must be unique"),
+        (lambda r: r.meta["hashed"]["counters"].update(evicted="many"), "bad metadata"),
+        (lambda r: r.dense["w"].pop("version"), "lacks its value or version"),
+    ],
+    ids=["a short per-row tensor", "repeated ids", "bad counters", "no version"],
+)  # fmt: skip
+def test_a_recovery_section_that_does_not_hold_together_is_refused(
+    tmp_path: Path, damage: Any, message: str
+) -> None:
+    segment = recovery_segment()
+    assert segment.recovery is not None
+    damage(segment.recovery)
+    path = tmp_path / "segment.pslog"
+    with path.open("wb") as f:
+        write_segment(f, segment)
+    with pytest.raises(ChangeLogError, match=f"{path}: .*{message}"):
+        read_segment(path)
