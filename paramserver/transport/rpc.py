@@ -65,8 +65,11 @@ def start(
     num_threads: int,
     timeout_s: float,
     loopback_only: bool,
+    generation: int = 0,
 ) -> None:
-    """Join the RPC world. ``init_method`` is ``file://PATH`` for local jobs or ``env://``."""
+    """Join the RPC world of ``generation`` (see :func:`rejoin`; 0: the job's first).
+    ``init_method`` is ``file://PATH`` for local jobs (each generation its own file) or
+    ``env://``."""
     # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
     if loopback_only:
@@ -79,14 +82,44 @@ def start(
         _transports=["uv"],
         _channels=["basic"],
     )
-    # torchrun keeps its store across restarts of the ranks, and init_rpc names its keys by a
-    # per-process counter (rpc_prefix_0 in every fresh process): a restarted rank would meet the
-    # previous attempt's keys and fail to connect. Start the counter at the restart number.
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restarts:
-        with rpc._init_counter_lock:  # private to torch: see the comment above
-            rpc._init_counter = max(rpc._init_counter, restarts)
+    # init_rpc names its keys in the rendezvous store by a per-process counter of the worlds
+    # it joined (rpc_prefix_N, pytorch#42723), so members that joined different numbers of
+    # worlds never meet: a rank torchrun restarted (its store is kept across restarts) in a
+    # fresh process, or a server started anew beside survivors that rejoin. Every member of
+    # one world sets the counter to that world's number: torchrun's restart count, or the
+    # generation of a rejoin.
+    generation = max(generation, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    with rpc._init_counter_lock:  # private to torch: see the comment above
+        rpc._init_counter = generation
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+
+
+def rejoin(
+    name: str,
+    rank: int,
+    world_size: int,
+    *,
+    init_method: str,
+    num_threads: int,
+    timeout_s: float,
+    loopback_only: bool,
+    generation: int,
+) -> None:
+    """Leave the RPC world at once (a member was lost: no goodbye is possible) and join the
+    world of ``generation`` (> the one left) at ``init_method`` (a rendezvous of its own),
+    with a process started anew in the lost one's place. Torch cannot re-admit a rank to a
+    world after a member died (its join times out), but a process can join a new one, keeping
+    everything it holds; calls under way in the old world fail (ServerLostError)."""
+    rpc.shutdown(graceful=False)
+    # The gathers of a graceful shutdown are numbered per set of worker names, counted from
+    # the process's first world: a fresh member of the new world starts at 0, so every
+    # survivor does too (private to torch, as the counter in start()).
+    rpc.api._all_gather_sequence_id.clear()
+    rpc.api._all_gather_sequence_id_to_states.clear()
+    start(
+        name, rank, world_size, init_method=init_method, num_threads=num_threads,
+        timeout_s=timeout_s, loopback_only=loopback_only, generation=generation,
+    )  # fmt: skip
 
 
 def expose(endpoint: Endpoint | None) -> None:
