@@ -48,8 +48,8 @@ def test_survivors_rejoin_a_new_world_with_a_new_server_and_keep_their_state(
                    30, "the callers to see the server lost")  # fmt: skip
         new = member("server", tmp_path, 1, logs["new"])
         processes.append(new)
-        for caller in callers:
-            assert caller.wait(60) == 0, logs
+        for caller, role in zip(callers, ("caller1", "caller2"), strict=True):
+            assert caller.wait(60) == 0, logs[role].read_text()
         assert new.wait(60) == 0, logs["new"].read_text()
     finally:
         stop(*processes)

@@ -12,8 +12,9 @@ are the gradient's staleness (always 0 in sync mode), kept as a histogram
 (:class:`~paramserver.server.ages.GradientAges`).
 
 Publishing (``--publish-dir``): in sync mode a round the chief's call marks ``publish`` is cut
-into the change log once applied, before any of its answers is read, so every server's segment
-ends at that round (:mod:`paramserver.changelog.publisher`); other modes cut on a timer.
+into the change log once applied and its answers read, before any is sent, so every server's
+segment ends at that round (:mod:`paramserver.changelog.publisher`); other modes cut on a
+timer.
 """
 
 from __future__ import annotations
@@ -83,6 +84,11 @@ class Applier:
         # Round ``call`` holds the gradients of step ``call - 1`` (read by call - 1).
         self.shard.apply(dense, rows, clock=call, step=call - 1)
         self._count_update()
+
+    def round_read(self, call: int, requests: list[DecodedRequest]) -> None:
+        """Sync round ``call`` is applied and its answers read (none sent yet): cut it into
+        the change log where the chief marked it. After the reads, so the segment holds what
+        they changed too (rows admitted and touched), as the trainers' answers do."""
         if self.publisher is not None and any(request.publish for request in requests):
             self.publisher.cut(call, aligned=True)
 

@@ -242,6 +242,8 @@ class SyncPolicy(AsyncPolicy):
                 )
             except Exception as failure:
                 answers[trainer] = failure
+        if error is None:
+            self.applier.round_read(call, requests)
         for trainer, answer in answers.items():
             waiter = round_.waiters[trainer]
             if isinstance(answer, Exception):
