@@ -5,6 +5,7 @@ recovery section that does not hold together is refused naming the file."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +13,23 @@ import pytest
 import torch
 from torch import Tensor
 
+import paramserver as ps
 from paramserver.changelog.collect import attach_collector, cut
 from paramserver.changelog.log import ChainFollower
 from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.recover import recover_store, replay
 from paramserver.changelog.segment import Segment, read_segment, write_segment
+from paramserver.checkpoint import open_checkpoint
 from paramserver.embedding import DynamicOptions
 from paramserver.errors import ChangeLogError
+from paramserver.launch import roles
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
+from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, threads_job, tiny_batches
 
 DYNAMIC = DynamicOptions(min_count=2, ttl_steps=4, capacity=14)
 
@@ -178,3 +183,45 @@ def test_a_recovery_section_that_does_not_hold_together_is_refused(
         write_segment(f, segment)
     with pytest.raises(ChangeLogError, match=f"{path}: .*{message}"):
         read_segment(path)
+
+
+class Admitting(HashedModel):
+    """Ids admitted at their second sighting, expired 3 steps untouched."""
+
+    def __init__(self) -> None:
+        super().__init__(dynamic=True)
+        self.emb = ps.DynamicEmbedding(4, mode="mean", init_scale=0.1, min_count=2, ttl_steps=3)
+
+
+@pytest.mark.parametrize(
+    ("model_fn", "batches"), [(TinyRecModel, tiny_batches), (Admitting, hashed_batches)]
+)
+def test_a_sync_jobs_servers_are_rebuilt_with_their_books_from_a_checkpoint_and_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, model_fn: Any, batches: Any
+) -> None:
+    """Each server of a sync job that published with recovery sections, rebuilt from a
+    checkpoint taken during the job and its log since: its store as the job ended it,
+    bitwise, and its books (each trainer's newest call, who left) as its own."""
+    monkeypatch.setattr(roles, "publisher_of", functools.partial(roles.publisher_of, recovers=True))
+    config = ps.TrainConfig(
+        servers=2, trainers=2, mode="sync", optimizer="adam", lr=0.01, launcher="threads",
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5,
+        checkpoint_keep=3, publish_dir=str(tmp_path / "log"), publish_every=0.001,
+    )  # fmt: skip
+    _, transport = threads_job(config, model_fn, lambda t, n: batches(t, num_batches=20), mse)
+    found = open_checkpoint(tmp_path / "ckpt" / "ckpt-0000000015")  # 20 is the final one
+    bare = config.replace(publish_dir=None, checkpoint_dir=None, checkpoint_every=None)
+    for server, endpoint in enumerate(transport.endpoints):
+        saved = found.read_part(f"server-{server}")
+        chain = ChainFollower(tmp_path / "log", server, saved[1]["sequence"], most=10**6)
+        segments, error = chain.pending()
+        assert error is None and segments and segments[-1].recovery is not None
+        rebuilt = roles.build_server(server, bare, model_fn)
+        try:
+            recover_store(rebuilt.shard.store, [saved], segments)
+            rebuilt.coordinator.recover_books(segments[-1].recovery.books)
+            assert_same(endpoint.shard.store, rebuilt.shard.store)
+            books = rebuilt.coordinator.recovery_books()
+            assert books == endpoint.coordinator.recovery_books() and books["left"] == [0, 1]
+        finally:
+            rebuilt.coordinator.close()

@@ -20,7 +20,9 @@ import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from paramserver.changelog.collect import attach_collector, cut, full_cut
 from paramserver.changelog.log import DEFAULT_KEEP, LogWriter
@@ -54,10 +56,12 @@ class Publisher:
         keep: int = DEFAULT_KEEP,
         timed: bool = True,
         recovers: bool = False,
+        books: Callable[[], dict[str, Any]] | None = None,
     ):
         """``timed``: cut every ``every_s`` seconds on its own (an async job); else only when
         :meth:`cut` is called (a sync job cuts at a round's end). ``recovers``: each segment
-        holds a recovery section too (:mod:`paramserver.changelog.recover`)."""
+        holds a recovery section too (:mod:`paramserver.changelog.recover`), with the server's
+        books as ``books()`` gives them at the cut."""
         self.store, self.every_s, self.codec = store, every_s, codec
         self.writer = LogWriter(root, writer, store.server, keep)
         # A store that does not continue its chain where it ends (a job resumed from an
@@ -68,6 +72,7 @@ class Publisher:
         if rebase:
             changes.continue_from(self.writer.last_changes)
         self.collector = attach_collector(store, recovers)
+        self.books = books
         self.stats = PublishStats()
         self._next_step = store.clock + 1
         self._cut_lock = threading.Lock()
@@ -75,6 +80,7 @@ class Publisher:
         if rebase:
             full = full_cut(store, self.collector, self._next_step, store.clock)
             full.aligned = not timed  # a resumed sync job's servers all start at one step
+            self._with_books(full)
             self._waiting.append(full)
         self._wake = threading.Condition()
         self._closing = self._close_started = False
@@ -113,12 +119,17 @@ class Publisher:
             cutter = full_cut if self._cut_failed else cut
             segment = cutter(self.store, self.collector, self._next_step, last)
             self._cut_failed = False
+            self._with_books(segment)
             segment.aligned = aligned
             self._next_step = last + 1
             self._last_cut = time.monotonic()
             with self._wake:
                 self._waiting.append(segment)
                 self._wake.notify()
+
+    def _with_books(self, segment: Segment) -> None:
+        if segment.recovery is not None and self.books is not None:
+            segment.recovery.books = self.books()
 
     def flush(self, timeout: float) -> bool:
         """Wait until every segment cut so far is written (False: not within ``timeout``)."""

@@ -92,12 +92,15 @@ class Recovery:
     """A segment's recovery section (see the module doc): ``tables[name]``, the table's
     partial snapshot (:meth:`~paramserver.store.store.Store.snapshot_of`'s entries) with its
     metadata in ``meta[name]``; ``dense[name]``, a dense value with ``state.<slot>`` and
-    ``version``; ``clock``, the store's clock at the cut."""
+    ``version``; ``clock``, the store's clock at the cut; ``books``, the server's."""
 
     clock: int
     tables: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     meta: dict[str, dict[str, Any]] = field(default_factory=dict)
     dense: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    # The server's books at the cut, as JSON (each trainer's newest call taken, those that
+    # left): what it needs to take each call exactly once after a recovery.
+    books: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -204,6 +207,7 @@ def _header_of(
             "clock": recovery.clock,
             "tables": {name: recovery.meta.get(name, {}) for name in recovery.tables},
             "dense": list(recovery.dense),
+            "books": recovery.books,
         },
     }  # fmt: skip
 
@@ -377,12 +381,12 @@ def _recovery(described: Any, found: dict[tuple[str, ...], Tensor]) -> Recovery:
     ``found``, each table's checked: unique int64 ids, one row of each per-row tensor per
     id, the same of its pending ids, and integer counters."""
     if not (
-        isinstance(described, dict) and set(described) == {"clock", "tables", "dense"}
+        isinstance(described, dict) and set(described) == {"clock", "tables", "dense", "books"}
         and type(described["clock"]) is int and isinstance(described["tables"], dict)
-        and isinstance(described["dense"], list)
+        and isinstance(described["dense"], list) and isinstance(described["books"], dict)
     ):  # fmt: skip
         raise _Bad(f"recovery: bad header entry {described!r}"[:200])
-    recovery = Recovery(described["clock"])
+    recovery = Recovery(described["clock"], books=described["books"])
     for name, meta in described["tables"].items():
         entries = {key[2]: found.pop(key) for key in list(found) if key[:2] == ("recovery", name)}
         _check_snapshot(name, entries, meta)

@@ -68,12 +68,23 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     if config.resume:
         resume_server(shard, coordinator, config)
     if config.publish_dir is not None:  # after a resume: what it restored is not a change
-        coordinator.publish_to(publisher_of(shard, config.sections.publish, config.mode))
+        publisher = publisher_of(
+            shard, config.sections.publish, config.mode, books=coordinator.recovery_books
+        )
+        coordinator.publish_to(publisher)
     return ServerEndpoint(coordinator, buffers)
 
 
-def publisher_of(shard: ServerShard, settings: PublishSection, mode: Mode) -> Publisher:
-    """Server ``shard``'s publisher: on a timer, or in sync mode at the chief's rounds."""
+def publisher_of(
+    shard: ServerShard,
+    settings: PublishSection,
+    mode: Mode,
+    *,
+    books: Callable[[], dict[str, Any]],
+    recovers: bool = False,
+) -> Publisher:
+    """Server ``shard``'s publisher: on a timer, or in sync mode at the chief's rounds;
+    ``recovers``: with recovery sections, holding the server's ``books()``."""
     assert settings.publish_dir is not None
     return Publisher(
         shard.store,
@@ -83,6 +94,8 @@ def publisher_of(shard: ServerShard, settings: PublishSection, mode: Mode) -> Pu
         codec=settings.publish_codec,
         keep=settings.publish_keep,
         timed=mode != "sync",
+        recovers=recovers,
+        books=books,
     )
 
 

@@ -158,6 +158,28 @@ class Coordinator:
             self.calls.resume_at(self.liveness.members, step)
         self.checkpoints.resume_at(step)
 
+    def recovery_books(self) -> dict[str, Any]:
+        """What this server must know, beyond its store, to take each call exactly once after
+        a recovery (JSON, for a change log's recovery section): each trainer's newest call
+        taken, the trainers that left and those declared departed (with why)."""
+        with self.lock:
+            return {
+                "calls": {str(t): call for t, call in sorted(self.calls.last_call.items())},
+                "left": sorted(self.liveness.left),
+                "departed": {str(t): why for t, why in sorted(self.liveness.departed.items())},
+            }
+
+    def recover_books(self, books: dict[str, Any]) -> None:
+        """Take the books of :meth:`recovery_books` (a server recovered from its log): every
+        call up to each trainer's newest was taken and applied."""
+        calls = {int(t): int(call) for t, call in books["calls"].items()}
+        with self.lock:
+            self.calls.last_call, self.calls.applied_call = dict(calls), dict(calls)
+        if books["left"]:
+            self._leave([int(t) for t in books["left"]])
+        for trainer, why in books["departed"].items():
+            self._leave([int(trainer)], departed=True, reason=why)
+
     def remove_trainer(self, trainer: int, reason: str = "it failed") -> None:
         """Take ``trainer`` out of the job: it counts as departed."""
         self._leave([trainer], departed=True, reason=reason)
