@@ -28,12 +28,11 @@ class Echo:
         return completed((args[0], os.getpid()))
 
 
-def join(name: str, rank: int, directory: str, generation: int, rejoin: bool = False) -> None:
-    options = dict(
-        init_method=f"file://{directory}/rendezvous-{generation}", num_threads=4,
-        timeout_s=10.0, loopback_only=True, generation=generation,
+def join(name: str, rank: int, directory: str, generation: int) -> None:
+    rpc.start(
+        name, rank, WORLD, init_method=f"file://{directory}/rendezvous-{generation}",
+        num_threads=4, timeout_s=10.0, loopback_only=True, generation=generation,
     )  # fmt: skip
-    (rpc.rejoin if rejoin else rpc.start)(name, rank, WORLD, **options)  # type: ignore[operator]
 
 
 def main() -> None:
@@ -56,7 +55,8 @@ def main() -> None:
             time.sleep(0.05)
     except ServerLostError as lost:
         print(f"lost: {lost}", flush=True)
-    join(rpc.trainer_name(rank - 1), rank, directory, generation + 1, rejoin=True)
+    rpc.leave_lost_world()
+    join(rpc.trainer_name(rank - 1), rank, directory, generation + 1)
     answer, pid = transport.call(0, "echo", kept["calls"]).wait()
     print(f"after rejoin answered {answer} by {pid}, kept {kept['calls']}", flush=True)
     rpc.stop(graceful=True)

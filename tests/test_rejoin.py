@@ -1,7 +1,7 @@
 """A lost member's place in the RPC world is taken by a process started anew, and the
 survivors keep what they hold: they leave the world at once and join the next generation's
-(paramserver.transport.rpc.rejoin). Three processes on loopback; the server is killed with
-SIGKILL."""
+(paramserver.transport.rpc: leave_lost_world, then start). Three processes on loopback; the
+server is killed with SIGKILL."""
 
 from __future__ import annotations
 

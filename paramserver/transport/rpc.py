@@ -67,7 +67,8 @@ def start(
     loopback_only: bool,
     generation: int = 0,
 ) -> None:
-    """Join the RPC world of ``generation`` (see :func:`rejoin`; 0: the job's first).
+    """Join the RPC world of ``generation`` (0: the job's first; see
+    :func:`leave_lost_world`).
     ``init_method`` is ``file://PATH`` for local jobs (each generation its own file) or
     ``env://``."""
     # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
@@ -94,32 +95,18 @@ def start(
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
 
 
-def rejoin(
-    name: str,
-    rank: int,
-    world_size: int,
-    *,
-    init_method: str,
-    num_threads: int,
-    timeout_s: float,
-    loopback_only: bool,
-    generation: int,
-) -> None:
-    """Leave the RPC world at once (a member was lost: no goodbye is possible) and join the
-    world of ``generation`` (> the one left) at ``init_method`` (a rendezvous of its own),
-    with a process started anew in the lost one's place. Torch cannot re-admit a rank to a
-    world after a member died (its join times out), but a process can join a new one, keeping
-    everything it holds; calls under way in the old world fail (ServerLostError)."""
+def leave_lost_world() -> None:
+    """Leave the RPC world at once (a member was lost: no goodbye is possible), to join the
+    next generation's with :func:`start` beside a process started anew in the lost one's
+    place. Torch cannot re-admit a rank to a world after a member died (its join times out),
+    but a process can join a new one, keeping everything it holds; calls under way in the
+    old world fail (ServerLostError)."""
     rpc.shutdown(graceful=False)
     # The gathers of a graceful shutdown are numbered per set of worker names, counted from
     # the process's first world: a fresh member of the new world starts at 0, so every
     # survivor does too (private to torch, as the counter in start()).
     rpc.api._all_gather_sequence_id.clear()
     rpc.api._all_gather_sequence_id_to_states.clear()
-    start(
-        name, rank, world_size, init_method=init_method, num_threads=num_threads,
-        timeout_s=timeout_s, loopback_only=loopback_only, generation=generation,
-    )  # fmt: skip
 
 
 def expose(endpoint: Endpoint | None) -> None:
