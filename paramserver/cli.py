@@ -250,6 +250,14 @@ def _add_serve(commands: Any) -> None:
         "--poll-every", type=float, default=0.1, help="seconds between reads of the logs"
     )
     serve.add_argument(
+        "--http-timeout", type=float, default=30.0,
+        help="seconds an HTTP client has to send each request whole (then it is closed)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--http-max-connections", type=int, default=64,
+        help="HTTP connections at once; one more is answered 503 and closed",
+    )  # fmt: skip
+    serve.add_argument(
         "--mmap-dir", type=Path,
         help="hold the fixed tables' rows in files here, mapped: a model larger than memory "
         "is served with the rows it is asked for in memory (default: all in memory)",
@@ -551,7 +559,8 @@ def run_serve(args: argparse.Namespace) -> int:
         job.model_fn, follow=args.follow, base=args.base, example_inputs=job.example,
         seed=job.config.seed, model_name=args.model_name, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, poll_s=args.poll_every,
-        mmap_dir=args.mmap_dir,
+        mmap_dir=args.mmap_dir, http_timeout_s=args.http_timeout,
+        http_max_connections=args.http_max_connections,
     )  # fmt: skip
     print(
         f"serving {args.model_name!r} and {len(serving.served.plan.tables)} tables on "

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from paramserver.cli import build_parser
 from paramserver.errors import ConfigError
 from paramserver.serving import protocol
 from paramserver.serving.frontend import Frontend
@@ -315,6 +316,22 @@ def test_past_the_connection_cap_a_new_connection_gets_503_until_one_closes(
         assert time.monotonic() < deadline, "the closed connection's slot was never freed"
         time.sleep(0.05)
     held[0].close()
+
+
+def test_serve_and_its_command_line_take_the_http_limits() -> None:
+    argv = ["serve", "--http-timeout", "5", "--http-max-connections", "1"]
+    args = build_parser().parse_args(argv)
+    assert (args.http_timeout, args.http_max_connections) == (5.0, 1)
+    serving = serve(Ranker, example_inputs=EXAMPLE, http_port=0, grpc_port=None,
+                    http_timeout_s=args.http_timeout,
+                    http_max_connections=args.http_max_connections)  # fmt: skip
+    try:
+        held = socket.create_connection(("127.0.0.1", serving.http_port))
+        status, answer = raw_http(serving.http_port, "GET", "/v2/health/live", b"")
+        assert status == 503 and b"1 connections open" in answer
+        held.close()
+    finally:
+        serving.close()
 
 
 def test_http_serving_refuses_limits_that_serve_nothing(frontend: Frontend) -> None:

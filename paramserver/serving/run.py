@@ -75,14 +75,18 @@ def serve(
     grpc_port: int | None = 8001,
     poll_s: float = 0.1,
     mmap_dir: str | os.PathLike[str] | None = None,
+    http_timeout_s: float = 30.0,
+    http_max_connections: int = 64,
 ) -> Serving:
     """Serve ``model_fn``'s model (built under the job's ``seed``) from ``base`` (see the
     module doc), following the change logs under ``follow``, over HTTP and gRPC on ``host``
     (ports 0: free ones; None: not that transport). ``example_inputs`` (the forward's tensor
     arguments, a batch of any size) make the whole model servable as ``model_name``; without
     them only the tables are. ``mmap_dir``: hold the fixed tables' rows in files there,
-    mapped (see :mod:`paramserver.serving.model`). Returns once it answers;
-    :meth:`Serving.close` stops it."""
+    mapped (see :mod:`paramserver.serving.model`). ``http_timeout_s``: the time an HTTP
+    client has to send each request whole; ``http_max_connections``: HTTP connections at
+    once, beyond which one is answered 503 (see :mod:`paramserver.serving.http`). Returns
+    once it answers; :meth:`Serving.close` stops it."""
     served = ServedModel(model_fn, seed, mmap_dir)
     if base is not None:
         load_base(served, Path(base))
@@ -96,7 +100,10 @@ def serve(
             started.callback(follower.close)
         http = None
         if http_port is not None:
-            http = HttpServing(frontend, host, http_port)
+            http = HttpServing(
+                frontend, host, http_port, timeout_s=http_timeout_s,
+                max_connections=http_max_connections,
+            )  # fmt: skip
             started.callback(http.close)
         grpc = None if grpc_port is None else _grpc_serving(frontend, host, grpc_port)
         started.pop_all()  # all started: Serving.close stops them from now on
