@@ -329,12 +329,11 @@ def test_a_full_segment_deletes_the_served_ids_its_server_no_longer_holds(
     publishes a full segment: serving drops those ids (they read as the default again) and
     keeps every id of the other server."""
     served, follower = follower_of(tmp_path)
-    owner = lambda i: int(training.plan.server_of_rows("user.weight", torch.tensor([i]))[0])  # noqa: E731
-    users = list(range(10, 30))
-    resumed_server = owner(users[0])
-    kept = [i for i in users if owner(i) == resumed_server][:2]
-    later = [i for i in users if owner(i) == resumed_server][2:4]
-    other = [i for i in users if owner(i) != resumed_server][:2]
+    users = torch.arange(10, 30)
+    owners = training.plan.server_of_rows("user.weight", users)
+    resumed_server = int(owners[0])
+    mine, others = users[owners == resumed_server].tolist(), users[owners != resumed_server]
+    kept, later, other = mine[:2], mine[2:4], others[:2].tolist()
     training.train(items=[1], users=kept + other)
     training.publish()
     saved = snapshot_store(training.stores[resumed_server])

@@ -287,6 +287,13 @@ class _TrainerRun:
         names = ", ".join(f"trainer{t}" for t in departed)
         return TrainerGroupError(f"{names} departed (the servers' verdict); {error}")
 
+    def _final_step(self, report: TrainerReport) -> int:
+        """The job's last step: the most any trainer did, counting the steps before its
+        resume (from the trainers' reports server 0 holds)."""
+        stats: Any = wait_all([self.transport.call(0, "stats")], self.alarm)[0]
+        done = [r.steps + r.resumed_steps for r in stats["reports"].values()]
+        return max(done, default=report.steps + report.resumed_steps)
+
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
         the wait); the chief then gathers the final state and every server's statistics."""
@@ -296,10 +303,8 @@ class _TrainerRun:
             # The same decision as the chief's below: has any server declared anyone departed?
             departed = wait_all(transport.call_all("departed"), alarm)
             return TrainerOutcome(report, graceful=not any(departed))
-        reports = wait_all([transport.call(0, "stats")], alarm)[0]["reports"]  # type: ignore[index]
-        self.checkpoints.save_final(
-            max((r.steps + r.resumed_steps for r in reports.values()), default=report.steps)
-        )
+        if self.config.checkpoint_dir is not None:
+            self.checkpoints.save_final(self._final_step(report))
         state: dict[str, Tensor] = {}
         if self.config.gather_model:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)

@@ -68,9 +68,8 @@ def start(
     generation: int = 0,
 ) -> None:
     """Join the RPC world of ``generation`` (0: the job's first; see
-    :func:`leave_lost_world`).
-    ``init_method`` is ``file://PATH`` for local jobs (each generation its own file) or
-    ``env://``."""
+    :func:`leave_lost_world`). ``init_method`` is ``file://PATH`` for local jobs (each
+    generation its own file) or ``env://``."""
     # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
     if loopback_only:
