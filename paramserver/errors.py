@@ -40,11 +40,13 @@ class TrainerDepartedError(ParamServerError):
 class ServerLostError(ParamServerError, ConnectionError):
     """A server died, froze or was cut off: its connection broke, or it left a call or a
     heartbeat unanswered past the timeout. The message names the server; ``server`` is its
-    index (``None`` when rebuilt from a message alone)."""
+    index (``None`` when rebuilt from a message alone); ``generation``, the RPC world the call
+    was made in (see :func:`paramserver.transport.rpc.watch_restarts`), where known."""
 
-    def __init__(self, message: str, *, server: int | None = None):
+    def __init__(self, message: str, *, server: int | None = None, generation: int | None = None):
         super().__init__(message)
         self.server = server
+        self.generation = generation
 
 
 class ModelError(ParamServerError, ValueError):

@@ -50,13 +50,15 @@ def test_every_boolean_field_is_a_switch_with_a_no_form() -> None:
         "gather_model",
         "progress",
         "tensorboard",
+        "recover",
     }
     assert set(switches()) == {"--compare-single-process"} | {
         "--" + name.replace("_", "-") for name in booleans
     }
     for name in booleans:
         flag = name.replace("_", "-")
-        assert getattr(parse("--checkpoint-dir", "ckpt", f"--{flag}"), name) is True
+        needs = ["--publish-dir", "log"] if name == "recover" else []
+        assert getattr(parse("--checkpoint-dir", "ckpt", *needs, f"--{flag}"), name) is True
         assert getattr(parse(f"--no-{flag}"), name) is False
     config = parse("--checkpoint-dir", "ckpt", "--resume")  # as the README writes it
     assert config.resume is True

@@ -4,6 +4,8 @@ with them (``PushPullRequest.pull_state``)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 import torch
 from torch import Tensor
@@ -146,6 +148,7 @@ def test_a_dense_state_not_shaped_as_its_value_is_refused_by_the_trainer() -> No
         PSClient.__new__(PSClient), [completed((reply, payload_size(reply)))], {}, {}, 1, {}, {}
     )
     in_flight.client.alarm, in_flight.client.traffic = None, Traffic()
+    in_flight.client._kept = [deque()]
     assert set(in_flight.wait().dense_state["w"]) == {"sum", ROW_STEPS}
     reply.dense_state[state_key("w", "sum")] = torch.zeros(3)
     in_flight.result = None

@@ -5,7 +5,7 @@ recovery section that does not hold together is refused naming the file."""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +202,12 @@ def test_a_sync_jobs_servers_are_rebuilt_with_their_books_from_a_checkpoint_and_
     """Each server of a sync job that published with recovery sections, rebuilt from a
     checkpoint taken during the job and its log since: its store as the job ended it,
     bitwise, and its books (each trainer's newest call, who left) as its own."""
-    monkeypatch.setattr(roles, "publisher_of", functools.partial(roles.publisher_of, recovers=True))
+    publisher_of = roles.publisher_of
+
+    def recovering_publisher(shard: Any, settings: Any, mode: Any, **options: Any) -> Any:
+        return publisher_of(shard, dataclasses.replace(settings, recover=True), mode, **options)
+
+    monkeypatch.setattr(roles, "publisher_of", recovering_publisher)
     config = ps.TrainConfig(
         servers=2, trainers=2, mode="sync", optimizer="adam", lr=0.01, launcher="threads",
         progress=False, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5,

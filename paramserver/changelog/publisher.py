@@ -15,12 +15,14 @@ themselves; the closing cut always goes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,31 +59,29 @@ class Publisher:
         timed: bool = True,
         recovers: bool = False,
         books: Callable[[], dict[str, Any]] | None = None,
+        between_calls: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ):
         """``timed``: cut every ``every_s`` seconds on its own (an async job); else only when
         :meth:`cut` is called (a sync job cuts at a round's end). ``recovers``: each segment
         holds a recovery section too (:mod:`paramserver.changelog.recover`), with the server's
-        books as ``books()`` gives them at the cut."""
+        books as ``books()`` gives them at the cut. ``between_calls``: held around a timed cut
+        (a :class:`~paramserver.server.gate.CallGate`'s ``cut``)."""
         self.store, self.every_s, self.codec = store, every_s, codec
         self.writer = LogWriter(root, writer, store.server, keep)
-        # A store that does not continue its chain where it ends (a job resumed from an
-        # earlier or a later checkpoint, or onto another server count): a full segment
-        # first, and changes numbered on after the log's (see paramserver.changelog.log).
-        changes = store.changes
-        rebase = changes.resharded or self.writer.last_changes != changes.covered()
-        if rebase:
-            changes.continue_from(self.writer.last_changes)
+        rebase = self._rebased()
         self.collector = attach_collector(store, recovers)
-        self.books = books
+        self.books, self.recovers = books, recovers
+        self.between_calls = between_calls
+        # Each trainer's newest call that a written segment covers, and that a segment written
+        # after it covers too: a damaged newest segment still loses none of the latter.
+        self._written_calls: dict[int, int] = {}
+        self.released_calls: dict[int, int] = {}
         self.stats = PublishStats()
         self._next_step = store.clock + 1
         self._cut_lock = threading.Lock()
         self._waiting: deque[Segment] = deque()
         if rebase:
-            full = full_cut(store, self.collector, self._next_step, store.clock)
-            full.aligned = not timed  # a resumed sync job's servers all start at one step
-            self._with_books(full)
-            self._waiting.append(full)
+            self._queue_full(aligned=not timed)  # a resumed sync job's servers start at one step
         self._wake = threading.Condition()
         self._closing = self._close_started = False
         self._give_up_at = float("inf")  # when closing: the time to stop trying
@@ -95,10 +95,33 @@ class Publisher:
         )
         self._thread.start()
 
+    def _rebased(self) -> bool:
+        """Whether the store does not continue its chain where it ends (a job resumed from an
+        earlier or a later checkpoint, or onto another server count, or a recovered server
+        whose last segment was damaged): then a full segment goes first, and its changes are
+        numbered on after the log's (see paramserver.changelog.log)."""
+        changes = self.store.changes
+        rebase = changes.resharded or self.writer.last_changes != changes.covered()
+        if rebase:
+            changes.continue_from(self.writer.last_changes)
+        return rebase
+
+    def _queue_full(self, *, aligned: bool) -> None:
+        full = full_cut(self.store, self.collector, self._next_step, self.store.clock)
+        full.aligned = aligned
+        self._with_books(full)
+        self._waiting.append(full)
+
     def keep_after(self, changes: int) -> None:
         """Keep every segment that ends after store change ``changes`` (the newest committed
         checkpoint's), however many: serving and recovery replay from there."""
         self.writer.keep_after = changes
+
+    def released_through(self, trainer: int) -> int:
+        """``trainer``'s newest call that two written segments cover (-1: none): a trainer
+        keeps its later calls to send again to this server restarted (see
+        :mod:`paramserver.changelog.recover`)."""
+        return self.released_calls.get(trainer, -1)
 
     def due(self) -> bool:
         """Whether a period has passed since the last cut."""
@@ -180,7 +203,8 @@ class Publisher:
             self._last_cut = time.monotonic()  # its steps go in the next segment
             return
         try:
-            self.cut()
+            with self.between_calls():
+                self.cut()
         except Exception:  # a bug: training goes on, and the next segment is full
             self.stats.failures += 1
             self._cut_failed = True
@@ -203,6 +227,9 @@ class Publisher:
                            self.store.server, error)  # fmt: skip
             return False
         self._stalled = False
+        if segment.recovery is not None and segment.recovery.books:
+            calls = {int(t): int(c) for t, c in segment.recovery.books["calls"].items()}
+            self.released_calls, self._written_calls = self._written_calls, calls
         with self._wake:
             self._waiting.popleft()
             self._wake.notify_all()  # a flush waits for the line to empty

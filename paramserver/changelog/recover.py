@@ -61,3 +61,5 @@ def recover_store(store: Store, saved: Iterable[Saved], segments: Sequence[Segme
         restore_store(store, saved)
     for segment in segments:
         replay(store, segment)
+    if segments:  # its changes number on from the last segment's: the chain continues
+        store.changes.restored(segments[-1].changes, resharded=False)

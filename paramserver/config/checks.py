@@ -66,6 +66,24 @@ def _check_publishing(config: TrainConfig) -> None:
             "--publish-dir publishes what the servers hold; with --dense-sync allreduce the "
             "trainers hold the dense parameters, which serving would then never see"
         )
+    if config.recover:
+        if config.publish_dir is None:
+            raise ConfigError(
+                "--recover keeps what a lost server needs in its change log: "
+                "give the log a place with --publish-dir"
+            )
+        if config.mode == "ssp":
+            raise ConfigError(
+                "--recover works in sync and async modes; an SSP server holds answers back "
+                "past the cuts of its log, so a recovered one could not read them as it would "
+                "have"
+            )
+        if config.launcher == "threads":
+            raise ConfigError(
+                "--recover restarts a server's process: use --launcher processes or torchrun"
+            )
+    if not config.recover_wait > 0:
+        raise ConfigError(f"--recover-wait must be > 0 seconds, got {config.recover_wait}")
 
 
 _SimpleTypes = dict[str, tuple[tuple[type, ...], str]]

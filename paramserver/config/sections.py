@@ -380,3 +380,19 @@ class PublishSection:
             "newer base)"
         ),
     )
+    recover: bool = field(
+        default=False,
+        metadata=doc(
+            "a server that dies loses nothing and restarts alone: its log holds what it needs "
+            "(rows with their optimizer state, its books), trainers send again what the log "
+            "does not hold yet, and the others wait (needs --publish-dir; sync or async; "
+            "counted in --max-restarts)"
+        ),
+    )
+    recover_wait: float = field(
+        default=300.0,
+        metadata=doc(
+            "seconds the others wait for a lost server to be restarted and restored before "
+            "the job fails"
+        ),
+    )

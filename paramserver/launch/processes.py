@@ -46,8 +46,10 @@ from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import ChiefResult
+from paramserver.launch.worker import GENERATION_VARIABLE
 from paramserver.metrics import Evaluation
 from paramserver.observe import startup
+from paramserver.transport.rpc import FileBoard
 from paramserver.types import LoopFn, ModelFn, Progress
 
 GRACE_S = 3.0
@@ -63,14 +65,20 @@ def run_processes(
     evaluation: Evaluation | None = None,
 ) -> ChiefResult:
     """Run the job; on a failure, restart the whole group up to ``--max-restarts`` times,
-    resuming from the newest checkpoint (from the start if there is none yet)."""
+    resuming from the newest checkpoint (from the start if there is none yet). With
+    ``--recover``, a server killed restarts alone (:meth:`ProcessGroup.restart_server`),
+    counted in the same ``--max-restarts``."""
     failures: list[str] = []
+    server_restarts: list[dict[str, Any]] = []
     while True:
         started = time.perf_counter()
         try:
-            result = _run_group(config, model_fn, loop_fn, on_progress, evaluation)
+            result = _run_group(
+                config, model_fn, loop_fn, on_progress, evaluation, server_restarts,
+                config.max_restarts - len(failures),
+            )  # fmt: skip
         except JobFailedError as error:
-            if len(failures) >= config.max_restarts:
+            if len(failures) + len(server_restarts) >= config.max_restarts:
                 raise
             failures.append(str(error))
             resumable = config.checkpoint_dir is not None and (
@@ -86,6 +94,7 @@ def run_processes(
             config = config.replace(resume=resumable)
             continue
         result.summary["restarts"] = failures
+        result.summary["server_restarts"] = server_restarts
         # This run's, as its other figures.
         result.summary["wall_s"] = time.perf_counter() - started
         return result
@@ -121,7 +130,11 @@ def _run_group(
     loop_fn: LoopFn,
     on_progress: Callable[[Progress], None] | None,
     evaluation: Evaluation | None,
+    server_restarts: list[dict[str, Any]],
+    restarts_left: int,
 ) -> ChiefResult:
+    """One run of every process; ``server_restarts`` gets the servers restarted alone, of
+    ``restarts_left`` at most."""
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
     spec.write_bytes(
@@ -135,7 +148,7 @@ def _run_group(
             }
         )
     )
-    group = ProcessGroup(config, run_dir)
+    group = ProcessGroup(config, run_dir, server_restarts, restarts_left - len(server_restarts))
     try:
         group.start(spec)
         group.supervise(on_progress)
@@ -150,13 +163,25 @@ def _run_group(
 
 
 class ProcessGroup:
-    def __init__(self, config: TrainConfig, run_dir: Path):
+    def __init__(
+        self,
+        config: TrainConfig,
+        run_dir: Path,
+        server_restarts: list[dict[str, Any]] | None = None,
+        restarts_left: int = 0,
+    ):
         self.config = config
         self.run_dir = run_dir
         self.processes: dict[str, subprocess.Popen[bytes]] = {}
         self.selector = selectors.DefaultSelector()
         self.partial_lines: dict[int, bytes] = {}  # progress pipe fd -> bytes after last newline
         self.lost: set[str] = set()  # trainers that died and were left behind
+        self.board = FileBoard(run_dir / "rendezvous")
+        self.server_restarts = [] if server_restarts is None else server_restarts
+        self.restarts_left = restarts_left
+        self.started_at = time.monotonic()
+        self._env: dict[str, str] = {}
+        self._spec = run_dir / "job.pkl"
 
     def role(self, rank: int) -> str:
         servers = self.config.servers
@@ -170,35 +195,68 @@ class ProcessGroup:
         # TensorPipe warns in C++ of every broken connection, faults the job reports itself
         # (a lost server, a departed trainer): keep its raw lines out unless the user asks.
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        self._env, self._spec = env, spec
         for rank in range(self.config.world_size):
-            is_trainer = rank >= self.config.servers
-            read_fd, write_fd = os.pipe() if is_trainer else (-1, -1)
-            command = [
-                sys.executable,
-                "-m",
-                "paramserver.launch.worker",
-                str(spec),
-                str(rank),
-                str(write_fd),
-            ]
-            try:
-                self.processes[self.role(rank)] = subprocess.Popen(
-                    command,
-                    env=env,
-                    pass_fds=(write_fd,) if is_trainer else (),
-                    start_new_session=True,  # Ctrl-C reaches the launcher, which stops the rest
-                    stdin=subprocess.DEVNULL,
-                )
-            except BaseException:
-                if is_trainer:
-                    os.close(read_fd)
-                raise
-            finally:
-                if is_trainer:
-                    os.close(write_fd)
+            self._start_rank(rank, env)
+
+    def _start_rank(self, rank: int, env: dict[str, str]) -> None:
+        is_trainer = rank >= self.config.servers
+        read_fd, write_fd = os.pipe() if is_trainer else (-1, -1)
+        command = [
+            sys.executable,
+            "-m",
+            "paramserver.launch.worker",
+            str(self._spec),
+            str(rank),
+            str(write_fd),
+        ]
+        try:
+            self.processes[self.role(rank)] = subprocess.Popen(
+                command,
+                env=env,
+                pass_fds=(write_fd,) if is_trainer else (),
+                start_new_session=True,  # Ctrl-C reaches the launcher, which stops the rest
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
             if is_trainer:
-                self.partial_lines[read_fd] = b""
-                self.selector.register(read_fd, selectors.EVENT_READ)
+                os.close(read_fd)
+            raise
+        finally:
+            if is_trainer:
+                os.close(write_fd)
+        if is_trainer:
+            self.partial_lines[read_fd] = b""
+            self.selector.register(read_fd, selectors.EVENT_READ)
+
+    def restart_server(self, role: str, code: int) -> bool:
+        """With ``--recover``, start a server killed by a signal anew, alone, while restarts
+        are left: it rebuilds its shard from its checkpoint and log, and the others move to
+        the next RPC world with it (see :func:`paramserver.transport.rpc.watch_restarts`).
+        A server that failed with an error would fail again: the job stops."""
+        if not (self.config.recover and role.startswith("server") and code < 0):
+            return False
+        chief = self.processes[self.role(self.config.servers)]
+        if self.restarts_left <= 0 or chief.poll() is not None:  # none left, or the job ended
+            return False
+        self.restarts_left -= 1
+        rank = int(role.removeprefix("server"))
+        generation = max(self.board.generation(), self.board.restarting()) + 1
+        log.warning(
+            "%s %s; restarting it alone, from its checkpoint and change log (%d restarts left)",
+            role, describe_exit(code), self.restarts_left,
+        )  # fmt: skip
+        self.board.announce(generation, joining=False)
+        self._start_rank(rank, {**self._env, GENERATION_VARIABLE: str(generation)})
+        self.server_restarts.append(
+            {
+                "server": rank,
+                "exit": describe_exit(code),
+                "at_s": round(time.monotonic() - self.started_at, 3),
+                "generation": generation,
+            }
+        )
+        return True
 
     def supervise(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Relay progress until every process exits; raise on the first failure."""
@@ -206,11 +264,14 @@ class ProcessGroup:
             for key, _ in self.selector.select(timeout=0.1):
                 self._read_progress(int(key.fd), on_progress)
             running = 0
-            for role, process in self.processes.items():
+            for role, process in list(self.processes.items()):
                 code = process.poll()
                 if code is None:
                     running += 1
                 elif code != 0 and not self._survivable(role, code):
+                    if self.restart_server(role, code):
+                        running += 1
+                        continue
                     raise JobFailedError(self.failure(role, process.pid, code))
             if running == 0:
                 for fd in list(self.partial_lines):  # what was written before the exits

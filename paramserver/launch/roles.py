@@ -6,16 +6,19 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from paramserver.changelog.log import ChainFollower
 from paramserver.changelog.publisher import Publisher
+from paramserver.changelog.recover import recover_store
 from paramserver.checkpoint import (
     DENSE_PART,
     Saved,
@@ -36,6 +39,9 @@ from paramserver.trainer.loop import TrainerOutcome, run_trainer
 from paramserver.transport.group import CollectiveGroup, TrainerGroup
 from paramserver.types import LoopFn, ModelFn, Progress
 
+if TYPE_CHECKING:
+    from paramserver.transport.rpc import RestartBoard
+
 log = logging.getLogger(__name__)
 
 LEAVE_ALONE_DELAY_S = 0.5
@@ -51,11 +57,14 @@ class ChiefResult:
     value: Any = None
 
 
-def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerEndpoint:
+def build_server(
+    server: int, config: TrainConfig, model_fn: ModelFn, *, recovering: bool = False
+) -> ServerEndpoint:
     """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``: the dense
     parameters placed on it and its own rows of each table (the model's tables are never built
     whole, see :func:`~paramserver.modelplan.build_model`). Server 0 keeps the buffers, which
-    trainers fetch from it at their start."""
+    trainers fetch from it at their start. ``recovering``: restarted after its process died,
+    it rebuilds where that one's log ends (:func:`recover_server`)."""
     built = build_model(model_fn, config.seed)
     plan = plan_of(built.model, config.servers, config.dense_on_servers)
     config.check_tables(plan.tables)
@@ -65,12 +74,21 @@ def build_server(server: int, config: TrainConfig, model_fn: ModelFn) -> ServerE
     buffers = {n: b.detach().clone() for n, b in built.model.named_buffers()} if server == 0 else {}
     del built, dense
     coordinator = Coordinator(shard, config.consistency)
-    if config.resume:
+    if recovering:
+        recover_server(shard, coordinator, config)
+    elif config.resume:
         resume_server(shard, coordinator, config)
     if config.publish_dir is not None:  # after a resume: what it restored is not a change
-        publisher = publisher_of(
-            shard, config.sections.publish, config.mode, books=coordinator.recovery_books
+        publishing = config.sections.publish
+        between_calls = (
+            coordinator.cut_between_calls().cut
+            if publishing.recover and config.mode != "sync"  # a sync round is cut in its thread
+            else contextlib.nullcontext
         )
+        publisher = publisher_of(
+            shard, publishing, config.mode, books=coordinator.recovery_books,
+            between_calls=between_calls,
+        )  # fmt: skip
         coordinator.publish_to(publisher)
     return ServerEndpoint(coordinator, buffers)
 
@@ -81,10 +99,11 @@ def publisher_of(
     mode: Mode,
     *,
     books: Callable[[], dict[str, Any]],
-    recovers: bool = False,
+    between_calls: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> Publisher:
-    """Server ``shard``'s publisher: on a timer, or in sync mode at the chief's rounds;
-    ``recovers``: with recovery sections, holding the server's ``books()``."""
+    """Server ``shard``'s publisher: on a timer, or in sync mode at the chief's rounds; with
+    ``--recover``, with recovery sections holding the server's ``books()``, each timed cut
+    inside ``between_calls()``."""
     assert settings.publish_dir is not None
     return Publisher(
         shard.store,
@@ -94,8 +113,9 @@ def publisher_of(
         codec=settings.publish_codec,
         keep=settings.publish_keep,
         timed=mode != "sync",
-        recovers=recovers,
+        recovers=settings.recover,
         books=books,
+        between_calls=between_calls,
     )
 
 
@@ -126,6 +146,47 @@ def resume_server(shard: ServerShard, coordinator: Coordinator, config: TrainCon
     restore_store(shard.store, saved())
     coordinator.resume_at(found.step)
     log.info("server %d resumed from %s", shard.server, found.directory)
+
+
+def recover_server(shard: ServerShard, coordinator: Coordinator, config: TrainConfig) -> None:
+    """Rebuild a server whose process died where its change log ends: its part of the newest
+    checkpoint (if any), then its log's segments since, and its books as the last of them
+    holds them (see :mod:`paramserver.changelog.recover`). A damaged last segment is left out,
+    and said so: the trainers send again what the segments before it do not hold."""
+    assert config.publish_dir is not None
+    started = time.perf_counter()
+    found = resume_from(config) if config.checkpoint_dir is not None else None
+    saved: list[Saved] = []
+    if found is not None:
+        tensors, meta = found.read_part(f"server-{shard.server}")
+        if meta.get("signature") != model_signature(shard.store):
+            raise CheckpointError(f"{found.directory}: saved from a different model")
+        saved.append((tensors, meta))
+    after = int(saved[0][1]["sequence"]) if saved else 0
+    chain = ChainFollower(config.publish_dir, shard.server, after, most=sys.maxsize)
+    segments, damage = chain.pending()
+    if damage is not None:
+        log.warning(
+            "server %d recovers from the %d segments before a damaged one (the trainers send "
+            "again what they do not hold): %s", shard.server, len(segments), damage,
+        )  # fmt: skip
+    recover_store(shard.store, saved, segments)
+    if found is not None:
+        coordinator.resume_at(found.step)
+    books = next((s.recovery.books for s in reversed(segments) if s.recovery), None)
+    if books:
+        coordinator.recover_books(books)
+    shard.stats.recovery = {
+        "checkpoint_step": found.step if found is not None else None,
+        "segments": len(segments),
+        "damaged_segment": None if damage is None else str(damage),
+        "restore_s": time.perf_counter() - started,
+    }
+    log.warning(
+        "server %d recovered from %s and %d log segments in %.2f s", shard.server,
+        found.directory if found is not None else "its initial state", len(segments),
+        shard.stats.recovery["restore_s"],
+    )  # fmt: skip
 
 
 def hold_checkpoint_dir(
@@ -184,31 +245,24 @@ def run_rank(
     loopback_only: bool,
     on_progress: Callable[[Progress], None] | None = None,
     evaluation: Evaluation | None = None,
+    restarts: RestartBoard | None = None,
+    generation: int = 0,
 ) -> ChiefResult | None:
     """Play rank ``rank``'s role in an RPC job: ranks ``0..S-1`` serve, the rest train.
 
     Returns the chief's result on the chief trainer, ``None`` elsewhere. Returns
-    only once every rank is done (the RPC world shuts down together).
+    only once every rank is done (the RPC world shuts down together). With ``--recover``,
+    ``restarts`` is where the launcher announces a server it restarted (every rank then moves
+    to the next world) and ``generation`` the world this process starts in: a server
+    started in any but the first was restarted, and recovers its shard (:func:`recover_server`).
     """
-    from paramserver.transport import rpc as rpc_transport
 
     startup.mark("interpreter")
     torch.set_num_threads(config.threads_per_process)
     started = time.perf_counter()
     name = _rank_name(rank, config)
     log.info("%s joining the job (%d servers, %d trainers)", name, config.servers, config.trainers)
-    endpoint = build_server(rank, config, model_fn) if rank < config.servers else None
-    if endpoint is not None:
-        rpc_transport.expose(endpoint)
-    rpc_transport.start(
-        name,
-        rank,
-        config.world_size,
-        init_method=init_method,
-        num_threads=config.rpc_threads,
-        timeout_s=config.rpc_timeout,
-        loopback_only=loopback_only,
-    )
+    endpoint = _join(rank, name, config, model_fn, init_method, loopback_only, restarts, generation)
     startup.mark("rendezvous")
     if endpoint is not None:
         _serve(name, endpoint)
@@ -223,6 +277,44 @@ def run_rank(
         return None
     summary = outcome.summary(config, time.perf_counter() - started)
     return ChiefResult(outcome.state, summary, outcome.value)
+
+
+def _join(
+    rank: int,
+    name: str,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    init_method: str,
+    loopback_only: bool,
+    restarts: RestartBoard | None,
+    generation: int,
+) -> ServerEndpoint | None:
+    """Join the RPC world of ``generation`` as ``name``; a server first builds (or recovers)
+    its shard and serves it from the world's first moment. Returns the server's endpoint
+    (None on a trainer)."""
+    from paramserver.transport import rpc as rpc_transport
+
+    endpoint = None
+    if rank < config.servers:
+        endpoint = build_server(rank, config, model_fn, recovering=generation > 0)
+        rpc_transport.expose(endpoint)
+    if generation > 0 and restarts is not None:  # restored: the others join it now
+        restarts.announce(generation, joining=True)
+    rpc_transport.start(
+        name,
+        rank,
+        config.world_size,
+        init_method=init_method,
+        num_threads=config.rpc_threads,
+        timeout_s=config.rpc_timeout,
+        loopback_only=loopback_only,
+        generation=generation,
+        rendezvous_s=config.recover_wait if generation else None,
+    )
+    if config.recover and restarts is not None:
+        pause = None if endpoint is None else endpoint.coordinator.liveness.pause
+        rpc_transport.watch_restarts(restarts, config.recover_wait, pause)
+    return endpoint
 
 
 def _rank_name(rank: int, config: TrainConfig) -> str:

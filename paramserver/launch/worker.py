@@ -25,6 +25,7 @@ from paramserver.types import Progress
 
 PR_SET_PDEATHSIG = 1
 PROGRESS_INTERVAL_S = 0.2
+GENERATION_VARIABLE = "PARAMSERVER_GENERATION"  # the RPC world a restarted server joins
 
 log = logging.getLogger(__name__)
 
@@ -77,17 +78,22 @@ def main(argv: list[str]) -> int:
     )
     progress = ProgressWriter(os.fdopen(fd, "w")) if fd >= 0 else None
     from paramserver.launch.roles import run_rank
+    from paramserver.transport.rpc import FileBoard
 
+    board = FileBoard(spec_path.parent / "rendezvous")
+    generation = int(os.environ.get(GENERATION_VARIABLE, "0"))  # > 0: a server restarted
     try:
         result = run_rank(
             rank,
             config,
             spec["model_fn"],
             spec["loop_fn"],
-            init_method=f"file://{spec_path.parent / 'rendezvous'}",
+            init_method=board.init_method(generation),
             loopback_only=True,
             on_progress=progress,
             evaluation=cloudpickle.loads(spec["evaluation"]) if rank == config.servers else None,
+            restarts=board,
+            generation=generation,
         )
     except ParamServerError as error:
         # A fault the project handles (a lost server, a refused push): the launcher names it in

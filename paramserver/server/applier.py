@@ -111,6 +111,9 @@ class Applier:
                     self.pooled.pulled(request.trainer, request.call, request.pool_rows)
         reply = self.shard.read(request, train=train, clock=clock, again=again)
         reply.checkpoint_at = self.checkpoints.planned
+        publisher = self.publisher
+        if publisher is not None and publisher.recovers:
+            reply.durable_through = publisher.released_through(request.trainer)
         with self.stats.lock:
             self.stats.bytes_sent += payload_nbytes(reply)
         return reply

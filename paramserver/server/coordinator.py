@@ -16,9 +16,11 @@ Nothing waits while holding it; waiting is a :class:`torch.futures.Future`, comp
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
@@ -32,6 +34,7 @@ from paramserver.server.ages import GradientAges
 from paramserver.server.applier import Applier
 from paramserver.server.checkpointing import ServerCheckpoints
 from paramserver.server.decoded import DecodedRequest
+from paramserver.server.gate import CallGate
 from paramserver.server.idempotency import CallNumbers
 from paramserver.server.intake import Intake
 from paramserver.server.liveness import Liveness, Watchdog
@@ -73,12 +76,24 @@ class Coordinator:
             self._leave,
         )
         self._watchdog = Watchdog(self.check_liveness, shard.server)
+        # Where an async job's log is cut for recovery: its cuts fall between calls.
+        self.gate: CallGate | None = None
 
     def publish_to(self, publisher: Publisher) -> None:
         """Publish the shard's changes with ``publisher`` (attached to its store) from now on;
         :meth:`close` cuts its last segment."""
         self.applier.publisher = publisher
         self.checkpoints.on_committed = publisher.keep_after
+
+    def cut_between_calls(self) -> CallGate:
+        """The gate that lets a timed cut of the change log in only between calls (see
+        :mod:`~paramserver.server.gate`); a recovering async job's publisher holds its
+        ``cut``."""
+        self.gate = CallGate()
+        return self.gate
+
+    def _passing(self) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext() if self.gate is None else self.gate.call()
 
     def close(self) -> None:
         """Stop the watchdog thread and publishing (a last segment cut and written); returns
@@ -100,19 +115,20 @@ class Coordinator:
             request = self.intake.push_pull(message)
         except ParamServerError as error:
             return failed(error)
-        repeated = self._answer_repeat(request)
-        if repeated is not None:
-            return repeated
-        with self.lock:
-            try:
-                clock = self._admit(request)
-            except ParamServerError as error:
-                return failed(error)
-            waiter = self.policy.join(request)
-        if waiter is not None:
-            self.policy.catch_up()  # its round may be complete
-            return waiter
-        return self._apply_and_answer(request, clock)
+        with self._passing():
+            repeated = self._answer_repeat(request)
+            if repeated is not None:
+                return repeated
+            with self.lock:
+                try:
+                    clock = self._admit(request)
+                except ParamServerError as error:
+                    return failed(error)
+                waiter = self.policy.join(request)
+            if waiter is not None:
+                self.policy.catch_up()  # its round may be complete
+                return waiter
+            return self._apply_and_answer(request, clock)
 
     def push_pulls(self, requests: object) -> Future:
         """Several calls of one trainer in one message (a trainer that pulls every few steps

@@ -108,6 +108,7 @@ class ServerEndpoint:
     def _op_stats(self) -> Future:
         stats: dict[str, Any] = dict(self.shard.stats.as_dict())
         stats["tables"] = self.shard.store.table_stats()
+        stats["recovery"] = self.shard.stats.recovery
         stats.update(self.coordinator.stats())
         return completed(stats)
 

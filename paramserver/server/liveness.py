@@ -58,6 +58,7 @@ class Liveness:
         self.departed: dict[int, str] = {}  # trainer -> why it was declared departed
         self.silence_s: dict[int, float] = {}  # departed trainer -> its silence or idle time
         self.last_seen: dict[int, float] = {}
+        self.paused = False  # while the RPC world changes (a server restarted): no one is heard
         self._first_contact: float | None = None
         self._all_left: list[Future] = []
 
@@ -158,7 +159,7 @@ class Liveness:
         """Declare departed the members silent past ``trainer_timeout`` at ``now``."""
         with self.lock:
             first = self._first_contact
-            if first is None:  # no trainer heard from yet
+            if first is None or self.paused:  # no trainer heard from yet, or none can be
                 return
             silence = {t: now - self.last_seen.get(t, first) for t in sorted(self.members)}
             silent = [t for t, seconds in silence.items() if seconds > self.trainer_timeout]
@@ -167,6 +168,15 @@ class Liveness:
         for t in silent:
             self._depart(t, f"silent (no call, no heartbeat) for {silence[t]:.1f} s")
 
+    def pause(self, paused: bool) -> None:
+        """While ``paused`` no member is declared silent; once resumed, each counts as heard
+        from now (the RPC world changed: see :func:`paramserver.transport.rpc.watch_restarts`)."""
+        with self.lock:
+            self.paused = paused
+            if not paused:
+                for trainer in self.members:
+                    self.seen(trainer)
+
     def chief_lost(self) -> str | None:
         """Why the chief trainer, who ends the job, is lost (it departed, or went silent after
         leaving); None while it is not."""
@@ -174,7 +184,7 @@ class Liveness:
             if 0 in self.departed:
                 return f"it was declared departed: {self.departed[0]}"
             seen = self.last_seen.get(0)
-            if 0 in self.left and seen is not None:
+            if 0 in self.left and seen is not None and not self.paused:
                 silence = time.monotonic() - seen
                 if silence > self.trainer_timeout:
                     return f"it went silent for {silence:.1f} s after its last push"

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,6 +45,9 @@ class ServerStats:
     read_seconds: float = 0.0
     bytes_received: int = 0
     bytes_sent: int = 0
+    # Where this process was restarted after its server died: how it was rebuilt
+    # (paramserver.launch.roles.recover_server).
+    recovery: dict[str, Any] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def as_dict(self) -> dict[str, float]:

@@ -8,7 +8,9 @@ parameters to return and, in sync mode, counts this trainer in its round.
 
 from __future__ import annotations
 
+import logging
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -19,8 +21,8 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.config import CodecsSection, GradientCodec, ValueCodec
-from paramserver.errors import ParamServerError
+from paramserver.config import CALLS_PER_MESSAGE, CodecsSection, GradientCodec, ValueCodec
+from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.futures import wait_all
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
@@ -42,6 +44,8 @@ from paramserver.wire.reports import TrainerReport
 from paramserver.wire.sizing import PayloadSize, payload_nbytes, payload_size
 
 RowsById = dict[str, tuple[Tensor, Tensor]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -202,6 +206,11 @@ class PSClient:
             if cache_rows
         }
         self.next_call = 0  # the number of this trainer's next push_pull
+        # Per server, the calls sent that its change log does not hold yet (see
+        # PushPullReply.durable_through), as sent, to send again to it restarted.
+        self._kept: list[deque[PushPullRequest]] = [deque() for _ in range(plan.num_servers)]
+        self.resent_calls = 0  # calls sent again after a server was restarted
+        self.paused_s = 0.0  # time spent waiting for restarted servers
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
         # The routes of the last calls' pulls, by call number: the gradients of those rows
@@ -352,11 +361,68 @@ class PSClient:
         return self.transport.profile.bytes_of("push_pull", "push_pulls", "pull")
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
-        """Read rows outside the step (no gradients, no effect on servers' state)."""
-        requests = [
-            PushPullRequest(self.trainer, 0, pull_dense=False) for _ in range(self.plan.num_servers)
-        ]
-        return self._start("pull", requests, pull_ids).wait().rows
+        """Read rows outside the step (no gradients, no effect on servers' state); read again
+        from a server restarted meanwhile."""
+        while True:
+            requests = [
+                PushPullRequest(self.trainer, 0, pull_dense=False)
+                for _ in range(self.plan.num_servers)
+            ]
+            try:
+                return self._start("pull", requests, pull_ids).wait().rows
+            except ServerLostError as lost:
+                if not self.transport.restarted_since(lost):
+                    raise
+
+    def release(self, server: int, durable_through: int | None) -> None:
+        """Let go of the calls ``server``'s log holds now (all where it keeps none)."""
+        kept = self._kept[server]
+        if durable_through is None:
+            kept.clear()
+            return
+        while kept and kept[0].call <= durable_through:
+            kept.popleft()
+
+    def send_again(self) -> list[Future]:
+        """After a server was restarted (every process now in a new RPC world): to each
+        server, in order, the calls its log does not hold; one future per server, of the
+        answer to the newest. A server that took a call already answers it as a repeat,
+        taking it once (:mod:`paramserver.server.idempotency`)."""
+        answers = []
+        for server, kept in enumerate(self._kept):
+            calls = list(kept)
+            self.resent_calls += len(calls)
+            chunks = [
+                calls[at : at + CALLS_PER_MESSAGE] for at in range(0, len(calls), CALLS_PER_MESSAGE)
+            ]
+            answers.append(self._send_chunks(server, chunks))
+        return answers
+
+    def _send_chunks(self, server: int, chunks: list[list[PushPullRequest]]) -> Future:
+        """``chunks`` to ``server``, each once the one before it is answered; the last one's
+        answer (``(reply, size)``, as :meth:`_send`'s), or the first failure."""
+        answered: Future = Future()
+
+        def send(at: int) -> None:
+            chunk = chunks[at]
+            nbytes = sum(payload_size(r).nbytes for r in chunk)
+            op, message = ("push_pull", chunk[0]) if len(chunk) == 1 else ("push_pulls", chunk)
+            sent = self.transport.call_sized(server, op, message, nbytes)
+            sent.add_done_callback(lambda done: settle(done, at))
+
+        def settle(done: Future, at: int) -> None:
+            try:
+                value = done.value()
+            except Exception as error:
+                answered.set_exception(error)
+                return
+            if at == len(chunks) - 1:
+                answered.set_result(value)
+            else:
+                send(at + 1)
+
+        send(0)
+        return answered
 
     def _encode_rows(self, table: str, values: Tensor) -> Tensor | Encoded:
         codec = self.codecs.tables.get(table, "none")
@@ -434,6 +500,9 @@ class PSClient:
         nbytes = [sum(size.nbytes for size in each) for each in sizes]
         if report is not None:
             self._fill_report(report, sum(nbytes))
+        if op == "push_pull":
+            for kept, message in zip(self._kept, messages, strict=True):
+                kept.extend(message)
         return [
             self.transport.call_sized(server, op, message[0], n)
             if len(message) == 1
@@ -484,14 +553,29 @@ class InFlight:
             self.result = self._assemble()
         return self.result
 
+    def _answers(self) -> list[tuple[PushPullReply, PayloadSize]]:
+        """Every server's answer; where a server was lost and restarted meanwhile, the
+        answers to this call sent again (:meth:`PSClient.send_again`)."""
+        client = self.client
+        lost_at: float | None = None
+        while True:
+            try:
+                answers = wait_all(self.futures, client.alarm)
+            except ServerLostError as lost:
+                lost_at = time.monotonic() if lost_at is None else lost_at
+                if self.call < 0 or not client.transport.restarted_since(lost):
+                    raise
+                log.warning("trainer %d sends call %d again: %s", client.trainer, self.call, lost)
+                self.futures = client.send_again()
+                continue
+            if lost_at is not None:
+                client.paused_s += time.monotonic() - lost_at
+            return cast(list[tuple[PushPullReply, PayloadSize]], answers)
+
     def _assemble(self) -> Pulled:
-        alarm = self.client.alarm
-        answers = cast(list[tuple[PushPullReply, PayloadSize]], wait_all(self.futures, alarm))
+        answers = self._answers()
         replies = [reply for reply, _ in answers]
-        for server, reply in enumerate(replies):
-            problem = reply.malformed()
-            if problem is not None:
-                raise ParamServerError(f"server {server} sent a malformed answer: {problem}")
+        self._check(replies)
         traffic = self.client.traffic
         traffic.uncompressed_received += sum(size.uncompressed_nbytes for _, size in answers)
         pulled = Pulled(call=self.call, checkpoint_at=max(r.checkpoint_at for r in replies))
@@ -533,6 +617,17 @@ class InFlight:
         if self.state_masks:
             pulled.row_state = self._row_state(replies)
         return pulled
+
+    def _check(self, replies: list[PushPullReply]) -> None:
+        """Refuse a malformed answer; let go of the calls each server's log now holds."""
+        for server, reply in enumerate(replies):
+            problem = reply.malformed()
+            durable = reply.durable_through
+            if problem is None and durable is not None and type(durable) is not int:
+                problem = f"durable_through is {durable!r}"
+            if problem is not None:
+                raise ParamServerError(f"server {server} sent a malformed answer: {problem}")
+            self.client.release(server, durable)
 
     def _row_state(self, replies: list[PushPullReply]) -> dict[str, RowState]:
         """Each table's state of the rows its mask picked, as the servers sent it, of those

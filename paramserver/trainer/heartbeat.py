@@ -138,6 +138,11 @@ class Heartbeats:
             if self._stopped.is_set():  # the job is ending: servers go away
                 return False
             if isinstance(error, ServerLostError):  # the transport said which and why
+                try:
+                    if self.transport.restarted_since(error):
+                        return True  # it is back: beat on, in the new world
+                except ServerLostError as not_back:
+                    error = not_back
                 self._raise(error)
             else:
                 self._raise(

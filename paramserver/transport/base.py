@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
+from paramserver.errors import ServerLostError
 from paramserver.wire.messages import PushPullRequest
 
 
@@ -43,6 +44,14 @@ class Transport(ABC):
 
         ``timeout_s`` overrides the transport's call timeout for this call (0: none).
         """
+
+    def restarted_since(self, lost: ServerLostError) -> bool:
+        """Whether the job restarted the lost server (see
+        :func:`paramserver.transport.rpc.watch_restarts`): True once this process is in the
+        world after the one ``lost`` failed in, with the restarted server; False where servers
+        are never restarted. Waits a bounded time for the restart, then raises
+        :class:`ServerLostError` saying it did not come."""
+        return False
 
     def call_all(self, op: str, *args: Any, timeout_s: float | None = None) -> list[Future]:
         """``op`` on every server at once: one future per server, in server order."""

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
+from paramserver.errors import ServerLostError
 from paramserver.observe.calls import CallProfile
 from paramserver.transport.base import Transport
 from paramserver.wire.sizing import payload_nbytes, payload_size
@@ -49,6 +50,9 @@ class ProfiledTransport(Transport):
             yield
         finally:
             self._label.value = None
+
+    def restarted_since(self, lost: ServerLostError) -> bool:
+        return self.inner.restarted_since(lost)
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
         return self._call(server, op, args, payload_nbytes(args), timeout_s, sized=False)

@@ -24,18 +24,29 @@ network address on most containers and cloud VMs). See :func:`start`.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
+import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from paramserver.errors import ParamServerError, ServerLostError
+from paramserver.files import write_atomic
 from paramserver.transport.base import Endpoint, Transport
 
+log = logging.getLogger(__name__)
+
 _ENDPOINT: Endpoint | None = None
+_JOINED: dict[str, Any] = {}  # the arguments of the last start(), for a rejoin
+_WORLD: _Restarts | None = None  # set by watch_restarts()
+RESTART_POLL_S = 0.1
 
 
 def server_name(index: int) -> str:
@@ -66,10 +77,12 @@ def start(
     timeout_s: float,
     loopback_only: bool,
     generation: int = 0,
+    rendezvous_s: float | None = None,
 ) -> None:
     """Join the RPC world of ``generation`` (0: the job's first; see
     :func:`leave_lost_world`). ``init_method`` is ``file://PATH`` for local jobs (each
-    generation its own file) or ``env://``."""
+    generation its own file) or ``env://``. The members wait for each other ``rendezvous_s``
+    at most (default: ``timeout_s``, the calls' timeout)."""
     # Every static init_rpc warns that gloo is used as a ProcessGroup (pytorch#149393).
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*", category=UserWarning)
     if loopback_only:
@@ -77,7 +90,8 @@ def start(
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=num_threads,
-        rpc_timeout=timeout_s,
+        # init_rpc's rendezvous waits this long, calls made without a timeout too (reset below).
+        rpc_timeout=timeout_s if rendezvous_s is None else max(timeout_s, rendezvous_s),
         init_method=init_method,
         _transports=["uv"],
         _channels=["basic"],
@@ -86,12 +100,19 @@ def start(
     # it joined (rpc_prefix_N, pytorch#42723), so members that joined different numbers of
     # worlds never meet: a rank torchrun restarted (its store is kept across restarts) in a
     # fresh process, or a server started anew beside survivors that rejoin. Every member of
-    # one world sets the counter to that world's number: torchrun's restart count, or the
-    # generation of a rejoin.
-    generation = max(generation, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    # one world sets the counter to that world's number: the generation of a rejoin, counted
+    # anew after each torchrun restart (which starts every member anew).
+    counter = generation + 1000 * int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     with rpc._init_counter_lock:  # private to torch: see the comment above
-        rpc._init_counter = generation
+        rpc._init_counter = counter
+    _JOINED.update(
+        name=name, rank=rank, world_size=world_size, num_threads=num_threads,
+        timeout_s=timeout_s, loopback_only=loopback_only,
+    )  # fmt: skip
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    if options.rpc_timeout != timeout_s:
+        rpc._set_rpc_timeout(timeout_s)
+    _JOINED["generation"] = generation  # only once in it: calls made meanwhile were not
 
 
 def leave_lost_world() -> None:
@@ -116,8 +137,164 @@ def expose(endpoint: Endpoint | None) -> None:
 
 
 def stop(graceful: bool = True) -> None:
-    """Leave the RPC world; graceful waits for every other worker to leave too."""
+    """Leave the RPC world; graceful waits for every other worker to leave too. Restarts are
+    no longer watched for (:func:`watch_restarts`)."""
+    global _WORLD
+    if _WORLD is not None:
+        _WORLD.close()
+        _WORLD = None
     rpc.shutdown(graceful=graceful)
+
+
+class RestartBoard(Protocol):
+    """Where a lost member's restart is announced, in two steps: the launcher says it started
+    one anew (:meth:`restarting`: the members stop counting each other's silence), then the
+    new member, its state restored, says it is joining (:meth:`generation`: the members move
+    to that world). A member restarted again before it joined never said so, and the others
+    wait on in their world for the one that does."""
+
+    def restarting(self) -> int:
+        """The newest generation a launcher started a member for (0: none)."""
+        ...
+
+    def generation(self) -> int:
+        """The newest generation a restarted member joins (0: the job's first world)."""
+        ...
+
+    def announce(self, generation: int, *, joining: bool) -> None:
+        """Say that a member was started for ``generation`` (the launcher's) or, ``joining``,
+        that it joins that world now (the restarted member's)."""
+        ...
+
+    def init_method(self, generation: int) -> str:
+        """``init_rpc``'s ``init_method`` for the world of ``generation``."""
+        ...
+
+
+class FileBoard:
+    """A local job's board: files beside the rendezvous files (``RENDEZVOUS`` for generation
+    0, ``RENDEZVOUS.G`` for generation G), each holding a generation."""
+
+    def __init__(self, rendezvous: str | os.PathLike[str]):
+        self.rendezvous = Path(rendezvous)
+
+    def _file(self, joining: bool) -> Path:
+        kind = "generation" if joining else "restarting"
+        return self.rendezvous.with_name(f"{self.rendezvous.name}.{kind}")
+
+    def _read(self, joining: bool) -> int:
+        try:
+            return int(self._file(joining).read_text())
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def restarting(self) -> int:
+        return self._read(joining=False)
+
+    def generation(self) -> int:
+        return self._read(joining=True)
+
+    def announce(self, generation: int, *, joining: bool) -> None:
+        text = str(generation).encode()
+        write_atomic(self._file(joining), lambda f: f.write(text), hash_written=False)
+
+    def init_method(self, generation: int) -> str:
+        suffix = f".{generation}" if generation else ""
+        return f"file://{self.rendezvous}{suffix}"
+
+
+def watch_restarts(
+    board: RestartBoard, wait_s: float, on_moving: Callable[[bool], None] | None = None
+) -> None:
+    """From now on, when ``board`` announces a new generation (a lost member was restarted),
+    leave the lost world and join the new one (:func:`leave_lost_world`, :func:`start`),
+    keeping everything this process holds; ``on_moving(True)`` before, ``on_moving(False)``
+    after. Calls under way fail with :class:`ServerLostError`, whose ``generation`` tells
+    :meth:`RpcTransport.restarted_since` to wait (up to ``wait_s``) for the next world."""
+    global _WORLD
+    assert _WORLD is None and _JOINED, "watch_restarts() follows start(), once"
+    _WORLD = _Restarts(board, wait_s, on_moving)
+
+
+def generation() -> int:
+    """The generation of the world this process is in."""
+    return int(_JOINED.get("generation", 0))
+
+
+class _Restarts:
+    """The thread that moves this process to each new world its board announces."""
+
+    def __init__(
+        self, board: RestartBoard, wait_s: float, on_moving: Callable[[bool], None] | None
+    ):
+        self.board, self.wait_s = board, wait_s
+        self.on_moving = on_moving or (lambda moving: None)
+        self.changed = threading.Condition()
+        self.moving = False
+        self.failure: BaseException | None = None
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rpc-restarts", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        paused = False
+        while not self._closed.wait(RESTART_POLL_S):
+            announced = self.board.generation()
+            if not paused and max(announced, self.board.restarting()) > generation():
+                paused = True  # a member restarts: silence is no one's fault until it joins
+                self.on_moving(True)
+            if announced > generation():
+                self._rejoin(announced)
+                paused = False
+                self.on_moving(False)
+                if self.failure is not None:
+                    return
+
+    def _rejoin(self, announced: int) -> None:
+        with self.changed:
+            self.moving = True
+        log.warning("a member of the job was restarted: joining world %d", announced)
+        started = time.monotonic()
+        try:
+            leave_lost_world()
+            joined = {k: v for k, v in _JOINED.items() if k != "generation"}
+            start(
+                **joined, init_method=self.board.init_method(announced), generation=announced,
+                rendezvous_s=self.wait_s,
+            )  # fmt: skip
+        except BaseException as error:  # every waiter must hear of it
+            self.failure = error
+        with self.changed:
+            self.moving = False
+            self.changed.notify_all()
+        if self.failure is None:
+            log.warning("joined world %d in %.2f s", announced, time.monotonic() - started)
+
+    def wait_past(self, lost: ServerLostError) -> bool:
+        """See :meth:`RpcTransport.restarted_since`."""
+        if lost.generation is None:
+            return False
+        deadline = time.monotonic() + self.wait_s
+        with self.changed:
+            while self.moving or generation() <= lost.generation:
+                if self.failure is not None:
+                    raise ServerLostError(
+                        f"{lost} and joining the world of its restart failed: {self.failure}",
+                        server=lost.server,
+                    ) from self.failure
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ServerLostError(
+                        f"{lost}, and was not restarted within {self.wait_s:g} s",
+                        server=lost.server,
+                    )
+                self.changed.wait(min(left, RESTART_POLL_S))
+        return True
 
 
 class RpcTransport(Transport):
@@ -133,14 +310,19 @@ class RpcTransport(Transport):
         naming it when the call failed in transit (the server died, or did not answer within
         the timeout)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        sent = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
+        sent_in = generation()
         answer: Future = Future()
+        try:
+            sent = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
+        except RuntimeError as error:  # between worlds (a restart): no agent to send with
+            answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
+            return answer
 
         def settle(done: Future) -> None:
             try:
                 value = done.value()
             except Exception as error:
-                answer.set_exception(_transit_error(error, server, op, timeout))
+                answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
                 return
             # An async_execution future completed with an exception arrives as the exception
             # object itself (pickled whole, type and message intact): raise it, as the server
@@ -153,6 +335,10 @@ class RpcTransport(Transport):
         sent.add_done_callback(settle)
         return answer
 
+    def restarted_since(self, lost: ServerLostError) -> bool:
+        world = _WORLD
+        return world is not None and world.wait_past(lost)
+
 
 # TensorPipe's messages: "RPCErr:1:RPC ran for more than set timeout (500 ms) ...", "EOF: end of
 # file (this error originated at tensorpipe/transport/uv/connection_impl.cc:132)".
@@ -160,7 +346,9 @@ _RPC_ERROR_CODE = re.compile(r"^RPCErr:\d+:")
 _ORIGIN = re.compile(r"\s*\(this error originated at [^)]*\)")
 
 
-def _transit_error(error: Exception, server: int, op: str, timeout_s: float) -> Exception:
+def _transit_error(
+    error: Exception, server: int, op: str, timeout_s: float, sent_in: int
+) -> Exception:
     """The error a caller sees for a call that failed before the server could answer it.
 
     Only TensorPipe's own failures (a ``RuntimeError``) mean the server is lost. An error
@@ -177,6 +365,6 @@ def _transit_error(error: Exception, server: int, op: str, timeout_s: float) -> 
         what = f"did not answer {op} within {timeout_s:g} s (it froze, was cut off or is stuck)"
     else:
         what = f"was lost: {op} failed with {cause} (its process died or its connection broke)"
-    lost = ServerLostError(f"server {server} {what}", server=server)
+    lost = ServerLostError(f"server {server} {what}", server=server, generation=sent_in)
     lost.__cause__ = error
     return lost

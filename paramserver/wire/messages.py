@@ -231,6 +231,9 @@ class PushPullReply:
     # Asked by pull_dense_state: each dense value's slots and its count of updates (ROW_STEPS,
     # 0-d), keyed by state_key(parameter, part).
     dense_state: dict[str, Tensor] = field(default_factory=dict)
+    # This trainer's newest call that the server's change log holds for its recovery (-1:
+    # none yet), the trainer keeping the later ones to send again; None: no such log.
+    durable_through: int | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return _bundled_fields(self.__dict__, _BUNDLED_REPLY_FIELDS)
