@@ -52,6 +52,12 @@ def summarize(
         "cache": _cache_figures(config, reports),
         "compression_ratio": _compression_ratios(reports),
         "server_stats": servers,
+        # --recover: how each restarted server was rebuilt, and what the trainers sent again.
+        "recovery": {
+            "servers": [s.get("recovery") for s in server_stats],
+            "resent_calls": [r.resent_calls for r in reports],
+            "paused_s": [r.paused_s for r in reports],
+        },
         "tables": _summed_table_counters(server_stats),
         **_departures(server_stats),
         "staleness": _staleness_histogram(server_stats),
@@ -88,7 +94,15 @@ def _learning_rates(
 
 # What a server reports about the whole job rather than about itself: summed or merged over the
 # servers into keys of their own, left out of each server's entry in ``server_stats``.
-_JOB_WIDE_STATS = ("reports", "left", "tables", "departed", "staleness", "departed_after_silence_s")
+_JOB_WIDE_STATS = (
+    "reports",
+    "left",
+    "tables",
+    "departed",
+    "staleness",
+    "departed_after_silence_s",
+    "recovery",
+)
 
 
 def _trainer_reports(server_stats: list[dict[str, Any]]) -> list[TrainerReport]:

@@ -521,6 +521,7 @@ class PSClient:
         report.row_bytes_received = self.traffic.row_bytes_received
         report.cache_hits = sum(c.hits for c in self.caches.values())
         report.cache_lookups = sum(c.lookups for c in self.caches.values())
+        report.resent_calls, report.paused_s = self.resent_calls, self.paused_s
 
 
 class InFlight:

@@ -128,6 +128,8 @@ class TrainerReport:
     resumed_at: int = -1  # the step of the checkpoint this run resumed from; -1: from the start
     resumed_steps: int = 0  # the steps and samples this trainer had done by that checkpoint
     resumed_samples: int = 0
+    resent_calls: int = 0  # calls sent again to servers restarted after their process died
+    paused_s: float = 0.0  # the time its calls waited for those servers
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -145,8 +147,9 @@ class TrainerReport:
             self.resumed_at,
             self.resumed_steps,
             self.resumed_samples,
+            self.resent_calls,
         )
-        floats = (self.train_loss, self.train_seconds)
+        floats = (self.train_loss, self.train_seconds, self.paused_s)
         return (
             all(type(v) is int for v in ints)
             and (self.input_bytes is None or type(self.input_bytes) is int)
