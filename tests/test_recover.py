@@ -6,6 +6,9 @@ recovery section that does not hold together is refused naming the file."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +25,18 @@ from paramserver.changelog.segment import Segment, read_segment, write_segment
 from paramserver.checkpoint import open_checkpoint
 from paramserver.embedding import DynamicOptions
 from paramserver.errors import ChangeLogError
+from paramserver.futures import completed
 from paramserver.launch import roles
 from paramserver.optimconfig import OptimizerConfig
+from paramserver.server.gate import CallGate
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
+from paramserver.trainer.client import PSClient
+from paramserver.transport.base import Transport
+from paramserver.wire.messages import PushPullReply, PushPullRequest
 from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, threads_job, tiny_batches
 
 DYNAMIC = DynamicOptions(min_count=2, ttl_steps=4, capacity=14)
@@ -230,3 +238,113 @@ def test_a_sync_jobs_servers_are_rebuilt_with_their_books_from_a_checkpoint_and_
             assert books == endpoint.coordinator.recovery_books() and books["left"] == [0, 1]
         finally:
             rebuilt.coordinator.close()
+
+
+def test_a_trainers_calls_are_released_once_a_second_written_segment_covers_them(
+    tmp_path: Path,
+) -> None:
+    """What a recovering publisher tells trainers they may let go of: each one's newest call
+    that two written segments cover, so a damaged newest segment loses none of them."""
+    store = make_store()
+    books = {"calls": {"0": 3, "1": 2}, "left": [], "departed": {}}
+    publisher = Publisher(
+        store, tmp_path, "job", every_s=60, timed=False, recovers=True, books=lambda: books
+    )
+    try:
+        generator = torch.Generator().manual_seed(0)
+        assert publisher.released_through(0) == -1
+        train_step(store, 1, generator)
+        publisher.cut()
+        assert publisher.flush(10) and publisher.released_through(0) == -1
+        books = {"calls": {"0": 7, "1": 6}, "left": [], "departed": {}}
+        train_step(store, 2, generator)
+        publisher.cut()
+        assert publisher.flush(10)
+        assert (publisher.released_through(0), publisher.released_through(1)) == (3, 2)
+        assert publisher.released_through(5) == -1  # a trainer the books never held
+    finally:
+        publisher.close()
+
+
+def test_a_cut_waits_for_the_calls_in_flight_and_holds_new_ones_back() -> None:
+    """The gate's promise: no call is between its admission and its read while a cut runs."""
+    gate = CallGate()
+    events: list[str] = []
+    in_call, cut_started = threading.Event(), threading.Event()
+
+    def call(name: str, hold: threading.Event | None = None) -> None:
+        with gate.call():
+            events.append(f"{name} in")
+            if hold is not None:
+                in_call.set()
+                hold.wait(5)
+            events.append(f"{name} out")
+
+    def cutter() -> None:
+        with gate.cut():
+            cut_started.set()
+            events.append("cut")
+            time.sleep(0.1)  # a call arriving now waits
+            events.append("cut done")
+
+    release = threading.Event()
+    first = threading.Thread(target=call, args=("first", release))
+    first.start()
+    assert in_call.wait(5)
+    cutting = threading.Thread(target=cutter)
+    cutting.start()
+    time.sleep(0.1)
+    assert "cut" not in events  # the first call is still in flight
+    release.set()
+    assert cut_started.wait(5)
+    second = threading.Thread(target=call, args=("second",))
+    second.start()
+    for thread in (first, cutting, second):
+        thread.join(5)
+    assert events == ["first in", "first out", "cut", "cut done", "second in", "second out"]
+
+
+def test_a_trainer_keeps_the_calls_a_servers_log_does_not_hold_and_sends_them_in_order() -> None:
+    """Kept calls are let go of as the log covers them, all of them where a server keeps no
+    log; sent again, each server gets its own in order, several to a message."""
+    plan = ShardPlan([DenseSpec("w", (3,), torch.float32)], [], num_servers=2)
+    sent: list[tuple[int, str, list[int]]] = []
+
+    class Recording(Transport):
+        num_servers = 2
+
+        def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+            message = args[0]
+            calls = [r.call for r in message] if isinstance(message, list) else [message.call]
+            sent.append((server, op, calls))
+            return completed(PushPullReply())
+
+    client = PSClient(Recording(), plan, trainer=0)
+    client._kept = [deque(PushPullRequest(0, c) for c in range(80)) for _ in range(2)]
+    client.release(0, 9)
+    client.release(1, None)
+    assert [r.call for r in client._kept[0]] == list(range(10, 80))
+    assert not client._kept[1]
+    client._kept[1].extend(PushPullRequest(0, c) for c in (78, 79))
+    futures = client.send_again()
+    assert all(f.wait()[0] is not None for f in futures)
+    assert sent == [
+        (0, "push_pulls", list(range(10, 74))),
+        (0, "push_pulls", list(range(74, 80))),
+        (1, "push_pulls", [78, 79]),
+    ]
+    assert client.resent_calls == 72
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({}, "--publish-dir"),
+        ({"publish_dir": "log", "mode": "ssp"}, "sync and async"),
+        ({"publish_dir": "log", "launcher": "threads"}, "processes or torchrun"),
+        ({"publish_dir": "log", "recover_wait": 0.0}, "--recover-wait"),
+    ],
+)
+def test_recover_is_refused_where_it_cannot_work(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ps.ConfigError, match=message):
+        ps.TrainConfig(recover=True, **{"launcher": "processes", **changes})
