@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.futures import Future
 
 ALARM_POLL_S = 0.05  # how often wait_all looks at its alarm
+
+T = TypeVar("T")
 
 
 def completed(value: object) -> Future:
@@ -60,3 +62,28 @@ def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:
         if alarm.done():
             alarm.wait()  # raises the alarm's error
     return [f.wait() for f in futures]
+
+
+def in_order(items: Sequence[T], take: Callable[[T], Future]) -> Future:
+    """``take`` each of ``items`` (at least one) once the one before it is answered; the last
+    one's answer, or the first failure (the rest not taken)."""
+    answered: Future = Future()
+    last = len(items) - 1
+
+    def take_from(at: int) -> None:  # the next once the last is answered (at once if it was)
+        taken = take(items[at])
+        taken.add_done_callback(lambda done: settle(done, at))
+
+    def settle(done: Future, at: int) -> None:
+        try:
+            value = done.value()
+        except Exception as error:
+            answered.set_exception(error)
+            return
+        if at == last:
+            answered.set_result(value)
+        else:
+            take_from(at + 1)
+
+    take_from(0)
+    return answered

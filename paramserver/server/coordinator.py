@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
@@ -29,7 +28,7 @@ from torch.futures import Future
 from paramserver.changelog.publisher import Publisher
 from paramserver.config import CALLS_PER_MESSAGE, ConsistencySettings
 from paramserver.errors import InvalidPushError, ParamServerError
-from paramserver.futures import chain, completed, failed
+from paramserver.futures import chain, completed, failed, in_order
 from paramserver.server.ages import GradientAges
 from paramserver.server.applier import Applier
 from paramserver.server.checkpointing import ServerCheckpoints
@@ -147,7 +146,7 @@ class Coordinator:
                     f"{CALLS_PER_MESSAGE} requests"
                 )
             )
-        return _in_order(requests, self.push_pull)
+        return in_order(requests, self.push_pull)
 
     def pull(self, message: PushPullRequest) -> Future:
         """Answer a read-only request (no gradients); it changes nothing and needs no key."""
@@ -340,39 +339,3 @@ class Coordinator:
         self.checkpoints.members_changed()
         for future in all_left:
             future.set_result(None)
-
-
-def _in_order(requests: list[PushPullRequest], take: Callable[[PushPullRequest], Future]) -> Future:
-    """``take`` each of ``requests`` once the one before it is answered; the last one's
-    answer, or the first failure (the rest not taken)."""
-    answered: Future = Future()
-    last = len(requests) - 1
-
-    def take_from(at: int) -> None:  # the next once the last is answered (at once in async)
-        taken = take(requests[at])
-        if at == last:
-            taken.add_done_callback(lambda done: _settle(answered, done))
-        else:
-            taken.add_done_callback(lambda done: _next(done, at + 1))
-
-    def _next(done: Future, at: int) -> None:
-        if not _failed(done, answered):
-            take_from(at)
-
-    take_from(0)
-    return answered
-
-
-def _failed(done: Future, answered: Future) -> bool:
-    """Whether ``done`` failed; if so ``answered`` fails with its error."""
-    try:
-        done.value()
-    except Exception as error:
-        answered.set_exception(error)
-        return True
-    return False
-
-
-def _settle(answered: Future, done: Future) -> None:
-    if not _failed(done, answered):
-        answered.set_result(done.value())

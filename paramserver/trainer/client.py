@@ -8,6 +8,7 @@ parameters to return and, in sync mode, counts this trainer in its round.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
@@ -23,7 +24,7 @@ from torch.futures import Future
 
 from paramserver.config import CALLS_PER_MESSAGE, CodecsSection, GradientCodec, ValueCodec
 from paramserver.errors import ParamServerError, ServerLostError
-from paramserver.futures import wait_all
+from paramserver.futures import in_order, wait_all
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
@@ -390,39 +391,20 @@ class PSClient:
         taking it once (:mod:`paramserver.server.idempotency`)."""
         answers = []
         for server, kept in enumerate(self._kept):
-            calls = list(kept)
+            calls = list(kept)  # never empty: the call awaited is kept until answered
             self.resent_calls += len(calls)
             chunks = [
                 calls[at : at + CALLS_PER_MESSAGE] for at in range(0, len(calls), CALLS_PER_MESSAGE)
             ]
-            answers.append(self._send_chunks(server, chunks))
+            answers.append(in_order(chunks, functools.partial(self._send_chunk, server)))
         return answers
 
-    def _send_chunks(self, server: int, chunks: list[list[PushPullRequest]]) -> Future:
-        """``chunks`` to ``server``, each once the one before it is answered; the last one's
-        answer (``(reply, size)``, as :meth:`_send`'s), or the first failure."""
-        answered: Future = Future()
-
-        def send(at: int) -> None:
-            chunk = chunks[at]
-            nbytes = sum(payload_size(r).nbytes for r in chunk)
-            op, message = ("push_pull", chunk[0]) if len(chunk) == 1 else ("push_pulls", chunk)
-            sent = self.transport.call_sized(server, op, message, nbytes)
-            sent.add_done_callback(lambda done: settle(done, at))
-
-        def settle(done: Future, at: int) -> None:
-            try:
-                value = done.value()
-            except Exception as error:
-                answered.set_exception(error)
-                return
-            if at == len(chunks) - 1:
-                answered.set_result(value)
-            else:
-                send(at + 1)
-
-        send(0)
-        return answered
+    def _send_chunk(self, server: int, chunk: list[PushPullRequest]) -> Future:
+        """One message of calls sent again; its future's value is ``(reply, size)``, as
+        :meth:`_send`'s."""
+        nbytes = sum(payload_size(r).nbytes for r in chunk)
+        op, message = ("push_pull", chunk[0]) if len(chunk) == 1 else ("push_pulls", chunk)
+        return self.transport.call_sized(server, op, message, nbytes)
 
     def _encode_rows(self, table: str, values: Tensor) -> Tensor | Encoded:
         codec = self.codecs.tables.get(table, "none")
