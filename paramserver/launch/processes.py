@@ -75,7 +75,7 @@ def run_processes(
         try:
             result = _run_group(
                 config, model_fn, loop_fn, on_progress, evaluation, server_restarts,
-                config.max_restarts - len(failures),
+                config.max_restarts - len(failures) - len(server_restarts),
             )  # fmt: skip
         except JobFailedError as error:
             if len(failures) + len(server_restarts) >= config.max_restarts:
@@ -133,8 +133,8 @@ def _run_group(
     server_restarts: list[dict[str, Any]],
     restarts_left: int,
 ) -> ChiefResult:
-    """One run of every process; ``server_restarts`` gets the servers restarted alone, of
-    ``restarts_left`` at most."""
+    """One run of every process; ``server_restarts`` gets the servers restarted alone (at
+    most ``restarts_left``)."""
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
     spec = run_dir / "job.pkl"
     spec.write_bytes(
@@ -148,7 +148,7 @@ def _run_group(
             }
         )
     )
-    group = ProcessGroup(config, run_dir, server_restarts, restarts_left - len(server_restarts))
+    group = ProcessGroup(config, run_dir, server_restarts, restarts_left)
     try:
         group.start(spec)
         group.supervise(on_progress)
