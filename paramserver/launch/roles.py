@@ -23,6 +23,7 @@ from paramserver.checkpoint import (
     DENSE_PART,
     Saved,
     check_checkpoint_dir,
+    load_latest,
     lock_directory,
     resume_from,
 )
@@ -155,7 +156,9 @@ def recover_server(shard: ServerShard, coordinator: Coordinator, config: TrainCo
     and said so: the trainers send again what the segments before it do not hold."""
     assert config.publish_dir is not None
     started = time.perf_counter()
-    found = resume_from(config) if config.checkpoint_dir is not None else None
+    found = load_latest(config.checkpoint_dir) if config.checkpoint_dir is not None else None
+    if found is not None and found.meta.get("servers") != config.servers:
+        found = None  # the one the job resumed from onto this count: its log starts full
     saved: list[Saved] = []
     if found is not None:
         tensors, meta = found.read_part(f"server-{shard.server}")
