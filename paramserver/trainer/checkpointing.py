@@ -169,8 +169,11 @@ class TrainerCheckpoints:
         if not due or self.planned > self.saved_through or self._committing():
             return
         step = call + 1
-        calls = self.transport.call_all("plan_checkpoint", step)
-        wait_all(calls, self.alarm)
+        try:
+            wait_all(self.transport.call_all("plan_checkpoint", step), self.alarm)
+        except ServerLostError as lost:
+            self._give_up(step, lost)  # planned again at the next step
+            return
         self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
 
     def _save_own_part(
@@ -185,17 +188,23 @@ class TrainerCheckpoints:
             self._dense_written = write_part(
                 checkpoint_dir(root, step), DENSE_PART, *self.dense_part()
             )
-        wait_all([self.transport.call(0, "add_trainer_part", step, self.trainer, part)], self.alarm)
+        try:
+            wait_all(
+                [self.transport.call(0, "add_trainer_part", step, self.trainer, part)], self.alarm
+            )
+        except ServerLostError as lost:
+            self._give_up(step, lost)
         self.saved_through = step
 
     def _take_and_commit(self, step: int) -> None:
         """Chief: every server snapshots now; a thread commits once every part is written."""
         root = self.settings.checkpoint_dir
         assert root is not None
-        wait_all(
-            self.transport.call_all("take_checkpoint", step),
-            self.alarm,
-        )
+        try:
+            wait_all(self.transport.call_all("take_checkpoint", step), self.alarm)
+        except ServerLostError as lost:
+            self._give_up(step, lost)
+            return
         servers = self.transport.call_all("checkpoint_part", step, timeout_s=0)
         trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
         dense = [self._dense_written] if self._dense_written is not None else []
@@ -218,6 +227,14 @@ class TrainerCheckpoints:
 
         self._commits = [c for c in self._commits if not c.done()] + [committed]
         threading.Thread(target=finish, name=f"commit-{step}", daemon=True).start()
+
+    def _give_up(self, step: int, lost: ServerLostError) -> None:
+        """Give up checkpoint ``step`` where a server was restarted while it was made (its
+        shard restored from its log knows nothing of it): the previous checkpoint stays and
+        the next comes as planned. Raises ``lost`` where no server was restarted."""
+        if not self.transport.restarted_since(lost):
+            raise lost
+        log.warning("checkpoint %d given up (a server was restarted meanwhile): %s", step, lost)
 
     def _committing(self) -> bool:
         return any(not c.done() for c in self._commits)
