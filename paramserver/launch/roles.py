@@ -175,7 +175,9 @@ def recover_server(shard: ServerShard, coordinator: Coordinator, config: TrainCo
         )  # fmt: skip
     recover_store(shard.store, saved, segments)
     if found is not None:
-        coordinator.resume_at(found.step)
+        coordinator.resume_at(found.step)  # in sync mode every trainer's call was that step
+        if "books" in saved[0][1]:  # an async server's checkpoint: each trainer's own
+            coordinator.recover_books(saved[0][1]["books"])
     books = next((s.recovery.books for s in reversed(segments) if s.recovery), None)
     if books:
         coordinator.recover_books(books)

@@ -15,9 +15,12 @@ serving, or a recovery, starts from that checkpoint and replays the log from the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Set
+from contextlib import AbstractContextManager
+from typing import Any
 
 from torch.futures import Future
 
@@ -44,6 +47,10 @@ class ServerCheckpoints:
         self._waiting: dict[int, list[Future]] = {}
         self._changes_at: dict[int, int] = {}  # step -> the store change its snapshot covers
         self.on_committed: Callable[[int], None] | None = None
+        # A recovering async server's: the snapshot is taken between calls, with the books
+        # as they are then (which a server recovered from the checkpoint alone takes).
+        self.between_calls: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext
+        self.books: Callable[[], dict[str, Any]] | None = None
         self._lock = threading.Lock()
 
     def resume_at(self, step: int) -> None:
@@ -66,7 +73,10 @@ class ServerCheckpoints:
         if self.root is None or step < 0:
             raise ValueError(f"server {self.shard.server}: no checkpoint directory, or bad step")
         directory = checkpoint_dir(self.root, step)
-        tensors, meta = snapshot_store(self.shard.store)
+        with self.between_calls():
+            tensors, meta = snapshot_store(self.shard.store)
+            if self.books is not None:
+                meta["books"] = self.books()
         meta["step"] = step
         meta["signature"] = model_signature(self.shard.store)
         with self._lock:

@@ -85,10 +85,11 @@ class Coordinator:
         self.checkpoints.on_committed = publisher.keep_after
 
     def cut_between_calls(self) -> CallGate:
-        """The gate that lets a timed cut of the change log in only between calls (see
-        :mod:`~paramserver.server.gate`); a recovering async job's publisher holds its
-        ``cut``."""
+        """The gate that lets a timed cut of the change log, and a checkpoint's snapshot (with
+        the books, then), in only between calls (see :mod:`~paramserver.server.gate`); a
+        recovering async job's publisher holds its ``cut``."""
         self.gate = CallGate()
+        self.checkpoints.between_calls, self.checkpoints.books = self.gate.cut, self.recovery_books
         return self.gate
 
     def _passing(self) -> AbstractContextManager[Any]:
