@@ -52,12 +52,7 @@ def summarize(
         "cache": _cache_figures(config, reports),
         "compression_ratio": _compression_ratios(reports),
         "server_stats": servers,
-        # --recover: how each restarted server was rebuilt, and what the trainers sent again.
-        "recovery": {
-            "servers": [s.get("recovery") for s in server_stats],
-            "resent_calls": [r.resent_calls for r in reports],
-            "paused_s": [r.paused_s for r in reports],
-        },
+        "recovery": _recovery(server_stats, reports),
         "tables": _summed_table_counters(server_stats),
         **_departures(server_stats),
         "staleness": _staleness_histogram(server_stats),
@@ -66,6 +61,15 @@ def summarize(
         "consistency": merge_checks([r.consistency for r in reports if r.consistency]),
         "eval_history": evals,
         "lr": _learning_rates(chief, config, server_stats),
+    }
+
+
+def _recovery(server_stats: list[dict[str, Any]], reports: list[TrainerReport]) -> dict[str, Any]:
+    """--recover: how each restarted server was rebuilt, and what the trainers sent again."""
+    return {
+        "servers": [s.get("recovery") for s in server_stats],
+        "resent_calls": [r.resent_calls for r in reports],
+        "paused_s": [r.paused_s for r in reports],
     }
 
 
