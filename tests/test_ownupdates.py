@@ -4,8 +4,6 @@ with them (``PushPullRequest.pull_state``)."""
 
 from __future__ import annotations
 
-from collections import deque
-
 import pytest
 import torch
 from torch import Tensor
@@ -17,6 +15,7 @@ from paramserver.launch.roles import build_server
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
+from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.wire.messages import PushPullReply, PushPullRequest, state_key
 from paramserver.wire.sizing import payload_size
@@ -148,7 +147,7 @@ def test_a_dense_state_not_shaped_as_its_value_is_refused_by_the_trainer() -> No
         PSClient.__new__(PSClient), [completed((reply, payload_size(reply)))], {}, {}, 1, {}, {}
     )
     in_flight.client.alarm, in_flight.client.traffic = None, Traffic()
-    in_flight.client._kept = [deque()]
+    in_flight.client.kept = KeptCalls(1)
     assert set(in_flight.wait().dense_state["w"]) == {"sum", ROW_STEPS}
     reply.dense_state[state_key("w", "sum")] = torch.zeros(3)
     in_flight.result = None

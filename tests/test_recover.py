@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -320,12 +319,13 @@ def test_a_trainer_keeps_the_calls_a_servers_log_does_not_hold_and_sends_them_in
             return completed(PushPullReply())
 
     client = PSClient(Recording(), plan, trainer=0)
-    client._kept = [deque(PushPullRequest(0, c) for c in range(80)) for _ in range(2)]
-    client.release(0, 9)
-    client.release(1, None)
-    assert [r.call for r in client._kept[0]] == list(range(10, 80))
-    assert not client._kept[1]
-    client._kept[1].extend(PushPullRequest(0, c) for c in (78, 79))
+    for call in range(80):
+        client.kept.sent([[PushPullRequest(0, call)], [PushPullRequest(0, call)]])
+    client.kept.release(0, 9)
+    client.kept.release(1, None)
+    assert client.kept.calls(0) == list(range(10, 80))
+    assert client.kept.calls(1) == []
+    client.kept.sent([[], [PushPullRequest(0, 78), PushPullRequest(0, 79)]])
     futures = client.send_again()
     assert all(f.wait()[0] is not None for f in futures)
     assert sent == [
@@ -333,7 +333,7 @@ def test_a_trainer_keeps_the_calls_a_servers_log_does_not_hold_and_sends_them_in
         (0, "push_pulls", list(range(74, 80))),
         (1, "push_pulls", [78, 79]),
     ]
-    assert client.resent_calls == 72
+    assert client.kept.resent == 72
 
 
 @pytest.mark.parametrize(

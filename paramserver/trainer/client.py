@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -22,12 +21,13 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
-from paramserver.config import CALLS_PER_MESSAGE, CodecsSection, GradientCodec, ValueCodec
+from paramserver.config import CodecsSection, GradientCodec, ValueCodec
 from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.futures import in_order, wait_all
 from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
+from paramserver.trainer.kept import KeptCalls
 from paramserver.transport.base import Transport
 from paramserver.transport.profiled import ProfiledTransport
 from paramserver.wire.caching import rows_sent
@@ -207,10 +207,7 @@ class PSClient:
             if cache_rows
         }
         self.next_call = 0  # the number of this trainer's next push_pull
-        # Per server, the calls sent that its change log does not hold yet (see
-        # PushPullReply.durable_through), as sent, to send again to it restarted.
-        self._kept: list[deque[PushPullRequest]] = [deque() for _ in range(plan.num_servers)]
-        self.resent_calls = 0  # calls sent again after a server was restarted
+        self.kept = KeptCalls(plan.num_servers)
         self.paused_s = 0.0  # time spent waiting for restarted servers
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
@@ -375,29 +372,15 @@ class PSClient:
                 if not self.transport.restarted_since(lost):
                     raise
 
-    def release(self, server: int, durable_through: int | None) -> None:
-        """Let go of the calls ``server``'s log holds now (all where it keeps none)."""
-        kept = self._kept[server]
-        if durable_through is None:
-            kept.clear()
-            return
-        while kept and kept[0].call <= durable_through:
-            kept.popleft()
-
     def send_again(self) -> list[Future]:
         """After a server was restarted (every process now in a new RPC world): to each
         server, in order, the calls its log does not hold; one future per server, of the
         answer to the newest. A server that took a call already answers it as a repeat,
         taking it once (:mod:`paramserver.server.idempotency`)."""
-        answers = []
-        for server, kept in enumerate(self._kept):
-            calls = list(kept)  # never empty: the call awaited is kept until answered
-            self.resent_calls += len(calls)
-            chunks = [
-                calls[at : at + CALLS_PER_MESSAGE] for at in range(0, len(calls), CALLS_PER_MESSAGE)
-            ]
-            answers.append(in_order(chunks, functools.partial(self._send_chunk, server)))
-        return answers
+        return [
+            in_order(self.kept.to_send_again(server), functools.partial(self._send_chunk, server))
+            for server in range(self.plan.num_servers)
+        ]
 
     def _send_chunk(self, server: int, chunk: list[PushPullRequest]) -> Future:
         """One message of calls sent again; its future's value is ``(reply, size)``, as
@@ -483,8 +466,7 @@ class PSClient:
         if report is not None:
             self._fill_report(report, sum(nbytes))
         if op == "push_pull":
-            for kept, message in zip(self._kept, messages, strict=True):
-                kept.extend(message)
+            self.kept.sent(messages)
         return [
             self.transport.call_sized(server, op, message[0], n)
             if len(message) == 1
@@ -503,7 +485,7 @@ class PSClient:
         report.row_bytes_received = self.traffic.row_bytes_received
         report.cache_hits = sum(c.hits for c in self.caches.values())
         report.cache_lookups = sum(c.lookups for c in self.caches.values())
-        report.resent_calls, report.paused_s = self.resent_calls, self.paused_s
+        report.resent_calls, report.paused_s = self.kept.resent, self.paused_s
 
 
 class InFlight:
@@ -610,7 +592,7 @@ class InFlight:
                 problem = f"durable_through is {durable!r}"
             if problem is not None:
                 raise ParamServerError(f"server {server} sent a malformed answer: {problem}")
-            self.client.release(server, durable)
+            self.client.kept.release(server, durable)
 
     def _row_state(self, replies: list[PushPullReply]) -> dict[str, RowState]:
         """Each table's state of the rows its mask picked, as the servers sent it, of those
