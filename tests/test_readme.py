@@ -298,7 +298,13 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
 
     always, some = summary_keys_in_readme()
     expected = {  # the keys beyond `always` each run's summary has, as the README says
-        commands[1]: {"restarts", "eval_auc", "eval_logloss", "eval_auc_ceiling"},  # processes
+        commands[1]: {  # processes
+            "restarts",
+            "server_restarts",
+            "eval_auc",
+            "eval_logloss",
+            "eval_auc_ceiling",
+        },
         commands[3]: {"eval_auc", "eval_logloss"},  # criteo with --eval-data
         commands[4]: {"eval_auc", "eval_logloss"},  # criteo with --eval-fraction
         commands[5]: {"eval_rmse", "eval_mae", "eval_rmse_mean_predictor", "single_process"},
