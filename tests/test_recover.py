@@ -303,22 +303,34 @@ def test_a_cut_waits_for_the_calls_in_flight_and_holds_new_ones_back() -> None:
     assert events == ["first in", "first out", "cut", "cut done", "second in", "second out"]
 
 
+class Recording(Transport):
+    """Answers every call at once (keeping no log: ``durable_through`` None) and records the
+    calls each server was sent; ``restarts`` is the RPC world it is in."""
+
+    num_servers = 2
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, str, list[int]]] = []
+        self.restarts = 0
+
+    def world(self) -> int:
+        return self.restarts
+
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+        message = args[0]
+        calls = [r.call for r in message] if isinstance(message, list) else [message.call]
+        self.sent.append((server, op, calls))
+        return completed(PushPullReply())
+
+
+TWO_SERVER_PLAN = ShardPlan([DenseSpec("w", (3,), torch.float32)], [], num_servers=2)
+
+
 def test_a_trainer_keeps_the_calls_a_servers_log_does_not_hold_and_sends_them_in_order() -> None:
     """Kept calls are let go of as the log covers them, all of them where a server keeps no
     log; sent again, each server gets its own in order, several to a message."""
-    plan = ShardPlan([DenseSpec("w", (3,), torch.float32)], [], num_servers=2)
-    sent: list[tuple[int, str, list[int]]] = []
-
-    class Recording(Transport):
-        num_servers = 2
-
-        def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
-            message = args[0]
-            calls = [r.call for r in message] if isinstance(message, list) else [message.call]
-            sent.append((server, op, calls))
-            return completed(PushPullReply())
-
-    client = PSClient(Recording(), plan, trainer=0)
+    transport = Recording()
+    client = PSClient(transport, TWO_SERVER_PLAN, trainer=0)
     for call in range(80):
         client.kept.sent([[PushPullRequest(0, call)], [PushPullRequest(0, call)]])
     client.kept.release(0, 9)
@@ -328,12 +340,30 @@ def test_a_trainer_keeps_the_calls_a_servers_log_does_not_hold_and_sends_them_in
     client.kept.sent([[], [PushPullRequest(0, 78), PushPullRequest(0, 79)]])
     futures = client.send_again()
     assert all(f.wait()[0] is not None for f in futures)
-    assert sent == [
+    assert transport.sent == [
         (0, "push_pulls", list(range(10, 74))),
         (0, "push_pulls", list(range(74, 80))),
         (1, "push_pulls", [78, 79]),
     ]
     assert client.kept.resent == 72
+
+
+def test_the_first_call_into_a_new_world_follows_the_calls_kept_for_it() -> None:
+    """A restart noticed away from the data calls (the chief's checkpoint, say, while its
+    last call had been answered): the next call is sent after every call the restarted
+    server's log may lack, in order, never alone (the server would refuse it as a gap)."""
+    transport = Recording()
+    client = PSClient(transport, TWO_SERVER_PLAN, trainer=0)
+    for call in range(3):
+        client.kept.sent([[PushPullRequest(0, call)], [PushPullRequest(0, call)]])
+    client.kept.release(0, 1)
+    client.next_call = 3
+    transport.restarts = 1
+    client.push_pull({}, {}, {}).wait()
+    assert transport.sent == [(0, "push_pulls", [2, 3]), (1, "push_pulls", [0, 1, 2, 3])]
+    transport.sent.clear()
+    client.push_pull({}, {}, {}).wait()  # kept calls go again only after another restart
+    assert transport.sent == [(0, "push_pull", [4]), (1, "push_pull", [4])]
 
 
 @pytest.mark.parametrize(

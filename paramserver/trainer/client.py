@@ -208,6 +208,7 @@ class PSClient:
         }
         self.next_call = 0  # the number of this trainer's next push_pull
         self.kept = KeptCalls(plan.num_servers)
+        self.world = transport.world()  # the RPC world the kept calls were last sent to
         self.paused_s = 0.0  # time spent waiting for restarted servers
         self.traffic = Traffic()
         self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
@@ -376,7 +377,10 @@ class PSClient:
         """After a server was restarted (every process now in a new RPC world): to each
         server, in order, the calls its log does not hold; one future per server, of the
         answer to the newest. A server that took a call already answers it as a repeat,
-        taking it once (:mod:`paramserver.server.idempotency`)."""
+        taking it once (:mod:`paramserver.server.idempotency`). Called where a call failed
+        with the lost server, and before the first call sent into a new world (the restart
+        may have been noticed elsewhere: by a checkpoint, say, or not at all)."""
+        self.world = self.transport.world()
         return [
             in_order(self.kept.to_send_again(server), functools.partial(self._send_chunk, server))
             for server in range(self.plan.num_servers)
@@ -467,6 +471,8 @@ class PSClient:
             self._fill_report(report, sum(nbytes))
         if op == "push_pull":
             self.kept.sent(messages)
+            if self.transport.world() != self.world:  # a server was restarted meanwhile
+                return self.send_again()  # its log lacks kept calls: they go first
         return [
             self.transport.call_sized(server, op, message[0], n)
             if len(message) == 1

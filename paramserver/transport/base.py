@@ -45,6 +45,11 @@ class Transport(ABC):
         ``timeout_s`` overrides the transport's call timeout for this call (0: none).
         """
 
+    def world(self) -> int:
+        """The RPC world this process's calls go to: 0, then the generation of each restart
+        of a lost server (see :meth:`restarted_since`)."""
+        return 0
+
     def restarted_since(self, lost: ServerLostError) -> bool:
         """Whether the job restarted the lost server (see
         :func:`paramserver.transport.rpc.watch_restarts`): True once this process is in the

@@ -51,6 +51,9 @@ class ProfiledTransport(Transport):
         finally:
             self._label.value = None
 
+    def world(self) -> int:
+        return self.inner.world()
+
     def restarted_since(self, lost: ServerLostError) -> bool:
         return self.inner.restarted_since(lost)
 

@@ -335,6 +335,9 @@ class RpcTransport(Transport):
         sent.add_done_callback(settle)
         return answer
 
+    def world(self) -> int:
+        return generation()
+
     def restarted_since(self, lost: ServerLostError) -> bool:
         world = _WORLD
         return world is not None and world.wait_past(lost)
