@@ -1,7 +1,7 @@
-"""A server SIGKILLed during a job with ``--recover`` restarts alone and loses nothing, under the
-processes launcher: a sync job ends bitwise where an uninterrupted one ends, also with its
-server killed three times (once while it is restored) and with its newest log segment
-damaged; an async job applies every push once (each row's count of updates as in an
+"""A server SIGKILLed during a job with ``--recover`` restarts alone and loses nothing: a sync job
+ends bitwise where an uninterrupted one ends (under the processes launcher and under torchrun),
+also with its server killed three times (once while it is restored) and with its newest log
+segment damaged; an async job applies every push once (each row's count of updates as in an
 uninterrupted run)."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,7 +24,15 @@ import torch
 import paramserver as ps
 from paramserver.checkpoint import load_latest
 from tests.helpers import TinyRecModel, mse, tiny_batches
-from tests.procs import children_of_launcher, rank_pid, wait_until
+from tests.procs import (
+    REPO,
+    children_of_launcher,
+    descendants,
+    free_port,
+    rank_pid,
+    stop,
+    wait_until,
+)
 
 pytestmark = pytest.mark.system
 
@@ -184,3 +194,60 @@ def test_a_damaged_last_segment_is_left_out_and_the_trainers_send_what_it_held(
     damaged = summary["recovery"]["servers"][1]["damaged_segment"]
     assert damaged is not None and "segment" in damaged
     assert_bitwise(uninterrupted["sync"], final_parts(tmp_path))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_under_torchrun_a_killed_server_restarts_alone_and_loses_nothing(
+    tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]], mode: str
+) -> None:
+    """Server 1's rank supervises the process that serves: torchrun, which would restart
+    every rank, never sees it die. Sync ends bitwise as uninterrupted; async with every
+    row's count of updates."""
+    command = [
+        str(Path(sys.executable).with_name("torchrun")), "--nnodes", "1", "--nproc-per-node",
+        "4", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port",
+        str(free_port()), "--rdzv-backend", "static",
+        str(REPO / "tests" / "_recover_job.py"), str(tmp_path), mode,
+    ]  # fmt: skip
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as out:  # a file, not a pipe: a full pipe would stall the ranks
+        job = subprocess.Popen(
+            command, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            start_new_session=True, stdout=out, stderr=out,
+        )  # fmt: skip
+    try:
+        wait_until(lambda: len(segments_of(tmp_path, 1)) >= 2, 90, "server 1's log")
+        server = wait_until(lambda: _serving(job.pid, 1), 10, "server 1's process")
+        os.kill(server, signal.SIGKILL)
+        restarted = wait_until(lambda: _serving(job.pid, 1, server), 30, "server 1 restarted")
+        job.wait(timeout=200)
+    finally:
+        stop(job)
+    assert job.returncode == 0, log.read_text()[-3000:]
+    assert not Path(f"/proc/{restarted}").exists()
+    ended, expected = final_parts(tmp_path), uninterrupted[mode]
+    if mode == "async":  # its order of pushes is the race's
+        ended, expected = update_counts(ended), update_counts(expected)
+    assert expected
+    assert_bitwise(expected, ended)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(r["server"], r["exit"]) for r in summary["server_restarts"]] == [
+        (1, "was killed by SIGKILL")
+    ]
+    assert summary["recovery"]["servers"][1]["segments"] >= 1
+    assert summary["trainer_steps"] == [BATCHES, BATCHES]
+
+
+def _serving(torchrun: int, server: int, other_than: int = -1) -> int | None:
+    """The process that serves ``server`` under the torchrun of pid ``torchrun`` (a worker
+    its rank supervises), if there is one other than ``other_than``."""
+    for pid in descendants(torchrun):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        module = b"paramserver.launch.worker"
+        if pid != other_than and module in argv and argv[argv.index(module) + 2] == b"%d" % server:
+            return pid
+    return None

@@ -49,10 +49,13 @@ from paramserver.launch.roles import ChiefResult
 from paramserver.launch.worker import GENERATION_VARIABLE
 from paramserver.metrics import Evaluation
 from paramserver.observe import startup
-from paramserver.transport.rpc import FileBoard
+from paramserver.transport.rpc import FileBoard, RestartBoard, announce_restart
 from paramserver.types import LoopFn, ModelFn, Progress
 
 GRACE_S = 3.0
+RESTARTING_ALONE = (
+    "%s %s; restarting it alone, from its checkpoint and change log (%d restarts left)"
+)
 
 log = logging.getLogger(__name__)
 
@@ -136,19 +139,8 @@ def _run_group(
     """One run of every process; ``server_restarts`` gets the servers restarted alone (at
     most ``restarts_left``)."""
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
-    spec = run_dir / "job.pkl"
-    spec.write_bytes(
-        dumps_keeping_sources(
-            {
-                "config": config,
-                "model_fn": model_fn,
-                "loop_fn": loop_fn,
-                # Pickled apart: only the chief trainer loads it (held-out data can be large).
-                "evaluation": dumps_keeping_sources(evaluation),
-            }
-        )
-    )
     group = ProcessGroup(config, run_dir, server_restarts, restarts_left)
+    spec = write_spec(run_dir, config, model_fn, loop_fn, evaluation, group.board, True)
     try:
         group.start(spec)
         group.supervise(on_progress)
@@ -160,6 +152,59 @@ def _run_group(
     finally:
         group.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def write_spec(
+    run_dir: Path,
+    config: TrainConfig,
+    model_fn: ModelFn,
+    loop_fn: LoopFn,
+    evaluation: Evaluation | None,
+    board: RestartBoard,
+    loopback_only: bool,
+) -> Path:
+    """The job file a worker process reads (see :mod:`paramserver.launch.worker`)."""
+    spec = run_dir / "job.pkl"
+    spec.write_bytes(
+        dumps_keeping_sources(
+            {
+                "config": config,
+                "model_fn": model_fn,
+                "loop_fn": loop_fn,
+                # Pickled apart: only the chief trainer loads it (held-out data can be large).
+                "evaluation": dumps_keeping_sources(evaluation),
+                "board": board,
+                "loopback_only": loopback_only,
+            }
+        )
+    )
+    return spec
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment of the worker processes this process starts."""
+    env = dict(os.environ)
+    env["PARAMSERVER_LAUNCHER_PID"] = str(os.getpid())
+    env[startup.COMMAND_STARTED_AT] = repr(startup.command_started_at())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    # TensorPipe warns in C++ of every broken connection, faults the job reports itself
+    # (a lost server, a departed trainer): keep its raw lines out unless the user asks.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
+def start_worker(
+    spec: Path, rank: int, env: dict[str, str], progress_fd: int = -1
+) -> subprocess.Popen[bytes]:
+    """Rank ``rank``'s process (``progress_fd``: its end of the progress pipe, or -1)."""
+    command = [sys.executable, "-m", "paramserver.launch.worker", str(spec), str(rank)]
+    return subprocess.Popen(
+        [*command, str(progress_fd)],
+        env=env,
+        pass_fds=(progress_fd,) if progress_fd >= 0 else (),
+        start_new_session=True,  # Ctrl-C reaches the launcher, which stops the rest
+        stdin=subprocess.DEVNULL,
+    )
 
 
 class ProcessGroup:
@@ -188,36 +233,15 @@ class ProcessGroup:
         return f"server{rank}" if rank < servers else f"trainer{rank - servers}"
 
     def start(self, spec: Path) -> None:
-        env = dict(os.environ)
-        env["PARAMSERVER_LAUNCHER_PID"] = str(os.getpid())
-        env[startup.COMMAND_STARTED_AT] = repr(startup.command_started_at())
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        # TensorPipe warns in C++ of every broken connection, faults the job reports itself
-        # (a lost server, a departed trainer): keep its raw lines out unless the user asks.
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self._env, self._spec = env, spec
+        self._env, self._spec = worker_environment(), spec
         for rank in range(self.config.world_size):
-            self._start_rank(rank, env)
+            self._start_rank(rank, self._env)
 
     def _start_rank(self, rank: int, env: dict[str, str]) -> None:
         is_trainer = rank >= self.config.servers
         read_fd, write_fd = os.pipe() if is_trainer else (-1, -1)
-        command = [
-            sys.executable,
-            "-m",
-            "paramserver.launch.worker",
-            str(self._spec),
-            str(rank),
-            str(write_fd),
-        ]
         try:
-            self.processes[self.role(rank)] = subprocess.Popen(
-                command,
-                env=env,
-                pass_fds=(write_fd,) if is_trainer else (),
-                start_new_session=True,  # Ctrl-C reaches the launcher, which stops the rest
-                stdin=subprocess.DEVNULL,
-            )
+            self.processes[self.role(rank)] = start_worker(self._spec, rank, env, write_fd)
         except BaseException:
             if is_trainer:
                 os.close(read_fd)
@@ -241,12 +265,8 @@ class ProcessGroup:
             return False
         self.restarts_left -= 1
         rank = int(role.removeprefix("server"))
-        generation = max(self.board.generation(), self.board.restarting()) + 1
-        log.warning(
-            "%s %s; restarting it alone, from its checkpoint and change log (%d restarts left)",
-            role, describe_exit(code), self.restarts_left,
-        )  # fmt: skip
-        self.board.announce(generation, joining=False)
+        log.warning(RESTARTING_ALONE, role, describe_exit(code), self.restarts_left)
+        generation = announce_restart(self.board)
         self._start_rank(rank, {**self._env, GENERATION_VARIABLE: str(generation)})
         self.server_restarts.append(
             {

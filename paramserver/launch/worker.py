@@ -78,9 +78,8 @@ def main(argv: list[str]) -> int:
     )
     progress = ProgressWriter(os.fdopen(fd, "w")) if fd >= 0 else None
     from paramserver.launch.roles import run_rank
-    from paramserver.transport.rpc import FileBoard
 
-    board = FileBoard(spec_path.parent / "rendezvous")
+    board = spec["board"]
     generation = int(os.environ.get(GENERATION_VARIABLE, "0"))  # > 0: a server restarted
     try:
         result = run_rank(
@@ -89,7 +88,7 @@ def main(argv: list[str]) -> int:
             spec["model_fn"],
             spec["loop_fn"],
             init_method=board.init_method(generation),
-            loopback_only=True,
+            loopback_only=spec["loopback_only"],
             on_progress=progress,
             evaluation=cloudpickle.loads(spec["evaluation"]) if rank == config.servers else None,
             restarts=board,

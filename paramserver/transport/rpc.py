@@ -24,6 +24,7 @@ network address on most containers and cloud VMs). See :func:`start`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -31,13 +32,15 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
-from paramserver.errors import ParamServerError, ServerLostError
+from paramserver.errors import ConfigError, ParamServerError, ServerLostError
 from paramserver.files import write_atomic
 from paramserver.transport.base import Endpoint, Transport
 
@@ -47,6 +50,7 @@ _ENDPOINT: Endpoint | None = None
 _JOINED: dict[str, Any] = {}  # the arguments of the last start(), for a rejoin
 _WORLD: _Restarts | None = None  # set by watch_restarts()
 RESTART_POLL_S = 0.1
+STORE_TIMEOUT = timedelta(seconds=30)
 
 
 def server_name(index: int) -> str:
@@ -201,6 +205,89 @@ class FileBoard:
     def init_method(self, generation: int) -> str:
         suffix = f".{generation}" if generation else ""
         return f"file://{self.rendezvous}{suffix}"
+
+
+class StoreBoard:
+    """A torchrun job's board: keys in torchrun's agent store (``MASTER_ADDR:MASTER_PORT``,
+    which outlives every rank), named per torchrun restart of the whole group; each world's
+    ``init_rpc`` meets there too (``env://``, its keys numbered by generation: see
+    :func:`start`). Pickled, it keeps its address, not its connection."""
+
+    def __init__(self, host: str, port: int, attempt: int):
+        self.host, self.port, self.attempt = host, port, attempt
+        self._store: dist.TCPStore | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_torchrun(cls) -> StoreBoard:
+        """The board of the torchrun group this process is a rank of."""
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            raise ConfigError(
+                "--recover under torchrun needs torchrun's agent store, which outlives a lost "
+                "server (TORCHELASTIC_USE_AGENT_STORE=True: torchrun sets it unless "
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)"
+            )
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        return cls(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), attempt)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port, "attempt": self.attempt}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["host"], state["port"], state["attempt"])  # type: ignore[misc]
+
+    def _key(self, name: str) -> str:
+        return f"paramserver/attempt-{self.attempt}/{name}"
+
+    def _connected(self) -> dist.TCPStore:
+        with self._lock:
+            if self._store is None:
+                self._store = dist.TCPStore(
+                    self.host, self.port, is_master=False, timeout=STORE_TIMEOUT
+                )
+            return self._store
+
+    def _read(self, name: str) -> int:
+        store, key = self._connected(), self._key(name)
+        return int(store.get(key)) if store.check([key]) else 0
+
+    def restarting(self) -> int:
+        return self._read("restarting")
+
+    def generation(self) -> int:
+        return self._read("generation")
+
+    def announce(self, generation: int, *, joining: bool) -> None:
+        name = "generation" if joining else "restarting"
+        self._connected().set(self._key(name), str(generation))
+
+    def init_method(self, generation: int) -> str:
+        return "env://"
+
+    def finish(self) -> None:
+        """The chief's, once the job is done: a server lost now is not restarted."""
+        self._connected().set(self._key("finished"), "1")
+
+    def finished(self) -> bool:
+        return bool(self._connected().check([self._key("finished")]))
+
+    def record_restart(self, generation: int, record: dict[str, Any]) -> None:
+        """What a rank's supervisor tells of the restart for ``generation``, for the summary."""
+        self._connected().set(self._key(f"restart-{generation}"), json.dumps(record))
+
+    def restart_records(self) -> list[dict[str, Any]]:
+        """The restarts recorded so far, in order."""
+        store = self._connected()
+        keys = [self._key(f"restart-{g}") for g in range(1, self.restarting() + 1)]
+        return [json.loads(store.get(key)) for key in keys if store.check([key])]
+
+
+def announce_restart(board: RestartBoard) -> int:
+    """A launcher's: say that a lost member is started anew; returns the generation of the
+    world it is to join."""
+    generation = max(board.generation(), board.restarting()) + 1
+    board.announce(generation, joining=False)
+    return generation
 
 
 def watch_restarts(
