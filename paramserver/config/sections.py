@@ -68,7 +68,8 @@ class LaunchSection:
         default=0,
         metadata=doc(
             "processes launcher: restart the whole job this many times after a failure, from "
-            "the newest checkpoint (torchrun has its own --max-restarts)"
+            "the newest checkpoint (torchrun has its own --max-restarts); with --recover, under "
+            "either launcher, a lost server's restarts alone count here too"
         ),
     )
     gather_model: bool = field(
