@@ -1,4 +1,4 @@
-"""Run tests/test_recover_kill.py's job with ``--recover`` under torchrun; the chief writes the
+"""Run the recovery tests' job with ``--recover`` under torchrun; the chief writes the
 summary.
 
 ``torchrun ... tests/_recover_job.py ROOT MODE`` (with the repository on ``PYTHONPATH``): every
@@ -12,12 +12,11 @@ import sys
 from pathlib import Path
 
 import paramserver as ps
-from tests.helpers import TinyRecModel, mse
-from tests.test_recover_kill import job_config, slow_data
+from tests.helpers import TinyRecModel, mse, recover_job_config, slow_tiny_batches
 
 if __name__ == "__main__":
     root, mode = Path(sys.argv[1]), sys.argv[2]
-    config = job_config(root, mode, recover=True, restarts=1).replace(launcher="torchrun")
-    result = ps.train(TinyRecModel, slow_data, mse, config)
+    config = recover_job_config(root, mode, recover=True, restarts=1).replace(launcher="torchrun")
+    result = ps.train(TinyRecModel, slow_tiny_batches, mse, config)
     if result is not None:
         (root / "summary.json").write_text(json.dumps(result.summary))

@@ -382,3 +382,23 @@ def ids(*values: int) -> Tensor:
 
 def train_read(store: Store, clock: int, **wanted: Tensor) -> None:
     store.read(wanted, Reading(train=True, clock=clock))
+
+
+RECOVER_BATCHES = 150
+
+
+def slow_tiny_batches(trainer: int, num_trainers: int) -> Iterator[Any]:
+    """``tiny_batches`` at about 50 a second: a job long enough to kill a server in."""
+    for batch in tiny_batches(trainer, num_batches=RECOVER_BATCHES):
+        time.sleep(0.02)
+        yield batch
+
+
+def recover_job_config(root: Path, mode: str, recover: bool, restarts: int = 0) -> ps.TrainConfig:
+    """The job the recovery tests kill servers in (the same under every launcher)."""
+    return ps.TrainConfig(
+        servers=2, trainers=2, mode=mode, optimizer="adam", lr=0.01, launcher="processes",
+        progress=False, publish_dir=str(root / "log"), publish_every=0.1, recover=recover,
+        max_restarts=restarts, checkpoint_dir=str(root / "ckpt"), checkpoint_every=40,
+        trainer_timeout=5.0,
+    )  # fmt: skip

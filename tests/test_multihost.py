@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import REPO, SMALL_JOB, stop
+from paramserver.checkpoint import load_latest
+from tests.procs import REPO, SMALL_JOB, stop, wait_until
 
 pytestmark = pytest.mark.system  # starts processes or whole jobs: the system tier
 
@@ -91,11 +92,16 @@ def test_a_job_runs_across_two_hosts_and_a_cut_link_stops_it(
     assert result["servers"] == 2 and sum(result["trainer_steps"]) == 40
 
     # Again, and cut the link while it trains: both hosts stop, with an error, in seconds.
-    slow = ("--train-batches", "100000", "--trainer-timeout", "3", "--heartbeat-interval", "0.5")
+    checkpoints = tmp_path / "ckd"
+    slow = (
+        "--train-batches", "100000", "--trainer-timeout", "3", "--heartbeat-interval", "0.5",
+        "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "20",
+    )  # fmt: skip
     servers = torchrun(a, f"va{tag}", 0, 29612, tmp_path / "unused2.json", *slow)
     trainers = torchrun(b, f"vb{tag}", 1, 29612, tmp_path / "never.json", *slow)
     try:
-        time.sleep(25)  # start-up and some steps
+        # A committed checkpoint: the job is up on both hosts and training.
+        wait_until(lambda: load_latest(checkpoints) is not None, 60, "the first checkpoint")
         assert trainers.poll() is None and servers.poll() is None
         ip("-n", b, "link", "set", f"vb{tag}", "down").check_returncode()
         cut_at = time.monotonic()

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,13 @@ import torch
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
-from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.helpers import (
+    RECOVER_BATCHES,
+    TinyRecModel,
+    mse,
+    recover_job_config,
+    slow_tiny_batches,
+)
 from tests.procs import (
     REPO,
     children_of_launcher,
@@ -36,28 +42,11 @@ from tests.procs import (
 
 pytestmark = pytest.mark.system
 
-BATCHES = 150
-
-
-def slow_data(trainer: int, num_trainers: int) -> Iterator[Any]:
-    for batch in tiny_batches(trainer, num_batches=BATCHES):
-        time.sleep(0.02)
-        yield batch
-
-
-def job_config(root: Path, mode: str, recover: bool, restarts: int = 0) -> ps.TrainConfig:
-    return ps.TrainConfig(
-        servers=2, trainers=2, mode=mode, optimizer="adam", lr=0.01, launcher="processes",
-        progress=False, publish_dir=str(root / "log"), publish_every=0.1, recover=recover,
-        max_restarts=restarts, checkpoint_dir=str(root / "ckpt"), checkpoint_every=40,
-        trainer_timeout=5.0,
-    )  # fmt: skip
-
 
 def final_parts(root: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the job's final checkpoint, by part and name."""
     found = load_latest(root / "ckpt")
-    assert found is not None and found.meta.get("final") and found.step == BATCHES
+    assert found is not None and found.meta.get("final") and found.step == RECOVER_BATCHES
     tensors: dict[str, torch.Tensor] = {}
     for server in (0, 1):
         part, _ = found.read_part(f"server-{server}")
@@ -82,7 +71,7 @@ def run_with_kills(
     def job() -> None:
         try:
             outcome["summary"] = ps.train(
-                TinyRecModel, slow_data, mse, job_config(root, mode, True, restarts)
+                TinyRecModel, slow_tiny_batches, mse, recover_job_config(root, mode, True, restarts)
             ).summary
         except Exception as error:  # the test reports it
             outcome["error"] = error
@@ -112,7 +101,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[st
     ends = {}
     for mode in ("sync", "async"):
         root = tmp_path_factory.mktemp(f"clean-{mode}")
-        ps.train(TinyRecModel, slow_data, mse, job_config(root, mode, recover=False))
+        config = recover_job_config(root, mode, recover=False)
+        ps.train(TinyRecModel, slow_tiny_batches, mse, config)
         ends[mode] = final_parts(root)
     return ends
 
@@ -164,7 +154,7 @@ def test_a_server_killed_again_while_it_is_restored_and_once_more_later_loses_no
     assert all("SIGKILL" in r["exit"] for r in restarts)
     recovered = summary["recovery"]["servers"]
     assert recovered[0] is None and recovered[1]["damaged_segment"] is None
-    assert summary["trainer_steps"] == [BATCHES, BATCHES]
+    assert summary["trainer_steps"] == [RECOVER_BATCHES, RECOVER_BATCHES]
     assert all(resent >= 1 for resent in summary["recovery"]["resent_calls"])
 
 
@@ -236,7 +226,7 @@ def test_under_torchrun_a_killed_server_restarts_alone_and_loses_nothing(
         (1, "was killed by SIGKILL")
     ]
     assert summary["recovery"]["servers"][1]["segments"] >= 1
-    assert summary["trainer_steps"] == [BATCHES, BATCHES]
+    assert summary["trainer_steps"] == [RECOVER_BATCHES, RECOVER_BATCHES]
 
 
 def _serving(torchrun: int, server: int, other_than: int = -1) -> int | None:
