@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit system bench clean
+.PHONY: run test lint typecheck unit system bench clean redis-server
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,10 +34,19 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -p no:cacheprovider -m "not system"
 
-system: $(STAMP)
+system: $(STAMP) redis-server
 	$(BIN)/python -m pytest -p no:cacheprovider -m system
 
-test: lint typecheck
+# The stream tests run a real redis-server on loopback (tests/conftest.py starts it): Debian's
+# package, installed here where it is missing (root, or sudo without a password).
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo -n); \
+	  $$SUDO apt-get install -y --no-install-recommends redis-server >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -qq && $$SUDO apt-get install -y --no-install-recommends redis-server >/dev/null; }; \
+	} || { echo "redis-server is needed by the stream tests: apt-get install redis-server" >&2; exit 1; }
+
+test: lint typecheck redis-server
 	$(BIN)/python -m pytest -p no:cacheprovider
 
 bench: $(STAMP)

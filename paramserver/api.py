@@ -18,6 +18,7 @@ from torch.utils.data import RandomSampler
 from paramserver.changelog.log import published_servers
 from paramserver.config import Launcher, TrainConfig
 from paramserver.errors import ConfigError, ModelError
+from paramserver.inputs import STOP, reads_a_stream
 from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import build_model, load_job_state
 from paramserver.observe import proc_kib
@@ -92,6 +93,8 @@ def train(
         )
     from paramserver.trainer.loop import default_loop
 
+    if reads_a_stream(data_fn):  # every trainer is needed (see TrainConfig.stream_input)
+        config = config.replace(stream_input=True)
     loop_fn = default_loop(as_data_fn(data_fn), loss_fn, config.epochs)
     return _start(model_fn, loop_fn, config, on_progress, evaluation)
 
@@ -194,9 +197,11 @@ def _launch(
     # One job per --checkpoint-dir: refused here, before any process starts, if another holds it.
     with hold_checkpoint_dir(config, launcher):
         if launcher == "threads":
+            from paramserver.launch.stopping import stops_gracefully
             from paramserver.launch.threads import run_threads
 
-            chief, _ = run_threads(config, model_fn, loop_fn, on_progress, evaluation)
+            with stops_gracefully(config.stream_input, STOP.set):
+                chief, _ = run_threads(config, model_fn, loop_fn, on_progress, evaluation)
             assert chief.state is not None
             summary = chief.summary(config, time.perf_counter() - started)
             result: ChiefResult | None = ChiefResult(chief.state, summary, chief.value)

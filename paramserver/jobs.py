@@ -129,6 +129,31 @@ def criteo_job(args: argparse.Namespace, config: TrainConfig) -> Job:
 EVAL_BATCH_SIZE = 8192  # held-out Criteo lines are scored this many at a time
 
 
+def stream_job(args: argparse.Namespace, config: TrainConfig) -> Job:
+    """The Criteo job's model on a stream of Criteo lines (``stream:redis://HOST:PORT/STREAM``),
+    read until the job is stopped or ``--steps``; held out: the --eval-data files."""
+    from paramserver.streams import RedisStream  # the `stream` extra: its jobs alone need it
+
+    url = args.dataset.removeprefix("stream:")
+    if not url.startswith("redis://"):
+        raise ConfigError(f"--dataset stream:URL reads a Redis stream (redis://...), got {url!r}")
+    if args.max_bad_records < 0:
+        raise ConfigError(f"--max-bad-records must be at least 0, got {args.max_bad_records}")
+    source = RedisStream.from_url(
+        url, batch_size=batch_size(config), max_bad_records=args.max_bad_records
+    )
+    source.check()
+    evaluation = None
+    if args.eval_data:
+        held_out = args.eval_data.split(",")
+        for path in held_out:
+            if not Path(path).is_file():
+                raise ConfigError(f"--eval-data: no such file: {path}")
+        files = CriteoFiles(held_out, EVAL_BATCH_SIZE)
+        evaluation = Evaluation(lambda: files.train_batches(0, 1), binary_metrics)
+    return Job(_criteo_model, source, config.steps, evaluation)
+
+
 def held_out_part(data: CriteoFiles) -> Evaluation | None:
     """The evaluation on the held-out part of ``data`` (``--eval-fraction``), if any; a
     ConfigError where the cut leaves one side without lines."""
@@ -201,7 +226,7 @@ def served_job(
         spec = _synthetic_spec(args, config)
         tables = torch.zeros(2, spec.num_tables, dtype=torch.int64)
         return _synthetic_model(spec), [torch.zeros(2, spec.num_dense), tables]
-    if args.dataset.startswith("criteo:"):
+    if args.dataset.startswith(("criteo:", "stream:")):
         sparse = torch.zeros(2, NUM_CATEGORICAL, dtype=torch.int64)
         return _criteo_model, [torch.zeros(2, NUM_DENSE), sparse]
     job = build_job(args, config)  # MovieLens: its tables are as large as its data says
@@ -217,8 +242,11 @@ def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         return synthetic_job(args, config)
     if args.dataset.startswith("criteo:"):
         return criteo_job(args, config)
+    if args.dataset.startswith("stream:"):
+        return stream_job(args, config)
     if args.dataset.partition(":")[0] == "movielens":
         return movielens_job(args, config)
     raise ConfigError(
-        f"--dataset: unknown dataset {args.dataset!r}; synthetic, criteo:PATH or movielens[:DIR]"
+        f"--dataset: unknown dataset {args.dataset!r}; synthetic, criteo:PATH, "
+        f"stream:redis://HOST:PORT/STREAM or movielens[:DIR]"
     )

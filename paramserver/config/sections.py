@@ -81,6 +81,14 @@ class LaunchSection:
             "--checkpoint-dir and write a model with paramserver export"
         ),
     )
+    stream_input: bool = field(
+        default=False,
+        metadata=doc(
+            "the trainers read a stream (set by train() from its data_fn): a trainer that "
+            "dies stops the job, whose resume reads again what that trainer was handed",
+            cli=False,
+        ),
+    )
 
     @property
     def world_size(self) -> int:

@@ -319,13 +319,19 @@ def _parse_until_bad(block: Block, hash_salt: int) -> tuple[_Rows, InvalidBatchE
 
 def _parse_lines(lines: list[Line], hash_salt: int) -> Batch:
     """The tensors of lines, parsed one by one; InvalidBatchError names a malformed one."""
-    labels: list[bool] = []
-    dense: list[list[int]] = []
-    categorical: list[list[int]] = []
     for line in lines:
         if _LINE.fullmatch(line[2]) is None:
             raise _bad_line(line)
-        fields = line[2].split(b"\t")
+    return _parse_texts([line[2] for line in lines], hash_salt)
+
+
+def _parse_texts(texts: Sequence[bytes], hash_salt: int) -> Batch:
+    """The tensors of well-formed lines, parsed one by one."""
+    labels: list[bool] = []
+    dense: list[list[int]] = []
+    categorical: list[list[int]] = []
+    for text in texts:
+        fields = text.removesuffix(b"\r").split(b"\t")
         labels.append(fields[0] == b"1")
         dense.append([int(x) if x else 0 for x in fields[1 : 1 + NUM_DENSE]])
         categorical.append([int(x, 16) if x else MISSING_VALUE for x in fields[1 + NUM_DENSE :]])
@@ -337,6 +343,30 @@ def _parse_lines(lines: list[Line], hash_salt: int) -> Batch:
         ),
         torch.tensor(labels, dtype=torch.float32),
     )
+
+
+def decode_records(records: Sequence[bytes], hash_salt: int = 0) -> tuple[Batch, list[str | None]]:
+    """Records of a stream, each one Criteo line (without its ending), as one batch of the
+    good ones, and for each record why it is bad (None: good). The fast block parse takes
+    them all in one go where every record is good; otherwise each is checked alone, and the
+    good ones parsed together."""
+    joined = b"\n".join(records)
+    bad: list[str | None] = [None] * len(records)
+    columns = parse_block(joined, NUM_DENSE, NUM_CATEGORICAL, MISSING_VALUE) if records else None
+    if columns is None or len(columns.labels) != len(records):  # empty lines join too
+        for i, record in enumerate(records):
+            if b"\n" in record or _LINE.fullmatch(record.removesuffix(b"\r")) is None:
+                bad[i] = "a line break inside" if b"\n" in record else _diagnose(record)
+        good = [r for r, why in zip(records, bad, strict=True) if why is None]
+        columns = parse_block(b"\n".join(good), NUM_DENSE, NUM_CATEGORICAL, MISSING_VALUE)
+        if columns is None:  # lines only the slow parse takes (see blockparse)
+            return _parse_texts(good, hash_salt), bad
+    rows = _Rows(
+        transform_dense(torch.from_numpy(columns.ints)),
+        torch.from_numpy(_hash_columns(columns.hex_values, hash_salt)),
+        torch.from_numpy(columns.labels),
+    )
+    return rows.batch(0, len(rows.labels)), bad
 
 
 def _bad_line(line: Line) -> InvalidBatchError:
@@ -441,14 +471,26 @@ def write_synthetic_criteo(
     file's bytes are a function of ``seed``, ``signal_seed`` and ``lines`` (the gzip header's
     timestamp is fixed to 0).
     """
-    vocabularies = _draw_vocabularies(torch.Generator().manual_seed(signal_seed))
-    g = torch.Generator().manual_seed(seed + _LINES_SEED_OFFSET)
     with open(path, "wb") as raw:
         out = GzipFile(filename="", mode="wb", fileobj=raw, mtime=0) if gzip else raw
-        for start in range(0, lines, _CHUNK_LINES):
-            out.write(_synthetic_lines(min(_CHUNK_LINES, lines - start), vocabularies, g))
+        for chunk in synthetic_criteo_chunks(lines, seed=seed, signal_seed=signal_seed):
+            out.write(chunk)
         if out is not raw:
             out.close()
+
+
+def synthetic_criteo_chunks(
+    lines: int | None, *, seed: int = 0, signal_seed: int = 0
+) -> Iterator[bytes]:
+    """The lines :func:`write_synthetic_criteo` writes, a few thousand at a time (each chunk
+    whole lines, each ending in a newline); ``lines`` None: without end."""
+    vocabularies = _draw_vocabularies(torch.Generator().manual_seed(signal_seed))
+    g = torch.Generator().manual_seed(seed + _LINES_SEED_OFFSET)
+    start = 0
+    while lines is None or start < lines:
+        count = _CHUNK_LINES if lines is None else min(_CHUNK_LINES, lines - start)
+        yield _synthetic_lines(count, vocabularies, g)
+        start += count
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from paramserver.checkpoint import load_latest
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import ChiefResult
+from paramserver.launch.stopping import STOP_SIGNAL, stops_gracefully
 from paramserver.launch.worker import GENERATION_VARIABLE
 from paramserver.metrics import Evaluation
 from paramserver.observe import startup
@@ -143,7 +144,8 @@ def _run_group(
     spec = write_spec(run_dir, config, model_fn, loop_fn, evaluation, group.board, True)
     try:
         group.start(spec)
-        group.supervise(on_progress)
+        with stops_gracefully(config.stream_input, group.ask_trainers_to_stop):
+            group.supervise(on_progress)
         return ChiefResult(
             torch.load(run_dir / "state.pt", weights_only=True),
             json.loads((run_dir / "summary.json").read_text()),
@@ -278,6 +280,13 @@ class ProcessGroup:
         )
         return True
 
+    def ask_trainers_to_stop(self) -> None:
+        """Every trainer ends its input at its next step (see launch.stopping)."""
+        for role, process in self.processes.items():
+            if role.startswith("trainer") and process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.send_signal(STOP_SIGNAL)
+
     def supervise(self, on_progress: Callable[[Progress], None] | None) -> None:
         """Relay progress until every process exits; raise on the first failure."""
         while True:
@@ -305,7 +314,7 @@ class ProcessGroup:
         ``--dense-sync allreduce``, whose all-reduce cannot go on without it."""
         if code >= 0 or not role.startswith("trainer") or role == "trainer0":
             return False
-        if not self.config.dense_on_servers:
+        if not self.config.dense_on_servers or self.config.stream_input:
             return False
         if role not in self.lost:
             self.lost.add(role)

@@ -21,6 +21,7 @@ import cloudpickle
 import torch
 
 from paramserver.errors import ParamServerError, ServerLostError
+from paramserver.launch.stopping import stop_when_asked
 from paramserver.types import Progress
 
 PR_SET_PDEATHSIG = 1
@@ -77,6 +78,8 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format=f"[{role}] %(asctime)s %(message)s", datefmt="%H:%M:%S"
     )
     progress = ProgressWriter(os.fdopen(fd, "w")) if fd >= 0 else None
+    if rank >= config.servers:
+        stop_when_asked()
     from paramserver.launch.roles import run_rank
 
     board = spec["board"]

@@ -8,7 +8,10 @@ sync rounds from closing short.) In sync
 mode round ``k`` cannot close before the chief pushes, so every trainer learns of ``k`` with the
 answer that completes it, and every shard and every trainer is saved at the same step
 boundary. Each trainer saves its data position and RNG states at the first step ``>= k`` (in
-async mode trainers are at different steps; each resumes from its own).
+async mode trainers are at different steps; each resumes from its own). A trainer reading a
+stream (:class:`~paramserver.inputs.PositionedInput`) saves the stream's position with them,
+and tells the stream once a checkpoint holding it is committed (it finds out when it saves its
+next part, and at the end of the job), so a broker redelivers nothing the model holds.
 
 The chief asks every server for its snapshot before it pushes step ``k``'s gradients, then
 continues training while a background thread waits for the servers' and trainers' parts and
@@ -102,6 +105,9 @@ class TrainerCheckpoints:
         # own part (so at the same step boundary) and committed with the servers' parts.
         self.dense_part: Callable[[], Saved] | None = None
         self._dense_written: Part | None = None
+        # A stream's: told the position of each committed checkpoint (see the module doc).
+        self.acknowledge: Callable[[Any], None] | None = None
+        self._positions: dict[int, Any] = {}  # by step: positions saved, not yet acknowledged
 
     def resumed_at(self, step: int) -> None:
         """The job continues from checkpoint ``step``: it is saved already."""
@@ -112,16 +118,23 @@ class TrainerCheckpoints:
         return self.settings.writes_checkpoints
 
     def after_reply(
-        self, call: int, announced: int, steps_done: int, samples: int, rng: RngState | None
+        self,
+        call: int,
+        announced: int,
+        steps_done: int,
+        samples: int,
+        rng: RngState | None,
+        position: Any = None,
     ) -> None:
         """Called with the answer to call ``call`` in hand, before this step computes;
         ``rng``: the RNG states from before the next step's batches were drawn (what a resume
         restores before drawing them again), or None where none are drawn yet (the current
-        states are those)."""
+        states are those); ``position``: a stream's, after the steps done."""
         if not self.settings.writes_checkpoints:
             return
         if announced > self.saved_through and call >= announced:
-            self._save_own_part(announced, steps_done, samples, rng)
+            self.acknowledge_committed()
+            self._save_own_part(announced, steps_done, samples, rng, position)
             if self.trainer == 0:
                 self._take_and_commit(announced)
 
@@ -129,11 +142,27 @@ class TrainerCheckpoints:
         """Wait for the commits under way (the chief, at the end of the job); a lost server
         ends the wait with its error."""
         wait_all(self._commits, self.alarm)
+        self.acknowledge_committed()
 
-    def save_final(self, step: int) -> None:
+    def acknowledge_committed(self) -> None:
+        """Tell the stream the position of the newest committed checkpoint this trainer saved
+        a part of (the ones before it are covered too)."""
+        root = self.settings.checkpoint_dir
+        if self.acknowledge is None or root is None or not self._positions:
+            return
+        committed = set(committed_steps(root))
+        covered = [step for step in self._positions if step in committed]
+        if not covered:
+            return
+        newest = max(covered)
+        self.acknowledge(self._positions[newest])
+        self._positions = {s: p for s, p in self._positions.items() if s > newest}
+
+    def save_final(self, step: int, stream_ends: dict[str, Any] | None = None) -> None:
         """Chief, once every trainer has left: the job's final checkpoint ``step`` (see the
         module doc), unless a checkpoint of that step or later is committed already (a job
-        resumed from its final checkpoint, which trained no more)."""
+        resumed from its final checkpoint, which trained no more). ``stream_ends``: by
+        trainer, where each one reading a stream ended; a resume goes on from there."""
         root = self.settings.checkpoint_dir
         if root is None:
             return
@@ -148,6 +177,8 @@ class TrainerCheckpoints:
         if self.dense_part is not None:
             parts.append(write_part(checkpoint_dir(root, step), DENSE_PART, *self.dense_part()))
         meta = {**self.job, "final": True}
+        if stream_ends:
+            meta["stream_ends"] = stream_ends
         commit(root, step, parts, meta, keep=self.settings.checkpoint_keep)
         log.info("final checkpoint %d committed in %s", step, checkpoint_dir(root, step))
 
@@ -177,12 +208,14 @@ class TrainerCheckpoints:
         self.planned, self.last_planned_step, self.last_planned_at = step, step, time.monotonic()
 
     def _save_own_part(
-        self, step: int, steps_done: int, samples: int, rng: RngState | None
+        self, step: int, steps_done: int, samples: int, rng: RngState | None, position: Any
     ) -> None:
         root = self.settings.checkpoint_dir
         assert root is not None
         tensors, meta = rng if rng is not None else rng_state()
         meta = {**meta, "step": step, "steps_done": steps_done, "samples": samples}
+        if position is not None:
+            meta["input_position"] = self._positions[step] = position
         part = write_part(checkpoint_dir(root, step), f"trainer-{self.trainer}", tensors, meta)
         if self.dense_part is not None:
             self._dense_written = write_part(

@@ -39,6 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError, ParamServerError
+from paramserver.inputs import STOP, PositionedInput
 from paramserver.observe import startup
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
@@ -84,6 +85,7 @@ class Step:
     ids: dict[str, Tensor] | None = None
     bags: dict[str, BagBlock] = field(default_factory=dict)
     lookups: dict[str, RecordedLookups] = field(default_factory=dict)
+    end: Any = None  # a positioned input's position after these batches (None: not one)
 
 
 @dataclass
@@ -195,13 +197,15 @@ class Gradients:
 class Resumed:
     """Where a trainer starts: the checkpoint's step, the call number it was saved at (-1:
     none, a fresh start), the training steps and samples the trainer had done by then, its
-    RNG states to restore once its data is replayed, and whether it had left the job."""
+    RNG states to restore once its data is replayed, whether it had left the job, and where
+    a positioned input (a stream) was (None: read from its start, or skip ``steps``)."""
 
     at: int = -1
     steps: int = 0
     samples: int = 0
     rng: tuple[dict[str, Tensor], dict[str, Any]] | None = None
     left: bool = False
+    position: Any = None
 
 
 @dataclass
@@ -261,6 +265,9 @@ class TrainContext:
         self.steps, self.samples = resumed.steps, resumed.samples
         self.losses: deque[float] = deque(maxlen=100)
         self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
+        # A positioned input's position after the last step trained (what a checkpoint saves).
+        self.position: Any = resumed.position
+        self._step_end: Any = None  # the position after the step computing
         self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
         self._drawn = False  # whether the current step drew the next one
         engine.replica.route_forward(self._model_forward)
@@ -308,12 +315,22 @@ class TrainContext:
         the positional arguments, anything else the one argument; by default an ``(inputs,
         target)`` pair's ``inputs``, as ``paramserver.train`` takes batches, and for other
         batches rows are fetched when the model is called. After a resume the batches trained
-        before the checkpoint are skipped; ``config.steps`` ends it."""
+        before the checkpoint are skipped (a :class:`~paramserver.inputs.PositionedInput`, a
+        stream, continues from its saved position instead); ``config.steps`` ends it, and so
+        does a request to stop (:data:`paramserver.inputs.STOP`), at the next step."""
         self._check_thread()
         if self._batches_open:
             raise LoopError("ctx.batches is already open: use one at a time")
         self.opened.append(iterable)
-        return self._batches(iter(iterable), inputs)
+        positioned = iterable if isinstance(iterable, PositionedInput) else None
+        if positioned is not None:
+            if self._resumed.position is not None:
+                positioned.seek(self._resumed.position)
+                self._to_skip = 0
+            self._engine.checkpoints.acknowledge = positioned.acknowledge
+            if hasattr(positioned, "on_idle"):  # waiting for new records is not being stuck
+                positioned.on_idle = self._engine.activity.touch
+        return self._batches(iter(iterable), inputs, positioned)
 
     def step(self, loss: Tensor | float | None = None, samples: int | None = None) -> None:
         """After ``loss.backward()``: take this batch's gradients; every ``accumulate``-th
@@ -387,10 +404,16 @@ class TrainContext:
 
     # ---- steps ----
 
-    def _batches(self, source: Iterator[Any], inputs: Callable[[Any], Any] | None) -> Iterator[Any]:
+    def _batches(
+        self,
+        source: Iterator[Any],
+        inputs: Callable[[Any], Any] | None,
+        positioned: PositionedInput | None,
+    ) -> Iterator[Any]:
         self._batches_open = True
         try:
-            recorder = _AheadRecorder(self._engine, self._groups(self._replayed(source)), inputs)
+            groups = self._groups(self._replayed(source))
+            recorder = _AheadRecorder(self._engine, groups, inputs, positioned)
             if self._steps_per_call > 1:
                 yield from self._grouped(recorder)
                 step, self._leftover = self._leftover, None
@@ -410,6 +433,9 @@ class TrainContext:
         finally:
             self._batches_open = False
             self._record_next = None
+            close = getattr(positioned, "close", None)
+            if close is not None:  # a stream's reading thread: not one read more
+                close()
 
     def _grouped(self, recorder: _AheadRecorder) -> Iterator[Any]:
         """``steps_per_call`` steps at a time from one pull, while their lookups are recorded
@@ -450,7 +476,7 @@ class TrainContext:
         self._in_flight = None
         self._last_call = pulled.call
         engine.checkpoints.after_reply(
-            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng
+            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng, self.position
         )
         group.values, self._group = pulled, group
 
@@ -469,6 +495,7 @@ class TrainContext:
     def _load_group_step(self, group: Group, at: int) -> None:
         group.at, self._pulled = at, group.step_values(at)
         step = group.steps[at]
+        self._step_end = step.end
         self._engine.replica.load(self._pulled.dense, self._pulled.rows, {}, step.lookups)
 
     def _after_group_step(self, group: Group) -> None:
@@ -518,7 +545,7 @@ class TrainContext:
         """``accumulate`` batches at a time, up to ``config.steps`` steps of the job."""
         config = self._engine.config
         steps = self.steps
-        while config.steps is None or steps < config.steps:
+        while (config.steps is None or steps < config.steps) and not STOP.is_set():
             group = list(itertools.islice(source, config.accumulate))
             if not group:
                 return
@@ -555,8 +582,9 @@ class TrainContext:
         self._apply_dense(keep=1 if self._prefetch else 0)
         self._pulled, self._last_call = pulled, pulled.call
         engine.checkpoints.after_reply(
-            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng
+            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng, self.position
         )
+        self._step_end = step.end
         if record_next is not None:
             self._ahead, self._drawn = ahead, True
             if ahead is not None:
@@ -618,6 +646,8 @@ class TrainContext:
             if engine.dense.waits_for_the_loop:  # the mean, for the loop's optimizer
                 engine.dense.finish()
         self.steps += 1
+        if self._step_end is not None:
+            self.position, self._step_end = self._step_end, None
         if self.steps == self._resumed.steps + 1:
             startup.mark("first_step")
         self.losses.append(self._step_loss)
@@ -681,9 +711,11 @@ class _AheadRecorder:
         engine: Engine,
         groups: Iterator[list[Any]],
         inputs: Callable[[Any], Any] | None,
+        positioned: PositionedInput | None = None,
     ):
         self.engine = engine
         self.groups = groups
+        self.positioned = positioned
         self.inputs = inputs
         self.guessing = inputs is None
 
@@ -692,6 +724,12 @@ class _AheadRecorder:
         self.engine.activity.touch()  # a batch drawn: the loop is not stuck in its data
         if group is None:
             return None
+        end = self.positioned.position() if self.positioned is not None else None
+        step = self._recorded(group)
+        step.end = end
+        return step
+
+    def _recorded(self, group: list[Any]) -> Step:
         calls = self._calls(group)
         if calls is None:
             return Step(group)

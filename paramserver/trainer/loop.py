@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -24,8 +25,9 @@ from torch import Tensor, nn
 
 from paramserver.checkpoint import Checkpoint, resume_from, saved_dense
 from paramserver.config import TrainConfig
-from paramserver.errors import TrainerGroupError
+from paramserver.errors import CheckpointError, TrainerGroupError
 from paramserver.futures import wait_all
+from paramserver.inputs import PositionedInput
 from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
 from paramserver.observe import peak_rss_bytes, startup
@@ -73,16 +75,19 @@ class Epochs:
     """``data_fn(trainer, num_trainers)``'s batches over ``epochs`` passes, counting the bytes
     of input each pass read where it counts them (see :mod:`paramserver.types`)."""
 
-    def __init__(self, data_fn: DataFn, trainer: int, num_trainers: int, epochs: int):
+    def __init__(
+        self, data_fn: DataFn, trainer: int, num_trainers: int, epochs: int, first: Iterable[Batch]
+    ):
+        """``first``: the first pass's batches, opened already."""
         self.data_fn, self.trainer, self.num_trainers = data_fn, trainer, num_trainers
         self.epochs = epochs
-        self.opened: list[Iterable[Batch]] = []
+        self.opened: list[Iterable[Batch]] = [first]
 
     def __iter__(self) -> Iterator[Batch]:
-        for _ in range(self.epochs):
-            epoch = self.data_fn(self.trainer, self.num_trainers)
-            self.opened.append(epoch)
-            yield from epoch
+        for epoch in range(self.epochs):
+            if epoch:
+                self.opened.append(self.data_fn(self.trainer, self.num_trainers))
+            yield from self.opened[-1]
 
     @property
     def input_bytes(self) -> int | None:
@@ -95,7 +100,13 @@ def default_loop(data_fn: DataFn, loss_fn: LossFn, epochs: int) -> LoopFn:
 
     def loop(ctx: TrainContext) -> None:
         share = ctx.config.accumulate
-        for inputs, target in ctx.batches(Epochs(data_fn, ctx.rank, ctx.num_trainers, epochs)):
+        first = data_fn(ctx.rank, ctx.num_trainers)
+        data: Iterable[Batch] = (
+            first  # a stream: read once, from where it was
+            if isinstance(first, PositionedInput)
+            else Epochs(data_fn, ctx.rank, ctx.num_trainers, epochs, first)
+        )
+        for inputs, target in ctx.batches(data):
             loss = loss_fn(ctx.model(*as_tuple(inputs)), target)
             if loss.dim() != 0:
                 raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
@@ -231,7 +242,20 @@ class _TrainerRun:
         except BaseException:
             observer.close()  # its logs and profiler, whatever ended the steps
             raise
-        report = TrainerReport(  # this run's work: from the start, or from the checkpoint
+        report = self._report(ctx, resumed, observer, train_seconds)
+        grads.push(self.client, None, final=True, report=report).wait()
+        if self.dense is not None:  # out of the servers' rounds: the others may go on
+            self.dense.drain()
+        self.checkpoints.finish()
+        outcome = self.end_job(report, observer.evals)
+        outcome.value = value if self.trainer == 0 else None
+        return outcome
+
+    def _report(
+        self, ctx: TrainContext, resumed: Resumed, observer: Observer, train_seconds: float
+    ) -> TrainerReport:
+        """This run's work: from the start, or from the checkpoint it resumed from."""
+        return TrainerReport(
             trainer=self.trainer,
             steps=ctx.steps - resumed.steps,
             samples=ctx.samples - resumed.samples,
@@ -246,14 +270,8 @@ class _TrainerRun:
             resumed_at=resumed.at,
             resumed_steps=resumed.steps,
             resumed_samples=resumed.samples,
+            input_position=None if ctx.position is None else json.dumps(ctx.position),
         )
-        grads.push(self.client, None, final=True, report=report).wait()
-        if self.dense is not None:  # out of the servers' rounds: the others may go on
-            self.dense.drain()
-        self.checkpoints.finish()
-        outcome = self.end_job(report, observer.evals)
-        outcome.value = value if self.trainer == 0 else None
-        return outcome
 
     def _loop(
         self, ctx: TrainContext, loop_fn: LoopFn, resumed: Resumed
@@ -287,12 +305,23 @@ class _TrainerRun:
         names = ", ".join(f"trainer{t}" for t in departed)
         return TrainerGroupError(f"{names} departed (the servers' verdict); {error}")
 
-    def _final_step(self, report: TrainerReport) -> int:
+    def _final_step(self, report: TrainerReport) -> tuple[int, dict[str, Any]]:
         """The job's last step: the most any trainer did, counting the steps before its
-        resume (from the trainers' reports server 0 holds)."""
+        resume (from the trainers' reports server 0 holds); and where each trainer reading a
+        stream ended (its steps, samples and position, for a resume to go on from)."""
         stats: Any = wait_all([self.transport.call(0, "stats")], self.alarm)[0]
-        done = [r.steps + r.resumed_steps for r in stats["reports"].values()]
-        return max(done, default=report.steps + report.resumed_steps)
+        reports: dict[int, TrainerReport] = stats["reports"]
+        done = [r.steps + r.resumed_steps for r in reports.values()]
+        ends = {
+            str(t): {
+                "steps_done": r.steps + r.resumed_steps,
+                "samples": r.samples + r.resumed_samples,
+                "input_position": json.loads(r.input_position),
+            }
+            for t, r in reports.items()
+            if r.input_position is not None
+        }
+        return max(done, default=report.steps + report.resumed_steps), ends
 
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
@@ -304,7 +333,7 @@ class _TrainerRun:
             departed = wait_all(transport.call_all("departed"), alarm)
             return TrainerOutcome(report, graceful=not any(departed))
         if self.config.checkpoint_dir is not None:
-            self.checkpoints.save_final(self._final_step(report))
+            self.checkpoints.save_final(*self._final_step(report))
         state: dict[str, Tensor] = {}
         if self.config.gather_model:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)
@@ -351,13 +380,18 @@ def resume_trainer(
         return _split_anew(found, trainer, config.trainers)
     name = f"trainer-{trainer}"
     if name not in found.part_names:
+        end = found.meta.get("stream_ends", {}).get(str(trainer))
+        if end is not None:  # a stream job's final checkpoint: it goes on where it ended
+            steps, samples = int(end["steps_done"]), int(end["samples"])
+            return Resumed(saved_at, steps, samples, position=end["input_position"])
         return Resumed(saved_at, left=True)
     tensors, meta = found.read_part(name)
     steps_done = int(meta["steps_done"])
     if steps_done != saved_at:  # its training steps ran past call k: it goes on at k + 1
         client.next_call = saved_at + 1
     # Restored once the loop's data is replayed: it may draw from the same RNGs.
-    return Resumed(saved_at, steps_done, int(meta["samples"]), rng=(tensors, meta))
+    position = meta.get("input_position")
+    return Resumed(saved_at, steps_done, int(meta["samples"]), (tensors, meta), position=position)
 
 
 def _split_anew(found: Checkpoint, trainer: int, trainers: int) -> Resumed:
@@ -368,9 +402,15 @@ def _split_anew(found: Checkpoint, trainer: int, trainers: int) -> Resumed:
     would have; which ones each skipped is not what the old trainers trained on); it repeats
     call k first (a read), and its RNG states start afresh. A final checkpoint's job had
     ended: every trainer leaves at once."""
+    saved = [found.read_part(n)[1] for n in found.part_names if n.startswith("trainer-")]
+    if found.meta.get("stream_ends") or any("input_position" in meta for meta in saved):
+        raise CheckpointError(
+            f"--resume: {found.directory} was saved by a job of {found.meta.get('trainers')} "
+            f"trainers reading a stream; resume it with as many: each trainer's saved stream "
+            f"position is its own consumer's, which another split cannot continue"
+        )
     if found.meta.get("final"):
         return Resumed(found.step, left=True)
-    saved = [found.read_part(n)[1] for n in found.part_names if n.startswith("trainer-")]
     steps = sum(int(meta["steps_done"]) for meta in saved)
     samples = sum(int(meta["samples"]) for meta in saved)
     share = steps // trainers + (1 if trainer < steps % trainers else 0)

@@ -130,6 +130,8 @@ class TrainerReport:
     resumed_samples: int = 0
     resent_calls: int = 0  # calls sent again to servers restarted after their process died
     paused_s: float = 0.0  # the time its calls waited for those servers
+    # A stream's position after its last step (JSON text), for the job's final checkpoint.
+    input_position: str | None = None
 
     def is_well_formed(self) -> bool:
         ints = (
@@ -153,6 +155,10 @@ class TrainerReport:
         return (
             all(type(v) is int for v in ints)
             and (self.input_bytes is None or type(self.input_bytes) is int)
+            and (
+                self.input_position is None
+                or (type(self.input_position) is str and len(self.input_position) <= 1 << 16)
+            )
             and all(type(v) is float for v in floats)
             and type(self.calls) is dict
             and all(

@@ -1,0 +1,120 @@
+"""Records of a stream into batches: decoded a chunk at a time, bad ones counted and skipped,
+cut into batches of ``batch_size`` that each know where in the stream they end.
+
+A *decoder* takes a chunk of records (their raw bytes) and returns the good ones as one batch
+(``((dense, sparse), label)`` or any tuple or list of tensors whose first dimension counts the
+good records) and, for every record, why it is bad (None: good): see
+:func:`paramserver.data.criteo.decode_records`, the default for Criteo lines.
+
+A bad record is logged and skipped, up to ``max_bad_records`` in a job; one more stops the job
+with an :class:`~paramserver.errors.InvalidBatchError` naming it (one malformed event does not
+stop a production job, a broken producer does). Batches are cut by count, never by time, so a
+resume that reads the same records again cuts the same batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from paramserver.errors import InvalidBatchError
+
+log = logging.getLogger(__name__)
+
+Decoder = Callable[[Sequence[bytes]], tuple[Any, list[str | None]]]
+"""``decode(records) -> (batch of the good ones, why each record is bad or None)``."""
+
+DEFAULT_MAX_BAD_RECORDS = 10
+
+
+class RecordBatcher:
+    """Cuts decoded records into batches; each batch comes with its position (JSON): the id of
+    its last record, and the records and bad records counted by then. Not thread-safe."""
+
+    def __init__(self, decode: Decoder, batch_size: int, max_bad_records: int, source: str) -> None:
+        self.decode = decode
+        self.batch_size = batch_size
+        self.max_bad_records = max_bad_records
+        self.source = source  # names the stream in messages
+        self.records = 0  # good records cut into batches
+        self.bad_records = 0
+        self._rest: Any = None  # rows waiting for a full batch
+        self._rest_ids: list[str] = []
+
+    def resume(self, position: dict[str, Any]) -> None:
+        """Go on counting from a saved position."""
+        self.records = int(position.get("records", 0))
+        self.bad_records = int(position.get("bad_records", 0))
+
+    def add(self, ids: Sequence[str], values: Sequence[bytes | None]) -> list[tuple[Any, dict]]:
+        """The batches that records ``values`` (with their ids; None: a record without the
+        field read) complete, each with its position."""
+        present = [(i, v) for i, v in zip(ids, values, strict=True) if v is not None]
+        for record_id, value in zip(ids, values, strict=True):
+            if value is None:
+                self._skip(record_id, "the entry has no such field, or was deleted")
+        if not present:
+            return []
+        rows, why = self.decode([v for _, v in present])
+        if len(why) != len(present):
+            raise InvalidBatchError(
+                f"{self.source}: the decoder judged {len(why)} records of {len(present)}"
+            )
+        good_ids = [i for (i, _), bad in zip(present, why, strict=True) if bad is None]
+        for (record_id, _), bad in zip(present, why, strict=True):
+            if bad is not None:
+                self._skip(record_id, bad)
+        if good_ids and _rows_of(rows) != len(good_ids):
+            raise InvalidBatchError(
+                f"{self.source}: the decoder gave {_rows_of(rows)} rows for {len(good_ids)} "
+                f"good records"
+            )
+        return self._cut(rows, good_ids) if good_ids else []
+
+    def _skip(self, record_id: str, why: str) -> None:
+        self.bad_records += 1
+        if self.bad_records > self.max_bad_records:
+            raise InvalidBatchError(
+                f"{self.source}: more than {self.max_bad_records} bad records "
+                f"(--max-bad-records); the last, {record_id}: {why}"
+            )
+        log.warning("%s: record %s skipped: %s", self.source, record_id, why)
+
+    def _cut(self, rows: Any, ids: list[str]) -> list[tuple[Any, dict]]:
+        if self._rest is not None:
+            rows, ids = _cat([self._rest, rows]), self._rest_ids + ids
+        size, batches = len(ids), []
+        end = size - size % self.batch_size
+        for start in range(0, end, self.batch_size):
+            self.records += self.batch_size
+            position = {
+                "id": ids[start + self.batch_size - 1],
+                "records": self.records,
+                "bad_records": self.bad_records,
+            }
+            batches.append((_slice(rows, start, start + self.batch_size), position))
+        self._rest = _slice(rows, end, size) if end < size else None
+        self._rest_ids = ids[end:]
+        return batches
+
+
+def _rows_of(rows: Any) -> int:
+    if isinstance(rows, Tensor):
+        return int(rows.shape[0])
+    return _rows_of(rows[0])
+
+
+def _slice(rows: Any, start: int, end: int) -> Any:
+    if isinstance(rows, Tensor):
+        return rows[start:end]
+    return type(rows)(_slice(part, start, end) for part in rows)
+
+
+def _cat(parts: list[Any]) -> Any:
+    if isinstance(parts[0], Tensor):
+        return torch.cat(parts)
+    return type(parts[0])(_cat(list(each)) for each in zip(*parts, strict=True))

@@ -1,0 +1,246 @@
+"""Training input from a Redis stream, through a consumer group (``--dataset
+stream:redis://HOST:PORT/STREAM``).
+
+Every trainer is one consumer of the group (``trainer-T``): Redis hands each new entry to one
+of them (``XREADGROUP ... >``), so the trainers share the stream without splitting it
+beforehand, and keeps every entry it handed out in that consumer's pending list until it is
+acknowledged (``XACK``). An entry's field ``line`` (by default) holds one record, a Criteo
+line for the command line's job (:func:`paramserver.data.criteo.decode_records`); the Python API
+takes any decoder (:mod:`paramserver.streams.batching`).
+
+Exactly once, with checkpoints (see :mod:`paramserver.inputs`):
+
+- the position a trainer saves is the id of the last entry of its last step trained;
+- entries are acknowledged only once a committed checkpoint holds them;
+- a trainer that starts (afresh or resumed) first reads its own pending entries after its
+  saved position (``XREADGROUP ... ID``: what it had been handed but the model does not hold),
+  in their order, then new ones; the pending ones up to the position are acknowledged then.
+
+So after any failure and a resume, each entry is trained on once, by the trainer it was handed
+to, in the same batches (cut by count). A job's consumer group starts at the stream's first
+entry (``?start=$``: at its end); a new job on a group another job read goes on where that
+one's group is (use another ``?group=``).
+
+Redis unreachable: each command is retried (with backoff) for ``retry_s`` seconds, then the
+trainer fails with a :class:`~paramserver.errors.StreamError` naming the stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import parse_qs, urlsplit
+
+from paramserver.data.criteo import decode_records
+from paramserver.data.readahead import ReadAhead
+from paramserver.errors import ConfigError, StreamError
+from paramserver.inputs import STOP
+from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS, Decoder, RecordBatcher
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+READ_COUNT = 4096  # entries one XREADGROUP asks for
+READ_AHEAD = 4  # chunks of batches decoded ahead of the trainer
+ACK_COUNT = 10_000  # pending entries listed per XPENDING while acknowledging
+LAG_EVERY_S = 1.0  # how often the group's lag is asked
+
+
+@dataclass(frozen=True)
+class RedisStream:
+    """A Redis stream read by a consumer group: ``data_fn(trainer, num_trainers)`` of a job
+    (calling it gives that trainer's :class:`RedisStreamReader`)."""
+
+    host: str
+    port: int
+    stream: str
+    batch_size: int = 512
+    group: str = "paramserver"
+    record_field: str = "line"
+    start: str = "0"  # where a new group starts: "0" the stream's first entry, "$" its end
+    decoder: Decoder = field(default=decode_records)
+    max_bad_records: int = DEFAULT_MAX_BAD_RECORDS
+    block_ms: int = 200  # how long one read waits for new entries
+    retry_s: float = 30.0  # how long a command is retried while Redis is unreachable
+    positioned: ClassVar[bool] = True  # see paramserver.inputs.reads_a_stream
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> RedisStream:
+        """``redis://HOST:PORT/STREAM[?group=G&field=F&start=0|$]``."""
+        parts = urlsplit(url)
+        stream = parts.path.lstrip("/")
+        if parts.scheme != "redis" or not parts.hostname or not stream:
+            raise ConfigError(f"a Redis stream is redis://HOST:PORT/STREAM, got {url!r}")
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        unknown = set(query) - {"group", "field", "start"}
+        if unknown:
+            raise ConfigError(f"{url}: unknown options {sorted(unknown)} (group, field, start)")
+        if query.get("start", "0") not in ("0", "$"):
+            raise ConfigError(f"{url}: start is 0 (the first entry) or $ (the end)")
+        named = {"group": "group", "field": "record_field", "start": "start"}
+        settings: dict[str, Any] = {named[k]: v for k, v in query.items()}
+        return cls(parts.hostname, parts.port or 6379, stream, **settings, **options)
+
+    @property
+    def name(self) -> str:
+        return f"redis://{self.host}:{self.port}/{self.stream}"
+
+    def connect(self) -> Any:
+        import redis  # the `stream` extra: only jobs that read a stream need it
+
+        return redis.Redis(self.host, self.port, socket_timeout=10, socket_connect_timeout=5)
+
+    def check(self) -> None:
+        """Before the job starts: Redis answers, and the group exists (created at ``start``,
+        with the stream, where missing). A ConfigError says what failed."""
+        import redis
+
+        try:
+            client = self.connect()
+            client.ping()
+            client.xgroup_create(self.stream, self.group, id=self.start, mkstream=True)
+        except redis.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise ConfigError(f"{self.name}: {error}") from None
+        except redis.RedisError as error:
+            raise ConfigError(f"{self.name}: cannot reach Redis ({error})") from None
+
+    def __call__(self, trainer: int, num_trainers: int) -> RedisStreamReader:
+        return RedisStreamReader(self, f"trainer-{trainer}")
+
+
+class RedisStreamReader(Iterator[Any]):
+    """One trainer's batches from the stream: a :class:`~paramserver.inputs.PositionedInput`
+    (see the module doc). Reads and decodes in a background thread, a few chunks ahead; the
+    batches handed out are the trainer's. One consumer thread."""
+
+    def __init__(self, source: RedisStream, consumer: str):
+        self.source = source
+        self.consumer = consumer
+        self.client = source.connect()
+        self.batcher = RecordBatcher(
+            source.decoder, source.batch_size, source.max_bad_records, source.name
+        )
+        self.on_idle: Callable[[], None] | None = None  # the trainer's: waiting is not stuck
+        self._after = "0"  # the first read of its own pending entries starts after this id
+        self._position: dict[str, Any] | None = None
+        self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
+        self._ready: list[tuple[Any, dict]] = []
+        self._lag: tuple[float, int | None] = (0.0, None)
+
+    # ---- PositionedInput ----
+
+    def position(self) -> dict[str, Any] | None:
+        return self._position
+
+    def seek(self, position: dict[str, Any]) -> None:
+        """Continue after entry ``position["id"]``: the pending entries up to it are in the
+        checkpoint that saved it (acknowledged now); those after it are read first."""
+        if self._read_ahead is not None:
+            raise StreamError(f"{self.source.name}: seek before the first batch only")
+        if not isinstance(position, dict) or not isinstance(position.get("id"), str):
+            raise StreamError(f"{self.source.name}: not a stream position: {position!r}")
+        self.acknowledge(position)
+        self._after, self._position = position["id"], position
+        self.batcher.resume(position)
+
+    def acknowledge(self, position: dict[str, Any]) -> None:
+        """Acknowledge this consumer's pending entries up to ``position["id"]``."""
+        source, last = self.source, position["id"]
+        while True:
+            pending = self._retrying(
+                lambda: self.client.xpending_range(
+                    source.stream, source.group, "-", last, ACK_COUNT, consumername=self.consumer
+                )
+            )
+            if not pending:
+                return
+            ids = [entry["message_id"] for entry in pending]
+            self._retrying(functools.partial(self.client.xack, source.stream, source.group, *ids))
+            if len(pending) < ACK_COUNT:
+                return
+
+    # ---- iteration ----
+
+    def __next__(self) -> Any:
+        while not self._ready:
+            if self._read_ahead is None:
+                self._read_ahead = ReadAhead(self._chunks, READ_AHEAD, f"redis-{self.consumer}")
+            chunk = next(self._read_ahead)
+            if not chunk and self.on_idle is not None:
+                self.on_idle()  # nothing new in the stream yet
+            self._ready = chunk[::-1]
+        batch, self._position = self._ready.pop()
+        return batch
+
+    def close(self) -> None:
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+
+    def lag(self) -> int | None:
+        """Entries in the stream not yet handed to any consumer of the group (Redis's own
+        count; None where it cannot tell), asked at most every second."""
+        asked_at, lag = self._lag
+        if time.monotonic() - asked_at >= LAG_EVERY_S:
+            try:
+                groups = self.client.xinfo_groups(self.source.stream)
+                mine = [g for g in groups if g["name"].decode() == self.source.group]
+                lag = mine[0].get("lag") if mine else None
+            except Exception:  # the figure is for display only
+                lag = None
+            self._lag = (time.monotonic(), lag)
+        return lag
+
+    def _chunks(self) -> Iterator[list[tuple[Any, dict]]]:
+        """The reading thread's: the batches each read completes (an empty list where a read
+        waited and found nothing new), until the job is asked to stop."""
+        after, history = self._after, True
+        while not STOP.is_set():
+            entries = self._read(after if history else ">")
+            if history and not entries:
+                history = False  # its pending entries are read: on to new ones
+                continue
+            if history:
+                after = entries[-1][0].decode()
+            ids = [entry_id.decode() for entry_id, _ in entries]
+            values = [_field(fields, self.source.record_field) for _, fields in entries]
+            yield self.batcher.add(ids, values)
+
+    def _read(self, after: str) -> Sequence[tuple[bytes, dict[bytes, bytes] | None]]:
+        source = self.source
+        block = None if after != ">" else source.block_ms
+        reply = self._retrying(
+            lambda: self.client.xreadgroup(
+                source.group, self.consumer, {source.stream: after}, READ_COUNT, block
+            )
+        )
+        return reply[0][1] if reply else []
+
+    def _retrying(self, command: Callable[[], T]) -> T:
+        """``command()``, retried while Redis is unreachable, for ``retry_s`` seconds."""
+        import redis
+
+        deadline = time.monotonic() + self.source.retry_s
+        wait = 0.05
+        while True:
+            try:
+                return command()
+            except (redis.ConnectionError, redis.TimeoutError) as error:
+                if time.monotonic() + wait > deadline:
+                    raise StreamError(
+                        f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s "
+                        f"({error})"
+                    ) from None
+                log.warning("%s: %s; retrying", self.source.name, error)
+                time.sleep(wait)
+                wait = min(wait * 2, 2.0)
+            except redis.ResponseError as error:  # the stream or the group deleted, say
+                raise StreamError(f"{self.source.name}: {error}") from None
+
+
+def _field(fields: dict[bytes, bytes] | None, name: str) -> bytes | None:
+    return None if not fields else fields.get(name.encode())
