@@ -14,6 +14,16 @@ from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.base import Transport
 from tests.fakes import FaultyTransport
 from tests.helpers import FaultyJobs, MakeServer, new_server
+from tests.procs import RedisServer
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One real redis-server on loopback for the session's stream tests (each test its own
+    stream); stopped by its pid at the end."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -155,3 +156,41 @@ def reset_peak() -> None:
     """Make VmHWM (the peak resident size) the current size (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, its data in ``directory`` and nowhere
+    else (no snapshot, no append-only file); stopped by its pid."""
+
+    def __init__(self, directory: Path):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise AssertionError(
+                "redis-server is not installed: the stream tests run a real one (`make test` "
+                "installs Debian's package: apt-get install redis-server)"
+            )
+        self.port = free_port()
+        settings = {"bind": "127.0.0.1", "save": "", "appendonly": "no", "dir": str(directory)}
+        flags = [part for name, value in settings.items() for part in (f"--{name}", value)]
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_until(self._answers, 20, f"redis-server on port {self.port}")
+
+    def url(self, stream: str) -> str:
+        return f"redis://127.0.0.1:{self.port}/{stream}"
+
+    def _answers(self) -> bool:
+        with socket.socket() as s:
+            s.settimeout(1)
+            try:
+                s.connect(("127.0.0.1", self.port))
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+            except OSError:
+                return False
+
+    def stop(self) -> None:
+        stop(self.process)

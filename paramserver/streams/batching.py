@@ -33,7 +33,8 @@ DEFAULT_MAX_BAD_RECORDS = 10
 
 class RecordBatcher:
     """Cuts decoded records into batches; each batch comes with its position (JSON): the id of
-    its last record, and the records and bad records counted by then. Not thread-safe."""
+    its last record, and the good and bad records up to it (since the job began). Not
+    thread-safe."""
 
     def __init__(self, decode: Decoder, batch_size: int, max_bad_records: int, source: str) -> None:
         self.decode = decode
@@ -44,6 +45,7 @@ class RecordBatcher:
         self.bad_records = 0
         self._rest: Any = None  # rows waiting for a full batch
         self._rest_ids: list[str] = []
+        self._rest_bad: list[int] = []  # for each, the bad records counted by then
 
     def resume(self, position: dict[str, Any]) -> None:
         """Go on counting from a saved position."""
@@ -53,27 +55,28 @@ class RecordBatcher:
     def add(self, ids: Sequence[str], values: Sequence[bytes | None]) -> list[tuple[Any, dict]]:
         """The batches that records ``values`` (with their ids; None: a record without the
         field read) complete, each with its position."""
-        present = [(i, v) for i, v in zip(ids, values, strict=True) if v is not None]
-        for record_id, value in zip(ids, values, strict=True):
-            if value is None:
-                self._skip(record_id, "the entry has no such field, or was deleted")
-        if not present:
-            return []
-        rows, why = self.decode([v for _, v in present])
-        if len(why) != len(present):
+        present = [v for v in values if v is not None]
+        rows, judged = self.decode(present) if present else (None, [])
+        if len(judged) != len(present):
             raise InvalidBatchError(
-                f"{self.source}: the decoder judged {len(why)} records of {len(present)}"
+                f"{self.source}: the decoder judged {len(judged)} records of {len(present)}"
             )
-        good_ids = [i for (i, _), bad in zip(present, why, strict=True) if bad is None]
-        for (record_id, _), bad in zip(present, why, strict=True):
-            if bad is not None:
-                self._skip(record_id, bad)
+        verdicts = iter(judged)
+        missing = "the entry has no such field, or was deleted"
+        good_ids, bad_by_then = [], []
+        for record_id, value in zip(ids, values, strict=True):
+            why = missing if value is None else next(verdicts)
+            if why is not None:
+                self._skip(record_id, why)
+            else:
+                good_ids.append(record_id)
+                bad_by_then.append(self.bad_records)
         if good_ids and _rows_of(rows) != len(good_ids):
             raise InvalidBatchError(
                 f"{self.source}: the decoder gave {_rows_of(rows)} rows for {len(good_ids)} "
                 f"good records"
             )
-        return self._cut(rows, good_ids) if good_ids else []
+        return self._cut(rows, good_ids, bad_by_then) if good_ids else []
 
     def _skip(self, record_id: str, why: str) -> None:
         self.bad_records += 1
@@ -84,21 +87,18 @@ class RecordBatcher:
             )
         log.warning("%s: record %s skipped: %s", self.source, record_id, why)
 
-    def _cut(self, rows: Any, ids: list[str]) -> list[tuple[Any, dict]]:
+    def _cut(self, rows: Any, ids: list[str], bad: list[int]) -> list[tuple[Any, dict]]:
         if self._rest is not None:
-            rows, ids = _cat([self._rest, rows]), self._rest_ids + ids
+            rows, ids, bad = _cat([self._rest, rows]), self._rest_ids + ids, self._rest_bad + bad
         size, batches = len(ids), []
         end = size - size % self.batch_size
         for start in range(0, end, self.batch_size):
             self.records += self.batch_size
-            position = {
-                "id": ids[start + self.batch_size - 1],
-                "records": self.records,
-                "bad_records": self.bad_records,
-            }
+            last = start + self.batch_size - 1
+            position = {"id": ids[last], "records": self.records, "bad_records": bad[last]}
             batches.append((_slice(rows, start, start + self.batch_size), position))
         self._rest = _slice(rows, end, size) if end < size else None
-        self._rest_ids = ids[end:]
+        self._rest_ids, self._rest_bad = ids[end:], bad[end:]
         return batches
 
 

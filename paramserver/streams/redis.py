@@ -44,8 +44,8 @@ from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS, Decoder, Recor
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-READ_COUNT = 4096  # entries one XREADGROUP asks for
-READ_AHEAD = 4  # chunks of batches decoded ahead of the trainer
+MAX_READ_COUNT = 4096  # entries one XREADGROUP asks for at most (a batch's, if fewer)
+READ_AHEAD = 4  # reads decoded ahead of the trainer: what it holds that others cannot read
 ACK_COUNT = 10_000  # pending entries listed per XPENDING while acknowledging
 LAG_EVERY_S = 1.0  # how often the group's lag is asked
 
@@ -131,6 +131,7 @@ class RedisStreamReader(Iterator[Any]):
         self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
         self._ready: list[tuple[Any, dict]] = []
         self._lag: tuple[float, int | None] = (0.0, None)
+        self._count = min(source.batch_size, MAX_READ_COUNT)
 
     # ---- PositionedInput ----
 
@@ -215,7 +216,7 @@ class RedisStreamReader(Iterator[Any]):
         block = None if after != ">" else source.block_ms
         reply = self._retrying(
             lambda: self.client.xreadgroup(
-                source.group, self.consumer, {source.stream: after}, READ_COUNT, block
+                source.group, self.consumer, {source.stream: after}, self._count, block
             )
         )
         return reply[0][1] if reply else []
