@@ -382,6 +382,8 @@ def resume_trainer(
     if name not in found.part_names:
         end = found.meta.get("stream_ends", {}).get(str(trainer))
         if end is not None:  # a stream job's final checkpoint: it goes on where it ended
+            # Its call k was its last, a push that read nothing: never one to repeat.
+            client.next_call = saved_at + 1
             steps, samples = int(end["steps_done"]), int(end["samples"])
             return Resumed(saved_at, steps, samples, position=end["input_position"])
         return Resumed(saved_at, left=True)
