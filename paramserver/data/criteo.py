@@ -249,6 +249,17 @@ class _Rows(NamedTuple):
         return (self.dense[start:end], self.sparse[start:end]), self.labels[start:end]
 
 
+def share_rows(splits: Sequence[InputSplit], hash_salt: int = 0) -> Iterator[Batch]:
+    """A share's lines parsed a block at a time: each block's rows as one batch, in order. A
+    malformed line raises InvalidBatchError (naming it) after the rows before it."""
+    for block in ShareReader(splits).blocks(BLOCK_BYTES):
+        rows, error = _parse_block(block, hash_salt)
+        if len(rows.labels):
+            yield rows.batch(0, len(rows.labels))
+        if error is not None:
+            raise error
+
+
 def _share_batches(files: CriteoFiles, reader: ShareReader) -> Iterator[tuple[list[Batch], int]]:
     """The reading thread's work: the batches each block completes, with the bytes read by
     then. A block with a bad line completes the batches before that line's, then raises."""

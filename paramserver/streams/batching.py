@@ -36,15 +36,17 @@ class RecordBatcher:
     its last record, and the good and bad records up to it (since the job began). Not
     thread-safe."""
 
-    def __init__(self, decode: Decoder, batch_size: int, max_bad_records: int, source: str) -> None:
-        self.decode = decode
+    def __init__(
+        self, decode: Decoder | None, batch_size: int, max_bad_records: int, source: str
+    ) -> None:
+        self.decode = decode  # None: rows come decoded (add_rows only)
         self.batch_size = batch_size
         self.max_bad_records = max_bad_records
         self.source = source  # names the stream in messages
         self.records = 0  # good records cut into batches
         self.bad_records = 0
         self._rest: Any = None  # rows waiting for a full batch
-        self._rest_ids: list[str] = []
+        self._rest_ids: list[Any] = []
         self._rest_bad: list[int] = []  # for each, the bad records counted by then
 
     def resume(self, position: dict[str, Any]) -> None:
@@ -55,6 +57,7 @@ class RecordBatcher:
     def add(self, ids: Sequence[str], values: Sequence[bytes | None]) -> list[tuple[Any, dict]]:
         """The batches that records ``values`` (with their ids; None: a record without the
         field read) complete, each with its position."""
+        assert self.decode is not None, "records need a decoder"
         present = [v for v in values if v is not None]
         rows, judged = self.decode(present) if present else (None, [])
         if len(judged) != len(present):
@@ -76,18 +79,11 @@ class RecordBatcher:
                 f"{self.source}: the decoder gave {_rows_of(rows)} rows for {len(good_ids)} "
                 f"good records"
             )
-        return self._cut(rows, good_ids, bad_by_then) if good_ids else []
+        return self.add_rows(rows, good_ids, bad_by_then) if good_ids else []
 
-    def _skip(self, record_id: str, why: str) -> None:
-        self.bad_records += 1
-        if self.bad_records > self.max_bad_records:
-            raise InvalidBatchError(
-                f"{self.source}: more than {self.max_bad_records} bad records "
-                f"(--max-bad-records); the last, {record_id}: {why}"
-            )
-        log.warning("%s: record %s skipped: %s", self.source, record_id, why)
-
-    def _cut(self, rows: Any, ids: list[str], bad: list[int]) -> list[tuple[Any, dict]]:
+    def add_rows(self, rows: Any, ids: list[Any], bad: list[int]) -> list[tuple[Any, dict]]:
+        """The batches that decoded ``rows`` complete; ``ids``: each row's id (JSON), ``bad``:
+        the bad records counted by each row."""
         if self._rest is not None:
             rows, ids, bad = _cat([self._rest, rows]), self._rest_ids + ids, self._rest_bad + bad
         size, batches = len(ids), []
@@ -100,6 +96,15 @@ class RecordBatcher:
         self._rest = _slice(rows, end, size) if end < size else None
         self._rest_ids, self._rest_bad = ids[end:], bad[end:]
         return batches
+
+    def _skip(self, record_id: str, why: str) -> None:
+        self.bad_records += 1
+        if self.bad_records > self.max_bad_records:
+            raise InvalidBatchError(
+                f"{self.source}: more than {self.max_bad_records} bad records "
+                f"(--max-bad-records); the last, {record_id}: {why}"
+            )
+        log.warning("%s: record %s skipped: %s", self.source, record_id, why)
 
 
 def _rows_of(rows: Any) -> int:
