@@ -155,8 +155,8 @@ def _start(
 
 def _check_job(config: TrainConfig, model_fn: ModelFn, evaluation: Evaluation | None) -> None:
     """What a job refuses before anything starts, each with a ConfigError saying why."""
-    if config.eval_every is not None and evaluation is None:
-        raise ConfigError("eval_every needs held-out data: pass evaluation=Evaluation(...)")
+    if config.evaluates_while_training and evaluation is None:
+        raise ConfigError("eval_every(_s) needs held-out data: pass evaluation=Evaluation(...)")
     if evaluation is not None and next(iter(evaluation.data_fn()), None) is None:
         raise ConfigError("evaluation: the held-out data yielded no batches")
     check_model_fits(model_fn, config)

@@ -281,8 +281,14 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--eval-data",
         help="criteo, stream, criteo-follow: Criteo-format file(s) held out for evaluation "
-        "(comma-separated)",
+        "(comma-separated); for a stream's job also stream:redis://HOST:PORT/STREAM, a "
+        "separate stream whose newest --eval-window records are scored",
     )
+    data.add_argument(
+        "--eval-window", type=int, default=10_000,
+        help="--eval-data stream:...: the newest records of that stream scored at each "
+        "evaluation (default: 10000)",
+    )  # fmt: skip
     data.add_argument(
         "--max-bad-records", type=int, default=DEFAULT_MAX_BAD_RECORDS,
         help="stream: malformed records skipped (each logged) before the job stops, naming "
@@ -463,9 +469,10 @@ def run_train(args: argparse.Namespace, argv: Sequence[str]) -> int:
         role = f"server{rank}" if rank < config.servers else f"trainer{rank - config.servers}"
         log_as(role, force=True)
     job = build_job(args, config)
-    if config.eval_every is not None and job.evaluation is None:
+    if config.evaluates_while_training and job.evaluation is None:
         raise ConfigError(
-            "--eval-every needs held-out data (for criteo:PATH, --eval-data or --eval-fraction)"
+            "--eval-every(-s) needs held-out data (for criteo:PATH, --eval-data or "
+            "--eval-fraction; for a stream, --eval-data)"
         )
     # The job's own display knows how many steps to expect; train()'s would not.
     display = (

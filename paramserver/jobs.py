@@ -134,7 +134,7 @@ def stream_job(args: argparse.Namespace, config: TrainConfig) -> Job:
     (``stream:redis://HOST:PORT/STREAM``) or Criteo files arriving in a folder
     (``criteo-follow:DIR``), read until the job is stopped or ``--steps``; held out: the
     --eval-data files."""
-    from paramserver.streams import FollowedFolder, RedisStream
+    from paramserver.streams import FollowedFolder, RedisStream, RedisWindow
 
     source: FollowedFolder | RedisStream
     if args.dataset.startswith("criteo-follow:"):
@@ -151,7 +151,14 @@ def stream_job(args: argparse.Namespace, config: TrainConfig) -> Job:
         )
     source.check()
     evaluation = None
-    if args.eval_data:
+    if args.eval_data and args.eval_data.startswith("stream:"):  # the newest of a stream
+        held_out = RedisStream.from_url(
+            args.eval_data.removeprefix("stream:"), batch_size=EVAL_BATCH_SIZE
+        )
+        if args.eval_window < 1:
+            raise ConfigError(f"--eval-window must be at least 1, got {args.eval_window}")
+        evaluation = Evaluation(RedisWindow(held_out, args.eval_window), binary_metrics)
+    elif args.eval_data:
         held_out = args.eval_data.split(",")
         for path in held_out:
             if not Path(path).is_file():

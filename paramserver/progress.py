@@ -36,12 +36,17 @@ class ProgressDisplay:
         samples = sum(p.samples for p in self.latest.values())
         rate = samples / max(time.monotonic() - self.started, 1e-9)
         loss = sum(p.loss for p in self.latest.values()) / len(self.latest)
+        figures = f"{rate:,.0f} samples/s  loss {loss:.4f}"
+        lags = [p for p in self.latest.values() if p.lag is not None]
+        if lags:  # a stream: its records, and how far behind its head the trainers are
+            lag = max(p.lag for p in lags if p.lag is not None)
+            figures = f"{rate:,.0f} records/s  loss {loss:.4f}  lag {lag:,} {lags[0].lag_unit}"
         if self.bar is not None:
             self.bar.update(steps - self.bar.n)
-            self.bar.set_postfix_str(f"{rate:,.0f} samples/s  loss {loss:.4f}")
+            self.bar.set_postfix_str(figures)
         elif time.monotonic() - self.last_log >= self.log_every_s:
             self.last_log = time.monotonic()
-            log.info("step %d  %.0f samples/s  loss %.4f", steps, rate, loss)
+            log.info("step %d  %s", steps, figures)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -40,6 +40,8 @@ class Progress:
     steps: int
     samples: int
     loss: float
+    lag: int | None = None  # how far its input's head is ahead of it (a stream's), if known
+    lag_unit: str = ""  # what ``lag`` counts: "records", "files"
 
 
 def as_tuple(inputs: Inputs) -> tuple[Tensor, ...]:

@@ -17,7 +17,7 @@ import torch
 from paramserver.cli import main
 from paramserver.data.criteo import CriteoFiles, decode_records, write_synthetic_criteo
 from paramserver.errors import InvalidBatchError, StreamError
-from paramserver.streams import RecordBatcher, RedisStream, RedisStreamReader
+from paramserver.streams import RecordBatcher, RedisStream, RedisStreamReader, RedisWindow
 from paramserver.streams.produce import produce, synthetic_lines
 from tests.procs import RedisServer, free_port
 
@@ -182,3 +182,15 @@ def test_the_producer_writes_the_synthetic_files_lines_with_record_ids(tmp_path:
     assert list(synthetic_lines(100, seed=4)) == (tmp_path / "f").read_bytes().splitlines()
     lines: Iterator[bytes] = synthetic_lines(3, seed=4, record_ids=True, first_id=254)
     assert [line.rsplit(b"\t", 1)[1] for line in lines] == [b"fe", b"ff", b"100"]
+
+
+def test_a_held_out_window_is_the_newest_records_of_a_separate_stream(
+    redis_server: RedisServer,
+) -> None:
+    source = write_numbers(redis_server, "held-out", 10 * BATCH)
+    source.connect().xadd(source.stream, {"line": b"bad"})
+    window = RedisWindow(source, records=3 * BATCH + 1)
+    newest = torch.cat([batch[0] for batch in window()])
+    assert newest.tolist() == list(range(7 * BATCH, 10 * BATCH))  # the bad one left out
+    source.connect().xadd(source.stream, {"line": str(10 * BATCH).encode()})
+    assert torch.cat([batch[0] for batch in window()])[-1] == 10 * BATCH  # it moves on

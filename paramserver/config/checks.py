@@ -294,13 +294,15 @@ def _check_observing(config: TrainConfig) -> None:
         value = getattr(config, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag(name)} must be >= 1, got {value}")
+    if config.eval_every_s is not None and not config.eval_every_s > 0:
+        raise ConfigError(f"--eval-every-s must be > 0, got {config.eval_every_s}")
     if config.profile_steps < 0 or config.profile_start < 0:
         raise ConfigError("--profile-steps and --profile-start must be >= 0")
     if config.profile_steps and config.run_dir is None:
         raise ConfigError("--profile-steps needs --run-dir (the trace is written there)")
-    if config.eval_every is not None and config.server_pooling:
+    if config.evaluates_while_training and config.server_pooling:
         raise ConfigError(
-            "--eval-every does not work with --server-pooling tables (evaluation reads "
+            "--eval-every(-s) does not work with --server-pooling tables (evaluation reads "
             "rows, and those tables' trainers never hold rows)"
         )
 

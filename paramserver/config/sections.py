@@ -309,6 +309,10 @@ class ObserveSection:
     """What the job shows and records while it runs: progress, metrics, held-out evaluations,
     replica checks and profiler traces."""
 
+    @property
+    def evaluates_while_training(self) -> bool:
+        return self.eval_every is not None or self.eval_every_s is not None
+
     progress: bool = field(
         default=True,
         metadata=doc(
@@ -341,6 +345,13 @@ class ObserveSection:
             "steps between held-out evaluations on the chief trainer during training "
             "(the built-in datasets' held-out data; the API's `evaluation`; default: only "
             "the final model is evaluated)"
+        ),
+    )
+    eval_every_s: float | None = field(
+        default=None,
+        metadata=doc(
+            "seconds between held-out evaluations on the chief trainer during training (a "
+            "stream's job runs on time, not epochs; with --eval-every, whichever comes first)"
         ),
     )
     consistency_every: int | None = field(

@@ -62,6 +62,8 @@ class ProgressWriter:
                 "steps": progress.steps,
                 "samples": progress.samples,
                 "loss": progress.loss,
+                "lag": progress.lag,
+                "lag_unit": progress.lag_unit,
             }
         )
         self.pipe.write(line + "\n")

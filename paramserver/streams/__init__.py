@@ -10,7 +10,7 @@ gives that trainer's reader.
 
 from paramserver.streams.batching import Decoder, RecordBatcher
 from paramserver.streams.folder import FolderReader, FollowedFolder
-from paramserver.streams.redis import RedisStream, RedisStreamReader
+from paramserver.streams.redis import RedisStream, RedisStreamReader, RedisWindow
 
 __all__ = [
     "Decoder",
@@ -19,4 +19,5 @@ __all__ = [
     "RecordBatcher",
     "RedisStream",
     "RedisStreamReader",
+    "RedisWindow",
 ]

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 DONE_SUFFIX = ".done"
 READ_AHEAD = 4  # blocks parsed ahead of the trainer
+LAG_EVERY_S = 1.0  # how often the folder is listed for the lag
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class FolderReader(Iterator[Any]):
         self._position: dict[str, Any] | None = None
         self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
         self._ready: list[tuple[Any, dict]] = []
+        self._lag: tuple[float, int] = (-LAG_EVERY_S, 0)
 
     def position(self) -> dict[str, Any] | None:
         return self._position
@@ -100,6 +102,17 @@ class FolderReader(Iterator[Any]):
 
     def acknowledge(self, position: dict[str, Any]) -> None:
         """Nothing to tell: the files stay where they are."""
+
+    lag_unit = "files"
+
+    def lag(self) -> int:
+        """Complete files after the one being read, looked at most every second."""
+        asked_at, lag = self._lag
+        if time.monotonic() - asked_at >= LAG_EVERY_S:
+            where = self._position["id"][0] if self._position is not None else ""
+            lag = sum(name > where for name in self.source.complete_files())
+            self._lag = (time.monotonic(), lag)
+        return lag
 
     def __next__(self) -> Any:
         while not self._ready:

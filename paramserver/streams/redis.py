@@ -130,7 +130,7 @@ class RedisStreamReader(Iterator[Any]):
         self._position: dict[str, Any] | None = None
         self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
         self._ready: list[tuple[Any, dict]] = []
-        self._lag: tuple[float, int | None] = (0.0, None)
+        self._lag: tuple[float, int | None] = (-LAG_EVERY_S, None)
         self._count = min(source.batch_size, MAX_READ_COUNT)
 
     # ---- PositionedInput ----
@@ -181,6 +181,8 @@ class RedisStreamReader(Iterator[Any]):
     def close(self) -> None:
         if self._read_ahead is not None:
             self._read_ahead.close()
+
+    lag_unit = "records"
 
     def lag(self) -> int | None:
         """Entries in the stream not yet handed to any consumer of the group (Redis's own
@@ -245,3 +247,28 @@ class RedisStreamReader(Iterator[Any]):
 
 def _field(fields: dict[bytes, bytes] | None, name: str) -> bytes | None:
     return None if not fields else fields.get(name.encode())
+
+
+@dataclass(frozen=True)
+class RedisWindow:
+    """Held-out data from a separate stream: its newest ``records`` entries, read afresh at each
+    evaluation (``XREVRANGE``, by no consumer group), so the window moves with the stream; its
+    bad records are left out. ``data_fn()`` of an :class:`~paramserver.metrics.Evaluation`."""
+
+    source: RedisStream
+    records: int = 10_000
+
+    def __call__(self) -> Iterator[Any]:
+        import redis
+
+        source = self.source
+        try:
+            entries = source.connect().xrevrange(source.stream, "+", "-", count=self.records)
+        except redis.RedisError as error:
+            raise StreamError(f"{source.name} (held out): {error}") from None
+        values = [_field(fields, source.record_field) for _, fields in reversed(entries)]
+        present = [v for v in values if v is not None]
+        for start in range(0, len(present), source.batch_size):
+            rows, why = source.decoder(present[start : start + source.batch_size])
+            if any(bad is None for bad in why):
+                yield rows

@@ -268,6 +268,7 @@ class TrainContext:
         # A positioned input's position after the last step trained (what a checkpoint saves).
         self.position: Any = resumed.position
         self._step_end: Any = None  # the position after the step computing
+        self._positioned: PositionedInput | None = None  # what ctx.batches reads, a stream
         self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
         self._drawn = False  # whether the current step drew the next one
         engine.replica.route_forward(self._model_forward)
@@ -323,6 +324,7 @@ class TrainContext:
             raise LoopError("ctx.batches is already open: use one at a time")
         self.opened.append(iterable)
         positioned = iterable if isinstance(iterable, PositionedInput) else None
+        self._positioned = positioned
         if positioned is not None:
             if self._resumed.position is not None:
                 positioned.seek(self._resumed.position)
@@ -536,6 +538,13 @@ class TrainContext:
             self._restore_rng()
         return source
 
+    def _input_lag(self) -> tuple[int | None, str]:
+        """How far the head of the stream being read is ahead of this trainer, if it says."""
+        lag = getattr(self._positioned, "lag", None)
+        if lag is None:
+            return None, ""
+        return lag(), getattr(self._positioned, "lag_unit", "")
+
     def _restore_rng(self) -> None:
         rng, self._resumed.rng = self._resumed.rng, None
         if rng is not None:
@@ -659,7 +668,11 @@ class TrainContext:
             self._send(ahead)
         engine.observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
         if engine.on_progress is not None:
-            engine.on_progress(Progress(engine.trainer, self.steps, self.samples, self.losses[-1]))
+            lag, unit = self._input_lag()
+            progress = Progress(
+                engine.trainer, self.steps, self.samples, self.losses[-1], lag, unit
+            )
+            engine.on_progress(progress)
 
     def finish(self) -> Gradients:
         """The trainer's, once ``loop_fn`` has returned: wait for a call still under way;

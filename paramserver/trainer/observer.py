@@ -7,10 +7,10 @@
   gradients it applied) from the servers' cumulative counters;
 - every ``consistency_every`` steps, a check of its dense replica against the servers (see
   :mod:`paramserver.observe.consistency`);
-- on the chief, every ``eval_every`` steps, the held-out metrics of the model as its replica
-  holds it: it reads the rows the held-out batches touch (reads that change nothing on the
-  servers) and uses the dense values of its current step (``train()`` then scores the final
-  model where it gathers it);
+- on the chief, every ``eval_every`` steps or ``eval_every_s`` seconds, the held-out metrics
+  of the model as its replica holds it: it reads the rows the held-out batches touch (reads
+  that change nothing on the servers) and uses the dense values of its current step
+  (``train()`` then scores the final model where it gathers it);
 - a ``torch.profiler`` trace of ``profile_steps`` steps from step ``profile_start``.
 
 Everything here runs between steps, after the step's gradients were taken, so none of it can
@@ -67,7 +67,8 @@ class Observer:
         self.replica = replica
         self.alarm = alarm
         self.chief = trainer == 0
-        self.evaluation = evaluation if self.chief and settings.eval_every else None
+        self.evaluation = evaluation if self.chief and settings.evaluates_while_training else None
+        self._evaluated_at = time.monotonic()
         self.evals: list[dict[str, float]] = []  # the chief's: {"step": ..., metric: ...}
         self.checks: list[Divergence] = []
         run_dir = settings.run_dir
@@ -101,7 +102,7 @@ class Observer:
             self._record(steps, samples)
         if settings.consistency_every and steps % settings.consistency_every == 0:
             self._check(steps, pulled)
-        if self.evaluation is not None and steps % settings.eval_every == 0:  # type: ignore[operator]
+        if self.evaluation is not None and self._evaluation_due(steps):
             self._evaluate(steps)
 
     def finish(self, steps: int, samples: int) -> dict[str, float]:
@@ -212,8 +213,15 @@ class Observer:
         if self.log is not None:
             self.log.write("consistency", steps, divergence.as_record())
 
+    def _evaluation_due(self, steps: int) -> bool:
+        every, every_s = self.settings.eval_every, self.settings.eval_every_s
+        return (every is not None and steps % every == 0) or (
+            every_s is not None and time.monotonic() - self._evaluated_at >= every_s
+        )
+
     def _evaluate(self, steps: int) -> None:
         assert self.evaluation is not None
+        self._evaluated_at = time.monotonic()
         replica, client = self.replica, self.client
 
         def forward(inputs: Inputs) -> Tensor:
