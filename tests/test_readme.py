@@ -49,6 +49,7 @@ import torch
 from paramserver.checkpoint import load_latest
 from paramserver.cli import build_parser, main, switches
 from paramserver.config import TrainConfig, read_toml
+from tests.procs import RedisServer
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -160,6 +161,22 @@ COMMANDS: dict[str, Run] = {
     '"shape": [3], "datatype": "INT64", "data": [1, 2, 3]}]}': Run(
         equivalent="run as written against the serving process's free HTTP port"
     ),
+    "redis-server --port 6379 --save  --daemonize yes": Run(  # --save '': no snapshots
+        equivalent="the tests' redis-server (tests/procs.py) on a free loopback port"
+    ),
+    "python -m paramserver.streams.produce redis://localhost:6379/events --records 0 "
+    "--rate 5000 &": Run(equivalent="run as written against that port, stopped at the end"),
+    "paramserver train --dataset stream:redis://localhost:6379/events --publish-dir live "
+    "--checkpoint-dir live-ckpt --checkpoint-every 200 &": Run(
+        equivalent="run as written against that port, then stopped by SIGTERM"
+    ),
+    "paramserver serve --follow live --http-port 8000 --grpc-port 8001 &": Run(
+        equivalent="started as a process on free ports, stopped after the query"
+    ),
+    "paramserver train --dataset stream:redis://localhost:6379/events --publish-dir live "
+    "--checkpoint-dir live-ckpt --checkpoint-every 200 --resume": Run(
+        equivalent="run as written against that port, with --steps 2 more than it stopped at"
+    ),
 }
 TEXT_BLOCKS = {"paramserver/": "the file map"}
 
@@ -256,7 +273,7 @@ def test_every_block_of_the_readme_is_covered() -> None:
         if block.language == "":
             first = block.text.splitlines()[0].strip()
             assert first in TEXT_BLOCKS, f"README.md:{block.line}: a plain block not covered"
-    assert len(blocks_of("python")) == 4 and len(blocks_of("toml")) == 1  # each run below
+    assert len(blocks_of("python")) == 5 and len(blocks_of("toml")) == 1  # each run below
 
 
 # --- Quickstart -----------------------------------------------------------------------------
@@ -511,3 +528,60 @@ def test_serving_commands_answer_curl_and_tritonclient(scratch: Path) -> None:
         script = blocks_of("python")[3].text.replace("localhost:8001", f"127.0.0.1:{grpc}")
         out = run_script(script, directory, "query.py", timeout=60)
         assert "0:" in out and "1:" in out  # the steps of both servers in the version read
+
+
+# --- Online training ------------------------------------------------------------------------
+
+
+def wait_ready(http: int, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready") as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "serve never became ready"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(240)
+def test_online_training_serves_a_row_an_event_changed_and_stops_cleanly(tmp_path: Path) -> None:
+    _, produce, train, serve, resume = sh_commands("Online training: a stream in, fresh rows out")
+    redis_server = RedisServer(tmp_path)  # the README's `redis-server --port 6379`
+    try:
+
+        def here(command: str) -> list[str]:
+            words = command.replace("localhost:6379", f"127.0.0.1:{redis_server.port}").split()
+            words = [w for w in words if w != "&"]
+            return [sys.executable if words[0] == "python" else str(BIN / words[0]), *words[1:]]
+
+        http, grpc = free_port(), free_port()
+        ports = ["--http-port", str(http), "--grpc-port", str(grpc)]
+        with (
+            serving(here(produce), tmp_path),
+            serving(here(train), tmp_path) as trainer,
+        ):
+            wait_until_published = time.monotonic() + 60
+            while not (tmp_path / "live" / "job.json").exists():
+                assert time.monotonic() < wait_until_published and trainer.poll() is None
+                time.sleep(0.1)
+            with serving([*here(serve), *ports], tmp_path) as server:
+                wait_ready(http, server)
+                script = blocks_of("python")[4].text.replace("localhost:8000", f"127.0.0.1:{http}")
+                script = script.replace('"localhost", 6379', f'"127.0.0.1", {redis_server.port}')
+                out = run_script(script, tmp_path, "online.py", timeout=60)
+                assert "served changed" in out
+            trainer.send_signal(signal.SIGTERM)  # the README's Ctrl-C or kill -TERM
+            assert trainer.wait(timeout=60) == 0, trainer.stderr.read() if trainer.stderr else ""
+        found = load_latest(tmp_path / "live-ckpt")
+        assert found is not None and found.meta.get("final")
+        stopped_at = found.meta["stream_ends"]["0"]["steps_done"]
+        more = ["--steps", str(stopped_at + 2), "--no-progress"]
+        assert subprocess.run([*here(resume), *more], cwd=tmp_path, timeout=120).returncode == 0
+        again = load_latest(tmp_path / "live-ckpt")
+        assert again is not None and again.meta["stream_ends"]["0"]["steps_done"] == stopped_at + 2
+    finally:
+        redis_server.stop()
