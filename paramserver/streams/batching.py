@@ -54,7 +54,7 @@ class RecordBatcher:
         self.records = int(position.get("records", 0))
         self.bad_records = int(position.get("bad_records", 0))
 
-    def add(self, ids: Sequence[str], values: Sequence[bytes | None]) -> list[tuple[Any, dict]]:
+    def add(self, ids: Sequence[Any], values: Sequence[bytes | None]) -> list[tuple[Any, dict]]:
         """The batches that records ``values`` (with their ids; None: a record without the
         field read) complete, each with its position."""
         assert self.decode is not None, "records need a decoder"
@@ -64,22 +64,32 @@ class RecordBatcher:
             raise InvalidBatchError(
                 f"{self.source}: the decoder judged {len(judged)} records of {len(present)}"
             )
-        verdicts = iter(judged)
-        missing = "the entry has no such field, or was deleted"
-        good_ids, bad_by_then = [], []
-        for record_id, value in zip(ids, values, strict=True):
-            why = missing if value is None else next(verdicts)
-            if why is not None:
-                self._skip(record_id, why)
-            else:
-                good_ids.append(record_id)
-                bad_by_then.append(self.bad_records)
+        if len(present) == len(values) and not any(judged):  # all good: the common case
+            good_ids, bad_by_then = list(ids), [self.bad_records] * len(ids)
+        else:
+            good_ids, bad_by_then = self._sorted_out(ids, values, judged)
         if good_ids and _rows_of(rows) != len(good_ids):
             raise InvalidBatchError(
                 f"{self.source}: the decoder gave {_rows_of(rows)} rows for {len(good_ids)} "
                 f"good records"
             )
         return self.add_rows(rows, good_ids, bad_by_then) if good_ids else []
+
+    def _sorted_out(
+        self, ids: Sequence[Any], values: Sequence[bytes | None], judged: list[str | None]
+    ) -> tuple[list[Any], list[int]]:
+        """The good records' ids, and the bad records counted by each; the bad ones skipped."""
+        verdicts = iter(judged)
+        missing = "the entry has no such field, or was deleted"
+        good_ids, bad_by_then = [], []
+        for record_id, value in zip(ids, values, strict=True):
+            why = missing if value is None else next(verdicts)
+            if why is not None:
+                self._skip(_text(record_id), why)
+            else:
+                good_ids.append(record_id)
+                bad_by_then.append(self.bad_records)
+        return good_ids, bad_by_then
 
     def add_rows(self, rows: Any, ids: list[Any], bad: list[int]) -> list[tuple[Any, dict]]:
         """The batches that decoded ``rows`` complete; ``ids``: each row's id (JSON), ``bad``:
@@ -91,7 +101,7 @@ class RecordBatcher:
         for start in range(0, end, self.batch_size):
             self.records += self.batch_size
             last = start + self.batch_size - 1
-            position = {"id": ids[last], "records": self.records, "bad_records": bad[last]}
+            position = {"id": _text(ids[last]), "records": self.records, "bad_records": bad[last]}
             batches.append((_slice(rows, start, start + self.batch_size), position))
         self._rest = _slice(rows, end, size) if end < size else None
         self._rest_ids, self._rest_bad = ids[end:], bad[end:]
@@ -105,6 +115,11 @@ class RecordBatcher:
                 f"(--max-bad-records); the last, {record_id}: {why}"
             )
         log.warning("%s: record %s skipped: %s", self.source, record_id, why)
+
+
+def _text(record_id: Any) -> Any:
+    """A record's id as JSON: a stream's entry ids come as bytes."""
+    return record_id.decode() if isinstance(record_id, bytes) else record_id
 
 
 def _rows_of(rows: Any) -> int:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -44,7 +44,7 @@ from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS, Decoder, Recor
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-MAX_READ_COUNT = 4096  # entries one XREADGROUP asks for at most (a batch's, if fewer)
+MIN_READ_COUNT, MAX_READ_COUNT = 1024, 4096  # entries one XREADGROUP asks for: a batch's
 READ_AHEAD = 4  # reads decoded ahead of the trainer: what it holds that others cannot read
 ACK_COUNT = 10_000  # pending entries listed per XPENDING while acknowledging
 LAG_EVERY_S = 1.0  # how often the group's lag is asked
@@ -131,7 +131,7 @@ class RedisStreamReader(Iterator[Any]):
         self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
         self._ready: list[tuple[Any, dict]] = []
         self._lag: tuple[float, int | None] = (-LAG_EVERY_S, None)
-        self._count = min(source.batch_size, MAX_READ_COUNT)
+        self.read_count = min(max(source.batch_size, MIN_READ_COUNT), MAX_READ_COUNT)
 
     # ---- PositionedInput ----
 
@@ -200,28 +200,25 @@ class RedisStreamReader(Iterator[Any]):
 
     def _chunks(self) -> Iterator[list[tuple[Any, dict]]]:
         """The reading thread's: the batches each read completes (an empty list where a read
-        waited and found nothing new), until the job is asked to stop."""
+        waited and found nothing new), until the job is asked to stop. After a lost connection
+        it reads its own pending entries again, from the last one it saw: the entries of an
+        answer lost on the way were handed to it all the same."""
+        reads = _GroupReads(self)
         after, history = self._after, True
-        while not STOP.is_set():
-            entries = self._read(after if history else ">")
-            if history and not entries:
-                history = False  # its pending entries are read: on to new ones
-                continue
-            if history:
-                after = entries[-1][0].decode()
-            ids = [entry_id.decode() for entry_id, _ in entries]
-            values = [_field(fields, self.source.record_field) for _, fields in entries]
-            yield self.batcher.add(ids, values)
-
-    def _read(self, after: str) -> Sequence[tuple[bytes, dict[bytes, bytes] | None]]:
-        source = self.source
-        block = None if after != ">" else source.block_ms
-        reply = self._retrying(
-            lambda: self.client.xreadgroup(
-                source.group, self.consumer, {source.stream: after}, self._count, block
-            )
-        )
-        return reply[0][1] if reply else []
+        try:
+            while not STOP.is_set():
+                entries = reads.pending_after(after) if history else reads.new()
+                if entries is None:  # the connection was lost, and is back
+                    history = True
+                    continue
+                if history and not entries:
+                    history = False  # its pending entries are read: on to new ones
+                    continue
+                if entries:
+                    after = entries[-1][0].decode()
+                yield self.batcher.add(*_ids_and_values(entries, self.source.record_field))
+        finally:
+            reads.close()
 
     def _retrying(self, command: Callable[[], T]) -> T:
         """``command()``, retried while Redis is unreachable, for ``retry_s`` seconds."""
@@ -245,8 +242,108 @@ class RedisStreamReader(Iterator[Any]):
                 raise StreamError(f"{self.source.name}: {error}") from None
 
 
-def _field(fields: dict[bytes, bytes] | None, name: str) -> bytes | None:
-    return None if not fields else fields.get(name.encode())
+class _GroupReads:
+    """One consumer's ``XREADGROUP`` calls, on a connection of its own: each read of new
+    entries is sent as soon as the last one's answer is in, so Redis serves it while the last
+    ones are decoded. A lost connection is made again (with backoff, for ``retry_s``: then a
+    StreamError); the read that was under way answers None."""
+
+    def __init__(self, reader: RedisStreamReader):
+        self.reader = reader
+        self.source = reader.source
+        self.connection: Any = None
+        self.sent = False  # a read of new entries is under way
+        self.failing_since: float | None = None
+        self.wait = 0.05
+
+    def pending_after(self, after: str) -> list[Any] | None:
+        """This consumer's pending entries after id ``after``."""
+        return self._read(after, ahead=False)
+
+    def new(self) -> list[Any] | None:
+        """New entries (waiting ``block_ms`` for some), the next read sent at once."""
+        return self._read(">", ahead=True)
+
+    def _read(self, after: str, ahead: bool) -> list[Any] | None:
+        import redis
+
+        try:
+            if self.connection is None:
+                self.connection = redis.Connection(
+                    self.source.host, self.source.port, socket_timeout=10, socket_connect_timeout=5
+                )
+                self.connection.connect()
+            if not self.sent:
+                self._send(after)
+            self.sent = False
+            entries = _entries(self.connection.read_response())
+            if ahead and entries:
+                self._send(">")
+                self.sent = True
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            self._lost(error)
+            return None
+        except redis.ResponseError as error:  # the stream or the group deleted, say
+            raise StreamError(f"{self.source.name}: {error}") from None
+        self.failing_since, self.wait = None, 0.05
+        return entries
+
+    def _send(self, after: str) -> None:
+        block = ("BLOCK", self.source.block_ms) if after == ">" else ()
+        self.connection.send_command(
+            "XREADGROUP", "GROUP", self.source.group, self.reader.consumer,
+            "COUNT", self.reader.read_count, *block, "STREAMS", self.source.stream, after,
+        )  # fmt: skip
+
+    def _lost(self, error: Exception) -> None:
+        self.close()
+        now = time.monotonic()
+        self.failing_since = self.failing_since or now
+        if now + self.wait - self.failing_since > self.source.retry_s:
+            raise StreamError(
+                f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s ({error})"
+            ) from None
+        log.warning("%s: %s; retrying", self.source.name, error)
+        time.sleep(self.wait)
+        self.wait = min(self.wait * 2, 2.0)
+
+    def close(self) -> None:
+        if self.connection is not None:
+            self.connection.disconnect()
+        self.connection, self.sent = None, False
+
+
+def _entries(reply: Any) -> list[Any]:
+    """The entries of an XREADGROUP answer (None: none came within the block)."""
+    if not reply:
+        return []
+    streams = list(reply.values()) if isinstance(reply, dict) else [entries for _, entries in reply]
+    return list(streams[0])
+
+
+def _ids_and_values(entries: list[Any], name: str) -> tuple[list[bytes], list[bytes | None]]:
+    """Each entry's id (bytes: a batch's position decodes its last one only) and the value of
+    its field ``name``; a flat list of fields that starts with it is the common case."""
+    wanted = name.encode()
+    ids = [entry_id for entry_id, _ in entries]
+    values = [
+        fields[1]
+        if type(fields) is list and fields and fields[0] == wanted
+        else _field(fields, name)
+        for _, fields in entries
+    ]
+    return ids, values
+
+
+def _field(fields: Any, name: str) -> bytes | None:
+    """A field's value in an entry's fields (a flat list of names and values, or a mapping);
+    None where it has none, or the entry was deleted."""
+    if not fields:
+        return None
+    if isinstance(fields, dict):
+        return fields.get(name.encode())
+    wanted = name.encode()
+    return next((fields[i + 1] for i in range(0, len(fields), 2) if fields[i] == wanted), None)
 
 
 @dataclass(frozen=True)
