@@ -13,7 +13,8 @@ redis-server on loopback (started here, on a free port, and stopped by its pid).
   its served row polled until it changes. Goal: p50 <= 3 s.
 - ``kills``: a sync job (2 servers, 1 trainer, Adam, each record's number in C26) SIGKILLed
   ``--trials`` times each in a trainer and in a server at a random moment after its first
-  checkpoint, restarted by ``--max-restarts 1`` from that checkpoint; every record must be
+  checkpoint, restarted by ``--max-restarts 1`` from that checkpoint, and in a server of a job
+  with ``--recover`` (only that server restarts, from its change log); every record must be
   trained on once (C26's per-row step counts) and the final checkpoint must equal an
   uninterrupted run's over the same records, bitwise.
 
@@ -217,7 +218,7 @@ def freshness(redis: Redis, scratch: Path, probes: int, rate: float) -> dict[str
             stopped(server)
     finally:
         stopped(producer, trainer)
-    quantiles = statistics.quantiles(seconds, n=100)
+    quantiles = statistics.quantiles(seconds, n=100, method="inclusive")
     return {
         "rate": rate,
         "probes": probes,
@@ -304,20 +305,25 @@ def kill_trial(redis: Redis, scratch: Path, lines: list[bytes], kind: str, rng: 
     root = Path(tempfile.mkdtemp(dir=scratch))
     source = RedisStream.from_url(redis.url(root.name))
     produce(source, iter(lines))
-    job = kill_job(source.name, root, *(["--max-restarts", "1"] if kind != "none" else []))
+    flags = ["--max-restarts", "1"] if kind != "none" else []
+    if kind == "server_recover":  # only the killed server restarts, from its log
+        flags += ["--publish-dir", str(root / "log"), "--recover"]
+    job = kill_job(source.name, root, *flags)
     killed_at = None
     if kind != "none":
         while not committed_steps(root / "ckd") and job.poll() is None:
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.5))
         pid = worker_pid(job.pid, 2 if kind == "trainer" else rng.randrange(2))
+        if kind == "server_recover":  # after its log has a segment or two
+            time.sleep(1.5)
         if pid is not None and job.poll() is None:
             os.kill(pid, signal.SIGKILL)
             killed_at = time.monotonic()
     output, _ = job.communicate(timeout=600)
     left = workers_of(job.pid)
     result: dict[str, Any] = {"kind": kind, "exit": job.returncode, "killed": killed_at is not None}
-    result["restarted"] = "restarting the job" in output
+    result["restarted"] = "restarting the job" in output or "restarting it alone" in output
     if job.returncode == 0:
         state = final_state(root)
         steps = state[f"0/table/{RECORD_TABLE}/steps"].tolist()
@@ -335,12 +341,12 @@ def kill_trial(redis: Redis, scratch: Path, lines: list[bytes], kind: str, rng: 
     return result
 
 
-def kills(redis: Redis, scratch: Path, trials: int) -> dict[str, Any]:
+def kills(redis: Redis, scratch: Path, trials: int, kinds: list[str]) -> dict[str, Any]:
     numbered = list(synthetic_lines(KILL_STEPS * 128 + 2000, seed=5, record_ids=True))
     reference = kill_trial(redis, scratch, numbered, "none", random.Random(0), None)
     assert reference["exit"] == 0, reference
     figures: dict[str, Any] = {}
-    for kind in ("trainer", "server"):
+    for kind in kinds:
         rng = random.Random(kind)
         runs = []
         for _ in range(trials):
@@ -373,6 +379,7 @@ def main() -> None:
     parser.add_argument("--probes", type=int, default=20)
     parser.add_argument("--rate", type=float, default=5000)
     parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--kill-kinds", default="trainer,server,server_recover")
     parser.add_argument("--out", default="bench_stream.json")
     args = parser.parse_args()
     if shutil.which("redis-server") is None:
@@ -390,7 +397,7 @@ def main() -> None:
             if "freshness" in parts:
                 results["freshness"] = freshness(redis, scratch, args.probes, args.rate)
             if "kills" in parts:
-                results["kills"] = kills(redis, scratch, args.trials)
+                results["kills"] = kills(redis, scratch, args.trials, args.kill_kinds.split(","))
         finally:
             redis.stop()
     save(results, args.out)

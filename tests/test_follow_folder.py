@@ -117,4 +117,7 @@ def test_a_job_trains_on_a_followed_folder_and_stops_at_its_steps(tmp_path: Path
     job = ("--launcher", "threads", "--dataset", f"criteo-follow:{tmp_path}", "--batch-size", "100")
     code = main(["train", *job, "--steps", "4", "--no-progress", "--summary-json", str(summary)])
     assert code == 0
-    assert json.loads(summary.read_text())["samples"] == 800  # 2 trainers, 4 steps of 100
+    figures = json.loads(summary.read_text())
+    assert figures["samples"] == 800  # 2 trainers, 4 steps of 100
+    assert figures["stream"]["records"] == 800 and figures["stream"]["bad_records"] == 0
+    assert [end["id"][0] for end in figures["stream"]["positions"]] == ["2026-12-06T00.csv"] * 2

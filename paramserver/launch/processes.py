@@ -223,6 +223,7 @@ class ProcessGroup:
         self.selector = selectors.DefaultSelector()
         self.partial_lines: dict[int, bytes] = {}  # progress pipe fd -> bytes after last newline
         self.lost: set[str] = set()  # trainers that died and were left behind
+        self.stop_asked_at: float | None = None  # a stream job asked to stop (launch.stopping)
         self.board = FileBoard(run_dir / "rendezvous")
         self.server_restarts = [] if server_restarts is None else server_restarts
         self.restarts_left = restarts_left
@@ -281,7 +282,9 @@ class ProcessGroup:
         return True
 
     def ask_trainers_to_stop(self) -> None:
-        """Every trainer ends its input at its next step (see launch.stopping)."""
+        """Every trainer ends its input at its next step (see launch.stopping); asked again
+        every second while they run (one still starting ignores it)."""
+        self.stop_asked_at = time.monotonic()
         for role, process in self.processes.items():
             if role.startswith("trainer") and process.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -292,6 +295,8 @@ class ProcessGroup:
         while True:
             for key, _ in self.selector.select(timeout=0.1):
                 self._read_progress(int(key.fd), on_progress)
+            if self.stop_asked_at is not None and time.monotonic() - self.stop_asked_at >= 1.0:
+                self.ask_trainers_to_stop()
             running = 0
             for role, process in list(self.processes.items()):
                 code = process.poll()

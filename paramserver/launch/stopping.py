@@ -20,7 +20,9 @@ from typing import Any
 
 from paramserver.inputs import STOP
 
-STOP_SIGNAL = signal.SIGUSR1  # the launcher's request to a trainer process
+# The launcher's request to a trainer process: ignored by default, so a trainer still starting
+# (its handler not installed yet) is not killed by it; the launcher asks again every second.
+STOP_SIGNAL = signal.SIGWINCH
 STOPPING = (
     "stopping: every trainer ends its input at its next step, then the final checkpoint is "
     "written (%s again stops at once)"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -53,6 +54,7 @@ def summarize(
         "compression_ratio": _compression_ratios(reports),
         "server_stats": servers,
         "recovery": _recovery(server_stats, reports),
+        **_stream(reports),
         "tables": _summed_table_counters(server_stats),
         **_departures(server_stats),
         "staleness": _staleness_histogram(server_stats),
@@ -61,6 +63,22 @@ def summarize(
         "consistency": merge_checks([r.consistency for r in reports if r.consistency]),
         "eval_history": evals,
         "lr": _learning_rates(chief, config, server_stats),
+    }
+
+
+def _stream(reports: list[TrainerReport]) -> dict[str, Any]:
+    """A job reading a stream: where each trainer ended, and its records and bad records (from
+    the job's start: positions count them)."""
+    ends = [json.loads(r.input_position) for r in reports if r.input_position is not None]
+    if not ends:
+        return {}
+    counted = [end for end in ends if isinstance(end, dict)]
+    return {
+        "stream": {
+            "positions": ends,
+            "records": sum(int(end.get("records", 0)) for end in counted),
+            "bad_records": sum(int(end.get("bad_records", 0)) for end in counted),
+        }
     }
 
 
