@@ -445,6 +445,20 @@ def test_checkpoint_commands_run_in_order(scratch: Path) -> None:
 # --- Watching a run -------------------------------------------------------------------------
 
 
+def wait_ready(http: int, process: subprocess.Popen[str]) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready") as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, "serve never became ready"
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def serving(argv: list[str], cwd: Path) -> Iterator[subprocess.Popen[str]]:
     process = subprocess.Popen(
@@ -506,17 +520,7 @@ def test_serving_commands_answer_curl_and_tritonclient(scratch: Path) -> None:
     argv = [str(BIN / "paramserver"), *shlex.split(serve)[1:]]
     argv += ["--http-port", str(http), "--grpc-port", str(grpc)]
     with serving(argv, directory) as server:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready") as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert server.poll() is None, server.stderr.read() if server.stderr else ""
-            assert time.monotonic() < deadline, "serve never became ready"
-            time.sleep(0.2)
+        wait_ready(http, server)
         written = next(line for line in README.read_text().splitlines() if line.startswith("curl"))
         assert " ".join(shlex.split(written)) == curl
         answer = subprocess.run(
@@ -531,20 +535,6 @@ def test_serving_commands_answer_curl_and_tritonclient(scratch: Path) -> None:
 
 
 # --- Online training ------------------------------------------------------------------------
-
-
-def wait_ready(http: int, process: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http}/v2/health/ready") as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        assert process.poll() is None, process.stderr.read() if process.stderr else ""
-        assert time.monotonic() < deadline, "serve never became ready"
-        time.sleep(0.2)
 
 
 @pytest.mark.timeout(240)

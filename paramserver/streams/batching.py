@@ -15,12 +15,13 @@ resume that reads the same records again cuts the same batches.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from paramserver.data.readahead import ReadAhead
 from paramserver.errors import InvalidBatchError
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,49 @@ class RecordBatcher:
                 f"(--max-bad-records); the last, {record_id}: {why}"
             )
         log.warning("%s: record %s skipped: %s", self.source, record_id, why)
+
+
+Chunk = list[tuple[Any, dict]]  # batches, each with its position
+
+
+class ChunkedReader(Iterator[Any]):
+    """A stream reader's trainer side: ``_chunks()`` (the subclass's) runs in a reading thread,
+    ``READ_AHEAD`` chunks ahead, each chunk the batches one read completed (an empty one: the
+    read waited and found nothing new, and ``on_idle`` is called: waiting for records is not
+    being stuck). ``position()`` is the last batch handed out's. One consumer thread."""
+
+    READ_AHEAD = 4
+
+    def __init__(self, thread_name: str):
+        self.thread_name = thread_name
+        self.on_idle: Callable[[], None] | None = None  # the trainer's activity
+        self._position: dict[str, Any] | None = None
+        self._read_ahead: ReadAhead[Chunk] | None = None
+        self._ready: Chunk = []
+
+    def position(self) -> dict[str, Any] | None:
+        return self._position
+
+    def __next__(self) -> Any:
+        while not self._ready:
+            if self._read_ahead is None:
+                self._read_ahead = ReadAhead(self._chunks, self.READ_AHEAD, self.thread_name)
+            chunk = next(self._read_ahead)
+            if not chunk and self.on_idle is not None:
+                self.on_idle()
+            self._ready = chunk[::-1]
+        batch, self._position = self._ready.pop()
+        return batch
+
+    def close(self) -> None:
+        if self._read_ahead is not None:
+            self._read_ahead.close()
+
+    def _started(self) -> bool:
+        return self._read_ahead is not None
+
+    def _chunks(self) -> Iterator[Chunk]:
+        raise NotImplementedError
 
 
 def _text(record_id: Any) -> Any:

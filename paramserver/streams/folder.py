@@ -21,22 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from paramserver.data.criteo import share_rows
-from paramserver.data.readahead import ReadAhead
 from paramserver.data.splits import share_out, whole_files
 from paramserver.errors import ConfigError, StreamError
 from paramserver.inputs import STOP
-from paramserver.streams.batching import RecordBatcher
+from paramserver.streams.batching import Chunk, ChunkedReader, RecordBatcher
 
 log = logging.getLogger(__name__)
 
 DONE_SUFFIX = ".done"
-READ_AHEAD = 4  # blocks parsed ahead of the trainer
 LAG_EVERY_S = 1.0  # how often the folder is listed for the lag
 
 
@@ -73,26 +71,20 @@ class FollowedFolder:
         return FolderReader(self, trainer, num_trainers)
 
 
-class FolderReader(Iterator[Any]):
+class FolderReader(ChunkedReader):
     """One trainer's batches from the folder: a :class:`~paramserver.inputs.PositionedInput`
-    (see the module doc). Reads and parses in a background thread; one consumer thread."""
+    (see the module doc), read and parsed in a background thread a few blocks ahead."""
 
     def __init__(self, source: FollowedFolder, trainer: int, num_trainers: int):
+        super().__init__(f"follow-{trainer}")
         self.source = source
         self.trainer, self.num_trainers = trainer, num_trainers
         self.batcher = RecordBatcher(None, source.batch_size, 0, source.name)  # rows come parsed
-        self.on_idle: Callable[[], None] | None = None
         self._after: tuple[str, int] | None = None  # (file, its rows read) to go on after
-        self._position: dict[str, Any] | None = None
-        self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
-        self._ready: list[tuple[Any, dict]] = []
         self._lag: tuple[float, int] = (-LAG_EVERY_S, 0)
 
-    def position(self) -> dict[str, Any] | None:
-        return self._position
-
     def seek(self, position: dict[str, Any]) -> None:
-        if self._read_ahead is not None:
+        if self._started():
             raise StreamError(f"{self.source.name}: seek before the first batch only")
         where = position.get("id") if isinstance(position, dict) else None
         if not (isinstance(where, list) and len(where) == 2 and isinstance(where[0], str)):
@@ -114,23 +106,7 @@ class FolderReader(Iterator[Any]):
             self._lag = (time.monotonic(), lag)
         return lag
 
-    def __next__(self) -> Any:
-        while not self._ready:
-            if self._read_ahead is None:
-                name = f"follow-{self.trainer}"
-                self._read_ahead = ReadAhead(self._chunks, READ_AHEAD, name)
-            chunk = next(self._read_ahead)
-            if not chunk and self.on_idle is not None:
-                self.on_idle()
-            self._ready = chunk[::-1]
-        batch, self._position = self._ready.pop()
-        return batch
-
-    def close(self) -> None:
-        if self._read_ahead is not None:
-            self._read_ahead.close()
-
-    def _chunks(self) -> Iterator[list[tuple[Any, dict]]]:
+    def _chunks(self) -> Iterator[Chunk]:
         """The reading thread's: the batches each parsed block completes; an empty list
         where nothing new has arrived (it then waits ``poll_s``)."""
         last, skip = self._after if self._after is not None else ("", 0)
@@ -157,7 +133,7 @@ class FolderReader(Iterator[Any]):
                 if STOP.is_set():
                     return
 
-    def _file_chunks(self, name: str, skip: int) -> Iterator[list[tuple[Any, dict]]]:
+    def _file_chunks(self, name: str, skip: int) -> Iterator[Chunk]:
         path = Path(self.source.directory) / name
         try:
             splits = share_out(whole_files([path]), self.num_trainers)[self.trainer]

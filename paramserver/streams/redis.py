@@ -36,16 +36,20 @@ from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 from paramserver.data.criteo import decode_records
-from paramserver.data.readahead import ReadAhead
 from paramserver.errors import ConfigError, StreamError
 from paramserver.inputs import STOP
-from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS, Decoder, RecordBatcher
+from paramserver.streams.batching import (
+    DEFAULT_MAX_BAD_RECORDS,
+    Chunk,
+    ChunkedReader,
+    Decoder,
+    RecordBatcher,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MIN_READ_COUNT, MAX_READ_COUNT = 1024, 4096  # entries one XREADGROUP asks for: a batch's
-READ_AHEAD = 4  # reads decoded ahead of the trainer: what it holds that others cannot read
 ACK_COUNT = 10_000  # pending entries listed per XPENDING while acknowledging
 LAG_EVERY_S = 1.0  # how often the group's lag is asked
 
@@ -113,35 +117,27 @@ class RedisStream:
         return RedisStreamReader(self, f"trainer-{trainer}")
 
 
-class RedisStreamReader(Iterator[Any]):
+class RedisStreamReader(ChunkedReader):
     """One trainer's batches from the stream: a :class:`~paramserver.inputs.PositionedInput`
-    (see the module doc). Reads and decodes in a background thread, a few chunks ahead; the
-    batches handed out are the trainer's. One consumer thread."""
+    (see the module doc), read and decoded in a background thread a few reads ahead (what it
+    holds there no other trainer can read)."""
 
     def __init__(self, source: RedisStream, consumer: str):
+        super().__init__(f"redis-{consumer}")
         self.source = source
         self.consumer = consumer
         self.client = source.connect()
         self.batcher = RecordBatcher(
             source.decoder, source.batch_size, source.max_bad_records, source.name
         )
-        self.on_idle: Callable[[], None] | None = None  # the trainer's: waiting is not stuck
         self._after = "0"  # the first read of its own pending entries starts after this id
-        self._position: dict[str, Any] | None = None
-        self._read_ahead: ReadAhead[list[tuple[Any, dict]]] | None = None
-        self._ready: list[tuple[Any, dict]] = []
         self._lag: tuple[float, int | None] = (-LAG_EVERY_S, None)
         self.read_count = min(max(source.batch_size, MIN_READ_COUNT), MAX_READ_COUNT)
-
-    # ---- PositionedInput ----
-
-    def position(self) -> dict[str, Any] | None:
-        return self._position
 
     def seek(self, position: dict[str, Any]) -> None:
         """Continue after entry ``position["id"]``: the pending entries up to it are in the
         checkpoint that saved it (acknowledged now); those after it are read first."""
-        if self._read_ahead is not None:
+        if self._started():
             raise StreamError(f"{self.source.name}: seek before the first batch only")
         if not isinstance(position, dict) or not isinstance(position.get("id"), str):
             raise StreamError(f"{self.source.name}: not a stream position: {position!r}")
@@ -165,23 +161,6 @@ class RedisStreamReader(Iterator[Any]):
             if len(pending) < ACK_COUNT:
                 return
 
-    # ---- iteration ----
-
-    def __next__(self) -> Any:
-        while not self._ready:
-            if self._read_ahead is None:
-                self._read_ahead = ReadAhead(self._chunks, READ_AHEAD, f"redis-{self.consumer}")
-            chunk = next(self._read_ahead)
-            if not chunk and self.on_idle is not None:
-                self.on_idle()  # nothing new in the stream yet
-            self._ready = chunk[::-1]
-        batch, self._position = self._ready.pop()
-        return batch
-
-    def close(self) -> None:
-        if self._read_ahead is not None:
-            self._read_ahead.close()
-
     lag_unit = "records"
 
     def lag(self) -> int | None:
@@ -198,7 +177,7 @@ class RedisStreamReader(Iterator[Any]):
             self._lag = (time.monotonic(), lag)
         return lag
 
-    def _chunks(self) -> Iterator[list[tuple[Any, dict]]]:
+    def _chunks(self) -> Iterator[Chunk]:
         """The reading thread's: the batches each read completes (an empty list where a read
         waited and found nothing new), until the job is asked to stop. After a lost connection
         it reads its own pending entries again, from the last one it saw: the entries of an
