@@ -23,6 +23,7 @@ from paramserver.errors import (
     ParamServerError,
     ServerLostError,
     StoreError,
+    StreamError,
     TrainerDepartedError,
     TrainerGroupError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "ParamServerError",
     "ServerLostError",
     "StoreError",
+    "StreamError",
     "TableCodecs",
     "TrainConfig",
     "TrainContext",

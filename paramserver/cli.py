@@ -59,7 +59,11 @@ SWITCH_VALUES = ("1", "0", "true", "false", "yes", "no", "on", "off")
 def switches() -> list[str]:
     """The on/off flags of ``train``: ``--NAME`` turns one on and ``--no-NAME`` off."""
     own = ["--compare-single-process"]
-    return own + [f"--{_flag(f.name)}" for f in fields(TrainConfig) if _is_bool(f)]
+    return own + [
+        f"--{_flag(f.name)}"
+        for f in fields(TrainConfig)
+        if _is_bool(f) and f.metadata.get("cli", True)
+    ]
 
 
 def refuse_switch_values(argv: Sequence[str]) -> None:
@@ -285,21 +289,12 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
         "separate stream whose newest --eval-window records are scored",
     )
     data.add_argument(
-        "--eval-window", type=int, default=10_000,
-        help="--eval-data stream:...: the newest records of that stream scored at each "
-        "evaluation (default: 10000)",
-    )  # fmt: skip
-    data.add_argument(
-        "--max-bad-records", type=int, default=DEFAULT_MAX_BAD_RECORDS,
-        help="stream: malformed records skipped (each logged) before the job stops, naming "
-        f"the last (default: {DEFAULT_MAX_BAD_RECORDS}; files stop at the first)",
-    )  # fmt: skip
-    data.add_argument(
         "--eval-fraction",
         type=float,
         help="criteo: hold out the last FRACTION of the --dataset files for evaluation instead "
         "(by bytes, cut at a line start; a gzip file goes whole to one side)",
     )
+    _add_stream_flags(run)
     synthetic = run.add_argument_group("synthetic click logs (--dataset synthetic)")
     spec = SyntheticSpec()
     synthetic.add_argument(
@@ -320,6 +315,21 @@ def _add_data_flags(run: argparse.ArgumentParser) -> None:
         default=spec.eval_samples,
         help=f"held-out samples (default: {spec.eval_samples})",
     )
+
+
+def _add_stream_flags(run: argparse.ArgumentParser) -> None:
+    """A stream's held-out window and its bad records."""
+    stream = run.add_argument_group("streams (--dataset stream:..., criteo-follow:...)")
+    stream.add_argument(
+        "--eval-window", type=int, default=10_000,
+        help="--eval-data stream:...: the newest records of that stream scored at each "
+        "evaluation (default: 10000)",
+    )  # fmt: skip
+    stream.add_argument(
+        "--max-bad-records", type=int, default=DEFAULT_MAX_BAD_RECORDS,
+        help="stream: malformed records skipped (each logged) before the job stops, naming "
+        f"the last (default: {DEFAULT_MAX_BAD_RECORDS}; files stop at the first)",
+    )  # fmt: skip
 
 
 def _add_checkpoint_commands(commands: Any) -> None:

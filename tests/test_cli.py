@@ -42,7 +42,11 @@ def parse(*flags: str) -> TrainConfig:
 
 
 def test_every_boolean_field_is_a_switch_with_a_no_form() -> None:
-    booleans = [f.name for f in TrainConfig.__dataclass_fields__.values() if f.type == "bool"]
+    booleans = [
+        f.name
+        for f in TrainConfig.__dataclass_fields__.values()
+        if f.type == "bool" and f.metadata.get("cli", True)
+    ]
     assert set(booleans) == {
         "prefetch",
         "prefetch_own_updates",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -111,7 +112,8 @@ def test_a_job_runs_across_two_hosts_and_a_cut_link_stops_it(
     finally:
         stop(servers, trainers)
     assert trainers.returncode != 0 and servers.returncode != 0
-    assert "did not answer heartbeat within" in out_b, out_b[-2000:]
+    # Said by the transport's call timeout or by the heartbeats' own clock, whichever is first.
+    assert re.search(r"did not answer (a )?heartbeat within", out_b), out_b[-2000:]
     assert "the chief trainer (trainer0) is lost" in out_a, out_a[-2000:]
     assert stopped_in < 60
     assert not (tmp_path / "never.json").exists()

@@ -41,10 +41,7 @@ def summarize(
         **_samples_loss_and_time(reports, wall_s),
         "resumed_from": _resumed_from(chief.resumed_at, reports),
         "bytes": _bytes_moved(reports, servers),
-        "bytes_per_step": {
-            "push": sum(r.bytes_sent for r in reports) / max(total_steps, 1),
-            "pull": sum(r.bytes_received for r in reports) / max(total_steps, 1),
-        },
+        "bytes_per_step": _bytes_per_step(reports, total_steps),
         # Under the threads launcher every trainer reports the one shared process.
         "peak_rss_mb_per_trainer": [r.peak_rss_bytes / 2**20 for r in reports],
         "startup": startup.startup_seconds(),  # the chief's phases (this is its process)
@@ -63,6 +60,13 @@ def summarize(
         "consistency": merge_checks([r.consistency for r in reports if r.consistency]),
         "eval_history": evals,
         "lr": _learning_rates(chief, config, server_stats),
+    }
+
+
+def _bytes_per_step(reports: list[TrainerReport], total_steps: int) -> dict[str, float]:
+    return {
+        "push": sum(r.bytes_sent for r in reports) / max(total_steps, 1),
+        "pull": sum(r.bytes_received for r in reports) / max(total_steps, 1),
     }
 
 

@@ -158,18 +158,23 @@ class TrainerCheckpoints:
         self.acknowledge(self._positions[newest])
         self._positions = {s: p for s, p in self._positions.items() if s > newest}
 
-    def save_final(self, step: int, stream_ends: dict[str, Any] | None = None) -> None:
+    def save_final(
+        self, step: int, trained: bool, stream_ends: dict[str, Any] | None = None
+    ) -> None:
         """Chief, once every trainer has left: the job's final checkpoint ``step`` (see the
-        module doc), unless a checkpoint of that step or later is committed already (a job
-        resumed from its final checkpoint, which trained no more). ``stream_ends``: by
-        trainer, where each one reading a stream ended; a resume goes on from there."""
+        module doc), unless a checkpoint of that step or later is committed already and this
+        run ``trained`` nothing (a job resumed from its final checkpoint); one that did is
+        saved after it. ``stream_ends``: by trainer, where each one reading a stream ended; a
+        resume goes on from there."""
         root = self.settings.checkpoint_dir
         if root is None:
             return
         newest = committed_steps(root)
         if newest and newest[-1] >= step:
-            log.info("the final model is checkpoint %d already", newest[-1])
-            return
+            if not trained:
+                log.info("the final model is checkpoint %d already", newest[-1])
+                return
+            step = newest[-1] + 1  # a stream's trainers went on from a final checkpoint
         wait_all(self.transport.call_all("take_checkpoint", step), self.alarm)
         parts = cast(
             list[Part], wait_all(self.transport.call_all("checkpoint_part", step), self.alarm)

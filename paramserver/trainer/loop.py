@@ -305,10 +305,11 @@ class _TrainerRun:
         names = ", ".join(f"trainer{t}" for t in departed)
         return TrainerGroupError(f"{names} departed (the servers' verdict); {error}")
 
-    def _final_step(self, report: TrainerReport) -> tuple[int, dict[str, Any]]:
+    def _final_step(self, report: TrainerReport) -> tuple[int, bool, dict[str, Any]]:
         """The job's last step: the most any trainer did, counting the steps before its
-        resume (from the trainers' reports server 0 holds); and where each trainer reading a
-        stream ended (its steps, samples and position, for a resume to go on from)."""
+        resume (from the trainers' reports server 0 holds); whether this run trained at all;
+        and where each trainer reading a stream ended (its steps, samples and position, for a
+        resume to go on from)."""
         stats: Any = wait_all([self.transport.call(0, "stats")], self.alarm)[0]
         reports: dict[int, TrainerReport] = stats["reports"]
         done = [r.steps + r.resumed_steps for r in reports.values()]
@@ -321,7 +322,8 @@ class _TrainerRun:
             for t, r in reports.items()
             if r.input_position is not None
         }
-        return max(done, default=report.steps + report.resumed_steps), ends
+        trained = any(r.steps for r in reports.values()) or report.steps > 0
+        return max(done, default=report.steps + report.resumed_steps), trained, ends
 
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
