@@ -168,7 +168,7 @@ COMMANDS: dict[str, Run] = {
     "--rate 5000 &": Run(equivalent="run as written against that port, stopped at the end"),
     "paramserver train --dataset stream:redis://localhost:6379/events --publish-dir live "
     "--checkpoint-dir live-ckpt --checkpoint-every 200 &": Run(
-        equivalent="run as written against that port, then stopped by SIGTERM"
+        equivalent="run as written against that port (in one process), then stopped by SIGTERM"
     ),
     "paramserver serve --follow live --http-port 8000 --grpc-port 8001 &": Run(
         equivalent="started as a process on free ports, stopped after the query"
@@ -551,9 +551,10 @@ def test_online_training_serves_a_row_an_event_changed_and_stops_cleanly(tmp_pat
 
         http, grpc = free_port(), free_port()
         ports = ["--http-port", str(http), "--grpc-port", str(grpc)]
+        # The job in one process (tests/test_stream_jobs.py stops the processes launcher's).
         with (
             serving(here(produce), tmp_path),
-            serving(here(train), tmp_path) as trainer,
+            serving([*here(train), *THREADS], tmp_path) as trainer,
         ):
             wait_until_published = time.monotonic() + 60
             while not (tmp_path / "live" / "job.json").exists():
@@ -570,7 +571,7 @@ def test_online_training_serves_a_row_an_event_changed_and_stops_cleanly(tmp_pat
         found = load_latest(tmp_path / "live-ckpt")
         assert found is not None and found.meta.get("final")
         stopped_at = found.meta["stream_ends"]["0"]["steps_done"]
-        more = ["--steps", str(stopped_at + 2), "--no-progress"]
+        more = ["--steps", str(stopped_at + 2), "--no-progress", *THREADS]
         assert subprocess.run([*here(resume), *more], cwd=tmp_path, timeout=120).returncode == 0
         again = load_latest(tmp_path / "live-ckpt")
         assert again is not None and again.meta["stream_ends"]["0"]["steps_done"] == stopped_at + 2
