@@ -32,25 +32,23 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paramserver.config import TrainConfig
-from paramserver.errors import LoopError, ParamServerError
+from paramserver.errors import LoopError
 from paramserver.inputs import STOP, PositionedInput
 from paramserver.observe import startup
 from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
 from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
 from paramserver.trainer.heartbeat import Activity
-from paramserver.trainer.lookups import RecordedLookups
 from paramserver.trainer.observer import Observer
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.trainer.replica import Call, Replica
+from paramserver.trainer.steps import AheadRecorder, Group, Step
 from paramserver.types import Progress
-from paramserver.wire.messages import BagBlock
 from paramserver.wire.reports import TrainerReport
 
 log = logging.getLogger(__name__)
@@ -75,66 +73,6 @@ def _before_a_loops_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 
 register_optimizer_step_pre_hook(_before_a_loops_step)
-
-
-@dataclass
-class Step:
-    """One step's batches and what they look up (``ids`` None: not recorded ahead)."""
-
-    batches: list[Any]
-    ids: dict[str, Tensor] | None = None
-    bags: dict[str, BagBlock] = field(default_factory=dict)
-    lookups: dict[str, RecordedLookups] = field(default_factory=dict)
-    end: Any = None  # a positioned input's position after these batches (None: not one)
-
-
-@dataclass
-class Group:
-    """Steps computed from one pull (``steps_per_call``): what they look up together, and
-    once the answer is in, the values each step loads, with each step's own update applied
-    to them before the next (see :class:`TrainContext`)."""
-
-    steps: list[Step]
-    ids: dict[str, Tensor]  # per table: the ids any step looks up, sorted unique
-    masks: dict[str, Tensor]  # per table: those two steps or more look up, whose state to ask
-    places: list[dict[str, Tensor]]  # per step and table: where its ids are in ``ids``
-    values: Pulled | None = None  # the answer, updated step by step
-    at: int = 0  # the step computing
-
-    @classmethod
-    def of(cls, steps: list[Step]) -> Group:
-        ids, masks = {}, {}
-        places: list[dict[str, Tensor]] = [{} for _ in steps]
-        for name in {name for step in steps for name in step.ids or {}}:
-            looked_up = [
-                (i, step.ids[name]) for i, step in enumerate(steps) if step.ids and name in step.ids
-            ]
-            joined = torch.cat([each for _, each in looked_up]).numpy()
-            union, inverse, counts = np.unique(joined, return_inverse=True, return_counts=True)
-            ids[name], masks[name] = torch.from_numpy(union), torch.from_numpy(counts > 1)
-            ends = np.cumsum([each.numel() for _, each in looked_up])
-            for (i, _), at in zip(looked_up, np.split(inverse, ends[:-1]), strict=True):
-                places[i][name] = torch.from_numpy(at)
-        return cls(steps, ids, masks, places)
-
-    def step_values(self, at: int) -> Pulled:
-        """What step ``at`` of the group loads: its rows of the values, and the dense ones."""
-        values = self.values
-        assert values is not None
-        step = self.steps[at]
-        rows = {
-            name: (ids, values.rows[name][1].index_select(0, self.places[at][name]))
-            for name, ids in (step.ids or {}).items()
-        }
-        # Its dense values are the answer's with the group's earlier steps' updates.
-        versions = {name: version + at for name, version in values.dense_versions.items()}
-        return Pulled(
-            values.dense,
-            rows,
-            call=values.call,
-            checkpoint_at=values.checkpoint_at,
-            dense_versions=versions,
-        )
 
 
 @dataclass
@@ -415,7 +353,8 @@ class TrainContext:
         self._batches_open = True
         try:
             groups = self._groups(self._replayed(source))
-            recorder = _AheadRecorder(self._engine, groups, inputs, positioned)
+            engine = self._engine
+            recorder = AheadRecorder(engine.replica, engine.activity, groups, inputs, positioned)
             if self._steps_per_call > 1:
                 yield from self._grouped(recorder)
                 step, self._leftover = self._leftover, None
@@ -439,7 +378,7 @@ class TrainContext:
             if close is not None:  # a stream's reading thread: not one read more
                 close()
 
-    def _grouped(self, recorder: _AheadRecorder) -> Iterator[Any]:
+    def _grouped(self, recorder: AheadRecorder) -> Iterator[Any]:
         """``steps_per_call`` steps at a time from one pull, while their lookups are recorded
         (a step drawn without them is left in ``_leftover``, for one call per step)."""
         group = self._draw_group(recorder)
@@ -451,7 +390,7 @@ class TrainContext:
                 self._end_if_short(step)
             group, self._next_group = self._next_group, None
 
-    def _draw_group(self, recorder: _AheadRecorder) -> Group | None:
+    def _draw_group(self, recorder: AheadRecorder) -> Group | None:
         """Up to ``steps_per_call`` recorded steps (None: none left)."""
         steps: list[Step] = []
         while self._leftover is None and len(steps) < self._steps_per_call:
@@ -464,7 +403,7 @@ class TrainContext:
                 steps.append(step)
         return Group.of(steps) if steps else None
 
-    def _begin_group(self, group: Group, recorder: _AheadRecorder) -> None:
+    def _begin_group(self, group: Group, recorder: AheadRecorder) -> None:
         """Get ``group``'s values (sending its call unless it is under way), drawing and
         recording the next group meanwhile."""
         engine = self._engine
@@ -714,63 +653,6 @@ class TrainContext:
         if self._batch is None:
             self._batch = call
         return replica.forward_fetching(call, client.pull)
-
-
-class _AheadRecorder:
-    """Draws the next step's batches and records what they look up, where it can."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        groups: Iterator[list[Any]],
-        inputs: Callable[[Any], Any] | None,
-        positioned: PositionedInput | None = None,
-    ):
-        self.engine = engine
-        self.groups = groups
-        self.positioned = positioned
-        self.inputs = inputs
-        self.guessing = inputs is None
-
-    def next(self) -> Step | None:
-        group = next(self.groups, None)
-        self.engine.activity.touch()  # a batch drawn: the loop is not stuck in its data
-        if group is None:
-            return None
-        end = self.positioned.position() if self.positioned is not None else None
-        step = self._recorded(group)
-        step.end = end
-        return step
-
-    def _recorded(self, group: list[Any]) -> Step:
-        calls = self._calls(group)
-        if calls is None:
-            return Step(group)
-        try:
-            recorded = self.engine.replica.record(calls)
-        except ParamServerError:
-            raise
-        except Exception as error:  # a guess at the model's arguments failed
-            if not self.guessing:
-                raise
-            log.info(
-                "looking ahead at a step's lookups by calling the model on each batch's first "
-                "element failed (%s: %s): either the batches are not (inputs, target) pairs "
-                "or the model fails on them (the step will show it); rows are read on demand",
-                type(error).__name__,
-                error,
-            )
-            self.inputs, self.guessing = None, False
-            return Step(group)
-        return Step(group, *recorded)
-
-    def _calls(self, group: list[Any]) -> list[Call] | None:
-        if self.inputs is not None:
-            return [Call.of(self.inputs(batch)) for batch in group]
-        if self.guessing and all(isinstance(b, tuple | list) and len(b) == 2 for b in group):
-            return [Call.of(batch[0]) for batch in group]
-        self.guessing = False
-        return None
 
 
 def _batch_size(batch: Any) -> int:
