@@ -17,10 +17,11 @@ from tests.helpers import FaultyJobs, MakeServer, new_server
 from tests.procs import RedisServer
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    """One real redis-server on loopback for the session's stream tests (each test its own
-    stream); stopped by its pid at the end."""
+    """A real redis-server on loopback for a module's stream tests (each test its own
+    stream); stopped by its pid when the module ends, so no later test finds it among this
+    process's children."""
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     yield server
     server.stop()

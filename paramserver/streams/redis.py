@@ -203,22 +203,38 @@ class RedisStreamReader(ChunkedReader):
         """``command()``, retried while Redis is unreachable, for ``retry_s`` seconds."""
         import redis
 
-        deadline = time.monotonic() + self.source.retry_s
-        wait = 0.05
+        backoff = _Backoff(self.source)
         while True:
             try:
                 return command()
             except (redis.ConnectionError, redis.TimeoutError) as error:
-                if time.monotonic() + wait > deadline:
-                    raise StreamError(
-                        f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s "
-                        f"({error})"
-                    ) from None
-                log.warning("%s: %s; retrying", self.source.name, error)
-                time.sleep(wait)
-                wait = min(wait * 2, 2.0)
+                backoff.failed(error)
             except redis.ResponseError as error:  # the stream or the group deleted, say
                 raise StreamError(f"{self.source.name}: {error}") from None
+
+
+class _Backoff:
+    """Waits between attempts while Redis is unreachable, doubling to 2 s; past ``retry_s``
+    since the first failure (since the last success), a StreamError naming the stream."""
+
+    def __init__(self, source: RedisStream):
+        self.source = source
+        self.failing_since: float | None = None
+        self.wait = 0.05
+
+    def failed(self, error: Exception) -> None:
+        now = time.monotonic()
+        self.failing_since = self.failing_since or now
+        if now + self.wait - self.failing_since > self.source.retry_s:
+            raise StreamError(
+                f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s ({error})"
+            ) from None
+        log.warning("%s: %s; retrying", self.source.name, error)
+        time.sleep(self.wait)
+        self.wait = min(self.wait * 2, 2.0)
+
+    def succeeded(self) -> None:
+        self.failing_since, self.wait = None, 0.05
 
 
 class _GroupReads:
@@ -232,8 +248,7 @@ class _GroupReads:
         self.source = reader.source
         self.connection: Any = None
         self.sent = False  # a read of new entries is under way
-        self.failing_since: float | None = None
-        self.wait = 0.05
+        self.backoff = _Backoff(reader.source)
 
     def pending_after(self, after: str) -> list[Any] | None:
         """This consumer's pending entries after id ``after``."""
@@ -260,11 +275,12 @@ class _GroupReads:
                 self._send(">")
                 self.sent = True
         except (redis.ConnectionError, redis.TimeoutError) as error:
-            self._lost(error)
+            self.close()
+            self.backoff.failed(error)
             return None
         except redis.ResponseError as error:  # the stream or the group deleted, say
             raise StreamError(f"{self.source.name}: {error}") from None
-        self.failing_since, self.wait = None, 0.05
+        self.backoff.succeeded()
         return entries
 
     def _send(self, after: str) -> None:
@@ -273,18 +289,6 @@ class _GroupReads:
             "XREADGROUP", "GROUP", self.source.group, self.reader.consumer,
             "COUNT", self.reader.read_count, *block, "STREAMS", self.source.stream, after,
         )  # fmt: skip
-
-    def _lost(self, error: Exception) -> None:
-        self.close()
-        now = time.monotonic()
-        self.failing_since = self.failing_since or now
-        if now + self.wait - self.failing_since > self.source.retry_s:
-            raise StreamError(
-                f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s ({error})"
-            ) from None
-        log.warning("%s: %s; retrying", self.source.name, error)
-        time.sleep(self.wait)
-        self.wait = min(self.wait * 2, 2.0)
 
     def close(self) -> None:
         if self.connection is not None:

@@ -270,7 +270,7 @@ class TrainContext:
             self._engine.checkpoints.acknowledge = positioned.acknowledge
             if hasattr(positioned, "on_idle"):  # waiting for new records is not being stuck
                 positioned.on_idle = self._engine.activity.touch
-        return self._batches(iter(iterable), inputs, positioned)
+        return self._batches(iter(iterable), inputs)
 
     def step(self, loss: Tensor | float | None = None, samples: int | None = None) -> None:
         """After ``loss.backward()``: take this batch's gradients; every ``accumulate``-th
@@ -344,12 +344,8 @@ class TrainContext:
 
     # ---- steps ----
 
-    def _batches(
-        self,
-        source: Iterator[Any],
-        inputs: Callable[[Any], Any] | None,
-        positioned: PositionedInput | None,
-    ) -> Iterator[Any]:
+    def _batches(self, source: Iterator[Any], inputs: Callable[[Any], Any] | None) -> Iterator[Any]:
+        positioned = self._positioned
         self._batches_open = True
         try:
             groups = self._groups(self._replayed(source))
