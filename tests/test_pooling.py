@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -10,6 +10,8 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
+from paramserver.baseline import make_optimizers
+from paramserver.modelplan import initial_model
 from tests.helpers import mse
 
 ROWS = 300
@@ -69,19 +71,54 @@ def test_server_pooling_trains_like_trainer_pooling(
     assert pulled < 0.5 * on_trainers.summary["bytes"]["trainers"]["received"]
 
 
-def test_server_pooling_runs_async_with_prefetch() -> None:
+def one_update_behind(
+    model_fn: Callable[[], BagModel], batches: Iterator[Any], config: ps.TrainConfig
+) -> nn.Module:
+    """One process's training in which each step reads the bag table as it was before the
+    previous step's update, and every other parameter as it is."""
+    model = initial_model(model_fn, config.seed)
+    model.train()
+    optimizers = make_optimizers(model, config)
+    table = model.bag.weight
+    read = table.detach().clone()
+    for inputs, target in batches:
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        current = table.detach().clone()
+        with torch.no_grad():
+            table.copy_(read)
+        mse(model(*inputs), target).backward()
+        with torch.no_grad():
+            table.copy_(current)
+        for optimizer in optimizers:
+            optimizer.step()
+        read = current
+    return model
+
+
+@pytest.mark.parametrize(("mode", "weighted"), [("mean", False), ("sum", True)])
+def test_server_pooling_runs_async_with_prefetch(mode: str, weighted: bool) -> None:
+    # Prefetch pulls step t+1's pooled sums while step t computes, and the trainer applies
+    # its own step-t update only to rows it holds: a pooled table is read one update behind
+    # (README, "A step"), the dense layer exactly as one process reads it. With one trainer,
+    # async is deterministic, so that is the model the job must return, tensor by tensor.
     config = ps.TrainConfig(
         servers=3,
-        trainers=2,
+        trainers=1,
         mode="async",
+        optimizer="adagrad",
+        lr=0.1,
         launcher="threads",
         progress=False,
         server_pooling=("bag.weight",),
     )
-    result = ps.train(
-        lambda: BagModel("mean", False), lambda t, n: long_bags(t, False), mse, config
-    )
-    assert result is not None and result.summary["trainer_steps"] == [6, 6]
+    assert config.prefetch and config.prefetch_own_updates
+    model_fn = lambda: BagModel(mode, False)  # noqa: E731
+    result = ps.train(model_fn, lambda t, n: long_bags(t, weighted), mse, config)
+    assert result is not None and result.summary["trainer_steps"] == [6]
+    expected = one_update_behind(model_fn, long_bags(0, weighted), config).state_dict()
+    for name, value in result.model.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_server_pooling_rejects_what_it_cannot_pool() -> None:
