@@ -6,7 +6,8 @@ on timing (sync rounds, or one trainer), and digests what it ends with: the gath
 ``state_dict`` and, where it checkpoints, every tensor of its last checkpoint (rows with their
 optimizer state). The jobs cover each update rule, fixed and dynamic tables, prefetch with own
 updates, grouped steps, a row cache, lossy codecs, server pooling, a learning-rate schedule and
-a resume from a checkpoint.
+a resume from a checkpoint. The model, its batches and the update rules are small_models.py's,
+whose rules the tests of each rule train under too (tests/factorization.py).
 
     .venv/bin/python benchmarks/state_digest.py --out before.json
     (change the code)
@@ -25,51 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from small_models import NUM_STEPS, RULES, Recommender, mse, recommender_batches
+from torch import Tensor
 
 import paramserver as ps
-
-STEPS = 12
-RULES = {
-    "sgd": {"optimizer": "sgd", "lr": 0.2},
-    "momentum": {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9},
-    "adagrad": {"optimizer": "adagrad", "lr": 0.3},
-    "rowwise_adagrad": {"table_optimizer": "rowwise_adagrad", "lr": 0.3},
-    "adam": {"optimizer": "adam", "lr": 0.05},
-}
-
-
-class Recommender(nn.Module):
-    """Users (dynamic or fixed), items, a bag of each user's history, and a dense head."""
-
-    def __init__(self, dynamic_users: bool) -> None:
-        super().__init__()
-        self.users = (
-            ps.DynamicEmbedding(8, min_count=2, ttl_steps=6)
-            if dynamic_users
-            else nn.Embedding(40, 8)
-        )
-        self.items = nn.Embedding(30, 8)
-        self.history = nn.EmbeddingBag(30, 8, mode="sum")
-        self.head = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
-
-    def forward(self, users: Tensor, items: Tensor, history: Tensor, offsets: Tensor) -> Tensor:
-        user = self.users(users) + self.history(history, offsets)
-        return self.head(torch.cat([user, self.items(items)], dim=1)).squeeze(-1)
-
-
-def batches(rank: int, _trainers: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
-    generator = torch.Generator().manual_seed(rank)
-    for _ in range(STEPS):
-        users = torch.randint(0, 14, (16,), generator=generator)
-        items = torch.randint(0, 10, (16,), generator=generator)
-        history = torch.randint(0, 30, (48,), generator=generator)
-        offsets = torch.arange(0, 48, 3)
-        yield (users, items, history, offsets), torch.randn(16, generator=generator)
-
-
-def mse(out: Tensor, target: Tensor) -> Tensor:
-    return ((out - target) ** 2).mean()
 
 
 def digest_tensors(tensors: dict[str, Tensor]) -> str:
@@ -116,16 +76,16 @@ def run(dynamic_users: bool, rule: str, **options: Any) -> dict[str, str]:
             "progress": False, "seed": 5, **RULES[rule], **options,
         }  # fmt: skip
         if settings.pop("checkpointed", False):  # stops two thirds in; resumed, ends
-            settings.update(checkpoint_dir=scratch, checkpoint_every=STEPS // 3)
-            settings["steps"] = STEPS * 2 // 3
+            settings.update(checkpoint_dir=scratch, checkpoint_every=NUM_STEPS // 3)
+            settings["steps"] = NUM_STEPS * 2 // 3
         config = ps.TrainConfig(**settings)
-        result = ps.train(lambda: Recommender(dynamic_users), batches, mse, config)
+        result = ps.train(lambda: Recommender(dynamic_users), recommender_batches, mse, config)
         assert result is not None and result.model is not None
         digests = {"model": digest_tensors(result.model.state_dict())}
         if config.checkpoint_dir:
             digests["checkpoint"] = digest_tensors(checkpoint_tensors(Path(scratch)))
             resumed = ps.TrainConfig(**{**settings, "resume": True, "steps": None})
-            again = ps.train(lambda: Recommender(dynamic_users), batches, mse, resumed)
+            again = ps.train(lambda: Recommender(dynamic_users), recommender_batches, mse, resumed)
             assert again is not None and again.model is not None
             digests["resumed"] = digest_tensors(again.model.state_dict())
         return digests
@@ -146,7 +106,7 @@ JOBS: dict[str, Callable[[], dict[str, str]]] = {
     ),
     "sync_server_pooling": lambda: run(False, "momentum", server_pooling=("history.weight",)),
     "sync_schedule": lambda: run(
-        True, "adam", lr_warmup_steps=3, lr_decay="cosine", lr_decay_steps=STEPS
+        True, "adam", lr_warmup_steps=3, lr_decay="cosine", lr_decay_steps=NUM_STEPS
     ),
     "sync_checkpoint_resume": lambda: run(True, "rowwise_adagrad", checkpointed=True),
 }
