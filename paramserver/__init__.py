@@ -28,6 +28,7 @@ from paramserver.errors import (
     TrainerGroupError,
 )
 from paramserver.metrics import Evaluation
+from paramserver.modelplan import initial_model
 from paramserver.optimconfig import OptimizerConfig
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "TrainResult",
     "TrainerDepartedError",
     "TrainerGroupError",
+    "initial_model",
     "metrics",
     "run",
     "serve",

@@ -17,11 +17,13 @@ with other names (:func:`table_aliases`). Every other parameter is dense.
 
 from __future__ import annotations
 
+import copy
 import logging
 import operator
 import random
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ from torch import Tensor, nn
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import ModelError
 from paramserver.sharding import DenseSpec, ShardPlan, TableSpec
-from paramserver.tableinit import RecordingTables, RowInit
+from paramserver.tableinit import InitRecorder, Recording, RecordingTables, RowInit
 from paramserver.types import ModelFn
 
 log = logging.getLogger(__name__)
@@ -47,7 +49,7 @@ trainers that are threads of one process build at once."""
 
 def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
     """``model_fn()`` under fixed seeds: every process (and thread) that calls this gets the
-    same values."""
+    same values. The model is :func:`owned`: a build shares no module with another."""
     with SEEDING:
         torch.manual_seed(seed)
         random.seed(seed)
@@ -55,7 +57,30 @@ def seeded_model(model_fn: ModelFn, seed: int) -> nn.Module:
         model = model_fn()
     if not isinstance(model, nn.Module):
         raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
-    return model
+    return owned(model)
+
+
+def owned(model: nn.Module) -> nn.Module:
+    """``model`` with modules, dense parameters and buffers of its own.
+
+    Libraries may hand every ``model_fn()`` call the same layers: torch-rechub caches each
+    feature's ``nn.Embedding`` on the feature object, so two models built from one feature
+    list share their tables' modules. paramserver builds the model several times in a process
+    (to plan, to train, to return the result, for the reference), and a build it changes
+    (tables made remote, trained values loaded) or returns must not change another, nor the
+    user's own model. Table weights are kept, not copied: they are meta placeholders or
+    values given whole, replaced where a build needs values, never written in place. A model
+    that cannot be copied is used as it is (logged)."""
+    keep: dict[int, Any] = {id(m.weight): m.weight for m in find_embeddings(model).values()}
+    try:
+        return copy.deepcopy(model, memo=keep)
+    except Exception as error:  # an attribute deepcopy refuses (a lock, a generator)
+        log.warning(
+            "the model cannot be copied (%s): if model_fn hands several calls the same "
+            "layers, the builds of this process share them",
+            error,
+        )
+        return model
 
 
 @dataclass
@@ -92,7 +117,7 @@ def build_model(model_fn: ModelFn, seed: int, *, table_values: bool = True) -> B
         if not weight.is_meta:  # values model_fn gave (from_pretrained, _weight=...)
             inits[name] = RowInit.given(name, weight)
             continue
-        recording = recorder.of(weight)
+        recording = _recording(recorder, weight)
         if recording.unreplayable is not None:
             unreplayable[name] = recording.unreplayable
         else:
@@ -104,6 +129,23 @@ def build_model(model_fn: ModelFn, seed: int, *, table_values: bool = True) -> B
     if unreplayable and table_values:
         inits.update(_tables_built_whole(model_fn, seed, unreplayable))
     return BuiltModel(model, inits)
+
+
+_CARRIED = "_paramserver_init"  # a table's meta weight's attribute: how it was initialised
+
+
+def _recording(recorder: InitRecorder, weight: Tensor) -> Recording:
+    """How ``weight``, a table's meta weight, was initialised: as this build recorded it, or,
+    where this build did nothing to it, as the build that made it recorded it (a library that
+    caches layers between ``model_fn()`` calls hands later builds the first one's weight).
+    The weight carries its recording, so it travels where the weight is pickled (a
+    ``model_fn`` closing over the cache, sent to a worker process)."""
+    recording = recorder.of(weight)
+    if recording.steps or recording.unreplayable is not None:
+        weight.__dict__[_CARRIED] = recording
+        return recording
+    carried: Recording = weight.__dict__.get(_CARRIED, recording)
+    return carried
 
 
 def _built_whole(model_fn: ModelFn, seed: int, why: str) -> BuiltModel:
@@ -143,16 +185,19 @@ def _leaked(model: nn.Module) -> bool:
     return False
 
 
-def initial_model(model_fn: ModelFn, seed: int) -> nn.Module:
-    """The model a job with this seed starts from, whole: :func:`build_model`'s, with every
-    fixed table's weight made from its :class:`~paramserver.tableinit.RowInit` (the
-    single-process reference starts here)."""
+def initial_model(model_fn: ModelFn, seed: int = 0) -> nn.Module:
+    """The model a job with ``config.seed == seed`` starts from, whole, in this process (the
+    public ``paramserver.initial_model``): train it in one process to compare with a job from
+    the same start. ``torch.manual_seed(seed); model_fn()`` is another model: a job makes each
+    table's rows from the seed row by row (any server makes the rows it owns, alone), so the
+    tables' values, and the draws of every layer built after them, differ. It is
+    :func:`build_model`'s, with every fixed table's weight made from its
+    :class:`~paramserver.tableinit.RowInit`; it shares no module with the user's objects."""
     built = build_model(model_fn, seed)
     for name, module in _fixed_tables(built.model).items():
-        weight = module.weight
-        if weight.is_meta:
-            rows = built.inits[name].rows(torch.arange(module.num_embeddings))
-            replace_parameter(built.model, weight, nn.Parameter(rows, weight.requires_grad))
+        weight = module.weight  # given values too: copied, so training this model leaves them
+        rows = built.inits[name].rows(torch.arange(module.num_embeddings))
+        replace_parameter(built.model, weight, nn.Parameter(rows, weight.requires_grad))
     return built.model
 
 

@@ -87,5 +87,80 @@ def tied_layer_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]
         yield (history, target, categories, offsets), torch.randn(6, generator=g)
 
 
+class Feature:
+    """A feature as CTR libraries declare one (torch-rechub's ``SparseFeature`` and
+    ``SequenceFeature``): its table is made once and cached on the feature, so every model
+    built from one feature list holds the same layer; ``shared_with`` names the feature whose
+    table it reads."""
+
+    def __init__(
+        self, name: str, vocab: int, dim: int, shared_with: str | None = None, padding_idx=None
+    ):
+        self.name, self.vocab, self.dim = name, vocab, dim
+        self.shared_with, self.padding_idx = shared_with, padding_idx
+
+    def embedding_layer(self) -> nn.Embedding:
+        if not hasattr(self, "embed"):
+            self.embed = nn.Embedding(self.vocab, self.dim, padding_idx=self.padding_idx)
+            nn.init.normal_(self.embed.weight, std=0.1)
+        return self.embed
+
+
+class Dice(nn.Module):
+    """DIN's activation: a per-sample normalised gate with a learned slope below it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.randn(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        centred = x - x.mean(dim=-1, keepdim=True)
+        gate = torch.sigmoid(centred / (centred.pow(2).sum(dim=-1, keepdim=True) + 1e-3).sqrt())
+        return gate * x + (1 - gate) * self.alpha * x
+
+
+# Built once, as a library's example builds them: every model of this process shares the layers.
+USER = Feature("user", int(NUM_USERS), 8)
+ITEM = Feature("item", int(NUM_ITEMS), 8)
+HISTORY = Feature("history", int(NUM_ITEMS), 8, shared_with="item", padding_idx=0)
+
+
+class AttentionPooledHistory(nn.Module):
+    """DIN as torch-rechub writes it: tables made by cached features (the history reads the
+    item's table, padded with id 0 and masked), the history pooled by attention over the
+    target item (an MLP with Dice), and an MLP with Dice on top."""
+
+    def __init__(self, features: tuple[Feature, ...] = (USER, ITEM, HISTORY)) -> None:
+        super().__init__()
+        self.features = list(features)
+        self.embed = nn.ModuleDict(
+            {f.name: f.embedding_layer() for f in features if f.shared_with is None}
+        )
+        self.attention = nn.Sequential(nn.Linear(32, 16), Dice(), nn.Linear(16, 1))
+        self.mlp = nn.Sequential(nn.Linear(24, 16), Dice(), nn.Linear(16, 1))
+
+    def forward(self, user: Tensor, item: Tensor, history: Tensor) -> Tensor:
+        mask = (history != HISTORY.padding_idx).float()
+        seen = self.embed[HISTORY.shared_with or HISTORY.name](history)  # [batch, length, dim]
+        target = self.embed[ITEM.name](item)
+        expanded = target.unsqueeze(1).expand_as(seen)
+        pair = torch.cat([expanded, seen, expanded - seen, expanded * seen], dim=-1)
+        weights = self.attention(pair).squeeze(-1) * mask
+        pooled = (weights.unsqueeze(-1) * seen).sum(dim=1)
+        x = torch.cat([pooled, target, self.embed[USER.name](user)], dim=1)
+        return self.mlp(x).squeeze(1)
+
+
+def attention_pooled_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        user = torch.randint(0, int(NUM_USERS), (8,), generator=g)
+        item = torch.randint(1, int(NUM_ITEMS), (8,), generator=g)
+        history = torch.randint(1, int(NUM_ITEMS), (8, 5), generator=g)
+        lengths = torch.randint(1, 6, (8, 1), generator=g)
+        history = torch.where(torch.arange(5) < lengths, history, torch.zeros_like(history))
+        yield (user, item, history), torch.randn(8, generator=g)
+
+
 def mse(output: Tensor, target: Tensor) -> Tensor:
     return ((output - target) ** 2).mean()

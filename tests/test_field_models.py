@@ -10,13 +10,16 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+import tritonclient.http as triton_http
 from torch import Tensor, nn
+from tritonclient.utils import np_to_triton_dtype
 
 import paramserver as ps
 from paramserver.baseline import train_single_process
@@ -27,8 +30,10 @@ from paramserver.trainer.replica import Replica
 from tests.field_models import (
     NUM_ITEMS,
     STEPS,
+    AttentionPooledHistory,
     SharedItemTable,
     TiedLayers,
+    attention_pooled_batches,
     mse,
     shared_item_batches,
     tied_layer_batches,
@@ -37,6 +42,7 @@ from tests.field_models import (
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Iterator]]] = {
     "shared item table": (SharedItemTable, shared_item_batches),
     "tied layers": (TiedLayers, tied_layer_batches),
+    "attention pooled history": (AttentionPooledHistory, attention_pooled_batches),
 }
 
 
@@ -56,8 +62,11 @@ def test_field_model_matches_one_process(name: str, optimizer: str) -> None:
     result = ps.train(model_fn, lambda t, n: batches(t), mse, config)
     assert result is not None and result.model is not None
     assert result.summary["trainer_steps"] == [STEPS]
+    returned = {k: v.clone() for k, v in result.model.state_dict().items()}
     reference, _ = train_single_process(model_fn, lambda t, n: batches(t), mse, config)
     expected, got = reference.state_dict(), result.model.state_dict()
+    for key, value in returned.items():  # training another build left the returned model
+        assert torch.equal(got[key], value), f"{key} changed when another model trained"
     assert set(got) == set(expected)
     initial = initial_model(model_fn, seed=0).state_dict()
     for key, value in expected.items():
@@ -275,3 +284,92 @@ def test_values_given_through_data_keep_a_table_off_memory() -> None:
     whole = TiedLayers()
     made = built.inits["category.weight"].rows(torch.arange(12))
     assert torch.equal(made, whole.category.weight.detach())
+
+
+ZERO_STEPS = 2  # steps with no gradient at the end: the servers' model is then the one computed
+
+
+def trained_and_seen(
+    model_fn: Callable[[], nn.Module],
+    batches: Callable[[int], Iterator],
+    config: ps.TrainConfig,
+) -> tuple[ps.TrainResult, dict[str, Tensor], Tensor, tuple[Tensor, ...]]:
+    """A job whose trainers end with steps that change nothing, so that the model the job
+    returns is the one they last computed with: the chief's dense values then, and its output
+    on the last batch (in training mode, as computed)."""
+    seen: dict[str, Any] = {}
+
+    def loop(ctx: Any) -> None:
+        data = list(batches(ctx.rank))
+        probe = data[-1]
+        for inputs, target in ctx.batches(data + [probe] * ZERO_STEPS):
+            output = ctx.model(*inputs)
+            loss = mse(output, target)
+            weight = 0.0 if ctx.steps >= len(data) else 1.0
+            (loss * weight).backward()
+            ctx.step(loss.detach(), samples=int(target.shape[0]))
+            if ctx.rank == 0:
+                seen["output"], seen["inputs"] = output.detach().clone(), inputs
+        if ctx.rank == 0:
+            seen["dense"] = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+
+    result = ps.run(model_fn, loop, config)
+    assert result is not None and result.model is not None
+    return result, seen["dense"], seen["output"], seen["inputs"]
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_the_returned_exported_and_served_model_is_the_one_trainers_computed_with(
+    name: str, mode: str, tmp_path: Path
+) -> None:
+    from paramserver.checkpoint.export import export_checkpoint
+    from paramserver.checkpoint.store import load_latest
+
+    model_fn, batches = MODELS[name]
+    config = ps.TrainConfig(
+        # Async: one trainer, or another's updates could land after the chief's last step.
+        servers=2, trainers=2 if mode == "sync" else 1, mode=mode, optimizer="adagrad", lr=0.05,
+        launcher="threads",
+        progress=False, checkpoint_dir=str(tmp_path / "ckpt"),
+    )  # fmt: skip
+    result, dense, output, inputs = trained_and_seen(model_fn, batches, config)
+    model = result.model
+    got = model.state_dict()
+    for key, value in dense.items():  # the chief's replica names only its dense parameters
+        assert torch.equal(got[key], value), key
+    initial = initial_model(model_fn, seed=0).state_dict()
+    assert any(not torch.equal(got[k], initial[k]) for k in plan_of(model, 1).tables)
+    model.train()
+    torch.testing.assert_close(model(*inputs), output, rtol=1e-5, atol=1e-6)
+
+    found = load_latest(tmp_path / "ckpt")
+    assert found is not None and found.meta.get("final")
+    export_checkpoint(found, tmp_path / "model.pt")
+    exported = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert set(exported) == set(got)
+    for key, value in got.items():
+        assert torch.equal(exported[key], value), key
+
+    model.eval()
+    with torch.no_grad():
+        expected = model(*inputs).numpy()
+    serving = ps.serve(
+        model_fn, base=tmp_path / "model.pt", example_inputs=list(inputs), http_port=0,
+        grpc_port=None,
+    )  # fmt: skip
+    try:
+        client = triton_http.InferenceServerClient(f"127.0.0.1:{serving.http_port}")
+        given = []
+        specs = client.get_model_metadata("model")["inputs"]
+        for spec, tensor in zip(specs, inputs, strict=True):
+            values = tensor.numpy()
+            kind = np_to_triton_dtype(values.dtype)
+            infer_input = triton_http.InferInput(spec["name"], list(values.shape), kind)
+            infer_input.set_data_from_numpy(values)
+            given.append(infer_input)
+        answer = client.infer("model", given)
+        assert np.array_equal(answer.as_numpy("output"), expected)
+    finally:
+        serving.close()
