@@ -1,23 +1,33 @@
-"""Row storage that tables of one kind share on a server, and copies of rows for checkpoints."""
+"""Row storage that tables of one kind share on a server, the update of some of its rows, and
+copies of rows for checkpoints."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from paramserver.optim import Empty, State, UpdateRule
+from paramserver.optim import Empty, RowUpdate, State, UpdateRule
 from paramserver.store.growth import regrown, row_storage
-from paramserver.store.table import TableUpdate
 
 # The parts of a row's optimizer state besides its rule's slots: its count of updates (where
 # the rule reads it) and, where some would not, which rows take the update the trainer has
 # pending (computed from its previous call's read): a dynamic table's rows that exist and
 # are the rows that read handed out.
 ROW_STEPS, ROW_HELD = "steps", "held"
+
+
+@dataclass
+class TableUpdate(RowUpdate):
+    """One table's part of an update (:meth:`RowArena.update`): the rule's step on its rows
+    in the arena, and the table's ids of those rows (those that take it), which the change
+    feed is told once it is applied."""
+
+    ids: Tensor
 
 
 class RowArena:

@@ -23,15 +23,13 @@ import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from torch import Tensor
 
-from paramserver.optim import RowUpdate, UpdateRule
+from paramserver.optim import UpdateRule
 from paramserver.sharding import TableSpec
-
-if TYPE_CHECKING:
-    from paramserver.store.arena import RowArena
+from paramserver.store.arena import RowArena, TableUpdate
 
 Pull = tuple[int, int]  # (trainer, call number) of a training read, as a push names it
 
@@ -49,14 +47,6 @@ class Reading:
     train: bool = False
     clock: int = 0
     pull: Pull | None = None
-
-
-@dataclass
-class TableUpdate(RowUpdate):
-    """One table's part of an update: the rule's step on its rows, and the ids of those rows
-    (those that take it), which the change feed is told once it is applied."""
-
-    ids: Tensor
 
 
 @dataclass
