@@ -10,7 +10,8 @@ section that the component reading it is handed:
   types, with their values;
 - ``sections.py``: launch, consistency, loop, tables, checkpoint and observe sections;
 - ``rules.py``: the update rules and schedules, and the codecs (both also per table);
-- ``views.py``: what a server's coordinator and shard are built from, derived from sections;
+- ``views.py``: the sections of a config (``Sections``), and what a server's coordinator and
+  shard are built from, derived from sections;
 - ``checks.py``: the validation; ``train.py``: TrainConfig itself; ``toml.py``: the file.
 
 An update rule's own settings (optimizer, hyper-parameters, schedule) are
@@ -47,14 +48,8 @@ from paramserver.config.sections import (
     TablesSection,
 )
 from paramserver.config.toml import read_toml
-from paramserver.config.train import (
-    RENAMED_FIELDS,
-    Sections,
-    TrainConfig,
-    config_fields,
-    section_of,
-)
-from paramserver.config.views import ConsistencySettings, ShardSettings
+from paramserver.config.train import RENAMED_FIELDS, TrainConfig, config_fields
+from paramserver.config.views import ConsistencySettings, Sections, ShardSettings, section_of
 
 __all__ = [
     "CALLS_PER_MESSAGE",

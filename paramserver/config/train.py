@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, TypeVar, get_type_hints
+from typing import Any
 
 from paramserver.config.checks import check
 from paramserver.config.rules import CodecsSection, OptimSection
@@ -27,11 +27,9 @@ from paramserver.config.sections import (
     PublishSection,
     TablesSection,
 )
-from paramserver.config.views import ConsistencySettings, ShardSettings
+from paramserver.config.views import ConsistencySettings, Sections, ShardSettings
 from paramserver.errors import ConfigError
 from paramserver.optimconfig import refuse_numeric_lr_decay
-
-_Section = TypeVar("_Section")
 
 
 # A dataclass takes its bases' fields last base first: the flags appear in --help (and
@@ -58,7 +56,7 @@ class TrainConfig(
         if not all(isinstance(n, str) for n in self.server_pooling):
             raise ConfigError("--server-pooling takes table names")
         refuse_numeric_lr_decay(self.lr_decay)
-        check(self)
+        check(self.sections)
 
     @functools.cached_property  # made once (a frozen dataclass keeps it in its __dict__)
     def sections(self) -> Sections:
@@ -93,32 +91,6 @@ class TrainConfig(
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Sections:
-    """A TrainConfig's values, one object per section: what each component is handed."""
-
-    launch: LaunchSection
-    consistency: ConsistencySection
-    loop: LoopSection
-    optim: OptimSection
-    tables: TablesSection
-    codecs: CodecsSection
-    checkpoint: CheckpointSection
-    observe: ObserveSection
-    publish: PublishSection
-
-    @classmethod
-    def of(cls, config: TrainConfig) -> Sections:
-        kinds = get_type_hints(cls)
-        return cls(**{name: section_of(config, kind) for name, kind in kinds.items()})
-
-
-def section_of(config: TrainConfig, kind: type[_Section]) -> _Section:
-    """Section ``kind`` of ``config``: its fields' values, nothing else."""
-    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
-    return kind(**{f.name: getattr(config, f.name) for f in fields})
 
 
 def config_fields() -> list[dataclasses.Field[Any]]:

@@ -1,5 +1,7 @@
-"""What a server's two components are built from: values derived from several sections, each
-derived here and nowhere else.
+"""A job's settings as its components take them: :class:`Sections`, one object per section
+(what the checks read, and what each component is handed its part of), and what a server's two
+components are built from: values derived from several sections, each derived here and nowhere
+else.
 
 The coordinator's :class:`ConsistencySettings` hold the bound servers enforce (the
 ``--ssp-bound`` less what prefetching and steps per call spend of it), the stall limit and
@@ -10,8 +12,10 @@ their sections themselves (:mod:`paramserver.config.sections`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import TypeVar, get_type_hints
 
 from paramserver.config.choices import Mode, ValueCodec
 from paramserver.config.rules import CodecsSection, OptimSection
@@ -19,9 +23,41 @@ from paramserver.config.sections import (
     CheckpointSection,
     ConsistencySection,
     LaunchSection,
+    LoopSection,
+    ObserveSection,
+    PublishSection,
     TablesSection,
 )
 from paramserver.optimconfig import OptimizerConfig
+
+_Section = TypeVar("_Section")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sections:
+    """A TrainConfig's values, one object per section: what each component is handed."""
+
+    launch: LaunchSection
+    consistency: ConsistencySection
+    loop: LoopSection
+    optim: OptimSection
+    tables: TablesSection
+    codecs: CodecsSection
+    checkpoint: CheckpointSection
+    observe: ObserveSection
+    publish: PublishSection
+
+    @classmethod
+    def of(cls, config: object) -> Sections:
+        """The sections of ``config`` (a TrainConfig: an object with every section's fields)."""
+        kinds = get_type_hints(cls)
+        return cls(**{name: section_of(config, kind) for name, kind in kinds.items()})
+
+
+def section_of(config: object, kind: type[_Section]) -> _Section:
+    """Section ``kind`` of ``config`` (a TrainConfig): its fields' values, nothing else."""
+    fields = dataclasses.fields(kind)  # type: ignore[arg-type]
+    return kind(**{f.name: getattr(config, f.name) for f in fields})
 
 
 @dataclass(frozen=True, kw_only=True)
