@@ -4,6 +4,8 @@ The README lists exactly the operations a server registers and names every modul
 package in its file map; ARCHITECTURE.md gives the layers the build enforces (the import-linter
 contract in pyproject.toml, run by ``make lint``) and names only files, classes and functions
 that exist. So renaming a module, a function or an operation without the documents fails here.
+No module of the package imports itself through others, not even for type checking only: the
+layers say which package may import which, this says the same of modules within one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import re
 import subprocess
 import sys
 from functools import cache
+from pathlib import Path
 
+import grimp
 import pytest
 
 from paramserver.server.endpoint import OPERATIONS
@@ -175,6 +179,42 @@ def test_architecture_names_only_modules_classes_and_functions_that_exist() -> N
 )
 def test_a_stale_reference_is_caught(stale: str) -> None:
     assert unknown_references(f"See {stale} and `Coordinator.push_pull()`.") == [stale.strip("`")]
+
+
+def import_circles(graph: grimp.ImportGraph) -> set[frozenset[str]]:
+    """The circles among ``graph``'s modules: each set of modules that reach one another by
+    imports. Every import counts, those under ``TYPE_CHECKING`` and inside functions too."""
+    circles = set()
+    for module in graph.modules:
+        around = graph.find_upstream_modules(module) & graph.find_downstream_modules(module)
+        if around:
+            circles.add(frozenset({module, *around}))
+    return circles
+
+
+def test_no_module_of_the_package_imports_itself_through_others() -> None:
+    graph = grimp.build_graph("paramserver", cache_dir=None)
+    assert len(graph.modules) > 100
+    assert sorted(sorted(circle) for circle in import_circles(graph)) == []
+
+
+def test_the_circle_check_sees_imports_for_type_checking_and_inside_functions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = tmp_path / "circled"
+    package.mkdir()
+    modules = {
+        "__init__": "",
+        "a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from circled.b import B\n",
+        "b": "def f():\n    from circled import c\n",
+        "c": "import circled.a\n",
+        "d": "import circled.a\n",  # imports from a circle without being in it
+    }
+    for name, source in modules.items():
+        (package / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    graph = grimp.build_graph("circled", cache_dir=None)
+    assert import_circles(graph) == {frozenset({"circled.a", "circled.b", "circled.c"})}
 
 
 @pytest.mark.system
