@@ -1,7 +1,9 @@
 """Whole jobs on a Redis stream (a real redis-server on loopback, the processes launcher): a
 trainer SIGKILLed mid-job restarts the job from its checkpoint and every record handed out is
-trained on exactly once; SIGTERM stops a job cleanly with a final checkpoint, from which a
-resume reads on.
+trained on exactly once; SIGTERM stops a job cleanly with a final checkpoint, whose entries are
+acknowledged before it exits (those read ahead stay pending), from which a resume reads on. In
+one process (the threads launcher): the final checkpoint's acknowledgement, and Redis frozen
+just then (logged, the job ends well, the resume acknowledges).
 
 Each record carries its number in categorical column C26 (``produce --record-ids``), so the
 C26 table holds one row per record trained, and Adam's per-row step count says how many times
@@ -9,16 +11,21 @@ each was applied."""
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch import Tensor, nn
 
+import paramserver as ps
 from paramserver.checkpoint import load_latest
 from paramserver.checkpoint.store import committed_steps
 from paramserver.data.criteo import NUM_CATEGORICAL, hash_categorical
@@ -66,21 +73,45 @@ def record_counts(root: Path) -> dict[int, int]:
     return counts
 
 
+def pending_by_trainer(source: RedisStream, ends: dict[str, Any]) -> dict[str, list[str]]:
+    """Each trainer's consumer's pending entries (their ids), by trainer."""
+    client = source.connect()
+    return {
+        trainer: [
+            p["message_id"].decode()
+            for p in client.xpending_range(
+                source.stream, source.group, "-", "+", 10**6, consumername=f"trainer-{trainer}"
+            )
+        ]
+        for trainer in ends
+    }
+
+
 def handed_out_not_trained(source: RedisStream, ends: dict[str, Any]) -> set[str]:
     """Entries a trainer was handed after its final position: pending, not in the model."""
-    client = source.connect()
-    left: set[str] = set()
-    for trainer, end in ends.items():
-        pending = client.xpending_range(
-            source.stream, source.group, "-", "+", 10**6, consumername=f"trainer-{trainer}"
-        )
-        after = _entry_key(end["input_position"]["id"])
-        left |= {
-            p["message_id"].decode()
-            for p in pending
-            if _entry_key(p["message_id"].decode()) > after
-        }
-    return left
+    return {
+        entry
+        for trainer, pending in pending_by_trainer(source, ends).items()
+        for entry in pending
+        if _entry_key(entry) > _entry_key(ends[trainer]["input_position"]["id"])
+    }
+
+
+def assert_no_trained_entry_pending(source: RedisStream, ends: dict[str, Any]) -> set[str]:
+    """Every entry the final checkpoint holds is acknowledged: each consumer's pending entries
+    all come after its trainer's end, and they are all the group has pending (XINFO GROUPS).
+    Returns them (read ahead, not trained)."""
+    pending = pending_by_trainer(source, ends)
+    for trainer, entries in pending.items():
+        end = _entry_key(ends[trainer]["input_position"]["id"])
+        trained = [entry for entry in entries if _entry_key(entry) <= end]
+        assert not trained, f"trainer {trainer}: {len(trained)} trained entries still pending"
+    untrained = handed_out_not_trained(source, ends)
+    group = next(
+        g for g in source.connect().xinfo_groups(source.stream) if g["name"] == b"paramserver"
+    )
+    assert group["pending"] == len(untrained)
+    return untrained
 
 
 def _entry_key(entry_id: str) -> tuple[int, int]:
@@ -145,7 +176,7 @@ def test_a_trainer_killed_mid_job_restarts_it_and_every_record_counts_once(
 def test_sigterm_stops_a_stream_job_with_a_final_checkpoint_that_a_resume_reads_on_from(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    source = stream_of(redis_server, "stopped", 300 * 2 * BATCH)
+    source = stream_of(redis_server, "stopped", 500 * 2 * BATCH)  # enough for the resume
     job = start_job(source.name, tmp_path, "--max-restarts", "0")
     try:
         wait_until(lambda: committed_steps(tmp_path / "ckd"), 90, "a first checkpoint")
@@ -165,10 +196,135 @@ def test_sigterm_stops_a_stream_job_with_a_final_checkpoint_that_a_resume_reads_
     assert (
         0 < stopped_at < 300 and min(end["steps_done"] for end in ends.values()) >= stopped_at - 1
     )
-    finish(start_job(source.name, tmp_path, "--resume", "--steps", str(stopped_at + 3)))
+    # The final checkpoint's entries are acknowledged before the job exits; those read ahead
+    # stay pending (read ahead: a few reads of 1024 entries each, so some always are).
+    read_ahead = assert_no_trained_entry_pending(source, ends)
+    assert read_ahead, "no entry read ahead: the resume below would show nothing"
+    # The resume reads them first (each trainer its own), then new ones: far enough to train
+    # every one of them.
+    most = max(len(entries) for entries in pending_by_trainer(source, ends).values())
+    steps = stopped_at + -(-most // BATCH) + 1
+    finish(start_job(source.name, tmp_path, "--resume", "--steps", str(steps)))
     resumed = load_latest(tmp_path / "ckd")
     assert resumed is not None and resumed.step > found.step
-    assert [end["steps_done"] for end in resumed.meta["stream_ends"].values()] == [
-        stopped_at + 3
-    ] * 2
+    assert [end["steps_done"] for end in resumed.meta["stream_ends"].values()] == [steps] * 2
+    assert_no_trained_entry_pending(source, resumed.meta["stream_ends"])
     assert_trained_exactly_once(source, tmp_path)
+    delivered = delivered_records(source)
+    assert {delivered[entry] for entry in read_ahead} <= set(record_counts(tmp_path))
+
+
+# --- In one process: the final checkpoint's acknowledgement -----------------------------------
+
+STEPS = 6  # 384 records: the first read (1024 entries) leaves some read ahead
+
+
+def numbers(records: Sequence[bytes]) -> tuple[Any, list[str | None]]:
+    """Records that are decimal numbers: each one's id, and a float target."""
+    good = torch.tensor([int(r) for r in records])
+    return (good, good.float()), [None] * len(records)
+
+
+class ByNumber(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = nn.Embedding(4096, 1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.rows(ids).squeeze(1)
+
+
+def numbers_stream(server: RedisServer, name: str) -> RedisStream:
+    source = RedisStream.from_url(server.url(name), batch_size=BATCH, decoder=numbers, block_ms=50)
+    source.check()
+    produce(source, (str(i).encode() for i in range(4096)))
+    return source
+
+
+def train_to_the_end(source: RedisStream, root: Path, after_input: Callable[[], None]) -> Any:
+    """A one-trainer job of ``STEPS`` steps on ``source`` with a final checkpoint only;
+    ``after_input()`` runs once the trainer's input is closed, before the job ends. Returns
+    the trainer's end position."""
+
+    def loop(ctx: ps.TrainContext) -> None:
+        for ids, target in ctx.batches(source(ctx.rank, ctx.num_trainers)):
+            loss = nn.functional.mse_loss(ctx.model(ids), target)
+            loss.backward()
+            ctx.step(loss.detach())
+        after_input()
+
+    config = ps.TrainConfig(
+        servers=1, trainers=1, launcher="threads", steps=STEPS, checkpoint_dir=str(root / "ckd"),
+        stream_input=True, progress=False,
+    )  # fmt: skip
+    ps.run(ByNumber, loop, config)
+    found = load_latest(root / "ckd")
+    assert found is not None and found.meta.get("final")
+    position = found.meta["stream_ends"]["0"]["input_position"]
+    assert position["records"] == STEPS * BATCH
+    return position
+
+
+def pending_ids(source: RedisStream) -> list[int]:
+    """The records of the entries pending in the group, as numbers."""
+    client = source.connect()
+    pending = client.xpending_range(source.stream, source.group, "-", "+", 10**6)
+    entries = [client.xrange(source.stream, p["message_id"], p["message_id"]) for p in pending]
+    return [int(entry[0][1][b"line"]) for entry in entries]
+
+
+def read_on(source: RedisStream, position: Any, batches: int) -> list[int]:
+    """What a resumed trainer reads first: ``batches`` batches after ``position``."""
+    reader = source(0, 1)
+    reader.seek(position)
+    got = [int(x) for batch in itertools.islice(reader, batches) for x in batch[0]]
+    reader.close()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_the_final_checkpoint_s_entries_are_acknowledged_and_those_read_ahead_read_again(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    source = numbers_stream(redis_server, "final-ack")
+    position = train_to_the_end(source, tmp_path, lambda: None)
+    trained = STEPS * BATCH
+    read_ahead = pending_ids(source)
+    assert read_ahead and min(read_ahead) == trained, "a trained entry left pending"
+    # A resume reads the read-ahead entries again, in order, then new ones: none twice.
+    assert read_on(source, position, 20) == list(range(trained, trained + 20 * BATCH))
+
+
+@pytest.mark.timeout(120)
+def test_redis_frozen_at_the_final_acknowledgement_is_logged_and_the_resume_acknowledges(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = RedisServer(tmp_path)
+    frozen = False
+
+    def freeze() -> None:  # Redis stops answering, its connections open: every wait times out
+        nonlocal frozen
+        os.kill(server.process.pid, signal.SIGSTOP)
+        frozen = True
+
+    try:
+        source = numbers_stream(server, "frozen")
+        with caplog.at_level(logging.INFO, logger="paramserver"):
+            position = train_to_the_end(source, tmp_path, freeze)
+        os.kill(server.process.pid, signal.SIGCONT)
+        frozen = False
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any(
+            "the stream entries it holds are not acknowledged" in m
+            and f"{source.name}: Redis unreachable for 5 s" in m
+            and "they stay pending until a job resumed from it starts" in m
+            for m in warned
+        ), warned
+        trained = STEPS * BATCH
+        assert sorted(pending_ids(source))[:trained] == list(range(trained))  # not acknowledged
+        assert read_on(source, position, 1) == list(range(trained, trained + BATCH))
+        assert min(pending_ids(source)) == trained  # the resume acknowledged them
+    finally:
+        if frozen:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.stop()

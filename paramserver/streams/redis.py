@@ -11,10 +11,14 @@ takes any decoder (:mod:`paramserver.streams.batching`).
 Exactly once, with checkpoints (see :mod:`paramserver.inputs`):
 
 - the position a trainer saves is the id of the last entry of its last step trained;
-- entries are acknowledged only once a committed checkpoint holds them;
+- entries are acknowledged only once a committed checkpoint holds them: a trainer's, when it
+  next saves a part; the final checkpoint's, by the chief right after it commits it
+  (:meth:`RedisStreamReader.acknowledge_every_trainer`, every trainer's consumer, within a
+  bound: where Redis does not answer by then, they stay pending for the resume);
 - a trainer that starts (afresh or resumed) first reads its own pending entries after its
-  saved position (``XREADGROUP ... ID``: what it had been handed but the model does not hold),
-  in their order, then new ones; the pending ones up to the position are acknowledged then.
+  saved position (``XREADGROUP ... ID``: what it had been handed but the model does not hold,
+  read ahead and not trained), in their order, then new ones; the pending ones up to the
+  position are acknowledged then.
 
 So after any failure and a resume, each entry is trained on once, by the trainer it was handed
 to, in the same batches (cut by count). A job's consumer group starts at the stream's first
@@ -30,7 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import parse_qs, urlsplit
@@ -93,10 +97,31 @@ class RedisStream:
     def name(self) -> str:
         return f"redis://{self.host}:{self.port}/{self.stream}"
 
-    def connect(self) -> Any:
+    def connect(self, timeout_s: float = 10.0, retries: bool = True) -> Any:
+        """A client whose commands wait ``timeout_s`` seconds at most for an answer.
+        ``retries=False``: a failed command fails at once, for a caller that retries on its
+        own (redis-py's default retries turn a 1 s timeout into about 13 s)."""
         import redis  # the `stream` extra: only jobs that read a stream need it
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        return redis.Redis(self.host, self.port, socket_timeout=10, socket_connect_timeout=5)
+        connect_s = min(5.0, timeout_s)
+        if retries:
+            return redis.Redis(
+                self.host, self.port, socket_timeout=timeout_s, socket_connect_timeout=connect_s
+            )
+        once = Retry(NoBackoff(), 0)
+        return redis.Redis(
+            self.host,
+            self.port,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=connect_s,
+            retry=once,
+        )
+
+    def consumer(self, trainer: int) -> str:
+        """Trainer ``trainer``'s consumer in the group."""
+        return f"trainer-{trainer}"
 
     def check(self) -> None:
         """Before the job starts: Redis answers, and the group exists (created at ``start``,
@@ -114,7 +139,7 @@ class RedisStream:
             raise ConfigError(f"{self.name}: cannot reach Redis ({error})") from None
 
     def __call__(self, trainer: int, num_trainers: int) -> RedisStreamReader:
-        return RedisStreamReader(self, f"trainer-{trainer}")
+        return RedisStreamReader(self, self.consumer(trainer))
 
 
 class RedisStreamReader(ChunkedReader):
@@ -126,7 +151,7 @@ class RedisStreamReader(ChunkedReader):
         super().__init__(f"redis-{consumer}")
         self.source = source
         self.consumer = consumer
-        self.client = source.connect()
+        self.client = source.connect(retries=False)  # _retrying() retries its commands
         self.batcher = RecordBatcher(
             source.decoder, source.batch_size, source.max_bad_records, source.name
         )
@@ -147,19 +172,46 @@ class RedisStreamReader(ChunkedReader):
 
     def acknowledge(self, position: dict[str, Any]) -> None:
         """Acknowledge this consumer's pending entries up to ``position["id"]``."""
-        source, last = self.source, position["id"]
-        while True:
-            pending = self._retrying(
-                lambda: self.client.xpending_range(
-                    source.stream, source.group, "-", last, ACK_COUNT, consumername=self.consumer
+        self._acknowledge_up_to(self.client, self.consumer, position["id"], _Backoff(self.source))
+
+    def acknowledge_every_trainer(
+        self, positions: Mapping[int, dict[str, Any]], within_s: float
+    ) -> int:
+        """The job's final checkpoint, committed, holds each trainer's entries up to its
+        position (by trainer): acknowledge them, in every trainer's consumer, on a connection
+        of their own. Entries after a position (read ahead, not trained) stay pending: a resume
+        reads them again. Gives up after about ``within_s`` seconds (a command under way then
+        may take as long again) with a StreamError; returns the entries acknowledged."""
+        client = self.source.connect(timeout_s=within_s, retries=False)
+        backoff = _Backoff(self.source, limit_s=within_s, since=time.monotonic())
+        try:
+            return sum(
+                self._acknowledge_up_to(
+                    client, self.source.consumer(trainer), position["id"], backoff
                 )
+                for trainer, position in sorted(positions.items())
+            )
+        finally:
+            client.close()
+
+    def _acknowledge_up_to(self, client: Any, consumer: str, last: str, backoff: _Backoff) -> int:
+        """Acknowledge ``consumer``'s pending entries up to id ``last``; returns how many."""
+        source, acknowledged = self.source, 0
+        while True:
+            backoff.check_time()
+            pending = self._retrying(
+                lambda: client.xpending_range(
+                    source.stream, source.group, "-", last, ACK_COUNT, consumername=consumer
+                ),
+                backoff,
             )
             if not pending:
-                return
+                return acknowledged
             ids = [entry["message_id"] for entry in pending]
-            self._retrying(functools.partial(self.client.xack, source.stream, source.group, *ids))
+            command = functools.partial(client.xack, source.stream, source.group, *ids)
+            acknowledged += int(self._retrying(command, backoff))
             if len(pending) < ACK_COUNT:
-                return
+                return acknowledged
 
     lag_unit = "records"
 
@@ -199,42 +251,56 @@ class RedisStreamReader(ChunkedReader):
         finally:
             reads.close()
 
-    def _retrying(self, command: Callable[[], T]) -> T:
-        """``command()``, retried while Redis is unreachable, for ``retry_s`` seconds."""
+    def _retrying(self, command: Callable[[], T], backoff: _Backoff | None = None) -> T:
+        """``command()``, retried while Redis is unreachable, as long as ``backoff`` allows
+        (by default ``retry_s`` seconds)."""
         import redis
 
-        backoff = _Backoff(self.source)
+        backoff = backoff or _Backoff(self.source)
         while True:
             try:
-                return command()
+                answer = command()
             except (redis.ConnectionError, redis.TimeoutError) as error:
                 backoff.failed(error)
             except redis.ResponseError as error:  # the stream or the group deleted, say
                 raise StreamError(f"{self.source.name}: {error}") from None
+            else:
+                backoff.succeeded()
+                return answer
 
 
 class _Backoff:
-    """Waits between attempts while Redis is unreachable, doubling to 2 s; past ``retry_s``
-    since the first failure (since the last success), a StreamError naming the stream."""
+    """Waits between attempts while Redis is unreachable, doubling to 2 s; past ``limit_s``
+    (by default ``retry_s``) since the first failure (since the last success), or since
+    ``since`` where given, a StreamError naming the stream."""
 
-    def __init__(self, source: RedisStream):
+    def __init__(
+        self, source: RedisStream, limit_s: float | None = None, since: float | None = None
+    ):
         self.source = source
-        self.failing_since: float | None = None
+        self.limit_s = source.retry_s if limit_s is None else limit_s
+        self.since = since  # a fixed start: every wait counts, failures or not
+        self.failing_since = since
         self.wait = 0.05
 
     def failed(self, error: Exception) -> None:
         now = time.monotonic()
         self.failing_since = self.failing_since or now
-        if now + self.wait - self.failing_since > self.source.retry_s:
+        if now + self.wait - self.failing_since > self.limit_s:
             raise StreamError(
-                f"{self.source.name}: Redis unreachable for {self.source.retry_s:g} s ({error})"
+                f"{self.source.name}: Redis unreachable for {self.limit_s:g} s ({error})"
             ) from None
         log.warning("%s: %s; retrying", self.source.name, error)
         time.sleep(self.wait)
         self.wait = min(self.wait * 2, 2.0)
 
+    def check_time(self) -> None:
+        """Past a fixed start's limit, a StreamError, even while Redis answers."""
+        if self.since is not None and time.monotonic() - self.since > self.limit_s:
+            raise StreamError(f"{self.source.name}: not done within {self.limit_s:g} s")
+
     def succeeded(self) -> None:
-        self.failing_since, self.wait = None, 0.05
+        self.failing_since, self.wait = self.since, 0.05
 
 
 class _GroupReads:

@@ -22,7 +22,11 @@ a server lost while a checkpoint is written ends the job with its error instead 
 A job with a checkpoint directory also saves its final model: once every trainer has left, the
 chief has every server snapshot at the job's last step and commits that with no trainer part
 (each trainer had left the job, so a resume from it trains no more), marked ``final``. With
-``--checkpoint-dir`` alone, that is the only checkpoint.
+``--checkpoint-dir`` alone, that is the only checkpoint. A stream job's final checkpoint holds
+each trainer's stream up to where it ended: once it is committed (never before: a process that
+dies in between leaves them pending, for the resume), the chief's stream acknowledges every
+trainer's entries up to there, waiting ``STREAM_ACK_S`` at most; a failure is logged, and the
+job ends as it would (the resume acknowledges them as it starts).
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ from paramserver.checkpoint import (
 )
 from paramserver.checkpoint.store import committed_steps
 from paramserver.config import CheckpointSection
-from paramserver.errors import ServerLostError
+from paramserver.errors import ServerLostError, StreamError
 from paramserver.futures import wait_all
+from paramserver.inputs import PositionedInput
 from paramserver.transport.base import Transport
 
 log = logging.getLogger(__name__)
 
+STREAM_ACK_S = 5.0  # the most a stopping job waits to acknowledge its final checkpoint's entries
 
 RngState = tuple[dict[str, Tensor], dict[str, Any]]
 
@@ -105,8 +111,9 @@ class TrainerCheckpoints:
         # own part (so at the same step boundary) and committed with the servers' parts.
         self.dense_part: Callable[[], Saved] | None = None
         self._dense_written: Part | None = None
-        # A stream's: told the position of each committed checkpoint (see the module doc).
-        self.acknowledge: Callable[[Any], None] | None = None
+        # What ctx.batches reads, where it is a stream: told the position of each committed
+        # checkpoint (see the module doc).
+        self.stream: PositionedInput | None = None
         self._positions: dict[int, Any] = {}  # by step: positions saved, not yet acknowledged
 
     def resumed_at(self, step: int) -> None:
@@ -148,14 +155,14 @@ class TrainerCheckpoints:
         """Tell the stream the position of the newest committed checkpoint this trainer saved
         a part of (the ones before it are covered too)."""
         root = self.settings.checkpoint_dir
-        if self.acknowledge is None or root is None or not self._positions:
+        if self.stream is None or root is None or not self._positions:
             return
         committed = set(committed_steps(root))
         covered = [step for step in self._positions if step in committed]
         if not covered:
             return
         newest = max(covered)
-        self.acknowledge(self._positions[newest])
+        self.stream.acknowledge(self._positions[newest])
         self._positions = {s: p for s, p in self._positions.items() if s > newest}
 
     def save_final(
@@ -186,6 +193,28 @@ class TrainerCheckpoints:
             meta["stream_ends"] = stream_ends
         commit(root, step, parts, meta, keep=self.settings.checkpoint_keep)
         log.info("final checkpoint %d committed in %s", step, checkpoint_dir(root, step))
+        if stream_ends:
+            self._acknowledge_final(step, stream_ends)
+
+    def _acknowledge_final(self, step: int, stream_ends: dict[str, Any]) -> None:
+        """Chief, once final checkpoint ``step`` is committed: acknowledge every trainer's
+        stream entries it holds (a stream that can: the chief's reader acknowledges for all
+        its consumers). Bounded; a failure is logged, not raised: a resume acknowledges them."""
+        acknowledge = getattr(self.stream, "acknowledge_every_trainer", None)
+        if acknowledge is None:
+            return
+        positions = {int(t): end["input_position"] for t, end in stream_ends.items()}
+        try:
+            count = acknowledge(positions, STREAM_ACK_S)
+        except StreamError as error:
+            log.warning(
+                "final checkpoint %d is committed, but the stream entries it holds are not "
+                "acknowledged (%s): they stay pending until a job resumed from it starts",
+                step,
+                error,
+            )
+            return
+        log.info("final checkpoint %d: %d stream entries acknowledged", step, count)
 
     def announce_if_due(self, call: int) -> None:
         """Chief: announce step ``call + 1`` if a checkpoint is due. Call it only with the

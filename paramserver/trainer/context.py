@@ -267,7 +267,7 @@ class TrainContext:
             if self._resumed.position is not None:
                 positioned.seek(self._resumed.position)
                 self._to_skip = 0
-            self._engine.checkpoints.acknowledge = positioned.acknowledge
+            self._engine.checkpoints.stream = positioned
             if hasattr(positioned, "on_idle"):  # waiting for new records is not being stuck
                 positioned.on_idle = self._engine.activity.touch
         return self._batches(iter(iterable), inputs)
