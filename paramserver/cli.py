@@ -235,7 +235,8 @@ def _add_serve(commands: Any) -> None:
     serve.add_argument(
         "--from", dest="base", type=Path,
         help="a checkpoint directory (its newest checkpoint), one ckpt-* directory, or a "
-        "`paramserver export` file (default: the job's initial model)",
+        "`paramserver export` file (default: the job's initial model, or its newest "
+        "checkpoint where the log no longer reaches back to it)",
     )  # fmt: skip
     serve.add_argument("--follow", type=Path, help="the training job's --publish-dir")
     serve.add_argument(
@@ -542,6 +543,7 @@ class RecordedJob:
     config: TrainConfig
     model_fn: Callable[[], nn.Module]
     example: list[Tensor]
+    checkpoint_dir: Path | None = None  # the job's --checkpoint-dir, where the job ran
 
 
 def recorded_job(path: Path) -> RecordedJob:
@@ -567,7 +569,8 @@ def recorded_job(path: Path) -> RecordedJob:
     try:
         args = build_parser().parse_args(["train", *argv])
         config = config_from_args(args, DATASET_DEFAULTS.get(args.dataset.partition(":")[0]))
-        return RecordedJob(config, *served_job(args, config))
+        checkpoints = None if config.checkpoint_dir is None else Path(cwd, config.checkpoint_dir)
+        return RecordedJob(config, *served_job(args, config), checkpoints)
     except ConfigError as error:
         raise ConfigError(f"{path}: the recorded job (run in {cwd}): {error}") from None
     finally:
@@ -587,7 +590,7 @@ def run_serve(args: argparse.Namespace) -> int:
         seed=job.config.seed, model_name=args.model_name, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, poll_s=args.poll_every,
         mmap_dir=args.mmap_dir, http_timeout_s=args.http_timeout,
-        http_max_connections=args.http_max_connections,
+        http_max_connections=args.http_max_connections, checkpoint_dir=job.checkpoint_dir,
     )  # fmt: skip
     print(
         f"serving {args.model_name!r} and {len(serving.served.plan.tables)} tables on "

@@ -11,11 +11,13 @@ import torch
 
 import paramserver as ps
 from paramserver import cli
-from paramserver.changelog.log import ChainFollower
+from paramserver.changelog.log import ChainFollower, read_manifest, server_dir
 from paramserver.checkpoint import load_latest, open_checkpoint
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
+from paramserver.serving.run import serve
 from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
+from tests.serving_helpers import raw_http
 
 
 def served_state(served: ServedModel) -> dict[str, torch.Tensor]:
@@ -135,6 +137,41 @@ def test_serving_from_the_newest_checkpoint_replays_the_log_kept_since(tmp_path:
     final = result.model.state_dict()
     for name, value in served_state(served).items():
         assert torch.equal(value, final[name]), name
+
+
+def test_serve_after_the_log_was_pruned_serves_the_jobs_newest_checkpoint_or_refuses(
+    tmp_path: Path,
+) -> None:
+    """Each log keeps one segment and those since the newest checkpoint: it no longer reaches
+    back to the job's initial model. serve() starts from the job's newest checkpoint instead
+    (ready with the final model, its version placed in the chains), and refuses (before it
+    listens) where it is not told of the job's checkpoints."""
+    log, checkpoints = tmp_path / "log", tmp_path / "ckpt"
+    config = ps.TrainConfig(
+        servers=2, trainers=1, mode="sync", launcher="threads", publish_dir=str(log),
+        publish_every=0.001, publish_keep=1, checkpoint_dir=str(checkpoints),
+        checkpoint_every=10, progress=False,
+    )  # fmt: skip
+    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 35), mse, config)
+    assert result is not None and result.model is not None
+    assert ChainFollower(log, 0).gap() is not None  # pruned past the job's start
+    with pytest.raises(ps.ConfigError, match=r"initial model .*pass --from"):
+        serve(TinyRecModel, follow=log, http_port=0, grpc_port=None)
+    serving = serve(TinyRecModel, follow=log, checkpoint_dir=checkpoints, http_port=0,
+                    grpc_port=None)  # fmt: skip
+    try:
+        assert serving.http_port is not None
+        status, _ = raw_http(serving.http_port, "GET", "/v2/health/ready", b"")
+        assert status == 200
+        final = result.model.state_dict()
+        for name, value in served_state(serving.served).items():
+            assert torch.equal(value, final[name]), name
+        version = serving.served.version
+        last = [read_manifest(server_dir(log, s)).segments[-1] for s in (0, 1)]
+        assert version.number == sum(entry.sequence for entry in last) > 0
+        assert version.steps == {0: 35, 1: 35}
+    finally:
+        serving.close()
 
 
 def test_serve_rebuilds_the_recorded_job_where_it_ran_and_without_its_data(

@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from paramserver.changelog.log import MANIFEST, ChainFollower, LogWriter, server_dir
 from paramserver.changelog.publisher import Publisher
 from paramserver.changelog.segment import Segment, TableChanges
+from paramserver.errors import ConfigError
 from paramserver.modelplan import build_model, plan_of
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.serving.follow import Follower
@@ -32,9 +33,11 @@ from paramserver.serving.frontend import Frontend
 from paramserver.serving.grpc import GrpcServing
 from paramserver.serving.http import MAX_BODY_BYTES, HttpServing
 from paramserver.serving.model import ServedModel
+from paramserver.serving.run import serve
 from paramserver.store.snapshot import restore_store, snapshot_store
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
+from tests.procs import free_port
 from tests.serving_helpers import EXAMPLE, Ranker, raw_http
 
 SERVERS = 2
@@ -43,15 +46,16 @@ SERVERS = 2
 class Training:
     """Two training servers' stores of Ranker, each publishing into ``root``."""
 
-    def __init__(self, root: Path, aligned: bool = False):
+    def __init__(self, root: Path, aligned: bool = False, keep: int = 3600):
         self.built = build_model(Ranker, 0)
         self.plan, self.aligned, self.step = plan_of(self.built.model, SERVERS), aligned, 0
+        self.keep = keep  # segments each log keeps (the job's --publish-keep)
         self.stores = [self.new_store(s) for s in range(SERVERS)]
         self.publishers = [self.publisher(store, root, "job") for store in self.stores]
 
     def publisher(self, store: Store, root: Path, writer: str) -> Publisher:
         """A sync job's publisher cuts when told; an async job's on a timer (here never)."""
-        return Publisher(store, root, writer, every_s=3600, timed=not self.aligned)
+        return Publisher(store, root, writer, every_s=3600, timed=not self.aligned, keep=self.keep)
 
     def new_store(self, server: int) -> Store:
         """Server ``server``'s store as the job starts it."""
@@ -125,7 +129,8 @@ def test_served_rows_equal_the_training_servers_after_each_version(
     assert torch.equal(served.lookup("user.weight", torch.tensor([10, 11]))[0],
                        training.rows("user.weight", [10, 11]))  # fmt: skip
     unseen, version = served.lookup("user.weight", torch.tensor([99]))
-    assert torch.equal(unseen, torch.full((1, 4), 0.5)) and version.number == 1  # the default
+    assert torch.equal(unseen, torch.full((1, 4), 0.5))  # the default
+    assert version.number == 2  # segment 1 of server 0's chain and of server 1's
     assert served.store.tables["user.weight"].stats()["rows"] == 2  # serving made no row
     for name, slot in served.store.dense.items():
         owner = training.stores[training.plan.dense_server[name]]
@@ -184,7 +189,7 @@ def serving(tmp_path: Path):
 
 def test_tritonclient_over_http_and_grpc_reads_what_is_served(serving) -> None:
     served, http, grpc = serving
-    ids = np.array([[3, 4, 5], [5, 6, 7]], dtype=np.int64)
+    ids = np.array([3, 4, 5, 5, 6, 7], dtype=np.int64)
     expected, _ = served.lookup("item.weight", torch.from_numpy(ids))
     for client, module in (
         (triton_http.InferenceServerClient(f"127.0.0.1:{http.port}"), triton_http),
@@ -195,7 +200,7 @@ def test_tritonclient_over_http_and_grpc_reads_what_is_served(serving) -> None:
         lookup = module.InferInput("ids", list(ids.shape), "INT64")
         lookup.set_data_from_numpy(ids)
         rows = client.infer("item.weight", [lookup]).as_numpy("rows")
-        assert rows.shape == (2, 3, 4) and np.array_equal(rows, expected.numpy())
+        assert rows.shape == (6, 4) and np.array_equal(rows, expected.numpy())
         items = module.InferInput("items", [2], "INT64")
         items.set_data_from_numpy(EXAMPLE[0].numpy())
         users = module.InferInput("users", [2], "INT64")
@@ -422,3 +427,67 @@ def test_tables_mapped_from_files_serve_what_tables_in_memory_serve(tmp_path: Pa
     assert torch.equal(mapped.predict(EXAMPLE)[0], in_memory.predict(EXAMPLE)[0])
     maps = Path("/proc/self/maps").read_text()
     assert f"{tmp_path}/rows-" in maps and list(tmp_path.iterdir()) == []  # mapped, unlinked
+
+
+def test_version_numbers_rise_and_a_restarted_follower_answers_the_number_it_left_at(
+    tmp_path: Path, training: Training
+) -> None:
+    """A version's number is its place in the chains (each server's last segment applied,
+    summed): every version raises it, and a serving process restarted on the same log
+    answers the number the one before it reached, then rises on from it."""
+    served, follower = follower_of(tmp_path)
+    numbers = []
+    for step in range(3):
+        training.train(items=[1 + step], users=[10])
+        training.publish()
+        assert follower.poll() == SERVERS
+        numbers.append(served.version.number)
+    assert numbers == [2, 4, 6]
+    restarted, again = follower_of(tmp_path)
+    again.catch_up()  # one version of three segments each
+    assert restarted.version.number == numbers[-1]
+    training.train(items=[9], users=[10])
+    training.publish()
+    assert again.poll() == SERVERS and restarted.version.number == 8
+
+
+def test_a_follower_is_told_when_its_log_no_longer_holds_what_it_needs_next(
+    tmp_path: Path,
+) -> None:
+    """A log pruned (each keeps one segment here) past the base, or past what a follower
+    applied, is a gap: a serving process does not start on it."""
+    training = Training(tmp_path, keep=1)
+    try:
+        _, follower = follower_of(tmp_path)
+        training.train(items=[1], users=[10])
+        training.publish()
+        assert follower.gaps() == {} and follower.poll() == SERVERS  # from the start
+        for _ in range(2):
+            training.train(items=[2], users=[11])
+            training.publish()
+        assert set(follower.gaps()) == {0, 1}
+        assert "oldest segment kept is 3, but the last applied is 1" in follower.gaps()[0]
+        late_served, late = follower_of(tmp_path)  # from the job's initial model
+        assert "no longer reaches back to the base" in late.gaps()[1]
+        assert late_served.version.number == 0
+    finally:
+        training.close()
+
+
+def test_serve_refuses_a_log_pruned_past_the_initial_model_before_it_listens(
+    tmp_path: Path,
+) -> None:
+    training = Training(tmp_path, keep=1)
+    try:
+        for step in range(2):
+            training.train(items=[1 + step], users=[10])
+            training.publish()
+        port = free_port()
+        with pytest.raises(ConfigError, match=r"no longer reach back to the job's initial "
+                           r"model .*no --checkpoint-dir.*pass --from"):  # fmt: skip
+            serve(Ranker, follow=tmp_path, example_inputs=EXAMPLE, http_port=port,
+                  grpc_port=None)  # fmt: skip
+        with pytest.raises(ConnectionRefusedError):  # nothing listened
+            raw_http(port, "GET", "/v2/health/ready", b"")
+    finally:
+        training.close()

@@ -15,8 +15,9 @@ A server appends (:class:`LogWriter`): it writes the segment under a temporary n
 and renames it, then rewrites the manifest the same way. A reader that sees a segment in the
 manifest so finds it whole; a segment on disk that no manifest lists is not yet published.
 A manifest keeps the newest ``keep`` segments, and every segment since the newest committed
-checkpoint however many (older ones are deleted after the manifest that drops them): a
-follower that falls further behind is told so.
+checkpoint however many (older ones are deleted after the manifest that drops them; in a job
+with checkpoints, every segment since the job's start until its first commits): a follower
+that falls further behind is told so, and can ask first (:meth:`ChainFollower.gap`).
 
 A chain outlives its server process: a server restarted, or a job resumed, numbers on from
 the chain's last segment. Where its store does not end at that segment's change (resumed from
@@ -31,7 +32,9 @@ numbers rise by one, each starts at the change the one before it ended at, and e
 header agrees with its manifest entry. A gap, a duplicate or a segment out of order is a
 :class:`~paramserver.errors.ChangeLogError` naming the file, and nothing of that server's new
 segments is handed on. A full segment is taken after anything, and a follower starts at the
-newest full segment it has not applied (what came before it no longer matters).
+newest full segment it has not applied (what came before it no longer matters). Before it
+applies any, a follower's place in the chain is the last segment its base covers whole
+(:meth:`ChainFollower.covered_by_base`).
 """
 
 from __future__ import annotations
@@ -289,23 +292,67 @@ class ChainFollower:
         """``segment`` (the last of those :meth:`pending` gave) and those before it applied."""
         self.applied, self.changes = segment.sequence, segment.changes
 
-    def _newer(self, segments: tuple[Listed, ...]) -> list[Listed]:
+    def gap(self) -> str | None:
+        """Why this chain no longer holds the segments the state followed needs next (its
+        writer pruned them: its oldest kept comes after them), with no full segment among the
+        newer ones to start from instead; None where it holds them, or lists none yet. A
+        manifest that cannot be read is :meth:`pending`'s to report."""
+        try:
+            exists = (self.directory / MANIFEST).exists()
+            segments = read_manifest(self.directory).segments if exists else ()
+        except ChangeLogError:
+            return None
+        newer = self._after(segments)
+        if not newer or any(entry.full for entry in newer):
+            return None
+        if self.applied is None:
+            return self._base_gap(newer)
+        if newer[0] == segments[0] and newer[0].sequence > self.applied + 1:
+            return (
+                f"change log {self.directory}: its oldest segment kept is "
+                f"{newer[0].sequence}, but the last applied is {self.applied}: the segments "
+                f"between were pruned before they were read"
+            )
+        return None
+
+    def covered_by_base(self) -> Listed | None:
+        """The newest segment listed whose changes the base covers whole (None: none listed):
+        where the base stands in the chain before any segment is applied."""
+        if not (self.directory / MANIFEST).exists():
+            return None
+        try:
+            segments = read_manifest(self.directory).segments
+        except ChangeLogError:
+            return None
+        covered = [entry for entry in segments if entry.changes <= self.changes]
+        return covered[-1] if covered else None
+
+    def _after(self, segments: tuple[Listed, ...]) -> list[Listed]:
         """The entries after the state followed: after the last applied, or from the base on
-        (the first that reaches past the base's change); from the newest full segment among
-        them, which replaces everything before it."""
+        (the first that reaches past the base's change)."""
         if self.applied is not None:
-            newer = [entry for entry in segments if entry.sequence > self.applied]
-        else:
-            newer = [entry for entry in segments if entry.changes > self.changes]
+            return [entry for entry in segments if entry.sequence > self.applied]
+        return [entry for entry in segments if entry.changes > self.changes]
+
+    def _base_gap(self, newer: list[Listed]) -> str | None:
+        if newer[0].after_changes <= self.changes:
+            return None
+        return (
+            f"change log {self.directory}: its oldest segment kept starts after change "
+            f"{newer[0].after_changes}, past the base's change {self.changes}: the log no "
+            f"longer reaches back to the base"
+        )
+
+    def _newer(self, segments: tuple[Listed, ...]) -> list[Listed]:
+        """The entries after the state followed (:meth:`_after`), from the newest full
+        segment among them, which replaces everything before it."""
+        newer = self._after(segments)
         full = [i for i, entry in enumerate(newer) if entry.full]
         if full:
             return newer[full[-1] :]
-        if self.applied is None and newer and newer[0].after_changes > self.changes:
-            raise ChangeLogError(
-                f"change log {self.directory}: its oldest segment kept starts after change "
-                f"{newer[0].after_changes}, past the base's change {self.changes}: the log no "
-                f"longer reaches back to the base (serve from a newer base)"
-            )
+        gap = self._base_gap(newer) if self.applied is None and newer else None
+        if gap is not None:
+            raise ChangeLogError(gap)
         return newer
 
     def _read(self, entry: Listed, sequence: int, changes: int, *, first: bool) -> Segment:

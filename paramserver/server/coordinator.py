@@ -83,6 +83,8 @@ class Coordinator:
         :meth:`close` cuts its last segment."""
         self.applier.publisher = publisher
         self.checkpoints.on_committed = publisher.keep_after
+        if self.checkpoints.root is not None:  # until one commits, the base is where it began
+            publisher.keep_after(publisher.store.changes.covered())
 
     def cut_between_calls(self) -> CallGate:
         """The gate that lets a timed cut of the change log, and a checkpoint's snapshot (with

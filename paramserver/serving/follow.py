@@ -12,6 +12,8 @@ once, counted, :attr:`Follower.problems`) and its segments up to the break are s
 serving keeps answering from the last good version, and takes that server's chain up again
 once it is whole. A follower far behind (a restart replaying a long log) reads a bounded
 number of segments per server at a time and applies version after version until it is level.
+A log pruned past what the served model needs next is a gap (:meth:`Follower.gaps`): a
+serving process does not start on it (see :mod:`paramserver.serving.run`).
 """
 
 from __future__ import annotations
@@ -88,12 +90,30 @@ class Follower:
             self.on_applied(segments, time.time())
         return len(segments)
 
+    def gaps(self) -> dict[int, str]:
+        """The servers whose chain no longer holds the segments the served model needs next
+        (pruned by their writer: see :meth:`ChainFollower.gap`), each with why. A serving
+        process does not start on such a base: what it would serve is not the job's model
+        and would never become it."""
+        self._add_chains()
+        return {server: gap for server, chain in self.chains.items() if (gap := chain.gap())}
+
+    def _add_chains(self) -> None:
+        """Follow each server's chain found under the root, from the served base: its place
+        in the chain (the last segment it covers whole) is the version's until a segment of
+        it is applied."""
+        if not self.root.is_dir():
+            return
+        for server in servers_under(self.root):
+            if server not in self.chains:
+                covered = self.served.version.changes.get(server, 0)
+                chain = self.chains[server] = ChainFollower(self.root, server, covered)
+                place = chain.covered_by_base()
+                if place is not None and server not in self.served.version.segments:
+                    self.served.place_base(server, place.sequence, place.last_step)
+
     def _pending(self) -> dict[int, list[Segment]]:
-        if self.root.is_dir():
-            for server in servers_under(self.root):
-                if server not in self.chains:
-                    covered = self.served.version.changes.get(server, 0)
-                    self.chains[server] = ChainFollower(self.root, server, covered)
+        self._add_chains()
         pending = {}
         for server, chain in self.chains.items():
             found, error = chain.pending()

@@ -1,6 +1,8 @@
 """Serving's Prometheus metrics, in the text exposition format (``GET /metrics``).
 
-- ``paramserver_served_version``: versions applied since the process started;
+- ``paramserver_served_version``: the served version's number, its place in the log (it
+  only rises for a given log, across restarts: see
+  :attr:`~paramserver.serving.model.Version.number`);
 - ``paramserver_served_step{server}``: each training server's last step applied;
 - ``paramserver_freshness_seconds``: how long ago the newest change served was cut;
 - ``paramserver_segments_total{outcome}``: segments applied and refused;

@@ -59,14 +59,23 @@ _NO_UPDATES = OptimizerConfig(name="sgd", lr=1.0)  # serving applies no gradient
 
 @dataclass
 class Version:
-    """What a served model holds: each training server's last applied segment (sequence,
-    last step) and the store change it covers; ``number`` counts versions applied."""
+    """What a served model holds: where it stands in each training server's chain (the
+    sequence of the last segment applied, or of the last one its base covers whole), that
+    segment's last step, and the store change it covers."""
 
-    number: int = 0
     segments: dict[int, int] = field(default_factory=dict)
     steps: dict[int, int] = field(default_factory=dict)
     changes: dict[int, int] = field(default_factory=dict)
     applied_at: float = 0.0  # time.time() of the newest segment's publication it holds
+
+    @property
+    def number(self) -> int:
+        """The served version's number: the sum of its places in the chains. Sequences only
+        rise along a chain (a resumed job's too) and each version moves at least one, so the
+        number rises with every version, and a serving process restarted on the same log
+        answers numbers a client can compare with the earlier process's (it answers once it
+        has caught up with the log, which only grows). 0: the job's initial model."""
+        return sum(self.segments.values())
 
 
 class ServedModel:
@@ -171,12 +180,22 @@ class ServedModel:
                 self._write(segment)
             version = self.version
             self.version = Version(
-                version.number + 1,
                 {**version.segments, **{s.server: s.sequence for s in segments}},
                 {**version.steps, **{s.server: s.last_step for s in segments}},
                 {**version.changes, **{s.server: s.changes for s in segments}},
                 max(version.applied_at, published_at),
             )
+
+    def place_base(self, server: int, sequence: int, step: int) -> None:
+        """Say that the base holds server ``server``'s chain up to segment ``sequence``
+        (whole; ``step`` its last step): the version's place in that chain until a segment of
+        it is applied. The model is unchanged."""
+        with self.lock:
+            version = self.version
+            self.version = Version(
+                {**version.segments, server: sequence}, {**version.steps, server: step},
+                dict(version.changes), version.applied_at,
+            )  # fmt: skip
 
     def check(self, segment: Segment) -> None:
         """Whether ``segment`` fits the served model (its tables, widths, ids and dense
