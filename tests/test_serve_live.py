@@ -91,7 +91,7 @@ def test_serve_follows_a_live_sync_job_and_any_base_ends_at_one_model(tmp_path: 
             (triton_http.InferenceServerClient(f"127.0.0.1:{http}"), triton_http),
             (triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc}"), triton_grpc),
         ]
-        ids = np.array([[1, 5, 9], [1999, 0, 5]], dtype=np.int64)
+        ids = np.array([1, 5, 9, 1999, 0, 5], dtype=np.int64)
         versions = set()
         while train.poll() is None:
             answers = [lookup(c, m, "embeddings.3.weight", ids) for c, m in clients]

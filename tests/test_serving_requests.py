@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from torch import Tensor, nn
@@ -29,7 +30,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from paramserver.cli import build_parser
-from paramserver.errors import ConfigError
+from paramserver.errors import ConfigError, InvalidBatchError
 from paramserver.serving import protocol
 from paramserver.serving.frontend import Frontend
 from paramserver.serving.grpc import GrpcServing
@@ -148,14 +149,14 @@ def test_nested_json_data_and_mixed_output_encodings_are_answered(serving) -> No
     frontend, http_serving, _ = serving
     document = {
         "id": "request-1",
-        "inputs": [ids_input([[1, 2], [3, 4]], shape=[2, 2])],
+        "inputs": [ids_input([[1, 2], [3, 4]], shape=[4])],  # nested data, read row-major
         "outputs": [{"name": "rows", "parameters": {"binary_data": False}}],
         "parameters": {"binary_data_output": True},
     }
     status, answer = post(http_serving.port, document)
-    expected = frontend.served.lookup("item.weight", torch.tensor([[1, 2], [3, 4]]))[0]
+    expected = frontend.served.lookup("item.weight", torch.tensor([1, 2, 3, 4]))[0]
     assert status == 200 and answer["id"] == "request-1"
-    assert answer["outputs"][0]["shape"] == [2, 2, 4]
+    assert answer["outputs"][0]["shape"] == [4, 4]
     assert answer["outputs"][0]["data"] == expected.reshape(-1).tolist()
 
 
@@ -171,6 +172,92 @@ def test_an_output_the_model_lacks_is_refused_over_grpc_before_it_runs(serving) 
     assert counted[("grpc", "item.weight", "bad_request")] == 1
     rows = client.infer("item.weight", [given], outputs=[triton_grpc.InferRequestedOutput("rows")])
     assert rows.as_numpy("rows").shape == (2, 4)
+
+
+# ---- ids a table cannot take; shapes as declared ----
+
+
+def clients(http_serving: HttpServing, grpc_serving: GrpcServing) -> list[tuple[Any, Any]]:
+    return [
+        (triton_http.InferenceServerClient(f"127.0.0.1:{http_serving.port}"), triton_http),
+        (triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_serving.port}"), triton_grpc),
+    ]
+
+
+@pytest.mark.parametrize(("items", "named"), [([1, 50], 50), ([-3, 2], -3)])
+def test_an_id_outside_a_table_given_to_the_whole_model_is_refused_naming_input_and_table(
+    serving, items: list[int], named: int
+) -> None:
+    frontend, http_serving, grpc_serving = serving
+    expected = (
+        rf"model 'model' cannot run on these inputs: input 'items' holds id {named} for "
+        rf"table 'item.weight', whose ids are 0\.\.49"
+    )
+    for client, module in clients(http_serving, grpc_serving):
+        given = [module.InferInput("items", [2], "INT64"), module.InferInput("users", [2], "INT64")]
+        given[0].set_data_from_numpy(np.array(items, dtype=np.int64))
+        given[1].set_data_from_numpy(np.array([10, 11], dtype=np.int64))
+        with pytest.raises(InferenceServerException, match=expected) as refused:
+            client.infer("model", given)
+        assert refused.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+    assert frontend.metrics.requests[("http", "model", "bad_request")] == 1
+    assert_still_serving(frontend, http_serving.port)
+
+
+class Looked(nn.Module):
+    """A model that looks its ids up by ``F.embedding`` on its table's weight (``computed``:
+    ids offset first, so they are no input's) or through an ``nn.EmbeddingBag``."""
+
+    def __init__(self, computed: bool = False, bag: bool = False) -> None:
+        super().__init__()
+        self.computed, self.bag = computed, bag
+        self.table = nn.EmbeddingBag(10, 2, mode="sum") if bag else nn.Embedding(10, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.bag:
+            return self.table(ids[:, :2])
+        return F.embedding(ids + 1 if self.computed else ids, self.table.weight).sum(1)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({}, r"input 'ids' holds id 10 for table 'table.weight', whose ids are 0\.\.9"),
+        ({"bag": True}, r"input 'ids' holds id 10 for table 'table.weight'"),
+        ({"computed": True}, r"ids computed from the inputs hold id 10 for table 'table.weight'"),
+    ],
+)
+def test_an_id_outside_a_table_is_named_however_the_model_looks_it_up(
+    options: dict[str, bool], message: str
+) -> None:
+    served = ServedModel(lambda: Looked(**options), 0)
+    ids = torch.tensor([[1, 9 if options.get("computed") else 10], [2, 3]])
+    with pytest.raises(InvalidBatchError, match=message):
+        served.predict([ids], ["ids"])
+    assert served.predict([torch.tensor([[1, 2], [3, 4]])], ["ids"])[0].shape == (2, 2)
+
+
+def test_a_tables_ids_are_taken_in_the_shape_its_metadata_declares(serving) -> None:
+    """The protocol's shapes say "any size" of a dimension (-1), not "any number of
+    dimensions": a table declares ids of one dimension, over HTTP and gRPC alike, and takes
+    those only."""
+    _, http_serving, grpc_serving = serving
+    for client, module in clients(http_serving, grpc_serving):
+        metadata = client.get_model_metadata("item.weight")
+        if module is triton_http:
+            declared = [(t["name"], t["datatype"], t["shape"])
+                        for t in metadata["inputs"] + metadata["outputs"]]  # fmt: skip
+        else:
+            declared = [(t.name, t.datatype, list(t.shape))
+                        for t in [*metadata.inputs, *metadata.outputs]]  # fmt: skip
+        assert declared == [("ids", "INT64", [-1]), ("rows", "FP32", [-1, 4])]
+        lookup = module.InferInput("ids", [2, 2], "INT64")
+        lookup.set_data_from_numpy(np.array([[1, 2], [3, 4]], dtype=np.int64))
+        with pytest.raises(InferenceServerException, match=r"shape \[2, 2\] does not fit \[-1\]"):
+            client.infer("item.weight", [lookup])
+        lookup = module.InferInput("ids", [4], "INT64")
+        lookup.set_data_from_numpy(np.array([1, 2, 3, 4], dtype=np.int64))
+        assert client.infer("item.weight", [lookup]).as_numpy("rows").shape == (4, 4)
 
 
 # ---- shapes and raw data bounded ----
@@ -193,7 +280,7 @@ def raw_grpc(port: int, shape: list[int], raw: bytes) -> grpc.RpcError:
     ("shape", "raw", "message"),
     [
         ([3], bytes(16), "16 bytes for 3 INT64 values of shape [3]"),
-        ([2**62, 2**62, 2**62], bytes(8), "is over the limit of 4194304 values"),
+        ([2**62, 2**62, 2**62], bytes(8), "shape [4611686018427387904, 46116860184"),
         ([1 << 23], bytes(8), "is over the limit of 4194304 values"),
         ([1] * 9, bytes(8), "shape must be a list of at most 8 integers"),
     ],
@@ -387,7 +474,7 @@ def test_a_bfloat16_table_and_input_are_served_as_bf16() -> None:
     frontend = Frontend(served, example=BF16_EXAMPLE)
     frontend.ready = True
     http_serving, grpc_serving = HttpServing(frontend), GrpcServing(frontend)
-    ids = np.array([[3, 4], [5, 19]], dtype=np.int64)
+    ids = np.array([3, 4, 5, 19], dtype=np.int64)
     expected = served.lookup("item.weight", torch.from_numpy(ids))[0].float().numpy()
     scores = served.predict(BF16_EXAMPLE)[0].numpy()
     try:
@@ -400,7 +487,7 @@ def test_a_bfloat16_table_and_input_are_served_as_bf16() -> None:
             lookup = module.InferInput("ids", list(ids.shape), "INT64")
             lookup.set_data_from_numpy(ids)
             rows = client.infer("item.weight", [lookup]).as_numpy("rows")
-            assert rows.dtype == ml_dtypes.bfloat16 and rows.shape == (2, 2, 4)
+            assert rows.dtype == ml_dtypes.bfloat16 and rows.shape == (4, 4)
             assert np.array_equal(rows.astype(np.float32), expected)
             items = module.InferInput("items", [2], "INT64")
             items.set_data_from_numpy(BF16_EXAMPLE[0].numpy())

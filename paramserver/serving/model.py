@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from paramserver.changelog.segment import Segment
 from paramserver.checkpoint.store import Checkpoint
@@ -278,8 +280,79 @@ class ServedModel:
         return rows[inverse].reshape(*ids.shape, spec.dim), version
 
     @torch.no_grad()
-    def predict(self, inputs: Sequence[Tensor]) -> tuple[Any, Version]:
-        """The model's forward on ``inputs`` (its tensor arguments, in order), and the
-        version it read."""
+    def predict(
+        self, inputs: Sequence[Tensor], names: Sequence[str] | None = None
+    ) -> tuple[Any, Version]:
+        """The model's forward on ``inputs`` (its tensor arguments, in order, called
+        ``names``), and the version it read. Where the forward fails on an id outside a fixed
+        table's rows: InvalidBatchError naming the input that holds it, the table and its
+        rows (found by running the forward again, each lookup checked before it runs: the
+        forward's own path costs nothing more)."""
         with self.lock:
-            return self.model(*inputs), self.version
+            try:
+                return self.model(*inputs), self.version
+            except (IndexError, RuntimeError) as error:
+                checks = _LookupChecks(self._fixed_weights(), inputs, names)
+                try:
+                    with checks:
+                        self.model(*inputs)
+                except _OutOfRange as found:
+                    raise InvalidBatchError(str(found)) from None
+                except Exception:  # not an id out of range: the first error says what
+                    pass
+                raise error
+
+    def _fixed_weights(self) -> dict[int, tuple[str, int]]:
+        """Each fixed table's rows as the model reads them, by address: name, row count."""
+        return {
+            self.store.tables[name].weight.data_ptr(): (name, spec.num_rows)
+            for name, spec in self.plan.tables.items()
+            if spec.dynamic is None and spec.num_rows
+        }
+
+
+class _OutOfRange(Exception):
+    """A lookup of an id outside a fixed table's rows, found by :class:`_LookupChecks`."""
+
+
+class _LookupChecks(TorchFunctionMode):
+    """Checks the ids of every embedding lookup in a fixed table before it runs, raising
+    :class:`_OutOfRange` with the first id outside the table's rows, the table and the input
+    whose storage the ids are (a view of: a column, a slice)."""
+
+    def __init__(
+        self,
+        tables: Mapping[int, tuple[str, int]],
+        inputs: Sequence[Tensor],
+        names: Sequence[str] | None,
+    ):
+        super().__init__()
+        self.tables = tables
+        labels = names or [f"input_{i}" for i in range(len(inputs))]
+        self.inputs = {
+            t.untyped_storage().data_ptr(): label for t, label in zip(inputs, labels, strict=True)
+        }
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (F.embedding, F.embedding_bag):
+            ids = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            if isinstance(ids, Tensor) and isinstance(weight, Tensor):
+                self._check(ids, weight)
+        return func(*args, **kwargs)
+
+    def _check(self, ids: Tensor, weight: Tensor) -> None:
+        table = self.tables.get(weight.data_ptr())
+        if table is None or not ids.numel():
+            return
+        name, rows = table
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < rows:
+            return
+        source = self.inputs.get(ids.untyped_storage().data_ptr())
+        holder = f"input {source!r} holds" if source else "ids computed from the inputs hold"
+        raise _OutOfRange(
+            f"{holder} id {low if low < 0 else high} for table {name!r}, whose ids are "
+            f"0..{rows - 1}"
+        )

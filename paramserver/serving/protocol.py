@@ -3,11 +3,14 @@
 Serving answers for several models: ``model`` (the user's model whole: its inputs are the
 forward's tensor arguments in order, named as the forward names them; its outputs what the
 forward returns, ``output`` or ``output_0``, ``output_1``... for a tuple) and one per table
-(``emb.weight``: input ``ids``, INT64 of any shape; output ``rows``, the rows of those ids,
-of shape ``ids.shape + [dim]``, in the table's dtype: a bfloat16 table answers BF16, which
-tritonclient reads as ``ml_dtypes.bfloat16``). Every answer names the served version in its
-parameters (``served_version``, and ``steps``: each training server's last step applied, as
-``server:step`` pairs).
+(``emb.weight``: input ``ids``, INT64 of shape ``[-1]``, a list; output ``rows``, the rows of
+those ids, of shape ``[-1, dim]``, in the table's dtype: a bfloat16 table answers BF16, which
+tritonclient reads as ``ml_dtypes.bfloat16``). Every input is taken in the shape its metadata
+declares, and only in it: the protocol's shapes have no way to say "any number of
+dimensions" (ids of a batch of sequences are sent flat, their rows reshaped by the client).
+Every answer names the served version in its parameters (``served_version``, a number that
+only rises for a given log: see :attr:`~paramserver.serving.model.Version.number`; and
+``steps``: each training server's last step applied, as ``server:step`` pairs).
 
 A request is checked whole before anything runs: the model exists, the inputs are exactly the
 model's, each with its datatype, a shape of at most :data:`MAX_RANK` dimensions that fits, and
@@ -166,8 +169,8 @@ class ModelEndpoint(Endpoint):
 
     def infer(self, inputs: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], Version]:
         arguments = [inputs[spec.name] for spec in self.inputs]
-        try:
-            outputs, version = self.served.predict(arguments)
+        try:  # an id outside a table's rows: InvalidBatchError naming its input and table
+            outputs, version = self.served.predict(arguments, [s.name for s in self.inputs])
         except (IndexError, RuntimeError, ValueError, InvalidBatchError) as error:
             raise ProtocolError(
                 f"model {self.name!r} cannot run on these inputs: {error}"
@@ -265,12 +268,12 @@ def _count(where: str, spec: TensorSpec, shape: Any) -> int:
                             f"got {brief(shape)}")  # fmt: skip
     if not all(type(n) is int and n >= 0 for n in shape):  # no bools either
         raise ProtocolError(f"{where}: shape must be of integers >= 0, got {brief(shape)}")
-    any_shape = spec.shape == (-1,) and spec.name == "ids"  # a table's ids: any shape
-    if not any_shape and (
-        len(shape) != len(spec.shape)
-        or any(want not in (-1, got) for want, got in zip(spec.shape, shape, strict=True))
+    if len(shape) != len(spec.shape) or any(
+        want not in (-1, got) for want, got in zip(spec.shape, shape, strict=True)
     ):
-        raise ProtocolError(f"{where}: shape {brief(shape)} does not fit {list(spec.shape)}")
+        raise ProtocolError(
+            f"{where}: shape {brief(shape)} does not fit {list(spec.shape)} (-1: any size)"
+        )
     count = 1
     for n in shape:  # stopped at the first product over the limit: never 2**62 * 2**62 * ...
         count *= n
