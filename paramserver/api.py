@@ -23,6 +23,7 @@ from paramserver.metrics import Evaluation, as_summary
 from paramserver.modelplan import build_model, load_job_state
 from paramserver.observe import proc_kib
 from paramserver.observe.runlog import RunLog, write_summary
+from paramserver.observe.summary import nothing_trained
 from paramserver.progress import ProgressDisplay
 from paramserver.sharding import ShardPlan
 from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress
@@ -214,10 +215,13 @@ def _launch(
         else:
             from paramserver.launch.processes import run_processes
 
-            # Its wall_s is that of the run that finished (after a restart, the last attempt's).
+            # Its summary covers every attempt, restarts included (see run_processes).
             result = run_processes(config, model_fn, loop_fn, on_progress, evaluation)
         if result is None:
             return None
+        nothing = nothing_trained(result.summary)
+        if nothing is not None:
+            log.warning("%s", nothing)
         return _result(model_fn, config, result, evaluation)
 
 

@@ -42,6 +42,7 @@ from paramserver.files import write_atomic
 from paramserver.jobs import DATASET_DEFAULTS, build_job, served_job
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import write_summary
+from paramserver.observe.summary import nothing_trained, what_happened
 from paramserver.optimconfig import refuse_numeric_lr_decay
 from paramserver.progress import ProgressDisplay
 from paramserver.streams.batching import DEFAULT_MAX_BAD_RECORDS
@@ -618,12 +619,22 @@ HELD_OUT_LINES = (
 
 
 def print_summary(summary: dict[str, Any]) -> None:
+    """The summary as the command prints it: the figures, then what happened (restarts,
+    recovery, departures, a stream's records: :func:`what_happened`); one line saying so
+    where the run trained nothing."""
+    nothing = nothing_trained(summary)
+    if nothing is not None:
+        print(nothing)
+        return
     traffic = summary["bytes"]
+    attempts = len(summary.get("attempts") or []) or 1
+    shape = f"{summary['trainers']} trainers, {summary['servers']} servers, {summary['mode']}"
     lines = [
-        f"steps          {summary['steps']} ({summary['trainers']} trainers, "
-        f"{summary['servers']} servers, {summary['mode']})",
+        f"steps          {summary['steps']} ({shape}"
+        + (f"; {attempts} attempts)" if attempts > 1 else ")"),
         f"samples        {summary['samples']:,}  ({summary['samples_per_s']:,.0f} samples/s)",
-        f"train loss     {summary['train_loss']:.4f}",
+        f"train loss     {summary['train_loss']:.4f}"
+        + (" (the finished attempt's steps)" if attempts > 1 else ""),
     ]
     for key, name, reference, described in HELD_OUT_LINES:
         if key in summary:
@@ -645,6 +656,7 @@ def print_summary(summary: dict[str, Any]) -> None:
                 f"{op:<15}{calls['calls']:,} calls, latency p50 {calls['p50_ms']:.1f} ms, "
                 f"p99 {calls['p99_ms']:.1f} ms"
             )
+    lines += [f"{label:<15}{text}" for label, text in what_happened(summary)]
     lines.append(f"wall time      {summary['wall_s']:.1f} s")
     print("\n".join(lines))
 

@@ -151,10 +151,8 @@ def test_a_killed_trainer_stops_the_job_naming_it_and_it_resumes_from_the_last_c
     summary = ps.train(TinyRecModel, killed_once(1, root), mse, job).summary  # type: ignore[union-attr]
     # The first run stopped at once, naming the killed trainer (not the all-reduce it broke).
     (stopped,) = summary["restarts"]
-    assert stopped.startswith("trainer1") and "SIGKILL" in stopped, stopped
-    resumed = summary["resumed_from"]["trainer_steps"]
-    done = [a + b for a, b in zip(resumed, summary["trainer_steps"], strict=True)]
-    assert done == [30] * NUM_TRAINERS
+    assert stopped["process"] == "trainer1" and "SIGKILL" in stopped["exit"], stopped
+    assert summary["trainer_steps"] == [30] * NUM_TRAINERS  # over both attempts
     assert children_of_launcher(os.getpid()) == []
 
 

@@ -21,11 +21,13 @@ from paramserver.cli import main
 from paramserver.errors import ConfigError, ParamServerError
 from paramserver.futures import failed
 from paramserver.launch.roles import build_server
+from paramserver.launch.torchrun import group_restarts
 from paramserver.metrics import Evaluation, regression_metrics
 from paramserver.modelplan import initial_model
 from paramserver.observe import runlog
 from paramserver.observe.report import write_report
 from paramserver.observe.runlog import RunLog, read_records
+from paramserver.observe.summary import cover_attempts, what_happened
 from paramserver.transport.base import Transport
 from paramserver.transport.local import LocalTransport
 from paramserver.transport.profiled import ProfiledTransport
@@ -289,6 +291,123 @@ def test_servers_refuse_malformed_consistency_checks() -> None:
         endpoint.handle("dense_check", ([],)).wait()
     views = endpoint.handle("dense_check", ({"mlp.0.weight": "0"},)).wait()
     assert views["mlp.0.weight"].version == 0 and views["mlp.0.weight"].value is not None
+
+
+# ---- the summary: its training loss, a restarted run's attempts ----
+
+
+def test_train_loss_is_the_mean_over_every_step_of_the_run() -> None:
+    """Not over the newest 100 steps a trainer keeps for its progress: over all 150, and a
+    trainer's steps weigh as many as they are (here 150 and 40)."""
+    losses: dict[int, list[float]] = {0: [], 1: []}
+    config = ps.TrainConfig(
+        launcher="threads", servers=1, trainers=2, optimizer="sgd", lr=0.05, progress=False
+    )
+    result = ps.train(
+        TinyRecModel,
+        lambda t, n: tiny_batches(t, num_batches=150 if t == 0 else 40),
+        mse,
+        config,
+        on_progress=lambda p: losses[p.trainer].append(p.loss),
+    )
+    assert result is not None and result.summary["trainer_steps"] == [150, 40]
+    every = losses[0] + losses[1]
+    assert result.summary["train_loss"] == pytest.approx(sum(every) / len(every), rel=1e-9)
+    newest = losses[0][-100:] + losses[1][-100:]
+    assert abs(sum(newest) / len(newest) - sum(every) / len(every)) > 1e-3  # it can tell
+
+
+def finished_attempt() -> dict[str, Any]:
+    """A summary as the finished attempt of a run restarted once writes it: resumed from
+    checkpoint 8 (8 steps each), 4 more steps each, in 2.0 s."""
+    return {
+        "trainers": 2, "steps": 8, "trainer_steps": [4, 4], "samples": 48,
+        "train_seconds": 2.0, "samples_per_s": 24.0, "wall_s": 3.0, "train_loss": 0.5,
+        "resumed_from": {"checkpoint_step": 8, "trainer_steps": [8, 8], "samples": 96},
+    }  # fmt: skip
+
+
+ATTEMPTS = [
+    {"started_s": 0.0, "ended_s": 5.0, "resumed_from": None, "trainer_steps": [10, 9],
+     "train_seconds": 3.0, "ended": "trainer0 (pid 7) exited with status 1: OSError: disk"},
+    {"started_s": 5.5, "ended_s": 9.0, "resumed_from": 8, "trainer_steps": [4, 4],
+     "train_seconds": 2.0, "ended": "finished"},
+]  # fmt: skip
+RESTARTS = [
+    {"process": "trainer0", "exit": "exited with status 1", "error": "OSError: disk",
+     "at_s": 5.0, "resumed_from": 8, "paused_s": 1.5},
+]  # fmt: skip
+
+
+def test_a_restarted_runs_summary_counts_what_its_attempts_trained() -> None:
+    summary = finished_attempt()
+    cover_attempts(summary, ATTEMPTS, RESTARTS, None, 9.25)
+    assert summary["trainer_steps"] == [12, 12] and summary["steps"] == 24
+    assert summary["samples"] == 144 and summary["resumed_from"] is None
+    assert summary["train_seconds"] == 5.0 and summary["samples_per_s"] == 144 / 5.0
+    assert (summary["wall_s"], summary["attempts"], summary["restarts"]) == (
+        9.25,
+        ATTEMPTS,
+        RESTARTS,
+    )
+    # A run that began with --resume from checkpoint 4, on one trainer more than now.
+    summary = finished_attempt()
+    began = {"checkpoint_step": 4, "trainer_steps": [4, 4, 3], "samples": 66}
+    cover_attempts(summary, ATTEMPTS, RESTARTS, began, 9.25)
+    assert summary["trainer_steps"] == [6, 7] and summary["steps"] == 13  # 11 shared out
+    assert summary["samples"] == 144 - 66 and summary["resumed_from"] == began
+    # One attempt: the summary is already the run's.
+    summary = finished_attempt()
+    cover_attempts(summary, ATTEMPTS[1:], [], None, 3.5)
+    assert summary["steps"] == 8 and summary["wall_s"] == 3.5
+
+
+def test_the_printed_summary_and_the_report_say_what_happened(tmp_path: Path) -> None:
+    summary = {**finished_attempt(), "attempts": ATTEMPTS, "restarts": RESTARTS}
+    summary["server_restarts"] = [
+        {"server": 1, "exit": "was killed by SIGKILL", "at_s": 7.0, "generation": 1}
+    ]
+    summary["recovery"] = {
+        "servers": [None, {"checkpoint_step": 8, "segments": 3, "damaged_segment": None,
+                           "restore_s": 0.25}],
+        "resent_calls": [2, 1], "paused_s": [0.5, 0.75],
+    }  # fmt: skip
+    summary["stream"] = {"positions": [], "records": 1200, "bad_records": 3}
+    lines = dict(what_happened(summary))
+    assert lines["attempt 1"] == "0.0-5.0 s, from the start, trainer steps 10, 9: failed"
+    assert lines["attempt 2"] == "5.5-9.0 s, from checkpoint 8, trainer steps 4, 4: finished"
+    assert lines["restart"] == (
+        "trainer0 exited with status 1 (OSError: disk) at 5.0 s; the job restarted from "
+        "checkpoint 8; training paused 1.5 s"
+    )
+    assert lines["server restart"] == (
+        "server1 was killed by SIGKILL at 7.0 s; rebuilt from checkpoint 8 and 3 log "
+        "segments in 0.2 s"
+    )
+    assert lines["recovery"].startswith("training paused 0.8 s (the longest wait of a trainer)")
+    assert lines["recovery"].endswith("; 3 calls sent again")
+    assert lines["stream"] == "1,200 records trained on, 3 bad skipped (since the job began)"
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "trainer-0.jsonl").write_text('{"kind": "train", "step": 1}\n')
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    write_report(tmp_path)
+    markdown = (tmp_path / "report" / "report.md").read_text()
+    assert "## What happened" in markdown and "| attempts | 2 |" in markdown
+    for label, text in lines.items():
+        assert f"- {label}: {text}" in markdown
+
+
+def test_under_torchrun_the_summary_counts_the_groups_restarts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    restarts = group_restarts({"resumed_from": {"checkpoint_step": 40}})
+    assert len(restarts) == 2 and restarts[-1]["resumed_from"] == 40
+    assert dict(what_happened({"restarts": restarts}))["restarts"] == (
+        "2 by torchrun (its log says why); this attempt resumed from checkpoint 40"
+    )
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert group_restarts({"resumed_from": None}) == []
 
 
 # ---- paramserver report ----

@@ -149,6 +149,10 @@ def test_cli_runs_a_job_and_writes_the_summary(tmp_path: Path) -> None:
     ):
         assert key in summary, key
     assert summary["steps"] == 40 and summary["samples"] == 40 * 256
+    [attempt] = summary["attempts"]  # one run of every process, finished: no restart
+    assert attempt["ended"] == "finished" and attempt["resumed_from"] is None
+    assert attempt["trainer_steps"] == summary["trainer_steps"] and summary["restarts"] == []
+    assert "attempt 1" not in output and f"train loss     {summary['train_loss']:.4f}" in output
     assert set(summary["bytes"]) == {"trainers", "servers"}
     assert summary["bytes"]["trainers"]["received"] == summary["bytes"]["servers"]["sent"] > 0
     assert 0.5 < summary["eval_auc"] <= summary["eval_auc_ceiling"]

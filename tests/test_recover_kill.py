@@ -23,6 +23,7 @@ import torch
 
 import paramserver as ps
 from paramserver.checkpoint import load_latest
+from paramserver.cli import print_summary
 from tests.helpers import (
     RECOVER_BATCHES,
     TinyRecModel,
@@ -132,7 +133,9 @@ def test_an_async_job_whose_server_is_killed_applies_every_push_once(
 
 @pytest.mark.timeout(300)
 def test_a_server_killed_again_while_it_is_restored_and_once_more_later_loses_nothing(
-    tmp_path: Path, uninterrupted: dict[str, dict[str, torch.Tensor]]
+    tmp_path: Path,
+    uninterrupted: dict[str, dict[str, torch.Tensor]],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     def kill_three_times() -> None:
         first = wait_until(lambda: _other_server1(-1), 60, "server 1")
@@ -156,6 +159,20 @@ def test_a_server_killed_again_while_it_is_restored_and_once_more_later_loses_no
     assert recovered[0] is None and recovered[1]["damaged_segment"] is None
     assert summary["trainer_steps"] == [RECOVER_BATCHES, RECOVER_BATCHES]
     assert all(resent >= 1 for resent in summary["recovery"]["resent_calls"])
+    # One attempt, no whole-job restart; each server restart within the run's wall time.
+    [attempt] = summary["attempts"]
+    assert attempt["ended"] == "finished" and summary["restarts"] == []
+    assert attempt["trainer_steps"] == summary["trainer_steps"]
+    at = [r["at_s"] for r in restarts]
+    assert 0 < at[0] < at[1] < at[2] < summary["wall_s"]
+    capsys.readouterr()
+    print_summary(summary)  # what the command prints: every restart, the pause, the rebuild
+    printed = capsys.readouterr().out
+    assert printed.count("server restart server1 was killed by SIGKILL at ") == 3, printed
+    assert printed.count("; rebuilt from ") == 1  # the last: recovery holds each server's last
+    waited = max(summary["recovery"]["paused_s"])
+    assert waited > 0 and f"recovery       training paused {waited:.1f} s" in printed
+    assert f"{sum(summary['recovery']['resent_calls'])} calls sent again" in printed
 
 
 def _other_server1(than: int) -> int | None:

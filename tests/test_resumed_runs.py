@@ -1,5 +1,6 @@
-"""A resumed or restarted run: its summary covers its own work and time; a checkpoint restored
-onto fewer servers than a dynamic table's capacity allows is refused."""
+"""A resumed run: its summary covers its own work and time; a run the launcher restarted: its
+summary covers every attempt; a checkpoint restored onto fewer servers than a dynamic table's
+capacity allows is refused."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch import nn
 
 import paramserver as ps
 from paramserver.checkpoint import CheckpointError
+from paramserver.cli import print_summary
 from paramserver.launch.roles import build_server
 from paramserver.store.snapshot import restore_store, snapshot_store
 from tests.helpers import (
@@ -95,21 +97,60 @@ def test_a_resumed_runs_summary_covers_the_run_since_its_checkpoint(tmp_path: Pa
 
 
 @pytest.mark.timeout(240)
-def test_a_restarted_runs_summary_covers_its_last_attempt(tmp_path: Path) -> None:
+def test_a_restarted_runs_summary_covers_every_attempt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The processes launcher restarts the job after trainer 0 crashed past checkpoint 8: the
+    summary (printed and JSON) counts the run's steps over both attempts, its whole wall
+    time, and says which process failed, why, where the job resumed and how long training
+    paused."""
     data = lambda t, n: tiny_batches(t, num_batches=STEPS)  # noqa: E731
-    straight = ps.train(TinyRecModel, data, mse, config(tmp_path / "a", servers=1))
     job = config(
         tmp_path, launcher="processes", servers=1, checkpoint_every=SAVED_AT, max_restarts=1
     )
     marker = tmp_path / "crashed"
+    started_at = time.time()
     result = ps.train(TinyRecModel, crashing_once(marker, tmp_path / "ckpt"), mse, job)
-    ended_at = time.time()
-    assert straight is not None and result is not None
+    ended_at, crashed_at = time.time(), float(marker.read_text())
+    assert result is not None
     summary = result.summary
-    assert len(summary["restarts"]) == 1 and "crash" in summary["restarts"][0]
-    assert_covers_the_resumed_run(summary, straight.summary)
-    # Its wall time is the last attempt's: it began after the first one crashed.
-    assert summary["wall_s"] < ended_at - float(marker.read_text())
+    # The run from its start: both attempts' steps that the final model holds.
+    assert summary["resumed_from"] is None
+    assert summary["trainer_steps"] == [STEPS, STEPS] and summary["steps"] == 2 * STEPS
+    assert summary["samples"] == summary["steps"] * BATCH
+    assert ended_at - crashed_at < summary["wall_s"] <= ended_at - started_at
+    first, second = summary["attempts"]
+    assert first["resumed_from"] is None and "RuntimeError: crash" in first["ended"]
+    # As the progress lines told the launcher: the failing trainer's last one is sent as it
+    # fails (it drew batch 10 ahead of step 10); the other's, at most 0.2 s old.
+    assert first["trainer_steps"][0] == SAVED_AT + 1, first
+    assert 1 <= first["trainer_steps"][1] <= STEPS, first
+    assert second["resumed_from"] == SAVED_AT and second["ended"] == "finished"
+    assert second["trainer_steps"] == [STEPS - SAVED_AT] * 2
+    assert first["ended_s"] <= second["started_s"] < second["ended_s"] <= summary["wall_s"]
+    train_seconds = first["train_seconds"] + second["train_seconds"]
+    assert summary["train_seconds"] == pytest.approx(train_seconds)
+    assert summary["samples_per_s"] == pytest.approx(summary["samples"] / train_seconds)
+    [restart] = summary["restarts"]
+    assert restart["process"] == "trainer0" and restart["exit"] == "exited with status 1"
+    assert restart["error"] == "RuntimeError: crash" and restart["resumed_from"] == SAVED_AT
+    assert restart["at_s"] == first["ended_s"]
+    assert 0 < restart["paused_s"] < second["ended_s"] - restart["at_s"]
+    # The finished attempt's own figures: its bytes per step as a run that never stopped.
+    straight = ps.train(TinyRecModel, data, mse, config(tmp_path / "a", servers=1))
+    assert straight is not None
+    for direction in ("push", "pull"):
+        ratio = summary["bytes_per_step"][direction] / straight.summary["bytes_per_step"][direction]
+        assert 0.7 < ratio < 1.4, (direction, ratio)
+    capsys.readouterr()
+    print_summary(summary)  # what the command prints of it
+    printed = capsys.readouterr().out
+    assert f"steps          {2 * STEPS} (2 trainers, 1 servers, sync; 2 attempts)" in printed
+    assert "attempt 1      " in printed and "attempt 2      " in printed
+    assert f"from checkpoint {SAVED_AT}, trainer steps 4, 4: finished" in printed
+    assert "restart        trainer0 exited with status 1 (RuntimeError: crash) at " in printed
+    assert f"the job restarted from checkpoint {SAVED_AT}; training paused " in printed
+    assert f"wall time      {summary['wall_s']:.1f} s" in printed
 
 
 class CappedModel(nn.Module):

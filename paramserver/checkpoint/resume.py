@@ -6,24 +6,37 @@ model's state_dict in memory (``paramserver export`` streams it instead, see
 :mod:`paramserver.checkpoint.export`). What a saved shard holds is written by
 :func:`paramserver.store.snapshot.snapshot_store`: dense values by name, table rows by global
 row id (fixed tables) or id (dynamic tables).
+
+A job's final checkpoint holds each trainer's *end* as its part: the steps and samples it had
+done and its RNG states where its loop ended, so a resume with a larger budget (more data,
+epochs or steps) trains on from there as the longer job would have. Where a trainer ends is
+known only to it, and the final step only once every trainer has left, so each trainer stages
+its end (:func:`stage_trainer_end`, under :data:`TRAINER_ENDS`) before its last call, and the
+chief, which sees that call's report, writes the ends into the final checkpoint
+(:func:`trainer_ends`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
+import shutil
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from paramserver.checkpoint.manifest import parse_manifest, read_manifest_json
 from paramserver.checkpoint.store import (
     DENSE_PART,
     Checkpoint,
+    Part,
     checkpoint_dir,
     committed_steps,
     load_latest,
+    write_part,
 )
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, ConfigError
@@ -131,3 +144,76 @@ def gather_saved(saved: Iterable[Saved]) -> dict[str, Tensor]:
         if name in dynamic:
             state[name.removesuffix("weight") + "ids"] = merged["ids"]
     return state
+
+
+TRAINER_ENDS = "trainer-ends"
+"""The directory under ``--checkpoint-dir`` where trainers stage their ends for the final
+checkpoint (see the module doc); emptied once it is committed or given up."""
+
+
+def stage_trainer_end(
+    root: str, trainer: int, tensors: Mapping[str, Tensor], meta: Mapping[str, Any]
+) -> None:
+    """Trainer ``trainer``'s end, before its last call: its RNG states (``tensors`` and
+    ``meta``, with ``steps_done`` and ``samples``), atomically and durably."""
+    write_part(Path(root) / TRAINER_ENDS, f"trainer-{trainer}", tensors, meta)
+
+
+def trainer_ends(root: str, step: int, expected: Mapping[int, tuple[int, int]]) -> list[Part]:
+    """Chief, once every trainer has left: the staged ends of the trainers ``expected`` names
+    (with the steps and samples each one's last report says it ended at), written into
+    checkpoint ``step`` as their parts. A staged end that says otherwise was left by an
+    earlier run and is not taken: that trainer then has no part, as one that had left."""
+    staged = Path(root) / TRAINER_ENDS
+    parts = []
+    for trainer, (steps, samples) in sorted(expected.items()):
+        name = f"trainer-{trainer}"
+        try:
+            meta = json.loads((staged / f"{name}.json").read_text())
+            tensors = torch.load(staged / f"{name}.pt", weights_only=True)
+        except FileNotFoundError:
+            continue
+        if (meta.get("steps_done"), meta.get("samples")) != (steps, samples):
+            log.warning("%s: %s is an earlier run's end; not taken", staged, name)
+            continue
+        meta["step"] = step
+        parts.append(write_part(checkpoint_dir(root, step), name, tensors, meta))
+    return parts
+
+
+def discard_trainer_ends(root: str) -> None:
+    """Remove what trainers staged, once the final checkpoint is committed or not needed."""
+    shutil.rmtree(Path(root) / TRAINER_ENDS, ignore_errors=True)
+
+
+def resume_point(root: str | None) -> dict[str, Any] | None:
+    """Where a job resumed from ``root`` now would begin, as a summary's ``resumed_from``
+    says it: the newest committed checkpoint's step and each trainer's steps and samples by
+    then (0 for one without a part: it had left). Read from the manifest and the trainers'
+    metadata, unverified (the processes verify it); None without a readable checkpoint."""
+    if root is None or not Path(root).is_dir():
+        return None
+    committed = committed_steps(root)
+    if not committed:
+        return None
+    directory = checkpoint_dir(root, committed[-1])
+    document, problem = read_manifest_json(directory)
+    manifest = None if problem else parse_manifest(document)[0]
+    if manifest is None:
+        return None
+    ends = dict(manifest.meta.get("stream_ends") or {})
+    for name in manifest.parts:
+        if name.startswith("trainer-"):
+            try:
+                ends[name.removeprefix("trainer-")] = json.loads(
+                    (directory / f"{name}.json").read_text()
+                )
+            except (OSError, ValueError):
+                return None
+    trainers = range(int(manifest.meta.get("trainers", len(ends))))
+    done = [ends.get(str(t), {}) for t in trainers]
+    return {
+        "checkpoint_step": manifest.step,
+        "trainer_steps": [int(end.get("steps_done", 0)) for end in done],
+        "samples": sum(int(end.get("samples", 0)) for end in done),
+    }

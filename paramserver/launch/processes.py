@@ -8,6 +8,10 @@ exception: a trainer other than the chief killed by a signal is left behind, and
 without it (its servers declare it departed). The
 children also die with the launcher itself (see :mod:`paramserver.launch.worker`).
 
+With ``--max-restarts`` a failed job is started again, whole, from its newest checkpoint; the
+launcher keeps each attempt's course (its trainers' progress lines, how it ended) and the
+summary then covers the whole run (:class:`Run`).
+
 Loopback only: the RPC world meets through a file in a private temporary directory (no TCP
 rendezvous) and TensorPipe and Gloo are bound to ``lo`` (see :mod:`paramserver.transport.rpc`).
 
@@ -43,6 +47,7 @@ import cloudpickle
 import torch
 
 from paramserver.checkpoint import load_latest
+from paramserver.checkpoint.resume import resume_point
 from paramserver.config import TrainConfig
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import ChiefResult
@@ -50,6 +55,7 @@ from paramserver.launch.stopping import STOP_SIGNAL, stops_gracefully
 from paramserver.launch.worker import GENERATION_VARIABLE
 from paramserver.metrics import Evaluation
 from paramserver.observe import startup
+from paramserver.observe.summary import cover_attempts
 from paramserver.transport.rpc import FileBoard, RestartBoard, announce_restart
 from paramserver.types import LoopFn, ModelFn, Progress
 
@@ -71,37 +77,120 @@ def run_processes(
     """Run the job; on a failure, restart the whole group up to ``--max-restarts`` times,
     resuming from the newest checkpoint (from the start if there is none yet). With
     ``--recover``, a server killed restarts alone (:meth:`ProcessGroup.restart_server`),
-    counted in the same ``--max-restarts``."""
-    failures: list[str] = []
-    server_restarts: list[dict[str, Any]] = []
+    counted in the same ``--max-restarts``. The summary covers every attempt (see
+    :class:`Run`)."""
+    run = Run(config)
     while True:
-        started = time.perf_counter()
+        attempt = run.begin(config)
         try:
             result = _run_group(
-                config, model_fn, loop_fn, on_progress, evaluation, server_restarts,
-                config.max_restarts - len(failures) - len(server_restarts),
+                config, model_fn, loop_fn, on_progress, evaluation, run.server_restarts,
+                config.max_restarts - len(run.restarts) - len(run.server_restarts), attempt,
             )  # fmt: skip
         except JobFailedError as error:
-            if len(failures) + len(server_restarts) >= config.max_restarts:
+            if len(run.restarts) + len(run.server_restarts) >= config.max_restarts:
                 raise
-            failures.append(str(error))
-            resumable = config.checkpoint_dir is not None and (
-                load_latest(config.checkpoint_dir) is not None
-            )
+            found = load_latest(config.checkpoint_dir) if config.checkpoint_dir else None
+            run.failed(attempt, error, None if found is None else found.step)
             log.warning(
                 "%s; restarting the job (%d of %d) %s",
                 error,
-                len(failures),
+                len(run.restarts),
                 config.max_restarts,
-                "from its newest checkpoint" if resumable else "from the start",
+                "from its newest checkpoint" if found is not None else "from the start",
             )
-            config = config.replace(resume=resumable)
+            config = config.replace(resume=found is not None)
             continue
-        result.summary["restarts"] = failures
-        result.summary["server_restarts"] = server_restarts
-        # This run's, as its other figures.
-        result.summary["wall_s"] = time.perf_counter() - started
+        run.finished(attempt, result.summary)
         return result
+
+
+class Run:
+    """A run of the processes launcher: its attempts (each a run of every process) and the
+    restarts between them, as the launcher saw them, in seconds from the run's start; the
+    servers restarted alone under ``--recover``; and where the run began. It makes the
+    finished attempt's summary the whole run's (:func:`cover_attempts`)."""
+
+    def __init__(self, config: TrainConfig):
+        self.started = time.monotonic()
+        # Where the run began, read before any process starts (a resume's checkpoint).
+        self.began = resume_point(config.checkpoint_dir) if config.resume else None
+        self.attempts: list[Attempt] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.server_restarts: list[dict[str, Any]] = []
+
+    def begin(self, config: TrainConfig) -> Attempt:
+        """The next attempt: the first where the run began, a later one where the restart
+        that started it resumes."""
+        if self.restarts:
+            resumed_from = self.restarts[-1]["resumed_from"]
+        else:
+            resumed_from = None if self.began is None else self.began["checkpoint_step"]
+        attempt = Attempt(self.started, resumed_from, config.trainers)
+        self.attempts.append(attempt)
+        return attempt
+
+    def failed(self, attempt: Attempt, error: JobFailedError, resumes_from: int | None) -> None:
+        """``attempt`` failed with ``error``; the next resumes from checkpoint
+        ``resumes_from`` (None: from the start)."""
+        attempt.ended_s = attempt.now()
+        attempt.ended = str(error)
+        if attempt.first_step_s is not None:
+            attempt.train_seconds = attempt.ended_s - attempt.first_step_s
+        failure = attempt.failure or {"process": None, "exit": None, "error": str(error)}
+        self.restarts.append({**failure, "at_s": attempt.ended_s, "resumed_from": resumes_from})
+
+    def finished(self, attempt: Attempt, summary: dict[str, Any]) -> None:
+        attempt.ended_s, attempt.ended = attempt.now(), "finished"
+        attempt.trainer_steps = dict(enumerate(summary["trainer_steps"]))
+        attempt.train_seconds = summary["train_seconds"]
+        for restart, following in zip(self.restarts, self.attempts[1:], strict=True):
+            first = following.first_step_s
+            restart["paused_s"] = None if first is None else round(first - restart["at_s"], 3)
+        summary["server_restarts"] = self.server_restarts
+        attempts = [a.record() for a in self.attempts]
+        cover_attempts(summary, attempts, self.restarts, self.began, attempt.now())
+
+
+class Attempt:
+    """One run of every process, as the launcher saw it: when it started and ended (seconds
+    from the run's start), the checkpoint it resumed from, each trainer's steps (from its
+    progress lines: the first says where it started), when the first step ended, and how it
+    ended."""
+
+    def __init__(self, run_started: float, resumed_from: int | None, trainers: int):
+        self.run_started = run_started
+        self.trainers = trainers
+        self.started_s = self.now()
+        self.ended_s = self.started_s
+        self.resumed_from = resumed_from
+        self.first_step_s: float | None = None
+        self.started_at: dict[int, int] = {}  # trainer -> its steps before this attempt's first
+        self.trainer_steps: dict[int, int] = {}  # trainer -> the steps it trained in it
+        self.train_seconds = 0.0
+        self.failure: dict[str, Any] | None = None  # the failed process: process, exit, error
+        self.ended = ""
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.run_started, 3)
+
+    def progressed(self, progress: Progress) -> None:
+        """A trainer's progress line: its steps so far (counting those before the resume)."""
+        if self.first_step_s is None:
+            self.first_step_s = self.now()
+        first = self.started_at.setdefault(progress.trainer, progress.steps - 1)
+        self.trainer_steps[progress.trainer] = progress.steps - first
+
+    def record(self) -> dict[str, Any]:
+        trainers = range(self.trainers)
+        return {
+            "started_s": self.started_s,
+            "ended_s": self.ended_s,
+            "resumed_from": self.resumed_from,
+            "trainer_steps": [self.trainer_steps.get(t, 0) for t in trainers],
+            "train_seconds": round(self.train_seconds, 3),
+            "ended": self.ended,
+        }
 
 
 class _SourceKeepingPickler(cloudpickle.Pickler):
@@ -136,11 +225,12 @@ def _run_group(
     evaluation: Evaluation | None,
     server_restarts: list[dict[str, Any]],
     restarts_left: int,
+    attempt: Attempt | None = None,
 ) -> ChiefResult:
     """One run of every process; ``server_restarts`` gets the servers restarted alone (at
-    most ``restarts_left``)."""
+    most ``restarts_left``), ``attempt`` what the launcher sees of it."""
     run_dir = Path(tempfile.mkdtemp(prefix="paramserver-"))
-    group = ProcessGroup(config, run_dir, server_restarts, restarts_left)
+    group = ProcessGroup(config, run_dir, server_restarts, restarts_left, attempt)
     spec = write_spec(run_dir, config, model_fn, loop_fn, evaluation, group.board, True)
     try:
         group.start(spec)
@@ -216,6 +306,7 @@ class ProcessGroup:
         run_dir: Path,
         server_restarts: list[dict[str, Any]] | None = None,
         restarts_left: int = 0,
+        attempt: Attempt | None = None,
     ):
         self.config = config
         self.run_dir = run_dir
@@ -227,7 +318,7 @@ class ProcessGroup:
         self.board = FileBoard(run_dir / "rendezvous")
         self.server_restarts = [] if server_restarts is None else server_restarts
         self.restarts_left = restarts_left
-        self.started_at = time.monotonic()
+        self.attempt = attempt or Attempt(time.monotonic(), None, config.trainers)
         self._env: dict[str, str] = {}
         self._spec = run_dir / "job.pkl"
 
@@ -275,7 +366,7 @@ class ProcessGroup:
             {
                 "server": rank,
                 "exit": describe_exit(code),
-                "at_s": round(time.monotonic() - self.started_at, 3),
+                "at_s": self.attempt.now(),
                 "generation": generation,
             }
         )
@@ -306,6 +397,8 @@ class ProcessGroup:
                     if self.restart_server(role, code):
                         running += 1
                         continue
+                    self._read_what_is_written(on_progress)
+                    self.attempt.failure = self.failure_record(role, code)
                     raise JobFailedError(self.failure(role, process.pid, code))
             if running == 0:
                 for fd in list(self.partial_lines):  # what was written before the exits
@@ -340,9 +433,16 @@ class ProcessGroup:
             del self.partial_lines[fd]
             return
         *lines, self.partial_lines[fd] = (self.partial_lines[fd] + chunk).split(b"\n")
-        if on_progress is not None:
-            for line in lines:
-                on_progress(Progress(**json.loads(line)))
+        for line in lines:
+            progress = Progress(**json.loads(line))
+            self.attempt.progressed(progress)
+            if on_progress is not None:
+                on_progress(progress)
+
+    def _read_what_is_written(self, on_progress: Callable[[Progress], None] | None) -> None:
+        """The progress lines written so far (a failing job's last steps count too)."""
+        for key, _ in self.selector.select(timeout=0):
+            self._read_progress(int(key.fd), on_progress)
 
     def failure(self, role: str, pid: int, code: int) -> str:
         """The job's error when ``role`` failed; led by the lost server when a trainer failed
@@ -354,10 +454,26 @@ class ProcessGroup:
             return failed
         return f"server{lost} was lost: {failed}"
 
-    def reason(self, role: str) -> str:
-        """What the process said before it failed, if it could."""
+    def failure_record(self, role: str, code: int) -> dict[str, Any]:
+        """The failure as the summary's ``restarts`` lists it: the process that failed, how
+        it exited and what it said; led, as :meth:`failure`, by the server a trainer lost."""
+        record = {"process": role, "exit": describe_exit(code), "error": self.said(role)}
         try:
-            return ": " + (self.run_dir / f"{role}.error").read_text().strip()
+            lost = int((self.run_dir / f"{role}.lost").read_text())
+        except (FileNotFoundError, ValueError):
+            return record
+        error = f"{role} {record['exit']}: {record['error']}"
+        return {"process": f"server{lost}", "exit": "was lost", "error": error}
+
+    def reason(self, role: str) -> str:
+        """What the process said before it failed, if it could, after a colon."""
+        said = self.said(role)
+        return f": {said}" if said else ""
+
+    def said(self, role: str) -> str:
+        """What the process said before it failed ("" if it could not)."""
+        try:
+            return (self.run_dir / f"{role}.error").read_text().strip()
         except FileNotFoundError:
             return ""
 

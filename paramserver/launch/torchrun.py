@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from paramserver.config import TrainConfig
 from paramserver.errors import ConfigError, JobFailedError
@@ -75,7 +76,32 @@ def run_torchrun_rank(
     if result is not None and board is not None:
         board.finish()
         result.summary["server_restarts"] = board.restart_records()
+    if result is not None:
+        result.summary["restarts"] = group_restarts(result.summary)
     return result
+
+
+def group_restarts(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The restarts of every rank torchrun made before this attempt, as far as a rank knows
+    them: their count (``TORCHELASTIC_RESTART_COUNT``) and where this attempt resumed; which
+    rank failed, why and when are in torchrun's log. This attempt's figures are the
+    summary's."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resumed = summary["resumed_from"]
+    restarts = [
+        {
+            "process": None,
+            "exit": None,
+            "at_s": None,
+            "resumed_from": None,
+            "paused_s": None,
+            "error": "torchrun restarted every rank (its log says which failed and why)",
+        }
+        for _ in range(count)
+    ]
+    if restarts and resumed is not None:
+        restarts[-1]["resumed_from"] = resumed["checkpoint_step"]
+    return restarts
 
 
 def supervise_server(

@@ -7,6 +7,7 @@ process dies with its launcher (``PR_SET_PDEATHSIG``), so a killed launcher leav
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -15,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import cloudpickle
 import torch
@@ -42,20 +43,31 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class ProgressWriter:
-    """Sends progress lines to the launcher, at most one per PROGRESS_INTERVAL_S."""
+    """Sends progress lines to the launcher, at most one per PROGRESS_INTERVAL_S; the last
+    one held back goes at :meth:`flush` (a failing trainer's steps count in the run's
+    attempts)."""
 
     def __init__(self, pipe: IO[str]):
         self.pipe = pipe
         self.last_sent = 0.0
+        self.held: Progress | None = None
 
     def __call__(self, progress: Progress) -> None:
         now = time.monotonic()
         if now - self.last_sent < PROGRESS_INTERVAL_S:
+            self.held = progress
             return
         self.last_sent = now
         self.send(progress)
 
+    def flush(self) -> None:
+        held, self.held = self.held, None
+        if held is not None:
+            with contextlib.suppress(OSError):  # the launcher may be gone
+                self.send(held)
+
     def send(self, progress: Progress) -> None:
+        self.held = None
         line = json.dumps(
             {
                 "trainer": progress.trainer,
@@ -113,11 +125,19 @@ def main(argv: list[str]) -> int:
         # Anything else is unexpected: the launcher names it, and its traceback goes to stderr.
         (spec_path.parent / f"{role}.error").write_text(f"{type(error).__name__}: {error}")
         raise
+    finally:
+        if progress is not None:  # the steps this trainer made count, however it ended
+            progress.flush()
     if result is not None:
-        torch.save(result.state, spec_path.parent / "state.pt")
-        (spec_path.parent / "summary.json").write_text(json.dumps(result.summary))
-        (spec_path.parent / "value.pkl").write_bytes(cloudpickle.dumps(result.value))
+        _hand_back(spec_path.parent, result)
     return 0
+
+
+def _hand_back(run_dir: Path, result: Any) -> None:
+    """The chief's result, for the launcher: the final state, the summary, loop_fn's value."""
+    torch.save(result.state, run_dir / "state.pt")
+    (run_dir / "summary.json").write_text(json.dumps(result.summary))
+    (run_dir / "value.pkl").write_bytes(cloudpickle.dumps(result.value))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from typing import Any
 
 from paramserver.errors import ConfigError
 from paramserver.observe.runlog import SUMMARY_FILE, read_records
+from paramserver.observe.summary import what_happened
 
 FIGURE_INCHES = (10.0, 6.0)
 DPI = 100  # so every plot is 1000 x 600 pixels
@@ -211,24 +212,11 @@ def _draw_consistency(figure: Any, records: Records) -> bool:
 def _markdown(run_dir: Path, summary: dict[str, Any], records: Records, images: list[str]) -> str:
     lines = [f"# Run report: {run_dir}", ""]
     if summary:
-        per_step = summary.get("bytes_per_step", {})
-        rows = [
-            ("mode", summary.get("mode")),
-            ("servers / trainers", f"{summary.get('servers')} / {summary.get('trainers')}"),
-            ("steps (all trainers)", summary.get("steps")),
-            ("samples", _number(summary.get("samples"))),
-            ("samples/s", _number(summary.get("samples_per_s"))),
-            ("training loss", _number(summary.get("train_loss"))),
-            ("push bytes/step", _number(per_step.get("push"))),
-            ("pull bytes/step", _number(per_step.get("pull"))),
-            ("wall time (s)", _number(summary.get("wall_s"))),
-        ]
-        rows += [
-            (f"held-out {key.removeprefix('eval_')}", _number(value))
-            for key, value in summary.items()
-            if key.startswith("eval_") and isinstance(value, int | float)
-        ]
+        rows = _figures(summary)
         lines += ["| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], ""]
+        happened = _what_happened(summary)
+        if happened:
+            lines += ["## What happened", "", *[f"- {k}: {v}" for k, v in happened], ""]
         calls = summary.get("calls") or {}
         if calls:
             lines += [
@@ -255,6 +243,38 @@ def _markdown(run_dir: Path, summary: dict[str, Any], records: Records, images: 
     lines += [f"Records per process: {processes}.", ""]
     lines += [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(lines) + "\n"
+
+
+def _figures(summary: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The summary's figures as the report's table shows them."""
+    per_step = summary.get("bytes_per_step", {})
+    rows = [
+        ("mode", summary.get("mode")),
+        ("servers / trainers", f"{summary.get('servers')} / {summary.get('trainers')}"),
+        ("steps (all trainers)", summary.get("steps")),
+        ("attempts", len(summary.get("attempts") or []) or 1),
+        ("samples", _number(summary.get("samples"))),
+        ("samples/s", _number(summary.get("samples_per_s"))),
+        ("training loss", _number(summary.get("train_loss"))),
+        ("push bytes/step", _number(per_step.get("push"))),
+        ("pull bytes/step", _number(per_step.get("pull"))),
+        ("wall time (s)", _number(summary.get("wall_s"))),
+    ]
+    rows += [
+        (f"held-out {key.removeprefix('eval_')}", _number(value))
+        for key, value in summary.items()
+        if key.startswith("eval_") and isinstance(value, int | float)
+    ]
+    return rows
+
+
+def _what_happened(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The printed summary's lines on restarts, recovery, departures and a stream; none for
+    a summary written before it had the keys they read."""
+    try:
+        return what_happened(summary)
+    except (KeyError, TypeError, IndexError):
+        return []
 
 
 def _number(value: Any) -> str:

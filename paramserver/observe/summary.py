@@ -27,7 +27,8 @@ def summarize(
     it took (a resumed run's rates are its own, not the whole job's samples over its seconds):
     steps, samples, seconds, bytes, calls, server counters. ``resumed_from`` says where a
     resumed run began. The ``tables`` counters are the exception: they belong to the tables,
-    are saved in checkpoints and count from the job's start.
+    are saved in checkpoints and count from the job's start. A launcher that restarted the
+    job makes it the whole run's with :func:`cover_attempts`.
     """
     reports = _trainer_reports(server_stats)
     servers = [{k: v for k, v in s.items() if k not in _JOB_WIDE_STATS} for s in server_stats]
@@ -142,11 +143,13 @@ def _trainer_reports(server_stats: list[dict[str, Any]]) -> list[TrainerReport]:
 def _samples_loss_and_time(reports: list[TrainerReport], wall_s: float) -> dict[str, Any]:
     train_seconds = max((r.train_seconds for r in reports), default=0.0)
     samples = sum(r.samples for r in reports)
-    losses = [r.train_loss for r in reports if not math.isnan(r.train_loss)]
+    # Each trainer's is the mean over its steps: weighted by them, the mean over every step.
+    stepped = [r for r in reports if r.steps and not math.isnan(r.train_loss)]
+    weight = sum(r.steps for r in stepped)
     return {
         "samples": samples,
         "samples_per_s": samples / train_seconds if train_seconds > 0 else 0.0,
-        "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+        "train_loss": sum(r.train_loss * r.steps for r in stepped) / weight if weight else None,
         "train_seconds": train_seconds,
         "wall_s": wall_s,
     }
@@ -238,3 +241,127 @@ def _call_summaries(reports: list[TrainerReport]) -> dict[str, dict[str, Any]]:
 
 def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 1.0
+
+
+def cover_attempts(
+    summary: dict[str, Any],
+    attempts: list[dict[str, Any]],
+    restarts: list[dict[str, Any]],
+    began: dict[str, Any] | None,
+    wall_s: float,
+) -> None:
+    """Make the summary of a run's finished attempt (``summary``, :func:`summarize`'s) the
+    whole run's, where a launcher restarted the job: ``attempts`` as the launcher saw them,
+    the ``restarts`` between them, where the run ``began`` (its first attempt's
+    ``resumed_from``) and its ``wall_s``.
+
+    ``steps``, ``trainer_steps`` and ``samples`` become what the run trained that its final
+    model holds (from where it began to where the finished attempt ended); ``train_seconds``
+    adds every attempt's; ``samples_per_s`` divides the two. The figures the processes
+    report (``train_loss``, ``bytes``, ``calls``, ``server_stats`` and the rest) stay the
+    finished attempt's: a failed attempt's processes report nothing.
+    """
+    summary.update(attempts=attempts, restarts=restarts, wall_s=wall_s)
+    if len(attempts) < 2:
+        return
+    ended = summary["resumed_from"] or {"trainer_steps": [0] * summary["trainers"], "samples": 0}
+    ends = [a + b for a, b in zip(ended["trainer_steps"], summary["trainer_steps"], strict=True)]
+    start = began["trainer_steps"] if began is not None else [0] * len(ends)
+    if len(start) != len(ends):  # began on another trainer count: its steps shared out
+        total, count = sum(start), len(ends)
+        start = [total // count + (t < total % count) for t in range(count)]
+    summary["trainer_steps"] = [end - first for end, first in zip(ends, start, strict=True)]
+    summary["steps"] = sum(summary["trainer_steps"])
+    summary["samples"] += ended["samples"] - (began["samples"] if began is not None else 0)
+    summary["train_seconds"] = sum(attempt["train_seconds"] for attempt in attempts)
+    seconds = summary["train_seconds"]
+    summary["samples_per_s"] = summary["samples"] / seconds if seconds > 0 else 0.0
+    summary["resumed_from"] = began
+
+
+def nothing_trained(summary: dict[str, Any]) -> str | None:
+    """One line saying that a run trained no step, and why; None where it trained."""
+    if summary["steps"]:
+        return None
+    resumed = summary["resumed_from"]
+    if resumed is None:
+        return "nothing trained: the data gave no batch"
+    done = ", ".join(str(steps) for steps in resumed["trainer_steps"])
+    return (
+        f"nothing to train: resumed from checkpoint {resumed['checkpoint_step']}, where the "
+        f"trainers had done {done} steps, the budget (the data over --epochs passes, and "
+        f"--steps) is met; raise --epochs or --steps, or give more data, to train on"
+    )
+
+
+def what_happened(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """What the printed summary says beyond its figures, as (label, text) lines: each attempt
+    of a restarted run and each restart, each server restarted alone, trainers that departed
+    and a stream's records. Every line restates keys of the summary (the JSON holds them)."""
+    lines = _restart_lines(summary) + _server_restart_lines(summary)
+    for trainer in summary.get("departed_trainers") or []:
+        after = summary.get("departed_after_s", {}).get(str(trainer), 0.0)
+        lines.append(("departed", f"trainer{trainer}, silent or stuck for {after:.1f} s"))
+    stream = summary.get("stream")
+    if stream is not None:
+        text = f"{stream['records']:,} records trained on, {stream['bad_records']:,} bad skipped"
+        lines.append(("stream", f"{text} (since the job began)"))
+    return lines
+
+
+def _restart_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The attempts of a run the processes launcher restarted and the restarts between them;
+    under torchrun, the restarts it made (a rank knows their count alone)."""
+    attempts, restarts = summary.get("attempts") or [], summary.get("restarts") or []
+    if len(attempts) < 2:
+        if not restarts:
+            return []
+        resumed = restarts[-1]["resumed_from"]
+        since = "" if resumed is None else f"; this attempt resumed from checkpoint {resumed}"
+        return [("restarts", f"{len(restarts)} by torchrun (its log says why){since}")]
+    lines = []
+    for number, attempt in enumerate(attempts, 1):
+        began = attempt["resumed_from"]
+        start = "from the start" if began is None else f"from checkpoint {began}"
+        steps = ", ".join(str(s) for s in attempt["trainer_steps"])
+        ended = "finished" if attempt["ended"] == "finished" else "failed"
+        when = f"{attempt['started_s']:.1f}-{attempt['ended_s']:.1f} s"
+        lines.append((f"attempt {number}", f"{when}, {start}, trainer steps {steps}: {ended}"))
+    for restart in restarts:
+        said = f" ({restart['error']})" if restart["error"] else ""
+        began = restart["resumed_from"]
+        start = "from the start" if began is None else f"from checkpoint {began}"
+        paused = restart["paused_s"]
+        pause = "; no step trained since" if paused is None else f"; training paused {paused:.1f} s"
+        text = f"{restart['process']} {restart['exit']}{said} at {restart['at_s']:.1f} s"
+        lines.append(("restart", f"{text}; the job restarted {start}{pause}"))
+    return lines
+
+
+def _server_restart_lines(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Each server restarted alone under ``--recover`` (the last restart of each with how it
+    was rebuilt), and how long the trainers waited for them."""
+    restarts = summary.get("server_restarts") or []
+    if not restarts:
+        return []
+    recovery = summary.get("recovery") or {}
+    rebuilt = recovery.get("servers") or []
+    last = {restart["server"]: index for index, restart in enumerate(restarts)}
+    lines = []
+    for index, restart in enumerate(restarts):
+        server = restart["server"]
+        text = f"server{server} {restart['exit']} at {restart['at_s']:.1f} s"
+        how = rebuilt[server] if server < len(rebuilt) and last[server] == index else None
+        if how:
+            base = how["checkpoint_step"]
+            base_text = "its initial state" if base is None else f"checkpoint {base}"
+            text += (
+                f"; rebuilt from {base_text} and {how['segments']} log segments in "
+                f"{how['restore_s']:.1f} s"
+            )
+        lines.append(("server restart", text))
+    waited = max(recovery.get("paused_s") or [0.0])
+    resent = sum(recovery.get("resent_calls") or [])
+    text = f"training paused {waited:.1f} s (the longest wait of a trainer); {resent} calls"
+    lines.append(("recovery", f"{text} sent again"))
+    return lines

@@ -20,13 +20,14 @@ skipped; the previous one stays valid. Every wait for a commit watches the heart
 a server lost while a checkpoint is written ends the job with its error instead of a hang.
 
 A job with a checkpoint directory also saves its final model: once every trainer has left, the
-chief has every server snapshot at the job's last step and commits that with no trainer part
-(each trainer had left the job, so a resume from it trains no more), marked ``final``. With
-``--checkpoint-dir`` alone, that is the only checkpoint. A stream job's final checkpoint holds
-each trainer's stream up to where it ended: once it is committed (never before: a process that
-dies in between leaves them pending, for the resume), the chief's stream acknowledges every
-trainer's entries up to there, waiting ``STREAM_ACK_S`` at most; a failure is logged, and the
-job ends as it would (the resume acknowledges them as it starts).
+chief has every server snapshot at the job's last step and commits that with each trainer's end
+(where its loop ended, staged before it left: see :mod:`paramserver.checkpoint.resume`), marked
+``final``: a resume from it with a larger budget trains on. With ``--checkpoint-dir`` alone,
+that is the only checkpoint. A stream job's final checkpoint holds each trainer's stream up to
+where it ended: once it is committed (never before: a process that dies in between leaves them
+pending, for the resume), the chief's stream acknowledges every trainer's entries up to there,
+waiting ``STREAM_ACK_S`` at most; a failure is logged, and the job ends as it would (the resume
+acknowledges them as it starts).
 """
 
 from __future__ import annotations
@@ -166,13 +167,18 @@ class TrainerCheckpoints:
         self._positions = {s: p for s, p in self._positions.items() if s > newest}
 
     def save_final(
-        self, step: int, trained: bool, stream_ends: dict[str, Any] | None = None
+        self,
+        step: int,
+        trained: bool,
+        stream_ends: dict[str, Any] | None = None,
+        trainer_parts: Callable[[int], list[Part]] | None = None,
     ) -> None:
         """Chief, once every trainer has left: the job's final checkpoint ``step`` (see the
         module doc), unless a checkpoint of that step or later is committed already and this
         run ``trained`` nothing (a job resumed from its final checkpoint); one that did is
         saved after it. ``stream_ends``: by trainer, where each one reading a stream ended; a
-        resume goes on from there."""
+        resume goes on from there. ``trainer_parts(step)``: the trainers' ends, written into
+        checkpoint ``step`` as their parts and committed with it."""
         root = self.settings.checkpoint_dir
         if root is None:
             return
@@ -186,6 +192,8 @@ class TrainerCheckpoints:
         parts = cast(
             list[Part], wait_all(self.transport.call_all("checkpoint_part", step), self.alarm)
         )
+        if trainer_parts is not None:
+            parts.extend(trainer_parts(step))
         if self.dense_part is not None:
             parts.append(write_part(checkpoint_dir(root, step), DENSE_PART, *self.dense_part()))
         meta = {**self.job, "final": True}

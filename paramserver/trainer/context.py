@@ -201,7 +201,8 @@ class TrainContext:
         self._batch: Any = None  # the batch ctx.batches gave last
         self._batches_open = False
         self.steps, self.samples = resumed.steps, resumed.samples
-        self.losses: deque[float] = deque(maxlen=100)
+        self.losses: deque[float] = deque(maxlen=100)  # the newest steps' losses
+        self.loss_sum = 0.0  # of every step's loss since this run started or resumed
         self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
         # A positioned input's position after the last step trained (what a checkpoint saves).
         self.position: Any = resumed.position
@@ -595,6 +596,7 @@ class TrainContext:
         if self.steps == self._resumed.steps + 1:
             startup.mark("first_step")
         self.losses.append(self._step_loss)
+        self.loss_sum += self._step_loss
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
         ahead = self._ahead
         if group is not None:

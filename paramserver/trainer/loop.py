@@ -7,6 +7,13 @@ After the loop, a last call pushes the final gradients and leaves the job.
 
 The chief (trainer 0) then waits for every trainer to leave and gathers the final parameters
 and every server's statistics, so the job's result is complete under any launcher.
+
+With a checkpoint directory each trainer stages its end (its steps, samples and RNG states
+where its loop ended) before its last call, and the chief writes the ends into the job's final
+checkpoint (:mod:`paramserver.checkpoint.resume`). A resume from it with a larger budget
+(more data, ``--epochs`` or ``--steps``) trains on: each trainer skips the batches it had
+trained, restores its RNG states and repeats the final call as a read, so a sync job ends
+bitwise where one given that budget from the start ends.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from paramserver.checkpoint import Checkpoint, resume_from, saved_dense
+from paramserver.checkpoint.resume import discard_trainer_ends, stage_trainer_end, trainer_ends
 from paramserver.config import TrainConfig
 from paramserver.errors import CheckpointError, TrainerGroupError
 from paramserver.futures import wait_all
@@ -32,7 +40,7 @@ from paramserver.metrics import Evaluation
 from paramserver.modelplan import SEEDING, build_model, plan_of
 from paramserver.observe import peak_rss_bytes, startup
 from paramserver.observe.summary import summarize
-from paramserver.trainer.checkpointing import TrainerCheckpoints
+from paramserver.trainer.checkpointing import RngState, TrainerCheckpoints, rng_state
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
 from paramserver.trainer.context import Engine, Gradients, Resumed, TrainContext
 from paramserver.trainer.dense import AllReducedDense
@@ -238,11 +246,12 @@ class _TrainerRun:
         )  # fmt: skip
         ctx = TrainContext(engine, resumed)
         try:
-            value, grads, train_seconds = self._loop(ctx, loop_fn, resumed)
+            value, grads, train_seconds, end_rng = self._loop(ctx, loop_fn, resumed)
         except BaseException:
             observer.close()  # its logs and profiler, whatever ended the steps
             raise
         report = self._report(ctx, resumed, observer, train_seconds)
+        self._stage_end(ctx, end_rng)  # before the call whose report tells the chief of it
         grads.push(self.client, None, final=True, report=report).wait()
         if self.dense is not None:  # out of the servers' rounds: the others may go on
             self.dense.drain()
@@ -255,11 +264,12 @@ class _TrainerRun:
         self, ctx: TrainContext, resumed: Resumed, observer: Observer, train_seconds: float
     ) -> TrainerReport:
         """This run's work: from the start, or from the checkpoint it resumed from."""
+        steps = ctx.steps - resumed.steps
         return TrainerReport(
             trainer=self.trainer,
-            steps=ctx.steps - resumed.steps,
+            steps=steps,
             samples=ctx.samples - resumed.samples,
-            train_loss=sum(ctx.losses) / len(ctx.losses) if ctx.losses else float("nan"),
+            train_loss=ctx.loss_sum / steps if steps else float("nan"),  # every step's mean
             train_seconds=train_seconds,
             bytes_sent=0,
             bytes_received=0,
@@ -275,22 +285,37 @@ class _TrainerRun:
 
     def _loop(
         self, ctx: TrainContext, loop_fn: LoopFn, resumed: Resumed
-    ) -> tuple[Any, Gradients, float]:
-        """Run ``loop_fn(ctx)``: its value, the gradients left to push and its seconds. A
-        trainer that had left the job before the checkpoint it resumed from does not run it."""
+    ) -> tuple[Any, Gradients, float, RngState | None]:
+        """Run ``loop_fn(ctx)``: its value, the gradients left to push, its seconds and the
+        RNG states it ended with (the next step's, had there been one). A trainer that had
+        left the job before the checkpoint it resumed from does not run it (None: where it
+        ended is unknown)."""
         started = time.perf_counter()
         self.activity.start()  # from here on, the servers hear how long it is idle
         if resumed.left:
             log.info("trainer %d had left the job before its checkpoint", self.trainer)
-            return None, ctx.finish(), 0.0
+            return None, ctx.finish(), 0.0, None
         try:
             value = loop_fn(ctx)
+            end_rng = rng_state()
             grads = ctx.finish()
         except TrainerGroupError as error:
             raise self._naming_the_departed(error) from None
         finally:
             ctx.close()
-        return value, grads, time.perf_counter() - started
+        return value, grads, time.perf_counter() - started, end_rng
+
+    def _stage_end(self, ctx: TrainContext, rng: RngState | None) -> None:
+        """Stage where this trainer ended for the job's final checkpoint (see the module
+        doc): not one that did not run its loop, nor one that read a stream (the final
+        checkpoint's ``stream_ends`` say where that one ended)."""
+        root = self.config.checkpoint_dir
+        streamed = any(isinstance(opened, PositionedInput) for opened in ctx.opened)
+        if root is None or rng is None or streamed:
+            return
+        tensors, meta = rng
+        meta = {**meta, "steps_done": ctx.steps, "samples": ctx.samples}
+        stage_trainer_end(root, self.trainer, tensors, meta)
 
     def _naming_the_departed(self, error: TrainerGroupError) -> TrainerGroupError:
         """The all-reduce failed: name the trainers the servers found silent or stuck (a
@@ -305,25 +330,36 @@ class _TrainerRun:
         names = ", ".join(f"trainer{t}" for t in departed)
         return TrainerGroupError(f"{names} departed (the servers' verdict); {error}")
 
-    def _final_step(self, report: TrainerReport) -> tuple[int, bool, dict[str, Any]]:
-        """The job's last step: the most any trainer did, counting the steps before its
-        resume (from the trainers' reports server 0 holds); whether this run trained at all;
-        and where each trainer reading a stream ended (its steps, samples and position, for a
-        resume to go on from)."""
+    def _save_final(self, report: TrainerReport, root: str) -> None:
+        """Chief, once every trainer has left: the job's final checkpoint, at its last step:
+        the most any trainer did, counting the steps before its resume (from the trainers'
+        reports server 0 holds), with where each trainer ended: a stream's position (its
+        ``stream_ends``) or the end it staged. Not saved again where a resume trained no
+        more (see :meth:`TrainerCheckpoints.save_final`)."""
         stats: Any = wait_all([self.transport.call(0, "stats")], self.alarm)[0]
         reports: dict[int, TrainerReport] = stats["reports"]
-        done = [r.steps + r.resumed_steps for r in reports.values()]
-        ends = {
+        done = {
+            t: (r.steps + r.resumed_steps, r.samples + r.resumed_samples)
+            for t, r in reports.items()
+        }
+        stream_ends = {
             str(t): {
-                "steps_done": r.steps + r.resumed_steps,
-                "samples": r.samples + r.resumed_samples,
+                "steps_done": done[t][0],
+                "samples": done[t][1],
                 "input_position": json.loads(r.input_position),
             }
             for t, r in reports.items()
             if r.input_position is not None
         }
+        step = max(
+            (steps for steps, _ in done.values()), default=report.steps + report.resumed_steps
+        )
         trained = any(r.steps for r in reports.values()) or report.steps > 0
-        return max(done, default=report.steps + report.resumed_steps), trained, ends
+        staged = functools.partial(trainer_ends, root, expected=done)
+        try:
+            self.checkpoints.save_final(step, trained, stream_ends, trainer_parts=staged)
+        finally:
+            discard_trainer_ends(root)
 
     def end_job(self, report: TrainerReport, evals: list[dict[str, float]]) -> TrainerOutcome:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
@@ -335,7 +371,7 @@ class _TrainerRun:
             departed = wait_all(transport.call_all("departed"), alarm)
             return TrainerOutcome(report, graceful=not any(departed))
         if self.config.checkpoint_dir is not None:
-            self.checkpoints.save_final(*self._final_step(report))
+            self._save_final(report, self.config.checkpoint_dir)
         state: dict[str, Tensor] = {}
         if self.config.gather_model:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)
@@ -391,7 +427,9 @@ def resume_trainer(
         return Resumed(saved_at, left=True)
     tensors, meta = found.read_part(name)
     steps_done = int(meta["steps_done"])
-    if steps_done != saved_at:  # its training steps ran past call k: it goes on at k + 1
+    # Its training steps ran past call k: it goes on at k + 1. Not from a final checkpoint,
+    # whose trainers had pushed every step they trained: each repeats call k as a read.
+    if steps_done != saved_at and not found.meta.get("final"):
         client.next_call = saved_at + 1
     # Restored once the loop's data is replayed: it may draw from the same RNGs.
     position = meta.get("input_position")
@@ -404,8 +442,9 @@ def _split_anew(found: Checkpoint, trainer: int, trainers: int) -> Resumed:
     trainers had done in all are shared out as evenly as they go, and each trainer skips that
     many steps of its new share (so the job trains on about as many batches in all as it
     would have; which ones each skipped is not what the old trainers trained on); it repeats
-    call k first (a read), and its RNG states start afresh. A final checkpoint's job had
-    ended: every trainer leaves at once."""
+    call k first (a read), and its RNG states start afresh. A final checkpoint without the
+    trainers' ends (saved by an older version) says nothing of where they were: every
+    trainer leaves at once."""
     saved = [found.read_part(n)[1] for n in found.part_names if n.startswith("trainer-")]
     if found.meta.get("stream_ends") or any("input_position" in meta for meta in saved):
         raise CheckpointError(
@@ -413,7 +452,7 @@ def _split_anew(found: Checkpoint, trainer: int, trainers: int) -> Resumed:
             f"trainers reading a stream; resume it with as many: each trainer's saved stream "
             f"position is its own consumer's, which another split cannot continue"
         )
-    if found.meta.get("final"):
+    if found.meta.get("final") and not saved:
         return Resumed(found.step, left=True)
     steps = sum(int(meta["steps_done"]) for meta in saved)
     samples = sum(int(meta["samples"]) for meta in saved)
