@@ -99,6 +99,14 @@ def blocks_of(language: str) -> list[Block]:
     return [b for b in readme_blocks() if b.language == language]
 
 
+def python_block(holding: str) -> str:
+    """The README's one Python block holding ``holding``: found by what it says, not by its
+    place, so a block added elsewhere moves no test."""
+    found = [b.text for b in blocks_of("python") if holding in b.text]
+    assert len(found) == 1, f"{len(found)} Python blocks of the README hold {holding!r}"
+    return found[0]
+
+
 # How each README command is covered: extra flags appended to a `paramserver` command, or
 # the name of the equivalent this file runs.
 @dataclass(frozen=True)
@@ -142,6 +150,12 @@ COMMANDS: dict[str, Run] = {
     "paramserver train --checkpoint-dir ckpt --checkpoint-every 500 --resume --max-restarts 3": Run(
         (*SHORT, "--checkpoint-every", "4")
     ),
+    # The resume rule, on SHORT's 24 batches (12 steps a trainer): 4 steps, 8, then a second
+    # pass to 24, then nothing left.
+    "paramserver train --checkpoint-dir done --steps 500": Run((*SHORT, "--steps", "4")),
+    "paramserver train --checkpoint-dir done --steps 1000 --resume": Run((*SHORT, "--steps", "8")),
+    "paramserver train --checkpoint-dir done --epochs 2 --resume": Run(SHORT),
+    "paramserver train --checkpoint-dir done --resume": Run(SHORT),
     "paramserver check ckpt": Run(),
     "paramserver export ckpt model.pt": Run(),
     "paramserver train --run-dir runs/a --eval-every 100 --consistency-every 50 "
@@ -300,7 +314,7 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
     commands = sh_commands("Command line")
     assert len(commands) == 7
     # The criteo commands read the files the README's first Python block writes.
-    run_script(blocks_of("python")[0].text, scratch, "write_criteo.py", timeout=120)
+    run_script(python_block("write_criteo"), scratch, "write_criteo.py", timeout=120)
     summaries: dict[str, dict[str, Any]] = {}
     for number, command in enumerate(commands):
         summary = f"summary-{number}.json"
@@ -316,6 +330,7 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
     always, some = summary_keys_in_readme()
     expected = {  # the keys beyond `always` each run's summary has, as the README says
         commands[1]: {  # processes
+            "attempts",
             "restarts",
             "server_restarts",
             "eval_auc",
@@ -376,15 +391,17 @@ def test_toml_blocks_load_as_job_configs() -> None:
 
 @pytest.mark.timeout(180)
 def test_python_blocks_run_as_scripts(scratch: Path) -> None:
-    api, tables = blocks_of("python")[1:3]
-    assert "ps.run(" in api.text and "ps.train(" in api.text and "DynamicEmbedding(" in tables.text
-    out = run_script(api.text, scratch, "api.py", timeout=150)
+    api, tables = python_block("ps.run(MyModel"), python_block("DynamicEmbedding(")
+    assert "ps.train(" in api
+    out = run_script(api, scratch, "api.py", timeout=150)
     assert float(out.strip().splitlines()[-1]) > 0  # the printed training loss
     state = torch.load(scratch / "model.pt", weights_only=True)
     heads = {f"{head}.{kind}" for head in ("click", "conversion") for kind in ("weight", "bias")}
     assert set(state) == {"items.weight", *heads}
     assert "step 50: loss" in out and "held-out click rate" in out  # printed by the loop
-    run_script(tables.text, scratch, "tables.py", timeout=60)
+    run_script(tables, scratch, "tables.py", timeout=60)
+    # The job's start in one process, trained there, equals the job: asserted by the block.
+    run_script(python_block("ps.initial_model("), scratch, "same_start.py", timeout=120)
 
 
 # --- Many machines: torchrun ----------------------------------------------------------------
@@ -423,8 +440,8 @@ def test_torchrun_commands_run_on_loopback(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_checkpoint_commands_run_in_order(scratch: Path) -> None:
     commands = sh_commands("Checkpoints and faults")
-    assert len(commands) == 6
-    at_end, first, resumed, restarting, check, export = commands
+    assert len(commands) == 10
+    at_end, first, resumed, restarting, check, export = commands[:6]
     alone = scratch / "at_end"
     alone.mkdir()
     assert paramserver(at_end, alone) == 0
@@ -441,6 +458,24 @@ def test_checkpoint_commands_run_in_order(scratch: Path) -> None:
     assert paramserver(export, directory) == 0
     state = torch.load(directory / "model.pt", weights_only=True)
     assert "embeddings.0.weight" in state
+
+
+@pytest.mark.timeout(120)
+def test_the_resume_rule_trains_on_to_each_larger_budget(
+    scratch: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    commands = sh_commands("Checkpoints and faults")[6:]
+    directory = scratch / "budgets"
+    directory.mkdir()
+    ends = []
+    for number, command in enumerate(commands):
+        capsys.readouterr()
+        assert paramserver(command, directory, f"budget-{number}.json") == 0, command
+        summary = json.loads((directory / f"budget-{number}.json").read_text())
+        began = summary["resumed_from"]["trainer_steps"] if summary["resumed_from"] else [0, 0]
+        ends.append([a + b for a, b in zip(began, summary["trainer_steps"], strict=True)])
+    assert ends == [[4, 4], [8, 8], [24, 24], [24, 24]]  # the last trained nothing, and says so
+    assert capsys.readouterr().out.startswith("nothing to train: resumed from checkpoint 24")
 
 
 # --- Watching a run -------------------------------------------------------------------------
@@ -530,7 +565,7 @@ def test_serving_commands_answer_curl_and_tritonclient(scratch: Path) -> None:
         ).stdout  # fmt: skip
         rows = json.loads(answer)["outputs"][0]
         assert rows["name"] == "rows" and rows["shape"] == [3, 16]
-        script = blocks_of("python")[3].text.replace("localhost:8001", f"127.0.0.1:{grpc}")
+        script = python_block("localhost:8001").replace("localhost:8001", f"127.0.0.1:{grpc}")
         out = run_script(script, directory, "query.py", timeout=60)
         assert "0:" in out and "1:" in out  # the steps of both servers in the version read
 
@@ -562,7 +597,7 @@ def test_online_training_serves_a_row_an_event_changed_and_stops_cleanly(tmp_pat
                 time.sleep(0.1)
             with serving([*here(serve), *ports], tmp_path) as server:
                 wait_ready(http, server)
-                script = blocks_of("python")[4].text.replace("localhost:8000", f"127.0.0.1:{http}")
+                script = python_block('"localhost", 6379').replace("localhost:8000", f"127.0.0.1:{http}")
                 script = script.replace('"localhost", 6379', f'"127.0.0.1", {redis_server.port}')
                 out = run_script(script, tmp_path, "online.py", timeout=60)
                 assert "served changed" in out
