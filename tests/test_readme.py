@@ -287,7 +287,7 @@ def test_every_block_of_the_readme_is_covered() -> None:
         if block.language == "":
             first = block.text.splitlines()[0].strip()
             assert first in TEXT_BLOCKS, f"README.md:{block.line}: a plain block not covered"
-    assert len(blocks_of("python")) == 5 and len(blocks_of("toml")) == 1  # each run below
+    assert len(blocks_of("python")) == 6 and len(blocks_of("toml")) == 1  # each run below
 
 
 # --- Quickstart -----------------------------------------------------------------------------
@@ -314,7 +314,7 @@ def test_command_line_section_runs_and_its_lists_match_the_code(
     commands = sh_commands("Command line")
     assert len(commands) == 7
     # The criteo commands read the files the README's first Python block writes.
-    run_script(python_block("write_criteo"), scratch, "write_criteo.py", timeout=120)
+    run_script(python_block("write_synthetic_criteo("), scratch, "write_criteo.py", timeout=120)
     summaries: dict[str, dict[str, Any]] = {}
     for number, command in enumerate(commands):
         summary = f"summary-{number}.json"
@@ -597,7 +597,8 @@ def test_online_training_serves_a_row_an_event_changed_and_stops_cleanly(tmp_pat
                 time.sleep(0.1)
             with serving([*here(serve), *ports], tmp_path) as server:
                 wait_ready(http, server)
-                script = python_block('"localhost", 6379').replace("localhost:8000", f"127.0.0.1:{http}")
+                script = python_block('"localhost", 6379')
+                script = script.replace("localhost:8000", f"127.0.0.1:{http}")
                 script = script.replace('"localhost", 6379', f'"127.0.0.1", {redis_server.port}')
                 out = run_script(script, tmp_path, "online.py", timeout=60)
                 assert "served changed" in out
