@@ -219,6 +219,7 @@ def _add_train(commands: Any) -> None:
     add_config_flags(run)
 
 
+# Long: an argparse table, one flag after another, each with its help
 def _add_serve(commands: Any) -> None:
     """``paramserver serve``: a base, the change logs it follows, where it listens."""
     serve = commands.add_parser(
@@ -258,11 +259,15 @@ def _add_serve(commands: Any) -> None:
     )
     serve.add_argument(
         "--http-timeout", type=float, default=30.0,
-        help="seconds an HTTP client has to send each request whole (then it is closed)",
+        help="seconds an HTTP connection has for each request to arrive whole and for each "
+        "answer to be taken; an idle, stalled or trickling connection is closed after it",
     )  # fmt: skip
     serve.add_argument(
-        "--http-max-connections", type=int, default=64,
-        help="HTTP connections at once; one more is answered 503 and closed",
+        "--http-max-connections", type=int, default=2048,
+        help="HTTP connections open at once (idle ones included); at the cap a new "
+        "connection closes the one idle longest, so idle clients never shut out others: "
+        "only while every one has a request in flight is a new one answered 503. serve "
+        "raises its open-files limit (ulimit -n) to fit, up to the hard limit",
     )  # fmt: skip
     serve.add_argument(
         "--mmap-dir", type=Path,

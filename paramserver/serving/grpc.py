@@ -8,18 +8,21 @@ ends with INVALID_ARGUMENT (NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED f
 over :data:`~paramserver.serving.protocol.MAX_RESPONSE_BYTES`, as gRPC's own limit on a
 message ends) and its message; methods of Triton's extensions that serving has no use for
 answer UNIMPLEMENTED. A request is at most :data:`~paramserver.serving.http.MAX_BODY_BYTES`.
+A port that cannot be bound is a ConfigError naming ``--grpc-port``.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 from concurrent import futures
 from typing import Any
 
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from paramserver.serving.frontend import Frontend
+from paramserver.errors import ConfigError
+from paramserver.serving.frontend import Frontend, cannot_listen
 from paramserver.serving.http import MAX_BODY_BYTES
 from paramserver.serving.protocol import (
     MAX_RESPONSE_BYTES,
@@ -148,15 +151,29 @@ class GrpcServing:
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             _Service(frontend), self._server
         )
-        reason = ""
-        try:
-            self.port = self._server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as error:  # grpcio raises it where the port is in use
-            self.port, reason = 0, f": {error}"
-        if self.port == 0:  # older grpcio returns 0 instead
-            self._server.stop(None)
-            raise OSError(f"gRPC serving cannot listen on {host}:{port}{reason}")
+        self.port = self._bind(host, port)
         self._server.start()
+
+    def _bind(self, host: str, port: int) -> int:
+        """The port bound; one taken is a ConfigError naming the flag. grpcio says only that
+        binding failed, so the port is first tried by a socket of this process, which says
+        why (a port taken between the two is reported without the reason)."""
+        if port != 0:
+            try:
+                socket.create_server((host, port)).close()
+            except OSError as error:
+                self._server.stop(None)
+                raise ConfigError(cannot_listen("gRPC", "--grpc-port", host, port, error)) from None
+        try:
+            bound = int(self._server.add_insecure_port(f"{host}:{port}"))
+        except RuntimeError:  # grpcio raises it where the port is in use
+            bound = 0
+        if bound == 0:  # older grpcio returns 0 instead
+            self._server.stop(None)
+            raise ConfigError(
+                f"gRPC cannot listen on {host}:{port}: check --host and --grpc-port (0: a free one)"
+            )
+        return bound
 
     def close(self) -> None:
         self._server.stop(grace=1.0).wait(5.0)

@@ -1,10 +1,19 @@
 """Serving over HTTP: the Open Inference Protocol's REST endpoints, with its binary tensor
 data extension (what ``tritonclient.http`` sends by default), and ``GET /metrics``.
 
-Built on the standard library's threading HTTP server, with HTTP/1.1 keep-alive: a lookup is a
-few hundred microseconds of Python, and a framework's routing and validation layers would add
-their own to every request (benchmarks/bench_serve.py measures this server against a FastAPI
-one). Each connection has its own thread; requests wait for the model's lock, not each other.
+A plain ASGI application (a path's few endpoints need no framework's routing or validation)
+on uvicorn with the httptools parser, in a thread of its own: one event loop holds every
+connection, so a connection left idle or trickling a request costs a socket, not a thread,
+and never another client's answer (issue 46: 1,000 idle and 100 trickling connections open,
+a lookup's p99 stays within 5 ms; ``benchmarks/bench_serve_load.py``). What bounds each
+connection, its deadline and their cap, is :mod:`paramserver.serving.connections`.
+
+A request is read on the loop. A small one (a body of at most :data:`SMALL_BODY_BYTES`: a
+lookup, a batch to score) is answered there too, in a few hundred microseconds, less than a
+hand-off to another thread costs; a larger one, or any while a version is being applied (the
+model's lock held: it would wait), is answered on :data:`WORKERS` threads, so the loop goes on
+reading, answering health checks and enforcing deadlines meanwhile. (A small request can still
+ask for a large answer as JSON: its encoding then holds the loop for as long as it takes.)
 
     GET  /v2/health/live | /v2/health/ready | /v2 | /metrics
     GET  /v2/models/NAME[/versions/V] | /v2/models/NAME[/versions/V]/ready
@@ -13,32 +22,32 @@ one). Each connection has its own thread; requests wait for the model's lock, no
 What one client can take is bounded: a body of at most :data:`MAX_BODY_BYTES` (413 beyond,
 411 for a chunked one), whose JSON is checked field by field (a wrong type, NaN or Infinity:
 400 naming the field); an answer of at most
-:data:`~paramserver.serving.protocol.MAX_RESPONSE_BYTES` (400 beyond, before it is built). A
-connection must send each request whole within ``timeout_s`` of starting to wait for it (an
-idle keep-alive connection, or a client that stalls or trickles, is closed: a socket timeout
-alone bounds each read, not a request sent a byte at a time), and not stall taking an answer
-longer. Beyond ``max_connections`` connections at once, a new one is answered 503 at once and
-closed (a client retries; each connection holds a thread and up to a body's memory).
+:data:`~paramserver.serving.protocol.MAX_RESPONSE_BYTES` (400 beyond, before it is built). All
+clients together hold at most :data:`MAX_HELD_BYTES` of bodies over
+:data:`SMALL_BODY_BYTES` at once (a large one beyond: 503, retry later), so many connections
+cannot each hold a large body.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import json
 import logging
+import math
 import re
 import socket
-import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from torch import Tensor
 
 from paramserver.errors import ConfigError
-from paramserver.serving.frontend import Frontend
+from paramserver.serving.frontend import Frontend, cannot_listen
 from paramserver.serving.protocol import (
     Endpoint,
     ProtocolError,
@@ -52,137 +61,169 @@ from paramserver.serving.protocol import (
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 << 20
+SMALL_BODY_BYTES = 64 << 10  # a body this small is not counted in MAX_HELD_BYTES
+MAX_HELD_BYTES = 16 * MAX_BODY_BYTES
+DEFAULT_MAX_CONNECTIONS = 2048
+WORKERS = 4  # threads running inferences: they take the model's lock in turn
 HEADER_LENGTH = "Inference-Header-Content-Length"
-REFUSED_LINGER_S = 1.0  # a refused connection waits this long for its client to close first
+_HEADER_LENGTH_KEY = HEADER_LENGTH.lower().encode()
 _MODEL_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?(/ready|/infer)?")
 
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive: a client's connection serves many requests
-    disable_nagle_algorithm = True  # else a small answer waits for the client's delayed ACK
-    server: _Server
 
-    def setup(self) -> None:
-        super().setup()
-        self.connection.settimeout(self.server.timeout_s)  # each read and write of it
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    body: bytes
+    content_type: str = "text/plain"
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    close: bool = False  # the connection too: what follows the request on it cannot be found
 
-    def handle_one_request(self) -> None:
-        self.server.waiting(self.connection, True)  # until the request is read whole
-        super().handle_one_request()
 
-    def finish(self) -> None:
-        self.server.waiting(self.connection, False)
-        super().finish()
+def _json(status: int, document: Any, *, close: bool = False) -> _Answer:
+    return _Answer(status, json.dumps(document).encode(), "application/json", close=close)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http %s: " + format, self.address_string(), *args)
 
-    def do_GET(self) -> None:
-        self.server.waiting(self.connection, False)
-        frontend, path = self.server.frontend, self.path.split("?")[0]
+def _error(status: int, message: str, *, close: bool = False) -> _Answer:
+    return _json(status, {"error": message}, close=close)
+
+
+async def _send(send: Send, answer: _Answer) -> None:
+    headers = [
+        (b"content-type", answer.content_type.encode()),
+        (b"content-length", str(len(answer.body)).encode()),
+        *answer.headers,
+    ]
+    if answer.close:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's body, or None where the client left (or was dropped) before it came."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _body_length(headers: dict[bytes, bytes]) -> int | _Answer:
+    """The body's length its headers give, or the answer refusing it before it is read."""
+    if b"transfer-encoding" in headers:  # a chunked body's length is known only once read
+        return _error(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length", close=True)
+    try:
+        length = int(headers.get(b"content-length", b"0"))
+    except ValueError:
+        length = -1
+    if not 0 <= length <= MAX_BODY_BYTES:
+        message = f"a body of {length} bytes: the limit is {MAX_BODY_BYTES}"
+        return _error(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message, close=True)
+    return length
+
+
+class _App:
+    """The endpoints of the module doc as an ASGI application. Its coroutines run on the
+    event loop's thread only (``_held`` needs no lock); inferences run on ``pool``."""
+
+    def __init__(self, frontend: Frontend, pool: ThreadPoolExecutor):
+        self.frontend, self._pool = frontend, pool
+        self._held = 0  # bytes of bodies over SMALL_BODY_BYTES now read or answered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        answer: _Answer | None
+        if method in ("GET", "HEAD"):
+            answer = self._get(path)
+        elif method == "POST":
+            answer = await self._post(path, dict(scope["headers"]), receive)
+        else:
+            answer = _error(HTTPStatus.METHOD_NOT_ALLOWED, f"no such endpoint: {method} {path}")
+        if answer is not None:
+            await _send(send, answer)
+
+    def _get(self, path: str) -> _Answer:
+        frontend = self.frontend
+        ready = HTTPStatus.OK if frontend.ready else HTTPStatus.SERVICE_UNAVAILABLE
         if path == "/v2/health/live":
-            self._reply(HTTPStatus.OK, b"")
-        elif path in ("/v2/health/ready", "/v2/ready"):
-            self._reply(HTTPStatus.OK if frontend.ready else HTTPStatus.SERVICE_UNAVAILABLE, b"")
-        elif path == "/v2":
-            self._json(HTTPStatus.OK, frontend.server_metadata())
-        elif path == "/metrics":
+            return _Answer(HTTPStatus.OK, b"")
+        if path in ("/v2/health/ready", "/v2/ready"):
+            return _Answer(ready, b"")
+        if path == "/v2":
+            return _json(HTTPStatus.OK, frontend.server_metadata())
+        if path == "/metrics":
             text = frontend.metrics.text(frontend.served.version).encode()
-            self._reply(HTTPStatus.OK, text, "text/plain; version=0.0.4")
-        elif (match := _MODEL_PATH.fullmatch(path)) and match[2] != "/infer":
-            self._model_get(match[1], ready=match[2] == "/ready")
-        else:
-            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
-
-    def _model_get(self, name: str, *, ready: bool) -> None:
-        try:
-            endpoint = self.server.frontend.endpoint(name)
-        except ProtocolError as error:
-            self._error(HTTPStatus.NOT_FOUND, str(error))
-            return
-        if ready:
-            ok = self.server.frontend.ready
-            self._reply(HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE, b"")
-        else:
-            self._json(HTTPStatus.OK, endpoint.metadata())
-
-    def do_POST(self) -> None:
-        path = self.path.split("?")[0]
+            return _Answer(HTTPStatus.OK, text, "text/plain; version=0.0.4")
         match = _MODEL_PATH.fullmatch(path)
-        body = self._body()
-        if body is None:
-            return
-        self.server.waiting(self.connection, False)
-        if match is None or match[2] != "/infer":
-            self._error(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
-            return
+        if match is None or match[2] == "/infer":
+            return _error(HTTPStatus.NOT_FOUND, f"no such endpoint: GET {path}")
         try:
-            self._infer(match[1], body)
+            endpoint = frontend.endpoint(match[1])
+        except ProtocolError as error:
+            return _error(HTTPStatus.NOT_FOUND, str(error))
+        return _Answer(ready, b"") if match[2] == "/ready" else _json(200, endpoint.metadata())
+
+    async def _post(
+        self, path: str, headers: dict[bytes, bytes], receive: Receive
+    ) -> _Answer | None:
+        length = _body_length(headers)
+        if isinstance(length, _Answer):
+            return length
+        held = length if length > SMALL_BODY_BYTES else 0
+        if self._held + held > MAX_HELD_BYTES:
+            return _error(HTTPStatus.SERVICE_UNAVAILABLE, f"serving holds {self._held} bytes of "
+                          f"large requests, its most: retry later", close=True)  # fmt: skip
+        self._held += held
+        try:
+            body = await _read_body(receive)
+            if body is None:
+                return None
+            match = _MODEL_PATH.fullmatch(path)
+            if match is None or match[2] != "/infer":
+                return _error(HTTPStatus.NOT_FOUND, f"no such endpoint: POST {path}")
+            header_length = headers.get(_HEADER_LENGTH_KEY)
+            if not held and not self.frontend.served.lock.locked():  # see the module doc
+                return self._infer(match[1], body, header_length)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._infer, match[1], body, header_length
+            )
+        finally:
+            self._held -= held
+
+    def _infer(self, model: str, body: bytes, header_length: bytes | None) -> _Answer:
+        """``model``'s answer to ``body`` (on a worker thread)."""
+        try:
+            return _inferred(self.frontend, model, body, header_length)
         except ProtocolError as error:
             status = HTTPStatus.NOT_FOUND if error.not_found else HTTPStatus.BAD_REQUEST
-            self._error(status, str(error))
-        except (TimeoutError, ConnectionError):
-            raise  # the client's socket failed: there is nothing to answer on
+            return _error(status, str(error))
         except Exception as error:  # a bug, not the client's: say so, keep serving
-            log.exception("http infer on %s failed", match[1])
-            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+            log.exception("http infer on %s failed", model)
+            return _error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
 
-    def _body(self) -> bytes | None:
-        """The request's body, or None where it was refused (its answer sent) or never came
-        whole (the client stalled or left: the connection is dropped without an answer)."""
-        if self.headers.get("Transfer-Encoding") is not None:
-            self.close_connection = True  # a chunked body's end cannot be found here
-            self._error(HTTPStatus.LENGTH_REQUIRED, "send the body with a Content-Length")
-            return None
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
-            self.close_connection = True  # what follows on it cannot be found
-            self._error(
-                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                f"a body of {length} bytes: the limit is {MAX_BODY_BYTES}",
-            )
-            return None
-        body = self.rfile.read(length)  # a socket timeout raises, ending the connection
-        if len(body) < length:
-            self.close_connection = True
-            return None
-        return body
 
-    def _infer(self, model: str, body: bytes) -> None:
-        request, binary = _split(body, self.headers.get(HEADER_LENGTH))
-        given = _inputs(request, binary)
-        requested, raw = _requested(request)
-        endpoint, outputs, version = self.server.frontend.infer(
-            "http", model, given, requested, raw
-        )
-        header, payload = _response(endpoint, request.get("id"), outputs)
-        header["parameters"] = version_parameters(version)
-        text = json.dumps(header, separators=(",", ":")).encode()
-        self.send_response(HTTPStatus.OK)
-        if payload:
-            self.send_header(HEADER_LENGTH, str(len(text)))
-            self._send(text + b"".join(payload), "application/octet-stream")
-        else:
-            self._send(text, "application/json")
-
-    def _json(self, status: HTTPStatus, document: Any) -> None:
-        self._reply(status, json.dumps(document).encode(), "application/json")
-
-    def _error(self, status: HTTPStatus, message: str) -> None:
-        self._json(status, {"error": message})
-
-    def _reply(self, status: HTTPStatus, body: bytes, content_type: str = "text/plain") -> None:
-        self.send_response(status)
-        self._send(body, content_type)
-
-    def _send(self, body: bytes, content_type: str) -> None:
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+def _inferred(frontend: Frontend, model: str, body: bytes, header_length: bytes | None) -> _Answer:
+    length = None if header_length is None else header_length.decode("latin-1")
+    request, binary = _split(body, length)
+    given = _inputs(request, binary)
+    requested, raw = _requested(request)
+    endpoint, outputs, version = frontend.infer("http", model, given, requested, raw)
+    header, payload = _response(endpoint, request.get("id"), outputs)
+    header["parameters"] = version_parameters(version)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    if not payload:
+        return _Answer(HTTPStatus.OK, text, "application/json")
+    size = ((_HEADER_LENGTH_KEY, str(len(text)).encode()),)
+    return _Answer(HTTPStatus.OK, text + b"".join(payload), "application/octet-stream", size)
 
 
 # ---- the request's JSON, field by field ----
@@ -295,115 +336,74 @@ def _response(
     return header, payload
 
 
-# ---- the server: its connections bounded ----
+# ---- the server: uvicorn in a thread ----
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-
-    def __init__(self, address: tuple[str, int], frontend: Frontend, timeout_s: float,
-                 max_connections: int):  # fmt: skip
-        self.frontend, self.timeout_s, self.max_connections = frontend, timeout_s, max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._lock = threading.Lock()
-        self._waiting: dict[socket.socket, float] = {}  # each waiting for a request: since when
-        self._refused: dict[socket.socket, float] = {}  # each refused: when to close it
-        super().__init__(address, _Handler)
-
-    def waiting(self, connection: socket.socket, waiting: bool) -> None:
-        """Mark ``connection`` as waiting for a whole request (from now), or not."""
-        with self._lock:
-            if waiting:
-                self._waiting[connection] = time.monotonic()
-            else:
-                self._waiting.pop(connection, None)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if self._slots.acquire(blocking=False):  # released as its thread ends
-            super().process_request(request, client_address)
-        else:
-            self._refuse(request)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def _refuse(self, connection: socket.socket) -> None:
-        """Answer 503 without reading the request (this is the accepting thread: it must not
-        block), then close once the client has closed or REFUSED_LINGER_S passed: a socket
-        closed with a request unread is reset, and the client could lose the answer."""
-        body = json.dumps({"error": f"serving has {self.max_connections} connections open, "
-                                    f"its most: retry later"}).encode()  # fmt: skip
-        head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
-        try:
-            connection.setblocking(False)
-            connection.send(head.encode() + body)  # a new socket's buffer takes it whole
-            connection.shutdown(socket.SHUT_WR)
-        except OSError:
-            connection.close()
-            return
-        self._refused[connection] = time.monotonic() + REFUSED_LINGER_S
-
-    def service_actions(self) -> None:
-        """Run by the accepting thread at each poll: drop the connections that have waited
-        longer than the timeout for a whole request, and close the refused ones done."""
-        now = time.monotonic()
-        with self._lock:
-            late = [c for c, since in self._waiting.items() if now - since > self.timeout_s]
-            for connection in late:
-                del self._waiting[connection]
-                with contextlib.suppress(OSError):  # closed by its thread meanwhile
-                    connection.shutdown(socket.SHUT_RDWR)  # its thread reads the end, and ends
-        for connection, until in list(self._refused.items()):
-            try:
-                done = not connection.recv(1 << 16)  # the client closed its side
-            except BlockingIOError:
-                done = now > until
-            except OSError:
-                done = True
-            if done:
-                del self._refused[connection]
-                connection.close()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        error = sys.exc_info()[1]
-        if isinstance(error, OSError):  # the client's socket: reset, timed out, dropped
-            log.debug("http connection from %s ended: %s", client_address, error)
-        else:
-            log.exception("http connection from %s failed", client_address)
-
-    def server_close(self) -> None:
-        super().server_close()
-        for connection in self._refused:
-            connection.close()
-        self._refused.clear()
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host``:``port``; a port taken is a ConfigError naming the flag."""
+    try:
+        return socket.create_server((host, port), backlog=2048)
+    except OSError as error:
+        raise ConfigError(cannot_listen("HTTP", "--http-port", host, port, error)) from None
 
 
 class HttpServing:
     """``frontend`` served over HTTP on ``host``:``port`` (0: a free port) in a thread;
-    ``timeout_s`` and ``max_connections`` bound each connection and their number (see the
-    module doc)."""
+    ``timeout_s`` and ``max_connections`` bound each connection and their number (see
+    :mod:`paramserver.serving.connections`)."""
 
-    def __init__(self, frontend: Frontend, host: str = "127.0.0.1", port: int = 0, *,
-                 timeout_s: float = 30.0, max_connections: int = 64):  # fmt: skip
-        if timeout_s <= 0 or max_connections < 1:
+    def __init__(
+        self,
+        frontend: Frontend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        timeout_s: float = 30.0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ):
+        if not timeout_s > 0 or max_connections < 1:
             raise ConfigError(
                 f"timeout_s must be > 0 and max_connections >= 1, got {timeout_s} and "
                 f"{max_connections}"
             )
-        self._server = _Server((host, port), frontend, timeout_s, max_connections)
-        self.port = self._server.server_address[1]
+        try:
+            import uvicorn
+
+            from paramserver.serving import connections
+        except ImportError as error:
+            raise ConfigError(f"serving over HTTP needs the serve extra "
+                              f"(pip install 'paramserver[serve]'): {error}") from None  # fmt: skip
+        listener = _listen(host, port)
+        limits = connections.ConnectionLimits(
+            timeout_s, connections.fit_open_files(max_connections)
+        )
+        self.port = int(listener.getsockname()[1])
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="serving-http-infer")
+        config = uvicorn.Config(
+            _App(frontend, self._pool), http=connections.connection_class(limits),
+            interface="asgi3", lifespan="off", ws="none", loop="asyncio", log_config=None,
+            log_level=logging.ERROR, access_log=False, proxy_headers=False, server_header=False,
+            date_header=False, timeout_keep_alive=math.ceil(timeout_s), timeout_graceful_shutdown=1,
+        )  # fmt: skip
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.2}, daemon=True,
+            target=self._server.run, kwargs={"sockets": [listener]}, daemon=True,
             name="serving-http",
         )  # fmt: skip
         self._thread.start()
+        self._wait_started(listener)
+
+    def _wait_started(self, listener: socket.socket) -> None:
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                listener.close()
+                self._pool.shutdown(wait=False)
+                raise RuntimeError(f"HTTP serving on port {self.port} did not start")
+            time.sleep(0.005)
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop: every connection dropped, the listening socket closed."""
+        self._server.should_exit = True
         self._thread.join(5.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)

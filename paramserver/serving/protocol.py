@@ -230,23 +230,6 @@ def checked_outputs(endpoint: Endpoint, requested: Sequence[Requested]) -> list[
     return list(requested)
 
 
-def check_answer_size(
-    model: str, requested: Sequence[Requested], sizes: Mapping[str, tuple[int, int]]
-) -> None:
-    """Refuse an answer of ``requested`` over :data:`MAX_RESPONSE_BYTES`, given the values and
-    bytes per value of each output whose size is known (the others counted as nothing)."""
-    total = 0
-    for output in requested:
-        values, itemsize = sizes.get(output.name, (0, 0))
-        total += values * (itemsize if output.raw else JSON_VALUE_BYTES)
-    if total > MAX_RESPONSE_BYTES:
-        raise ProtocolError(
-            f"model {model!r}: an answer of {total} bytes is over the limit of "
-            f"{MAX_RESPONSE_BYTES}; ask for fewer values, or for them as binary data",
-            too_large=True,
-        )
-
-
 def _tensor(spec: TensorSpec, datatype: Any, shape: Any, values: Any) -> Tensor:
     where = f"input {spec.name!r}"
     if datatype not in DATATYPES:

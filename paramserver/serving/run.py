@@ -89,7 +89,7 @@ def serve(
     poll_s: float = 0.1,
     mmap_dir: str | os.PathLike[str] | None = None,
     http_timeout_s: float = 30.0,
-    http_max_connections: int = 64,
+    http_max_connections: int = 2048,
     checkpoint_dir: str | os.PathLike[str] | None = None,
 ) -> Serving:
     """Serve ``model_fn``'s model (built under the job's ``seed``) from ``base`` (see the
@@ -98,8 +98,8 @@ def serve(
     arguments, a batch of any size) make the whole model servable as ``model_name``; without
     them only the tables are. ``mmap_dir``: hold the fixed tables' rows in files there,
     mapped (see :mod:`paramserver.serving.model`). ``http_timeout_s``: the time an HTTP
-    client has to send each request whole; ``http_max_connections``: HTTP connections at
-    once, beyond which one is answered 503 (see :mod:`paramserver.serving.http`).
+    connection has for each request and answer; ``http_max_connections``: HTTP connections
+    open at once (see :mod:`paramserver.serving.connections`: idle ones never shut out others).
     ``checkpoint_dir``: the job's, whose newest checkpoint is a base (see the module doc).
     Returns once it answers; :meth:`Serving.close` stops it."""
     build = functools.partial(ServedModel, model_fn, seed, mmap_dir)
