@@ -205,13 +205,7 @@ class _TrainerRun:
             publish_every=_rounds_marked_every(config, trainer),
         )
         self.client.check_servers()
-        # The servers' buffers: the chief's as last pushed (a resume's restored ones).
-        buffers: dict[str, Tensor] = {}
-        for held in wait_all(transport.call_all("initial_buffers"), self.alarm):
-            buffers.update(held)  # type: ignore[call-overload]
-        self.replica.load_buffers(buffers)
-        if trainer == 0:  # the chief's buffers are the model's (DDP's convention)
-            self.client.send_buffers(dict(self.replica.model.named_buffers()))
+        self._take_servers_buffers(transport)
         self.checkpoints = TrainerCheckpoints(
             config.sections.checkpoint, config.checkpoint_job, trainer, transport, self.alarm
         )
@@ -227,6 +221,16 @@ class _TrainerRun:
                 saved = functools.partial(self.dense.saved, self.plan.signature, config.servers)
                 self.checkpoints.dense_part = saved
         startup.mark("model")
+
+    def _take_servers_buffers(self, transport: Transport) -> None:
+        """Start from the servers' buffers (the chief's as last pushed: a resume continues
+        them); the chief then pushes its own, which are the model's (DDP's convention)."""
+        buffers: dict[str, Tensor] = {}
+        for held in wait_all(transport.call_all("initial_buffers"), self.alarm):
+            buffers.update(held)  # type: ignore[call-overload]
+        self.replica.load_buffers(buffers)
+        if self.trainer == 0:
+            self.client.send_buffers(dict(self.replica.model.named_buffers()))
 
     def run(
         self,
