@@ -260,7 +260,8 @@ def table_size(module: Embedding, name: str, attribute: str) -> int:
 
 def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -> ShardPlan:
     """The shard plan of ``model``: its embedding weights become tables, the rest dense (on
-    the servers, or kept by the trainers: ``dense_on_servers`` False)."""
+    the servers, or kept by the trainers: ``dense_on_servers`` False), its persistent buffers
+    on the servers."""
     tables = find_embeddings(model)
     table_weights = {id(module.weight) for module in tables.values()}
     dense = [
@@ -278,4 +279,14 @@ def plan_of(model: nn.Module, num_servers: int, dense_on_servers: bool = True) -
         )
         for name, m in tables.items()
     ]
-    return ShardPlan(dense, specs, num_servers, dense_on_servers, table_aliases(model))
+    persistent = set(model.state_dict(keep_vars=True))
+    # A table layer's own buffers (a dynamic table's ids) are not the model's state.
+    holders = {name for name, m in model.named_modules() if isinstance(m, SERVED)}
+    buffers = [
+        DenseSpec(name, tuple(b.shape), b.dtype)
+        for name, b in model.named_buffers()
+        if name in persistent and name.rpartition(".")[0] not in holders
+    ]
+    return ShardPlan(
+        dense, specs, num_servers, dense_on_servers, table_aliases(model), buffers=buffers
+    )

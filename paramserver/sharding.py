@@ -4,6 +4,10 @@ Dense parameters: each lives whole on one server. They are placed largest first,
 server holding the fewest bytes so far (ties go to the lower server index, names break ties
 between equal sizes), which balances bytes across servers to within the largest parameter.
 
+Buffers (persistent ones: batch-norm statistics and the like) are placed as dense values are,
+after them, each on the server holding the fewest bytes so far. A server keeps a buffer as a
+value with no optimizer state: the chief trainer's pushes set it, gradients never update it.
+
 Fixed embedding tables: every table is split by row across all servers, cyclically. Global
 row ``r`` lives on server ``r % num_servers`` at local index ``r // num_servers``. Cyclic (not
 contiguous) ranges matter for recommendation data: ids are Zipf-distributed and the hot ids are
@@ -69,11 +73,13 @@ class ShardPlan:
         num_servers: int,
         dense_on_servers: bool = True,
         aliases: Mapping[str, str] | None = None,
+        buffers: Sequence[DenseSpec] = (),
     ):
         """``dense_on_servers`` False: the trainers keep the dense parameters
         (``--dense-sync allreduce``), and none is placed on a server. ``aliases``: the other
         state_dict names of tables' weights (shared by several layers), each with its table;
-        checkpoints record them for ``paramserver export``."""
+        checkpoints record them for ``paramserver export``. ``buffers``: the model's persistent
+        buffers, always on the servers (the chief trainer's are the model's)."""
         if num_servers < 1:
             raise ValueError(f"num_servers must be >= 1, got {num_servers}")
         self.num_servers = num_servers
@@ -81,11 +87,15 @@ class ShardPlan:
         self.tables = {spec.name: spec for spec in tables}
         self.dense_on_servers = dense_on_servers
         self.aliases = dict(aliases or {})
-        self.dense_server = self._place_dense(dense, num_servers) if dense_on_servers else {}
+        self.buffers = {spec.name: spec for spec in buffers}
+        load = [0] * num_servers
+        self.dense_server = self._place_dense(dense, load) if dense_on_servers else {}
+        self.buffer_server = self._place_dense(buffers, load)
 
     @staticmethod
-    def _place_dense(dense: list[DenseSpec], num_servers: int) -> dict[str, int]:
-        load = [0] * num_servers
+    def _place_dense(dense: Sequence[DenseSpec], load: list[int]) -> dict[str, int]:
+        """Each of ``dense`` on the server of least ``load`` (bytes placed, updated here)."""
+        num_servers = len(load)
         placement: dict[str, int] = {}
         for spec in sorted(dense, key=lambda s: (-s.nbytes, s.name)):
             server = min(range(num_servers), key=lambda s: (load[s], s))
@@ -95,6 +105,9 @@ class ShardPlan:
 
     def dense_on(self, server: int) -> list[str]:
         return [name for name, s in self.dense_server.items() if s == server]
+
+    def buffers_on(self, server: int) -> list[str]:
+        return [name for name, s in self.buffer_server.items() if s == server]
 
     def server_of_rows(self, table: str, ids: Tensor) -> Tensor:
         if self.num_servers == 1:
@@ -142,6 +155,10 @@ class ShardPlan:
                 for n, s in sorted(self.tables.items())
             ],
         }
+        if self.buffers:  # a model without buffers keeps the fingerprint it always had
+            described["buffers"] = [
+                [n, list(s.shape), str(s.dtype)] for n, s in sorted(self.buffers.items())
+            ]
         return hashlib.sha256(json.dumps(described).encode()).hexdigest()[:16]
 
 

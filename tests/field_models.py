@@ -162,5 +162,29 @@ def attention_pooled_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Te
         yield (user, item, history), torch.randn(8, generator=g)
 
 
+class BatchNormedFields(nn.Module):
+    """DeepFM/DCN-style deep part: the fields' embeddings concatenated, batch-normed, then an
+    MLP with batch norm between its layers (running statistics: buffers, not parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(NUM_USERS, 4)
+        self.item = nn.Embedding(NUM_ITEMS, 4)
+        self.mlp = nn.Sequential(
+            nn.BatchNorm1d(8), nn.Linear(8, 8), nn.ReLU(), nn.BatchNorm1d(8), nn.Linear(8, 1)
+        )
+
+    def forward(self, user: Tensor, item: Tensor) -> Tensor:
+        return self.mlp(torch.cat([self.user(user), self.item(item)], dim=1)).squeeze(1)
+
+
+def batch_normed_batches(seed: int) -> Iterator[tuple[tuple[Tensor, ...], Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        user = torch.randint(0, int(NUM_USERS), (8,), generator=g)
+        item = torch.randint(0, int(NUM_ITEMS), (8,), generator=g)
+        yield (user, item), torch.randn(8, generator=g) + 1.0
+
+
 def mse(output: Tensor, target: Tensor) -> Tensor:
     return ((output - target) ** 2).mean()

@@ -31,9 +31,11 @@ from tests.field_models import (
     NUM_ITEMS,
     STEPS,
     AttentionPooledHistory,
+    BatchNormedFields,
     SharedItemTable,
     TiedLayers,
     attention_pooled_batches,
+    batch_normed_batches,
     mse,
     shared_item_batches,
     tied_layer_batches,
@@ -43,6 +45,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Iterator]]] = {
     "shared item table": (SharedItemTable, shared_item_batches),
     "tied layers": (TiedLayers, tied_layer_batches),
     "attention pooled history": (AttentionPooledHistory, attention_pooled_batches),
+    "batch normed fields": (BatchNormedFields, batch_normed_batches),
 }
 
 
@@ -296,7 +299,8 @@ def trained_and_seen(
 ) -> tuple[ps.TrainResult, dict[str, Tensor], Tensor, tuple[Tensor, ...]]:
     """A job whose trainers end with steps that change nothing, so that the model the job
     returns is the one they last computed with: the chief's dense values then, and its output
-    on the last batch (in training mode, as computed)."""
+    on the last batch (in training mode, as computed), and its buffers then (batch norm's
+    running statistics: the chief's are the model's)."""
     seen: dict[str, Any] = {}
 
     def loop(ctx: Any) -> None:
@@ -312,7 +316,10 @@ def trained_and_seen(
                 seen["output"], seen["inputs"] = output.detach().clone(), inputs
         if ctx.rank == 0:
             seen["dense"] = {n: p.detach().clone() for n, p in ctx.model.named_parameters()}
+            seen["dense"].update({n: b.clone() for n, b in ctx.model.state_dict().items()
+                                  if n not in seen["dense"] and n in initial_state})  # fmt: skip
 
+    initial_state = initial_model(model_fn, seed=0).state_dict()
     result = ps.run(model_fn, loop, config)
     assert result is not None and result.model is not None
     return result, seen["dense"], seen["output"], seen["inputs"]
@@ -336,13 +343,16 @@ def test_the_returned_exported_and_served_model_is_the_one_trainers_computed_wit
     )  # fmt: skip
     result, dense, output, inputs = trained_and_seen(model_fn, batches, config)
     model = result.model
-    got = model.state_dict()
-    for key, value in dense.items():  # the chief's replica names only its dense parameters
+    got = {key: value.clone() for key, value in model.state_dict().items()}
+    for key, value in dense.items():  # the chief's dense parameters and buffers
         assert torch.equal(got[key], value), key
     initial = initial_model(model_fn, seed=0).state_dict()
     assert any(not torch.equal(got[k], initial[k]) for k in plan_of(model, 1).tables)
+    buffers = plan_of(model, 1).buffers
+    assert all(not torch.equal(got[k], initial[k]) for k in buffers), "statistics never moved"
     model.train()
     torch.testing.assert_close(model(*inputs), output, rtol=1e-5, atol=1e-6)
+    model.load_state_dict(got)  # a training-mode forward moves batch norm's statistics
 
     found = load_latest(tmp_path / "ckpt")
     assert found is not None and found.meta.get("final")

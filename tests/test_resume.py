@@ -18,9 +18,11 @@ from paramserver.checkpoint import Checkpoint, load_latest
 from paramserver.cli import main
 from paramserver.errors import JobFailedError
 from paramserver.launch.roles import build_server
+from paramserver.modelplan import initial_model
 from paramserver.trainer.client import gather_state
 from tests.helpers import (
     NUM_ROWS_A,
+    NUM_ROWS_B,
     TinyRecModel,
     crashing_after,
     mse,
@@ -50,6 +52,23 @@ class HashedRecModel(nn.Module):
         return self.mlp(x).squeeze(1)
 
 
+class BatchNormedRecModel(nn.Module):
+    """TinyRecModel with batch norm after its embeddings' concat: running statistics (buffers)
+    that the chief trainer's pushes keep on the servers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.user = nn.Embedding(NUM_ROWS_A, 4)
+        self.items = nn.EmbeddingBag(NUM_ROWS_B, 4, mode="mean")
+        self.mlp = nn.Sequential(
+            nn.BatchNorm1d(8 + 3), nn.Linear(8 + 3, 8), nn.ReLU(), nn.Linear(8, 1)
+        )
+
+    def forward(self, user: Tensor, items: Tensor, dense: Tensor) -> Tensor:
+        x = torch.cat([self.user(user), self.items(items), dense], dim=1)
+        return self.mlp(x).squeeze(1)
+
+
 def hashed_batches(trainer: int, num_batches: int) -> Iterator[Any]:
     """tiny_batches with 90 item ids spread over the int64 range."""
     for (user, items, dense), target in tiny_batches(trainer, num_batches=num_batches):
@@ -66,6 +85,8 @@ MODELS = {
         hashed_batches,
         {"server_pooling": ("items.weight",)},
     ),
+    # The resumed job continues the chief's running statistics, as the servers hold them.
+    "batch norm": (BatchNormedRecModel, tiny_batches, {}),
 }
 
 
@@ -123,6 +144,11 @@ def test_sync_resume_is_exact(tmp_path: Path, saved_at: int, kind: str) -> None:
         counted = straight_counters["items.weight"]
         assert counted["evicted"] > 0 and counted["pending_ids"] > 0, counted
         assert counted["admitted"] > counted["rows"], counted
+    if model is BatchNormedRecModel:  # the statistics moved, and the chief's are the model's
+        initial = initial_model(model, seed=0).state_dict()
+        for name in ("mlp.0.running_mean", "mlp.0.running_var", "mlp.0.num_batches_tracked"):
+            assert not torch.equal(straight[name]["value"], initial[name]), name
+        assert int(straight["mlp.0.num_batches_tracked"]["value"]) == STEPS
     if found.directory.exists():  # not pruned: the resumed job did not write it again
         assert (found.directory / "manifest.json").read_bytes() == manifest
 

@@ -8,10 +8,13 @@ import threading
 import pytest
 import torch
 
+import paramserver as ps
 from paramserver.errors import InvalidPushError, ParamServerError, TrainerDepartedError
+from paramserver.launch.roles import build_server
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.transport.local import LocalTransport
 from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
+from tests.field_models import BatchNormedFields
 from tests.helpers import MakeServer, a_dense_name, new_server, own_ids
 
 
@@ -424,3 +427,35 @@ def test_a_duplicate_is_still_validated_and_errors_come_back_as_futures(
     )
     with pytest.raises(InvalidPushError, match="sorted and unique"):
         endpoint.handle("push_pull", (repeated,)).wait()
+
+
+def test_only_the_chiefs_buffers_of_the_models_shape_are_set_else_nothing_changes() -> None:
+    config = ps.TrainConfig(servers=1, trainers=2, mode="async", optimizer="sgd", lr=1.0)
+    endpoint = build_server(0, config, BatchNormedFields)
+    try:
+        store = endpoint.shard.store
+        mean, var = "mlp.0.running_mean", "mlp.3.running_var"
+        assert {mean, var} <= store.buffers
+        value = torch.full((8,), 3.0)
+        bad = {
+            "not the chief's": (PushPullRequest(1, 0, buffers={mean: value}), "trainer 1"),
+            "unknown": (PushPullRequest(0, 0, buffers={"mlp.9.running_mean": value}), "unknown"),
+            "shape": (PushPullRequest(0, 0, buffers={mean: value, var: torch.ones(9)}), "9"),
+            "dtype": (PushPullRequest(0, 0, buffers={mean: value.double()}), "float64"),
+            "not a tensor": (PushPullRequest(0, 0, buffers={mean: [3.0] * 8}), "plain"),  # type: ignore[dict-item]
+            "a gradient": (PushPullRequest(0, 0, dense_grads={mean: value}), "never by gradient"),
+        }  # fmt: skip
+        before = store.state_hash()
+        transport = LocalTransport([endpoint])
+        for case, (request, reason) in bad.items():
+            refused = var if case == "shape" else mean if case != "unknown" else "mlp.9"
+            with pytest.raises(InvalidPushError, match=f"'{refused}.*{reason}") as caught:
+                transport.push_pull(0, request).wait()
+            assert "server 0" in str(caught.value), case
+            assert store.state_hash() == before, case
+        transport.push_pull(0, PushPullRequest(0, 0, buffers={mean: value})).wait()
+        assert torch.equal(store.export_state()[mean]["value"], value)
+        assert torch.equal(endpoint.handle("initial_buffers", ()).wait()[mean], value)
+        assert store.state_hash() != before
+    finally:
+        endpoint.coordinator.close()

@@ -62,17 +62,25 @@ def build_server(
     server: int, config: TrainConfig, model_fn: ModelFn, *, recovering: bool = False
 ) -> ServerEndpoint:
     """Server ``server``'s endpoint, holding its shard of one seeded ``model_fn()``: the dense
-    parameters placed on it and its own rows of each table (the model's tables are never built
-    whole, see :func:`~paramserver.modelplan.build_model`). Server 0 keeps the buffers, which
-    trainers fetch from it at their start. ``recovering``: restarted after its process died,
-    it rebuilds where that one's log ends (:func:`recover_server`)."""
+    parameters and persistent buffers placed on it and its own rows of each table (the model's
+    tables are never built whole, see :func:`~paramserver.modelplan.build_model`). Server 0
+    keeps the other buffers as built, which trainers fetch at their start. ``recovering``:
+    restarted after its process died, it rebuilds where that one's log ends
+    (:func:`recover_server`)."""
     built = build_model(model_fn, config.seed)
     plan = plan_of(built.model, config.servers, config.dense_on_servers)
     config.check_tables(plan.tables)
-    dense = {n: p for n, p in built.model.named_parameters() if n in plan.dense_server}
+    dense: dict[str, Tensor] = {
+        n: p for n, p in built.model.named_parameters() if n in plan.dense_server
+    }
+    dense.update({n: b for n, b in built.model.named_buffers() if n in plan.buffer_server})
     settings = config.shard_settings(plan.tables)
     shard = ServerShard(server, plan, dense, built.inits, settings)
-    buffers = {n: b.detach().clone() for n, b in built.model.named_buffers()} if server == 0 else {}
+    buffers = (
+        {n: b.detach().clone() for n, b in built.model.named_buffers() if n not in plan.buffers}
+        if server == 0
+        else {}
+    )
     del built, dense
     coordinator = Coordinator(shard, config.consistency)
     if recovering:

@@ -60,7 +60,9 @@ class Applier:
 
     def apply(self, request: DecodedRequest, clock: int) -> None:
         """Apply one call's gradients now (async, ssp; a late or initial sync call), at its
-        trainer's step, to the rows its ``grads_call`` read."""
+        trainer's step, to the rows its ``grads_call`` read; the buffers it carries set."""
+        if request.buffers:
+            self.shard.store.set_buffers(request.buffers)
         if not request.has_grads:
             return
         with self.lock:
@@ -73,7 +75,8 @@ class Applier:
 
     def apply_round(self, call: int, requests: list[DecodedRequest]) -> None:
         """Apply the mean of sync round ``call``'s gradients (``requests`` in trainer order)
-        once, each trainer's only to the rows its read handed out."""
+        once, each trainer's only to the rows its read handed out; the buffers they carry (the
+        chief's) set with it."""
         with self.lock:
             for request in requests:
                 if request.has_grads:
@@ -83,6 +86,9 @@ class Applier:
         dense, rows = aggregate_mean(requests)
         # Round ``call`` holds the gradients of step ``call - 1`` (read by call - 1).
         self.shard.apply(dense, rows, clock=call, step=call - 1)
+        for request in requests:
+            if request.buffers:
+                self.shard.store.set_buffers(request.buffers)
         self._count_update()
 
     def round_read(self, call: int, requests: list[DecodedRequest]) -> None:

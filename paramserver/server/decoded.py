@@ -51,6 +51,7 @@ class DecodedRequest:
     # Tables whose row gradients came as the gradient of pooled sums: the call that pulled
     # the bags they were pooled from.
     pooled_from: dict[str, int] = field(default_factory=dict)
+    buffers: dict[str, Tensor] = field(default_factory=dict)  # the chief's, to set
 
     @classmethod
     def of(cls, request: PushPullRequest) -> DecodedRequest:
@@ -66,10 +67,12 @@ class DecodedRequest:
             {name: _ids(ids) for name, ids in request.pull_rows.items()},
             request.pull_versions, request.pull_state, request.pool_rows,
             {name: grad.pull_call for name, grad in request.pooled_grads.items()},
+            request.buffers,
         )  # fmt: skip
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a push too late for its round)."""
+        self.buffers.clear()
         self.dense_grads.clear()
         self.row_grads.clear()
 

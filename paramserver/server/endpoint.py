@@ -54,7 +54,8 @@ class ServerEndpoint:
     arguments and size, then runs it on the coordinator, the shard or the checkpoints."""
 
     def __init__(self, coordinator: Coordinator, buffers: dict[str, Tensor] | None = None):
-        """``buffers``: the model's buffers as built (trainers build theirs without values)."""
+        """``buffers``: the model's buffers as built that the store does not hold (those not
+        persistent; trainers build theirs without values)."""
         self.coordinator = coordinator
         self.buffers = buffers or {}
         self.shard = coordinator.shard
@@ -148,7 +149,9 @@ class ServerEndpoint:
         return completed(None)
 
     def _op_initial_buffers(self) -> Future:
-        return completed(self.buffers)
+        """The buffers held here (the store's, as the chief last set them) and as built."""
+        held = self.shard.store.read_dense(sorted(self.shard.store.buffers)).values
+        return completed({**self.buffers, **held})
 
     def _op_fingerprint(self) -> Future:
         return completed(self.shard.plan.fingerprint)

@@ -21,6 +21,7 @@ NAMED_PARTS = (
     "pooled_grads",
     "pull_versions",
     "pull_state",
+    "buffers",
 )
 
 

@@ -68,9 +68,9 @@ class Intake:
     def pull(self, request: PushPullRequest) -> DecodedRequest:
         """A read-only ``request`` checked whole and decoded; raises ParamServerError."""
         self.checks.check_header(request, self.num_trainers)
-        if request.has_grads or request.final:
+        if request.has_grads or request.final or request.buffers:
             raise ParamServerError(
-                f"server {self.server}: a pull must carry no gradients; use push_pull"
+                f"server {self.server}: a pull must carry no gradients or buffers; use push_pull"
             )
         self.checks.check_size(request, self.max_message_bytes)
         self.checks.decode_request(request)  # its ids: it carries no gradients

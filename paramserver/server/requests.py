@@ -52,6 +52,7 @@ class RequestChecks:
         cache_lag: int | None,
     ):
         self.server = server
+        self.plan = plan
         self.dense = dense
         self.tables = tables
         self.cache_lag = cache_lag
@@ -124,15 +125,41 @@ class RequestChecks:
         the gradients, then the reads.
         """
         ids_valid = self.ids.all_valid(request)
+        self._check_buffers(request)
         self._check_grads(request, ids_valid)
         self._check_reads(request, ids_valid)
+
+    def _check_buffers(self, request: PushPullRequest) -> None:
+        """The buffers a request sets: only the chief's (trainer 0's: its buffers are the
+        model's), each one placed here, of its shape and dtype (any values: a statistic may
+        be what it is)."""
+        for name, value in request.buffers.items():
+            if request.trainer != 0:
+                raise _reject(
+                    self.server, name, f"trainer {request.trainer} sent a buffer: only the "
+                    "chief trainer (0) sets buffers"
+                )  # fmt: skip
+            if self.plan.buffer_server.get(name) != self.server:
+                where = self.plan.buffer_server.get(name)
+                reason = "unknown buffer" if where is None else f"buffer lives on server {where}"
+                raise _reject(self.server, name, reason)
+            held = self.dense[name].value
+            if not isinstance(value, Tensor) or value.layout != torch.strided:
+                raise _reject(self.server, name, "a buffer must be a plain dense tensor")
+            if value.device.type != "cpu" or value.requires_grad:
+                raise _reject(self.server, name, "a buffer must be a CPU tensor without autograd")
+            if value.dtype != held.dtype or value.shape != held.shape:
+                raise _reject(
+                    self.server, name, f"buffer of {value.dtype} {tuple(value.shape)} != the "
+                    f"model's {held.dtype} {tuple(held.shape)}"
+                )  # fmt: skip
 
     def _check_grads(self, request: PushPullRequest, ids_valid: bool = False) -> None:
         """The gradients' checks (their ids' skipped where ``ids_valid`` says they pass)."""
         grads: dict[str, Tensor] = {}
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
-            if slot is None:
+            if slot is None or name in self.plan.buffers:
                 raise _reject(self.server, name, self.ids.not_here(name))
             grads[name] = self.values.tensor(
                 name, grad, slot.value.shape, slot.value.dtype, finite=False
@@ -303,6 +330,8 @@ class IdChecks:
             return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
         if name in self.plan.dense:
             return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
+        if name in self.plan.buffers:
+            return "a buffer: set by the chief trainer's pushes, never by gradients"
         return "unknown parameter or table name"
 
     def all_valid(self, request: PushPullRequest) -> bool:

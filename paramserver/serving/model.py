@@ -4,8 +4,8 @@ Serving holds every table and dense value of the model in one
 :class:`~paramserver.store.store.Store` (one "server" of a plan of one), whatever the number of
 training servers whose logs it follows. The user's model is bound to that store: each fixed
 table's weight *is* the store's rows (a view, so the model's own forward reads them, bags,
-shared weights and all), each dense parameter *is* the store's value, and each
-``DynamicEmbedding`` reads the rows of the ids it is called with from the store just before
+shared weights and all), each dense parameter and persistent buffer *is* the store's value,
+and each ``DynamicEmbedding`` reads the rows of the ids it is called with from the store just before
 it runs (an id without a row reads as the table's default vector: serving never creates
 rows). Nothing of a version is copied into the model: applying one writes the store in place.
 
@@ -94,6 +94,8 @@ class ServedModel:
         self.aliases = table_aliases(self.model)
         parameters = dict(self.model.named_parameters())
         dense = {name: parameters[name].detach() for name in self.plan.dense}
+        buffers = dict(self.model.named_buffers())
+        dense.update({name: buffers[name] for name in self.plan.buffers})
         rules = dict.fromkeys(self.plan.tables, _NO_UPDATES)
         storage = None if mmap_dir is None else file_backed(mmap_dir)
         self.store = Store(0, self.plan, dense, built.inits, _NO_UPDATES, rules,
@@ -106,6 +108,10 @@ class ServedModel:
     def _bind(self, parameters: Mapping[str, nn.Parameter]) -> None:
         """Make the model read the store (see the module doc)."""
         for name, slot in self.store.dense.items():
+            if name in self.store.buffers:  # the model reads the store's tensor itself
+                holder, _, key = name.rpartition(".")
+                self.model.get_submodule(holder)._buffers[key] = slot.value
+                continue
             parameters[name].requires_grad_(False)
             parameters[name].data = slot.value
         for name, module in find_embeddings(self.model).items():

@@ -88,9 +88,10 @@ class Store:
         cache_lag: int | None = None,
         fixed_storage: Empty | None = None,
     ):
-        """``dense`` holds the starting values of the dense parameters (those placed here are
-        copied), ``table_inits`` how each fixed table's rows start (this server makes its own
-        rows only); dynamic tables start empty. ``cache_lag``: where trainers cache rows, the
+        """``dense`` holds the starting values of the dense parameters and of the buffers
+        (those placed here are copied; a buffer's slot has no optimizer state), ``table_inits``
+        how each fixed table's rows start (this server makes its own rows only); dynamic tables
+        start empty. ``cache_lag``: where trainers cache rows, the
         lag they are served with (rows then keep versions). ``fixed_storage``: where fixed
         tables' rows are allocated (by default :func:`~paramserver.store.growth.row_storage`;
         serving maps them from files: :func:`~paramserver.store.growth.file_backed`)."""
@@ -103,6 +104,11 @@ class Store:
             value = dense[name].detach().clone().contiguous()
             rule = make_rule(dense_rule)
             self.dense[name] = DenseSlot(value, rule, rule.init_state(value))
+        self.buffers = frozenset(plan.buffers_on(server))  # in ``dense``, never stepped
+        for name in sorted(self.buffers):
+            self.dense[name] = DenseSlot(
+                dense[name].detach().clone().contiguous(), make_rule(dense_rule), {}
+            )
         rules = {name: make_rule(table_rules[name]) for name in plan.tables}
         self.groups = make_groups(
             plan, server, table_inits, rules, cache_lag, self.changes, fixed_storage
@@ -133,10 +139,13 @@ class Store:
         return into
 
     def read_dense(self, names: Collection[str] | None = None, state: bool = False) -> DenseRead:
-        """Copies of the dense values ``names`` (by default all held here), with their versions
-        and, with ``state``, their optimizer state."""
+        """Copies of the dense values ``names`` (by default the parameters held here, not the
+        buffers), with their versions (a buffer's: the times it was set) and, with ``state``,
+        their optimizer state."""
         read = DenseRead()
-        for name in self.dense if names is None else names:
+        if names is None:
+            names = [name for name in self.dense if name not in self.buffers]
+        for name in names:
             slot = self.dense[name]
             with slot.lock:
                 read.values[name] = slot.value.clone()
@@ -215,6 +224,16 @@ class Store:
                 part.copy_(state[key])
             slot.version.copy_(version)
             self.changes.dense_written([name])
+
+    def set_buffers(self, values: Mapping[str, Tensor]) -> None:
+        """Set buffers held here to ``values`` (validated: names, shapes and dtypes), each
+        counted as one change."""
+        slots = {name: self.dense[name] for name in values}
+        with holding([slot.lock for slot in slots.values()]):
+            for name, slot in slots.items():
+                slot.value.copy_(values[name])
+                slot.version += 1
+            self.changes.dense_written(list(values))
 
     def rows_still_pulled(self, table: str, ids: Tensor, pull: Pull) -> Tensor | None:
         """Which gradients of ``table``'s ``ids``, computed from the read ``pull``, still have

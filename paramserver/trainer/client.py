@@ -215,6 +215,24 @@ class PSClient:
         # The routes of the last calls' pulls, by call number: the gradients of those rows
         # go to the same servers.
         self._routes: dict[int, dict[str, Route]] = {}
+        # The chief's: its model's buffers it pushes, and each one's value when last sent.
+        self._buffers: dict[str, Tensor] = {}
+        self._buffers_sent: dict[str, Tensor] = {}
+
+    def send_buffers(self, buffers: Mapping[str, Tensor]) -> None:
+        """Push the buffers of ``buffers`` the plan places (the chief trainer's model's, as
+        they are now held by the servers): each call carries those that changed since the
+        last one did, the final call all. Changed by value: a tensor's ``_version`` would be
+        cheaper, but batch norm's kernel updates its running statistics without bumping it."""
+        self._buffers = {name: buffers[name] for name in self.plan.buffers}
+        self._buffers_sent = {name: b.detach().clone() for name, b in self._buffers.items()}
+
+    def _add_buffers(self, requests: list[PushPullRequest], final: bool) -> None:
+        for name, buffer in self._buffers.items():
+            if final or not torch.equal(buffer, self._buffers_sent[name]):
+                value = buffer.detach().clone()
+                self._buffers_sent[name] = value
+                requests[self.plan.buffer_server[name]].buffers[name] = value
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
@@ -269,6 +287,7 @@ class PSClient:
             pull_dense_state=pull_dense and pull_dense_state, publish=self._publish_due(),
         )  # fmt: skip
         self._add_pooled_grads(requests, pooled_grads or {})
+        self._add_buffers(requests, final)
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
         return self._start(
             "push_pull", requests, pull_ids, report, requests[0].call, pooled_shapes,
@@ -669,14 +688,15 @@ class InFlight:
 def gather_state(
     transport: Transport, plan: ShardPlan, with_optimizer: bool = False
 ) -> dict[str, dict[str, Tensor]]:
-    """Every parameter (and optionally its optimizer state) assembled from all servers.
+    """Every parameter and buffer (and optionally the parameters' optimizer state) assembled
+    from all servers.
 
     Fixed tables come whole, rows in order; dynamic tables are the union of every server's
     rows, sorted by id (``"ids"``).
     """
     shards = [f.wait() for f in transport.call_all("export_state", with_optimizer)]
     state: dict[str, dict[str, Tensor]] = {}
-    for name, server in plan.dense_server.items():
+    for name, server in [*plan.dense_server.items(), *plan.buffer_server.items()]:
         state[name] = shards[server][name]
     for name, spec in plan.tables.items():
         state[name] = merge_rows([shard[name] for shard in shards])

@@ -205,8 +205,7 @@ class _TrainerRun:
             publish_every=_rounds_marked_every(config, trainer),
         )
         self.client.check_servers()
-        initial_buffers = wait_all([transport.call(0, "initial_buffers")], self.alarm)[0]
-        self.replica.load_buffers(initial_buffers)  # type: ignore[arg-type]
+        self._take_servers_buffers(transport)
         self.checkpoints = TrainerCheckpoints(
             config.sections.checkpoint, config.checkpoint_job, trainer, transport, self.alarm
         )
@@ -222,6 +221,16 @@ class _TrainerRun:
                 saved = functools.partial(self.dense.saved, self.plan.signature, config.servers)
                 self.checkpoints.dense_part = saved
         startup.mark("model")
+
+    def _take_servers_buffers(self, transport: Transport) -> None:
+        """Start from the servers' buffers (the chief's as last pushed: a resume continues
+        them); the chief then pushes its own, which are the model's (DDP's convention)."""
+        buffers: dict[str, Tensor] = {}
+        for held in wait_all(transport.call_all("initial_buffers"), self.alarm):
+            buffers.update(held)  # type: ignore[call-overload]
+        self.replica.load_buffers(buffers)
+        if self.trainer == 0:
+            self.client.send_buffers(dict(self.replica.model.named_buffers()))
 
     def run(
         self,
@@ -377,9 +386,10 @@ class _TrainerRun:
             state = to_state_dict(gather_state(transport, self.plan), self.plan)
             if self.dense is not None:  # kept here, not on the servers
                 state.update({n: p.detach().clone() for n, p in self.replica.dense.items()})
-            # Buffers (batch-norm statistics and the like) are not served: take this replica's.
-            buffers = self.replica.model.state_dict().items()
-            state.update({k: v for k, v in buffers if k not in self.replica.dense})
+            # The servers hold the persistent buffers (the chief's, sent with its final push);
+            # anything else of the state_dict the replica has is this replica's.
+            kept = self.replica.model.state_dict().items()
+            state.update({k: v for k, v in kept if k not in self.replica.dense and k not in state})
         stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
             transport.call_all("stats"), alarm
         )

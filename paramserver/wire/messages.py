@@ -168,9 +168,13 @@ class PushPullRequest:
     # The chief's sync call: every server cuts its change log once this call's round is
     # applied (so all cut at one step: paramserver.changelog.publisher).
     publish: bool = False
+    # The chief trainer's buffers placed on this server that changed since its last push (all
+    # of them on its final push): set as part of applying the call (ShardPlan.buffers).
+    buffers: dict[str, Tensor] = field(default_factory=dict)
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a duplicate, or a push too late for its round)."""
+        self.buffers.clear()
         self.dense_grads.clear()
         self.row_grads.clear()
         self.pooled_grads.clear()
