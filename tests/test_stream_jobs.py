@@ -154,7 +154,9 @@ def stream_of(redis_server: RedisServer, name: str, records: int) -> RedisStream
 def test_a_trainer_killed_mid_job_restarts_it_and_every_record_counts_once(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    source = stream_of(redis_server, "killed", 40 * 2 * BATCH + 4000)
+    # Each trainer holds up to about 7 reads (1024 entries) it has not trained (read ahead, and
+    # what it was handed before the kill): the other must still find its 40 steps.
+    source = stream_of(redis_server, "killed", 40 * 2 * BATCH + 12_000)
     job = start_job(source.name, tmp_path, "--steps", "40", "--max-restarts", "1")
     try:
         wait_until(lambda: committed_steps(tmp_path / "ckd"), 90, "a first checkpoint")
