@@ -16,6 +16,7 @@ from paramserver.checkpoint import load_latest, open_checkpoint
 from paramserver.serving.follow import Follower
 from paramserver.serving.model import ServedModel
 from paramserver.serving.run import serve
+from tests.field_models import BatchNormedFields, batch_normed_batches
 from tests.helpers import HashedModel, TinyRecModel, hashed_batches, mse, tiny_batches
 from tests.serving_helpers import raw_http
 
@@ -46,15 +47,23 @@ def follow_all(model_fn, root: Path) -> ServedModel:
     return served
 
 
+JOBS = {  # a model and its data: buffers (batch-norm statistics) are the job's state too
+    "tiny": (TinyRecModel, lambda t, n: tiny_batches(t, 30)),
+    "batch-normed": (BatchNormedFields, lambda t, n: batch_normed_batches(t)),
+}
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_the_log_of_a_job_ends_at_its_final_model(tmp_path: Path, mode: str) -> None:
+def test_the_log_of_a_job_ends_at_its_final_model(tmp_path: Path, mode: str, job: str) -> None:
+    model_fn, data_fn = JOBS[job]
     config = ps.TrainConfig(
         servers=2, trainers=2, mode=mode, launcher="threads", optimizer="adagrad", lr=0.1,
         publish_dir=str(tmp_path), publish_every=0.01, progress=False,
     )  # fmt: skip
-    result = ps.train(TinyRecModel, lambda t, n: tiny_batches(t, 30), mse, config)
+    result = ps.train(model_fn, data_fn, mse, config)
     assert result is not None and result.model is not None
-    served = follow_all(TinyRecModel, tmp_path)
+    served = follow_all(model_fn, tmp_path)
     final = {k: v for k, v in result.model.state_dict().items()}
     assert served_state(served).keys() == final.keys()
     for name, value in served_state(served).items():
