@@ -200,7 +200,7 @@ class _App:
             self._held -= held
 
     def _infer(self, model: str, body: bytes, header_length: bytes | None) -> _Answer:
-        """``model``'s answer to ``body`` (on a worker thread)."""
+        """``model``'s answer to ``body`` (on the loop or a worker: see the module doc)."""
         try:
             return _inferred(self.frontend, model, body, header_length)
         except ProtocolError as error:
