@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 import paramserver as ps
+from paramserver import native
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
@@ -24,12 +25,25 @@ from tests.helpers import MakeServer, own_ids
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_a_prefetching_trainer_learns_as_one_that_does_not(rule: str) -> None:
+def test_a_prefetching_trainer_learns_as_one_that_does_not(
+    rule: str, loop_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One trainer: each step reads bitwise the rows and dense values it would without
     prefetch, so the model ends the same; without its own updates it would not (the test
-    can fail)."""
+    can fail). Either way: by the compiled loop (SGD, Adagrad, row-wise Adagrad) or torch."""
     unfetched = train(rule, prefetch=False)
+    looped = [0]
+    if loop_mode == "compiled":
+        original = native.loops.own_rows  # type: ignore[union-attr]
+
+        def counting(*args: object) -> object:
+            looped[0] += 1
+            return original(*args)
+
+        monkeypatch.setattr(native.loops, "own_rows", counting)
     fresh = train(rule)
+    compiled = loop_mode == "compiled" and rule in ("sgd", "adagrad", "rowwise_adagrad")
+    assert (looped[0] > 0) == compiled
     stale = train(rule, prefetch_own_updates=False)
     for name, value in unfetched.items():
         assert torch.equal(fresh[name], value), name
