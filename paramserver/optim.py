@@ -59,6 +59,11 @@ class UpdateRule(ABC):
     """One optimizer's update, applied in place to a block of parameters."""
 
     slots: tuple[str, ...] = ()
+    lossy_state_ok = True
+    """Whether a trainer's own update from state rounded by a lossy codec (what a server
+    sends it under an int8 or fp16 pull codec) stays within one update's reach of the
+    server's: Adagrad's divides by a sum that holds the gradient's own square, so it moves
+    at most ``lr``; Adam's would divide its momentum by a variance rounded to 0."""
 
     def __init__(self, config: OptimizerConfig):
         self.config = config
@@ -309,6 +314,7 @@ def _sgd_loop_rounding() -> bool | None:
 
 class Adam(UpdateRule):
     slots = ("exp_avg", "exp_avg_sq")
+    lossy_state_ok = False
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         self.step_blocks([Block(param, grad, state, step)], lr)
