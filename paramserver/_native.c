@@ -11,6 +11,8 @@
  *   and their gradients added back, every table and lookup in one call.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
+ * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
+ *   servers' math for SGD, Adagrad (the same row loop as adagrad_rows) and row-wise Adagrad.
  * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
  *   parameters and sum read and written once, with torch's float operations in torch's order
  *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
@@ -306,6 +308,18 @@ typedef struct {
     int decayed;
 } AdagradRows;
 
+/* torch's Adagrad on one row (`dim` values of param, sum and grad; clr, epsilon, decay and
+ * decayed in scope): the one copy of its math, which a server's rows (adagrad_rows) and a
+ * trainer's own update of them (own_rows) both run, so the two agree bitwise. */
+#define ADAGRAD_ROW(param, sum, grad, FUSE)                                                  \
+    for (Py_ssize_t d = 0; d < dim; d++) {                                                   \
+        float g = (grad)[d];                                                                 \
+        if (decayed) g = FUSE((param)[d], decay, g);                                         \
+        float s = FUSE(g, g, (sum)[d]);                                                      \
+        (sum)[d] = s;                                                                        \
+        (param)[d] = (param)[d] - clr * g / (sqrtf(s) + epsilon);                            \
+    }
+
 /* torch's Adagrad on every row of `a`. FUSE(x, y, z) is x * y + z: rounded once where torch's
  * loop fuses it (its vectorised kernels are compiled for the CPU's multiply-add), else twice. */
 #define ADAGRAD_ROWS(a, FUSE)                                                                \
@@ -323,13 +337,7 @@ typedef struct {
             prefetch_row(weight, rows[i + ROWS_AHEAD], dim);                                 \
             prefetch_row(sums, rows[i + ROWS_AHEAD], dim);                                   \
         }                                                                                    \
-        for (Py_ssize_t d = 0; d < dim; d++) {                                               \
-            float g = grad[d];                                                               \
-            if (decayed) g = FUSE(param[d], decay, g);                                       \
-            float s = FUSE(g, g, sum[d]);                                                    \
-            sum[d] = s;                                                                      \
-            param[d] = param[d] - clr * g / (sqrtf(s) + epsilon);                            \
-        }                                                                                    \
+        ADAGRAD_ROW(param, sum, grad, FUSE)                                                  \
     }
 
 static void adagrad_unfused(const AdagradRows *a) { ADAGRAD_ROWS(a, PLAIN_MULTIPLY_ADD) }
@@ -390,6 +398,175 @@ done:
     PyBuffer_Release(&sums_view);
     PyBuffer_Release(&rows_view);
     PyBuffer_Release(&grads_view);
+    return result;
+}
+
+/* own_rows: a trainer's own update of the rows it pulled (paramserver/trainer/ownupdates.py),
+ * every table in one call. Each table brings its pulled rows (values, ids sorted), the places
+ * `at` of those that came with state, its step's gradients (grad_ids sorted unique) and the
+ * state aligned with `at`; a row whose id has no gradient takes no update. The rules' math is
+ * the servers' (ADAGRAD_ROW; torch.optim's SGD; RowWiseAdagrad's, with the means of the
+ * squared gradients from torch), so the rows end bitwise as the servers will make them. */
+enum { OWN_SGD = 0, OWN_ADAGRAD = 1, OWN_ROWWISE = 2 };
+
+typedef struct {
+    float *values, *state;            /* state: NULL (sgd), else a row (adagrad) or one value */
+    const float *grads, *means;       /* means: one per gradient row (rowwise), else NULL */
+    const int64_t *ids, *at, *grad_ids;
+    Py_ssize_t num_values, num_at, num_grads, dim;
+    float lr;
+} OwnTable;
+
+typedef struct {
+    int kind, decayed;
+    float epsilon, decay;
+} OwnRule;
+
+/* The place of `id` among the sorted `grad_ids`, or -1. */
+static inline Py_ssize_t grad_place(const int64_t *grad_ids, Py_ssize_t count, int64_t id) {
+    Py_ssize_t low = 0, high = count;
+    while (low < high) {
+        Py_ssize_t mid = low + (high - low) / 2;
+        if (grad_ids[mid] < id) low = mid + 1;
+        else high = mid;
+    }
+    return low < count && grad_ids[low] == id ? low : -1;
+}
+
+#define OWN_TABLE(t, r, FUSE)                                                                \
+    const Py_ssize_t dim = (t)->dim;                                                         \
+    const float clr = (t)->lr, epsilon = (r)->epsilon, decay = (r)->decay;                   \
+    const int decayed = (r)->decayed, kind = (r)->kind;                                      \
+    Py_ssize_t updated = 0;                                                                  \
+    for (Py_ssize_t i = 0; i < (t)->num_at; i++) {                                           \
+        Py_ssize_t j = grad_place((t)->grad_ids, (t)->num_grads, (t)->ids[(t)->at[i]]);      \
+        if (j < 0) continue;                                                                 \
+        float *param = (t)->values + (t)->at[i] * dim;                                       \
+        const float *grad = (t)->grads + j * dim;                                            \
+        updated++;                                                                           \
+        if (kind == OWN_ADAGRAD) {                                                           \
+            float *sum = (t)->state + i * dim;                                               \
+            ADAGRAD_ROW(param, sum, grad, FUSE)                                              \
+        } else if (kind == OWN_ROWWISE) {                                                    \
+            float accumulated = (t)->state[i] + (t)->means[j];                               \
+            (t)->state[i] = accumulated;                                                     \
+            float denominator = sqrtf(accumulated) + epsilon;                                \
+            for (Py_ssize_t d = 0; d < dim; d++)                                             \
+                param[d] = param[d] + -clr * grad[d] / denominator;                          \
+        } else {                                                                             \
+            for (Py_ssize_t d = 0; d < dim; d++) {                                           \
+                float g = grad[d];                                                           \
+                if (decayed) g = FUSE(param[d], decay, g);                                   \
+                param[d] = FUSE(g, -clr, param[d]);                                          \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    return updated;
+
+static Py_ssize_t own_unfused(const OwnTable *t, const OwnRule *r) {
+    OWN_TABLE(t, r, PLAIN_MULTIPLY_ADD)
+}
+
+#ifdef HAVE_FMA_TARGET
+__attribute__((target("avx2,fma"))) static Py_ssize_t own_fused_hw(const OwnTable *t,
+                                                                   const OwnRule *r) {
+    OWN_TABLE(t, r, fmaf)
+}
+#endif
+
+static Py_ssize_t own_fused(const OwnTable *t, const OwnRule *r) {
+#ifdef HAVE_FMA_TARGET
+    if (__builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2")) return own_fused_hw(t, r);
+#endif
+    OWN_TABLE(t, r, fmaf)
+}
+
+/* One table's tuple exported into `views` (8 of them) and `t`, checked; -1 with an error set
+ * (what was exported stays in views, for the caller to release). */
+static int export_own_table(PyObject *item, int kind, Py_buffer *views, OwnTable *t) {
+    PyObject *state, *means;
+    Py_ssize_t dim;
+    double lr;
+    if (!PyTuple_Check(item)) {
+        PyErr_SetString(PyExc_TypeError, "own_rows: a table is a tuple");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(item, "w*ny*y*y*y*OOd", &views[0], &dim, &views[1], &views[2],
+                          &views[3], &views[4], &state, &means, &lr))
+        return -1;
+    if (optional_buffer(state, &views[5], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
+        optional_buffer(means, &views[6], PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    *t = (OwnTable){views[0].buf, views[5].buf, views[4].buf, views[6].buf, views[1].buf,
+                    views[2].buf, views[3].buf, 0, views[2].len / 8, views[3].len / 8, dim,
+                    (float)lr};
+    Py_ssize_t state_width = kind == OWN_ADAGRAD ? dim : 1;
+    if (dim <= 0 || dim > PY_SSIZE_T_MAX / 8 || views[0].len % (4 * dim)) goto mismatched;
+    t->num_values = views[0].len / 4 / dim;
+    if (views[1].len != t->num_values * 8 || views[2].len % 8 || views[3].len % 8 ||
+        views[4].len != t->num_grads * dim * 4 ||
+        (kind == OWN_SGD) != (t->state == NULL) ||
+        (t->state != NULL && views[5].len != t->num_at * state_width * 4) ||
+        (kind == OWN_ROWWISE) != (t->means != NULL) ||
+        (t->means != NULL && views[6].len != t->num_grads * 4))
+        goto mismatched;
+    for (Py_ssize_t i = 0; i < t->num_at; i++) {
+        if (t->at[i] < 0 || t->at[i] >= t->num_values) {
+            PyErr_SetString(PyExc_ValueError, "own_rows: a place past the pulled rows");
+            return -1;
+        }
+    }
+    return 0;
+mismatched:
+    PyErr_SetString(PyExc_ValueError, "own_rows: arrays of mismatched sizes");
+    return -1;
+}
+
+static const char own_rows_doc[] =
+    "own_rows(kind, tables, eps, weight_decay, fused) -> rows updated\n"
+    "A trainer's own update (kind 0: SGD, 1: Adagrad, 2: row-wise Adagrad) of the rows it\n"
+    "pulled, each table (values, dim, ids, at, grad_ids, grads, state, means, lr) in place:\n"
+    "values[at[i]] (float32 rows of dim; ids their sorted ids) and state[i] take the gradient\n"
+    "of the same id among grad_ids (sorted unique; grads its rows), if any. state: None (SGD),\n"
+    "a row (Adagrad) or a value (row-wise) per place; means: row-wise's mean squared gradient\n"
+    "per gradient row, else None. `fused`: multiply-adds rounded once, as torch's on this CPU.";
+
+static PyObject *own_rows(PyObject *self, PyObject *args) {
+    PyObject *tables_arg, *result = NULL;
+    OwnRule rule;
+    double eps, weight_decay;
+    int fused;
+    if (!PyArg_ParseTuple(args, "iOddp", &rule.kind, &tables_arg, &eps, &weight_decay, &fused))
+        return NULL;
+    if (rule.kind < OWN_SGD || rule.kind > OWN_ROWWISE) {
+        PyErr_SetString(PyExc_ValueError, "own_rows: no such rule");
+        return NULL;
+    }
+    rule = (OwnRule){rule.kind, weight_decay != 0.0, (float)eps, (float)weight_decay};
+    PyObject *tables = PySequence_Fast(tables_arg, "own_rows: tables must be a sequence");
+    if (tables == NULL) return NULL;
+    Py_ssize_t num_tables = PySequence_Fast_GET_SIZE(tables), updated = 0;
+    Py_buffer *views = PyMem_Calloc(8 * (num_tables ? num_tables : 1), sizeof(Py_buffer));
+    OwnTable *each = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(OwnTable));
+    if (views == NULL || each == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < num_tables; j++) {
+        if (export_own_table(PySequence_Fast_GET_ITEM(tables, j), rule.kind, views + 8 * j,
+                             &each[j]) < 0)
+            goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < num_tables; j++)
+        updated += fused ? own_fused(&each[j], &rule) : own_unfused(&each[j], &rule);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(updated);
+done:
+    for (Py_ssize_t v = 0; views != NULL && v < 8 * num_tables; v++) release(&views[v]);
+    PyMem_Free(views);
+    PyMem_Free(each);
+    Py_DECREF(tables);
     return result;
 }
 
@@ -821,6 +998,7 @@ static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
     {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
+    {"own_rows", own_rows, METH_VARARGS, own_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
     {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},

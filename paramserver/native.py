@@ -13,6 +13,9 @@ is what sets its speed. The operations, each a function here with the same resul
 - :func:`adagrad_rows`: Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row
   in place, read and written once (torch.optim: a gather, the rule's passes, a scatter), with
   torch's float operations in torch's order: bitwise the same;
+- :func:`own_rows`: a prefetching trainer's own update of the rows it pulled
+  (:mod:`paramserver.trainer.ownupdates`), every table in one call, by the servers' math
+  (torch: a search, a gather, the rule's passes and a scatter per table);
 - :func:`ascending_within` and :func:`all_finite`: a server checks a request's row ids (each
   set rising, within its table's bounds) and its gradients (no NaN or Inf) in one call each,
   whatever the number of tables (numpy: a few array operations over the sets joined; torch: a
@@ -271,3 +274,25 @@ def scatter_rows(
     of ``lookups``."""
     assert loops is not None, "called where takes_rows() says the loops apply"
     loops.scatter_rows(tables, lookups, dim)
+
+
+OwnTable = tuple[
+    np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+    np.ndarray | None, np.ndarray | None, float,
+]  # fmt: skip
+"""One table's part of :func:`own_rows`: values, dim, ids, at, grad_ids, grads, state, means,
+lr (``_native.c``'s own_rows says what each is)."""
+
+OWN_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
+"""The rules :func:`own_rows` steps, by name, as the loop numbers them."""
+
+
+def own_rows(
+    kind: str, tables: Sequence[OwnTable], *, eps: float, weight_decay: float, fused: bool
+) -> int:
+    """A trainer's own update by rule ``kind`` (of :data:`OWN_KINDS`) of the pulled rows of
+    each of ``tables`` that have state and a gradient, in place, with their state; returns
+    how many rows it updated. ``fused``: multiply-adds rounded once (else twice), as the
+    servers' update on this machine (see :mod:`paramserver.optim`)."""
+    assert loops is not None, "called where takes_rows() says the loops apply"
+    return int(loops.own_rows(OWN_KINDS[kind], tables, eps, weight_decay, fused))

@@ -59,6 +59,11 @@ class UpdateRule(ABC):
     """One optimizer's update, applied in place to a block of parameters."""
 
     slots: tuple[str, ...] = ()
+    lossy_state_ok = True
+    """Whether a trainer's own update from state rounded by a lossy codec (what a server
+    sends it under an int8 or fp16 pull codec) stays within one update's reach of the
+    server's: Adagrad's divides by a sum that holds the gradient's own square, so it moves
+    at most ``lr``; Adam's would divide its momentum by a variance rounded to 0."""
 
     def __init__(self, config: OptimizerConfig):
         self.config = config
@@ -120,6 +125,13 @@ class UpdateRule(ABC):
         gathered and stepped)."""
         return False
 
+    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+        """A trainer's own update of ``tables``' pulled rows and their state, in place, if
+        this rule has a compiled loop that takes them (:func:`paramserver.native.own_rows`:
+        every table in one call), bitwise as its servers' :func:`apply_rows`; returns the rows
+        updated, or None where it has none (the caller steps them by :func:`apply_rows`)."""
+        return None
+
 
 class SGD(UpdateRule):
     slots = ("momentum_buffer",)
@@ -153,6 +165,12 @@ class SGD(UpdateRule):
         )
         for b in blocks:
             b.step.add_(1)
+
+    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+        fused = None if self.config.momentum else _sgd_loop_rounding()
+        if fused is None:
+            return None
+        return _own_rows("sgd", tables, self.config, fused)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
@@ -227,6 +245,12 @@ class Adagrad(UpdateRule):
         )
         return True
 
+    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+        fused = None if self.config.adagrad_lr_decay else _adagrad_loop_rounding()
+        if fused is None:
+            return None
+        return _own_rows("adagrad", tables, self.config, fused, slot="sum")
+
 
 @functools.cache
 def _adagrad_loop_rounding() -> bool | None:
@@ -262,8 +286,35 @@ def _adagrad_agrees(
     return torch.equal(looped[0], stepped.param) and torch.equal(looped[1], stepped.state["sum"])
 
 
+@functools.cache
+def _sgd_loop_rounding() -> bool | None:
+    """:func:`_adagrad_loop_rounding` for plain SGD's compiled own update (torch's ``add_``
+    with an alpha, which may round as the fused Adagrad kernel does not)."""
+    if native.loops is None:
+        return None
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 33, generator=generator)
+    grads = torch.randn(64, 33, generator=generator) * 10.0 ** torch.randint(
+        -3, 3, (64, 1), generator=generator
+    )
+    for fused in (True, False):
+        agrees = True
+        for weight_decay in (0.0, 0.3):
+            config = OptimizerConfig(name="sgd", lr=0.1, weight_decay=weight_decay)
+            looped, stepped = weight.clone(), weight.clone()
+            rows = PulledRows(looped, torch.arange(64), torch.arange(64), {}, torch.arange(64),
+                              grads, 0.1)  # fmt: skip
+            _own_rows("sgd", [rows], config, fused)
+            SGD(config).step_blocks([Block(stepped, grads, {}, torch.zeros(()))], 0.1)
+            agrees = agrees and torch.equal(looped, stepped)
+        if agrees:
+            return fused
+    return None
+
+
 class Adam(UpdateRule):
     slots = ("exp_avg", "exp_avg_sq")
+    lossy_state_ok = False
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         self.step_blocks([Block(param, grad, state, step)], lr)
@@ -310,6 +361,14 @@ class RowWiseAdagrad(UpdateRule):
     def needs_steps(self) -> bool:
         return False
 
+    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+        # The means by torch (its reduction's order), the rest by the loop, whose division
+        # and square root round as torch's do; weight decay's add is left to torch.
+        if self.config.weight_decay:
+            return None
+        means = [t.grads.square().mean(dim=1) for t in tables]
+        return _own_rows("rowwise_adagrad", tables, self.config, False, slot="sum", means=means)
+
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
         if c.weight_decay:
@@ -342,6 +401,55 @@ class RowUpdate:
     steps: Tensor | None
     rows: Tensor
     grads: Tensor
+
+
+@dataclass
+class PulledRows:
+    """A table's rows a trainer pulled, to take its own update: ``values`` (every pulled row,
+    stepped in place) of sorted ``ids``; ``at``, the places of those that came with ``state``
+    (its slots aligned with ``at``, stepped in place); its step's gradients (``grads`` of the
+    sorted unique ``grad_ids``; a row whose id is not among them takes none) and ``lr``."""
+
+    values: Tensor
+    ids: Tensor
+    at: Tensor
+    state: State
+    grad_ids: Tensor
+    grads: Tensor
+    lr: float
+
+
+def _own_rows(
+    kind: str,
+    tables: Sequence[PulledRows],
+    config: OptimizerConfig,
+    fused: bool,
+    slot: str | None = None,
+    means: Sequence[Tensor] | None = None,
+) -> int | None:
+    """:func:`paramserver.native.own_rows` of ``tables`` (state: their ``slot``; ``means``:
+    row-wise Adagrad's), or None where the loops do not take their tensors."""
+    states = [t.state.get(slot) if slot else None for t in tables]
+    slots = {slot} if slot else set()
+    if any(set(t.state) != slots for t in tables) or not native.takes_rows(
+        *(t.values for t in tables),
+        *(t.grads for t in tables),
+        *(s for s in states if s is not None),
+    ):
+        return None
+    parts = []
+    for at, (t, state) in enumerate(zip(tables, states, strict=True)):
+        parts.append((
+            t.values.numpy(), t.values.shape[1], _int64s(t.ids), _int64s(t.at),
+            _int64s(t.grad_ids), t.grads.numpy(), None if state is None else state.numpy(),
+            None if means is None else means[at].numpy(), t.lr,
+        ))  # fmt: skip
+    eps, decay = config.resolved_eps, config.weight_decay
+    return native.own_rows(kind, parts, eps=eps, weight_decay=decay, fused=fused)
+
+
+def _int64s(ids: Tensor) -> np.ndarray:
+    return np.ascontiguousarray(ids.numpy(), dtype=np.int64)
 
 
 def apply_rows(

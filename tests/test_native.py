@@ -333,3 +333,67 @@ def test_id_sets_rise_within_their_bounds_exactly_as_numpy_says() -> None:
         loops.ascending_within([np.arange(3)], [])
     with pytest.raises(TypeError):
         loops.ascending_within([np.arange(3)], [(0,)])
+
+
+@compiled
+@pytest.mark.parametrize("rule_name", ["sgd", "adagrad", "rowwise_adagrad"])
+@pytest.mark.parametrize("dim", [7, 16, 33])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
+def test_own_updates_by_the_loop_are_the_servers_updates(
+    rule_name: str, dim: int, weight_decay: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trainer's own update of pulled rows by the loop, two tables in one call, is bitwise
+    what torch.optim makes of the same rows on a server (apply_rows), state included; a row
+    asked whose id has no gradient keeps its value and state."""
+    config = OptimizerConfig(name=rule_name, lr=0.1, weight_decay=weight_decay)  # type: ignore[arg-type]
+    rule = optim.make_rule(config)
+    g = torch.Generator().manual_seed(dim)
+    tables, expected = [], []
+    for lr in (0.1, 0.02):
+        ids = torch.randperm(500, generator=g)[:60].sort().values
+        values = torch.randn(60, dim, generator=g)
+        at = torch.randperm(60, generator=g)[:40]  # servers' parts: not in order
+        held = rule.init_state(values)
+        for slot in held.values():
+            slot.uniform_(0.0, 2.0, generator=g)
+        grad_ids = torch.cat([ids[at[:30]], torch.tensor([501, 502])]).sort().values
+        grads = torch.randn(grad_ids.numel(), dim, generator=g) * 10.0 ** torch.randint(
+            -3, 3, (grad_ids.numel(), 1), generator=g
+        )
+        state = {slot: value[at].clone() for slot, value in held.items()}
+        tables.append(optim.PulledRows(values.clone(), ids, at, state, grad_ids, grads, lr))
+        before = values.clone()
+        with monkeypatch.context() as torch_only:
+            torch_only.setattr(native, "loops", None)
+            taking = torch.searchsorted(grad_ids, ids[at[:30]])
+            optim.apply_rows(rule, values, held, None, at[:30], grads[taking], lr)
+        expected.append((values, {slot: value[at] for slot, value in held.items()}))
+    if rule_name == "rowwise_adagrad" and weight_decay:
+        assert rule.step_pulled_rows(tables) is None  # left to torch
+        return
+    assert rule.step_pulled_rows(tables) == 60
+    for table, (values, state) in zip(tables, expected, strict=True):
+        assert torch.equal(table.values, values)
+        for slot, value in state.items():
+            assert torch.equal(table.state[slot], value), slot
+    assert not torch.equal(before, expected[-1][0]), "the test is vacuous"
+    assert torch.equal(before[at[30:]], expected[-1][0][at[30:]])  # no gradient: no update
+
+
+@compiled
+def test_bad_own_rows_are_refused_before_anything_is_written() -> None:
+    values, grads = np.zeros((4, 2), np.float32), np.ones((2, 2), np.float32)
+    ids, grad_ids, sums = np.arange(4), np.array([0, 1]), np.zeros((2, 2), np.float32)
+
+    def own(at: np.ndarray, state: np.ndarray | None = sums) -> int:
+        table = (values, 2, ids, at, grad_ids, grads, state, None, 0.1)
+        return native.own_rows("adagrad", [table], eps=1e-10, weight_decay=0.0, fused=False)
+
+    with pytest.raises(ValueError, match="a place past the pulled rows"):
+        own(np.array([0, 4]))
+    with pytest.raises(ValueError, match="mismatched sizes"):
+        own(np.array([0]))  # two states for one place
+    with pytest.raises(ValueError, match="mismatched sizes"):
+        own(np.array([0, 1]), None)  # Adagrad without its sums
+    assert not values.any() and not sums.any()
+    assert own(np.array([3, 1])) == 1 and values[1].all() and not values[3].any()

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 import paramserver as ps
+from paramserver import native
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
@@ -17,6 +18,7 @@ from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
+from paramserver.wire.compression import Encoded, error_bound, plain
 from paramserver.wire.messages import PushPullReply, PushPullRequest, state_key
 from paramserver.wire.sizing import payload_size
 from tests.factorization import RULES, Factorization, train
@@ -24,12 +26,25 @@ from tests.helpers import MakeServer, own_ids
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_a_prefetching_trainer_learns_as_one_that_does_not(rule: str) -> None:
+def test_a_prefetching_trainer_learns_as_one_that_does_not(
+    rule: str, loop_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One trainer: each step reads bitwise the rows and dense values it would without
     prefetch, so the model ends the same; without its own updates it would not (the test
-    can fail)."""
+    can fail). Either way: by the compiled loop (SGD, Adagrad, row-wise Adagrad) or torch."""
     unfetched = train(rule, prefetch=False)
+    looped = [0]
+    if loop_mode == "compiled":
+        original = native.loops.own_rows  # type: ignore[union-attr]
+
+        def counting(*args: object) -> object:
+            looped[0] += 1
+            return original(*args)
+
+        monkeypatch.setattr(native.loops, "own_rows", counting)
     fresh = train(rule)
+    compiled = loop_mode == "compiled" and rule in ("sgd", "adagrad", "rowwise_adagrad")
+    assert (looped[0] > 0) == compiled
     stale = train(rule, prefetch_own_updates=False)
     for name, value in unfetched.items():
         assert torch.equal(fresh[name], value), name
@@ -180,3 +195,40 @@ def test_the_update_finds_its_gradients_with_or_without_the_places_asked() -> No
     assert known[[0, 2]].eq(1).all() and known[[1, 3]].ne(1).all()
     on_demand = updated(torch.tensor([0, 3, 4]), None)  # 7 has no gradient this time
     assert torch.equal(on_demand[:3], known[:3]) and on_demand[3].eq(1).all()
+
+
+@pytest.mark.parametrize(("rule", "lossy"), [("adagrad", True), ("adam", False)])
+def test_row_state_travels_by_the_rows_codec_where_the_rule_takes_it_lossy(
+    rule: str, lossy: bool
+) -> None:
+    """Under an int8 pull codec the rows' Adagrad sums go int8 (within the codec's bound) and
+    the trainer decodes them; Adam's state goes exact (a variance rounded to 0 would blow its
+    own update up); step counts always exact."""
+    config = ps.TrainConfig(servers=1, trainers=1, optimizer=rule, table_pull_codec="int8")  # type: ignore[arg-type]
+    endpoint = build_server(0, config, Factorization)
+    try:
+        shard, ids = endpoint.shard, torch.tensor([0, 2, 4])
+        items = shard.store.tables["items.weight"]
+        grads = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+        shard.apply({}, {"items.weight": RowGrads(ids, grads)}, step=0)
+        request = PushPullRequest(0, 0, pull_dense=False)
+        request.pull_rows = {"items.weight": ids}
+        request.pull_state = {"items.weight": torch.tensor([True, False, True])}
+        reply = shard.read(request, train=True)
+        for slot, held in items.state.items():
+            sent = reply.row_state[state_key("items.weight", slot)]
+            assert isinstance(sent, Encoded) == lossy, slot
+            expected = held[ids[[0, 2]]]
+            bound = error_bound("int8", expected) if lossy else torch.zeros_like(expected)
+            assert ((plain(sent) - expected).abs() <= bound).all()
+        if rule == "adam":
+            assert isinstance(reply.row_state[state_key("items.weight", ROW_STEPS)], Tensor)
+        route = Route(ids, None, [3], (ids,))
+        in_flight = InFlight.__new__(InFlight)
+        in_flight.routes, in_flight.state_masks = {"items.weight": route}, request.pull_state
+        joined = in_flight._row_state([reply])["items.weight"]
+        assert joined.at.tolist() == [0, 2] and all(
+            isinstance(v, Tensor) for v in joined.parts.values()
+        )
+    finally:
+        endpoint.coordinator.close()

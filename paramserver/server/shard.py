@@ -28,12 +28,20 @@ from paramserver.observe.consistency import checksum
 from paramserver.server.decoded import DecodedRequest, RowGrads
 from paramserver.server.requests import RequestChecks
 from paramserver.sharding import ShardPlan
+from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.store.store import Store
 from paramserver.store.table import Pull, ReadAsks, Reading
 from paramserver.tableinit import RowInit
 from paramserver.wire.caching import must_send
-from paramserver.wire.compression import encode
-from paramserver.wire.messages import BagBlock, PushPullReply, RowBlock, ServerView, state_key
+from paramserver.wire.compression import Encoded, encode
+from paramserver.wire.messages import (
+    BagBlock,
+    PushPullReply,
+    RowBlock,
+    ServerView,
+    split_state_key,
+    state_key,
+)
 
 
 @dataclass
@@ -206,6 +214,24 @@ class ServerShard:
                 codec = self.table_pull_codecs[name]
                 if codec != "none":
                     part[name] = encode(codec, value)  # type: ignore[arg-type]
+        self._encode_state(reply)
+
+    def _encode_state(self, reply: PushPullReply) -> None:
+        """Optimizer state travels by its values' codec where the rule's own update takes it
+        lossy (:attr:`~paramserver.optim.UpdateRule.lossy_state_ok`): a prefetching trainer's
+        own update only predicts this server's, which the server makes itself from its own
+        state. Counts and masks go exact."""
+        for states, codec_of, rules in (
+            (reply.row_state, self.table_pull_codecs.__getitem__, self.store.tables),
+            (reply.dense_state, lambda _: self.dense_pull_codec, self.store.dense),
+        ):
+            for key, value in states.items():
+                name, slot = split_state_key(key)
+                codec = codec_of(name)
+                if codec == "none" or slot in (ROW_STEPS, ROW_HELD):
+                    continue
+                if rules[name].rule.lossy_state_ok:
+                    states[key] = encode(codec, value)  # type: ignore[arg-type]
 
     def _pool(self, name: str, block: BagBlock, reading: Reading) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""
@@ -242,5 +268,5 @@ class ServerShard:
         return views
 
 
-def _add_state(into: dict[str, Tensor], name: str, state: Mapping[str, Tensor]) -> None:
+def _add_state(into: dict[str, Tensor | Encoded], name: str, state: Mapping[str, Tensor]) -> None:
     into.update((state_key(name, part), value) for part, value in state.items())

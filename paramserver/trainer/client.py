@@ -572,8 +572,9 @@ class InFlight:
         for server, reply in enumerate(replies):
             pulled.dense.update({name: plain(v) for name, v in reply.dense.items()})
             pulled.dense_versions.update(reply.dense_versions)
-            for key, value in reply.dense_state.items():
+            for key, arrived in reply.dense_state.items():
                 name, part = split_state_key(key)
+                value = plain(arrived) if isinstance(arrived, Encoded) else arrived
                 value_of = pulled.dense.get(name)
                 shape = () if part == ROW_STEPS or value_of is None else tuple(value_of.shape)
                 if (
@@ -624,8 +625,9 @@ class InFlight:
         that take the pending update."""
         sent: dict[str, dict[str, dict[int, Tensor]]] = {name: {} for name in self.state_masks}
         for server, reply in enumerate(replies):
-            for key, value in reply.row_state.items():
+            for key, arrived in reply.row_state.items():
                 table, part = split_state_key(key)
+                value = plain(arrived) if isinstance(arrived, Encoded) else arrived
                 if table not in sent or not isinstance(value, Tensor) or value.dim() == 0:
                     raise ParamServerError(
                         f"server {server} sent a malformed answer: row state {key!r} was not "

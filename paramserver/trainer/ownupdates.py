@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from paramserver.config import OptimSection
-from paramserver.optim import Block, UpdateRule, apply_rows, make_rule
+from paramserver.optim import Block, PulledRows, UpdateRule, apply_rows, make_rule
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled, RowState
 
@@ -109,12 +109,17 @@ class OwnUpdates:
         places: Mapping[str, tuple[Tensor, np.ndarray]],
         keep_state: bool,
     ) -> int:
-        """The rows with state of every table: gathered with their gradients, the tables of
-        one rule, lr and width stepped together (as on a server, where they share an arena:
-        one call, not one per table) and put back."""
+        """The rows with state of every table: the tables of one rule in one call of its
+        compiled loop where it has one (:meth:`UpdateRule.step_pulled_rows`: it finds each
+        row's gradient itself, and steps the state in place whatever ``keep_state``); the
+        others gathered with their gradients, the tables of one rule, lr and width stepped
+        together (as on a server, where they share an arena: one call, not one per table)
+        and put back."""
+        updated, left = self._apply_compiled(pulled, grads, step)
         together: dict[tuple[object, ...], list[_Taken]] = {}
         lrs: dict[tuple[object, ...], float] = {}
-        for name, state in pulled.row_state.items():
+        for name in left:
+            state = pulled.row_state[name]
             taken = _Taken.of(name, pulled, state, grads.get(name), places.get(name))
             if taken is not None:
                 rule, lr = self.table_rules[name], self.table_rules[name].lr_at(step, name)
@@ -124,7 +129,31 @@ class OwnUpdates:
                 lrs[key] = lr
         for key, group in together.items():
             _step_together(self.table_rules[group[0].name], group, lrs[key], keep_state)
-        return sum(taken.rows.numel() for group in together.values() for taken in group)
+        return updated + sum(t.rows.numel() for group in together.values() for t in group)
+
+    def _apply_compiled(
+        self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int
+    ) -> tuple[int, list[str]]:
+        """The tables whose rule's compiled loop takes them, stepped in one call per rule;
+        returns the rows updated and the tables left to torch."""
+        by_rule: dict[tuple[object, ...], list[tuple[str, PulledRows]]] = {}
+        for name, state in pulled.row_state.items():
+            table_grads = grads.get(name)
+            if table_grads is None or not state.at.numel() or not table_grads[0].numel():
+                continue
+            rule = self.table_rules[name]
+            ids, values = pulled.rows[name]
+            rows = PulledRows(values, ids, state.at, state.parts, *table_grads,
+                              rule.lr_at(step, name))  # fmt: skip
+            by_rule.setdefault((type(rule), rule.config), []).append((name, rows))
+        updated, left = 0, list[str]()
+        for group in by_rule.values():
+            stepped = self.table_rules[group[0][0]].step_pulled_rows([rows for _, rows in group])
+            if stepped is None:
+                left.extend(name for name, _ in group)
+            else:
+                updated += stepped
+        return updated, left
 
 
 @dataclass

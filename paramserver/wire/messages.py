@@ -231,10 +231,10 @@ class PushPullReply:
     # Asked by pull_state: the optimizer state of the rows its masks pick (sent or cached),
     # keyed by state_key(table, part), in their order; the parts: a rule's slots, ROW_STEPS,
     # ROW_HELD.
-    row_state: dict[str, Tensor] = field(default_factory=dict)
+    row_state: dict[str, Tensor | Encoded] = field(default_factory=dict)
     # Asked by pull_dense_state: each dense value's slots and its count of updates (ROW_STEPS,
     # 0-d), keyed by state_key(parameter, part).
-    dense_state: dict[str, Tensor] = field(default_factory=dict)
+    dense_state: dict[str, Tensor | Encoded] = field(default_factory=dict)
     # This trainer's newest call that the server's change log holds for its recovery (-1:
     # none yet), the trainer keeping the later ones to send again; None: no such log.
     durable_through: int | None = None
