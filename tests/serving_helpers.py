@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
+from paramserver.serving.frontend import Frontend
+from paramserver.serving.model import ServedModel
 
 
 class Ranker(nn.Module):
@@ -23,6 +25,14 @@ class Ranker(nn.Module):
 
 
 EXAMPLE = [torch.tensor([1, 2]), torch.tensor([10, 11])]
+INFER = "/v2/models/item.weight/infer"  # a lookup of Ranker's fixed table
+
+
+def ready_frontend() -> Frontend:
+    """Ranker's front end from its initial model, ready to answer."""
+    made = Frontend(ServedModel(Ranker, 0), example=EXAMPLE)
+    made.ready = True
+    return made
 
 
 def raw_http(port: int, method: str, path: str, body: bytes, headers: dict | None = None):

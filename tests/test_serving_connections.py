@@ -27,17 +27,12 @@ from paramserver.serving import http as serving_http
 from paramserver.serving.frontend import Frontend
 from paramserver.serving.grpc import GrpcServing
 from paramserver.serving.http import HttpServing
-from paramserver.serving.model import ServedModel
-from tests.serving_helpers import EXAMPLE, Ranker, raw_http
-
-INFER = "/v2/models/item.weight/infer"
+from tests.serving_helpers import INFER, raw_http, ready_frontend
 
 
 @pytest.fixture
 def frontend() -> Frontend:
-    made = Frontend(ServedModel(Ranker, 0), example=EXAMPLE)
-    made.ready = True
-    return made
+    return ready_frontend()
 
 
 @pytest.fixture

@@ -38,16 +38,12 @@ from paramserver.serving.http import HttpServing
 from paramserver.serving.model import ServedModel
 from paramserver.serving.run import serve
 from tests.procs import free_port
-from tests.serving_helpers import EXAMPLE, Ranker, raw_http
-
-INFER = "/v2/models/item.weight/infer"
+from tests.serving_helpers import EXAMPLE, INFER, Ranker, raw_http, ready_frontend
 
 
 @pytest.fixture
 def frontend() -> Frontend:
-    made = Frontend(ServedModel(Ranker, 0), example=EXAMPLE)
-    made.ready = True
-    return made
+    return ready_frontend()
 
 
 @pytest.fixture
