@@ -253,8 +253,10 @@ class DynamicTable:
     def rows_taking_update(self, ids: Tensor, rows: Tensor, pull: Pull) -> Tensor:
         """Which of ``rows`` (those of ``ids``, now) a gradient computed from the read
         ``pull`` would update: those that exist and are the rows that read handed out."""
-        then = self._rows_at_pull(ids, pull)
         held = rows >= 0
+        if self.pulls.all_rows_kept(pull):  # each id's row at the read is its row now
+            return held
+        then = self._rows_at_pull(ids, pull)
         return held if then is None else held & (then == rows)
 
     def _rows_at_pull(self, ids: Tensor, pull: Pull) -> Tensor | None:
@@ -444,7 +446,9 @@ class DynamicTables:
                     into.versions[name] = table.versions_of(found)
                 mask = asks.state_masks.get(name)
                 if mask is not None:
-                    asked, at = wanted[name][mask], found[mask]
+                    # numpy finds the picked places in a fraction of a torch mask's time
+                    picked = torch.from_numpy(np.flatnonzero(mask.numpy()))
+                    asked, at = wanted[name].index_select(0, picked), found.index_select(0, picked)
                     pending = asks.pending
                     held = None if pending is None else table.rows_taking_update(asked, at, pending)
                     into.state[name] = table.arena.state_of(at, held)

@@ -47,9 +47,7 @@ class PullRecords:
     ) -> Tensor | None:
         """The row each of ``ids`` had at the read ``pull`` and still has (-1: none); ids that
         read did not hand out get their ``current`` rows. None: no record of that read."""
-        trainer, call = pull
-        records = self._by_trainer.get(trainer)
-        record = next((r for r in reversed(records or ()) if r.call == call), None)
+        record = self._record(pull)
         if record is None:
             return None
         pulled = record.ids
@@ -58,8 +56,23 @@ class PullRecords:
         if pulled.numel() == 0:
             return current(ids)
         at = torch.searchsorted(pulled, ids).clamp_(max=pulled.numel() - 1)
-        handed_out = pulled[at] == ids
-        return torch.where(handed_out, record.rows[at], current(ids))
+        then = record.rows[at]  # a copy: the record stays as it is
+        others = pulled[at] != ids
+        if bool(others.any()):  # searched only for these: a prefetch's asked ids are none
+            then[others] = current(ids[others])
+        return then
+
+    def all_rows_kept(self, pull: Pull) -> bool:
+        """Whether every id the read ``pull`` handed out (if it left a record) had a row then
+        and keeps it (no -1): each of those ids' row at that read is then its row now, as a
+        row leaves an id only by its removal, which strikes it (:meth:`strike`)."""
+        record = self._record(pull)
+        return record is None or not record.rows.numel() or int(record.rows.numpy().min()) >= 0
+
+    def _record(self, pull: Pull) -> PullRecord | None:
+        trainer, call = pull
+        records = self._by_trainer.get(trainer)
+        return next((r for r in reversed(records or ()) if r.call == call), None)
 
     def strike(self, removed: Tensor) -> None:
         """Mark ``removed`` rows as gone in every record: their gradients are dropped."""
