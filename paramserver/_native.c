@@ -1018,15 +1018,24 @@ static Py_ssize_t summed_sizes(PyObject *sizes, Py_ssize_t total) {
     return summed;
 }
 
+/* Each value's first place among `others` whose other is not below it: where the values rise
+ * (a prefetched step's sorted ids) a walk on from the last value's place, one pass over both
+ * (a binary search per value costs a missed branch per halving); else a binary search below
+ * the last place. */
 static void places_segment(const int64_t *values, Py_ssize_t n, const int64_t *others,
                            Py_ssize_t m, int64_t *at, char *found) {
+    Py_ssize_t low = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t low = 0, high = m; /* first place whose other is not below the value */
-        while (low < high) {
-            Py_ssize_t mid = low + (high - low) / 2;
-            if (others[mid] < values[i]) low = mid + 1;
-            else high = mid;
+        if (i > 0 && values[i] < values[i - 1]) {
+            Py_ssize_t high = low;
+            low = 0;
+            while (low < high) {
+                Py_ssize_t mid = low + (high - low) / 2;
+                if (others[mid] < values[i]) low = mid + 1;
+                else high = mid;
+            }
         }
+        while (low < m && others[low] < values[i]) low++;
         Py_ssize_t place = m == 0 ? 0 : (low < m ? low : m - 1);
         at[i] = place;
         found[i] = m != 0 && others[place] == values[i];

@@ -285,3 +285,16 @@ def test_the_compiled_search_refuses_sizes_that_do_not_fit_its_arrays() -> None:
             native.loops.places_each(ids, value_sizes, ids, other_sizes, at, found)
     native.loops.places_each(ids, (1, 3), ids, (0, 4), at, found)
     assert at.tolist() == [0, 1, 2, 3] and found.tolist() == [False, True, True, True]
+
+
+def test_the_compiled_search_finds_values_in_any_order_as_numpy_does() -> None:
+    if native.loops is None:
+        pytest.skip("the compiled loops are turned off (PARAMSERVER_NATIVE=0)")
+    rng = np.random.default_rng(3)
+    others = np.unique(rng.integers(-50, 50, 40))
+    values = np.concatenate([rng.integers(-60, 60, 200), np.sort(rng.integers(-60, 60, 100))])
+    at, found = np.empty(values.size, np.int64), np.empty(values.size, np.bool_)
+    native.loops.places_each(values, (values.size,), others, (others.size,), at, found)
+    expected = np.minimum(np.searchsorted(others, values), others.size - 1)
+    assert np.array_equal(at, expected)
+    assert np.array_equal(found, others[expected] == values) and found.any() and not found.all()
