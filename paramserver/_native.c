@@ -994,6 +994,89 @@ done:
     return result;
 }
 
+static const char places_each_doc[] =
+    "places_each(values, value_sizes, others, other_sizes, at_out, found_out)\n"
+    "For each segment of `values` (int64; `value_sizes`, a tuple, their lengths in order) and\n"
+    "the same-numbered segment of `others` (sorted; `other_sizes`): each value's place in its\n"
+    "others, numpy's searchsorted (left) capped at the last, into at_out (int64), and whether\n"
+    "it is there into found_out (bool, one byte each); a segment with no others: 0, false.";
+
+/* The segments' sizes in `sizes` (a tuple), summed; -1 with ValueError set where one is
+ * negative or they pass `total`. */
+static Py_ssize_t summed_sizes(PyObject *sizes, Py_ssize_t total) {
+    Py_ssize_t summed = 0;
+    for (Py_ssize_t s = 0; s < PyTuple_GET_SIZE(sizes); s++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
+        if (size == -1 && PyErr_Occurred()) return -1;
+        if (size < 0 || size > total - summed) break;
+        summed += size;
+    }
+    if (summed != total) {
+        PyErr_SetString(PyExc_ValueError, "places_each: sizes that do not sum to the arrays");
+        return -1;
+    }
+    return summed;
+}
+
+/* Each value's first place among `others` whose other is not below it: where the values rise
+ * (a prefetched step's sorted ids) a walk on from the last value's place, one pass over both
+ * (a binary search per value costs a missed branch per halving); else a binary search below
+ * the last place. */
+static void places_segment(const int64_t *values, Py_ssize_t n, const int64_t *others,
+                           Py_ssize_t m, int64_t *at, char *found) {
+    Py_ssize_t low = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (i > 0 && values[i] < values[i - 1]) {
+            Py_ssize_t high = low;
+            low = 0;
+            while (low < high) {
+                Py_ssize_t mid = low + (high - low) / 2;
+                if (others[mid] < values[i]) low = mid + 1;
+                else high = mid;
+            }
+        }
+        while (low < m && others[low] < values[i]) low++;
+        Py_ssize_t place = m == 0 ? 0 : (low < m ? low : m - 1);
+        at[i] = place;
+        found[i] = m != 0 && others[place] == values[i];
+    }
+}
+
+static PyObject *places_each(PyObject *self, PyObject *args) {
+    Py_buffer values_view, others_view, at_view, found_view;
+    PyObject *value_sizes, *other_sizes, *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*O!y*O!w*w*", &values_view, &PyTuple_Type, &value_sizes,
+                          &others_view, &PyTuple_Type, &other_sizes, &at_view, &found_view))
+        return NULL;
+    Py_ssize_t segments = PyTuple_GET_SIZE(value_sizes);
+    if (values_view.len % 8 || others_view.len % 8 || at_view.len != values_view.len ||
+        found_view.len != values_view.len / 8 || PyTuple_GET_SIZE(other_sizes) != segments) {
+        PyErr_SetString(PyExc_ValueError, "places_each: arrays of mismatched sizes");
+        goto done;
+    }
+    if (summed_sizes(value_sizes, values_view.len / 8) < 0 ||
+        summed_sizes(other_sizes, others_view.len / 8) < 0)
+        goto done;
+    Py_ssize_t value_start = 0, other_start = 0;
+    for (Py_ssize_t s = 0; s < segments; s++) {
+        Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(value_sizes, s));
+        Py_ssize_t m = PyLong_AsSsize_t(PyTuple_GET_ITEM(other_sizes, s));
+        places_segment((const int64_t *)values_view.buf + value_start, n,
+                       (const int64_t *)others_view.buf + other_start, m,
+                       (int64_t *)at_view.buf + value_start, (char *)found_view.buf + value_start);
+        value_start += n;
+        other_start += m;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&values_view);
+    PyBuffer_Release(&others_view);
+    PyBuffer_Release(&at_view);
+    PyBuffer_Release(&found_view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
@@ -1001,6 +1084,7 @@ static PyMethodDef methods[] = {
     {"own_rows", own_rows, METH_VARARGS, own_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
     {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
+    {"places_each", places_each, METH_VARARGS, places_each_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
     {"all_finite", all_finite, METH_O, all_finite_doc},

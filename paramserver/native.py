@@ -22,6 +22,9 @@ is what sets its speed. The operations, each a function here with the same resul
   sum over the gradients joined, a copy);
 - :func:`init_rows`: a dynamic table's new rows (:mod:`paramserver.store.rowinit`) get their
   values and optimizer state in one write per row (numpy and torch: a pass per array);
+- :func:`places_each`: a prefetching trainer finds which of each table's prefetched ids its
+  pending step touched, and where (:mod:`paramserver.trainer.ownupdates`), every table in one
+  call (numpy: a ``searchsorted`` and its checks per table);
 - :func:`unique_each`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds every
   table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
 - :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
@@ -230,6 +233,32 @@ def unique_each(
             unique.split(sizes), inverse.split(sizes), counts, strict=True
         )
     ]
+
+
+Places = Callable[
+    [np.ndarray, tuple[int, ...], np.ndarray, tuple[int, ...]], tuple[np.ndarray, np.ndarray]
+]
+
+
+def places_each(
+    values: np.ndarray,
+    value_sizes: tuple[int, ...],
+    others: np.ndarray,
+    other_sizes: tuple[int, ...],
+    fallback: Places,
+) -> tuple[np.ndarray, np.ndarray]:
+    """For each segment of ``values`` (1-D int64, segments of ``value_sizes``) and the same
+    segment of ``others`` (each sorted unique): each value's place among its others
+    (``np.searchsorted``, capped at the last; 0 where there are none) and whether it is there
+    (bool), every segment in one call of the loop."""
+    if loops is None:
+        return fallback(values, value_sizes, others, other_sizes)
+    at, found = np.empty(values.size, np.int64), np.empty(values.size, np.bool_)
+    loops.places_each(
+        np.ascontiguousarray(values, np.int64), value_sizes,
+        np.ascontiguousarray(others, np.int64), other_sizes, at, found,
+    )  # fmt: skip
+    return at, found
 
 
 # ---- loops without a fallback: called once a capability says they apply ----

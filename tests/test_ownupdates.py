@@ -4,6 +4,7 @@ with them (``PushPullRequest.pull_state``)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -232,3 +233,68 @@ def test_row_state_travels_by_the_rows_codec_where_the_rule_takes_it_lossy(
         )
     finally:
         endpoint.coordinator.close()
+
+
+def _rows_to_ask_per_table(
+    following: dict[str, Tensor], pending: dict[str, Tensor]
+) -> dict[str, tuple[Tensor, Tensor | None]]:
+    """The search table by table (torch), as rows_to_ask did before it joined the tables."""
+    expected: dict[str, tuple[Tensor, Tensor | None]] = {}
+    for name, ids in following.items():
+        touched = pending.get(name)
+        if touched is None or not touched.numel():
+            expected[name] = (torch.zeros(ids.numel(), dtype=torch.bool), None)
+            continue
+        at = torch.searchsorted(touched, ids).clamp(max=touched.numel() - 1)
+        expected[name] = (touched[at] == ids, at)
+    return expected
+
+
+def test_rows_to_ask_searches_every_table_at_once_as_table_by_table(loop_mode: str) -> None:
+    generator = torch.Generator().manual_seed(5)
+
+    def ids(count: int, high: int) -> Tensor:
+        return torch.randperm(high, generator=generator)[:count].sort().values
+
+    wide = (ids(7, 20) - 10) * (1 << 40)  # ids far apart, some negative
+    following = {"a": ids(50, 80), "b": ids(0, 10), "c": ids(30, 40), "d": wide,
+                 "e": ids(20, 30), "f": ids(3, 5)}  # fmt: skip
+    pending = {"a": ids(40, 80), "b": ids(5, 10), "c": torch.zeros(0, dtype=torch.int64),
+               "d": torch.cat([wide[::2], torch.tensor([1 << 62])]), "f": ids(1, 5)}  # fmt: skip
+    asked = OwnUpdates.rows_to_ask(following, pending)
+    expected = _rows_to_ask_per_table(following, pending)
+    assert set(asked.masks) == set(following)
+    assert set(asked.places) == {"a", "b", "d", "f"}
+    for name, (mask, at) in expected.items():
+        assert torch.equal(asked.masks[name], mask), name
+        if at is not None:
+            touched, places = asked.places[name]
+            assert touched is pending[name]
+            assert torch.equal(torch.from_numpy(places), at), name
+    assert asked.masks["a"].any() and asked.masks["d"].sum() == 4
+    assert OwnUpdates.rows_to_ask({}, pending).masks == {}
+
+
+def test_the_compiled_search_refuses_sizes_that_do_not_fit_its_arrays() -> None:
+    if native.loops is None:
+        pytest.skip("the compiled loops are turned off (PARAMSERVER_NATIVE=0)")
+    ids = np.arange(4, dtype=np.int64)
+    at, found = np.empty(4, np.int64), np.empty(4, np.bool_)
+    for value_sizes, other_sizes in [((3,), (4,)), ((2, 2), (4,)), ((5, -1), (4, 0))]:
+        with pytest.raises(ValueError, match="places_each"):
+            native.loops.places_each(ids, value_sizes, ids, other_sizes, at, found)
+    native.loops.places_each(ids, (1, 3), ids, (0, 4), at, found)
+    assert at.tolist() == [0, 1, 2, 3] and found.tolist() == [False, True, True, True]
+
+
+def test_the_compiled_search_finds_values_in_any_order_as_numpy_does() -> None:
+    if native.loops is None:
+        pytest.skip("the compiled loops are turned off (PARAMSERVER_NATIVE=0)")
+    rng = np.random.default_rng(3)
+    others = np.unique(rng.integers(-50, 50, 40))
+    values = np.concatenate([rng.integers(-60, 60, 200), np.sort(rng.integers(-60, 60, 100))])
+    at, found = np.empty(values.size, np.int64), np.empty(values.size, np.bool_)
+    native.loops.places_each(values, (values.size,), others, (others.size,), at, found)
+    expected = np.minimum(np.searchsorted(others, values), others.size - 1)
+    assert np.array_equal(at, expected)
+    assert np.array_equal(found, others[expected] == values) and found.any() and not found.all()

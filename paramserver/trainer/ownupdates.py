@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.config import OptimSection
 from paramserver.optim import Block, PulledRows, UpdateRule, apply_rows, make_rule
 from paramserver.store.arena import ROW_STEPS
@@ -55,16 +56,32 @@ class OwnUpdates:
     @staticmethod
     def rows_to_ask(following: Mapping[str, Tensor], pending: Mapping[str, Tensor]) -> Asked:
         """Per table of ``following`` (a prefetched step's sorted unique ids), which of its
-        rows the ``pending`` step's update will touch (those it pulled): whose state to ask."""
+        rows the ``pending`` step's update will touch (those it pulled): whose state to ask.
+        Every table in one search (:func:`native.places_each`), its ids and the pending
+        step's joined, then split back per table."""
         asked = Asked()
-        for name, ids in following.items():
-            touched = pending.get(name)
-            if touched is None or not touched.numel():
-                asked.masks[name] = torch.zeros(ids.numel(), dtype=torch.bool)
-                continue
-            places, found = _places(ids.numpy(), touched.numpy())
-            asked.masks[name] = torch.from_numpy(found)
-            asked.places[name] = (touched, places)
+        if not following:
+            return asked
+        names = list(following)
+        touched = [pending.get(name) for name in names]
+        values = [following[name].numpy() for name in names]
+        others = [t.numpy() if t is not None else _NONE for t in touched]
+        value_sizes = tuple(v.size for v in values)
+        other_sizes = tuple(o.size for o in others)
+        at, found = native.places_each(
+            np.concatenate(values), value_sizes, np.concatenate(others), other_sizes,
+            _places_each,
+        )  # fmt: skip
+        masks = torch.from_numpy(found)
+        start = 0
+        for name, table_touched, size, other_size in zip(
+            names, touched, value_sizes, other_sizes, strict=True
+        ):
+            asked.masks[name] = masks[start : start + size]
+            if other_size:
+                assert table_touched is not None
+                asked.places[name] = (table_touched, at[start : start + size])
+            start += size
         return asked
 
     @torch.no_grad()
@@ -245,3 +262,25 @@ def _places(values: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndar
     is there (numpy: a few cheap calls where torch's cost several microseconds each)."""
     at = np.minimum(np.searchsorted(others, values), others.size - 1)
     return at, others[at] == values
+
+
+_NONE = np.empty(0, np.int64)
+
+
+def _places_each(
+    values: np.ndarray,
+    value_sizes: tuple[int, ...],
+    others: np.ndarray,
+    other_sizes: tuple[int, ...],
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`native.places_each` by numpy: :func:`_places` per segment (0, false where a
+    segment has no others)."""
+    at, found = np.zeros(values.size, np.int64), np.zeros(values.size, np.bool_)
+    start = other_start = 0
+    for size, other_size in zip(value_sizes, other_sizes, strict=True):
+        if other_size and size:
+            segment = slice(start, start + size)
+            others_of = others[other_start : other_start + other_size]
+            at[segment], found[segment] = _places(values[segment], others_of)
+        start, other_start = start + size, other_start + other_size
+    return at, found
