@@ -257,7 +257,9 @@ def _adagrad_loop_rounding() -> bool | None:
     """Which rounding of the compiled Adagrad loop gives torch's results on this machine:
     multiply-adds rounded once (True) or twice (False); None where neither does, and
     torch.optim does all. Found by trying both on rows where the two differ (with and without
-    weight decay) against torch's own step; asked once :func:`paramserver.native.takes_rows`."""
+    weight decay) against torch's own step; None where the loops are not built."""
+    if native.loops is None:
+        return None
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(64, 33, generator=generator)
     sums = torch.rand(64, 33, generator=generator)
