@@ -86,8 +86,8 @@ def _run_trainers(
         thread.start()
     _wait_for_chief(threads[0], endpoints, errors)
     _join_the_others(threads, config.trainer_timeout, errors)
-    if errors:
-        rank, error = min(errors.items())
+    if errors:  # the first to fail: the others' errors may be its consequences
+        rank, error = next(iter(errors.items()))
         raise JobFailedError(f"trainer {rank} failed: {type(error).__name__}: {error}") from error
     return outcomes[0], transport
 

@@ -158,6 +158,7 @@ class ThreadGroup:
         self._barrier = threading.Barrier(size)
         self._lock = threading.Lock()
         self._offered: dict[int, list[Tensor]] = {}
+        self._aborted = False
 
     def member(self, rank: int) -> TrainerGroup:
         return _ThreadMember(self, rank)
@@ -181,13 +182,17 @@ class ThreadGroup:
         try:
             self._barrier.wait(self.timeout_s)
         except threading.BrokenBarrierError:
-            raise TrainerGroupError(
-                f"the trainers' all-reduce failed: a trainer did not join it within "
-                f"{self.timeout_s} s (it failed, left or is stuck)"
-            ) from None
+            why = (
+                "another trainer failed"
+                if self._aborted
+                else f"a trainer did not join it within {self.timeout_s} s (it failed, left or "
+                "is stuck)"
+            )
+            raise TrainerGroupError(f"the trainers' all-reduce failed: {why}") from None
 
     def abort(self) -> None:
         """Fail every member's all-reduce now (a member failed and will not come)."""
+        self._aborted = True
         self._barrier.abort()
 
 
