@@ -574,7 +574,7 @@ class InFlight:
             pulled.dense_versions.update(reply.dense_versions)
             for key, arrived in reply.dense_state.items():
                 name, part = split_state_key(key)
-                value = plain(arrived) if isinstance(arrived, Encoded) else arrived
+                value = plain(arrived)
                 value_of = pulled.dense.get(name)
                 shape = () if part == ROW_STEPS or value_of is None else tuple(value_of.shape)
                 if (
@@ -627,7 +627,7 @@ class InFlight:
         for server, reply in enumerate(replies):
             for key, arrived in reply.row_state.items():
                 table, part = split_state_key(key)
-                value = plain(arrived) if isinstance(arrived, Encoded) else arrived
+                value = plain(arrived)
                 if table not in sent or not isinstance(value, Tensor) or value.dim() == 0:
                     raise ParamServerError(
                         f"server {server} sent a malformed answer: row state {key!r} was not "

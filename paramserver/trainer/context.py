@@ -27,7 +27,6 @@ import itertools
 import logging
 import threading
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -201,7 +200,7 @@ class TrainContext:
         self._batch: Any = None  # the batch ctx.batches gave last
         self._batches_open = False
         self.steps, self.samples = resumed.steps, resumed.samples
-        self.losses: deque[float] = deque(maxlen=100)  # the newest steps' losses
+        self.last_loss = float("nan")  # the newest step's
         self.loss_sum = 0.0  # of every step's loss since this run started or resumed
         self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
         # A positioned input's position after the last step trained (what a checkpoint saves).
@@ -595,7 +594,7 @@ class TrainContext:
             self.position, self._step_end = self._step_end, None
         if self.steps == self._resumed.steps + 1:
             startup.mark("first_step")
-        self.losses.append(self._step_loss)
+        self.last_loss = self._step_loss
         self.loss_sum += self._step_loss
         self._micro, self._step_loss, self._pulled = 0, 0.0, None
         ahead = self._ahead
@@ -603,12 +602,10 @@ class TrainContext:
             self._after_group_step(group)
         elif not self._prefetch and ahead is not None and ahead.ids is not None:
             self._send(ahead)
-        engine.observer.after_step(self.steps, self.samples, self.losses[-1], pulled)
+        engine.observer.after_step(self.steps, self.samples, self.last_loss, pulled)
         if engine.on_progress is not None:
             lag, unit = self._input_lag()
-            progress = Progress(
-                engine.trainer, self.steps, self.samples, self.losses[-1], lag, unit
-            )
+            progress = Progress(engine.trainer, self.steps, self.samples, self.last_loss, lag, unit)
             engine.on_progress(progress)
 
     def finish(self) -> Gradients:
