@@ -43,6 +43,8 @@ from torch.futures import Future
 from paramserver.errors import ConfigError, ParamServerError, ServerLostError
 from paramserver.files import write_atomic
 from paramserver.transport.base import Endpoint, Transport
+from paramserver.wire import frames
+from paramserver.wire.frames import FrameError
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +64,24 @@ def trainer_name(index: int) -> str:
 
 
 @rpc.functions.async_execution
-def _serve(op: str, args: tuple[Any, ...]) -> Future:
+def _serve(frame: bytes) -> Future:
+    """A call's frame (``(op, args)``, see :mod:`paramserver.wire.frames`) handed to the
+    endpoint; its answer goes back as a frame too (its error as itself)."""
     endpoint = _ENDPOINT
+    failed: Future = Future()
     if endpoint is None:
-        failed: Future = Future()
         failed.set_exception(ParamServerError("this process serves no shard"))
         return failed
-    return endpoint.handle(op, args)
+    try:
+        op, args = frames.decode(frame)
+    except (FrameError, TypeError, ValueError) as error:
+        failed.set_exception(error if isinstance(error, FrameError) else FrameError(str(error)))
+        return failed
+    return endpoint.handle(op, args).then(_answer_frame)
+
+
+def _answer_frame(answered: Future) -> bytes:
+    return frames.encode(answered.value())
 
 
 def start(
@@ -400,7 +413,8 @@ class RpcTransport(Transport):
         sent_in = generation()
         answer: Future = Future()
         try:
-            sent = rpc.rpc_async(self._names[server], _serve, args=(op, args), timeout=timeout)
+            frame = frames.encode((op, args))
+            sent = rpc.rpc_async(self._names[server], _serve, args=(frame,), timeout=timeout)
         except RuntimeError as error:  # between worlds (a restart): no agent to send with
             answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
             return answer
@@ -416,8 +430,11 @@ class RpcTransport(Transport):
             # meant.
             if isinstance(value, BaseException):
                 answer.set_exception(value)
-            else:
-                answer.set_result(value)
+                return
+            try:
+                answer.set_result(frames.decode(value))
+            except FrameError as error:
+                answer.set_exception(error)
 
         sent.add_done_callback(settle)
         return answer
