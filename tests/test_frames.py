@@ -1,6 +1,7 @@
-"""A call as one frame of bytes (paramserver.wire.frames): messages arrive equal, only a tensor's
-own elements travel, decoded tensors are the receiver's to write, and a frame of another version
-or a damaged one is refused with a typed error, by the decoder and by a server's RPC entry."""
+"""A call as a frame (paramserver.wire.frames): messages arrive equal, small tensors inside the
+frame and large ones beside it, only a tensor's own elements travel, decoded tensors are the
+receiver's to write, and a frame of another version or a damaged one is refused with a typed
+error, by the decoder, by a server's RPC entry and by a trainer's transport."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.rpc as torch_rpc
 from torch.futures import Future
 
 from paramserver.transport import rpc as rpc_transport
 from paramserver.wire import frames
 from paramserver.wire.frames import FrameError
 from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock
+
+
+def roundtrip(message: Any) -> Any:
+    return frames.decode(*frames.encode(message))
 
 
 def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
@@ -29,9 +35,11 @@ def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 16),
         "strided": torch.randn(4, 6)[:, 1::2],
+        "large": torch.randn(300, 64),
+        "large_view": torch.randn(600, 64)[100:400],
         "other": [1, "two", None, (3.0,)],
     }
-    arrived = frames.decode(frames.encode(message))
+    arrived = roundtrip(message)
     assert arrived.keys() == message.keys()
     for name, value in message.items():
         if isinstance(value, torch.Tensor):
@@ -47,36 +55,50 @@ def test_a_request_and_reply_arrive_equal() -> None:
         row_grads={"t": RowBlock(torch.tensor([1, 5]), grads)},
         pull_rows={"t": torch.tensor([0, 3, 7])},
     )  # fmt: skip
-    arrived = frames.decode(frames.encode(request))
+    arrived = roundtrip(request)
     assert (arrived.trainer, arrived.call) == (2, 9) and arrived.malformed() is None
     assert torch.equal(arrived.dense_grads["b"], bias)
     assert torch.equal(arrived.row_grads["t"].values, grads)
-    back = frames.decode(frames.encode(PushPullReply(rows={"t": rows}, checkpoint_at=4)))
+    back = roundtrip(PushPullReply(rows={"t": rows}, checkpoint_at=4))
     assert torch.equal(back.rows["t"], rows) and back.checkpoint_at == 4
+
+
+def test_small_tensors_travel_in_the_frame_and_large_ones_beside_it() -> None:
+    small, large = torch.zeros(100), torch.zeros(frames.LARGE_BYTES // 4)
+    frame, beside = frames.encode({"small": small, "large": large})
+    assert len(frame) < 1_000 and len(beside) == 1 and beside[0] is large
 
 
 def test_only_a_views_own_elements_travel() -> None:
     big = torch.zeros(1_000_000)
-    assert len(frames.encode(big[:10])) < 1_000
+    frame, beside = frames.encode([big[:10], big[:100_000]])
+    assert len(frame) < 1_000
+    assert beside[0].untyped_storage().nbytes() == 400_000
 
 
 def test_decoded_tensors_are_writable_and_the_receivers_own() -> None:
-    frame = frames.encode([torch.zeros(3), torch.ones(2, dtype=torch.int64)])
-    first, second = frames.decode(frame)
+    frame, large = frames.encode([torch.zeros(3), torch.ones(2, dtype=torch.int64)])
+    first, second = frames.decode(frame, large)
     first += 1
     second[0] = 7
-    again = frames.decode(frame)  # the frame itself is untouched
+    again = frames.decode(frame, large)  # the frame itself is untouched
     assert torch.equal(again[0], torch.zeros(3)) and torch.equal(first, torch.ones(3))
 
 
 def test_tensors_that_are_not_plain_data_travel_pickled() -> None:
     weight = torch.nn.Parameter(torch.randn(3))
-    arrived = frames.decode(frames.encode({"weight": weight}))["weight"]
+    arrived = roundtrip({"weight": weight})["weight"]
     assert isinstance(arrived, torch.nn.Parameter) and torch.equal(arrived, weight)
 
 
+def encoded(message: Any) -> bytes:
+    frame, large = frames.encode(message)
+    assert not large
+    return frame
+
+
 def frame_of_version(version: int) -> bytes:
-    frame = bytearray(frames.encode(("push_pull", ())))
+    frame = bytearray(encoded(("push_pull", ())))
     struct.pack_into("<H", frame, 4, version)
     return bytes(frame)
 
@@ -90,10 +112,10 @@ def test_a_frame_of_another_version_is_refused_naming_both() -> None:
     ("frame", "reason"),
     [
         (b"PSF", "shorter than its header"),
-        (b"JUNK" + bytes(16), "not a paramserver frame"),
-        (frames.encode([torch.zeros(4)])[:-4], "claim more data than it holds"),
-        (frames.encode([torch.zeros(4)]) + bytes(8), "more data than its tensors"),
-        (frames.encode("x")[:-2], "structure runs past its end|cannot be read"),
+        (b"JUNK" + bytes(32), "not a paramserver frame"),
+        (encoded([torch.zeros(4)])[:-4], "claim more data than it holds"),
+        (encoded([torch.zeros(4)]) + bytes(8), "more data than its tensors"),
+        (encoded("x")[:-2], "structure runs past its end|cannot be read"),
     ],
 )
 def test_a_damaged_frame_is_refused_saying_why(frame: bytes, reason: str) -> None:
@@ -102,10 +124,22 @@ def test_a_damaged_frame_is_refused_saying_why(frame: bytes, reason: str) -> Non
 
 
 def test_a_frame_whose_count_of_tensors_lies_is_refused() -> None:
-    frame = bytearray(frames.encode([torch.zeros(2), torch.zeros(2)]))
+    frame = bytearray(encoded([torch.zeros(2), torch.zeros(2)]))
     struct.pack_into("<I", frame, 8, 1)
     with pytest.raises(FrameError, match="says 1 tensors but its structure holds 2"):
         frames.decode(bytes(frame))
+
+
+def test_large_tensors_that_do_not_match_the_frame_are_refused() -> None:
+    frame, _ = frames.encode([torch.zeros(frames.LARGE_BYTES)])
+    with pytest.raises(FrameError, match="says 1 large tensors but 0 came"):
+        frames.decode(frame)
+    with pytest.raises(FrameError, match="must be a list of plain CPU tensors"):
+        frames.decode(frame, ["not a tensor"])  # type: ignore[list-item]
+    with pytest.raises(FrameError, match="refers to large tensor 0 of 0"):
+        forged = bytearray(frame)
+        struct.pack_into("<I", forged, 12, 0)
+        frames.decode(bytes(forged))
 
 
 class _Forged:
@@ -115,7 +149,7 @@ class _Forged:
         self.dtype, self.shape = dtype, shape
 
     def __reduce__(self) -> Any:
-        return frames._tensor_of_frame, (self.dtype, self.shape)
+        return frames._small_tensor, (self.dtype, self.shape)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +162,7 @@ class _Forged:
 )
 def test_a_forged_tensor_reference_is_refused(forged: _Forged, reason: str) -> None:
     structure = pickle.dumps([forged])
-    frame = struct.pack("<4sHHIQ", frames.MAGIC, frames.VERSION, 0, 1, len(structure))
+    frame = struct.pack("<4sHHIIQ", frames.MAGIC, frames.VERSION, 0, 1, 0, len(structure))
     with pytest.raises(FrameError, match=reason):
         frames.decode(frame + structure + bytes(16))
 
@@ -146,8 +180,17 @@ def test_a_servers_rpc_entry_answers_a_frame_and_refuses_another_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(rpc_transport, "_ENDPOINT", _Echo())
-    value = torch.arange(5)
-    answer: Any = frames.decode(rpc_transport._serve(frames.encode(("pull", (value,)))).wait())
-    assert answer[0] == "pull" and torch.equal(answer[1][0], value)
+    values = (torch.arange(5), torch.randn(frames.LARGE_BYTES))
+    answer: Any = frames.decode(*rpc_transport._serve(*frames.encode(("pull", values))).wait())
+    assert answer[0] == "pull" and all(map(torch.equal, answer[1], values))
     with pytest.raises(FrameError, match="version 7"):
-        rpc_transport._serve(frame_of_version(7)).wait()
+        rpc_transport._serve(frame_of_version(7), []).wait()
+
+
+def test_a_damaged_answer_is_a_typed_error_for_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    answered: Future = Future()
+    answered.set_result((b"JUNK" + bytes(32), []))
+    monkeypatch.setattr(torch_rpc, "rpc_async", lambda *args, **kwargs: answered)
+    transport = rpc_transport.RpcTransport(num_servers=1, timeout_s=60.0)
+    with pytest.raises(FrameError, match="not a paramserver frame"):
+        transport.call(0, "push_pull", object()).wait()

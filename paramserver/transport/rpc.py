@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
+from torch import Tensor
 from torch.futures import Future
 
 from paramserver.errors import ConfigError, ParamServerError, ServerLostError
@@ -64,7 +65,7 @@ def trainer_name(index: int) -> str:
 
 
 @rpc.functions.async_execution
-def _serve(frame: bytes) -> Future:
+def _serve(frame: bytes, large: list[Tensor]) -> Future:
     """A call's frame (``(op, args)``, see :mod:`paramserver.wire.frames`) handed to the
     endpoint; its answer goes back as a frame too (its error as itself)."""
     endpoint = _ENDPOINT
@@ -73,14 +74,14 @@ def _serve(frame: bytes) -> Future:
         failed.set_exception(ParamServerError("this process serves no shard"))
         return failed
     try:
-        op, args = frames.decode(frame)
+        op, args = frames.decode(frame, large)
     except (FrameError, TypeError, ValueError) as error:
         failed.set_exception(error if isinstance(error, FrameError) else FrameError(str(error)))
         return failed
     return endpoint.handle(op, args).then(_answer_frame)
 
 
-def _answer_frame(answered: Future) -> bytes:
+def _answer_frame(answered: Future) -> tuple[bytes, list[Tensor]]:
     return frames.encode(answered.value())
 
 
@@ -413,8 +414,8 @@ class RpcTransport(Transport):
         sent_in = generation()
         answer: Future = Future()
         try:
-            frame = frames.encode((op, args))
-            sent = rpc.rpc_async(self._names[server], _serve, args=(frame,), timeout=timeout)
+            framed = frames.encode((op, args))
+            sent = rpc.rpc_async(self._names[server], _serve, args=framed, timeout=timeout)
         except RuntimeError as error:  # between worlds (a restart): no agent to send with
             answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
             return answer
@@ -432,8 +433,8 @@ class RpcTransport(Transport):
                 answer.set_exception(value)
                 return
             try:
-                answer.set_result(frames.decode(value))
-            except FrameError as error:
+                answer.set_result(frames.decode(*value))
+            except (FrameError, TypeError) as error:  # TypeError: not a frame and tensors
                 answer.set_exception(error)
 
         sent.add_done_callback(settle)

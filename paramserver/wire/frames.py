@@ -1,23 +1,27 @@
-"""A call as one frame of bytes: a small fixed header, the message's structure, then its tensors'
-data end to end.
+"""A call as a frame: a small fixed header with a version, the message's structure, its small
+tensors' data end to end; its large tensors beside it.
 
-TensorPipe ships each tensor of an RPC message as a buffer of its own, with a cost per buffer far
-above a copy: a bare round trip costs its caller about 260 us of CPU, one holding two small
-tensors about 520 us, one holding the same data as bytes about 300 us (loopback, this project's
-machines; ``benchmarks/bench_rpc_floor.py``). So the RPC transport sends every call and answer as
-one ``bytes`` frame (:func:`encode`, :func:`decode`), whatever tensors it holds.
+What a round trip over TensorPipe costs its caller (``benchmarks/bench_rpc_floor.py``, loopback,
+this project's machines): about 230 us of CPU carrying nothing, about 80 us more for each tensor
+it carries, and about 1 us more per KB of ``bytes`` (which it copies into its pickle and out
+again). So small tensors are cheapest copied into one ``bytes`` frame and large ones shipped as
+TensorPipe's buffers, as they are. :func:`encode` makes ``(frame, large)``: ``frame`` the bytes,
+``large`` the tensors of :data:`LARGE_BYTES` or more (each its own storage exactly, so no more
+than its elements travels); :func:`decode` takes both back.
 
-Layout, little-endian::
+Layout of ``frame``, little-endian::
 
-    magic "PSFR" | version u16 | reserved u16 | tensors u32 | structure bytes u64
-    structure (a pickle in which each plain tensor is a reference to the data part)
-    data: each tensor's bytes in the order referenced, each from an offset (counted from
-          the data's start) aligned to 8
+    magic "PSFR" | version u16 | reserved u16 | small tensors u32 | large tensors u32
+    | structure bytes u64
+    structure: a pickle in which each plain tensor is a reference (to the data part, or by
+               index to ``large``)
+    data, from an offset aligned to 8: the small tensors' bytes in the order referenced, each
+               from an offset aligned to 8
 
-Only a tensor's own elements travel (a view's, not its whole storage). A frame of another version
-is refused with :class:`FrameError` naming both versions, before anything of it is read; so is a
-frame whose references do not match its data exactly (a peer's frame is checked as it is read).
-Decoded tensors are writable views of one buffer the receiver owns.
+A frame of another version is refused with :class:`FrameError` naming both versions, before
+anything of it is read; so is one whose references do not match its data and its large tensors
+exactly (a peer's frame is checked as it is read). Decoded small tensors are writable views of
+one copy of the frame's data, which the receiver owns, as it owns the large ones.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import struct
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -35,8 +40,9 @@ from paramserver.errors import ParamServerError
 
 MAGIC = b"PSFR"
 VERSION = 1
-_HEADER = struct.Struct("<4sHHIQ")
+_HEADER = struct.Struct("<4sHHIIQ")
 _ALIGN = 8
+LARGE_BYTES = 16 * 1024  # a tensor this large or larger travels beside the frame
 
 # The dtypes a frame carries as data (any other tensor travels pickled in the structure).
 _DTYPES: dict[str, torch.dtype] = {
@@ -57,7 +63,7 @@ def _aligned(offset: int) -> int:
     return -(-offset // _ALIGN) * _ALIGN
 
 
-def _travels_as_data(value: Tensor) -> bool:
+def _plain(value: Tensor) -> bool:
     return (
         value.dtype in _DTYPE_NAMES
         and value.device.type == "cpu"
@@ -69,51 +75,66 @@ def _travels_as_data(value: Tensor) -> bool:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a message's structure; its plain tensors become references to the data part."""
+    """Pickles a message's structure; its plain tensors become references."""
 
     def __init__(self, file: io.BytesIO):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.tensors: list[Tensor] = []
+        self.small: list[Tensor] = []
+        self.large: list[Tensor] = []
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is not Tensor or not _travels_as_data(obj):
+        if type(obj) is not Tensor or not _plain(obj):
             return NotImplemented
-        self.tensors.append(obj)
-        return _tensor_of_frame, (_DTYPE_NAMES[obj.dtype], tuple(obj.shape))
+        nbytes = obj.numel() * obj.element_size()
+        if nbytes >= LARGE_BYTES:
+            whole = obj.is_contiguous() and obj.untyped_storage().nbytes() == nbytes
+            self.large.append(obj if whole else obj.contiguous().clone())
+            return _large_tensor, (len(self.large) - 1,)
+        self.small.append(obj)
+        return _small_tensor, (_DTYPE_NAMES[obj.dtype], tuple(obj.shape))
 
 
-def encode(message: Any) -> bytes:
-    """``message`` as one frame (its tensors are copied: the caller may change them after)."""
+def encode(message: Any) -> tuple[bytes, list[Tensor]]:
+    """``message`` as a frame and its large tensors (see the module docstring). The small
+    tensors are copied; the large ones are the message's own (or a copy of a view's
+    elements): the caller must not change them until the call is sent."""
     structure = io.BytesIO()
     pickler = _Pickler(structure)
     pickler.dump(message)
-    tensors = pickler.tensors
-    head = _HEADER.pack(MAGIC, VERSION, 0, len(tensors), structure.tell())
-    parts: list[Any] = [head, structure.getbuffer()]
-    at = 0  # in the data part
-    for tensor in tensors:
-        pad = _aligned(at) - at
-        if pad:
-            parts.append(bytes(pad))
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        parts.append(data)
-        at += pad + data.nbytes
-    return b"".join(parts)
+    small, large = pickler.small, pickler.large
+    head = _HEADER.pack(MAGIC, VERSION, 0, len(small), len(large), structure.tell())
+    at = _aligned(len(head) + structure.tell())
+    starts: list[int] = []
+    for tensor in small:
+        starts.append(at)
+        at = _aligned(at + tensor.numel() * tensor.element_size())
+    frame = bytearray(at)
+    view = memoryview(frame)
+    view[: len(head)] = head
+    view[len(head) : len(head) + structure.tell()] = structure.getbuffer()
+    for tensor, start in zip(small, starts, strict=True):
+        if tensor.numel():
+            plain = tensor if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16)
+            data = plain.contiguous().numpy().reshape(-1).view(np.uint8)
+            view[start : start + data.nbytes] = data.data
+    return bytes(frame), large
 
 
 class _Reading(threading.local):
-    """The frame being decoded on this thread: where its next tensor's data starts."""
+    """The frame being decoded on this thread: its data, where the next small tensor's data
+    starts, how many small tensors were read, and its large tensors."""
 
     data: Tensor | None = None
     at: int = 0
     count: int = 0
+    large: list[Tensor] | None = None
 
 
 _READING = _Reading()
 
 
-def _tensor_of_frame(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    """A tensor's place in the frame being decoded (see :func:`decode`): the next data."""
+def _small_tensor(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
+    """A small tensor of the frame being decoded (see :func:`decode`): its next data."""
     data = _READING.data
     if data is None:
         raise FrameError("a frame's tensor outside a frame")
@@ -137,13 +158,29 @@ def _tensor_of_frame(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
     return data[start:end].view(dtype).view(shape)
 
 
-def decode(frame: bytes | bytearray | memoryview) -> Any:
-    """The message of :func:`encode`'s ``frame``; :class:`FrameError` where it is of another
-    version or damaged. Its tensors are writable views of one copy of the frame's data."""
+def _large_tensor(index: int) -> Tensor:
+    """A large tensor of the frame being decoded: the one at ``index`` beside it."""
+    large = _READING.large
+    if large is None:
+        raise FrameError("a frame's tensor outside a frame")
+    if type(index) is not int or not 0 <= index < len(large):
+        raise FrameError(f"a frame refers to large tensor {index!r} of {len(large)}")
+    return large[index]
+
+
+def _checked_header(frame: object, large: object) -> tuple[memoryview, int, int]:
+    """A frame's view, its count of small tensors and where its structure ends, once its
+    header and large tensors are checked (:class:`FrameError` saying what is wrong)."""
+    if type(frame) is not bytes:
+        raise FrameError(f"a frame is bytes, not {type(frame).__name__}")
+    if not isinstance(large, list | tuple) or not all(
+        type(t) is Tensor and _plain(t) for t in large
+    ):
+        raise FrameError("a frame's large tensors must be a list of plain CPU tensors")
     view = memoryview(frame)
     if view.nbytes < _HEADER.size:
         raise FrameError(f"a frame of {view.nbytes} bytes is shorter than its header")
-    magic, version, _, num_tensors, structure_bytes = _HEADER.unpack_from(view)
+    magic, version, _, num_small, num_large, structure_bytes = _HEADER.unpack_from(view)
     if magic != MAGIC:
         raise FrameError(f"not a paramserver frame (it starts {bytes(magic)!r})")
     if version != VERSION:
@@ -151,18 +188,28 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
             f"a frame of version {version} from a peer of another paramserver release: "
             f"this process reads version {VERSION} (run one release in a job)"
         )
+    if num_large != len(large):
+        raise FrameError(f"a frame says {num_large} large tensors but {len(large)} came")
     structure_end = _HEADER.size + structure_bytes
     if structure_end > view.nbytes:
         raise FrameError("a frame's structure runs past its end")
+    return view, num_small, structure_end
+
+
+def decode(frame: bytes, large: list[Tensor] | tuple[Tensor, ...] = ()) -> Any:
+    """The message of :func:`encode`'s ``(frame, large)``; :class:`FrameError` where the frame
+    is of another version or damaged."""
+    view, num_small, structure_end = _checked_header(frame, large)
+    data_start = min(_aligned(structure_end), view.nbytes)
     data = (
-        torch.frombuffer(bytearray(view[structure_end:]), dtype=torch.uint8)
-        if structure_end < view.nbytes
+        torch.frombuffer(bytearray(view[data_start:]), dtype=torch.uint8)
+        if data_start < view.nbytes
         else torch.empty(0, dtype=torch.uint8)
     )
     reading = _READING
     if reading.data is not None:
         raise FrameError("a frame decoded inside another")
-    reading.data, reading.at, reading.count = data, 0, 0
+    reading.data, reading.at, reading.count, reading.large = data, 0, 0, list(large)
     try:
         message = pickle.loads(view[_HEADER.size : structure_end])
         at, count = reading.at, reading.count
@@ -171,9 +218,9 @@ def decode(frame: bytes | bytearray | memoryview) -> Any:
     except Exception as error:
         raise FrameError(f"a frame's structure cannot be read: {error}") from error
     finally:
-        reading.data = None
-    if count != num_tensors:
-        raise FrameError(f"a frame says {num_tensors} tensors but its structure holds {count}")
-    if at != data.numel():
+        reading.data, reading.large = None, None
+    if count != num_small:
+        raise FrameError(f"a frame says {num_small} tensors but its structure holds {count}")
+    if _aligned(at) != data.numel():
         raise FrameError("a frame holds more data than its tensors")
     return message
