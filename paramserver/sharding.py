@@ -103,6 +103,11 @@ class ShardPlan:
             load[server] += spec.nbytes
         return placement
 
+    @property
+    def fixed(self) -> frozenset[str]:
+        """The tables of rows ``0..num_rows-1`` (not dynamic)."""
+        return frozenset(name for name, spec in self.tables.items() if spec.dynamic is None)
+
     def dense_on(self, server: int) -> list[str]:
         return [name for name, s in self.dense_server.items() if s == server]
 

@@ -198,6 +198,28 @@ def test_the_update_finds_its_gradients_with_or_without_the_places_asked() -> No
     assert torch.equal(on_demand[:3], known[:3]) and on_demand[3].eq(1).all()
 
 
+def test_a_fixed_table_of_plain_sgd_is_not_asked_and_takes_the_same_update() -> None:
+    """Plain SGD reads no state and a fixed table's rows all take the update: the trainer asks
+    the servers nothing for them and updates the rows the gradients touch, as it would with
+    the servers' answer; a dynamic table's (whose rows may be new) is still asked."""
+    config = ps.TrainConfig(optimizer="sgd", lr=0.5)
+    own = OwnUpdates.of(config, ["t", "d"], fixed=["t"])
+    following, pending = torch.tensor([1, 3, 5, 7]), torch.tensor([0, 3, 4, 7])
+    asked = own.rows_to_ask({"t": following, "d": following}, {"t": pending, "d": pending})
+    assert own.to_ask(asked.masks).keys() == {"d"}
+    grads = torch.arange(8.0).view(4, 2) + 1
+
+    def updated(row_state: dict[str, RowState]) -> Tensor:
+        values = torch.ones(4, 2)
+        pulled = Pulled(rows={"t": (following, values)}, row_state=row_state)
+        own.apply(pulled, {}, {"t": (pending, grads)}, 0, asked)
+        return values
+
+    answered = updated({"t": RowState(torch.tensor([1, 3]), {})})  # what a server would say
+    assert torch.equal(updated({}), answered)
+    assert answered[[0, 2]].eq(1).all() and answered[[1, 3]].ne(1).all()
+
+
 @pytest.mark.parametrize(("rule", "lossy"), [("adagrad", True), ("adam", False)])
 def test_row_state_travels_by_the_rows_codec_where_the_rule_takes_it_lossy(
     rule: str, lossy: bool

@@ -178,7 +178,7 @@ class TrainContext:
         # steps, each step's to the rows of the steps after it.
         own_updates = self._prefetch and sections.consistency.prefetch_own_updates
         self._own_updates = (
-            OwnUpdates.of(sections.optim, list(engine.replica.tables))
+            OwnUpdates.of(sections.optim, list(engine.replica.tables), engine.client.plan.fixed)
             if own_updates or self._steps_per_call > 1
             else None
         )
@@ -420,11 +420,9 @@ class TrainContext:
     def _send_group(self, group: Group) -> None:
         """Push the pending steps, each with a call of its own, and pull ``group``'s rows (with
         the state of those several of its steps touch) in one message per server."""
-        asks_state = len(group.steps) > 1
-        masks = group.masks if asks_state else None
-        dense_state = (
-            asks_state and self._own_updates is not None and self._own_updates.asks_dense_state
-        )
+        own = self._own_updates if len(group.steps) > 1 else None
+        masks = own.to_ask(group.masks) if own is not None else None
+        dense_state = own is not None and own.asks_dense_state
         following = Step([], group.ids)
         self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
         self._in_flight_pulls, self._in_flight_asked = group.steps[0], None
@@ -567,7 +565,7 @@ class TrainContext:
         if own is not None and following is not None and pending_of is not None:
             asked = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
             dense_state = own.asks_dense_state
-        masks = asked.masks if asked is not None else None
+        masks = own.to_ask(asked.masks) if own is not None and asked is not None else None
         self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
         self._in_flight_pulls, self._in_flight_asked = following, asked
 

@@ -21,7 +21,7 @@ applied the step after next, see :mod:`paramserver.trainer.dense`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,16 +37,34 @@ from paramserver.trainer.client import Pulled, RowState
 
 class OwnUpdates:
     """The update rules of the dense parameters and of each table, to step prefetched values
-    as the servers will."""
+    as the servers will.
 
-    def __init__(self, dense_rule: UpdateRule, table_rules: Mapping[str, UpdateRule]):
+    ``known``: the tables whose rows' state the trainer knows without asking: fixed tables
+    (every row a read handed out takes the update) of a rule that reads no state (plain SGD).
+    Their rows that take the pending update are those the pending gradients touch, found
+    here; the servers are asked for none of them (:meth:`to_ask`)."""
+
+    def __init__(
+        self,
+        dense_rule: UpdateRule,
+        table_rules: Mapping[str, UpdateRule],
+        known: frozenset[str] = frozenset(),
+    ):
         self.dense_rule = dense_rule
         self.table_rules = dict(table_rules)
+        self.known = known
 
     @classmethod
-    def of(cls, optim: OptimSection, tables: list[str]) -> OwnUpdates:
+    def of(cls, optim: OptimSection, tables: list[str], fixed: Iterable[str] = ()) -> OwnUpdates:
+        """``fixed``: those of ``tables`` that are fixed (not dynamic)."""
         rules = {name: make_rule(optim.table_optimizer_for(name)) for name in tables}
-        return cls(make_rule(optim.dense_optimizer()), rules)
+        known = frozenset(name for name in fixed if rules[name].stateless)
+        return cls(make_rule(optim.dense_optimizer()), rules, known)
+
+    def to_ask(self, masks: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Of ``masks`` (per table, the rows whose state an update needs), those to ask the
+        servers for: not the tables whose state is :attr:`known`."""
+        return {name: mask for name, mask in masks.items() if name not in self.known}
 
     @property
     def asks_dense_state(self) -> bool:
@@ -102,7 +120,30 @@ class OwnUpdates:
         place), for a later step's update."""
         self._apply_dense(pulled, dense_grads, step)
         places = asked.places if asked else {}
-        return self._apply_rows(pulled, row_grads, step, places, keep_state)
+        row_state = {**self._known_state(pulled, row_grads), **pulled.row_state}
+        return self._apply_rows(pulled, row_state, row_grads, step, places, keep_state)
+
+    def _known_state(
+        self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]]
+    ) -> dict[str, RowState]:
+        """The :attr:`known` tables' rows that take the update: the pulled rows among those
+        the gradients touch (every table in one search), with no state."""
+        names = [name for name in self.known if name in grads and name in pulled.rows]
+        if not names:
+            return {}
+        values = [pulled.rows[name][0].numpy() for name in names]
+        others = [grads[name][0].numpy() for name in names]
+        value_sizes = tuple(v.size for v in values)
+        _, found = native.places_each(
+            np.concatenate(values), value_sizes, np.concatenate(others),
+            tuple(o.size for o in others), _places_each,
+        )  # fmt: skip
+        known, start = {}, 0
+        for name, size in zip(names, value_sizes, strict=True):
+            at = np.flatnonzero(found[start : start + size])
+            known[name] = RowState(torch.from_numpy(at), {})
+            start += size
+        return known
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
@@ -121,6 +162,7 @@ class OwnUpdates:
     def _apply_rows(
         self,
         pulled: Pulled,
+        row_state: Mapping[str, RowState],
         grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
         places: Mapping[str, tuple[Tensor, np.ndarray]],
@@ -132,11 +174,11 @@ class OwnUpdates:
         others gathered with their gradients, the tables of one rule, lr and width stepped
         together (as on a server, where they share an arena: one call, not one per table)
         and put back."""
-        updated, left = self._apply_compiled(pulled, grads, step)
+        updated, left = self._apply_compiled(pulled, row_state, grads, step)
         together: dict[tuple[object, ...], list[_Taken]] = {}
         lrs: dict[tuple[object, ...], float] = {}
         for name in left:
-            state = pulled.row_state[name]
+            state = row_state[name]
             taken = _Taken.of(name, pulled, state, grads.get(name), places.get(name))
             if taken is not None:
                 rule, lr = self.table_rules[name], self.table_rules[name].lr_at(step, name)
@@ -149,12 +191,16 @@ class OwnUpdates:
         return updated + sum(t.rows.numel() for group in together.values() for t in group)
 
     def _apply_compiled(
-        self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]], step: int
+        self,
+        pulled: Pulled,
+        row_state: Mapping[str, RowState],
+        grads: Mapping[str, tuple[Tensor, Tensor]],
+        step: int,
     ) -> tuple[int, list[str]]:
         """The tables whose rule's compiled loop takes them, stepped in one call per rule;
         returns the rows updated and the tables left to torch."""
         by_rule: dict[tuple[object, ...], list[tuple[str, PulledRows]]] = {}
-        for name, state in pulled.row_state.items():
+        for name, state in row_state.items():
             table_grads = grads.get(name)
             if table_grads is None or not state.at.numel() or not table_grads[0].numel():
                 continue
