@@ -20,7 +20,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-from paramserver.server.endpoint import OPERATIONS
+from paramserver.transport.operations import OPERATIONS
 from tests.procs import REPO
 
 if sys.version_info >= (3, 11):

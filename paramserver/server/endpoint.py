@@ -1,7 +1,8 @@
 """The operations a server exposes to trainers: the whole remote surface of a server.
 
 Transports deliver ``(op, args)`` here and nothing else; an op that is not listed in
-:data:`OPERATIONS` is refused. Every op returns a :class:`torch.futures.Future` and none blocks.
+:data:`~paramserver.transport.operations.OPERATIONS` is refused, and one whose arguments are not
+of the types it lists. Every op returns a :class:`torch.futures.Future` and none blocks.
 
 Size cap (``--max-message-mb``): a call whose arguments hold more, once decoded, is refused
 before it runs. ``push_pull`` and ``pull`` are measured by the coordinator, with the rows their
@@ -22,31 +23,8 @@ from paramserver.checkpoint import Part
 from paramserver.errors import ParamServerError
 from paramserver.futures import completed, failed
 from paramserver.server.coordinator import Coordinator
+from paramserver.transport.operations import OPERATIONS
 from paramserver.wire.sizing import message_nbytes
-
-# Each registered operation and the types of its positional arguments.
-OPERATIONS: dict[str, tuple[type, ...]] = {
-    "push_pull": (object,),  # the request's own fields are checked by the coordinator
-    "push_pulls": (list,),  # several calls of one trainer, taken in order
-    "pull": (object,),
-    "wait_all_left": (),
-    "export_state": (bool,),
-    "stats": (),
-    "load": (),
-    "dense_check": (dict,),
-    "fingerprint": (),
-    "initial_buffers": (),
-    "heartbeat": (int, float),
-    "departed": (),
-    "finish_job": (bool,),
-    "plan_checkpoint": (int,),
-    "take_checkpoint": (int,),
-    "checkpoint_part": (int,),
-    "add_trainer_part": (int, int, Part),
-    "trainer_parts": (int,),
-}
-# Measured by the coordinator, request and answer, naming the parameter.
-SIZED_BY_COORDINATOR = ("push_pull", "push_pulls", "pull")
 
 
 class ServerEndpoint:
@@ -67,7 +45,8 @@ class ServerEndpoint:
     def handle(self, op: object, args: object) -> Future:
         if type(op) is not str or op not in OPERATIONS:
             return failed(ParamServerError(f"server {self.shard.server}: unknown operation {op!r}"))
-        expected = OPERATIONS[op]
+        operation = OPERATIONS[op]
+        expected = operation.args
         if (
             type(args) is not tuple
             or len(args) != len(expected)
@@ -79,7 +58,7 @@ class ServerEndpoint:
                 )
             )
         cap = self.coordinator.max_message_bytes
-        if op not in SIZED_BY_COORDINATOR and (held := message_nbytes(args)) > cap:
+        if not operation.sized_by_coordinator and (held := message_nbytes(args)) > cap:
             return failed(
                 ParamServerError(
                     f"server {self.shard.server}: a {op} call holding {held} bytes exceeds the "

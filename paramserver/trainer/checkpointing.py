@@ -58,6 +58,7 @@ from paramserver.errors import ServerLostError, StreamError
 from paramserver.futures import wait_all
 from paramserver.inputs import PositionedInput
 from paramserver.transport.base import Transport
+from paramserver.transport.stub import ServerStub
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class TrainerCheckpoints:
         self.job = job
         self.trainer = trainer
         self.transport = transport
+        self.servers = ServerStub(transport)
         self.alarm = alarm
         self.saved_through = -1  # the newest step this trainer saved its part for
         self.planned = -1  # chief: the newest step it announced
@@ -188,10 +190,8 @@ class TrainerCheckpoints:
                 log.info("the final model is checkpoint %d already", newest[-1])
                 return
             step = newest[-1] + 1  # a stream's trainers went on from a final checkpoint
-        wait_all(self.transport.call_all("take_checkpoint", step), self.alarm)
-        parts = cast(
-            list[Part], wait_all(self.transport.call_all("checkpoint_part", step), self.alarm)
-        )
+        wait_all(self.servers.take_checkpoint(step), self.alarm)
+        parts = cast(list[Part], wait_all(self.servers.checkpoint_part(step), self.alarm))
         if trainer_parts is not None:
             parts.extend(trainer_parts(step))
         if self.dense_part is not None:
@@ -243,7 +243,7 @@ class TrainerCheckpoints:
             return
         step = call + 1
         try:
-            wait_all(self.transport.call_all("plan_checkpoint", step), self.alarm)
+            wait_all(self.servers.plan_checkpoint(step), self.alarm)
         except ServerLostError as lost:
             self._give_up(step, lost)  # planned again at the next step
             return
@@ -264,9 +264,7 @@ class TrainerCheckpoints:
                 checkpoint_dir(root, step), DENSE_PART, *self.dense_part()
             )
         try:
-            wait_all(
-                [self.transport.call(0, "add_trainer_part", step, self.trainer, part)], self.alarm
-            )
+            wait_all([self.servers.add_trainer_part(step, self.trainer, part)], self.alarm)
         except ServerLostError as lost:
             self._give_up(step, lost)
         self.saved_through = step
@@ -276,12 +274,12 @@ class TrainerCheckpoints:
         root = self.settings.checkpoint_dir
         assert root is not None
         try:
-            wait_all(self.transport.call_all("take_checkpoint", step), self.alarm)
+            wait_all(self.servers.take_checkpoint(step), self.alarm)
         except ServerLostError as lost:
             self._give_up(step, lost)
             return
-        servers = self.transport.call_all("checkpoint_part", step, timeout_s=0)
-        trainers = self.transport.call(0, "trainer_parts", step, timeout_s=0)
+        servers = self.servers.checkpoint_part(step, timeout_s=0)
+        trainers = self.servers.trainer_parts(step, timeout_s=0)
         dense = [self._dense_written] if self._dense_written is not None else []
         settings = self.settings
         committed: Future = Future()

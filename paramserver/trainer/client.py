@@ -28,8 +28,11 @@ from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.kept import KeptCalls
+from paramserver.transport import operations as ops
 from paramserver.transport.base import Transport
+from paramserver.transport.operations import DATA_OPERATIONS, Operation
 from paramserver.transport.profiled import ProfiledTransport
+from paramserver.transport.stub import ServerStub
 from paramserver.wire.caching import rows_sent
 from paramserver.wire.compression import Encoded, ErrorFeedback, encode, plain
 from paramserver.wire.idcodec import PackedIds, compact_all
@@ -236,7 +239,7 @@ class PSClient:
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
-        futures = self.transport.call_all("fingerprint")
+        futures = ServerStub(self.transport).fingerprint()
         for server, future in enumerate(futures):
             theirs = future.wait()
             if theirs != self.plan.fingerprint:
@@ -290,7 +293,7 @@ class PSClient:
         self._add_buffers(requests, final)
         pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
         return self._start(
-            "push_pull", requests, pull_ids, report, requests[0].call, pooled_shapes,
+            ops.PUSH_PULL, requests, pull_ids, report, requests[0].call, pooled_shapes,
             cached=True, state_masks=pull_state or {}, preceding=preceding,
         )  # fmt: skip
 
@@ -376,7 +379,7 @@ class PSClient:
 
     def wire_bytes(self) -> tuple[int, int]:
         """Bytes sent and received by this client's data calls so far."""
-        return self.transport.profile.bytes_of("push_pull", "push_pulls", "pull")
+        return self.transport.profile.bytes_of(*(op.name for op in DATA_OPERATIONS))
 
     def pull(self, pull_ids: dict[str, Tensor]) -> RowsById:
         """Read rows outside the step (no gradients, no effect on servers' state); read again
@@ -387,7 +390,7 @@ class PSClient:
                 for _ in range(self.plan.num_servers)
             ]
             try:
-                return self._start("pull", requests, pull_ids).wait().rows
+                return self._start(ops.PULL, requests, pull_ids).wait().rows
             except ServerLostError as lost:
                 if not self.transport.restarted_since(lost):
                     raise
@@ -409,8 +412,8 @@ class PSClient:
         """One message of calls sent again; its future's value is ``(reply, size)``, as
         :meth:`_send`'s."""
         nbytes = sum(payload_size(r).nbytes for r in chunk)
-        op, message = ("push_pull", chunk[0]) if len(chunk) == 1 else ("push_pulls", chunk)
-        return self.transport.call_sized(server, op, message, nbytes)
+        op, message = (ops.PUSH_PULL, chunk[0]) if len(chunk) == 1 else (ops.PUSH_PULLS, chunk)
+        return self.transport.call_sized(server, op.name, message, nbytes)
 
     def _encode_rows(self, table: str, values: Tensor) -> Tensor | Encoded:
         codec = self.codecs.tables.get(table, "none")
@@ -429,7 +432,7 @@ class PSClient:
 
     def _start(
         self,
-        op: str,
+        op: Operation,
         requests: list[PushPullRequest],
         pull_ids: dict[str, Tensor],
         report: TrainerReport | None = None,
@@ -472,7 +475,7 @@ class PSClient:
 
     def _send(
         self,
-        op: str,
+        op: Operation,
         requests: list[PushPullRequest],
         preceding: Sequence[list[PushPullRequest]],
         report: TrainerReport | None,
@@ -488,14 +491,14 @@ class PSClient:
         nbytes = [sum(size.nbytes for size in each) for each in sizes]
         if report is not None:
             self._fill_report(report, sum(nbytes))
-        if op == "push_pull":
+        if op is ops.PUSH_PULL:
             self.kept.sent(messages)
             if self.transport.world() != self.world:  # a server was restarted meanwhile
                 return self.send_again()  # its log lacks kept calls: they go first
         return [
-            self.transport.call_sized(server, op, message[0], n)
+            self.transport.call_sized(server, op.name, message[0], n)
             if len(message) == 1
-            else self.transport.call_sized(server, "push_pulls", message, n)
+            else self.transport.call_sized(server, ops.PUSH_PULLS.name, message, n)
             for server, (message, n) in enumerate(zip(messages, nbytes, strict=True))
         ]
 
@@ -696,7 +699,7 @@ def gather_state(
     Fixed tables come whole, rows in order; dynamic tables are the union of every server's
     rows, sorted by id (``"ids"``).
     """
-    shards = [f.wait() for f in transport.call_all("export_state", with_optimizer)]
+    shards = [f.wait() for f in ServerStub(transport).export_state(with_optimizer)]
     state: dict[str, dict[str, Tensor]] = {}
     for name, server in [*plan.dense_server.items(), *plan.buffer_server.items()]:
         state[name] = shards[server][name]

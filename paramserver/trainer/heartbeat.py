@@ -25,6 +25,7 @@ from torch.futures import Future
 from paramserver.errors import ServerLostError, TrainerDepartedError
 from paramserver.futures import ALARM_POLL_S, failed
 from paramserver.transport.base import Transport
+from paramserver.transport.stub import ServerStub
 
 
 class Activity:
@@ -118,12 +119,8 @@ class Heartbeats:
                 if call is not None and not self._answered(server, call):
                     return
                 try:
-                    call = self.transport.call(
-                        server,
-                        "heartbeat",
-                        self.trainer,
-                        self.activity.idle_s(),
-                        timeout_s=self.timeout_s,
+                    call = ServerStub(self.transport).heartbeat(
+                        server, self.trainer, self.activity.idle_s(), self.timeout_s
                     )
                 except Exception as error:  # the transport itself is gone
                     call = failed(error)

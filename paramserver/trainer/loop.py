@@ -50,6 +50,7 @@ from paramserver.trainer.replica import Replica
 from paramserver.transport.base import Transport
 from paramserver.transport.group import TrainerGroup
 from paramserver.transport.profiled import ProfiledTransport
+from paramserver.transport.stub import ServerStub
 from paramserver.types import Batch, DataFn, LoopFn, LossFn, ModelFn, Progress, as_tuple
 from paramserver.wire.reports import TrainerReport
 
@@ -226,7 +227,7 @@ class _TrainerRun:
         """Start from the servers' buffers (the chief's as last pushed: a resume continues
         them); the chief then pushes its own, which are the model's (DDP's convention)."""
         buffers: dict[str, Tensor] = {}
-        for held in wait_all(transport.call_all("initial_buffers"), self.alarm):
+        for held in wait_all(ServerStub(transport).initial_buffers(), self.alarm):
             buffers.update(held)  # type: ignore[call-overload]
         self.replica.load_buffers(buffers)
         if self.trainer == 0:
@@ -330,7 +331,7 @@ class _TrainerRun:
         """The all-reduce failed: name the trainers the servers found silent or stuck (a
         frozen one stops answering its heartbeats before the group times out)."""
         try:
-            answers = wait_all(self.transport.call_all("departed"), self.alarm)
+            answers = wait_all(ServerStub(self.transport).departed(), self.alarm)
         except Exception:  # the servers' answer only adds to the message
             return error
         departed = sorted({t for answer in answers for t in answer})  # type: ignore[attr-defined]
@@ -345,7 +346,7 @@ class _TrainerRun:
         reports server 0 holds), with where each trainer ended: a stream's position (its
         ``stream_ends``) or the end it staged. Not saved again where a resume trained no
         more (see :meth:`TrainerCheckpoints.save_final`)."""
-        stats: Any = wait_all([self.transport.call(0, "stats")], self.alarm)[0]
+        stats: Any = wait_all(ServerStub(self.transport).stats()[:1], self.alarm)[0]
         reports: dict[int, TrainerReport] = stats["reports"]
         done = {
             t: (r.steps + r.resumed_steps, r.samples + r.resumed_samples)
@@ -374,10 +375,11 @@ class _TrainerRun:
         """Wait for every other trainer to leave (or be declared departed: the alarm bounds
         the wait); the chief then gathers the final state and every server's statistics."""
         transport, alarm = self.transport, self.alarm
-        wait_all(transport.call_all("wait_all_left", timeout_s=0), alarm)
+        servers = ServerStub(transport)
+        wait_all(servers.wait_all_left(), alarm)
         if self.trainer != 0:
             # The same decision as the chief's below: has any server declared anyone departed?
-            departed = wait_all(transport.call_all("departed"), alarm)
+            departed = wait_all(servers.departed(), alarm)
             return TrainerOutcome(report, graceful=not any(departed))
         if self.config.checkpoint_dir is not None:
             self._save_final(report, self.config.checkpoint_dir)
@@ -391,11 +393,11 @@ class _TrainerRun:
             kept = self.replica.model.state_dict().items()
             state.update({k: v for k, v in kept if k not in self.replica.dense and k not in state})
         stats: list[dict[str, Any]] = wait_all(  # type: ignore[assignment]
-            transport.call_all("stats"), alarm
+            servers.stats(), alarm
         )
         # A departed trainer's process may be gone: the RPC world cannot shut down together.
         graceful = not any(s["departed"] for s in stats)
-        for call in transport.call_all("finish_job", graceful):
+        for call in servers.finish_job(graceful):
             with contextlib.suppress(RuntimeError):  # a server leaving alone may not answer
                 call.wait()
         return TrainerOutcome(report, state, stats, graceful, evals)

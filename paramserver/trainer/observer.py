@@ -36,6 +36,7 @@ from paramserver.observe.runlog import RunLog
 from paramserver.optimconfig import LearningRates
 from paramserver.trainer.client import PSClient, Pulled
 from paramserver.trainer.replica import Call, Inputs, Replica
+from paramserver.transport.stub import ServerStub
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class Observer:
     def _record_servers(self, steps: int) -> None:
         transport = self.client.transport
         loads: list[dict[str, float]] = wait_all(  # type: ignore[assignment]
-            transport.call_all("load"), self.alarm
+            ServerStub(transport).load(), self.alarm
         )
         now = time.perf_counter()
         for server, (load, run_log) in enumerate(zip(loads, self.server_logs, strict=True)):
@@ -204,7 +205,7 @@ class Observer:
         for name, server in plan.dense_server.items():
             asked[server][name] = checksum(dense[name])
         answers = wait_all(
-            [self.client.transport.call(s, "dense_check", a) for s, a in enumerate(asked)],
+            [ServerStub(self.client.transport).dense_check(s, a) for s, a in enumerate(asked)],
             self.alarm,
         )
         views = {name: view for answer in answers for name, view in answer.items()}  # type: ignore[attr-defined]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 from torch.futures import Future
 
 from paramserver.errors import ServerLostError
+from paramserver.transport.operations import PUSH_PULL
 from paramserver.wire.messages import PushPullRequest
 
 
@@ -64,4 +65,4 @@ class Transport(ABC):
 
     def push_pull(self, server: int, request: PushPullRequest) -> Future:
         """Push gradients and pull values in one round trip; the future holds a PushPullReply."""
-        return self.call(server, "push_pull", request)
+        return self.call(server, PUSH_PULL.name, request)
