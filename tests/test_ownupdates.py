@@ -16,7 +16,8 @@ from paramserver.futures import completed
 from paramserver.launch.roles import build_server
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
-from paramserver.trainer.client import InFlight, PSClient, Pulled, Route, RowState, Traffic
+from paramserver.trainer.client import InFlight, PSClient, Pulled, RowState, Traffic
+from paramserver.trainer.routes import Route
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.wire.compression import Encoded, error_bound, plain

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, cast
 
 import numpy as np
@@ -28,6 +27,8 @@ from paramserver.sharding import ShardPlan, merge_rows
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.kept import KeptCalls
+from paramserver.trainer.riders import ChiefBuffers, PooledBags
+from paramserver.trainer.routes import Route, pack_together
 from paramserver.transport import operations as ops
 from paramserver.transport.base import Transport
 from paramserver.transport.operations import DATA_OPERATIONS, Operation
@@ -35,10 +36,8 @@ from paramserver.transport.profiled import ProfiledTransport
 from paramserver.transport.stub import ServerStub
 from paramserver.wire.caching import rows_sent
 from paramserver.wire.compression import Encoded, ErrorFeedback, encode, plain
-from paramserver.wire.idcodec import PackedIds, compact_all
 from paramserver.wire.messages import (
     BagBlock,
-    PooledGrad,
     PushPullReply,
     PushPullRequest,
     RowBlock,
@@ -114,58 +113,6 @@ class Pulled:
     dense_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Route:
-    """How one table's ids split over the servers: ``ids[order]`` lists server 0's first, then
-    server 1's, and so on, ``counts[s]`` of server ``s`` (see ShardPlan.split_by_server;
-    ``order`` None: one server, the ids' own order); ``parts`` holds each server's ids, the
-    same tensors in the pull and in the push of their gradients (neither changes them once
-    sent), and ``packed`` the same as they travel."""
-
-    ids: Tensor
-    order: Tensor | None
-    counts: list[int]
-    parts: tuple[Tensor, ...]
-
-    @classmethod
-    def of(cls, plan: ShardPlan, table: str, ids: Tensor) -> Route:
-        if plan.num_servers == 1:  # nothing to split: spare the ops (they add up per table)
-            return cls(ids, None, [ids.numel()], (ids,))
-        order, counts = plan.split_by_server(table, ids)
-        return cls(ids, order, counts, ids[order].split(counts))
-
-    @cached_property
-    def packed(self) -> tuple[Tensor | PackedIds, ...]:
-        """Each server's ids compacted for the wire (:func:`compact_ids`), once for the pull
-        and the push of its rows' gradients. Only for sorted unique ids. A call's routes are
-        packed together (:func:`pack_together`)."""
-        return tuple(compact_all(self.parts))
-
-    def split(self, values: Tensor) -> tuple[Tensor, ...]:
-        """``values`` (aligned with ``ids``) as every server's part, in server order."""
-        if self.order is None:
-            return (values,)
-        return values[self.order].split(self.counts)
-
-    def in_caller_order(self, parts: list[Tensor]) -> Tensor:
-        """Every server's answer for its part (in server order) as one tensor aligned with
-        ``ids``."""
-        if self.order is None:
-            return parts[0]
-        aligned = torch.empty((self.ids.numel(), *parts[0].shape[1:]), dtype=parts[0].dtype)
-        aligned[self.order] = torch.cat(parts)
-        return aligned
-
-
-def pack_together(routes: Iterable[Route]) -> None:
-    """Fill :attr:`Route.packed` of every route not packed yet, all in one :func:`compact_all`
-    (a table at a time costs several torch calls each)."""
-    todo = [route for route in routes if "packed" not in route.__dict__]
-    packed = iter(compact_all([part for route in todo for part in route.parts]))
-    for route in todo:
-        route.__dict__["packed"] = tuple(next(packed) for _ in route.parts)
-
-
 ROUTED_CALLS_KEPT = 2  # gradients ride on the next call, or with prefetch on the one after
 
 
@@ -214,28 +161,15 @@ class PSClient:
         self.world = transport.world()  # the RPC world the kept calls were last sent to
         self.paused_s = 0.0  # time spent waiting for restarted servers
         self.traffic = Traffic()
-        self._pool_servers: dict[tuple[int, str], list[int]] = {}  # who holds pulled bags
+        self.pooled = PooledBags(plan)
         # The routes of the last calls' pulls, by call number: the gradients of those rows
         # go to the same servers.
         self._routes: dict[int, dict[str, Route]] = {}
-        # The chief's: its model's buffers it pushes, and each one's value when last sent.
-        self._buffers: dict[str, Tensor] = {}
-        self._buffers_sent: dict[str, Tensor] = {}
+        self.buffers: ChiefBuffers | None = None  # the chief's, once it sends them
 
     def send_buffers(self, buffers: Mapping[str, Tensor]) -> None:
-        """Push the buffers of ``buffers`` the plan places (the chief trainer's model's, as
-        they are now held by the servers): each call carries those that changed since the
-        last one did, the final call all. Changed by value: a tensor's ``_version`` would be
-        cheaper, but batch norm's kernel updates its running statistics without bumping it."""
-        self._buffers = {name: buffers[name] for name in self.plan.buffers}
-        self._buffers_sent = {name: b.detach().clone() for name, b in self._buffers.items()}
-
-    def _add_buffers(self, requests: list[PushPullRequest], final: bool) -> None:
-        for name, buffer in self._buffers.items():
-            if final or not torch.equal(buffer, self._buffers_sent[name]):
-                value = buffer.detach().clone()
-                self._buffers_sent[name] = value
-                requests[self.plan.buffer_server[name]].buffers[name] = value
+        """Push the buffers of ``buffers`` the plan places (see :class:`ChiefBuffers`)."""
+        self.buffers = ChiefBuffers(self.plan, buffers)
 
     def check_servers(self) -> None:
         """Fail fast if any server was started with a different model or server count."""
@@ -289,9 +223,10 @@ class PSClient:
             grads_call=grads_call, grads_step=grads_step,
             pull_dense_state=pull_dense and pull_dense_state, publish=self._publish_due(),
         )  # fmt: skip
-        self._add_pooled_grads(requests, pooled_grads or {})
-        self._add_buffers(requests, final)
-        pooled_shapes = self._add_pool_bags(requests, pool_bags or {})
+        self.pooled.add_grads(requests, pooled_grads or {}, self._encode_rows)
+        if self.buffers is not None:
+            self.buffers.add_changed(requests, final)
+        pooled_shapes = self.pooled.add_bags(requests, pool_bags or {})
         return self._start(
             ops.PUSH_PULL, requests, pull_ids, report, requests[0].call, pooled_shapes,
             cached=True, state_masks=pull_state or {}, preceding=preceding,
@@ -342,40 +277,11 @@ class PSClient:
         for name, (ids, grads) in row_grads.items():
             route = routed.get(name)
             if route is None or route.ids is not ids:  # rows added since: route them anew
-                route = self._route(name, ids)
-            for server, (_, part_grads) in self._by_server(route, grads):
+                route = Route.of(self.plan, name, ids)
+            for server, (_, part_grads) in route.by_server(grads):
                 requests[server].row_grads[name] = RowBlock(
                     route.packed[server], self._encode_rows(name, part_grads)
                 )
-
-    def _add_pooled_grads(
-        self, requests: list[PushPullRequest], pooled_grads: dict[str, tuple[int, Tensor]]
-    ) -> None:
-        """Each table's gradient of pooled sums goes to the servers that pooled them."""
-        for name, (pull_call, grads) in pooled_grads.items():
-            encoded = self._encode_rows(name, grads)
-            for server in self._pool_servers.pop((pull_call, name)):
-                requests[server].pooled_grads[name] = PooledGrad(pull_call, encoded)
-
-    def _add_pool_bags(
-        self, requests: list[PushPullRequest], pool_bags: dict[str, BagBlock]
-    ) -> dict[str, tuple[tuple[int, int], torch.dtype]]:
-        """Each server's part of the bags to pool; returns the shape and dtype of each table's
-        pooled sums."""
-        pooled_shapes = {}
-        for name, bags in pool_bags.items():
-            spec = self.plan.tables[name]
-            pooled_shapes[name] = ((bags.num_bags, spec.dim), spec.dtype)
-            aligned = [bags.bags] + ([] if bags.weights is None else [bags.weights])
-            servers = []
-            route = self._route(name, bags.ids)
-            for server, (part_ids, part_bags, *weights) in self._by_server(route, *aligned):
-                requests[server].pool_rows[name] = BagBlock(
-                    part_ids, part_bags, bags.num_bags, weights[0] if weights else None
-                )
-                servers.append(server)
-            self._pool_servers[(requests[0].call, name)] = servers
-        return pooled_shapes
 
     def wire_bytes(self) -> tuple[int, int]:
         """Bytes sent and received by this client's data calls so far."""
@@ -419,17 +325,6 @@ class PSClient:
         codec = self.codecs.tables.get(table, "none")
         return values if codec == "none" else encode(codec, values)
 
-    def _route(self, table: str, ids: Tensor) -> Route:
-        return Route.of(self.plan, table, ids)
-
-    @staticmethod
-    def _by_server(route: Route, *aligned: Tensor) -> list[tuple[int, list[Tensor]]]:
-        """Each server's non-empty part of the route's ids and of the tensors aligned with
-        them, as ``(server, [ids, *aligned])``."""
-        split = [route.parts, *(route.split(t) for t in aligned)]
-        counts = route.counts
-        return [(s, [t[s] for t in split]) for s in range(len(counts)) if counts[s]]
-
     def _start(
         self,
         op: Operation,
@@ -445,7 +340,7 @@ class PSClient:
         """Send ``requests`` (one per server), asking each for its part of ``pull_ids``;
         ``preceding``: calls (a request per server each) that go before them in the same
         message."""
-        routes = {name: self._route(name, ids) for name, ids in pull_ids.items()}
+        routes = {name: Route.of(self.plan, name, ids) for name, ids in pull_ids.items()}
         state_masks = state_masks or {}
         pack_together(routes.values())
         cached_versions = {}
