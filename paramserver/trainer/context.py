@@ -19,16 +19,21 @@ and gradients as they were.
 ``ctx.step()`` takes the step's gradients (clipped by ``clip_grad_norm``), counts the step and
 sends them with the next call: at once without prefetch when the next step is known, with the
 next step's call otherwise, or with the trainer's last call when the loop returns.
+
+The context is the loop's facade: the stages do the work (drawing batches:
+:class:`~paramserver.trainer.steps.BatchSource`; recording them:
+:class:`~paramserver.trainer.steps.AheadRecorder`; the calls:
+:class:`~paramserver.trainer.stages.StepCalls` and
+:class:`~paramserver.trainer.stages.GroupedSteps`).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,18 +42,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError
-from paramserver.inputs import STOP, PositionedInput
 from paramserver.observe import startup
-from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state, set_rng_state
-from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
-from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense
+from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
+from paramserver.trainer.client import PSClient
+from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense, adopt_loops_optimizer
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.observer import Observer
-from paramserver.trainer.ownupdates import Asked, OwnUpdates
+from paramserver.trainer.ownupdates import OwnUpdates
 from paramserver.trainer.replica import Call, Replica
-from paramserver.trainer.steps import AheadRecorder, Group, Step
+from paramserver.trainer.stages import Gradients, GroupedSteps, StepCalls
+from paramserver.trainer.steps import AheadRecorder, BatchSource, Step
 from paramserver.types import Progress
-from paramserver.wire.reports import TrainerReport
 
 log = logging.getLogger(__name__)
 
@@ -72,62 +76,6 @@ def _before_a_loops_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: An
 
 
 register_optimizer_step_pre_hook(_before_a_loops_step)
-
-
-@dataclass
-class Gradients:
-    """A step's gradients, waiting to ride on the next call."""
-
-    dense: dict[str, Tensor] = field(default_factory=dict)
-    rows: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
-    pooled: dict[str, tuple[int, Tensor]] = field(default_factory=dict)
-    pull_call: int = -1  # the call whose answer they were computed from
-    step: int = -1  # their training step, where it is not pull_call (steps per call > 1)
-    # The steps before it computed from the same pull, pushed by calls of their own before it.
-    earlier: list[StepPush] = field(default_factory=list)
-
-    @classmethod
-    def of(cls, replica: Replica, pull_call: int, step: int = -1) -> Gradients:
-        dense, rows = replica.gradients()
-        pooled = {name: (pull_call, g) for name, g in replica.pooled_gradients().items()}
-        return cls(dense, rows, pooled, pull_call, step)
-
-    def with_earlier(self) -> list[StepPush]:
-        """These gradients (if any) after the earlier ones: what a later step pushes first."""
-        if self.pull_call < 0:
-            return []
-        return [*self.earlier, StepPush(self.dense, self.rows, self.pull_call, self.step)]
-
-    def push(
-        self,
-        client: PSClient,
-        following: Step | None,
-        state_masks: dict[str, Tensor] | None = None,
-        dense_state: bool = False,
-        final: bool = False,
-        report: TrainerReport | None = None,
-    ) -> InFlight:
-        """Send these gradients, pulling what ``following`` needs (and the optimizer state of
-        the rows ``state_masks`` pick, and with ``dense_state`` of the dense values); they are
-        then spent."""
-        in_flight = client.push_pull(
-            self.dense,
-            self.rows,
-            following.ids or {} if following else {},
-            pool_bags=following.bags if following else {},
-            pooled_grads=self.pooled,
-            pull_dense=following is not None,
-            final=final,
-            report=report,
-            grads_call=self.pull_call,
-            grads_step=self.step,
-            pull_state=state_masks,
-            pull_dense_state=dense_state,
-            earlier=self.earlier,
-        )
-        self.dense, self.rows, self.pooled, self.pull_call, self.step = {}, {}, {}, -1, -1
-        self.earlier = []
-        return in_flight
 
 
 @dataclass
@@ -182,16 +130,12 @@ class TrainContext:
             if own_updates or self._steps_per_call > 1
             else None
         )
-        self._group: Group | None = None  # the steps computing from the current pull
-        self._next_group: Group | None = None  # drawn and recorded while it was pulled
-        self._leftover: Step | None = None  # a step drawn without its lookups: ends grouping
-        self._pending = Gradients()  # the last step's, not sent yet
-        self._in_flight: InFlight | None = None
-        self._in_flight_pulls: Step | None = None  # the step whose values it pulls
-        self._in_flight_asked: Asked | None = None  # the state it asks, prefetching
-        self._to_skip = resumed.steps * engine.config.accumulate  # batches trained before
-        self._pulled: Pulled | None = None  # the current step's answer (None: not begun)
-        self._last_call: int | None = None  # the newest call answered
+        self._calls = StepCalls(engine, self._own_updates, self._prefetch)
+        self._grouped = GroupedSteps(self._calls, self._steps_per_call)
+        self._input = BatchSource(
+            engine.config.accumulate, resumed.steps, resumed.position, engine.checkpoints,
+            engine.activity,
+        )  # fmt: skip
         self._ahead: Step | None = None  # the next step, recorded ahead
         self._forwards = 0  # training forwards since the last ctx.step()
         self._micro = 0  # batches stepped in the current step
@@ -202,11 +146,9 @@ class TrainContext:
         self.steps, self.samples = resumed.steps, resumed.samples
         self.last_loss = float("nan")  # the newest step's
         self.loss_sum = 0.0  # of every step's loss since this run started or resumed
-        self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
         # A positioned input's position after the last step trained (what a checkpoint saves).
         self.position: Any = resumed.position
-        self._step_end: Any = None  # the position after the step computing
-        self._positioned: PositionedInput | None = None  # what ctx.batches reads, a stream
+        self.step_end: Any = None  # the position after the step computing
         self._record_next: Callable[[], Step | None] | None = None  # draws ctx.batches' next
         self._drawn = False  # whether the current step drew the next one
         engine.replica.route_forward(self._model_forward)
@@ -260,17 +202,12 @@ class TrainContext:
         self._check_thread()
         if self._batches_open:
             raise LoopError("ctx.batches is already open: use one at a time")
-        self.opened.append(iterable)
-        positioned = iterable if isinstance(iterable, PositionedInput) else None
-        self._positioned = positioned
-        if positioned is not None:
-            if self._resumed.position is not None:
-                positioned.seek(self._resumed.position)
-                self._to_skip = 0
-            self._engine.checkpoints.stream = positioned
-            if hasattr(positioned, "on_idle"):  # waiting for new records is not being stuck
-                positioned.on_idle = self._engine.activity.touch
-        return self._batches(iter(iterable), inputs)
+        return self._batches(self._input.open(iterable), inputs)
+
+    @property
+    def opened(self) -> list[Iterable[Any]]:
+        """What ``ctx.batches`` read, for its input bytes."""
+        return self._input.opened
 
     def step(self, loss: Tensor | float | None = None, samples: int | None = None) -> None:
         """After ``loss.backward()``: take this batch's gradients; every ``accumulate``-th
@@ -320,40 +257,24 @@ class TrainContext:
             raise LoopError("ctx.step() found no gradients: call loss.backward() before ctx.step()")
 
     def _loops_optimizer_steps(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before ``optimizer``, the loop's own, steps ctx.model's dense parameters: with
-        ``--dense-sync allreduce`` it may (see :mod:`paramserver.trainer.dense`), after
-        ``ctx.step()``; where the servers hold them it may not."""
+        """Before ``optimizer``, the loop's own, steps ctx.model's dense parameters."""
         self._check_thread()
-        dense = self._engine.dense
-        if dense is None:
-            raise LoopError(
-                "an optimizer of the loop's own steps ctx.model's dense parameters, but the "
-                "servers hold them and apply the job's dense rule: this trainer's copy is "
-                "overwritten by the next pull, so the step would have no effect. Set the rule "
-                "in the job's config (optimizer, lr, momentum, weight_decay, the schedule; "
-                "table_optimizer for the tables), or keep the dense parameters on the "
-                "trainers with --dense-sync allreduce, where the loop's optimizer steps them"
-            )
-        if self._forwards:
-            raise LoopError(
-                "the loop's optimizer stepped after a training forward without ctx.step(): "
-                "call optimizer.step() after ctx.step(loss), which averages the dense "
-                "gradients over the trainers"
-            )
-        dense.adopt(optimizer)
+        adopt_loops_optimizer(self._engine.dense, self._forwards, optimizer)
 
     # ---- steps ----
 
     def _batches(self, source: Iterator[Any], inputs: Callable[[Any], Any] | None) -> Iterator[Any]:
-        positioned = self._positioned
+        positioned = self._input.positioned
         self._batches_open = True
         try:
-            groups = self._groups(self._replayed(source))
+            groups = self._input.steps(
+                source, self.steps, self._engine.config.steps, self.restore_rng
+            )
             engine = self._engine
             recorder = AheadRecorder(engine.replica, engine.activity, groups, inputs, positioned)
             if self._steps_per_call > 1:
-                yield from self._grouped(recorder)
-                step, self._leftover = self._leftover, None
+                yield from self._grouped.run(self, recorder)
+                step, self._grouped.leftover = self._grouped.leftover, None
             else:
                 step = recorder.next()
             while step is not None:
@@ -362,9 +283,9 @@ class TrainContext:
                     self._begin_step(step, recorder.next)
                 else:  # begun on demand at its first forward, which then draws the next
                     self._record_next = recorder.next
-                yield from self._each_batch(step)
+                yield from self.each_batch(step)
                 self._record_next = None
-                self._end_if_short(step)
+                self.end_if_short(step)
                 step = self._ahead if self._drawn else recorder.next()
                 self._ahead = None
         finally:
@@ -374,84 +295,13 @@ class TrainContext:
             if close is not None:  # a stream's reading thread: not one read more
                 close()
 
-    def _grouped(self, recorder: AheadRecorder) -> Iterator[Any]:
-        """``steps_per_call`` steps at a time from one pull, while their lookups are recorded
-        (a step drawn without them is left in ``_leftover``, for one call per step)."""
-        group = self._draw_group(recorder)
-        while group is not None:
-            self._begin_group(group, recorder)
-            for at, step in enumerate(group.steps):
-                self._load_group_step(group, at)
-                yield from self._each_batch(step)
-                self._end_if_short(step)
-            group, self._next_group = self._next_group, None
+    def _begin_step(self, step: Step, record_next: Callable[[], Step | None] | None) -> None:
+        drawn, ahead = self._calls.begin(self, step, record_next)
+        if drawn:
+            self._ahead, self._drawn = ahead, True
 
-    def _draw_group(self, recorder: AheadRecorder) -> Group | None:
-        """Up to ``steps_per_call`` recorded steps (None: none left)."""
-        steps: list[Step] = []
-        while self._leftover is None and len(steps) < self._steps_per_call:
-            step = recorder.next()
-            if step is None:
-                break
-            if step.ids is None:
-                self._leftover = step
-            else:
-                steps.append(step)
-        return Group.of(steps) if steps else None
-
-    def _begin_group(self, group: Group, recorder: AheadRecorder) -> None:
-        """Get ``group``'s values (sending its call unless it is under way), drawing and
-        recording the next group meanwhile."""
-        engine = self._engine
-        self._restore_rng()
-        if self._in_flight is None:
-            self._send_group(group)
-        assert self._in_flight is not None and self._in_flight_pulls is group.steps[0]
-        rng = rng_state() if engine.checkpoints.enabled else None
-        self._next_group = self._draw_group(recorder)
-        pulled = self._in_flight.wait()
-        self._in_flight = None
-        self._last_call = pulled.call
-        engine.checkpoints.after_reply(
-            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng, self.position
-        )
-        group.values, self._group = pulled, group
-
-    def _send_group(self, group: Group) -> None:
-        """Push the pending steps, each with a call of its own, and pull ``group``'s rows (with
-        the state of those several of its steps touch) in one message per server."""
-        own = self._own_updates if len(group.steps) > 1 else None
-        masks = own.to_ask(group.masks) if own is not None else None
-        dense_state = own is not None and own.asks_dense_state
-        following = Step([], group.ids)
-        self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
-        self._in_flight_pulls, self._in_flight_asked = group.steps[0], None
-
-    def _load_group_step(self, group: Group, at: int) -> None:
-        group.at, self._pulled = at, group.step_values(at)
-        step = group.steps[at]
-        self._step_end = step.end
-        self._engine.replica.load(self._pulled.dense, self._pulled.rows, {}, step.lookups)
-
-    def _after_group_step(self, group: Group) -> None:
-        """Once a step of ``group`` has its gradients pending: apply them to the values the
-        group's later steps load, or after its last, send them all with the next group's
-        pull."""
-        pending, own = self._pending, self._own_updates
-        assert own is not None and group.values is not None
-        if group.at < len(group.steps) - 1:
-            own.apply(group.values, pending.dense, pending.rows, pending.step, keep_state=True)
-            return
-        self._group = None
-        following = self._next_group
-        if following is not None:
-            # The checkpoint step is the message's last call: the one that pulls.
-            self._engine.checkpoints.announce_if_due(
-                self._engine.client.next_call + len(pending.earlier) - 1
-            )
-            self._send_group(following)
-
-    def _each_batch(self, step: Step) -> Iterator[Any]:
+    def each_batch(self, step: Step) -> Iterator[Any]:
+        """``step``'s batches, one by one, to the loop (which steps each)."""
         for batch in step.batches:
             self._batch, self._unstepped = batch, True
             yield batch
@@ -461,165 +311,69 @@ class TrainContext:
                     "ctx.step() for this one"
                 )
 
-    def _replayed(self, source: Iterator[Any]) -> Iterator[Any]:
-        """``source`` past the batches trained before the checkpoint (over as many
-        ``ctx.batches`` as they span); the trainer's RNG states are restored after them (the
-        data may draw from them)."""
-        if self._to_skip:
-            self._to_skip -= sum(1 for _ in itertools.islice(source, self._to_skip))
-        if not self._to_skip:
-            self._restore_rng()
-        return source
-
-    def _input_lag(self) -> tuple[int | None, str]:
-        """How far the head of the stream being read is ahead of this trainer, if it says."""
-        lag = getattr(self._positioned, "lag", None)
-        if lag is None:
-            return None, ""
-        return lag(), getattr(self._positioned, "lag_unit", "")
-
-    def _restore_rng(self) -> None:
+    def restore_rng(self) -> None:
+        """The RNG states a resume saved, once (the first step after it begins)."""
         rng, self._resumed.rng = self._resumed.rng, None
         if rng is not None:
             set_rng_state(*rng)
 
-    def _groups(self, source: Iterator[Any]) -> Iterator[list[Any]]:
-        """``accumulate`` batches at a time, up to ``config.steps`` steps of the job."""
-        config = self._engine.config
-        steps = self.steps
-        while (config.steps is None or steps < config.steps) and not STOP.is_set():
-            group = list(itertools.islice(source, config.accumulate))
-            if not group:
-                return
-            steps += 1
-            yield group
-
-    def _begin_step(self, step: Step, record_next: Callable[[], Step | None] | None) -> None:
-        """Get ``step``'s values (sending the call unless one is under way); draw and record
-        the next step with ``record_next`` (None: the loop's own data, unknown until its first
-        forward) and, prefetching, send the last step's gradients at once, with the next
-        step's pull where it is recorded; then load the values into the replica."""
-        engine = self._engine
-        self._restore_rng()
-        if self._in_flight is not None and self._in_flight_pulls is not step:
-            self._last_call = self._in_flight.wait().call  # a push that pulled nothing
-            self._in_flight = None
-        if self._in_flight is None:
-            if self._last_call is not None:  # a next step exists: this one
-                engine.checkpoints.announce_if_due(self._last_call)
-            self._send(step)
-        assert self._in_flight is not None
-        # The next step is drawn and recorded while the call is under way; a checkpoint saves
-        # the RNG states from before it was drawn.
-        rng = rng_state() if record_next is not None and engine.checkpoints.enabled else None
-        ahead = record_next() if record_next is not None else None
-        pulled = self._in_flight.wait()
-        self._in_flight = None
-        # The pending gradients are not in the answer: applied to it once the next call,
-        # which pushes them, is under way (the servers' work then overlaps the trainer's).
-        pending = self._pending
-        own = (pending.dense, pending.rows, pending.pull_call, self._in_flight_asked)
-        # Before a checkpoint's part is saved, and before computing; prefetching (the mode
-        # allows a step of staleness), the last step's all-reduce may go on during this one.
-        self._apply_dense(keep=1 if self._prefetch else 0)
-        self._pulled, self._last_call = pulled, pulled.call
-        engine.checkpoints.after_reply(
-            pulled.call, pulled.checkpoint_at, self.steps, self.samples, rng, self.position
-        )
-        self._step_end = step.end
-        if record_next is not None:
-            self._ahead, self._drawn = ahead, True
-            if ahead is not None:
-                engine.checkpoints.announce_if_due(pulled.call)
-            if self._prefetch and (ahead is None or ahead.ids is not None):
-                self._send(ahead, pending_of=step)
-        if self._own_updates is not None:
-            self._own_updates.apply(pulled, *own)
-        engine.replica.load(
-            pulled.dense,
-            pulled.rows,
-            {name: (pulled.pooled[name], bags) for name, bags in step.bags.items()},
-            step.lookups,
-        )
-
-    def _end_if_short(self, step: Step) -> None:
-        if len(step.batches) < self._engine.config.accumulate and self._micro:
-            self._end_short_step()
-
-    def _end_short_step(self) -> None:
+    def end_if_short(self, step: Step) -> None:
         """End the step the data ended inside, its gradients scaled to a full step's weight
         (``accumulate`` over its batches: with the loss divided by ``accumulate``, the mean)."""
-        self._engine.replica.scale_gradients(self._engine.config.accumulate / self._micro)
-        self._end_step()
-
-    def _apply_dense(self, keep: int = 0) -> None:
-        if self._engine.dense is not None:
-            self._engine.dense.finish(keep)
-
-    def _send(self, following: Step | None, pending_of: Step | None = None) -> None:
-        """Start the call that pushes the pending gradients and pulls ``following``'s values;
-        ``pending_of``: the step whose gradients will be pending when it is answered (a
-        prefetch), whose own update is then applied to the rows both touch."""
-        asked, dense_state = None, False
-        own = self._own_updates
-        if own is not None and following is not None and pending_of is not None:
-            asked = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
-            dense_state = own.asks_dense_state
-        masks = own.to_ask(asked.masks) if own is not None and asked is not None else None
-        self._in_flight = self._pending.push(self._engine.client, following, masks, dense_state)
-        self._in_flight_pulls, self._in_flight_asked = following, asked
+        if len(step.batches) < self._engine.config.accumulate and self._micro:
+            self._engine.replica.scale_gradients(self._engine.config.accumulate / self._micro)
+            self._end_step()
 
     def _end_step(self) -> None:
-        engine = self._engine
-        replica, pulled = engine.replica, self._pulled
+        engine, calls = self._engine, self._calls
+        replica, pulled = engine.replica, calls.pulled
         assert pulled is not None
         if engine.config.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(replica.grad_tensors(), engine.config.clip_grad_norm)
-        group = self._group
-        if group is None:
-            self._pending = Gradients.of(replica, pulled.call)
-        else:  # the group's earlier steps' gradients go first
-            earlier = self._pending.with_earlier()
-            self._pending = Gradients.of(replica, pulled.call, pulled.call + group.at)
-            self._pending.earlier = earlier
+        grouped = self._grouped.current is not None
+        if grouped:  # the group's earlier steps' gradients go first
+            calls.pending = self._grouped.gradients_of(pulled)
+        else:
+            calls.pending = Gradients.of(replica, pulled.call)
         if engine.dense is not None:  # averaged among the trainers, not pushed
-            engine.dense.start(self._pending.dense, pulled.call)
-            self._pending.dense = {}
+            engine.dense.start(calls.pending.dense, pulled.call)
+            calls.pending.dense = {}
             if engine.dense.waits_for_the_loop:  # the mean, for the loop's optimizer
                 engine.dense.finish()
+        self._count_step()
+        calls.pulled = None
+        ahead = self._ahead
+        if grouped:
+            self._grouped.after_step()
+        elif not self._prefetch and ahead is not None and ahead.ids is not None:
+            calls.send(ahead)
+        engine.observer.after_step(self.steps, self.samples, self.last_loss, pulled)
+        if engine.on_progress is not None:
+            lag, unit = self._input.lag()
+            progress = Progress(engine.trainer, self.steps, self.samples, self.last_loss, lag, unit)
+            engine.on_progress(progress)
+
+    def _count_step(self) -> None:
         self.steps += 1
-        if self._step_end is not None:
-            self.position, self._step_end = self._step_end, None
+        if self.step_end is not None:
+            self.position, self.step_end = self.step_end, None
         if self.steps == self._resumed.steps + 1:
             startup.mark("first_step")
         self.last_loss = self._step_loss
         self.loss_sum += self._step_loss
-        self._micro, self._step_loss, self._pulled = 0, 0.0, None
-        ahead = self._ahead
-        if group is not None:
-            self._after_group_step(group)
-        elif not self._prefetch and ahead is not None and ahead.ids is not None:
-            self._send(ahead)
-        engine.observer.after_step(self.steps, self.samples, self.last_loss, pulled)
-        if engine.on_progress is not None:
-            lag, unit = self._input_lag()
-            progress = Progress(engine.trainer, self.steps, self.samples, self.last_loss, lag, unit)
-            engine.on_progress(progress)
+        self._micro, self._step_loss = 0, 0.0
 
     def finish(self) -> Gradients:
         """The trainer's, once ``loop_fn`` has returned: wait for a call still under way;
         returns the gradients the last call must push."""
-        if self._in_flight is not None:
-            self._in_flight.wait()  # a prefetch whose step never came
-            self._in_flight = None
-        self._apply_dense()
+        pending = self._calls.finish()
         if self._forwards:
             log.warning(
                 "trainer %d: the loop ran a training forward after its last ctx.step(); "
                 "its gradients are not pushed",
                 self._engine.trainer,
             )
-        return self._pending
+        return pending
 
     def close(self) -> None:
         """The trainer's, once ``loop_fn`` has ended, well or not: the model calls its own
@@ -640,7 +394,7 @@ class TrainContext:
                 "a training forward after ctx.step() took this batch: take the next batch "
                 "from ctx.batches first (or run it under torch.no_grad())"
             )
-        if self._pulled is None:
+        if self._calls.pulled is None:
             self._begin_step(Step([call], *replica.record([call])), self._record_next)
         self._forwards += 1
         if self._batch is None:

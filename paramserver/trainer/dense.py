@@ -272,3 +272,27 @@ class AllReducedDense:
             if self.rule.name != "sgd" or float(updates) > 0:  # torch starts momentum lazily
                 state.update({slot: value.clone() for slot, value in slots.items()})
             self.updates = int(updates)
+
+
+def adopt_loops_optimizer(
+    dense: AllReducedDense | None, forwards: int, optimizer: torch.optim.Optimizer
+) -> None:
+    """Before ``optimizer``, the loop's own, steps ctx.model's dense parameters: with
+    ``--dense-sync allreduce`` (``dense``) it may, after ``ctx.step()`` (no training forward
+    since: ``forwards`` 0); where the servers hold them it may not (:class:`LoopError`)."""
+    if dense is None:
+        raise LoopError(
+            "an optimizer of the loop's own steps ctx.model's dense parameters, but the "
+            "servers hold them and apply the job's dense rule: this trainer's copy is "
+            "overwritten by the next pull, so the step would have no effect. Set the rule "
+            "in the job's config (optimizer, lr, momentum, weight_decay, the schedule; "
+            "table_optimizer for the tables), or keep the dense parameters on the "
+            "trainers with --dense-sync allreduce, where the loop's optimizer steps them"
+        )
+    if forwards:
+        raise LoopError(
+            "the loop's optimizer stepped after a training forward without ctx.step(): "
+            "call optimizer.step() after ctx.step(loss), which averages the dense "
+            "gradients over the trainers"
+        )
+    dense.adopt(optimizer)

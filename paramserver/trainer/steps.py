@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import ParamServerError
-from paramserver.inputs import PositionedInput
+from paramserver.inputs import STOP, PositionedInput
+from paramserver.trainer.checkpointing import TrainerCheckpoints
 from paramserver.trainer.client import Pulled
 from paramserver.trainer.heartbeat import Activity
 from paramserver.trainer.lookups import RecordedLookups
@@ -141,3 +143,66 @@ class AheadRecorder:
             return [Call.of(batch[0]) for batch in group]
         self.guessing = False
         return None
+
+
+class BatchSource:
+    """What ``ctx.batches`` reads, as steps: after a resume the batches trained before the
+    checkpoint skipped (over as many ``ctx.batches`` as they span; a positioned input, a
+    stream, seeks its saved position instead), then ``accumulate`` batches at a time up to
+    the job's steps, or a request to stop (:data:`paramserver.inputs.STOP`)."""
+
+    def __init__(
+        self,
+        accumulate: int,
+        resumed_steps: int,
+        resumed_position: Any,
+        checkpoints: TrainerCheckpoints,
+        activity: Activity,
+    ):
+        self.accumulate = accumulate
+        self.to_skip = resumed_steps * accumulate  # batches trained before
+        self.resumed_position = resumed_position
+        self.checkpoints, self.activity = checkpoints, activity
+        self.opened: list[Iterable[Any]] = []  # what ctx.batches read, for its input bytes
+        self.positioned: PositionedInput | None = None  # what ctx.batches reads, a stream
+
+    def open(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        self.opened.append(iterable)
+        positioned = iterable if isinstance(iterable, PositionedInput) else None
+        self.positioned = positioned
+        if positioned is not None:
+            if self.resumed_position is not None:
+                positioned.seek(self.resumed_position)
+                self.to_skip = 0
+            self.checkpoints.stream = positioned
+            if hasattr(positioned, "on_idle"):  # waiting for new records is not being stuck
+                positioned.on_idle = self.activity.touch
+        return iter(iterable)
+
+    def steps(
+        self,
+        source: Iterator[Any],
+        steps_done: int,
+        max_steps: int | None,
+        restore_rng: Callable[[], None],
+    ) -> Iterator[list[Any]]:
+        """``source``'s batches in steps, after the ones trained before; the trainer's RNG
+        states are restored once those are skipped (the data may draw from them)."""
+        if self.to_skip:
+            self.to_skip -= sum(1 for _ in itertools.islice(source, self.to_skip))
+        if not self.to_skip:
+            restore_rng()
+        steps = steps_done
+        while (max_steps is None or steps < max_steps) and not STOP.is_set():
+            group = list(itertools.islice(source, self.accumulate))
+            if not group:
+                return
+            steps += 1
+            yield group
+
+    def lag(self) -> tuple[int | None, str]:
+        """How far the head of the stream being read is ahead of this trainer, if it says."""
+        lag = getattr(self.positioned, "lag", None)
+        if lag is None:
+            return None, ""
+        return lag(), getattr(self.positioned, "lag_unit", "")
