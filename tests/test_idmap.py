@@ -216,3 +216,25 @@ def test_a_rebuild_refuses_a_slot_naming_a_row_past_the_records() -> None:
     old = np.array([0, 9, -1, -1], dtype=np.int32)  # row 9 of 4
     with pytest.raises(ValueError, match="past the end"):
         native.rehash(old, records, np.full(8, -1, np.int32), HASHING, lambda *_: None)
+
+
+def test_tables_of_one_row_group_get_its_rows_table_by_table_in_any_order_given() -> None:
+    """Tables sharing a row group get its rows table by table, each table's in the order its
+    ids are given: ids given table by table (as a read of several tables gives them) get the
+    rows that the same ids given mixed get, fresh rows and freed ones alike."""
+    g = torch.Generator().manual_seed(7)
+    by_table = FusedIdMap(3, initial_slots=16, groups=[0, 0, 0])
+    mixed = FusedIdMap(3, initial_slots=16, groups=[0, 0, 0])
+    for _ in range(20):
+        ids = torch.randint(-(2**40), 2**40, (60,), generator=g).unique()
+        ids = ids[torch.randperm(ids.numel(), generator=g)]
+        spaces = torch.randint(0, 3, (ids.numel(),), generator=g).numpy().astype(np.int16)
+        mixed_rows = mixed.insert(spaces, ids)
+        order = np.argsort(spaces, kind="stable")  # table by table, each in the given order
+        rows = by_table.insert(spaces[order], ids[torch.from_numpy(order)])
+        assert torch.equal(rows, mixed_rows[torch.from_numpy(order)])
+        for table in range(3):
+            gone = ids[torch.from_numpy(spaces == table)][::4]
+            freed = by_table.remove(table, gone).sort().values
+            assert torch.equal(freed, mixed.remove(table, gone).sort().values)
+    assert by_table.used_rows == mixed.used_rows and by_table.num_rows == mixed.num_rows

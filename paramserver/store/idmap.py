@@ -310,13 +310,18 @@ class FusedIdMap:
         """Add ``ids`` (unique per table, all absent) of tables ``spaces``; returns each one's
         new row in its table. ``found``: :meth:`find`'s answer for exactly these, if nothing
         was inserted since. Each group hands out its rows table by table, in the ids' order."""
-        order = np.argsort(spaces, kind="stable")
         counts = np.bincount(spaces, minlength=len(self.groups))
-        groups = self.table_groups[spaces[order]]
-        rows = np.empty(order.size, dtype=np.int64)
-        for group in sorted(set(self.table_groups[counts > 0].tolist())):  # np.unique: slower
-            at = order[groups == group] if len(self.used_rows) > 1 else order  # one group: all
-            rows[at] = self._new_rows(group, at.size)
+        if len(self.used_rows) == 1 and bool((spaces[1:] >= spaces[:-1]).all()):
+            # One group, ids already table by table (as a read of several tables gives
+            # them): its rows in the ids' order, with no sort.
+            rows = self._new_rows(0, spaces.size)
+        else:
+            order = np.argsort(spaces, kind="stable")
+            groups = self.table_groups[spaces[order]]
+            rows = np.empty(order.size, dtype=np.int64)
+            for group in sorted(set(self.table_groups[counts > 0].tolist())):  # np.unique: slower
+                at = order[groups == group] if len(self.used_rows) > 1 else order  # one: all
+                rows[at] = self._new_rows(group, at.size)
         for table in np.flatnonzero(counts).tolist():
             self.num_rows[table] += int(counts[table])
         self.entries.insert(ids, found, spaces, rows)
