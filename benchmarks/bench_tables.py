@@ -12,7 +12,8 @@ Writes JSON (``--out``); each comparison runs side by side in one run:
   step and samples/s).
 - ``dynamic_vs_fixed``: the core benchmark's model (8 tables x 1M x 32, batch 1024) with fixed
   tables and with dynamic tables, 1 server + 1 trainer, async, ``--repeats`` alternating runs
-  of each: samples/s and the ratio of medians (and of bests).
+  of each: samples/s and the ratio of medians (and of bests), and beside them the CPU per
+  sample of the trainer and of the server, counted over the training steps (Linux only).
 - ``server_cpu``: the same model's server work alone, in this process on one thread (the
   thread's CPU time, far less noisy than throughput here): per step, on a first pass over the
   data (dynamic tables create rows for 40% of the ids; the fastest of three, each on a new
@@ -27,9 +28,11 @@ Writes JSON (``--out``); each comparison runs side by side in one run:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -152,6 +155,9 @@ def bench_pooling(steps: int) -> dict[str, Any]:
 
 
 def bench_dynamic_vs_fixed(steps: int, repeats: int) -> dict[str, Any]:
+    """Samples/s of the core model with fixed and with dynamic tables, and beside it the CPU
+    per sample of the job's processes (trainer, server) over the training steps only: the
+    second moves far less with the host's other tenants than the first."""
     config = ps.TrainConfig(servers=1, trainers=1, optimizer="adagrad", lr=0.05, progress=False)
     data = SyntheticClickLogs(
         SyntheticSpec(rows_per_table=1_000_000, batch_size=1024, train_batches=steps)
@@ -164,22 +170,76 @@ def bench_dynamic_vs_fixed(steps: int, repeats: int) -> dict[str, Any]:
                 if kind == "dynamic"
                 else (lambda: DLRM(table_rows=[1_000_000] * 8, embedding_dim=32))
             )
-            runs[kind].append(
-                job_figures(
-                    ps.train(
-                        model_fn, data.train_batches, F.binary_cross_entropy_with_logits, config
-                    )
-                )
-            )
+            result = ps.run(model_fn, cpu_counted_loop(data.train_batches), config)
+            runs[kind].append(job_figures(result) | cpu_figures(result))
     best = {k: max(r["samples_per_s"] for r in v) for k, v in runs.items()}
     median = {k: statistics.median(r["samples_per_s"] for r in v) for k, v in runs.items()}
+    cpu = {
+        k: {
+            part: statistics.median(r["cpu_us_per_sample"][part] for r in v)
+            for part in ("trainer", "server", "job")
+        }
+        for k, v in runs.items()
+    }
     return {
         "runs": runs,
         "best_samples_per_s": best,
         "median_samples_per_s": median,
+        "median_cpu_us_per_sample": cpu,
         "dynamic_vs_fixed": median["dynamic"] / median["fixed"],
         "dynamic_vs_fixed_best": best["dynamic"] / best["fixed"],
+        # Samples per CPU second, dynamic over fixed: the speed ratio a host with no other
+        # tenants would show where the job is CPU-bound.
+        "dynamic_vs_fixed_cpu": cpu["fixed"]["job"] / cpu["dynamic"]["job"],
     }
+
+
+def cpu_counted_loop(data_fn: Any) -> Any:
+    """``paramserver.train``'s loop (one trainer: every batch, ``ctx.step`` after each
+    backward) that also returns the CPU seconds of this trainer's process and of the job's
+    other workers (its siblings: the local launcher's children) from its first step to its
+    last, and the samples trained meanwhile. Linux only (``/proc``)."""
+
+    def loop(ctx: ps.TrainContext) -> dict[str, float]:
+        started: dict[int, float] = {}
+        samples = 0
+        for inputs, target in ctx.batches(data_fn(ctx.rank, ctx.num_trainers)):
+            if not started:  # the first step's batch is here: count from now on
+                started = {pid: process_cpu_s(pid) for pid in sibling_pids()}
+            else:
+                samples += int(target.shape[0])  # this batch's, trained after the first
+            loss = F.binary_cross_entropy_with_logits(ctx.model(*inputs), target)
+            loss.backward()
+            ctx.step(loss.detach(), samples=int(target.shape[0]))
+        used = {pid: process_cpu_s(pid) - cpu for pid, cpu in started.items()}
+        trainer = used.pop(os.getpid())
+        return {"samples": samples, "trainer_cpu_s": trainer, "server_cpu_s": sum(used.values())}
+
+    return loop
+
+
+def sibling_pids() -> list[int]:
+    """This process and the others its parent started (a local job's workers)."""
+    parent = Path(f"/proc/{os.getppid()}/task")
+    children = [(task / "children").read_text().split() for task in parent.iterdir()]
+    return sorted({int(pid) for each in children for pid in each})
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_figures(result: ps.TrainResult | None) -> dict[str, Any]:
+    assert result is not None
+    counted = result.value
+    per_sample = {
+        "trainer": counted["trainer_cpu_s"],
+        "server": counted["server_cpu_s"],
+        "job": counted["trainer_cpu_s"] + counted["server_cpu_s"],
+    }
+    return {"cpu_us_per_sample": {k: 1e6 * v / counted["samples"] for k, v in per_sample.items()}}
 
 
 def bench_server_cpu(steps: int) -> dict[str, Any]:

@@ -4,6 +4,7 @@
  * - probe: search an id map (paramserver/store/idmap.py) for a batch of ids, one id at a time: a
  *   slot, then its row's record, and on to the next slot until a match or an empty slot.
  * - place: put new ids in the first free slot of their probe sequences, in order.
+ * - rehash: rebuild an id map's slot array in a larger (or cleaned) one, one pass over the old.
  * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
  * - unique_inverse: the sorted unique ids of each of several batches of ids, and where each id
  *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
@@ -285,6 +286,84 @@ done:
     PyBuffer_Release(&ids_view);
     PyBuffer_Release(&rows_view);
     if (have_spaces) release(&spaces_view);
+    return result;
+}
+
+static const char rehash_doc[] =
+    "rehash(old_slots, records, stride, space_offset, space_size, slots, gamma, space_stride)\n"
+    "    -> entries placed\n"
+    "Put every live row of old_slots (each row's id, and space if keyed, read from its record)\n"
+    "in the empty array slots, at the first free slot of its probe sequence, in old slot order.";
+
+/* An id map's rebuild in one pass: no list of live rows, no gather of their ids, no sort.
+ * Taken in the order of the old array, which is nearly that of the new home slots (a home
+ * slot in an array twice as long is twice the old one, or one more), the writes run forward
+ * through the new array. */
+static PyObject *rehash(PyObject *self, PyObject *args) {
+    Py_buffer old_view, records_view, slots_view;
+    Py_ssize_t stride, space_offset, space_size;
+    long long gamma, space_stride;
+    if (!PyArg_ParseTuple(args, "y*y*nnnw*LL", &old_view, &records_view, &stride,
+                          &space_offset, &space_size, &slots_view, &gamma, &space_stride))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t num_old = old_view.len / 4, num_slots = slots_view.len / 4;
+    int shift = slot_shift(num_slots);
+    if (shift < 0) goto done;
+    int keyed = space_offset >= 0;
+    if (stride < 8 || (keyed && (!valid_itemsize(space_size) ||
+                                 space_offset + space_size > stride))) {
+        PyErr_SetString(PyExc_ValueError, "rehash: records of a mismatched layout");
+        goto done;
+    }
+    Rows rows = {records_view.buf, records_view.len / stride, stride, space_offset, space_size,
+                 -1};
+    const int32_t *old = old_view.buf;
+    int32_t *slots = slots_view.buf;
+    uint64_t mask = (uint64_t)num_slots - 1;
+    long long placed = 0;
+    const char *error = NULL; /* set without the GIL, raised with it */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < num_old; i++) {
+        /* The old slots are read in order; the records they name lie anywhere: ask early. */
+        if (i + IDS_AHEAD < num_old) {
+            int32_t ahead = old[i + IDS_AHEAD];
+            if (ahead >= 0 && ahead < rows.num_rows)
+                __builtin_prefetch(rows.records + (Py_ssize_t)ahead * stride);
+        }
+        int32_t row = old[i];
+        if (row < 0) continue; /* empty or deleted */
+        if (row >= rows.num_rows) {
+            error = "rehash: a slot names a row past the end";
+            break;
+        }
+        const char *record = rows.records + (Py_ssize_t)row * stride;
+        int64_t id;
+        memcpy(&id, record, 8);
+        int64_t space = keyed ? read_int(record + space_offset, 0, space_size) : 0;
+        uint64_t at = home_slot(id, space, (uint64_t)gamma, (uint64_t)space_stride, shift);
+        Py_ssize_t looked = 0;
+        while (slots[at] != EMPTY_SLOT) {
+            at = (at + 1) & mask;
+            if (++looked == num_slots) {
+                error = "rehash: the slot array is full";
+                goto rehashed;
+            }
+        }
+        slots[at] = row;
+        placed++;
+    }
+rehashed:
+    Py_END_ALLOW_THREADS
+    if (error != NULL) {
+        PyErr_SetString(PyExc_ValueError, error);
+        goto done;
+    }
+    result = PyLong_FromLongLong(placed);
+done:
+    PyBuffer_Release(&old_view);
+    PyBuffer_Release(&records_view);
+    PyBuffer_Release(&slots_view);
     return result;
 }
 
@@ -1080,6 +1159,7 @@ done:
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
+    {"rehash", rehash, METH_VARARGS, rehash_doc},
     {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
     {"own_rows", own_rows, METH_VARARGS, own_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},

@@ -10,6 +10,8 @@ is what sets its speed. The operations, each a function here with the same resul
 - :func:`probe` and :func:`place`: an id map (:mod:`paramserver.store.idmap`) searches a batch
   of ids and places new ones one id at a time, reading a slot and its row's record once each
   (numpy, :mod:`paramserver.store.probing`: a round of array operations per window of slots);
+  :func:`rehash` rebuilds its slot array larger in one pass over the old one (numpy: the live
+  rows listed, their ids gathered and sorted by home slot);
 - :func:`adagrad_rows`: Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row
   in place, read and written once (torch.optim: a gather, the rule's passes, a scatter), with
   torch's float operations in torch's order: bitwise the same;
@@ -83,6 +85,8 @@ Recipe = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # ids, salts, sc
 # An id map's search and placement by numpy: (slots, records or ids, ids, spaces, hashing).
 Search = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]], Probed]
 Placement = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, tuple[int, int]], int]
+# An id map's rebuild by numpy: (old slots, records or ids, new slots, hashing).
+Rehash = Callable[[np.ndarray, np.ndarray, np.ndarray, tuple[int, int]], None]
 
 
 def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
@@ -127,19 +131,26 @@ def probe(
         return fallback(slots, records, ids, spaces, hashing)
     rows = np.empty(ids.size, dtype=np.int64)
     ends = np.empty(ids.size, dtype=np.int64)
-    fields = records.dtype.fields
-    if fields is None:
-        payloads, layout = None, (8, -1, 1, -1)
-    else:
-        payloads = np.empty(ids.size, dtype=np.int32)
-        layout = (records.itemsize, fields["space"][1], fields["space"][0].itemsize,
-                  fields["payload"][1])  # fmt: skip
-        records = records.view(np.uint8)
+    keyed = records.dtype.fields is not None
+    payloads = np.empty(ids.size, dtype=np.int32) if keyed else None
+    raw, layout = _record_layout(records)
     loops.probe(
-        slots, records, *layout, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
+        slots, raw, *layout, np.ascontiguousarray(ids, dtype=np.int64), _contiguous(spaces),
         *hashing, rows, ends, payloads,
     )  # fmt: skip
     return rows, ends, payloads
+
+
+def _record_layout(records: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int, int]]:
+    """An id map's records as the loops read them (bytes), and their layout: a record's
+    size, its space's offset and size (-1 and 1: not keyed by space) and its payload's
+    offset (-1: none)."""
+    fields = records.dtype.fields
+    if fields is None:  # a record is its id
+        return records, (8, -1, 1, -1)
+    layout = (records.itemsize, fields["space"][1], fields["space"][0].itemsize,
+              fields["payload"][1])  # fmt: skip
+    return records.view(np.uint8), layout
 
 
 def place(
@@ -162,6 +173,25 @@ def place(
             np.ascontiguousarray(rows, dtype=np.int64), *hashing,
         )
     )  # fmt: skip
+
+
+def rehash(
+    old_slots: np.ndarray,
+    records: np.ndarray,
+    slots: np.ndarray,
+    hashing: tuple[int, int],
+    fallback: Rehash,
+) -> None:
+    """Rebuild an id map: put the row of every live slot of ``old_slots`` (its id, and its
+    space in a map keyed by space, read from its record of ``records``, as :func:`probe` takes
+    them) in ``slots`` (empty, a power of two long, with room for all of them), each at the
+    first free slot of its probe sequence. The loop takes them in ``old_slots``' order in one
+    pass; numpy's way may leave another layout of slots, as valid."""
+    if loops is None:
+        fallback(old_slots, records, slots, hashing)
+        return
+    raw, (stride, space_offset, space_size, _) = _record_layout(records)
+    loops.rehash(old_slots, raw, stride, space_offset, space_size, slots, *hashing)
 
 
 def ascending_within(

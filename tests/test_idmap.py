@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from paramserver import native
 from paramserver.store.idmap import FusedIdMap, IdMap
 from paramserver.store.probing import HASHING, home
 from tests.helpers import EXTREMES
@@ -166,3 +167,74 @@ def test_id_map_arrays_grow_in_place_within_their_reservation(spaces: int) -> No
         rows.append(id_map.insert(ids[part], None, None if where is None else where[part]))
     assert id_map.row_ids.ctypes.data == address and id_map.capacity_rows >= 500
     assert torch.equal(id_map.lookup(ids, where), torch.cat(rows))
+
+
+@pytest.mark.parametrize("spaces", [0, 3])
+def test_rebuilds_keep_every_live_id_at_its_row_and_drop_deleted_slots(spaces: int) -> None:
+    """Growing from 16 slots through many rebuilds, with ids deleted between inserts (their
+    slots marked deleted, their rows reused): after each insert every live id is found at its
+    row, every removed id is absent, and a rebuild leaves no deleted slot behind."""
+    g = torch.Generator().manual_seed(5)
+    id_map = IdMap(initial_slots=16, spaces=spaces)
+    live: dict[tuple[int, int], int] = {}  # (space, id) -> row
+    layouts = id_map.layout
+    for _ in range(40):
+        ids = torch.randint(-(2**62), 2**62, (97,), generator=g).unique()
+        where = torch.randint(0, max(spaces, 1), (ids.numel(),), generator=g).numpy()
+        kinds = where.astype(np.int16) if spaces else None
+        rows = id_map.insert(ids, None, kinds).tolist()
+        live.update(zip(zip(where.tolist(), ids.tolist(), strict=True), rows, strict=True))
+        if id_map.layout != layouts:  # rebuilt by this insert: only live slots carried over
+            layouts = id_map.layout
+            assert id_map.num_deleted_slots == 0 and not (id_map.slots == -2).any()
+        gone = list(live)[::3][:20]
+        for space in {s for s, _ in gone}:
+            removed = torch.tensor(sorted(i for s, i in gone if s == space))
+            id_map.remove(removed, np.full(removed.numel(), space, np.int16) if spaces else None)
+        for key in gone:
+            del live[key]
+        keys = list(live)
+        found = id_map.lookup(
+            torch.tensor([i for _, i in keys]),
+            np.array([s for s, _ in keys], dtype=np.int16) if spaces else None,
+        )
+        assert found.tolist() == [live[key] for key in keys]
+        absent = id_map.lookup(
+            torch.tensor([i for _, i in gone]),
+            np.array([s for s, _ in gone], dtype=np.int16) if spaces else None,
+        )
+        assert bool((absent < 0).all())
+    assert layouts >= 4  # grown through several rebuilds
+    assert int((id_map.slots >= 0).sum()) == id_map.num_rows == len(live)
+
+
+def test_a_rebuild_refuses_a_slot_naming_a_row_past_the_records() -> None:
+    """The compiled rebuild checks every row number it follows (as the probe does)."""
+    if native.loops is None:
+        pytest.skip("the numpy path reads rows by numpy's own bounds checks")
+    records = np.arange(4, dtype=np.int64)
+    old = np.array([0, 9, -1, -1], dtype=np.int32)  # row 9 of 4
+    with pytest.raises(ValueError, match="past the end"):
+        native.rehash(old, records, np.full(8, -1, np.int32), HASHING, lambda *_: None)
+
+
+def test_tables_of_one_row_group_get_its_rows_table_by_table_in_any_order_given() -> None:
+    """Tables sharing a row group get its rows table by table, each table's in the order its
+    ids are given: ids given table by table (as a read of several tables gives them) get the
+    rows that the same ids given mixed get, fresh rows and freed ones alike."""
+    g = torch.Generator().manual_seed(7)
+    by_table = FusedIdMap(3, initial_slots=16, groups=[0, 0, 0])
+    mixed = FusedIdMap(3, initial_slots=16, groups=[0, 0, 0])
+    for _ in range(20):
+        ids = torch.randint(-(2**40), 2**40, (60,), generator=g).unique()
+        ids = ids[torch.randperm(ids.numel(), generator=g)]
+        spaces = torch.randint(0, 3, (ids.numel(),), generator=g).numpy().astype(np.int16)
+        mixed_rows = mixed.insert(spaces, ids)
+        order = np.argsort(spaces, kind="stable")  # table by table, each in the given order
+        rows = by_table.insert(spaces[order], ids[torch.from_numpy(order)])
+        assert torch.equal(rows, mixed_rows[torch.from_numpy(order)])
+        for table in range(3):
+            gone = ids[torch.from_numpy(spaces == table)][::4]
+            freed = by_table.remove(table, gone).sort().values
+            assert torch.equal(freed, mixed.remove(table, gone).sort().values)
+    assert by_table.used_rows == mixed.used_rows and by_table.num_rows == mixed.num_rows

@@ -117,6 +117,7 @@ class DynamicTable:
         self.arena = shared.arena
         self.cache_lag = cache_lag
         self.fresh_version = 0  # where a new row's version starts
+        self.init_salt = salt(spec.name, self.options)  # its rows' init: a constant per table
         self.pending = PendingIds()  # ids seen but not yet admitted
         self.counters = TableCounters()
         self.swept_at = 0
@@ -438,7 +439,7 @@ class DynamicTables:
         pick, with which of them take the reader's ``asks.pending`` push."""
         with self.lock:
             located = locate_together(self.tables, wanted, self.id_map, reading)
-            values = values_together(self.tables, located)
+            values = values_together(self.tables, located, joined=located.joined)
             for name, found in located.items():
                 table = self.tables[name]
                 into.values[name] = values[name]
@@ -497,12 +498,19 @@ def _empty_rows(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+class Located(dict[str, Tensor]):
+    """The rows :func:`locate_together` found, by table; ``joined``: all of them end to end,
+    in the tables' order (each table's a view of it), or None where a table's are not."""
+
+    joined: Tensor | None = None
+
+
 def locate_together(
     tables: Mapping[str, DynamicTable],
     wanted: Mapping[str, Tensor],
     shared: FusedIdMap,
     reading: Reading,
-) -> dict[str, Tensor]:
+) -> Located:
     """The rows of the ids ``wanted`` of each table, as each table's own read locates them,
     for tables sharing the id map ``shared`` (their lock held): all their ids searched in one
     call, and their admitted ids inserted in one."""
@@ -519,23 +527,37 @@ def locate_together(
         for name, count in zip(names, counts, strict=True):
             tables[name].counters.lookups += count
     each = rows.split_with_sizes(counts)  # Tensor.split: a slower Python wrapper of it
-    return {n: tables[n].settle(wanted[n], each[i], reading) for i, n in enumerate(names)}
+    located = Located()
+    for name, part in zip(names, each, strict=True):
+        located[name] = tables[name].settle(wanted[name], part, reading)
+    # A table's rows are a view of all of them unless an eviction made it look them up again.
+    if all(located[name] is part for name, part in zip(names, each, strict=True)):
+        located.joined = rows
+    return located
 
 
 def values_together(
-    tables: Mapping[str, DynamicTable], located: Mapping[str, Tensor]
+    tables: Mapping[str, DynamicTable],
+    located: Mapping[str, Tensor],
+    joined: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """The values of each table's ``located`` rows, the default vector where a row is -1;
-    those of tables sharing an arena taken in one call (the tensors are then views of one)."""
+    those of tables sharing an arena taken in one call (the tensors are then views of one).
+    ``joined``: all of ``located`` end to end in its order, if the caller has them so."""
     values: dict[str, Tensor] = {}
-    for names in by_arena(tables, located):
-        rows = torch.cat([located[name] for name in names])
+    groups = by_arena(tables, located)
+    for names in groups:
+        if joined is not None and len(groups) == 1:  # every table's rows, already in order
+            rows = joined
+        else:
+            rows = torch.cat([located[name] for name in names])
         counts = [located[name].numel() for name in names]
         weight = tables[names[0]].arena.weight
-        present = rows >= 0
-        if bool(present.all()):
-            together = take_rows(weight, rows.numpy())
+        rows_array = rows.numpy()
+        if not rows_array.size or int(rows_array.min()) >= 0:  # numpy: cheaper than torch here
+            together = take_rows(weight, rows_array)
         else:  # the default vectors where an id has no row
+            present = rows >= 0
             defaults = [tables[name].options.default_value for name in names]
             default = torch.tensor(defaults, dtype=weight.dtype)
             default = default.repeat_interleave(torch.tensor(counts)).unsqueeze(1)
@@ -609,18 +631,22 @@ def _make_rows(
         arena = first.arena
         spans = [made[name] for name in names]
         counts = [end - start for start, end in spans]
-        group_ids = np.concatenate([ids[start:end] for start, end in spans])
-        group_rows = np.concatenate([rows[start:end] for start, end in spans])
-        salts = np.repeat([salt(name, tables[name].options) for name in names], counts)
-        scales = np.repeat([tables[name].options.init_scale for name in names], counts)
-        init_values_and_state(arena, group_rows, group_ids, salts.astype(np.int64), scales)
+        if all(a[1] == b[0] for a, b in itertools.pairwise(spans)):  # one run: views
+            group_ids, group_rows = (x[spans[0][0] : spans[-1][1]] for x in (ids, rows))
+        else:
+            group_ids = np.concatenate([ids[start:end] for start, end in spans])
+            group_rows = np.concatenate([rows[start:end] for start, end in spans])
+        group = [tables[name] for name in names]
+        salts = np.repeat(np.array([t.init_salt for t in group], dtype=np.int64), counts)
+        scales = np.repeat(np.array([t.options.init_scale for t in group]), counts)
+        init_values_and_state(arena, group_rows, group_ids, salts, scales)
         if arena.steps is not None:
             arena.steps.index_fill_(0, torch.from_numpy(group_rows), 0)
         if arena.versions is not None:
-            fresh = np.repeat([tables[name].fresh_version for name in names], counts)
+            fresh = np.repeat([t.fresh_version for t in group], counts)
             arena.versions[torch.from_numpy(group_rows)] = torch.from_numpy(fresh)
         made_ids = {}
-        for name, (start, end) in zip(names, spans, strict=True):
-            tables[name].counters.admitted += end - start
+        for name, table, (start, end) in zip(names, group, spans, strict=True):
+            table.counters.admitted += end - start
             made_ids[name] = torch.from_numpy(ids[start:end])
         first.changes.rows_written(made_ids)

@@ -7,8 +7,8 @@ id, so a probe compares ``row_ids[slots[h]]`` with the id. That keeps the map's 
 4 bytes per slot plus 8 per row (about 13-19 bytes per row at the load factors kept here,
 against 24-32 for a slot array of int64 keys and int32 values).
 
-Every operation works on a whole batch of ids: its search and placement are the compiled
-loops' (:mod:`paramserver.native`), or rounds of array operations
+Every operation works on a whole batch of ids: its search, placement and rebuilds are the
+compiled loops' (:mod:`paramserver.native`), or rounds of array operations
 (:mod:`paramserver.store.probing`) where there are none; this module keeps the rows' books.
 The arrays are numpy arrays and the calls take and return torch tensors (shared memory, no
 copies): a step looks up a few hundred ids per table, where numpy's per-operation cost is a
@@ -22,7 +22,7 @@ calls (a table under its lock; a trainer's cache from the trainer's one loop).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -163,17 +163,20 @@ class IdMap:
         spaces: np.ndarray,
         payloads: np.ndarray | None,
     ) -> None:
-        """Set the records of new rows: freed rows ``reused``, then fresh ones from ``start``
-        on; built whole, then copied in (a slice for the fresh rows). Payloads not given are
-        -1."""
-        records = cast(
-            "np.ndarray[Any, np.dtype[np.void]]", np.empty_like(self.records, shape=keys.size)
-        )
-        records["id"] = keys
-        records["space"] = spaces
-        records["payload"] = EMPTY if payloads is None else payloads
-        self.records[reused] = records[: reused.size]
-        self.records[start : start + keys.size - reused.size] = records[reused.size :]
+        """Set the records of new rows: freed rows ``reused`` (the first of ``keys``), then
+        fresh ones from ``start`` on. Payloads not given are -1."""
+        fresh = self.records[start : start + keys.size - reused.size]  # a view: written in place
+        parts = [(fresh, slice(reused.size, None))]
+        if reused.size:
+            # Built whole, then copied in: a structured array's fields are written faster so
+            # than each scattered to the freed rows.
+            parts.append((np.empty_like(self.records, shape=reused.size), slice(reused.size)))
+        for records, taken in parts:
+            records["id"] = keys[taken]
+            records["space"] = spaces[taken]
+            records["payload"] = EMPTY if payloads is None else payloads[taken]
+        if reused.size:
+            self.records[reused] = parts[1][0]
 
     def remove(self, ids: Tensor, spaces: np.ndarray | None = None) -> Tensor:
         """Delete ``ids`` (unique); returns the freed rows (absent ids are ignored)."""
@@ -227,12 +230,23 @@ class IdMap:
         size = 16
         while live > REHASH_LOAD * size:
             size *= 2
-        rows = self._occupied()  # in slot order: a rebuild needs no sorting
-        ids = self.row_ids[rows]
+        old = self.slots
         self.slots = np.full(size, EMPTY, dtype=np.int32)
         self.num_deleted_slots = 0
         self.layout += 1
-        self._build(ids, rows, None if self.row_spaces is None else self.row_spaces[rows])
+        native.rehash(old, self.records[: self.used_rows], self.slots, HASHING, self._rebuild)
+
+    def _rebuild(
+        self, old_slots: np.ndarray, records: np.ndarray, slots: np.ndarray, _: tuple[int, int]
+    ) -> None:
+        """:meth:`_reserve`'s rebuild by numpy: the rows of ``old_slots`` placed in
+        ``slots`` (the map's new, empty slot array) by :meth:`_build`."""
+        assert slots is self.slots
+        rows = old_slots[old_slots >= 0].astype(np.int64)  # in slot order: no sorting
+        if records.dtype.names is None:  # a record is its id
+            self._build(records[rows], rows, None)
+        else:
+            self._build(records["id"][rows], rows, records["space"][rows])
 
     def _build(self, ids: np.ndarray, rows: np.ndarray, spaces: np.ndarray | None) -> None:
         """Place ``ids`` in an empty slot array at once, in order of home slot; the few that
@@ -296,13 +310,18 @@ class FusedIdMap:
         """Add ``ids`` (unique per table, all absent) of tables ``spaces``; returns each one's
         new row in its table. ``found``: :meth:`find`'s answer for exactly these, if nothing
         was inserted since. Each group hands out its rows table by table, in the ids' order."""
-        order = np.argsort(spaces, kind="stable")
         counts = np.bincount(spaces, minlength=len(self.groups))
-        groups = self.table_groups[spaces[order]]
-        rows = np.empty(order.size, dtype=np.int64)
-        for group in sorted(set(self.table_groups[counts > 0].tolist())):  # np.unique: slower
-            at = order[groups == group] if len(self.used_rows) > 1 else order  # one group: all
-            rows[at] = self._new_rows(group, at.size)
+        if len(self.used_rows) == 1 and bool((spaces[1:] >= spaces[:-1]).all()):
+            # One group, ids already table by table (as a read of several tables gives
+            # them): its rows in the ids' order, with no sort.
+            rows = self._new_rows(0, spaces.size)
+        else:
+            order = np.argsort(spaces, kind="stable")
+            groups = self.table_groups[spaces[order]]
+            rows = np.empty(order.size, dtype=np.int64)
+            for group in sorted(set(self.table_groups[counts > 0].tolist())):  # np.unique: slower
+                at = order[groups == group] if len(self.used_rows) > 1 else order  # one: all
+                rows[at] = self._new_rows(group, at.size)
         for table in np.flatnonzero(counts).tolist():
             self.num_rows[table] += int(counts[table])
         self.entries.insert(ids, found, spaces, rows)
