@@ -17,9 +17,9 @@ from paramserver.launch.roles import build_server
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import InFlight, PSClient, Pulled, RowState, Traffic
-from paramserver.trainer.routes import Route
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
+from paramserver.trainer.routes import Route
 from paramserver.wire.compression import Encoded, error_bound, plain
 from paramserver.wire.messages import PushPullReply, PushPullRequest, state_key
 from paramserver.wire.sizing import payload_size
