@@ -76,13 +76,17 @@ def test_only_a_views_own_elements_travel() -> None:
     assert beside[0].untyped_storage().nbytes() == 400_000
 
 
-def test_decoded_tensors_are_writable_and_the_receivers_own() -> None:
-    frame, large = frames.encode([torch.zeros(3), torch.ones(2, dtype=torch.int64)])
+def test_decoded_tensors_are_writable_views_of_the_frame_and_the_senders_are_untouched() -> None:
+    sent = [torch.zeros(3), torch.ones(2, dtype=torch.int64)]
+    frame, large = frames.encode(sent)
     first, second = frames.decode(frame, large)
     first += 1
     second[0] = 7
-    again = frames.decode(frame, large)  # the frame itself is untouched
-    assert torch.equal(again[0], torch.zeros(3)) and torch.equal(first, torch.ones(3))
+    assert torch.equal(frames.decode(frame, large)[0], torch.ones(3))  # read in place
+    assert torch.equal(sent[0], torch.zeros(3)) and torch.equal(sent[1], torch.ones(2))
+    copied = frames.decode(bytes(frame), large)[0]  # bytes are read from a copy
+    copied += 1
+    assert torch.equal(frames.decode(frame, large)[0], torch.ones(3))
 
 
 def test_tensors_that_are_not_plain_data_travel_pickled() -> None:
@@ -94,7 +98,7 @@ def test_tensors_that_are_not_plain_data_travel_pickled() -> None:
 def encoded(message: Any) -> bytes:
     frame, large = frames.encode(message)
     assert not large
-    return frame
+    return bytes(frame)
 
 
 def frame_of_version(version: int) -> bytes:

@@ -65,7 +65,7 @@ def trainer_name(index: int) -> str:
 
 
 @rpc.functions.async_execution
-def _serve(frame: bytes, large: list[Tensor]) -> Future:
+def _serve(frame: bytearray, large: list[Tensor]) -> Future:
     """A call's frame (``(op, args)``, see :mod:`paramserver.wire.frames`) handed to the
     endpoint; its answer goes back as a frame too (its error as itself)."""
     endpoint = _ENDPOINT
@@ -81,7 +81,7 @@ def _serve(frame: bytes, large: list[Tensor]) -> Future:
     return endpoint.handle(op, args).then(_answer_frame)
 
 
-def _answer_frame(answered: Future) -> tuple[bytes, list[Tensor]]:
+def _answer_frame(answered: Future) -> tuple[bytearray, list[Tensor]]:
     return frames.encode(answered.value())
 
 

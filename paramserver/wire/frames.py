@@ -4,8 +4,9 @@ tensors' data end to end; its large tensors beside it.
 What a round trip over TensorPipe costs its caller (``benchmarks/bench_rpc_floor.py``, loopback,
 this project's machines): about 230 us of CPU carrying nothing, about 80 us more for each tensor
 it carries, and about 1 us more per KB of ``bytes`` (which it copies into its pickle and out
-again). So small tensors are cheapest copied into one ``bytes`` frame and large ones shipped as
-TensorPipe's buffers, as they are. :func:`encode` makes ``(frame, large)``: ``frame`` the bytes,
+again). So small tensors are cheapest copied into one frame of bytes (a ``bytearray``, which the
+receiver then owns and reads in place) and large ones shipped as TensorPipe's buffers, as they
+are. :func:`encode` makes ``(frame, large)``: ``frame`` the bytearray,
 ``large`` the tensors of :data:`LARGE_BYTES` or more (each its own storage exactly, so no more
 than its elements travels); :func:`decode` takes both back.
 
@@ -21,7 +22,8 @@ Layout of ``frame``, little-endian::
 A frame of another version is refused with :class:`FrameError` naming both versions, before
 anything of it is read; so is one whose references do not match its data and its large tensors
 exactly (a peer's frame is checked as it is read). Decoded small tensors are writable views of
-one copy of the frame's data, which the receiver owns, as it owns the large ones.
+the frame's data (of a copy where the frame is ``bytes``), which the receiver owns, as it owns
+the large ones.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class _Pickler(pickle.Pickler):
         return _small_tensor, (_DTYPE_NAMES[obj.dtype], tuple(obj.shape))
 
 
-def encode(message: Any) -> tuple[bytes, list[Tensor]]:
+def encode(message: Any) -> tuple[bytearray, list[Tensor]]:
     """``message`` as a frame and its large tensors (see the module docstring). The small
     tensors are copied; the large ones are the message's own (or a copy of a view's
     elements): the caller must not change them until the call is sent."""
@@ -117,7 +119,7 @@ def encode(message: Any) -> tuple[bytes, list[Tensor]]:
             plain = tensor if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16)
             data = plain.contiguous().numpy().reshape(-1).view(np.uint8)
             view[start : start + data.nbytes] = data.data
-    return bytes(frame), large
+    return frame, large
 
 
 class _Reading(threading.local):
@@ -171,8 +173,8 @@ def _large_tensor(index: int) -> Tensor:
 def _checked_header(frame: object, large: object) -> tuple[memoryview, int, int]:
     """A frame's view, its count of small tensors and where its structure ends, once its
     header and large tensors are checked (:class:`FrameError` saying what is wrong)."""
-    if type(frame) is not bytes:
-        raise FrameError(f"a frame is bytes, not {type(frame).__name__}")
+    if type(frame) is not bytearray and type(frame) is not bytes:
+        raise FrameError(f"a frame is a bytearray, not {type(frame).__name__}")
     if not isinstance(large, list | tuple) or not all(
         type(t) is Tensor and _plain(t) for t in large
     ):
@@ -196,13 +198,16 @@ def _checked_header(frame: object, large: object) -> tuple[memoryview, int, int]
     return view, num_small, structure_end
 
 
-def decode(frame: bytes, large: list[Tensor] | tuple[Tensor, ...] = ()) -> Any:
+def decode(frame: bytearray | bytes, large: list[Tensor] | tuple[Tensor, ...] = ()) -> Any:
     """The message of :func:`encode`'s ``(frame, large)``; :class:`FrameError` where the frame
     is of another version or damaged."""
     view, num_small, structure_end = _checked_header(frame, large)
     data_start = min(_aligned(structure_end), view.nbytes)
     data = (
-        torch.frombuffer(bytearray(view[data_start:]), dtype=torch.uint8)
+        # A bytearray is the receiver's (the RPC layer made it): its data is read in place.
+        torch.frombuffer(
+            frame if type(frame) is bytearray else bytearray(frame), dtype=torch.uint8
+        )[data_start:]
         if data_start < view.nbytes
         else torch.empty(0, dtype=torch.uint8)
     )
