@@ -10,6 +10,8 @@
  *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
  * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
  *   and their gradients added back, every table and lookup in one call.
+ * - pool_bags, scatter_bags: the same for a trainer's pooled lookups (EmbeddingBag's sum and
+ *   mean): each bag's rows summed in torch's order; backward added straight into the rows.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -966,6 +968,204 @@ static const char scatter_rows_doc[] =
 
 static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows(args, 1); }
 
+/* pool_bags and scatter_bags: a trainer's pooled lookups (EmbeddingBag's sum and mean, with
+ * per-sample weights and a padding row) in the rows pulled for each table, and their gradients
+ * added back: each bag's rows summed in the bag's order from zero (torch's order: fbgemm's
+ * kernel, a weight's product fused into the sum), a mean divided by the bag's rows that are not
+ * padding; backward adds each id's share of its bag's gradient straight into its row, in the
+ * ids' order (no sort). Rows float32 or float64 (`wide`). */
+typedef struct {
+    Py_ssize_t table;
+    Py_buffer positions; /* int64: each id's row in its table */
+    Py_buffer starts;    /* int64: where each bag starts, and the end (bags + 1) */
+    Py_buffer weights;   /* one per id, of the rows' type; buf NULL: none */
+    Py_ssize_t padding;  /* the padding row's position, -1: none */
+    int mean;
+    Py_buffer pooled;    /* bags x dim: out (pool_bags), gradients (scatter_bags; NULL: none) */
+} Bags;
+
+/* Check one Bags against its table (`table_rows` rows), ids and bags; NULL if sound. */
+static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t dim,
+                              Py_ssize_t item) {
+    Py_ssize_t count = b->positions.len / 8, num_bags = b->starts.len / 8 - 1;
+    const int64_t *positions = b->positions.buf, *starts = b->starts.buf;
+    if (b->positions.len % 8 || b->starts.len % 8 || num_bags < 0) return "bad id arrays";
+    if (b->weights.buf != NULL && b->weights.len != count * item)
+        return "one weight per id is needed";
+    if (b->pooled.buf != NULL && b->pooled.len != num_bags * dim * item)
+        return "one pooled row per bag is needed";
+    if (starts[0] != 0 || starts[num_bags] != count) return "bags must cover the ids";
+    for (Py_ssize_t j = 0; j < num_bags; j++)
+        if (starts[j + 1] < starts[j]) return "bags must not end before they start";
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (positions[i] < 0 || positions[i] >= table_rows) return "a position past its table";
+    return NULL;
+}
+
+static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
+                       Py_ssize_t item, Py_buffer *table_views, Py_ssize_t num_tables,
+                       Bags *each, Py_ssize_t num_lookups) {
+    const char *error = NULL;
+    int table_flags = PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0);
+    int pooled_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+    for (Py_ssize_t t = 0; t < num_tables; t++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(tables, t), &table_views[t],
+                               table_flags) < 0)
+            return -1;
+        if (table_views[t].len % (item * dim)) error = "a table's size is not whole rows";
+    }
+    for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
+        PyObject *item_object = PySequence_Fast_GET_ITEM(lookups, j), *weights, *pooled;
+        Bags *b = &each[j];
+        if (!PyTuple_Check(item_object)) {
+            PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
+                                             "weights, padding, mean, pooled) tuple");
+            return -1;
+        }
+        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO", &b->table, buffer_converter,
+                              &b->positions, buffer_converter, &b->starts, &weights,
+                              &b->padding, &b->mean, &pooled))
+            return -1;
+        if (optional_buffer(weights, &b->weights, PyBUF_C_CONTIGUOUS) < 0 ||
+            optional_buffer(pooled, &b->pooled, pooled_flags) < 0)
+            return -1;
+        if (!scatter && b->pooled.buf == NULL) error = "a lookup without an output";
+        else if (b->table < 0 || b->table >= num_tables) error = "a lookup of no table";
+        else error = check_bags(b, table_views[b->table].len / item / dim, dim, item);
+    }
+    if (error != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", scatter ? "scatter_bags" : "pool_bags", error);
+        return -1;
+    }
+    return 0;
+}
+
+/* The ids of bag j that are not the padding row. */
+static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
+    const int64_t *positions = b->positions.buf, *starts = b->starts.buf;
+    Py_ssize_t size = 0;
+    for (int64_t i = starts[j]; i < starts[j + 1]; i++) size += positions[i] != b->padding;
+    return size;
+}
+
+#define POOL_BAGS(T, FMA)                                                                    \
+    static void pool_bags_##T(const Bags *b, const T *table, Py_ssize_t dim) {              \
+        const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
+        const T *weights = b->weights.buf;                                                   \
+        T *out = b->pooled.buf;                                                              \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
+        for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
+            T *sum = out + j * dim;                                                          \
+            for (Py_ssize_t k = 0; k < dim; k++) sum[k] = 0;                                 \
+            Py_ssize_t size = 0;                                                             \
+            for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
+                if (positions[i] == b->padding) continue;                                    \
+                const T *row = table + positions[i] * dim;                                   \
+                size++;                                                                      \
+                if (weights != NULL) {                                                       \
+                    T w = weights[i];                                                        \
+                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] = FMA(w, row[k], sum[k]);    \
+                } else {                                                                     \
+                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] += row[k];                   \
+                }                                                                            \
+            }                                                                                \
+            if (b->mean && size > 0)                                                         \
+                for (Py_ssize_t k = 0; k < dim; k++) sum[k] /= (T)size;                      \
+        }                                                                                    \
+    }                                                                                        \
+    static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim) {                 \
+        const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
+        const T *weights = b->weights.buf, *pooled = b->pooled.buf;                          \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
+        for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
+            const T *grad = pooled + j * dim;                                                \
+            Py_ssize_t size = b->mean ? bag_size(b, j) : 1;                                  \
+            T share = (T)(1.0 / (double)(size ? size : 1));                                  \
+            for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
+                if (positions[i] == b->padding) continue;                                    \
+                T *row = grads + positions[i] * dim;                                         \
+                if (weights != NULL || b->mean) {                                            \
+                    T scale = weights != NULL ? weights[i] : share;                          \
+                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += scale * grad[k];          \
+                } else {                                                                     \
+                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                  \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+POOL_BAGS(float, fmaf)
+POOL_BAGS(double, fma)
+
+static PyObject *move_bags(PyObject *args, int scatter) {
+    PyObject *tables_arg, *lookups_arg, *result = NULL;
+    Py_ssize_t dim;
+    int wide;
+    if (!PyArg_ParseTuple(args, "OOnp", &tables_arg, &lookups_arg, &dim, &wide)) return NULL;
+    if (dim <= 0 || dim > PY_SSIZE_T_MAX / 16) {
+        PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
+        return NULL;
+    }
+    Py_ssize_t item = wide ? 8 : 4;
+    PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");
+    PyObject *lookups = tables ? PySequence_Fast(lookups_arg, "lookups must be a sequence")
+                               : NULL;
+    Py_ssize_t num_tables = tables ? PySequence_Fast_GET_SIZE(tables) : 0;
+    Py_ssize_t num_lookups = lookups ? PySequence_Fast_GET_SIZE(lookups) : 0;
+    Py_buffer *table_views = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(Py_buffer));
+    Bags *each = PyMem_Calloc(num_lookups ? num_lookups : 1, sizeof(Bags));
+    if (lookups == NULL || table_views == NULL || each == NULL) {
+        if (lookups != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    if (export_bags(tables, lookups, dim, scatter, item, table_views, num_tables, each,
+                    num_lookups) < 0)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < num_lookups; j++) {
+        void *table = table_views[each[j].table].buf;
+        if (scatter && each[j].pooled.buf == NULL) continue;
+        if (wide && scatter) scatter_bags_double(&each[j], table, dim);
+        else if (wide) pool_bags_double(&each[j], table, dim);
+        else if (scatter) scatter_bags_float(&each[j], table, dim);
+        else pool_bags_float(&each[j], table, dim);
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t t = 0; t < num_tables && table_views != NULL; t++) release(&table_views[t]);
+    for (Py_ssize_t j = 0; j < num_lookups && each != NULL; j++) {
+        release(&each[j].positions);
+        release(&each[j].starts);
+        release(&each[j].weights);
+        release(&each[j].pooled);
+    }
+    PyMem_Free(table_views);
+    PyMem_Free(each);
+    Py_XDECREF(tables);
+    Py_XDECREF(lookups);
+    return result;
+}
+
+static const char pool_bags_doc[] =
+    "pool_bags(tables, lookups, dim, wide)\n"
+    "Each lookup (table, positions, starts, weights, padding, mean, out) of `lookups` sums\n"
+    "the rows `positions` (int64) of tables[table] bag by bag (bag j: ids starts[j] to\n"
+    "starts[j + 1]) into out's row j, in order from zero, times each id's weight (None: 1),\n"
+    "skipping position `padding` (-1: none); a mean divides by the ids summed. Tables,\n"
+    "weights and out: float32 rows `dim` wide, float64 where `wide`.";
+
+static PyObject *pool_bags(PyObject *self, PyObject *args) { return move_bags(args, 0); }
+
+static const char scatter_bags_doc[] =
+    "scatter_bags(tables, lookups, dim, wide)\n"
+    "pool_bags' backward: each lookup's (as pool_bags', `out` now its bags' gradients, None:\n"
+    "none) bag gradient, times each id's weight (a mean: 1 / its size), added into\n"
+    "tables[table]'s row of each id but the padding, id by id in order.";
+
+static PyObject *scatter_bags(PyObject *self, PyObject *args) { return move_bags(args, 1); }
+
 /* Every buffer of the sequence `arg`, exported (contiguous, `itemsize` bytes an item, its
  * format one of `formats`) into views[]; returns their number, or -1 with TypeError (or the
  * export's error) set and nothing left exported. *views is PyMem_Free'd by the caller. */
@@ -1167,6 +1367,8 @@ static PyMethodDef methods[] = {
     {"places_each", places_each, METH_VARARGS, places_each_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
+    {"pool_bags", pool_bags, METH_VARARGS, pool_bags_doc},
+    {"scatter_bags", scatter_bags, METH_VARARGS, scatter_bags_doc},
     {"all_finite", all_finite, METH_O, all_finite_doc},
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {NULL, NULL, 0, NULL},

@@ -355,3 +355,36 @@ def own_rows(
     servers' update on this machine (see :mod:`paramserver.optim`)."""
     assert loops is not None, "called where takes_rows() says the loops apply"
     return int(loops.own_rows(OWN_KINDS[kind], tables, eps, weight_decay, fused))
+
+
+def pools_rows(rows: Tensor) -> bool:
+    """Whether the loops are built and pool bags of ``rows`` (:func:`pool_bags`): float32 or
+    float64, 2-D and contiguous."""
+    return (
+        loops is not None
+        and rows.dtype in (torch.float32, torch.float64)
+        and rows.dim() == 2
+        and rows.is_contiguous()
+    )
+
+
+# One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
+# padding position or -1, mean, the bags' rows: out, or their gradients).
+BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, np.ndarray | None]
+
+
+def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+    """Sum each lookup's bags of rows of its table into its ``out`` (a mean: divided by the
+    ids not padding), each bag in its ids' order from zero as torch's ``embedding_bag`` does;
+    the tables and outputs rows of ``dim`` of one float type, which :func:`pools_rows`. Raises
+    ValueError (nothing written) for bags that do not cover their ids in order from 0."""
+    assert loops is not None, "called where pools_rows() says the loops apply"
+    loops.pool_bags(tables, lookups, dim, tables[0].dtype == np.float64)
+
+
+def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+    """:func:`pool_bags`' backward: each lookup's bag gradients (its last item; None: none),
+    times the id's weight (a mean: 1 / the bag's size), added into ``tables[table]``'s row of
+    each id that is not padding, id by id in order (no sort)."""
+    assert loops is not None, "called where pools_rows() says the loops apply"
+    loops.scatter_bags(tables, lookups, dim, tables[0].dtype == np.float64)
