@@ -972,8 +972,10 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows
  * per-sample weights and a padding row) in the rows pulled for each table, and their gradients
  * added back: each bag's rows summed in the bag's order from zero (torch's order: fbgemm's
  * kernel, a weight's product fused into the sum), a mean divided by the bag's rows that are not
- * padding; backward adds each id's share of its bag's gradient straight into its row, in the
- * ids' order (no sort). Rows float32 or float64 (`wide`). */
+ * padding; backward adds each id's share of its bag's gradient straight into its row, visiting
+ * the ids in a given order (torch's: that of its unstable sort of the ids), each share a
+ * multiply-add as torch's axpy makes it (its scale rounded to the rows' type first). Rows
+ * float32 or float64 (`wide`). */
 typedef struct {
     Py_ssize_t table;
     Py_buffer positions; /* int64: each id's row in its table */
@@ -982,7 +984,23 @@ typedef struct {
     Py_ssize_t padding;  /* the padding row's position, -1: none */
     int mean;
     Py_buffer pooled;    /* bags x dim: out (pool_bags), gradients (scatter_bags; NULL: none) */
+    Py_buffer order;     /* int64: the order scatter_bags visits the ids in; buf NULL: theirs */
 } Bags;
+
+/* Check that `order` (`len` bytes) holds each of 0 to count - 1 once; NULL if so. */
+static const char *check_order(const int64_t *order, Py_ssize_t len, Py_ssize_t count) {
+    if (len != count * 8) return "an order is one position per id";
+    unsigned char *seen = PyMem_Calloc(count ? count : 1, 1);
+    const char *error = NULL;
+    if (seen == NULL) return "no memory for checking an order";
+    for (Py_ssize_t n = 0; n < count && error == NULL; n++) {
+        if (order[n] < 0 || order[n] >= count || seen[order[n]]) error = "an order of the ids "
+                                                                         "is a permutation";
+        else seen[order[n]] = 1;
+    }
+    PyMem_Free(seen);
+    return error;
+}
 
 /* Check one Bags against its table (`table_rows` rows), ids and bags; NULL if sound. */
 static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t dim,
@@ -999,7 +1017,7 @@ static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t d
         if (starts[j + 1] < starts[j]) return "bags must not end before they start";
     for (Py_ssize_t i = 0; i < count; i++)
         if (positions[i] < 0 || positions[i] >= table_rows) return "a position past its table";
-    return NULL;
+    return b->order.buf == NULL ? NULL : check_order(b->order.buf, b->order.len, count);
 }
 
 static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
@@ -1016,18 +1034,21 @@ static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int 
     }
     for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
         PyObject *item_object = PySequence_Fast_GET_ITEM(lookups, j), *weights, *pooled;
+        PyObject *order = Py_None;
         Bags *b = &each[j];
         if (!PyTuple_Check(item_object)) {
             PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
-                                             "weights, padding, mean, pooled) tuple");
+                                             "weights, padding, mean, pooled[, order]) "
+                                             "tuple");
             return -1;
         }
-        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO", &b->table, buffer_converter,
+        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO|O", &b->table, buffer_converter,
                               &b->positions, buffer_converter, &b->starts, &weights,
-                              &b->padding, &b->mean, &pooled))
+                              &b->padding, &b->mean, &pooled, &order))
             return -1;
         if (optional_buffer(weights, &b->weights, PyBUF_C_CONTIGUOUS) < 0 ||
-            optional_buffer(pooled, &b->pooled, pooled_flags) < 0)
+            optional_buffer(pooled, &b->pooled, pooled_flags) < 0 ||
+            optional_buffer(order, &b->order, PyBUF_C_CONTIGUOUS) < 0)
             return -1;
         if (!scatter && b->pooled.buf == NULL) error = "a lookup without an output";
         else if (b->table < 0 || b->table >= num_tables) error = "a lookup of no table";
@@ -1073,23 +1094,23 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
                 for (Py_ssize_t k = 0; k < dim; k++) sum[k] /= (T)size;                      \
         }                                                                                    \
     }                                                                                        \
-    static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim) {                 \
-        const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
-        const T *weights = b->weights.buf, *pooled = b->pooled.buf;                          \
-        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
-        for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
-            const T *grad = pooled + j * dim;                                                \
-            Py_ssize_t size = b->mean ? bag_size(b, j) : 1;                                  \
-            T share = (T)(1.0 / (double)(size ? size : 1));                                  \
-            for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
-                if (positions[i] == b->padding) continue;                                    \
-                T *row = grads + positions[i] * dim;                                         \
-                if (weights != NULL || b->mean) {                                            \
-                    T scale = weights != NULL ? weights[i] : share;                          \
-                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += scale * grad[k];          \
-                } else {                                                                     \
-                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                  \
-                }                                                                            \
+    /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares). */                  \
+    static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim,                   \
+                                 const int64_t *bag_of, const double *scale) {               \
+        const int64_t *positions = b->positions.buf, *order = b->order.buf;                  \
+        const T *pooled = b->pooled.buf;                                                     \
+        Py_ssize_t count = b->positions.len / 8;                                             \
+        int plain = b->weights.buf == NULL && !b->mean;                                      \
+        for (Py_ssize_t n = 0; n < count; n++) {                                             \
+            Py_ssize_t i = order != NULL ? order[n] : n;                                     \
+            if (positions[i] == b->padding) continue;                                        \
+            T *row = grads + positions[i] * dim;                                             \
+            const T *grad = pooled + bag_of[i] * dim;                                        \
+            if (plain) {                                                                     \
+                for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                      \
+            } else {                                                                         \
+                T share = (T)scale[i];                                                       \
+                for (Py_ssize_t k = 0; k < dim; k++) row[k] = FMA(share, grad[k], row[k]);   \
             }                                                                                \
         }                                                                                    \
     }
@@ -1097,10 +1118,32 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
 POOL_BAGS(float, fmaf)
 POOL_BAGS(double, fma)
 
+/* Each id's bag (bag_of) and its share of the bag's gradient (scale), as torch's backward
+ * makes it in double before rounding it to the rows' type: its weight, or 1 / the bag's ids
+ * that are not padding for a mean. */
+static void bag_shares(const Bags *b, int wide, int64_t *bag_of, double *scale) {
+    const int64_t *starts = b->starts.buf;
+    Py_ssize_t num_bags = b->starts.len / 8 - 1;
+    for (Py_ssize_t j = 0; j < num_bags; j++) {
+        double share = 1.0;
+        if (b->mean) {
+            Py_ssize_t size = bag_size(b, j);
+            if (size > 0) share /= (double)size;
+        }
+        for (int64_t i = starts[j]; i < starts[j + 1]; i++) {
+            bag_of[i] = j;
+            if (b->weights.buf == NULL) scale[i] = share;
+            else scale[i] = wide ? ((const double *)b->weights.buf)[i]
+                                 : (double)((const float *)b->weights.buf)[i];
+        }
+    }
+}
+
 static PyObject *move_bags(PyObject *args, int scatter) {
     PyObject *tables_arg, *lookups_arg, *result = NULL;
     Py_ssize_t dim;
     int wide;
+    int64_t *workspace = NULL; /* scatter's: each id's bag, then its share (a double) */
     if (!PyArg_ParseTuple(args, "OOnp", &tables_arg, &lookups_arg, &dim, &wide)) return NULL;
     if (dim <= 0 || dim > PY_SSIZE_T_MAX / 16) {
         PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
@@ -1121,13 +1164,23 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     if (export_bags(tables, lookups, dim, scatter, item, table_views, num_tables, each,
                     num_lookups) < 0)
         goto done;
+    Py_ssize_t most = 1; /* the most ids of a lookup: the size of scatter's workspace */
+    for (Py_ssize_t j = 0; j < num_lookups; j++)
+        if (each[j].positions.len / 8 > most) most = each[j].positions.len / 8;
+    if (scatter && (workspace = PyMem_Malloc(most * 16)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
         void *table = table_views[each[j].table].buf;
         if (scatter && each[j].pooled.buf == NULL) continue;
-        if (wide && scatter) scatter_bags_double(&each[j], table, dim);
+        if (scatter) bag_shares(&each[j], wide, workspace, (double *)(workspace + most));
+        if (wide && scatter)
+            scatter_bags_double(&each[j], table, dim, workspace, (double *)(workspace + most));
         else if (wide) pool_bags_double(&each[j], table, dim);
-        else if (scatter) scatter_bags_float(&each[j], table, dim);
+        else if (scatter)
+            scatter_bags_float(&each[j], table, dim, workspace, (double *)(workspace + most));
         else pool_bags_float(&each[j], table, dim);
     }
     Py_END_ALLOW_THREADS
@@ -1140,7 +1193,9 @@ done:
         release(&each[j].starts);
         release(&each[j].weights);
         release(&each[j].pooled);
+        release(&each[j].order);
     }
+    PyMem_Free(workspace);
     PyMem_Free(table_views);
     PyMem_Free(each);
     Py_XDECREF(tables);
@@ -1161,8 +1216,9 @@ static PyObject *pool_bags(PyObject *self, PyObject *args) { return move_bags(ar
 static const char scatter_bags_doc[] =
     "scatter_bags(tables, lookups, dim, wide)\n"
     "pool_bags' backward: each lookup's (as pool_bags', `out` now its bags' gradients, None:\n"
-    "none) bag gradient, times each id's weight (a mean: 1 / its size), added into\n"
-    "tables[table]'s row of each id but the padding, id by id in order.";
+    "none; an eighth item, `order`: int64, a permutation of the ids, None or left out: their\n"
+    "order) bag gradient, times each id's weight (a mean: 1 / its size) by a multiply-add,\n"
+    "added into tables[table]'s row of each id but the padding, id by id in `order`.";
 
 static PyObject *scatter_bags(PyObject *self, PyObject *args) { return move_bags(args, 1); }
 

@@ -369,8 +369,11 @@ def pools_rows(rows: Tensor) -> bool:
 
 
 # One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
-# padding position or -1, mean, the bags' rows: out, or their gradients).
-BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, np.ndarray | None]
+# padding position or -1, mean, the bags' rows: out, or their gradients, and the order
+# scatter_bags visits the ids in: a permutation of them, or None: their own).
+BagArrays = tuple[
+    int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, np.ndarray | None, np.ndarray | None
+]
 
 
 def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
@@ -383,8 +386,10 @@ def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> N
 
 
 def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
-    """:func:`pool_bags`' backward: each lookup's bag gradients (its last item; None: none),
-    times the id's weight (a mean: 1 / the bag's size), added into ``tables[table]``'s row of
-    each id that is not padding, id by id in order (no sort)."""
+    """:func:`pool_bags`' backward: each lookup's bag gradients (None: none), times the id's
+    weight (a mean: 1 / the bag's size) by a multiply-add as torch's axpy makes it, added into
+    ``tables[table]``'s row of each id that is not padding, id by id in the lookup's order
+    (torch's dense backward's: ``torch.sort(positions).indices``). Raises ValueError (nothing
+    written) for an order that is not a permutation of the ids."""
     assert loops is not None, "called where pools_rows() says the loops apply"
     loops.scatter_bags(tables, lookups, dim, tables[0].dtype == np.float64)

@@ -3,11 +3,12 @@ loops and the fallback (torch's embedding_bag) against torch's embedding_bag on 
 forward and backward, across modes, weights, padding, offsets, empty bags and types; and a
 forward's bag lookups of several tables made in one node.
 
-Tolerances: the loops sum each bag in torch's order, so unweighted pooled rows are bitwise
-torch's; a row's gradient adds the same terms in the ids' order where torch adds them in the
-order of an unstable sort, and weighted bags round their products as fbgemm does only for
-float32 without padding: those agree to a few units in the last place of the sums (rtol and
-atol 1e-5 for float32, 1e-12 for float64, for terms of size about 1 and at most 300 of them).
+Gradients are torch's bitwise (rows' and weights'), several lookups of one table included: the
+loops add a row's terms in the order of torch's sort, by torch's multiply-adds, and sum the
+lookups' gradients in autograd's order. Pooled rows are bitwise torch's for unweighted bags;
+weighted bags round their products as fbgemm does only for float32 without padding: those
+agree to a few units in the last place (rtol and atol 1e-5 for float32, 1e-12 for float64, for
+terms of size about 1 and at most 300 of them).
 """
 
 from __future__ import annotations
@@ -76,9 +77,9 @@ def test_pooled_lookups_and_gradients_are_torchs(
     inputs = [rows] + ([weights] if weights is not None else [])
     got_grads = torch.autograd.grad(got, inputs, grad)
     want_grads = torch.autograd.grad(want, [layer.weight, *inputs[1:]], grad)
-    torch.testing.assert_close(got_grads[0], want_grads[0][torch.unique(ids)], **tolerance(dtype))
+    assert torch.equal(got_grads[0], want_grads[0][torch.unique(ids)])
     if weighted:
-        torch.testing.assert_close(got_grads[1], want_grads[1], **tolerance(dtype))
+        assert torch.equal(got_grads[1], want_grads[1])
     assert (got.grad_fn is not None) and (
         ("_Lookup" in type(got.grad_fn).__name__) == (loop_mode == "compiled")
     )
@@ -123,11 +124,57 @@ def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -
     for got_out, want_out in zip(got, want, strict=True):
         assert torch.equal(got_out, want_out)
     for table, grad, full in zip(layers, grads, expected, strict=True):
-        torch.testing.assert_close(grad, full[torch.unique(ids[table])], **tolerance(full.dtype))
+        assert torch.equal(grad, full[torch.unique(ids[table])])
     if loop_mode == "compiled":
         steps = {id(_step_of(o)) for o in got[:2] + got[3:]}
         assert len(steps) == 1 and _step_of(got[2]) is not _step_of(got[0])
         assert grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)
+@pytest.mark.parametrize("joined", ["summed", "concatenated"])
+def test_several_lookups_of_one_table_give_torchs_gradients(
+    loop_mode: str,
+    mode: str,
+    weighted: bool,
+    padding: int | None,
+    last: bool,
+    dtype: torch.dtype,
+    joined: str,
+) -> None:
+    """Four lookups of one table in one forward: each lookup's gradient is torch's, and they
+    are summed as autograd sums torch's (three or more: the grouping shows in the last bits),
+    whether the outputs meet in a sum of losses or in one concatenation."""
+    g = torch.Generator().manual_seed(11 + len(mode) + 2 * weighted + 4 * last)
+    layer = nn.EmbeddingBag(
+        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype
+    )
+    batches = [batch(g, last) for _ in range(4)]
+    weights = [
+        torch.rand(300, generator=g, dtype=dtype).requires_grad_(True) if weighted else None
+        for _ in batches
+    ]
+    pulled = torch.unique(torch.cat([ids for ids, _ in batches]))
+    remote, rows = remote_of(layer, pulled)
+    step = StepLookups({"t": remote})
+    remote.step_lookups = step
+    with step.forward():
+        got = [remote(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
+    want = [layer(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
+    scales = [torch.randn(o.shape, generator=g, dtype=dtype) for o in want]
+
+    def loss(outputs: list[Tensor]) -> Tensor:
+        if joined == "summed":
+            return sum(((o * s).sum() for o, s in zip(outputs, scales, strict=True)),
+                       torch.zeros((), dtype=dtype))  # fmt: skip
+        return (torch.cat(outputs) * torch.cat(scales)).sum()
+
+    extra = [w for w in weights if w is not None]
+    got_grads = torch.autograd.grad(loss(got), [rows, *extra])
+    want_grads = torch.autograd.grad(loss(want), [layer.weight, *extra])
+    assert torch.equal(got_grads[0], want_grads[0][pulled])
+    for got_grad, want_grad in zip(got_grads[1:], want_grads[1:], strict=True):
+        assert torch.equal(got_grad, want_grad)
 
 
 def _step_of(output: Tensor) -> object:
@@ -154,10 +201,17 @@ def test_bad_bags_are_refused_before_anything_is_written() -> None:
                               np.ones(1, dtype=np.float32), -1, False, out),
         "one pooled row per bag": (0, np.array([0, 3]), np.array([0, 2]), None, -1, False, out),
         "of no table": (1, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, out),
+        "one position per id": (*good, np.array([0])),
+        "permutation": (*good, np.array([1, 1])),
+        "permutation ": (*good, np.array([0, 2])),
     }  # fmt: skip
     for reason, lookup in bad.items():
-        with pytest.raises(ValueError, match=reason):
+        with pytest.raises(ValueError, match=reason.strip()):
             loops.pool_bags([table], [good, lookup], 2, False)
+        grads = np.zeros((4, 2), dtype=np.float32)
+        with pytest.raises(ValueError, match=reason.strip()):
+            loops.scatter_bags([grads], [(*good, np.array([1, 0])), lookup], 2, False)
+        assert not grads.any()
     assert not out.any() and not out3.any()
     with pytest.raises(ValueError, match="whole rows"):
         loops.pool_bags([np.ones(3, dtype=np.float32)], [], 2, False)

@@ -5,9 +5,12 @@ dispatched axpy per id, table by table (40% of a DLRM trainer's loop at batch 20
 
 Forward sums each bag in its ids' order from zero, as torch's kernel does: the pooled rows are
 torch's bitwise for sum and mean bags (a weight's product is fused into the sum, as fbgemm's
-kernel does for float32). Backward adds each id's share of its bag's gradient straight into
-its row's gradient, id by id in order; torch adds them in the order of an unstable sort of the
-ids, so a row three or more ids of a step reach may differ from torch's in its last bits.
+kernel does for float32). Backward adds each id's share of its bag's gradient (a multiply-add,
+as torch's axpy) straight into its row's gradient, visiting the ids in the order torch's dense
+backward does, that of ``torch.sort`` (unstable) of the lookup's ids, sorted in the forward;
+several lookups of one table each add into a gradient of their own from zero, summed in the
+order autograd adds torch's (the order their nodes ran in): a row's gradient, and a weight's
+(torch's own kernel), are torch's bitwise, so a trainer's state does not depend on the loops.
 
 The lookups of one forward join one node (:class:`BagNode`), as a step's plain lookups do
 (:class:`~paramserver.trainer.lookups.StepLookups`): each lookup pools its bags in its own small
@@ -20,7 +23,7 @@ not covering the ids in order) is torch's ``embedding_bag``, as is every lookup 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,13 +37,15 @@ from paramserver import native
 class Bags:
     """One pooled lookup in a table's pulled rows: each id's row (``positions``), where each
     bag starts (``starts``, with the end after the last bag), each id's weight (None: 1), the
-    padding row's position (-1: none), and whether bags are means."""
+    padding row's position (-1: none), whether bags are means, and the order backward visits
+    the ids in (None: theirs; see the module docstring)."""
 
     positions: Tensor
     starts: Tensor
     weights: Tensor | None
     padding: int
     mean: bool
+    order: Tensor | None = None
 
     @staticmethod
     def of(
@@ -86,12 +91,17 @@ class Bags:
     def num_bags(self) -> int:
         return self.starts.numel() - 1
 
+    def sorted(self) -> Bags:
+        """These bags, their backward to visit the ids in torch's order."""
+        return replace(self, order=torch.sort(self.positions).indices)
+
     def arrays(self, table: int, pooled: Tensor | None) -> native.BagArrays:
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
         weights = None if self.weights is None else self.weights.numpy()
         out = None if pooled is None else pooled.numpy()
+        order = None if self.order is None else self.order.numpy()
         return (table, self.positions.numpy(), self.starts.numpy(), weights, self.padding,
-                self.mean, out)  # fmt: skip
+                self.mean, out, order)  # fmt: skip
 
 
 def takes(rows: Tensor, weights: Tensor | None) -> bool:
@@ -112,6 +122,8 @@ class BagNode:
     def pool(self, table: int, bags: Bags, weights: Tensor | None) -> Tensor | None:
         """``bags`` of ``self.rows[table]`` pooled (None: the bags are not sound, torch is to
         say why); ``weights``: the lookup's per-sample weights, as given."""
+        if torch.is_grad_enabled() and self.rows[table].requires_grad:
+            bags = bags.sorted()
         try:
             pooled = _Lookup.apply(self, table, bags, self.token, weights)
         except ValueError:
@@ -145,20 +157,27 @@ class _Step(torch.autograd.Function):
     def backward(ctx: Any, _: Tensor | None) -> tuple[Tensor | None, ...]:
         node: BagNode = ctx.node
         grads, node.grads = node.grads, {}
-        lookups = [(number, *node.lookups[number]) for number in sorted(grads)]
-        touched = sorted({table for _, table, _ in lookups})
-        if not touched:
+        # In the order autograd ran the lookups' nodes: the order it would add torch's.
+        numbers = list(grads)
+        if not numbers:
             return (None,) * (len(node.rows) + 1)
-        sizes = [node.rows[t].shape[0] for t in touched]
+        tables = [node.lookups[number][0] for number in numbers]
+        firsts: dict[int, int] = {}  # each table's first lookup: the others add into its own
+        for number, table in zip(numbers, tables, strict=True):
+            firsts.setdefault(table, number)
+        sizes = [node.rows[t].shape[0] for t in tables]
         dim, dtype = node.rows[0].shape[1], node.rows[0].dtype
-        parts = torch.zeros(sum(sizes), dim, dtype=dtype).split(sizes)
-        order = {t: i for i, t in enumerate(touched)}
+        buffer = torch.zeros(sum(sizes), dim, dtype=dtype).split(sizes)
+        parts = dict(zip(numbers, buffer, strict=True))  # each lookup's gradient, from zero
         native.scatter_bags(
-            [part.numpy() for part in parts],
-            [bags.arrays(order[t], grads[number]) for number, t, bags in lookups],
+            [part.numpy() for part in buffer],
+            [node.lookups[number][1].arrays(i, grads[number]) for i, number in enumerate(numbers)],
             dim,
         )
-        by_table = dict(zip(touched, parts, strict=True))
+        for number, table in zip(numbers, tables, strict=True):
+            if firsts[table] != number:
+                parts[firsts[table]].add_(parts[number])
+        by_table = {table: parts[number] for table, number in firsts.items()}
         return (None, *(by_table.get(t) for t in range(len(node.rows))))
 
 
@@ -196,10 +215,10 @@ class _Lookup(torch.autograd.Function):
 
 
 def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:
-    """Each id's weight's gradient: its row dotted with its bag's gradient (0 for padding)."""
+    """Each id's weight's gradient: its row dotted with its bag's gradient (0 for padding), by
+    torch's own kernel (its dot's order is its BLAS's)."""
     sizes = bags.starts.diff()
     bag_of = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
-    products = (rows.index_select(0, bags.positions) * grad.index_select(0, bag_of)).sum(1)
-    if bags.padding >= 0:
-        products.masked_fill_(bags.positions == bags.padding, 0)
-    return products
+    return torch.ops.aten._embedding_bag_per_sample_weights_backward(
+        grad, rows, bags.positions, bags.starts[:-1], bag_of, 0, bags.padding
+    )
