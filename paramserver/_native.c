@@ -11,7 +11,10 @@
  * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
  *   and their gradients added back, every table and lookup in one call.
  * - pool_bags, scatter_bags: the same for a trainer's pooled lookups (EmbeddingBag's sum and
- *   mean): each bag's rows summed in torch's order; backward added straight into the rows.
+ *   mean): each bag's rows summed in torch's order; backward added straight into the rows, each
+ *   row's terms in the order torch's backward adds them (that of torch's sort of the ids, which
+ *   _sort_order.cpp computes with the same std::sort).
+ * - sort_order: that order of some ids alone, for a check that it is torch's.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -28,7 +31,7 @@
  * their sizes are checked here, and every index read from the map or given is checked before
  * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
  * The module also names MAP_NORESERVE, which Python's mmap module does not (for
- * paramserver/store/growth.py).
+ * paramserver/store/growth.py), and TORCH_RADIX_SORT_FROM (see sort_order).
  * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
@@ -37,6 +40,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "_sort_order.h"
 
 #define EMPTY_SLOT (-1)
 #define IDS_AHEAD 16 /* ids ahead whose slot and record a probe asks memory for early */
@@ -971,11 +976,15 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows
 /* pool_bags and scatter_bags: a trainer's pooled lookups (EmbeddingBag's sum and mean, with
  * per-sample weights and a padding row) in the rows pulled for each table, and their gradients
  * added back: each bag's rows summed in the bag's order from zero (torch's order: fbgemm's
- * kernel, a weight's product fused into the sum), a mean divided by the bag's rows that are not
- * padding; backward adds each id's share of its bag's gradient straight into its row, visiting
- * the ids in a given order (torch's: that of its unstable sort of the ids), each share a
- * multiply-add as torch's axpy makes it (its scale rounded to the rows' type first). Rows
- * float32 or float64 (`wide`). */
+ * kernel's, which fuses a weight's product into the sum, for float32 without padding; torch's
+ * own loop's, which rounds the product first, else), a mean divided by the bag's rows that are not
+ * padding; backward adds each id's share of its bag's gradient straight into its row, each
+ * share a multiply-add as torch's axpy makes it (its scale rounded to the rows' type first),
+ * visiting the ids in the order torch's dense backward does, that of torch.sort(ids): below
+ * TORCH_RADIX_SORT_FROM ids, std::sort's (torch_sort_order); from there on, torch's sort is
+ * stable, and the ids' own order adds each row's terms in the same order as a stable sort
+ * (only the order within a row matters: rows are added to independently). Rows float32 or
+ * float64 (`wide`). */
 typedef struct {
     Py_ssize_t table;
     Py_buffer positions; /* int64: each id's row in its table */
@@ -984,23 +993,7 @@ typedef struct {
     Py_ssize_t padding;  /* the padding row's position, -1: none */
     int mean;
     Py_buffer pooled;    /* bags x dim: out (pool_bags), gradients (scatter_bags; NULL: none) */
-    Py_buffer order;     /* int64: the order scatter_bags visits the ids in; buf NULL: theirs */
 } Bags;
-
-/* Check that `order` (`len` bytes) holds each of 0 to count - 1 once; NULL if so. */
-static const char *check_order(const int64_t *order, Py_ssize_t len, Py_ssize_t count) {
-    if (len != count * 8) return "an order is one position per id";
-    unsigned char *seen = PyMem_Calloc(count ? count : 1, 1);
-    const char *error = NULL;
-    if (seen == NULL) return "no memory for checking an order";
-    for (Py_ssize_t n = 0; n < count && error == NULL; n++) {
-        if (order[n] < 0 || order[n] >= count || seen[order[n]]) error = "an order of the ids "
-                                                                         "is a permutation";
-        else seen[order[n]] = 1;
-    }
-    PyMem_Free(seen);
-    return error;
-}
 
 /* Check one Bags against its table (`table_rows` rows), ids and bags; NULL if sound. */
 static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t dim,
@@ -1017,7 +1010,7 @@ static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t d
         if (starts[j + 1] < starts[j]) return "bags must not end before they start";
     for (Py_ssize_t i = 0; i < count; i++)
         if (positions[i] < 0 || positions[i] >= table_rows) return "a position past its table";
-    return b->order.buf == NULL ? NULL : check_order(b->order.buf, b->order.len, count);
+    return NULL;
 }
 
 static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
@@ -1034,21 +1027,18 @@ static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int 
     }
     for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
         PyObject *item_object = PySequence_Fast_GET_ITEM(lookups, j), *weights, *pooled;
-        PyObject *order = Py_None;
         Bags *b = &each[j];
         if (!PyTuple_Check(item_object)) {
             PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
-                                             "weights, padding, mean, pooled[, order]) "
-                                             "tuple");
+                                             "weights, padding, mean, pooled) tuple");
             return -1;
         }
-        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO|O", &b->table, buffer_converter,
+        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO", &b->table, buffer_converter,
                               &b->positions, buffer_converter, &b->starts, &weights,
-                              &b->padding, &b->mean, &pooled, &order))
+                              &b->padding, &b->mean, &pooled))
             return -1;
         if (optional_buffer(weights, &b->weights, PyBUF_C_CONTIGUOUS) < 0 ||
-            optional_buffer(pooled, &b->pooled, pooled_flags) < 0 ||
-            optional_buffer(order, &b->order, PyBUF_C_CONTIGUOUS) < 0)
+            optional_buffer(pooled, &b->pooled, pooled_flags) < 0)
             return -1;
         if (!scatter && b->pooled.buf == NULL) error = "a lookup without an output";
         else if (b->table < 0 || b->table >= num_tables) error = "a lookup of no table";
@@ -1073,6 +1063,9 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
     static void pool_bags_##T(const Bags *b, const T *table, Py_ssize_t dim) {              \
         const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
         const T *weights = b->weights.buf;                                                   \
+        /* fbgemm's kernel (float32 bags without padding) fuses a weight's multiply-add;     \
+         * torch's own loop (the rest) rounds the product first. */                          \
+        int fused = sizeof(T) == 4 && b->padding < 0;                                        \
         T *out = b->pooled.buf;                                                              \
         Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
         for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
@@ -1083,9 +1076,12 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
                 if (positions[i] == b->padding) continue;                                    \
                 const T *row = table + positions[i] * dim;                                   \
                 size++;                                                                      \
-                if (weights != NULL) {                                                       \
+                if (weights != NULL && fused) {                                              \
                     T w = weights[i];                                                        \
                     for (Py_ssize_t k = 0; k < dim; k++) sum[k] = FMA(w, row[k], sum[k]);    \
+                } else if (weights != NULL) {                                                \
+                    T w = weights[i];                                                        \
+                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] += w * row[k];               \
                 } else {                                                                     \
                     for (Py_ssize_t k = 0; k < dim; k++) sum[k] += row[k];                   \
                 }                                                                            \
@@ -1094,10 +1090,12 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
                 for (Py_ssize_t k = 0; k < dim; k++) sum[k] /= (T)size;                      \
         }                                                                                    \
     }                                                                                        \
-    /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares). */                  \
+    /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares); `order`: the order  \
+     * to visit the ids in (NULL: theirs). */                                                \
     static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim,                   \
-                                 const int64_t *bag_of, const double *scale) {               \
-        const int64_t *positions = b->positions.buf, *order = b->order.buf;                  \
+                                 const int64_t *bag_of, const double *scale,                 \
+                                 const int64_t *order) {                                     \
+        const int64_t *positions = b->positions.buf;                                         \
         const T *pooled = b->pooled.buf;                                                     \
         Py_ssize_t count = b->positions.len / 8;                                             \
         int plain = b->weights.buf == NULL && !b->mean;                                      \
@@ -1143,7 +1141,10 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     PyObject *tables_arg, *lookups_arg, *result = NULL;
     Py_ssize_t dim;
     int wide;
-    int64_t *workspace = NULL; /* scatter's: each id's bag, then its share (a double) */
+    /* scatter's: each id's bag, its share (a double), the order to visit the ids in, and
+     * torch_sort_order's pairs (the last two where a lookup has fewer ids than
+     * TORCH_RADIX_SORT_FROM) */
+    int64_t *workspace = NULL;
     if (!PyArg_ParseTuple(args, "OOnp", &tables_arg, &lookups_arg, &dim, &wide)) return NULL;
     if (dim <= 0 || dim > PY_SSIZE_T_MAX / 16) {
         PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
@@ -1164,24 +1165,38 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     if (export_bags(tables, lookups, dim, scatter, item, table_views, num_tables, each,
                     num_lookups) < 0)
         goto done;
-    Py_ssize_t most = 1; /* the most ids of a lookup: the size of scatter's workspace */
-    for (Py_ssize_t j = 0; j < num_lookups; j++)
-        if (each[j].positions.len / 8 > most) most = each[j].positions.len / 8;
-    if (scatter && (workspace = PyMem_Malloc(most * 16)) == NULL) {
+    /* The most ids of a lookup, and of one torch sorts by std::sort: workspace sizes. */
+    Py_ssize_t most = 1, most_sorted = 1;
+    for (Py_ssize_t j = 0; j < num_lookups; j++) {
+        Py_ssize_t count = each[j].positions.len / 8;
+        if (count > most) most = count;
+        if (count < TORCH_RADIX_SORT_FROM && count > most_sorted) most_sorted = count;
+    }
+    if (scatter && (workspace = PyMem_Malloc(most * 16 + most_sorted * 24)) == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    int64_t *bag_of = workspace, *order = workspace + 2 * most;
+    double *scale = (double *)(workspace + most);
+    void *pairs = workspace + 2 * most + most_sorted;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
         void *table = table_views[each[j].table].buf;
+        Py_ssize_t count = each[j].positions.len / 8;
         if (scatter && each[j].pooled.buf == NULL) continue;
-        if (scatter) bag_shares(&each[j], wide, workspace, (double *)(workspace + most));
-        if (wide && scatter)
-            scatter_bags_double(&each[j], table, dim, workspace, (double *)(workspace + most));
-        else if (wide) pool_bags_double(&each[j], table, dim);
-        else if (scatter)
-            scatter_bags_float(&each[j], table, dim, workspace, (double *)(workspace + most));
-        else pool_bags_float(&each[j], table, dim);
+        if (scatter) {
+            bag_shares(&each[j], wide, bag_of, scale);
+            int sorted = count < TORCH_RADIX_SORT_FROM;
+            if (sorted) torch_sort_order(each[j].positions.buf, count, order, pairs);
+            if (wide)
+                scatter_bags_double(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
+            else
+                scatter_bags_float(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
+        } else if (wide) {
+            pool_bags_double(&each[j], table, dim);
+        } else {
+            pool_bags_float(&each[j], table, dim);
+        }
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -1193,7 +1208,6 @@ done:
         release(&each[j].starts);
         release(&each[j].weights);
         release(&each[j].pooled);
-        release(&each[j].order);
     }
     PyMem_Free(workspace);
     PyMem_Free(table_views);
@@ -1216,11 +1230,43 @@ static PyObject *pool_bags(PyObject *self, PyObject *args) { return move_bags(ar
 static const char scatter_bags_doc[] =
     "scatter_bags(tables, lookups, dim, wide)\n"
     "pool_bags' backward: each lookup's (as pool_bags', `out` now its bags' gradients, None:\n"
-    "none; an eighth item, `order`: int64, a permutation of the ids, None or left out: their\n"
-    "order) bag gradient, times each id's weight (a mean: 1 / its size) by a multiply-add,\n"
-    "added into tables[table]'s row of each id but the padding, id by id in `order`.";
+    "none) bag gradient, times each id's weight (a mean: 1 / its size) by a multiply-add,\n"
+    "added into tables[table]'s row of each id but the padding, id by id in the order of\n"
+    "torch.sort(positions) (sort_order's below TORCH_RADIX_SORT_FROM ids, else stable).";
 
 static PyObject *scatter_bags(PyObject *self, PyObject *args) { return move_bags(args, 1); }
+
+static const char sort_order_doc[] =
+    "sort_order(keys, order)\n"
+    "order (int64, writable) := the permutation std::sort puts keys (int64, as many) in,\n"
+    "comparing keys only: torch.sort(keys).indices below TORCH_RADIX_SORT_FROM keys, the\n"
+    "order scatter_bags visits a lookup's ids in there.";
+
+static PyObject *sort_order(PyObject *self, PyObject *args) {
+    Py_buffer keys = {0}, order = {0};
+    void *pairs = NULL;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*", &keys, &order)) return NULL;
+    Py_ssize_t count = keys.len / 8;
+    if (keys.len % 8 || order.len != keys.len) {
+        PyErr_SetString(PyExc_ValueError, "sort_order: keys and order are int64, as many");
+        goto done;
+    }
+    if ((pairs = PyMem_Malloc(count ? count * 16 : 1)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    torch_sort_order(keys.buf, count, order.buf, pairs);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(pairs);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&order);
+    return result;
+}
 
 /* Every buffer of the sequence `arg`, exported (contiguous, `itemsize` bytes an item, its
  * format one of `formats`) into views[]; returns their number, or -1 with TypeError (or the
@@ -1425,6 +1471,7 @@ static PyMethodDef methods[] = {
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
     {"pool_bags", pool_bags, METH_VARARGS, pool_bags_doc},
     {"scatter_bags", scatter_bags, METH_VARARGS, scatter_bags_doc},
+    {"sort_order", sort_order, METH_VARARGS, sort_order_doc},
     {"all_finite", all_finite, METH_O, all_finite_doc},
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {NULL, NULL, 0, NULL},
@@ -1437,6 +1484,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *loops = PyModule_Create(&module);
+    if (loops != NULL && PyModule_AddIntMacro(loops, TORCH_RADIX_SORT_FROM) < 0) Py_CLEAR(loops);
 #ifdef MAP_NORESERVE /* for mmap: address space whose pages are charged only once touched */
     if (loops != NULL && PyModule_AddIntMacro(loops, MAP_NORESERVE) < 0) Py_CLEAR(loops);
 #endif

@@ -3,14 +3,23 @@ row) over the rows pulled for a step, by the compiled loops (:func:`paramserver.
 instead of torch's generic ``embedding_bag``, whose dense backward sorts the ids and adds one
 dispatched axpy per id, table by table (40% of a DLRM trainer's loop at batch 2048).
 
-Forward sums each bag in its ids' order from zero, as torch's kernel does: the pooled rows are
-torch's bitwise for sum and mean bags (a weight's product is fused into the sum, as fbgemm's
-kernel does for float32). Backward adds each id's share of its bag's gradient (a multiply-add,
-as torch's axpy) straight into its row's gradient, visiting the ids in the order torch's dense
-backward does, that of ``torch.sort`` (unstable) of the lookup's ids, sorted in the forward;
-several lookups of one table each add into a gradient of their own from zero, summed in the
-order autograd adds torch's (the order their nodes ran in): a row's gradient, and a weight's
-(torch's own kernel), are torch's bitwise, so a trainer's state does not depend on the loops.
+Forward sums each bag in its ids' order from zero, as torch's kernel does, a weight's product
+rounded as torch's kernel for the case rounds it (fused into the sum by fbgemm's for float32
+without padding, rounded first by torch's own loop else): pooled rows are torch's bitwise.
+Backward adds each id's share of its bag's gradient (a multiply-add, as torch's axpy) straight
+into its row's gradient, visiting the ids in the order torch's dense backward does, that of
+``torch.sort`` of the lookup's ids: the loop computes it (:func:`paramserver.native.sort_order`:
+C++'s ``std::sort``, as torch's sort below 32768 ids; no sort from there, where torch's radix
+sort is stable), so the forward sorts nothing. Several lookups of one table each add into a
+gradient of their own from zero, summed in the order autograd adds torch's (the order their
+nodes ran in): a row's gradient, and a weight's (torch's own kernel), are torch's bitwise, so a
+trainer's state does not depend on the loops.
+
+Those orders and roundings are torch's as built (this torch, its C++ library, this machine's
+CPU). At its first pooled lookup a process checks them once (:func:`loops_agree_with_torch`):
+the loops' sort order against ``torch.sort`` on ids with many repeats at sizes around both
+thresholds, and a few small lookups, forward and backward, against ``embedding_bag``. Where
+anything differs, every pooled lookup is torch's, and the log says why, once.
 
 The lookups of one forward join one node (:class:`BagNode`), as a step's plain lookups do
 (:class:`~paramserver.trainer.lookups.StepLookups`): each lookup pools its bags in its own small
@@ -23,29 +32,34 @@ not covering the ids in order) is torch's ``embedding_bag``, as is every lookup 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import logging
+import threading
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from paramserver import native
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Bags:
     """One pooled lookup in a table's pulled rows: each id's row (``positions``), where each
     bag starts (``starts``, with the end after the last bag), each id's weight (None: 1), the
-    padding row's position (-1: none), whether bags are means, and the order backward visits
-    the ids in (None: theirs; see the module docstring)."""
+    padding row's position (-1: none), and whether bags are means."""
 
     positions: Tensor
     starts: Tensor
     weights: Tensor | None
     padding: int
     mean: bool
-    order: Tensor | None = None
 
     @staticmethod
     def of(
@@ -91,22 +105,103 @@ class Bags:
     def num_bags(self) -> int:
         return self.starts.numel() - 1
 
-    def sorted(self) -> Bags:
-        """These bags, their backward to visit the ids in torch's order."""
-        return replace(self, order=torch.sort(self.positions).indices)
-
     def arrays(self, table: int, pooled: Tensor | None) -> native.BagArrays:
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
         weights = None if self.weights is None else self.weights.numpy()
         out = None if pooled is None else pooled.numpy()
-        order = None if self.order is None else self.order.numpy()
         return (table, self.positions.numpy(), self.starts.numpy(), weights, self.padding,
-                self.mean, out, order)  # fmt: skip
+                self.mean, out)  # fmt: skip
 
 
 def takes(rows: Tensor, weights: Tensor | None) -> bool:
-    """Whether the loops pool bags of ``rows`` with ``weights`` (of the rows' type)."""
-    return native.pools_rows(rows) and (weights is None or weights.dtype == rows.dtype)
+    """Whether the loops pool bags of ``rows`` with ``weights`` (of the rows' type), giving
+    torch's results in this process (:func:`loops_agree_with_torch`)."""
+    return (
+        native.pools_rows(rows)
+        and (weights is None or weights.dtype == rows.dtype)
+        and loops_agree_with_torch()
+    )
+
+
+ORDER_CHECKS = (
+    (2, 2), (16, 3), (16, 8), (17, 3), (17, 8), (100, 3), (100, 30), (5_000, 3), (5_000, 600),
+    (32_767, 3), (32_767, 4_000), (32_768, 3),
+)  # fmt: skip
+"""The arrays of ids (their number, drawn from how many values) that
+:func:`loops_agree_with_torch` sorts both ways: around 16 ids (where std::sort sorts by
+insertion), some between, and around 32768 (where torch's sort turns radix: one array there, as
+a radix sort in torch's thread pool can cost a loaded machine 0.1 s)."""
+
+
+def loops_agree_with_torch() -> bool:
+    """Whether the loops' pooled lookups are torch's bitwise in this process (module
+    docstring); checked once, at the first call, by a few milliseconds of sorts and lookups on
+    a generator of its own (the global random state is untouched), whatever the grad mode.
+    Where they are not, logs why (a warning, once) and returns False: every pooled lookup is
+    then torch's. Thread-safe: trainers that are threads of one process check once."""
+    with _checking:
+        return _agreement()
+
+
+_checking = threading.Lock()
+
+
+@functools.cache
+def _agreement() -> bool:
+    with torch.inference_mode(False), torch.enable_grad():
+        reason = _disagreement()
+    if reason is not None:
+        log.warning("pooled lookups are left to torch's embedding_bag: %s", reason)
+    return reason is None
+
+
+def _disagreement() -> str | None:
+    """How the loops differ from torch here (None: nowhere checked)."""
+    generator = torch.Generator().manual_seed(0)
+    for size, distinct in ORDER_CHECKS:  # many repeats: an unstable sort's order shows
+        ids = torch.randint(0, distinct, (size,), generator=generator)
+        if not np.array_equal(native.sort_order(ids.numpy()), torch.sort(ids).indices):
+            return (
+                f"torch.sort orders {size} ids of {distinct} values otherwise than the loops' "
+                "backward would (another torch build or C++ library)"
+            )
+    for dtype in (torch.float32, torch.float64):
+        for mode, weighted, padding in (
+            ("sum", False, None), ("mean", False, 3), ("sum", True, None), ("sum", True, 3)
+        ):  # fmt: skip
+            if not _lookup_agrees(generator, dtype, mode, weighted, padding):
+                return (
+                    f"a {mode} lookup of {dtype} rows (weighted: {weighted}, padding: "
+                    f"{padding}) rounds otherwise than torch's embedding_bag on this machine"
+                )
+    return None
+
+
+def _lookup_agrees(
+    generator: torch.Generator, dtype: torch.dtype, mode: str, weighted: bool, padding: int | None
+) -> bool:
+    """Whether a small pooled lookup by the loops, and its gradients, are torch's bitwise."""
+    rows = torch.randn(20, 8, generator=generator, dtype=dtype)
+    ids = torch.randint(0, 20, (200,), generator=generator)
+    offsets = torch.tensor([0, 0, 3, 50, 50, 120])
+    weights = torch.rand(200, generator=generator, dtype=dtype) if weighted else None
+    grad = torch.randn(offsets.numel(), 8, generator=generator, dtype=dtype)
+    bags = Bags.of(ids, offsets, weights, mode, padding, include_last_offset=False)
+    assert bags is not None
+    results = []
+    for looped in (True, False):
+        leaf = rows.clone().requires_grad_(True)
+        weights_leaf = None if weights is None else weights.clone().requires_grad_(True)
+        if looped:
+            pooled = pooled_lookup(leaf, bags, weights_leaf)
+        else:
+            pooled = F.embedding_bag(ids, leaf, offsets, mode=mode, padding_idx=padding,
+                                     per_sample_weights=weights_leaf)  # fmt: skip
+        if pooled is None:
+            return False
+        inputs = [leaf] + ([weights_leaf] if weights_leaf is not None else [])
+        results.append([pooled.detach(), *torch.autograd.grad(pooled, inputs, grad)])
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 class BagNode:
@@ -122,8 +217,6 @@ class BagNode:
     def pool(self, table: int, bags: Bags, weights: Tensor | None) -> Tensor | None:
         """``bags`` of ``self.rows[table]`` pooled (None: the bags are not sound, torch is to
         say why); ``weights``: the lookup's per-sample weights, as given."""
-        if torch.is_grad_enabled() and self.rows[table].requires_grad:
-            bags = bags.sorted()
         try:
             pooled = _Lookup.apply(self, table, bags, self.token, weights)
         except ValueError:
