@@ -1059,7 +1059,50 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
     return size;
 }
 
+/* How many of a bag's sums pool_bags keeps in registers at once (a row of up to this many is
+ * read once), and how many ids ahead it asks for a row's cache lines (rows are scattered over
+ * the pulled rows: a miss each, as fbgemm's kernel, which prefetches as far, knows). */
+#define POOL_BLOCK 16
+#define POOL_PREFETCH 16
+
 #define POOL_BAGS(T, FMA)                                                                    \
+    /* sums[0..POOL_BLOCK) := the sum from zero of columns offset.. of rows `at` of `table`  \
+     * (`dim` wide) for ids first to end but those at `padding`, in order. Only loops of     \
+     * constant length touch acc, so the compiler keeps it in registers (in memory, each     \
+     * row's add would wait on the last one's store). */                                    \
+    static inline void sum_block_##T(T *restrict sums, const T *restrict table,             \
+                                     const int64_t *restrict at, int64_t first, int64_t end, \
+                                     int64_t count, Py_ssize_t dim, Py_ssize_t offset,       \
+                                     int64_t padding) {                                      \
+        T acc[POOL_BLOCK] = {0};                                                             \
+        for (int64_t i = first; i < end; i++) {                                              \
+            if (offset == 0 && i + POOL_PREFETCH < count)                                    \
+                __builtin_prefetch(table + at[i + POOL_PREFETCH] * dim);                     \
+            if (at[i] == padding) continue;                                                  \
+            const T *row = table + at[i] * dim + offset;                                     \
+            for (Py_ssize_t k = 0; k < POOL_BLOCK; k++) acc[k] += row[k];                    \
+        }                                                                                    \
+        for (Py_ssize_t k = 0; k < POOL_BLOCK; k++) sums[k] = acc[k];                        \
+    }                                                                                        \
+    /* sum_block's sums for any width <= POOL_BLOCK, each row times its weight where given:  \
+     * a multiply-add rounded once where `fused`, else the product rounded first. */        \
+    static void sum_columns_##T(T *restrict sums, const T *restrict table,                  \
+                                const int64_t *restrict at, const T *weights, int64_t first, \
+                                int64_t end, Py_ssize_t dim, Py_ssize_t offset,              \
+                                Py_ssize_t width, int64_t padding, int fused) {              \
+        for (Py_ssize_t k = 0; k < width; k++) sums[k] = 0;                                  \
+        for (int64_t i = first; i < end; i++) {                                              \
+            if (at[i] == padding) continue;                                                  \
+            const T *row = table + at[i] * dim + offset;                                     \
+            T w = weights != NULL ? weights[i] : 1;                                          \
+            if (weights == NULL)                                                             \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] += row[k];                    \
+            else if (fused)                                                                  \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] = FMA(w, row[k], sums[k]);    \
+            else                                                                             \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] += w * row[k];                \
+        }                                                                                    \
+    }                                                                                        \
     static void pool_bags_##T(const Bags *b, const T *table, Py_ssize_t dim) {              \
         const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
         const T *weights = b->weights.buf;                                                   \
@@ -1067,27 +1110,22 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
          * torch's own loop (the rest) rounds the product first. */                          \
         int fused = sizeof(T) == 4 && b->padding < 0;                                        \
         T *out = b->pooled.buf;                                                              \
-        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1, count = b->positions.len / 8;           \
         for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
-            T *sum = out + j * dim;                                                          \
-            for (Py_ssize_t k = 0; k < dim; k++) sum[k] = 0;                                 \
-            Py_ssize_t size = 0;                                                             \
-            for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
-                if (positions[i] == b->padding) continue;                                    \
-                const T *row = table + positions[i] * dim;                                   \
-                size++;                                                                      \
-                if (weights != NULL && fused) {                                              \
-                    T w = weights[i];                                                        \
-                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] = FMA(w, row[k], sum[k]);    \
-                } else if (weights != NULL) {                                                \
-                    T w = weights[i];                                                        \
-                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] += w * row[k];               \
-                } else {                                                                     \
-                    for (Py_ssize_t k = 0; k < dim; k++) sum[k] += row[k];                   \
-                }                                                                            \
+            /* Each sum from zero, its terms in the bag's order: a block at a time changes   \
+             * which sums are added when, not any sum's operations. */                       \
+            for (Py_ssize_t k0 = 0; k0 < dim; k0 += POOL_BLOCK) {                            \
+                Py_ssize_t width = dim - k0 < POOL_BLOCK ? dim - k0 : POOL_BLOCK;            \
+                T *sums = out + j * dim + k0;                                                \
+                if (weights == NULL && width == POOL_BLOCK)                                  \
+                    sum_block_##T(sums, table, positions, starts[j], starts[j + 1], count,   \
+                                  dim, k0, b->padding);                                      \
+                else                                                                         \
+                    sum_columns_##T(sums, table, positions, weights, starts[j],              \
+                                    starts[j + 1], dim, k0, width, b->padding, fused);       \
             }                                                                                \
-            if (b->mean && size > 0)                                                         \
-                for (Py_ssize_t k = 0; k < dim; k++) sum[k] /= (T)size;                      \
+            Py_ssize_t size = b->mean ? bag_size(b, j) : 0;                                  \
+            for (Py_ssize_t k = 0; k < dim && size > 0; k++) out[j * dim + k] /= (T)size;   \
         }                                                                                    \
     }                                                                                        \
     /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares); `order`: the order  \

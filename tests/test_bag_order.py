@@ -1,9 +1,9 @@
 """The order a trainer's pooled lookups add a row's gradient terms in (paramserver/trainer/bags.py,
 paramserver/_sort_order.cpp): the loops' sort order is torch.sort's on both sides of its two
 thresholds (16 ids: std::sort's insertion sort; 32768: torch's stable radix sort), lookups of
-that many ids (several of one table in one forward too) are torch's bitwise, forward and
-backward, and the check made at a process's first pooled lookup leaves every lookup to torch,
-and says why once, where the loops' order or rounding is not torch's.
+that many ids (several of one table in one forward too) and of rows of any width are torch's
+bitwise, forward and backward, and the check made at a process's first pooled lookup leaves
+every lookup to torch, and says why once, where the loops' order or rounding is not torch's.
 """
 
 from __future__ import annotations
@@ -76,7 +76,15 @@ def test_lookups_around_the_sorts_thresholds_are_torchs(
     size: int, mode: str, weighted: bool, padding: int | None
 ) -> None:
     g = torch.Generator().manual_seed(size + 2 * weighted + (padding or 0))
-    layer = nn.EmbeddingBag(ROWS, DIM, mode=mode, padding_idx=padding)
+    assert_lookup_is_torchs(g, size, DIM, mode, weighted, padding)
+
+
+def assert_lookup_is_torchs(
+    g: torch.Generator, size: int, dim: int, mode: str, weighted: bool, padding: int | None
+) -> None:
+    """A lookup of ``size`` ids (:func:`lookup`) of rows ``dim`` wide, by the loops, and its
+    gradients (rows' and weights') are torch's bitwise."""
+    layer = nn.EmbeddingBag(ROWS, dim, mode=mode, padding_idx=padding)
     ids, offsets, weights = lookup(g, size, weighted, padding)
     remote, rows = remote_of(layer, torch.unique(ids))
     got, want = remote(ids, offsets, weights), layer(ids, offsets, weights)
@@ -168,3 +176,14 @@ def test_the_check_passes_here_whatever_the_grad_mode(fresh_check: None) -> None
     torch's); a first lookup made without autograd (serving, evaluation) checks as well."""
     with torch.inference_mode():
         assert bags.loops_agree_with_torch()
+
+
+@pytest.mark.parametrize("dim", [1, 15, 16, 17, 40])
+@pytest.mark.parametrize(("mode", "weighted", "padding"), CASES)
+def test_rows_of_any_width_are_torchs(
+    dim: int, mode: str, weighted: bool, padding: int | None
+) -> None:
+    """The loops sum 16 columns at a time (a full block kept in registers, the rest column by
+    column): rows narrower, as wide, and wider than a block or two pool and add back alike."""
+    g = torch.Generator().manual_seed(dim + 2 * weighted + (padding or 0))
+    assert_lookup_is_torchs(g, 300, dim, mode, weighted, padding)

@@ -35,8 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -49,15 +48,17 @@ from paramserver import native
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Bags:
+class Bags(NamedTuple):
     """One pooled lookup in a table's pulled rows: each id's row (``positions``), where each
     bag starts (``starts``, with the end after the last bag), each id's weight (None: 1), the
-    padding row's position (-1: none), and whether bags are means."""
+    padding row's position (-1: none), and whether bags are means. numpy arrays (int64, and
+    the rows' type for weights), as the loops take them, in a tuple: a lookup's Python costs
+    about what torch's whole ``embedding_bag`` does at batch 128, so it makes no tensor and
+    no object it need not."""
 
-    positions: Tensor
-    starts: Tensor
-    weights: Tensor | None
+    positions: np.ndarray
+    starts: np.ndarray
+    weights: np.ndarray | None
     padding: int
     mean: bool
 
@@ -75,27 +76,41 @@ class Bags:
         the lookup to torch (max bags, weights of mean bags, layouts torch itself refuses)."""
         if mode not in ("sum", "mean") or (weights is not None and mode != "sum"):
             return None
+        if positions.dtype != torch.int64:
+            return None
         if positions.dim() == 2 and offsets is None and not include_last_offset:
             count, length = positions.shape
-            starts = torch.arange(0, count * length + 1, max(length, 1))
+            starts = np.arange(0, count * length + 1, max(length, 1), dtype=np.int64)
             if length == 0:
-                starts = torch.zeros(count + 1, dtype=torch.int64)
-        elif positions.dim() == 1 and offsets is not None and offsets.dim() == 1:
-            starts = offsets.to(torch.int64)
-            if not include_last_offset:
-                starts = torch.cat([starts, torch.tensor([positions.numel()])])
-            elif starts.numel() == 0:
-                return None
+                starts = np.zeros(count + 1, dtype=np.int64)
+        elif (
+            positions.dim() == 1
+            and offsets is not None
+            and offsets.dim() == 1
+            and offsets.dtype in (torch.int32, torch.int64)
+        ):
+            given = offsets.numpy()
+            if include_last_offset:
+                if given.size == 0:
+                    return None
+                starts = np.ascontiguousarray(given, dtype=np.int64)
+            else:
+                starts = np.empty(given.size + 1, dtype=np.int64)
+                starts[:-1] = given
+                starts[-1] = positions.numel()
         else:
             return None
         flat = None
         if weights is not None:
             if weights.shape != positions.shape:
                 return None
-            flat = weights.detach().reshape(-1).contiguous()
+            flat = weights.detach().reshape(-1).contiguous().numpy()
+        flat_positions = positions.numpy().reshape(-1)
+        if not flat_positions.flags.c_contiguous:
+            flat_positions = np.ascontiguousarray(flat_positions)
         return Bags(
-            positions.reshape(-1).contiguous(),
-            starts.contiguous(),
+            flat_positions,
+            starts,
             flat,
             -1 if padding is None else padding,
             mode == "mean",
@@ -103,14 +118,12 @@ class Bags:
 
     @property
     def num_bags(self) -> int:
-        return self.starts.numel() - 1
+        return self.starts.size - 1
 
     def arrays(self, table: int, pooled: Tensor | None) -> native.BagArrays:
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
-        weights = None if self.weights is None else self.weights.numpy()
         out = None if pooled is None else pooled.numpy()
-        return (table, self.positions.numpy(), self.starts.numpy(), weights, self.padding,
-                self.mean, out)  # fmt: skip
+        return (table, self.positions, self.starts, self.weights, self.padding, self.mean, out)
 
 
 def takes(rows: Tensor, weights: Tensor | None) -> bool:
@@ -210,6 +223,8 @@ class BagNode:
 
     def __init__(self, rows: list[Tensor]):
         self.rows = rows
+        self.arrays = [r.detach().numpy() for r in rows]  # the rows as the loops read them
+        self.tables = {id(r): t for t, r in enumerate(rows)}  # each rows' number, by identity
         self.lookups: list[tuple[int, Bags]] = []
         self.grads: dict[int, Tensor] = {}  # each lookup's bag gradients, set by backward
         self.token = _Step.apply(self, *rows)
@@ -232,7 +247,7 @@ def pooled_lookup(
     given, else in a node of their own; None where torch is to pool them."""
     if node is None:
         node = BagNode([rows])
-    return node.pool(next(i for i, r in enumerate(node.rows) if r is rows), bags, weights)
+    return node.pool(node.tables[id(rows)], bags, weights)
 
 
 class _Step(torch.autograd.Function):
@@ -282,9 +297,9 @@ class _Lookup(torch.autograd.Function):
     def forward(
         ctx: Any, node: BagNode, table: int, bags: Bags, token: Tensor, weights: Tensor | None
     ) -> Tensor:
-        rows = node.rows[table].detach()
-        pooled = torch.empty(bags.num_bags, rows.shape[1], dtype=rows.dtype)
-        native.pool_bags([rows.numpy()], [bags.arrays(0, pooled)], rows.shape[1])
+        rows = node.arrays[table]
+        pooled = torch.empty(bags.num_bags, rows.shape[1], dtype=node.rows[table].dtype)
+        native.pool_bags([rows], [bags.arrays(0, pooled)], rows.shape[1])
         ctx.node, ctx.number = node, len(node.lookups)
         ctx.weights_shape = None if weights is None else weights.shape
         ctx.set_materialize_grads(False)
@@ -310,8 +325,9 @@ class _Lookup(torch.autograd.Function):
 def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:
     """Each id's weight's gradient: its row dotted with its bag's gradient (0 for padding), by
     torch's own kernel (its dot's order is its BLAS's)."""
-    sizes = bags.starts.diff()
+    positions, starts = torch.from_numpy(bags.positions), torch.from_numpy(bags.starts)
+    sizes = starts.diff()
     bag_of = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
     return torch.ops.aten._embedding_bag_per_sample_weights_backward(
-        grad, rows, bags.positions, bags.starts[:-1], bag_of, 0, bags.padding
+        grad, rows, positions, starts[:-1], bag_of, 0, bags.padding
     )
