@@ -169,7 +169,7 @@ def _agreement() -> bool:
 
 
 def _disagreement() -> str | None:
-    """How the loops differ from torch here (None: nowhere checked)."""
+    """How the loops differ from torch here (None: they agree wherever checked)."""
     generator = torch.Generator().manual_seed(0)
     for size, distinct in ORDER_CHECKS:  # many repeats: an unstable sort's order shows
         ids = torch.randint(0, distinct, (size,), generator=generator)
@@ -193,12 +193,13 @@ def _disagreement() -> str | None:
 def _lookup_agrees(
     generator: torch.Generator, dtype: torch.dtype, mode: str, weighted: bool, padding: int | None
 ) -> bool:
-    """Whether a small pooled lookup by the loops, and its gradients, are torch's bitwise."""
-    rows = torch.randn(20, 8, generator=generator, dtype=dtype)
+    """Whether a small pooled lookup by the loops, and its gradients, are torch's bitwise
+    (rows 20 wide: a block of 16 columns and the rest, the loops' two ways to sum them)."""
+    rows = torch.randn(20, 20, generator=generator, dtype=dtype)
     ids = torch.randint(0, 20, (200,), generator=generator)
     offsets = torch.tensor([0, 0, 3, 50, 50, 120])
     weights = torch.rand(200, generator=generator, dtype=dtype) if weighted else None
-    grad = torch.randn(offsets.numel(), 8, generator=generator, dtype=dtype)
+    grad = torch.randn(offsets.numel(), 20, generator=generator, dtype=dtype)
     bags = Bags.of(ids, offsets, weights, mode, padding, include_last_offset=False)
     assert bags is not None
     results = []
