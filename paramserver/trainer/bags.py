@@ -148,8 +148,9 @@ a radix sort in torch's thread pool can cost a loaded machine 0.1 s)."""
 
 def loops_agree_with_torch() -> bool:
     """Whether the loops' pooled lookups are torch's bitwise in this process (module
-    docstring); checked once, at the first call, by a few milliseconds of sorts and lookups on
-    a generator of its own (the global random state is untouched), whatever the grad mode.
+    docstring); checked once, at the first call, by sorts and lookups on a generator of its
+    own (the global random state is untouched), whatever the grad mode: ~20 ms with one torch
+    thread, more with several on a busy machine (torch's radix sort spins up its pool).
     Where they are not, logs why (a warning, once) and returns False: every pooled lookup is
     then torch's. Thread-safe: trainers that are threads of one process check once."""
     with _checking:
@@ -214,7 +215,10 @@ def _lookup_agrees(
         if pooled is None:
             return False
         inputs = [leaf] + ([weights_leaf] if weights_leaf is not None else [])
-        results.append([pooled.detach(), *torch.autograd.grad(pooled, inputs, grad)])
+        # A scalar's backward (pooled's gradient is `grad`, exactly): autograd.grad given
+        # grad_outputs imports sympy, half a second a process that training never spends.
+        loss = (pooled * grad).sum()
+        results.append([pooled.detach(), *torch.autograd.grad(loss, inputs)])
     return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
