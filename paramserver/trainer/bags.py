@@ -78,27 +78,8 @@ class Bags(NamedTuple):
             return None
         if positions.dtype != torch.int64:
             return None
-        if positions.dim() == 2 and offsets is None and not include_last_offset:
-            count, length = positions.shape
-            starts = np.arange(0, count * length + 1, max(length, 1), dtype=np.int64)
-            if length == 0:
-                starts = np.zeros(count + 1, dtype=np.int64)
-        elif (
-            positions.dim() == 1
-            and offsets is not None
-            and offsets.dim() == 1
-            and offsets.dtype in (torch.int32, torch.int64)
-        ):
-            given = offsets.numpy()
-            if include_last_offset:
-                if given.size == 0:
-                    return None
-                starts = np.ascontiguousarray(given, dtype=np.int64)
-            else:
-                starts = np.empty(given.size + 1, dtype=np.int64)
-                starts[:-1] = given
-                starts[-1] = positions.numel()
-        else:
+        starts = _starts(positions, offsets, include_last_offset)
+        if starts is None:
             return None
         flat = None
         if weights is not None:
@@ -124,6 +105,32 @@ class Bags(NamedTuple):
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
         out = None if pooled is None else pooled.numpy()
         return (table, self.positions, self.starts, self.weights, self.padding, self.mean, out)
+
+
+def _starts(
+    positions: Tensor, offsets: Tensor | None, include_last_offset: bool
+) -> np.ndarray | None:
+    """Where each bag of ``positions`` starts, and the end after the last (int64); None for a
+    layout the loops leave to torch (to refuse, where it is unsound)."""
+    if positions.dim() == 2 and offsets is None and not include_last_offset:
+        count, length = positions.shape
+        if length == 0:
+            return np.zeros(count + 1, dtype=np.int64)
+        return np.arange(0, count * length + 1, length, dtype=np.int64)
+    if (
+        positions.dim() != 1
+        or offsets is None
+        or offsets.dim() != 1
+        or offsets.dtype not in (torch.int32, torch.int64)
+    ):
+        return None
+    given = offsets.numpy()
+    if include_last_offset:
+        return np.ascontiguousarray(given, dtype=np.int64) if given.size else None
+    starts = np.empty(given.size + 1, dtype=np.int64)
+    starts[:-1] = given
+    starts[-1] = positions.numel()
+    return starts
 
 
 def takes(rows: Tensor, weights: Tensor | None) -> bool:
