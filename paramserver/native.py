@@ -31,7 +31,10 @@ is what sets its speed. The operations, each a function here with the same resul
   table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
 - :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
   every table in one call, and its backward adds their gradients in one (torch: an
-  ``index_select`` and an ``index_add_`` per lookup).
+  ``index_select`` and an ``index_add_`` per lookup);
+- :func:`pool_bags` and :func:`scatter_bags`: the same for pooled lookups (``EmbeddingBag``),
+  the backward adding each row's terms in the order torch's does (:func:`sort_order`; torch: a
+  sort of the ids and a dispatched axpy per id, lookup by lookup).
 
 A caller calls the operation and never asks whether the loops are built. Where both paths give
 one result, the caller hands in its own path as ``fallback``, which the operation calls with
@@ -355,3 +358,53 @@ def own_rows(
     servers' update on this machine (see :mod:`paramserver.optim`)."""
     assert loops is not None, "called where takes_rows() says the loops apply"
     return int(loops.own_rows(OWN_KINDS[kind], tables, eps, weight_decay, fused))
+
+
+def pools_rows(rows: Tensor) -> bool:
+    """Whether the loops are built and pool bags of ``rows`` (:func:`pool_bags`): float32 or
+    float64, 2-D and contiguous."""
+    return (
+        loops is not None
+        and rows.dtype in (torch.float32, torch.float64)
+        and rows.dim() == 2
+        and rows.is_contiguous()
+    )
+
+
+# One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
+# padding position or -1, mean, the bags' rows: out, or their gradients).
+BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, np.ndarray | None]
+
+
+def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+    """Sum each lookup's bags of rows of its table into its ``out`` (a mean: divided by the
+    ids not padding), each bag in its ids' order from zero as torch's ``embedding_bag`` does;
+    the tables and outputs rows of ``dim`` of one float type, which :func:`pools_rows`. Raises
+    ValueError (nothing written) for bags that do not cover their ids in order from 0."""
+    assert loops is not None, "called where pools_rows() says the loops apply"
+    loops.pool_bags(tables, lookups, dim, tables[0].dtype == np.float64)
+
+
+def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+    """:func:`pool_bags`' backward: each lookup's bag gradients (None: none), times the id's
+    weight (a mean: 1 / the bag's size) by a multiply-add as torch's axpy makes it, added into
+    ``tables[table]``'s row of each id that is not padding, id by id in :func:`sort_order` of
+    the lookup's positions (the order of ``torch.sort(positions).indices``, which torch's dense
+    backward visits them in, where :mod:`paramserver.trainer.bags`' check finds them equal)."""
+    assert loops is not None, "called where pools_rows() says the loops apply"
+    loops.scatter_bags(tables, lookups, dim, tables[0].dtype == np.float64)
+
+
+def sort_order(keys: np.ndarray) -> np.ndarray:
+    """The order :func:`scatter_bags` visits a lookup's ids ``keys`` (int64, 1-D) in, as a
+    permutation of their positions: that of C++'s ``std::sort`` of (key, position) pairs compared
+    by key (torch's CPU sort below its radix sort's threshold, ``TORCH_RADIX_SORT_FROM`` ids),
+    and positions ascending within a key (a stable sort, as that radix sort) from there on;
+    what ``torch.sort(keys).indices`` is, where this torch build sorts so."""
+    assert loops is not None, "called where pools_rows() says the loops apply"
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if keys.size >= loops.TORCH_RADIX_SORT_FROM:
+        return np.argsort(keys, kind="stable")
+    order = np.empty_like(keys)
+    loops.sort_order(keys, order)
+    return order

@@ -18,6 +18,7 @@ from torch.autograd.function import once_differentiable
 
 from paramserver import native
 from paramserver.errors import ModelError
+from paramserver.trainer.bags import BagNode
 from paramserver.wire.messages import BagBlock
 
 
@@ -104,6 +105,7 @@ class StepLookups:
         self._tables = tables
         self._active = False
         self._outputs: dict[str, tuple[Tensor, ...]] | None = None
+        self._bag_nodes: dict[tuple[int, torch.dtype], BagNode] = {}
 
     @contextmanager
     def forward(self) -> Iterator[None]:
@@ -113,6 +115,24 @@ class StepLookups:
             yield
         finally:
             self._active, self._outputs = False, None
+            self._bag_nodes = {}
+
+    def bag_node(self, rows: Tensor) -> BagNode | None:
+        """The node this forward's pooled lookups of ``rows`` (a table's leaf, which
+        :func:`paramserver.native.pools_rows`) join, with those of every table of its width and
+        type (:mod:`paramserver.trainer.bags`); None outside a forward."""
+        if not self._active:
+            return None
+        key = (rows.shape[1], rows.dtype)
+        node = self._bag_nodes.get(key)
+        if node is None:
+            group = [
+                r.rows
+                for r in self._tables.values()
+                if (r.rows.shape[1], r.rows.dtype) == key and native.pools_rows(r.rows)
+            ]
+            node = self._bag_nodes[key] = BagNode(group)
+        return node
 
     def output(self, table: str, lookup: int) -> Tensor | None:
         """The rows of ``table``'s recorded lookup ``lookup`` (None: not held here)."""

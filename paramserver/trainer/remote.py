@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import SERVED, Embedding, find_embeddings, table_size
+from paramserver.trainer import bags as pooling
 from paramserver.trainer.lookups import RecordedLookups, Recorder, StepLookups
 from paramserver.wire.messages import BagBlock
 
@@ -265,11 +266,24 @@ class RemoteEmbedding(nn.Module):
             # (an index_add) costs about 60% of embedding's dense backward on CPU.
             rows = self.rows.index_select(0, local.reshape(-1))
             return rows.view(*local.shape, self.embedding_dim)
+        return self._layer_lookup(local, offsets, per_sample_weights, options)
+
+    def _layer_lookup(
+        self,
+        local: Tensor,
+        offsets: Tensor | None,
+        per_sample_weights: Tensor | None,
+        options: LookupOptions,
+    ) -> Tensor:
+        """A lookup that is not plain, of the pulled rows at positions ``local``."""
         padding = self._local_padding(options.padding_idx)
         if options.bag_mode is None:
             return F.embedding(
                 local, self.rows, padding_idx=padding, scale_grad_by_freq=options.scale_grad_by_freq
             )
+        pooled = self._pool(local, offsets, per_sample_weights, options, padding)
+        if pooled is not None:
+            return pooled
         return F.embedding_bag(
             local,
             self.rows,
@@ -280,6 +294,25 @@ class RemoteEmbedding(nn.Module):
             include_last_offset=options.include_last_offset,
             padding_idx=padding,
         )
+
+    def _pool(
+        self,
+        local: Tensor,
+        offsets: Tensor | None,
+        weights: Tensor | None,
+        options: LookupOptions,
+        padding: int | None,
+    ) -> Tensor | None:
+        """A bag lookup of the pulled rows by the compiled loops, joining this forward's
+        other pooled lookups (:mod:`paramserver.trainer.bags`); None: torch's to make."""
+        mode = options.bag_mode
+        if mode is None or options.scale_grad_by_freq or not pooling.takes(self.rows, weights):
+            return None
+        bags = pooling.Bags.of(local, offsets, weights, mode, padding, options.include_last_offset)
+        if bags is None:
+            return None
+        node = None if self.step_lookups is None else self.step_lookups.bag_node(self.rows)
+        return pooling.pooled_lookup(self.rows, bags, weights, node)
 
     def _check_pooled(self, options: LookupOptions) -> None:
         if options != self.options:

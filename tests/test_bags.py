@@ -1,0 +1,216 @@
+"""A trainer's pooled lookups over its pulled rows (paramserver/trainer/bags.py): the compiled
+loops and the fallback (torch's embedding_bag) against torch's embedding_bag on the whole table,
+forward and backward, across modes, weights, padding, offsets, empty bags and types; and a
+forward's bag lookups of several tables made in one node.
+
+Pooled rows and gradients (rows' and weights') are torch's bitwise, several lookups of one
+table included: the loops round a weight's product as torch's kernel for the case does, add a
+row's terms in the order of torch's sort, by torch's multiply-adds, and sum the lookups'
+gradients in autograd's order. The padding row is among the pulled rows wherever a lookup has
+one (torch's full-table lookup takes another kernel than one without padding; a trainer that did
+not pull its padding row looks up as one without, the loops and torch's fallback alike).
+tests/test_bag_order.py tries lookups of more ids (around the sort's thresholds) and the check
+that leaves lookups to torch where its sort or rounding differs from the loops'.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+from paramserver import native
+from paramserver.trainer.bags import _Step
+from paramserver.trainer.lookups import StepLookups
+from paramserver.trainer.remote import RemoteEmbedding
+
+ROWS, DIM = 40, 16
+CASES = [
+    (mode, weighted, padding, last, dtype)
+    for mode, weighted, padding, last, dtype in itertools.product(
+        ["sum", "mean"], [False, True], [None, 8], [False, True], [torch.float32, torch.float64]
+    )
+    if not (weighted and mode == "mean")
+]
+
+
+def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, Tensor]:
+    """``layer`` as a trainer's table, holding ``pulled`` (sorted ids) rows of its weight."""
+    remote = RemoteEmbedding("t", layer)
+    rows = layer.weight.detach()[pulled].clone().requires_grad_(True)
+    remote.set_rows(pulled, rows)
+    return remote, rows
+
+
+def batch(
+    generator: torch.Generator, last: bool, padding: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """300 ids of a few rows (many repeats; every 50th ``padding`` where given) in bags of 0 to
+    100 ids, empty ones included."""
+    ids = torch.randint(0, ROWS // 2, (300,), generator=generator) * 2  # every other row
+    if padding is not None:
+        ids[::50] = padding
+    offsets = torch.tensor([0, 0, 5, 5, 17, 100, 299, 299])
+    return ids, torch.cat([offsets, torch.tensor([300])]) if last else offsets
+
+
+@pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)
+def test_pooled_lookups_and_gradients_are_torchs(
+    loop_mode: str, mode: str, weighted: bool, padding: int | None, last: bool, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(len(mode) + 2 * weighted + 4 * last)
+    layer = nn.EmbeddingBag(
+        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype
+    )
+    ids, offsets = batch(g, last, padding)
+    weights = torch.rand(300, generator=g, dtype=dtype).requires_grad_(True) if weighted else None
+    remote, rows = remote_of(layer, torch.unique(ids))
+    got = remote(ids, offsets, weights)
+    want = layer(ids, offsets, weights)
+    assert torch.equal(got, want)
+    grad = torch.randn(want.shape, generator=g, dtype=dtype)
+    inputs = [rows] + ([weights] if weights is not None else [])
+    got_grads = torch.autograd.grad(got, inputs, grad)
+    want_grads = torch.autograd.grad(want, [layer.weight, *inputs[1:]], grad)
+    assert torch.equal(got_grads[0], want_grads[0][torch.unique(ids)])
+    if weighted:
+        assert torch.equal(got_grads[1], want_grads[1])
+    assert (got.grad_fn is not None) and (
+        ("_Lookup" in type(got.grad_fn).__name__) == (loop_mode == "compiled")
+    )
+
+
+def test_two_d_bags_and_bags_torch_refuses(loop_mode: str) -> None:
+    """Fixed-length bags (2-D ids, no offsets); bags not starting at 0 are torch's to refuse."""
+    g = torch.Generator().manual_seed(3)
+    layer = nn.EmbeddingBag(ROWS, DIM, mode="mean")
+    ids = torch.randint(0, ROWS, (32, 5), generator=g)
+    remote, _rows = remote_of(layer, torch.unique(ids))
+    assert torch.equal(remote(ids), layer(ids))
+    with pytest.raises(RuntimeError, match="offsets"):
+        remote(ids.reshape(-1), torch.tensor([1, 4]))
+
+
+def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -> None:
+    """Three tables (two float32 of one width, one float64), two lookups of one: in one
+    forward, each (width, type) group's gradients come from one node, in one buffer."""
+    g = torch.Generator().manual_seed(5)
+    layers = {
+        "a": nn.EmbeddingBag(ROWS, DIM, mode="sum"),
+        "b": nn.EmbeddingBag(ROWS, DIM, mode="mean"),
+        "c": nn.EmbeddingBag(ROWS, DIM, mode="sum", dtype=torch.float64),
+    }
+    ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
+    offsets = torch.arange(0, 64, 4)
+    remotes, rows = {}, {}
+    for table, layer in layers.items():
+        remotes[table], rows[table] = remote_of(layer, torch.unique(ids[table]))
+        remotes[table].table = table
+    step = StepLookups(remotes)
+    for remote in remotes.values():
+        remote.step_lookups = step
+    with step.forward():
+        got = [remotes[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
+    want = [layers[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
+    loss = sum((o.double() * (i + 1)).sum() for i, o in enumerate(got))
+    grads = torch.autograd.grad(loss, [rows[t] for t in layers])
+    expected_loss = sum((o.double() * (i + 1)).sum() for i, o in enumerate(want))
+    expected = torch.autograd.grad(expected_loss, [layer.weight for layer in layers.values()])
+    for got_out, want_out in zip(got, want, strict=True):
+        assert torch.equal(got_out, want_out)
+    for table, grad, full in zip(layers, grads, expected, strict=True):
+        assert torch.equal(grad, full[torch.unique(ids[table])])
+    if loop_mode == "compiled":
+        steps = {id(_step_of(o)) for o in got[:2] + got[3:]}
+        assert len(steps) == 1 and _step_of(got[2]) is not _step_of(got[0])
+        assert grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)
+@pytest.mark.parametrize("joined", ["summed", "concatenated"])
+def test_several_lookups_of_one_table_give_torchs_gradients(
+    loop_mode: str,
+    mode: str,
+    weighted: bool,
+    padding: int | None,
+    last: bool,
+    dtype: torch.dtype,
+    joined: str,
+) -> None:
+    """Four lookups of one table in one forward: each lookup's gradient is torch's, and they
+    are summed as autograd sums torch's (three or more: the grouping shows in the last bits),
+    whether the outputs meet in a sum of losses or in one concatenation."""
+    g = torch.Generator().manual_seed(11 + len(mode) + 2 * weighted + 4 * last)
+    layer = nn.EmbeddingBag(
+        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype
+    )
+    batches = [batch(g, last, padding) for _ in range(4)]
+    weights = [
+        torch.rand(300, generator=g, dtype=dtype).requires_grad_(True) if weighted else None
+        for _ in batches
+    ]
+    pulled = torch.unique(torch.cat([ids for ids, _ in batches]))
+    remote, rows = remote_of(layer, pulled)
+    step = StepLookups({"t": remote})
+    remote.step_lookups = step
+    with step.forward():
+        got = [remote(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
+    want = [layer(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
+    scales = [torch.randn(o.shape, generator=g, dtype=dtype) for o in want]
+
+    def loss(outputs: list[Tensor]) -> Tensor:
+        if joined == "summed":
+            return sum(((o * s).sum() for o, s in zip(outputs, scales, strict=True)),
+                       torch.zeros((), dtype=dtype))  # fmt: skip
+        return (torch.cat(outputs) * torch.cat(scales)).sum()
+
+    for got_out, want_out in zip(got, want, strict=True):
+        assert torch.equal(got_out, want_out)
+    extra = [w for w in weights if w is not None]
+    got_grads = torch.autograd.grad(loss(got), [rows, *extra])
+    want_grads = torch.autograd.grad(loss(want), [layer.weight, *extra])
+    assert torch.equal(got_grads[0], want_grads[0][pulled])
+    for got_grad, want_grad in zip(got_grads[1:], want_grads[1:], strict=True):
+        assert torch.equal(got_grad, want_grad)
+
+
+def _step_of(output: Tensor) -> object:
+    """The node below a pooled lookup's own."""
+    assert output.grad_fn is not None
+    below = [f for f, _ in output.grad_fn.next_functions if f is not None]
+    steps = [f for f in below if _Step.__name__ in type(f).__name__]
+    assert len(steps) == 1
+    return steps[0]
+
+
+@pytest.mark.skipif(native.loops is None, reason="the compiled loops are turned off")
+def test_bad_bags_are_refused_before_anything_is_written() -> None:
+    loops = native.loops
+    assert loops is not None
+    table = np.ones((4, 2), dtype=np.float32)
+    out, out3 = np.zeros((2, 2), dtype=np.float32), np.zeros((3, 2), dtype=np.float32)
+    good = (0, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, out)
+    bad = {
+        "cover": (0, np.array([0, 3]), np.array([1, 1, 2]), None, -1, False, out),
+        "end before": (0, np.array([0, 3]), np.array([0, 2, 1, 2]), None, -1, False, out3),
+        "past its table": (0, np.array([0, 4]), np.array([0, 1, 2]), None, -1, False, out),
+        "one weight per id": (0, np.array([0, 3]), np.array([0, 1, 2]),
+                              np.ones(1, dtype=np.float32), -1, False, out),
+        "one pooled row per bag": (0, np.array([0, 3]), np.array([0, 2]), None, -1, False, out),
+        "of no table": (1, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, out),
+    }  # fmt: skip
+    for reason, lookup in bad.items():
+        with pytest.raises(ValueError, match=reason):
+            loops.pool_bags([table], [good, lookup], 2, False)
+        grads = np.zeros((4, 2), dtype=np.float32)
+        with pytest.raises(ValueError, match=reason):
+            loops.scatter_bags([grads], [good, lookup], 2, False)
+        assert not grads.any()
+    assert not out.any() and not out3.any()
+    with pytest.raises(ValueError, match="whole rows"):
+        loops.pool_bags([np.ones(3, dtype=np.float32)], [], 2, False)
+    with pytest.raises(ValueError, match="without an output"):
+        loops.pool_bags([table], [(*good[:6], None)], 2, False)
