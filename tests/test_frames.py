@@ -14,6 +14,8 @@ import torch
 import torch.distributed.rpc as torch_rpc
 from torch.futures import Future
 
+from paramserver.errors import TrainerDepartedError
+from paramserver.futures import failed
 from paramserver.transport import rpc as rpc_transport
 from paramserver.wire import frames
 from paramserver.wire.frames import FrameError
@@ -189,6 +191,19 @@ def test_a_servers_rpc_entry_answers_a_frame_and_refuses_another_version(
     assert answer[0] == "pull" and all(map(torch.equal, answer[1], values))
     with pytest.raises(FrameError, match="version 7"):
         rpc_transport._serve(frame_of_version(7), []).wait()
+
+
+def test_a_servers_error_leaves_its_rpc_entry_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not wrapped as the RuntimeError of a failed callback: a trainer told it was declared
+    departed must not take it for a lost server."""
+
+    class Refusing:
+        def handle(self, op: object, args: object) -> Future:
+            return failed(TrainerDepartedError("server 0: trainer 2 was declared departed"))
+
+    monkeypatch.setattr(rpc_transport, "_ENDPOINT", Refusing())
+    with pytest.raises(TrainerDepartedError, match="^server 0: trainer 2 was declared"):
+        rpc_transport._serve(*frames.encode(("push_pull", ()))).wait()
 
 
 def test_a_damaged_answer_is_a_typed_error_for_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -78,11 +78,19 @@ def _serve(frame: bytearray, large: list[Tensor]) -> Future:
     except (FrameError, TypeError, ValueError) as error:
         failed.set_exception(error if isinstance(error, FrameError) else FrameError(str(error)))
         return failed
-    return endpoint.handle(op, args).then(_answer_frame)
+    handled = endpoint.handle(op, args)
+    answer: Future = Future()
 
+    def framed(done: Future) -> None:
+        # Set on a future of our own, not by then(): an error a callback raises reaches the
+        # caller as a RuntimeError, while one set here arrives as itself, its type kept.
+        try:
+            answer.set_result(frames.encode(done.value()))
+        except Exception as error:
+            answer.set_exception(error)
 
-def _answer_frame(answered: Future) -> tuple[bytearray, list[Tensor]]:
-    return frames.encode(answered.value())
+    handled.add_done_callback(framed)
+    return answer
 
 
 def start(
