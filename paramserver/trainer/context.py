@@ -43,14 +43,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from paramserver.config import TrainConfig
 from paramserver.errors import LoopError
 from paramserver.observe import startup
-from paramserver.trainer.checkpointing import TrainerCheckpoints, set_rng_state
-from paramserver.trainer.client import PSClient
-from paramserver.trainer.dense import OWN_OPTIMIZERS, AllReducedDense, adopt_loops_optimizer
-from paramserver.trainer.heartbeat import Activity
-from paramserver.trainer.observer import Observer
+from paramserver.trainer.checkpointing import set_rng_state
+from paramserver.trainer.dense import OWN_OPTIMIZERS, adopt_loops_optimizer
 from paramserver.trainer.ownupdates import OwnUpdates
-from paramserver.trainer.replica import Call, Replica
-from paramserver.trainer.stages import Gradients, GroupedSteps, StepCalls
+from paramserver.trainer.replica import Call
+from paramserver.trainer.stages import Engine, Gradients, GroupedSteps, StepCalls
 from paramserver.trainer.steps import AheadRecorder, BatchSource, Step
 from paramserver.types import Progress
 
@@ -91,21 +88,6 @@ class Resumed:
     rng: tuple[dict[str, Tensor], dict[str, Any]] | None = None
     left: bool = False
     position: Any = None
-
-
-@dataclass
-class Engine:
-    """The pieces of a trainer the context drives."""
-
-    trainer: int
-    config: TrainConfig
-    replica: Replica
-    client: PSClient
-    checkpoints: TrainerCheckpoints
-    activity: Activity
-    observer: Observer
-    on_progress: Callable[[Progress], None] | None
-    dense: AllReducedDense | None = None  # --dense-sync allreduce: the trainer's own
 
 
 class TrainContext:

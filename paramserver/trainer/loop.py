@@ -42,12 +42,12 @@ from paramserver.observe import peak_rss_bytes, startup
 from paramserver.observe.summary import summarize
 from paramserver.trainer.checkpointing import RngState, TrainerCheckpoints, rng_state
 from paramserver.trainer.client import PSClient, PushCodecs, gather_state, to_state_dict
-from paramserver.trainer.context import Engine, Resumed, TrainContext
+from paramserver.trainer.context import Resumed, TrainContext
 from paramserver.trainer.dense import AllReducedDense
 from paramserver.trainer.heartbeat import Activity, Heartbeats
 from paramserver.trainer.observer import Observer
 from paramserver.trainer.replica import Replica
-from paramserver.trainer.stages import Gradients
+from paramserver.trainer.stages import Engine, Gradients
 from paramserver.transport.base import Transport
 from paramserver.transport.group import TrainerGroup
 from paramserver.transport.profiled import ProfiledTransport

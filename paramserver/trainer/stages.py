@@ -15,11 +15,16 @@ from typing import Any, Protocol
 
 from torch import Tensor
 
-from paramserver.trainer.checkpointing import rng_state
+from paramserver.config import TrainConfig
+from paramserver.trainer.checkpointing import TrainerCheckpoints, rng_state
 from paramserver.trainer.client import InFlight, PSClient, Pulled, StepPush
+from paramserver.trainer.dense import AllReducedDense
+from paramserver.trainer.heartbeat import Activity
+from paramserver.trainer.observer import Observer
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.trainer.replica import Replica
 from paramserver.trainer.steps import AheadRecorder, Group, Step
+from paramserver.types import Progress
 from paramserver.wire.reports import TrainerReport
 
 
@@ -35,6 +40,21 @@ class TheLoop(Protocol):
     def restore_rng(self) -> None: ...
     def each_batch(self, step: Step) -> Iterator[Any]: ...
     def end_if_short(self, step: Step) -> None: ...
+
+
+@dataclass
+class Engine:
+    """The pieces of a trainer the context drives."""
+
+    trainer: int
+    config: TrainConfig
+    replica: Replica
+    client: PSClient
+    checkpoints: TrainerCheckpoints
+    activity: Activity
+    observer: Observer
+    on_progress: Callable[[Progress], None] | None
+    dense: AllReducedDense | None = None  # --dense-sync allreduce: the trainer's own
 
 
 @dataclass
@@ -98,8 +118,7 @@ class StepCalls:
     gradients), in flight (the call under way and the step it pulls for) and answered (the
     current step's values, ``pulled``: None where no step has begun)."""
 
-    def __init__(self, engine: Any, own_updates: OwnUpdates | None, prefetch: bool):
-        """``engine``: the trainer's :class:`~paramserver.trainer.context.Engine`."""
+    def __init__(self, engine: Engine, own_updates: OwnUpdates | None, prefetch: bool):
         self.engine = engine
         self.own_updates = own_updates
         self.prefetch = prefetch
