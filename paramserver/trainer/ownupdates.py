@@ -128,7 +128,7 @@ class OwnUpdates:
     ) -> dict[str, RowState]:
         """The :attr:`known` tables' rows that take the update: the pulled rows among those
         the gradients touch (every table in one search), with no state."""
-        names = [name for name in self.known if name in grads and name in pulled.rows]
+        names = [name for name in grads if name in self.known and name in pulled.rows]
         if not names:
             return {}
         values = [pulled.rows[name][0].numpy() for name in names]

@@ -191,9 +191,10 @@ class StepCalls:
         asked, dense_state = None, False
         own = self.own_updates
         if own is not None and following is not None and pending_of is not None:
-            asked = own.rows_to_ask(following.ids or {}, pending_of.ids or {})
+            unknown = {n: ids for n, ids in (following.ids or {}).items() if n not in own.known}
+            asked = own.rows_to_ask(unknown, pending_of.ids or {})
             dense_state = own.asks_dense_state
-        masks = own.to_ask(asked.masks) if own is not None and asked is not None else None
+        masks = asked.masks if asked is not None else None
         self.in_flight = self.pending.push(self.engine.client, following, masks, dense_state)
         self.in_flight_pulls, self.in_flight_asked = following, asked
 
