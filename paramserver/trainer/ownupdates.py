@@ -84,19 +84,13 @@ class OwnUpdates:
         touched = [pending.get(name) for name in names]
         values = [following[name].numpy() for name in names]
         others = [t.numpy() if t is not None else _NONE for t in touched]
-        value_sizes = tuple(v.size for v in values)
-        other_sizes = tuple(o.size for o in others)
-        at, found = native.places_each(
-            np.concatenate(values), value_sizes, np.concatenate(others), other_sizes,
-            _places_each,
-        )  # fmt: skip
+        at, found = _search_each(values, others)
         masks = torch.from_numpy(found)
         start = 0
-        for name, table_touched, size, other_size in zip(
-            names, touched, value_sizes, other_sizes, strict=True
-        ):
+        for name, table_touched, value, other in zip(names, touched, values, others, strict=True):
+            size = value.size
             asked.masks[name] = masks[start : start + size]
-            if other_size:
+            if other.size:
                 assert table_touched is not None
                 asked.places[name] = (table_touched, at[start : start + size])
             start += size
@@ -132,17 +126,12 @@ class OwnUpdates:
         if not names:
             return {}
         values = [pulled.rows[name][0].numpy() for name in names]
-        others = [grads[name][0].numpy() for name in names]
-        value_sizes = tuple(v.size for v in values)
-        _, found = native.places_each(
-            np.concatenate(values), value_sizes, np.concatenate(others),
-            tuple(o.size for o in others), _places_each,
-        )  # fmt: skip
+        _, found = _search_each(values, [grads[name][0].numpy() for name in names])
         known, start = {}, 0
-        for name, size in zip(names, value_sizes, strict=True):
-            at = np.flatnonzero(found[start : start + size])
+        for name, value in zip(names, values, strict=True):
+            at = np.flatnonzero(found[start : start + value.size])
             known[name] = RowState(torch.from_numpy(at), {})
-            start += size
+            start += value.size
         return known
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
@@ -311,6 +300,17 @@ def _places(values: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 _NONE = np.empty(0, np.int64)
+
+
+def _search_each(
+    values: list[np.ndarray], others: list[np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Where each table's ``values`` are among its ``others`` (sorted unique), and whether
+    they are there: every table in one search (:func:`native.places_each`), joined."""
+    return native.places_each(
+        np.concatenate(values), tuple(v.size for v in values),
+        np.concatenate(others), tuple(o.size for o in others), _places_each,
+    )  # fmt: skip
 
 
 def _places_each(
