@@ -27,6 +27,7 @@ from paramserver.store.store import Store
 from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
 from paramserver.trainer.loop import TrainerOutcome, default_loop
+from paramserver.trainer.remote import RemoteEmbedding
 from paramserver.transport.local import LocalTransport
 from tests.fakes import FaultyTransport
 
@@ -402,3 +403,11 @@ def recover_job_config(root: Path, mode: str, recover: bool, restarts: int = 0) 
         max_restarts=restarts, checkpoint_dir=str(root / "ckpt"), checkpoint_every=40,
         trainer_timeout=5.0,
     )  # fmt: skip
+
+
+def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, Tensor]:
+    """``layer`` as a trainer's table, holding ``pulled`` (sorted ids) rows of its weight."""
+    remote = RemoteEmbedding("t", layer)
+    rows = layer.weight.detach()[pulled].clone().requires_grad_(True)
+    remote.set_rows(pulled, rows)
+    return remote, rows

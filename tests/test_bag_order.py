@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from paramserver import native
 from paramserver.trainer import bags
 from paramserver.trainer.lookups import StepLookups
-from paramserver.trainer.remote import RemoteEmbedding
+from tests.helpers import remote_of
 
 pytestmark = pytest.mark.skipif(native.loops is None, reason="the compiled loops are turned off")
 
@@ -45,14 +45,6 @@ def test_sort_order_is_torchs(size: int) -> None:
         order = native.sort_order(ids.numpy())
         assert np.array_equal(np.sort(order), np.arange(size))  # a permutation
         assert np.array_equal(order, torch.sort(ids).indices.numpy())
-
-
-def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, Tensor]:
-    """``layer`` as a trainer's table, holding ``pulled`` (sorted ids) rows of its weight."""
-    remote = RemoteEmbedding("t", layer)
-    rows = layer.weight.detach()[pulled].clone().requires_grad_(True)
-    remote.set_rows(pulled, rows)
-    return remote, rows
 
 
 def lookup(

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from paramserver import native
 from paramserver.trainer.bags import _Step
 from paramserver.trainer.lookups import StepLookups
-from paramserver.trainer.remote import RemoteEmbedding
+from tests.helpers import remote_of
 
 ROWS, DIM = 40, 16
 CASES = [
@@ -35,14 +35,6 @@ CASES = [
     )
     if not (weighted and mode == "mean")
 ]
-
-
-def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, Tensor]:
-    """``layer`` as a trainer's table, holding ``pulled`` (sorted ids) rows of its weight."""
-    remote = RemoteEmbedding("t", layer)
-    rows = layer.weight.detach()[pulled].clone().requires_grad_(True)
-    remote.set_rows(pulled, rows)
-    return remote, rows
 
 
 def batch(
