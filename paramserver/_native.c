@@ -849,20 +849,65 @@ typedef struct {
 /* Export `tables` and the (table, positions, rows) triples of `lookups`, and check them all;
  * on failure release what was exported and return -1 with ValueError (or the export's error)
  * set. Tables are written by scatter, lookups' rows by gather. */
-static int export_lookups(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
-                          Py_buffer *table_views, Py_ssize_t num_tables, Lookup *each,
-                          Py_ssize_t num_lookups) {
-    const char *error = NULL;
-    int table_flags = PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0);
-    int rows_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
-    for (Py_ssize_t t = 0; t < num_tables; t++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(tables, t), &table_views[t],
-                               table_flags) < 0)
-            return -1;
-        if (table_views[t].len % (4 * dim)) error = "a table's size is not whole rows";
+/* A move of rows between tables and lookups (gather_rows and scatter_rows, pool_bags and
+ * scatter_bags): the argument sequences, every table's buffer and one record per lookup. */
+typedef struct {
+    PyObject *tables, *lookups;
+    Py_ssize_t num_tables, num_lookups;
+    Py_buffer *table_views;
+    void *each; /* num_lookups records, zeroed */
+} Moves;
+
+/* Open a move with lookup records of `record` bytes; 0, or -1 with an exception set (its
+ * parts are freed by close_moves either way). */
+static int open_moves(PyObject *tables_arg, PyObject *lookups_arg, size_t record, Moves *m) {
+    memset(m, 0, sizeof *m);
+    if ((m->tables = PySequence_Fast(tables_arg, "tables must be a sequence")) == NULL ||
+        (m->lookups = PySequence_Fast(lookups_arg, "lookups must be a sequence")) == NULL)
+        return -1;
+    m->num_tables = PySequence_Fast_GET_SIZE(m->tables);
+    m->num_lookups = PySequence_Fast_GET_SIZE(m->lookups);
+    m->table_views = PyMem_Calloc(m->num_tables ? m->num_tables : 1, sizeof(Py_buffer));
+    m->each = PyMem_Calloc(m->num_lookups ? m->num_lookups : 1, record);
+    if (m->table_views == NULL || m->each == NULL) {
+        PyErr_NoMemory();
+        return -1;
     }
-    for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(lookups, j);
+    return 0;
+}
+
+/* Every table's buffer (writable where `writable`), each of whole rows of `row_bytes`; -1 with
+ * an exception set, or 0 with *error the text of what is wrong (NULL: nothing). */
+static int export_tables(Moves *m, Py_ssize_t row_bytes, int writable, const char **error) {
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    for (Py_ssize_t t = 0; t < m->num_tables; t++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(m->tables, t), &m->table_views[t],
+                               flags) < 0)
+            return -1;
+        if (m->table_views[t].len % row_bytes) *error = "a table's size is not whole rows";
+    }
+    return 0;
+}
+
+/* Release a move's tables and free its parts (the caller releases its lookups' buffers). */
+static void close_moves(Moves *m) {
+    for (Py_ssize_t t = 0; t < m->num_tables && m->table_views != NULL; t++)
+        release(&m->table_views[t]);
+    PyMem_Free(m->table_views);
+    PyMem_Free(m->each);
+    Py_XDECREF(m->tables);
+    Py_XDECREF(m->lookups);
+}
+
+static int export_lookups(Moves *m, Py_ssize_t dim, int scatter) {
+    const char *error = NULL;
+    int rows_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+    Lookup *each = m->each;
+    Py_buffer *table_views = m->table_views;
+    Py_ssize_t num_tables = m->num_tables;
+    if (export_tables(m, 4 * dim, scatter, &error) < 0) return -1;
+    for (Py_ssize_t j = 0; j < m->num_lookups && error == NULL; j++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(m->lookups, j);
         PyObject *rows;
         if (!PyTuple_Check(item)) {
             PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, rows) tuple");
@@ -912,20 +957,13 @@ static PyObject *move_rows(PyObject *args, int scatter) {
         PyErr_SetString(PyExc_ValueError, "rows of width < 1, or too wide");
         return NULL;
     }
-    PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");
-    PyObject *lookups = tables ? PySequence_Fast(lookups_arg, "lookups must be a sequence")
-                               : NULL;
-    Py_ssize_t num_tables = tables ? PySequence_Fast_GET_SIZE(tables) : 0;
-    Py_ssize_t num_lookups = lookups ? PySequence_Fast_GET_SIZE(lookups) : 0;
-    Py_buffer *table_views = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(Py_buffer));
-    Lookup *each = PyMem_Calloc(num_lookups ? num_lookups : 1, sizeof(Lookup));
-    if (lookups == NULL || table_views == NULL || each == NULL) {
-        if (lookups != NULL) PyErr_NoMemory();
+    Moves m;
+    if (open_moves(tables_arg, lookups_arg, sizeof(Lookup), &m) < 0 ||
+        export_lookups(&m, dim, scatter) < 0)
         goto done;
-    }
-    if (export_lookups(tables, lookups, dim, scatter, table_views, num_tables, each,
-                       num_lookups) < 0)
-        goto done;
+    Lookup *each = m.each;
+    Py_buffer *table_views = m.table_views;
+    Py_ssize_t num_lookups = m.num_lookups;
     size_t row_bytes = (size_t)dim * 4;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
@@ -946,15 +984,11 @@ static PyObject *move_rows(PyObject *args, int scatter) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (Py_ssize_t t = 0; t < num_tables && table_views != NULL; t++) release(&table_views[t]);
-    for (Py_ssize_t j = 0; j < num_lookups && each != NULL; j++) {
-        release(&each[j].positions);
-        release(&each[j].rows);
+    for (Py_ssize_t j = 0; j < m.num_lookups && m.each != NULL; j++) {
+        release(&((Lookup *)m.each)[j].positions);
+        release(&((Lookup *)m.each)[j].rows);
     }
-    PyMem_Free(table_views);
-    PyMem_Free(each);
-    Py_XDECREF(tables);
-    Py_XDECREF(lookups);
+    close_moves(&m);
     return result;
 }
 
@@ -1013,21 +1047,15 @@ static const char *check_bags(const Bags *b, Py_ssize_t table_rows, Py_ssize_t d
     return NULL;
 }
 
-static int export_bags(PyObject *tables, PyObject *lookups, Py_ssize_t dim, int scatter,
-                       Py_ssize_t item, Py_buffer *table_views, Py_ssize_t num_tables,
-                       Bags *each, Py_ssize_t num_lookups) {
+static int export_bags(Moves *m, Py_ssize_t dim, int scatter, Py_ssize_t item) {
     const char *error = NULL;
-    int table_flags = PyBUF_C_CONTIGUOUS | (scatter ? PyBUF_WRITABLE : 0);
     int pooled_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
-    for (Py_ssize_t t = 0; t < num_tables; t++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(tables, t), &table_views[t],
-                               table_flags) < 0)
-            return -1;
-        if (table_views[t].len % (item * dim)) error = "a table's size is not whole rows";
-    }
-    for (Py_ssize_t j = 0; j < num_lookups && error == NULL; j++) {
-        PyObject *item_object = PySequence_Fast_GET_ITEM(lookups, j), *weights, *pooled;
-        Bags *b = &each[j];
+    Py_buffer *table_views = m->table_views;
+    Py_ssize_t num_tables = m->num_tables;
+    if (export_tables(m, item * dim, scatter, &error) < 0) return -1;
+    for (Py_ssize_t j = 0; j < m->num_lookups && error == NULL; j++) {
+        PyObject *item_object = PySequence_Fast_GET_ITEM(m->lookups, j), *weights, *pooled;
+        Bags *b = &((Bags *)m->each)[j];
         if (!PyTuple_Check(item_object)) {
             PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
                                              "weights, padding, mean, pooled) tuple");
@@ -1189,20 +1217,13 @@ static PyObject *move_bags(PyObject *args, int scatter) {
         return NULL;
     }
     Py_ssize_t item = wide ? 8 : 4;
-    PyObject *tables = PySequence_Fast(tables_arg, "tables must be a sequence");
-    PyObject *lookups = tables ? PySequence_Fast(lookups_arg, "lookups must be a sequence")
-                               : NULL;
-    Py_ssize_t num_tables = tables ? PySequence_Fast_GET_SIZE(tables) : 0;
-    Py_ssize_t num_lookups = lookups ? PySequence_Fast_GET_SIZE(lookups) : 0;
-    Py_buffer *table_views = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(Py_buffer));
-    Bags *each = PyMem_Calloc(num_lookups ? num_lookups : 1, sizeof(Bags));
-    if (lookups == NULL || table_views == NULL || each == NULL) {
-        if (lookups != NULL) PyErr_NoMemory();
+    Moves m;
+    if (open_moves(tables_arg, lookups_arg, sizeof(Bags), &m) < 0 ||
+        export_bags(&m, dim, scatter, item) < 0)
         goto done;
-    }
-    if (export_bags(tables, lookups, dim, scatter, item, table_views, num_tables, each,
-                    num_lookups) < 0)
-        goto done;
+    Bags *each = m.each;
+    Py_buffer *table_views = m.table_views;
+    Py_ssize_t num_lookups = m.num_lookups;
     /* The most ids of a lookup, and of one torch sorts by std::sort: workspace sizes. */
     Py_ssize_t most = 1, most_sorted = 1;
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
@@ -1240,18 +1261,15 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (Py_ssize_t t = 0; t < num_tables && table_views != NULL; t++) release(&table_views[t]);
-    for (Py_ssize_t j = 0; j < num_lookups && each != NULL; j++) {
-        release(&each[j].positions);
-        release(&each[j].starts);
-        release(&each[j].weights);
-        release(&each[j].pooled);
+    for (Py_ssize_t j = 0; j < m.num_lookups && m.each != NULL; j++) {
+        Bags *b = &((Bags *)m.each)[j];
+        release(&b->positions);
+        release(&b->starts);
+        release(&b->weights);
+        release(&b->pooled);
     }
     PyMem_Free(workspace);
-    PyMem_Free(table_views);
-    PyMem_Free(each);
-    Py_XDECREF(tables);
-    Py_XDECREF(lookups);
+    close_moves(&m);
     return result;
 }
 
