@@ -12,7 +12,13 @@ too) and its wall time, for
 - ``socket_frame``: the same frame over a plain loopback TCP socket (length-prefixed), what a
   transport of paramserver's own would pay.
 
-    .venv/bin/python benchmarks/bench_rpc_floor.py --out benchmarks/results/bench_rpc_floor.json
+With ``--instructions`` (needs valgrind), the caller's instructions per round trip too, counted by
+cachegrind over its whole process (every thread), as ``bench_step_instructions.py`` counts a
+trainer's step: the difference between a run of ``--calls`` more round trips and a run of
+``--calls // 10``, over the extra ones. A figure the host's other tenants do not move.
+
+    .venv/bin/python benchmarks/bench_rpc_floor.py --instructions \
+        --out benchmarks/results/bench_rpc_floor.json
 """
 
 from __future__ import annotations
@@ -20,9 +26,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
+import shutil
 import socket
 import struct
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +49,11 @@ _LENGTH = struct.Struct("<Q")
 
 def echo(message: Any) -> Any:
     return message
+
+
+def echo_frame(frame: bytearray, large: list[torch.Tensor]) -> tuple[bytearray, list[torch.Tensor]]:
+    """A frame's echo, taken and answered as the RPC transport's calls are."""
+    return frame, large
 
 
 def step_message() -> tuple[Any, ...]:
@@ -56,26 +73,92 @@ def timed(round_trip: Any, calls: int) -> dict[str, float]:
     }
 
 
-def rpc_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
+def _rpc_round_trips() -> dict[str, Any]:
+    """Each RPC kind's round trip, as a function of no arguments (in the caller, once the RPC
+    world is up)."""
+    tensors = step_message()
+    return {
+        "rpc_empty": lambda: rpc.rpc_async("w1", echo, (None,)).wait(),
+        "rpc_tensors": lambda: rpc.rpc_async("w1", echo, (tensors,)).wait(),
+        "rpc_frame": lambda: frames.decode(
+            *rpc.rpc_async("w1", echo_frame, frames.encode(tensors)).wait()
+        ),
+    }
+
+
+def _init_rpc(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
     options = rpc.TensorPipeRpcBackendOptions(
         num_worker_threads=4, _transports=["uv"], _channels=["basic"]
     )
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=options)
+
+
+def rpc_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
+    _init_rpc(rank, port)
     figures: dict[str, Any] = {}
     if rank == 0:
-        tensors = step_message()
-        frame = frames.encode(tensors)
-        for name, message in (("rpc_empty", None), ("rpc_tensors", tensors)):
-            figures[name] = timed(lambda m=message: rpc.rpc_async("w1", echo, (m,)).wait(), calls)
-        figures["rpc_frame"] = timed(
-            lambda: frames.decode(rpc.rpc_async("w1", echo, (frames.encode(tensors),)).wait()),
-            calls,
-        )
-        figures["frame_bytes"] = len(frame)
+        for name, round_trip in _rpc_round_trips().items():
+            figures[name] = timed(round_trip, calls)
+        figures["frame_bytes"] = len(frames.encode(step_message())[0])
     rpc.shutdown()
     return figures
+
+
+COUNTED_KINDS = ("rpc_empty", "rpc_tensors", "rpc_frame", "socket_frame")
+
+
+def counted_rank(rank: int, port: int, kind: str, calls: int) -> dict[str, Any]:
+    """``calls`` round trips of ``kind`` (rank 0 runs under valgrind: see ``--instructions``;
+    the socket's caller warms up with a tenth more, which the difference of two runs keeps)."""
+    if kind == "socket_frame":
+        return socket_rank(rank, port, calls)
+    _init_rpc(rank, port)
+    if rank == 0:
+        round_trip = _rpc_round_trips()[kind]
+        for _ in range(calls):
+            round_trip()
+    rpc.shutdown()
+    return {}
+
+
+_COUNT = re.compile(r"^summary:\s+(\d+)", re.MULTILINE)
+
+
+def caller_instructions(kind: str, calls: int) -> int:
+    """The whole caller process's instructions in a run of ``calls`` round trips of ``kind``."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="rpc-floor-") as work:
+        out_file = Path(work) / "caller.cachegrind"
+        command = [sys.executable, __file__, "--counted-rank", kind, str(calls), str(port)]
+        single = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
+        env = {**os.environ, **single, "PYTHONHASHSEED": "0"}
+        valgrind = ["valgrind", "--tool=cachegrind", "--cache-sim=no"]
+        caller = subprocess.Popen(
+            [*valgrind, f"--cachegrind-out-file={out_file}", *command, "0"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        echoer = subprocess.Popen([*command, "1"], env=env, stdout=subprocess.DEVNULL)
+        try:
+            _, errors = caller.communicate(timeout=1200)
+            echoer.wait(timeout=60)
+        finally:
+            for process in (caller, echoer):
+                if process.poll() is None:
+                    process.kill()
+        found = _COUNT.search(out_file.read_text()) if out_file.exists() else None
+        if caller.returncode != 0 or found is None:
+            raise SystemExit(f"the counted caller failed:\n{errors.decode()[-3000:]}")
+        return int(found.group(1))
+
+
+def instructions_per_round_trip(calls: int) -> dict[str, float]:
+    base = max(calls // 10, 1)
+    return {
+        kind: (caller_instructions(kind, base + calls) - caller_instructions(kind, base)) / calls
+        for kind in COUNTED_KINDS
+    }
 
 
 def _receive(connection: socket.socket) -> bytes:
@@ -107,9 +190,10 @@ def socket_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
     tensors = step_message()
 
     def round_trip() -> None:
-        frame = frames.encode(tensors)
+        frame, large = frames.encode(tensors)
+        assert not large  # a small step's tensors all travel in the frame
         connection.sendall(_LENGTH.pack(len(frame)) + frame)
-        frames.decode(_receive(connection))
+        frames.decode(bytearray(_receive(connection)))
 
     with connection:
         return {"socket_frame": timed(round_trip, calls)}
@@ -127,12 +211,24 @@ def main() -> None:
     )
     parser.add_argument("--calls", type=int, default=3000, help="round trips per kind")
     parser.add_argument("--out", default="bench_rpc_floor.json")
+    parser.add_argument(
+        "--instructions", action="store_true", help="count the caller's instructions too"
+    )
+    parser.add_argument("--counted-rank", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.counted_rank is not None:
+        kind, calls, port, rank = args.counted_rank
+        counted_rank(int(rank), int(port), kind, int(calls))
+        return
+    if args.instructions and shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind (apt install valgrind)")
     figures: dict[str, Any] = {}
     for rank_fn in (rpc_rank, socket_rank):
         port = free_port()
         caller, _ = run_isolated(rank_fn, [(0, port, args.calls), (1, port, args.calls)], 300)
         figures.update(caller)
+    if args.instructions:
+        figures["caller_instructions"] = instructions_per_round_trip(args.calls // 10)
     save(
         {
             "benchmark": "bench_rpc_floor",

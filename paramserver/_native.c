@@ -18,10 +18,11 @@
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
- *   servers' math for SGD, Adagrad (the same row loop as adagrad_rows) and row-wise Adagrad.
- * - adagrad_rows: torch.optim's Adagrad (no lr decay) on rows of a table in place: each row's
- *   parameters and sum read and written once, with torch's float operations in torch's order
- *   (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp), so the result is bitwise the same.
+ *   servers' math for SGD, Adagrad (the same row loops as step_rows) and row-wise Adagrad.
+ * - step_rows: a server's update of rows of a table in place, by torch.optim's Adagrad (no lr
+ *   decay) or SGD (no momentum): each row's parameters (and sum) read and written once, with
+ *   torch's float operations in torch's order (aten/src/ATen/native/cpu/FusedAdagradKernel.cpp;
+ *   SGD's add_ with an alpha), so the result is bitwise the same.
  *   torch's loop is compiled for the CPU, so its multiply-adds are rounded once where the CPU
  *   has the instruction: the caller says which rounding matches (paramserver/optim.py finds out).
  *
@@ -386,16 +387,16 @@ static inline void prefetch_row(const float *base, int64_t row, Py_ssize_t dim) 
 }
 
 typedef struct {
-    float *weight, *sums;
+    float *weight, *sums; /* sums: NULL for SGD */
     const float *grads;
     const int64_t *rows;
     Py_ssize_t num_rows, dim;
     float clr, epsilon, decay;
     int decayed;
-} AdagradRows;
+} StepRows;
 
 /* torch's Adagrad on one row (`dim` values of param, sum and grad; clr, epsilon, decay and
- * decayed in scope): the one copy of its math, which a server's rows (adagrad_rows) and a
+ * decayed in scope): the one copy of its math, which a server's rows (step_rows) and a
  * trainer's own update of them (own_rows) both run, so the two agree bitwise. */
 #define ADAGRAD_ROW(param, sum, grad, FUSE)                                                  \
     for (Py_ssize_t d = 0; d < dim; d++) {                                                   \
@@ -406,9 +407,20 @@ typedef struct {
         (param)[d] = (param)[d] - clr * g / (sqrtf(s) + epsilon);                            \
     }
 
-/* torch's Adagrad on every row of `a`. FUSE(x, y, z) is x * y + z: rounded once where torch's
- * loop fuses it (its vectorised kernels are compiled for the CPU's multiply-add), else twice. */
-#define ADAGRAD_ROWS(a, FUSE)                                                                \
+/* torch.optim's SGD without momentum on one row (`dim` values of param and grad; clr, decay
+ * and decayed in scope): param + (-lr) * (grad + decay * param), each multiply-add by FUSE.
+ * Its one copy, as ADAGRAD_ROW's (`sum` unused). */
+#define SGD_ROW(param, sum, grad, FUSE)                                                      \
+    for (Py_ssize_t d = 0; d < dim; d++) {                                                   \
+        float g = (grad)[d];                                                                 \
+        if (decayed) g = FUSE((param)[d], decay, g);                                         \
+        (param)[d] = FUSE(g, -clr, (param)[d]);                                              \
+    }
+
+/* STEP_ROW(param, sum, grad, FUSE) on every row of `a` in place. FUSE(x, y, z) is x * y + z:
+ * rounded once where torch's loop fuses it (its vectorised kernels are compiled for the CPU's
+ * multiply-add), else twice. */
+#define EACH_ROW(a, STEP_ROW, FUSE)                                                          \
     /* Locals, not the struct's fields: a store to a row may not alias them. */               \
     const Py_ssize_t dim = (a)->dim, num_rows = (a)->num_rows;                               \
     const float clr = (a)->clr, epsilon = (a)->epsilon, decay = (a)->decay;                  \
@@ -416,72 +428,101 @@ typedef struct {
     float *weight = (a)->weight, *sums = (a)->sums;                                          \
     const float *grads = (a)->grads;                                                         \
     const int64_t *rows = (a)->rows;                                                         \
+    (void)epsilon;                                                                           \
     for (Py_ssize_t i = 0; i < num_rows; i++) {                                              \
-        float *param = weight + rows[i] * dim, *sum = sums + rows[i] * dim;                  \
+        float *param = weight + rows[i] * dim;                                               \
+        float *sum = sums != NULL ? sums + rows[i] * dim : NULL;                             \
         const float *grad = grads + i * dim;                                                 \
+        (void)sum;                                                                           \
         if (i + ROWS_AHEAD < num_rows) {                                                     \
             prefetch_row(weight, rows[i + ROWS_AHEAD], dim);                                 \
-            prefetch_row(sums, rows[i + ROWS_AHEAD], dim);                                   \
+            if (sums != NULL) prefetch_row(sums, rows[i + ROWS_AHEAD], dim);                 \
         }                                                                                    \
-        ADAGRAD_ROW(param, sum, grad, FUSE)                                                  \
+        STEP_ROW(param, sum, grad, FUSE)                                                     \
     }
 
-static void adagrad_unfused(const AdagradRows *a) { ADAGRAD_ROWS(a, PLAIN_MULTIPLY_ADD) }
+enum { OWN_SGD = 0, OWN_ADAGRAD = 1, OWN_ROWWISE = 2 }; /* the rules' numbers, here and below */
+
+static void step_unfused(int kind, const StepRows *a) {
+    if (kind == OWN_ADAGRAD) {
+        EACH_ROW(a, ADAGRAD_ROW, PLAIN_MULTIPLY_ADD)
+    } else {
+        EACH_ROW(a, SGD_ROW, PLAIN_MULTIPLY_ADD)
+    }
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_FMA_TARGET 1
-__attribute__((target("avx2,fma"))) static void adagrad_fused_hw(const AdagradRows *a) {
-    ADAGRAD_ROWS(a, fmaf)
+__attribute__((target("avx2,fma"))) static void step_fused_hw(int kind, const StepRows *a) {
+    if (kind == OWN_ADAGRAD) {
+        EACH_ROW(a, ADAGRAD_ROW, fmaf)
+    } else {
+        EACH_ROW(a, SGD_ROW, fmaf)
+    }
 }
 #endif
 
-static void adagrad_fused(const AdagradRows *a) {
+static void step_fused(int kind, const StepRows *a) {
 #ifdef HAVE_FMA_TARGET
     if (__builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2")) {
-        adagrad_fused_hw(a);
+        step_fused_hw(kind, a);
         return;
     }
 #endif
-    ADAGRAD_ROWS(a, fmaf) /* libm's exact fmaf: slower, the same result */
+    /* libm's exact fmaf: slower, the same result */
+    if (kind == OWN_ADAGRAD) {
+        EACH_ROW(a, ADAGRAD_ROW, fmaf)
+    } else {
+        EACH_ROW(a, SGD_ROW, fmaf)
+    }
 }
 
-static const char adagrad_rows_doc[] =
-    "adagrad_rows(weight, sums, dim, rows, grads, lr, eps, weight_decay, fused)\n"
-    "torch's fused Adagrad (float32, no lr decay) on weight[rows] and sums[rows] in place;\n"
+static const char step_rows_doc[] =
+    "step_rows(kind, weight, sums, dim, rows, grads, lr, eps, weight_decay, fused)\n"
+    "torch.optim's update (kind 0: SGD without momentum; 1: fused Adagrad, float32, no lr\n"
+    "decay) of weight[rows] (and sums[rows]: None for SGD) in place, with grads' rows in order;\n"
     "`fused`: whether multiply-adds are rounded once, as torch's kernel on this CPU does.";
 
-static PyObject *adagrad_rows(PyObject *self, PyObject *args) {
-    Py_buffer weight_view, sums_view, rows_view, grads_view;
+static PyObject *step_rows(PyObject *self, PyObject *args) {
+    Py_buffer weight_view, sums_view = {0}, rows_view, grads_view;
+    PyObject *sums;
     Py_ssize_t dim;
     double lr, eps, weight_decay;
-    int fused;
-    if (!PyArg_ParseTuple(args, "w*w*ny*y*dddp", &weight_view, &sums_view, &dim, &rows_view,
+    int kind, fused;
+    if (!PyArg_ParseTuple(args, "iw*Ony*y*dddp", &kind, &weight_view, &sums, &dim, &rows_view,
                           &grads_view, &lr, &eps, &weight_decay, &fused))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t num_rows = rows_view.len / 8, table_rows = dim > 0 ? weight_view.len / 4 / dim : 0;
-    if (dim <= 0 || sums_view.len != weight_view.len || grads_view.len != num_rows * dim * 4) {
-        PyErr_SetString(PyExc_ValueError, "adagrad_rows: arrays of mismatched sizes");
+    if (optional_buffer(sums, &sums_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (kind != OWN_SGD && kind != OWN_ADAGRAD) {
+        PyErr_SetString(PyExc_ValueError, "step_rows: no such rule");
+        goto done;
+    }
+    if (dim <= 0 || (kind == OWN_ADAGRAD) != (sums_view.buf != NULL) ||
+        (sums_view.buf != NULL && sums_view.len != weight_view.len) ||
+        grads_view.len != num_rows * dim * 4) {
+        PyErr_SetString(PyExc_ValueError, "step_rows: arrays of mismatched sizes");
         goto done;
     }
     const int64_t *rows = rows_view.buf;
     for (Py_ssize_t i = 0; i < num_rows; i++) {
         if (rows[i] < 0 || rows[i] >= table_rows) {
-            PyErr_SetString(PyExc_ValueError, "adagrad_rows: a row past the table's end");
+            PyErr_SetString(PyExc_ValueError, "step_rows: a row past the table's end");
             goto done;
         }
     }
-    AdagradRows update = {weight_view.buf, sums_view.buf, grads_view.buf, rows, num_rows, dim,
-                          (float)lr, (float)eps, (float)weight_decay, weight_decay != 0.0};
+    StepRows update = {weight_view.buf, sums_view.buf, grads_view.buf, rows, num_rows, dim,
+                       (float)lr, (float)eps, (float)weight_decay, weight_decay != 0.0};
     Py_BEGIN_ALLOW_THREADS
-    if (fused) adagrad_fused(&update);
-    else adagrad_unfused(&update);
+    if (fused) step_fused(kind, &update);
+    else step_unfused(kind, &update);
     Py_END_ALLOW_THREADS
     result = Py_None;
     Py_INCREF(result);
 done:
     PyBuffer_Release(&weight_view);
-    PyBuffer_Release(&sums_view);
+    release(&sums_view);
     PyBuffer_Release(&rows_view);
     PyBuffer_Release(&grads_view);
     return result;
@@ -493,8 +534,6 @@ done:
  * state aligned with `at`; a row whose id has no gradient takes no update. The rules' math is
  * the servers' (ADAGRAD_ROW; torch.optim's SGD; RowWiseAdagrad's, with the means of the
  * squared gradients from torch), so the rows end bitwise as the servers will make them. */
-enum { OWN_SGD = 0, OWN_ADAGRAD = 1, OWN_ROWWISE = 2 };
-
 typedef struct {
     float *values, *state;            /* state: NULL (sgd), else a row (adagrad) or one value */
     const float *grads, *means;       /* means: one per gradient row (rowwise), else NULL */
@@ -540,11 +579,7 @@ static inline Py_ssize_t grad_place(const int64_t *grad_ids, Py_ssize_t count, i
             for (Py_ssize_t d = 0; d < dim; d++)                                             \
                 param[d] = param[d] + -clr * grad[d] / denominator;                          \
         } else {                                                                             \
-            for (Py_ssize_t d = 0; d < dim; d++) {                                           \
-                float g = grad[d];                                                           \
-                if (decayed) g = FUSE(param[d], decay, g);                                   \
-                param[d] = FUSE(g, -clr, param[d]);                                          \
-            }                                                                                \
+            SGD_ROW(param, NULL, grad, FUSE)                                                 \
         }                                                                                    \
     }                                                                                        \
     return updated;
@@ -1518,7 +1553,7 @@ static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
     {"rehash", rehash, METH_VARARGS, rehash_doc},
-    {"adagrad_rows", adagrad_rows, METH_VARARGS, adagrad_rows_doc},
+    {"step_rows", step_rows, METH_VARARGS, step_rows_doc},
     {"own_rows", own_rows, METH_VARARGS, own_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
     {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},

@@ -12,7 +12,7 @@ is what sets its speed. The operations, each a function here with the same resul
   (numpy, :mod:`paramserver.store.probing`: a round of array operations per window of slots);
   :func:`rehash` rebuilds its slot array larger in one pass over the old one (numpy: the live
   rows listed, their ids gathered and sorted by home slot);
-- :func:`adagrad_rows`: Adagrad on a table's rows (:mod:`paramserver.optim`) updates each row
+- :func:`step_rows`: Adagrad or SGD on a table's rows (:mod:`paramserver.optim`) updates each row
   in place, read and written once (torch.optim: a gather, the rule's passes, a scatter), with
   torch's float operations in torch's order: bitwise the same;
 - :func:`own_rows`: a prefetching trainer's own update of the rows it pulled
@@ -297,8 +297,13 @@ def places_each(
 # ---- loops without a fallback: called once a capability says they apply ----
 
 
-def adagrad_rows(
-    storage: tuple[Tensor, Tensor],
+RULE_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
+"""The rules :func:`step_rows` and :func:`own_rows` step, by name, as the loops number them."""
+
+
+def step_rows(
+    kind: str,
+    storage: tuple[Tensor, Tensor | None],
     parts: Sequence[tuple[Tensor, Tensor]],
     lr: float,
     *,
@@ -306,16 +311,18 @@ def adagrad_rows(
     weight_decay: float,
     fused: bool,
 ) -> None:
-    """torch's fused Adagrad (float32, no lr decay) on ``weight[rows]`` and ``sums[rows]`` in
-    place with ``grads``, for each (rows, grads) of ``parts`` (``storage``: weight and sums,
-    which :func:`takes_rows`); ``fused``: multiply-adds rounded once (else twice). One call a
-    part, not one for all, which would join the parts' gradients first: a copy as long as the
-    loop's work."""
+    """torch.optim's update by rule ``kind`` (``"sgd"``: SGD without momentum; ``"adagrad"``:
+    fused Adagrad, float32, no lr decay) of ``weight[rows]`` (and ``sums[rows]``, Adagrad's;
+    None for SGD) in place with ``grads``, for each (rows, grads) of ``parts`` (``storage``:
+    weight and sums, which :func:`takes_rows`); ``fused``: multiply-adds rounded once (else
+    twice). One call a part, not one for all, which would join the parts' gradients first: a
+    copy as long as the loop's work."""
     assert loops is not None, "called where takes_rows() says the loops apply"
-    weight, sums = (t.numpy() for t in storage)
+    weight, sums = (None if t is None else t.numpy() for t in storage)
+    assert weight is not None
     for rows, grads in parts:
-        loops.adagrad_rows(weight, sums, weight.shape[1], rows.contiguous().numpy(),
-                           grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
+        loops.step_rows(RULE_KINDS[kind], weight, sums, weight.shape[1], rows.contiguous().numpy(),
+                        grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
 
 
 def gather_rows(
@@ -345,19 +352,16 @@ OwnTable = tuple[
 """One table's part of :func:`own_rows`: values, dim, ids, at, grad_ids, grads, state, means,
 lr (``_native.c``'s own_rows says what each is)."""
 
-OWN_KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
-"""The rules :func:`own_rows` steps, by name, as the loop numbers them."""
-
 
 def own_rows(
     kind: str, tables: Sequence[OwnTable], *, eps: float, weight_decay: float, fused: bool
 ) -> int:
-    """A trainer's own update by rule ``kind`` (of :data:`OWN_KINDS`) of the pulled rows of
+    """A trainer's own update by rule ``kind`` (of :data:`RULE_KINDS`) of the pulled rows of
     each of ``tables`` that have state and a gradient, in place, with their state; returns
     how many rows it updated. ``fused``: multiply-adds rounded once (else twice), as the
     servers' update on this machine (see :mod:`paramserver.optim`)."""
     assert loops is not None, "called where takes_rows() says the loops apply"
-    return int(loops.own_rows(OWN_KINDS[kind], tables, eps, weight_decay, fused))
+    return int(loops.own_rows(RULE_KINDS[kind], tables, eps, weight_decay, fused))
 
 
 def pools_rows(rows: Tensor) -> bool:

@@ -166,6 +166,22 @@ class SGD(UpdateRule):
         for b in blocks:
             b.step.add_(1)
 
+    def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
+        # Without momentum, the state-free step the compiled loop makes as torch's add_ does.
+        c, first = self.config, updates[0]
+        grads = [update.grads for update in updates]
+        if c.momentum or first.steps is not None or not native.takes_rows(first.weight, *grads):
+            return False
+        fused = _sgd_loop_rounding()
+        if fused is None:
+            return False
+        parts = [(update.rows, update.grads) for update in updates]
+        native.step_rows(
+            "sgd", (first.weight, None), parts, lr, eps=0.0, weight_decay=c.weight_decay,
+            fused=fused,
+        )  # fmt: skip
+        return True
+
     def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
         fused = None if self.config.momentum else _sgd_loop_rounding()
         if fused is None:
@@ -240,9 +256,10 @@ class Adagrad(UpdateRule):
         if fused is None:
             return False
         parts = [(update.rows, update.grads) for update in updates]
-        native.adagrad_rows(
-            storage, parts, lr, eps=c.resolved_eps, weight_decay=c.weight_decay, fused=fused
-        )
+        native.step_rows(
+            "adagrad", storage, parts, lr, eps=c.resolved_eps, weight_decay=c.weight_decay,
+            fused=fused,
+        )  # fmt: skip
         return True
 
     def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
@@ -280,7 +297,7 @@ def _adagrad_agrees(
     """Whether the loop's step of every row of ``tensors`` is bitwise torch.optim's."""
     weight, sums, grads = tensors
     looped = (weight.clone(), sums.clone())
-    native.adagrad_rows(looped, [(torch.arange(weight.shape[0]), grads)], 0.1, eps=1e-10,
+    native.step_rows("adagrad", looped, [(torch.arange(weight.shape[0]), grads)], 0.1, eps=1e-10,
                         weight_decay=weight_decay, fused=fused)  # fmt: skip
     stepped = Block(weight.clone(), grads.clone(), {"sum": sums.clone()}, torch.zeros(()))
     rule = Adagrad(OptimizerConfig(name="adagrad", lr=0.1, weight_decay=weight_decay))
