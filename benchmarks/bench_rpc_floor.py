@@ -111,9 +111,9 @@ COUNTED_KINDS = ("rpc_empty", "rpc_tensors", "rpc_frame", "socket_frame")
 
 def counted_rank(rank: int, port: int, kind: str, calls: int) -> dict[str, Any]:
     """``calls`` round trips of ``kind`` (rank 0 runs under valgrind: see ``--instructions``;
-    the socket's caller warms up with a tenth more, which the difference of two runs keeps)."""
+    the socket's too)."""
     if kind == "socket_frame":
-        return socket_rank(rank, port, calls)
+        return socket_rank(rank, port, calls, warm_up=False)
     _init_rpc(rank, port)
     if rank == 0:
         round_trip = _rpc_round_trips()[kind]
@@ -168,7 +168,7 @@ def _receive(connection: socket.socket) -> bytes:
     return connection.recv(_LENGTH.unpack(head)[0], socket.MSG_WAITALL)
 
 
-def socket_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
+def socket_rank(rank: int, port: int, calls: int, warm_up: bool = True) -> dict[str, Any]:
     torch.set_num_threads(1)
     if rank == 1:
         with socket.create_server(("127.0.0.1", port)) as server:
@@ -196,6 +196,10 @@ def socket_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
         frames.decode(bytearray(_receive(connection)))
 
     with connection:
+        if not warm_up:  # counted: exactly ``calls`` round trips
+            for _ in range(calls):
+                round_trip()
+            return {}
         return {"socket_frame": timed(round_trip, calls)}
 
 
