@@ -73,10 +73,11 @@ class UpdateRule(ABC):
         """Whether a row's step count enters the math (else tables keep none)."""
         return True
 
-    @property
+    @functools.cached_property
     def stateless(self) -> bool:
         """Whether an update reads nothing but the value, its gradient and the lr (plain
-        SGD): no state slots, no step count."""
+        SGD): no state slots, no step count. Asked each step: found once (a rule's config
+        does not change)."""
         return not self.needs_steps and not self.init_state(torch.empty(0))
 
     def init_state(self, param: Tensor, empty: Empty = _empty) -> State:
