@@ -15,6 +15,8 @@
  *   row's terms in the order torch's backward adds them (that of torch's sort of the ids, which
  *   _sort_order.cpp computes with the same std::sort).
  * - sort_order: that order of some ids alone, for a check that it is torch's.
+ * - pack_steps: a request's row ids of every table and server as the wire carries them (each
+ *   set's first id and the steps between its ids, in the narrowest integer type), in one call.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -1549,6 +1551,81 @@ done:
     return result;
 }
 
+/* pack_steps: the row ids of a request's every table and server (each part sorted unique) as
+ * the wire carries them (paramserver/wire/idcodec.py): each part's first id and the steps
+ * between its ids, in the narrowest of uint8, int16 and int32 that holds its largest step. */
+enum { STEPS_U8 = 0, STEPS_I16 = 1, STEPS_I32 = 2, STEPS_NONE = 3 };
+
+static const char pack_steps_doc[] =
+    "pack_steps(parts, out) -> ((first, code, offset), ...)\n"
+    "For each part (1-D int64, sorted unique): its first id, the code of its steps' type (0:\n"
+    "uint8, 1: int16, 2: int32; 3: none holds them, or the span passes int64: the ids travel\n"
+    "as they are) and where in `out` (bytes) its steps start, aligned to 8; steps[0] is 0.\n"
+    "`out` holds at least 4 * (ids) + 8 * (parts) bytes. An empty part: (0, 0, 0).";
+
+static PyObject *pack_steps(PyObject *self, PyObject *args) {
+    PyObject *parts_arg, *result = NULL;
+    Py_buffer out_view;
+    if (!PyArg_ParseTuple(args, "Ow*", &parts_arg, &out_view)) return NULL;
+    PyObject *parts = PySequence_Fast(parts_arg, "pack_steps: parts must be a sequence");
+    if (parts == NULL) {
+        PyBuffer_Release(&out_view);
+        return NULL;
+    }
+    Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts), at = 0;
+    result = PyTuple_New(num_parts);
+    for (Py_ssize_t j = 0; result != NULL && j < num_parts; j++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
+            goto failed;
+        const int64_t *ids = view.buf;
+        Py_ssize_t count = view.len / 8;
+        int64_t first = count ? ids[0] : 0, largest = 0;
+        int code = STEPS_U8, overflow = 0;
+        for (Py_ssize_t i = 1; i < count; i++) {
+            int64_t step;
+            if (__builtin_sub_overflow(ids[i], ids[i - 1], &step)) overflow = 1;
+            else if (step > largest) largest = step;
+        }
+        int64_t span;
+        if (count && (overflow || __builtin_sub_overflow(ids[count - 1], first, &span)))
+            code = STEPS_NONE; /* a span past int64: the ids themselves */
+        else if (largest > INT32_MAX) code = STEPS_NONE;
+        else code = largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
+        Py_ssize_t offset = 0;
+        if (count && code != STEPS_NONE) {
+            Py_ssize_t width = code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : 4;
+            offset = (at + 7) / 8 * 8;
+            if (offset + count * width > out_view.len) {
+                PyBuffer_Release(&view);
+                PyErr_SetString(PyExc_ValueError, "pack_steps: out is too short");
+                goto failed;
+            }
+            char *to = (char *)out_view.buf + offset;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                int64_t step = i ? ids[i] - ids[i - 1] : 0;
+                if (code == STEPS_U8) ((uint8_t *)to)[i] = (uint8_t)step;
+                else if (code == STEPS_I16) ((int16_t *)to)[i] = (int16_t)step;
+                else ((int32_t *)to)[i] = (int32_t)step;
+            }
+            at = offset + count * width;
+        }
+        PyBuffer_Release(&view);
+        if (!count) code = STEPS_U8;
+        PyObject *entry = Py_BuildValue("(Lin)", (long long)first, code, offset);
+        if (entry == NULL) goto failed;
+        PyTuple_SET_ITEM(result, j, entry);
+    }
+    Py_DECREF(parts);
+    PyBuffer_Release(&out_view);
+    return result;
+failed:
+    Py_XDECREF(result);
+    Py_DECREF(parts);
+    PyBuffer_Release(&out_view);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
@@ -1565,6 +1642,7 @@ static PyMethodDef methods[] = {
     {"sort_order", sort_order, METH_VARARGS, sort_order_doc},
     {"all_finite", all_finite, METH_O, all_finite_doc},
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
+    {"pack_steps", pack_steps, METH_VARARGS, pack_steps_doc},
     {NULL, NULL, 0, NULL},
 };
 

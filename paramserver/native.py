@@ -268,6 +268,35 @@ def unique_each(
     ]
 
 
+Packed = list[tuple[int, np.dtype | None, np.ndarray]]
+
+
+def pack_steps(
+    parts: Sequence[np.ndarray], fallback: Callable[[Sequence[np.ndarray]], Packed]
+) -> Packed:
+    """Each of ``parts`` (1-D int64, sorted unique) as the wire carries row ids
+    (:mod:`paramserver.wire.idcodec`): ``(first id, dtype, steps)`` with the steps between its
+    ids (``steps[0]`` 0) in the narrowest of uint8, int16 and int32 that holds them; dtype None
+    (and the ids as steps) where none does. Every part in one call of the loop, the steps in
+    one buffer."""
+    if loops is None:
+        return fallback(parts)
+    arrays = [np.ascontiguousarray(part, np.int64) for part in parts]
+    out = np.empty(4 * sum(a.size for a in arrays) + 8 * len(arrays), np.uint8)
+    packed: Packed = []
+    for array, (first, code, offset) in zip(arrays, loops.pack_steps(arrays, out), strict=True):
+        if code == _STEPS_NONE:
+            packed.append((first, None, array))
+        else:
+            dtype = _STEP_TYPES[code]
+            packed.append((first, dtype, np.ndarray(array.size, dtype, out, offset)))
+    return packed
+
+
+_STEP_TYPES = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))  # pack_steps' codes
+_STEPS_NONE = 3
+
+
 Places = Callable[
     [np.ndarray, tuple[int, ...], np.ndarray, tuple[int, ...]], tuple[np.ndarray, np.ndarray]
 ]

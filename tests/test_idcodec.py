@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 import paramserver as ps
+from paramserver import native
 from paramserver.errors import InvalidPushError
 from paramserver.wire.idcodec import (
     STEP_DTYPES,
@@ -86,11 +87,30 @@ def test_every_id_set_round_trips_in_the_narrowest_step_type() -> None:
     assert set(kinds) >= {"empty", "one id", "dense range", "sparse range", "huge ids near 2^63"}
 
 
-def test_all_of_a_requests_id_sets_pack_together_as_each_alone() -> None:
+@pytest.mark.parametrize("loops", ["compiled", "numpy"])
+def test_all_of_a_requests_id_sets_pack_together_as_each_alone(
+    loops: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """compact_all over several sets (a request's tables and servers) gives what compact_ids
-    gives each: the same type, first id, step dtype and steps, or the same int64 ids."""
+    gives each: the same type, first id, step dtype and steps, or the same int64 ids; by the
+    compiled loop and by numpy, with steps at each type's bounds among the sets."""
+    calls = [0]
+    if loops == "numpy":
+        monkeypatch.setattr(native, "loops", None)
+    elif native.loops is None:
+        pytest.skip("the compiled loops are not built")
+    else:
+        original = native.loops.pack_steps
+
+        def counting(*args: object) -> object:
+            calls[0] += 1
+            return original(*args)
+
+        monkeypatch.setattr(native.loops, "pack_steps", counting)
     rng = random.Random(30)
     sets = [torch.tensor(ids, dtype=torch.int64) for _, ids in random_id_sets(rng)]
+    for bound in (255, 256, 2**15 - 1, 2**15, 2**31 - 1, 2**31):
+        sets.append(torch.tensor([5, 5 + bound, 7 + bound]))
     for _ in range(60):
         parts = rng.sample(sets, rng.randint(1, 6))
         for alone, together in zip(map(compact_ids, parts), compact_all(parts), strict=True):
@@ -101,6 +121,7 @@ def test_all_of_a_requests_id_sets_pack_together_as_each_alone() -> None:
                 assert torch.equal(alone.steps, together.steps)
             else:
                 assert together is not None and torch.equal(alone, together)  # type: ignore[arg-type]
+    assert calls[0] == (60 if loops == "compiled" else 0)
 
 
 def test_a_dense_range_costs_a_byte_an_id_and_an_int64_spread_travels_as_ids() -> None:

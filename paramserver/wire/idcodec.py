@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
+
 STEP_DTYPES = (torch.uint8, torch.int16, torch.int32)  # narrowest first
 FIRST_NBYTES = 8  # ``first`` is counted on the wire as an int64
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -72,11 +74,24 @@ def compact_ids(ids: Tensor) -> Tensor | PackedIds:
 
 def compact_all(parts: Sequence[Tensor]) -> list[Tensor | PackedIds]:
     """:func:`compact_ids` of each of ``parts`` (each 1-D int64, sorted, unique), the same
-    results, in a few numpy operations over them all: a request's every table and server."""
-    sizes = [part.numel() for part in parts]
+    results, in one call of the compiled loop over them all (a request's every table and
+    server), else in a few numpy operations over them all."""
+    packed: list[Tensor | PackedIds] = []
+    found = native.pack_steps([part.numpy() for part in parts], _pack_by_numpy)
+    for part, (first, dtype, steps) in zip(parts, found, strict=True):
+        if dtype is None:  # steps past int32, or a span past int64: the ids themselves
+            packed.append(part)
+        else:
+            packed.append(PackedIds(first, torch.from_numpy(steps)))
+    return packed
+
+
+def _pack_by_numpy(parts: Sequence[np.ndarray]) -> native.Packed:
+    """:func:`paramserver.native.pack_steps`' result, by numpy."""
+    sizes = [part.size for part in parts]
     if sum(sizes) == 0:
-        return [compact_ids(part) for part in parts]
-    joined = np.concatenate([part.numpy() for part in parts])
+        return [(0, np.dtype(np.uint8), np.zeros(0, np.uint8)) for _ in parts]
+    joined = np.concatenate(parts)
     steps = np.empty_like(joined)
     steps[0] = 0
     np.subtract(joined[1:], joined[:-1], out=steps[1:])  # across parts: reset below
@@ -85,20 +100,17 @@ def compact_all(parts: Sequence[Tensor]) -> list[Tensor | PackedIds]:
     live = [i for i, size in enumerate(sizes) if size]
     steps[starts[live]] = 0
     largest = dict(zip(live, np.maximum.reduceat(steps, starts[live]).tolist(), strict=True))
-    packed: list[Tensor | PackedIds] = []
+    packed: native.Packed = []
     for i, part in enumerate(parts):
         if not sizes[i]:
-            packed.append(PackedIds(0, torch.zeros(0, dtype=torch.uint8)))
+            packed.append((0, np.dtype(np.uint8), np.zeros(0, np.uint8)))
             continue
         start, end = int(starts[i]), int(ends[i])
         first = int(joined[start])
         # A span past int64 wrapped its steps: its ids go as they are, as compact_ids sends them.
         top = largest[i] if int(joined[end - 1]) - first <= _INT64_MAX else _INT64_MAX
         dtype = next((d for d, bound in _STEP_BOUNDS if top <= bound), None)
-        if dtype is None:  # steps past int32: the ids themselves
-            packed.append(part)
-        else:
-            packed.append(PackedIds(first, torch.from_numpy(steps[start:end].astype(dtype))))
+        packed.append((first, dtype, part if dtype is None else steps[start:end].astype(dtype)))
     return packed
 
 
