@@ -558,10 +558,18 @@ class InFlight:
             parts[part] = by_server[0] if servers == 1 else torch.cat(list(by_server.values()))
         at = asked[0] if servers == 1 else torch.cat(asked)
         if held:  # only the rows that take it
-            taking = torch.cat(
-                [held.get(s, torch.ones(a.numel(), dtype=torch.bool)) for s, a in enumerate(asked)]
+            taking = (
+                held[0]
+                if servers == 1
+                else torch.cat(
+                    [
+                        held.get(s, torch.ones(a.numel(), dtype=torch.bool))
+                        for s, a in enumerate(asked)
+                    ]
+                )
             )
-            at, parts = at[taking], {part: v[taking] for part, v in parts.items()}
+            if not bool(taking.all()):  # a server holds every row asked, mostly
+                at, parts = at[taking], {part: v[taking] for part, v in parts.items()}
         return RowState(at, parts)
 
     def _with_cached_rows(

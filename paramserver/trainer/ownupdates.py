@@ -53,6 +53,13 @@ class OwnUpdates:
         self.dense_rule = dense_rule
         self.table_rules = dict(table_rules)
         self.known = known
+        # Tables whose rules are alike (one type and config) step together: numbered once,
+        # not found by hashing each table's config every step.
+        alike: dict[tuple[object, ...], int] = {}
+        self._alike = {
+            name: alike.setdefault((type(rule), rule.config), len(alike))
+            for name, rule in self.table_rules.items()
+        }
 
     @classmethod
     def of(cls, optim: OptimSection, tables: list[str], fixed: Iterable[str] = ()) -> OwnUpdates:
@@ -188,16 +195,19 @@ class OwnUpdates:
     ) -> tuple[int, list[str]]:
         """The tables whose rule's compiled loop takes them, stepped in one call per rule;
         returns the rows updated and the tables left to torch."""
-        by_rule: dict[tuple[object, ...], list[tuple[str, PulledRows]]] = {}
+        by_rule: dict[int, list[tuple[str, PulledRows]]] = {}
+        lrs: dict[int, float] = {}  # alike rules have one schedule: one lr
         for name, state in row_state.items():
             table_grads = grads.get(name)
             if table_grads is None or not state.at.numel() or not table_grads[0].numel():
                 continue
-            rule = self.table_rules[name]
+            alike = self._alike[name]
+            lr = lrs.get(alike)
+            if lr is None:
+                lr = lrs[alike] = self.table_rules[name].lr_at(step, name)
             ids, values = pulled.rows[name]
-            rows = PulledRows(values, ids, state.at, state.parts, *table_grads,
-                              rule.lr_at(step, name))  # fmt: skip
-            by_rule.setdefault((type(rule), rule.config), []).append((name, rows))
+            rows = PulledRows(values, ids, state.at, state.parts, *table_grads, lr)
+            by_rule.setdefault(alike, []).append((name, rows))
         updated, left = 0, list[str]()
         for group in by_rule.values():
             stepped = self.table_rules[group[0][0]].step_pulled_rows([rows for _, rows in group])
