@@ -2,23 +2,27 @@
 plain PyTorch and paramserver, side by side in one run.
 
 The model and data are the suite's ``dlrm`` workload (:class:`workloads.ClickWorkload`: 8 tables
-x ``--rows`` x 32, batches of 1024, synthetic click logs with Zipf ids), Adagrad at the suite's
-lr (0.05, eps 1e-10) everywhere, one torch thread per process. Every entry starts from the same
-values: the dense layers of the suite's seeded DLRM and its tables' row initialisation. Entries:
+x ``--rows`` x 32, batches of 1024, synthetic click logs with Zipf ids), one torch thread per
+process, one optimizer everywhere (``--optimizer``): Adagrad at the suite's lr (0.05, eps 1e-10;
+the default), or plain SGD (no momentum) at the same lr. Every entry starts from the same values:
+the dense layers of the suite's seeded DLRM and its tables' row initialisation. Entries:
 
-- ``single_process``: plain PyTorch in one process, sparse embedding gradients
-  (:func:`systems.single_process`, as ``bench_suite.py`` runs it);
-- ``ps_async``: paramserver, 1 server + 1 trainer, async (:func:`systems.paramserver_job`);
+- ``single_process``: plain PyTorch in one process, sparse embedding gradients, torch.optim's
+  Adagrad or SGD (:func:`systems.single_process`, as ``bench_suite.py`` runs it);
+- ``ps_async``: paramserver, 1 server + 1 trainer, async (:func:`systems.paramserver_job`), its
+  ``adagrad`` or ``sgd`` rule for the dense parameters and the tables alike;
 - ``fbgemm_fused``: one process; the 8 tables as one FBGEMM CPU
-  ``SplitTableBatchedEmbeddingBagsCodegen`` with ``EXACT_ADAGRAD`` fused into the backward pass
-  (element-wise Adagrad, the update torch.optim.Adagrad makes in the other entries; FBGEMM's CPU
-  TBE has no Adam), each table looked up with one id per sample (sum pooling over bags of
-  length 1, a plain lookup); the dense layers with torch.optim.Adagrad;
+  ``SplitTableBatchedEmbeddingBagsCodegen`` with ``EXACT_ADAGRAD`` or ``EXACT_SGD`` fused into
+  the backward pass (element-wise Adagrad or plain SGD on the rows' summed gradients, the update
+  torch.optim's makes in the other entries; FBGEMM's CPU TBE has no Adam), each table looked up
+  with one id per sample (sum pooling over bags of length 1, a plain lookup); the dense layers
+  with torch.optim's Adagrad or SGD;
 - ``torchrec_dmp``: TorchRec's ``DistributedModelParallel`` on ``--ranks`` CPU ranks (gloo on
   127.0.0.1), table-wise sharding (the tables in contiguous blocks, one per rank), the same fused
-  ``EXACT_ADAGRAD`` (``apply_optimizer_in_backward(torch.optim.Adagrad)``), the dense part
-  data-parallel as DMP makes it (DDP, gradients averaged) with torch.optim.Adagrad. Rank ``r``
-  trains batches ``r, r + ranks, ...`` of the same stream.
+  update (``apply_optimizer_in_backward(torch.optim.Adagrad)`` or ``(torch.optim.SGD)``, which
+  TorchRec maps to ``EXACT_ADAGRAD`` / ``EXACT_SGD``), the dense part data-parallel as DMP makes
+  it (DDP, gradients averaged) with torch.optim's Adagrad or SGD. Rank ``r`` trains batches
+  ``r, r + ranks, ...`` of the same stream.
 
 Every entry trains on the same ``--steps`` batches (``torchrec_dmp``: ``steps / ranks`` per
 rank, each step applying every rank's batch at once). Each runs in new processes of its own
@@ -32,6 +36,8 @@ own loop is here to measure), peak RSS per process, held-out AUC. Writes JSON (`
     .venv/bin/python benchmarks/bench_torchrec.py --quick    # smoke run: tiny sizes, seconds
     .venv/bin/python benchmarks/bench_torchrec.py --repeats 3 \\
         --out benchmarks/results/bench_torchrec.json
+    .venv/bin/python benchmarks/bench_torchrec.py --optimizer sgd --repeats 3 \\
+        --out benchmarks/results/bench_torchrec_sgd.json
 
 TorchRec and FBGEMM are not dependencies of the project. Where either does not import, the
 script says so in one line and runs the entries it can. To install them into .venv on CPU
@@ -75,12 +81,14 @@ from workloads import ClickWorkload
 import paramserver as ps
 from paramserver.metrics import binary_metrics, evaluate_binary
 from paramserver.modelplan import build_model
+from paramserver.models.dlrm import DLRM
 from paramserver.tableinit import RowInit
 
 SYSTEMS = ("single_process", "ps_async", "fbgemm_fused", "torchrec_dmp")
 NEEDS = {"fbgemm_fused": ("fbgemm_gpu",), "torchrec_dmp": ("fbgemm_gpu", "torchrec")}
-LR = 0.05  # the suite's dlrm lr
+LR = 0.05  # the suite's dlrm lr, for either optimizer
 EPS = 1e-10  # torch.optim.Adagrad's, which paramserver's adagrad resolves to as well
+OPTIMIZERS = ("adagrad", "sgd")
 INSTALL = (
     ".venv/bin/pip install -c constraints.txt tensordict tqdm pyre-extensions && "
     ".venv/bin/pip install -c constraints.txt --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0"
@@ -102,9 +110,10 @@ NOTES = [
     "samples trained. Imports of torchrec / fbgemm_gpu in the entry's own processes are not "
     "counted. train_cpu_s_per_sample: the training loop alone, summed over ranks; measured "
     "only where the loop is this script's (fbgemm_fused, torchrec_dmp).",
-    "Optimizer: Adagrad everywhere (lr 0.05, eps 1e-10, element-wise state). FBGEMM and "
-    "TorchRec apply it to the tables inside the backward pass (EXACT_ADAGRAD: gradients summed "
-    "per row first), torch.optim.Adagrad to the dense layers.",
+    "Optimizer: one everywhere (workload.optimizer), at lr 0.05: Adagrad (eps 1e-10, "
+    "element-wise state) or plain SGD (no momentum). FBGEMM and TorchRec apply it to the tables "
+    "inside the backward pass (EXACT_ADAGRAD / EXACT_SGD: gradients summed per row first), "
+    "torch.optim's to the dense layers.",
     "torchrec_dmp: each step applies every rank's batch at once (dense gradients averaged by "
     "DDP, table gradients summed into the owning rank's tables), so it makes 1/ranks as many "
     "updates as the other entries on the same samples: its AUC differs for that reason too.",
@@ -119,6 +128,22 @@ QUICK_NOTE = (
 # -- the models ---------------------------------------------------------------------------------
 
 
+def torch_optimizer(name: str, lr: float) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """torch.optim's class for ``--optimizer`` ``name`` and its settings (Adagrad at
+    :data:`EPS`, SGD without momentum), as the dense layers and TorchRec's tables take them."""
+    if name == "adagrad":
+        return torch.optim.Adagrad, {"lr": lr, "eps": EPS}
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": lr}
+    raise ValueError(f"unknown optimizer {name!r}; choose from {OPTIMIZERS}")
+
+
+def dense_optimizer(name: str, parameters: Iterable[Tensor], lr: float) -> torch.optim.Optimizer:
+    """The dense layers' torch.optim optimizer for ``--optimizer`` ``name``."""
+    optimizer_class, settings = torch_optimizer(name, lr)
+    return optimizer_class(parameters, **settings)
+
+
 class DenseParts(nn.Module):
     """The DLRM's dense layers and interaction (as :class:`paramserver.models.dlrm.DLRM`), taken
     from the suite's seeded model, for the entries whose tables live elsewhere."""
@@ -126,6 +151,8 @@ class DenseParts(nn.Module):
     def __init__(self, workload: ClickWorkload, seed: int):
         super().__init__()
         built = build_model(workload.model, seed)  # tables on the meta device, dense layers real
+        if not isinstance(built.model, DLRM):
+            raise TypeError(f"the dlrm workload built a {type(built.model).__name__}")
         self.bottom = built.model.bottom
         self.top = built.model.top
         self.pairs = built.model.pairs
@@ -150,9 +177,10 @@ def feature_major(sparse: Tensor) -> Tensor:
 
 
 class FusedDLRM(DenseParts):
-    """The DLRM with its tables as one FBGEMM CPU table-batched embedding, Adagrad fused."""
+    """The DLRM with its tables as one FBGEMM CPU table-batched embedding, its update
+    (``EXACT_ADAGRAD`` or ``EXACT_SGD``) fused into the backward pass."""
 
-    def __init__(self, workload: ClickWorkload, seed: int, lr: float):
+    def __init__(self, workload: ClickWorkload, seed: int, optimizer: str, lr: float):
         super().__init__(workload, seed)
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
@@ -164,12 +192,13 @@ class FusedDLRM(DenseParts):
             SplitTableBatchedEmbeddingBagsCodegen,
         )
 
+        fused = {"adagrad": EmbOptimType.EXACT_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
         spec = (workload.rows, workload.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU)
         self.tables = SplitTableBatchedEmbeddingBagsCodegen(
             [spec] * workload.num_tables,
-            optimizer=EmbOptimType.EXACT_ADAGRAD,
+            optimizer=fused[optimizer],
             learning_rate=lr,
-            eps=EPS,
+            eps=EPS,  # read by EXACT_ADAGRAD only
             pooling_mode=PoolingMode.SUM,
         )
         with torch.no_grad():
@@ -269,8 +298,8 @@ def fbgemm_fused(workload: ClickWorkload, config: ps.TrainConfig) -> dict[str, A
     import fbgemm_gpu  # noqa: F401  (its operators; the import is not the entry's work)
 
     cpu_started = cpu_seconds()
-    model = FusedDLRM(workload, config.seed, workload.lr)
-    dense = torch.optim.Adagrad(model.dense_parameters(), lr=workload.lr, eps=EPS)
+    model = FusedDLRM(workload, config.seed, config.optimizer, workload.lr)
+    dense = dense_optimizer(config.optimizer, model.dense_parameters(), workload.lr)
     result = train_loop(model, [dense], islice(workload.train_stream(0, 1), config.steps))
     result["peak_rss_mb_per_trainer"] = [peak_rss_mb()]
     result["metrics"] = evaluate_binary(model, workload.held_out())
@@ -292,7 +321,8 @@ def torchrec_rank(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
-        dmp, dense = sharded_model(workload, config.seed, world_size)
+        dmp, dense = sharded_model(workload, config.seed, config.optimizer, world_size)
+        assert config.steps is not None  # run_entry sets it
         batches = islice(workload.train_stream(rank, world_size), config.steps // world_size)
         dist.barrier()
         result = train_loop(dmp, [dense], batches)
@@ -329,9 +359,9 @@ def evaluate_sharded(
 
 
 def sharded_model(
-    workload: ClickWorkload, seed: int, world_size: int
+    workload: ClickWorkload, seed: int, optimizer: str, world_size: int
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """This rank's DistributedModelParallel of :class:`RecDLRM` (tables table-wise, Adagrad
+    """This rank's DistributedModelParallel of :class:`RecDLRM` (tables table-wise, ``optimizer``
     fused; the process group up) and the dense parameters' optimizer."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -341,9 +371,8 @@ def sharded_model(
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     model = RecDLRM(workload, seed)
-    apply_optimizer_in_backward(
-        torch.optim.Adagrad, model.sparse.parameters(), {"lr": workload.lr, "eps": EPS}
-    )
+    table_optimizer, settings = torch_optimizer(optimizer, workload.lr)
+    apply_optimizer_in_backward(table_optimizer, model.sparse.parameters(), settings)
     # Tables in contiguous blocks (0-3 on rank 0, 4-7 on rank 1): the sharded collection
     # returns its pooled features grouped by rank, so then in the model's order.
     tables = workload.num_tables
@@ -361,7 +390,7 @@ def sharded_model(
         )
     load_initial_tables(dmp, model.inits)
     dense_parameters = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
-    return dmp, torch.optim.Adagrad(dense_parameters, lr=workload.lr, eps=EPS)
+    return dmp, dense_optimizer(optimizer, dense_parameters, workload.lr)
 
 
 def load_initial_tables(dmp: nn.Module, inits: list[RowInit]) -> None:
@@ -425,7 +454,7 @@ def run_entry(system: str, workload: ClickWorkload, args: argparse.Namespace) ->
         trainers=1,
         steps=args.steps,
         mode="async",
-        optimizer="adagrad",
+        optimizer=args.optimizer,
         lr=workload.lr,
         progress=False,
         threads_per_process=1,
@@ -529,7 +558,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "batch_size": workload.batch_size,
             "batches": workload.train_batches,
             "lr": workload.lr,
-            "optimizer": "adagrad (FBGEMM / TorchRec tables: EXACT_ADAGRAD, fused)",
+            "optimizer": args.optimizer,
+            "fused_table_optimizer": f"EXACT_{args.optimizer.upper()}",  # FBGEMM's, TorchRec's
             "ceiling_auc": workload.ceiling_auc(),
         },
         "skipped": [s for s in chosen if s not in plan],
@@ -547,6 +577,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows per table")
     parser.add_argument("--batch", type=int, default=1024, help="batch size")
     parser.add_argument("--ranks", type=int, default=2, help="torchrec_dmp's ranks")
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="adagrad",
+        help=f"every entry's update rule, dense layers and tables, at lr {LR}",
+    )
     parser.add_argument(
         "--ps-launcher",
         choices=("processes", "threads"),
