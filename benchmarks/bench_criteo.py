@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +47,20 @@ BATCH = 512
 PLAIN_ROWS = 200_000
 
 
-def paramserver_job(path: Path, tree: Path | None = None) -> dict[str, float]:
+def paramserver_job(
+    path: Path, tree: Path | None = None, flags: Sequence[str] = ()
+) -> dict[str, float]:
     """The job's and its reference's samples/s; ``tree``: run another checkout's paramserver
-    (its compiled loops built in place) instead of this one."""
+    (its compiled loops built in place) instead of this one; ``flags``: more of this tree's
+    job's command-line flags."""
     env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
     with tempfile.TemporaryDirectory() as work:
         summary_path = Path(work) / "summary.json"
         subprocess.run(
             [sys.executable, "-m", "paramserver", "train", "--dataset", f"criteo:{path}",
              "--servers", "1", "--trainers", "1", "--batch-size", str(BATCH),
-             "--compare-single-process", "--no-progress", "--summary-json", str(summary_path)],
+             "--compare-single-process", "--no-progress", "--summary-json", str(summary_path),
+             *flags],
             check=True, capture_output=True, timeout=3600, cwd=tree, env=env,
         )  # fmt: skip
         summary = json.loads(summary_path.read_text())
@@ -70,7 +75,8 @@ def plain_pytorch(batches: list[Any]) -> float:
     torch.manual_seed(0)
     model = DLRM(num_dense=NUM_DENSE, table_rows=[PLAIN_ROWS] * NUM_CATEGORICAL)
     for table in model.embeddings:
-        table.sparse = True  # type: ignore[union-attr]
+        assert isinstance(table, torch.nn.Embedding)
+        table.sparse = True
     tables = [p for t in model.embeddings for p in t.parameters()]
     dense = [p for n, p in model.named_parameters() if not n.startswith("embeddings.")]
     optimizers = [torch.optim.Adagrad(dense, lr=0.01), torch.optim.Adagrad(tables, lr=0.01)]
@@ -116,6 +122,11 @@ def main() -> None:
         help="another checkout (say, the last release: `git worktree add DIR REV`, then "
         "`python setup.py build_ext --inplace` in it) whose job runs in each repetition too",
     )
+    parser.add_argument(
+        "--job-flags",
+        default="",
+        help="more flags for this tree's job (say, --no-prefetch-own-updates); not the other's",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     runs: dict[str, list[float]] = {"paramserver": [], "reference": [], "plain_pytorch": []}
@@ -126,7 +137,7 @@ def main() -> None:
         write_synthetic_criteo(path, args.lines, seed=0)
         batches = list(CriteoFiles([path], batch_size=BATCH).train_batches(0, 1))
         for _ in range(args.repeats):
-            job = paramserver_job(path)
+            job = paramserver_job(path, flags=args.job_flags.split())
             runs["paramserver"].append(job["paramserver"])
             runs["reference"].append(job["reference"])
             runs["plain_pytorch"].append(plain_pytorch(batches))
@@ -142,6 +153,7 @@ def main() -> None:
         {
             "machine": machine(),
             "lines": args.lines,
+            "job_flags": args.job_flags,
             "runs_samples_per_s": runs,
             "median_samples_per_s": median,
             "paramserver_vs_reference": median["paramserver"] / median["reference"],
