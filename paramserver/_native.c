@@ -1611,7 +1611,6 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
             at = offset + count * width;
         }
         PyBuffer_Release(&view);
-        if (!count) code = STEPS_U8;
         PyObject *entry = Py_BuildValue("(Lin)", (long long)first, code, offset);
         if (entry == NULL) goto failed;
         PyTuple_SET_ITEM(result, j, entry);
