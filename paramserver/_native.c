@@ -443,10 +443,10 @@ typedef struct {
         STEP_ROW(param, sum, grad, FUSE)                                                     \
     }
 
-enum { OWN_SGD = 0, OWN_ADAGRAD = 1, OWN_ROWWISE = 2 }; /* the rules' numbers, here and below */
+enum { RULE_SGD = 0, RULE_ADAGRAD = 1, RULE_ROWWISE = 2 }; /* as native.RULE_KINDS */
 
 static void step_unfused(int kind, const StepRows *a) {
-    if (kind == OWN_ADAGRAD) {
+    if (kind == RULE_ADAGRAD) {
         EACH_ROW(a, ADAGRAD_ROW, PLAIN_MULTIPLY_ADD)
     } else {
         EACH_ROW(a, SGD_ROW, PLAIN_MULTIPLY_ADD)
@@ -456,7 +456,7 @@ static void step_unfused(int kind, const StepRows *a) {
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_FMA_TARGET 1
 __attribute__((target("avx2,fma"))) static void step_fused_hw(int kind, const StepRows *a) {
-    if (kind == OWN_ADAGRAD) {
+    if (kind == RULE_ADAGRAD) {
         EACH_ROW(a, ADAGRAD_ROW, fmaf)
     } else {
         EACH_ROW(a, SGD_ROW, fmaf)
@@ -472,7 +472,7 @@ static void step_fused(int kind, const StepRows *a) {
     }
 #endif
     /* libm's exact fmaf: slower, the same result */
-    if (kind == OWN_ADAGRAD) {
+    if (kind == RULE_ADAGRAD) {
         EACH_ROW(a, ADAGRAD_ROW, fmaf)
     } else {
         EACH_ROW(a, SGD_ROW, fmaf)
@@ -497,11 +497,11 @@ static PyObject *step_rows(PyObject *self, PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t num_rows = rows_view.len / 8, table_rows = dim > 0 ? weight_view.len / 4 / dim : 0;
     if (optional_buffer(sums, &sums_view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
-    if (kind != OWN_SGD && kind != OWN_ADAGRAD) {
+    if (kind != RULE_SGD && kind != RULE_ADAGRAD) {
         PyErr_SetString(PyExc_ValueError, "step_rows: no such rule");
         goto done;
     }
-    if (dim <= 0 || (kind == OWN_ADAGRAD) != (sums_view.buf != NULL) ||
+    if (dim <= 0 || (kind == RULE_ADAGRAD) != (sums_view.buf != NULL) ||
         (sums_view.buf != NULL && sums_view.len != weight_view.len) ||
         grads_view.len != num_rows * dim * 4) {
         PyErr_SetString(PyExc_ValueError, "step_rows: arrays of mismatched sizes");
@@ -571,10 +571,10 @@ static inline Py_ssize_t grad_place(const int64_t *grad_ids, Py_ssize_t count, i
         float *param = (t)->values + (t)->at[i] * dim;                                       \
         const float *grad = (t)->grads + j * dim;                                            \
         updated++;                                                                           \
-        if (kind == OWN_ADAGRAD) {                                                           \
+        if (kind == RULE_ADAGRAD) {                                                          \
             float *sum = (t)->state + i * dim;                                               \
             ADAGRAD_ROW(param, sum, grad, FUSE)                                              \
-        } else if (kind == OWN_ROWWISE) {                                                    \
+        } else if (kind == RULE_ROWWISE) {                                                   \
             float accumulated = (t)->state[i] + (t)->means[j];                               \
             (t)->state[i] = accumulated;                                                     \
             float denominator = sqrtf(accumulated) + epsilon;                                \
@@ -623,14 +623,14 @@ static int export_own_table(PyObject *item, int kind, Py_buffer *views, OwnTable
     *t = (OwnTable){views[0].buf, views[5].buf, views[4].buf, views[6].buf, views[1].buf,
                     views[2].buf, views[3].buf, 0, views[2].len / 8, views[3].len / 8, dim,
                     (float)lr};
-    Py_ssize_t state_width = kind == OWN_ADAGRAD ? dim : 1;
+    Py_ssize_t state_width = kind == RULE_ADAGRAD ? dim : 1;
     if (dim <= 0 || dim > PY_SSIZE_T_MAX / 8 || views[0].len % (4 * dim)) goto mismatched;
     t->num_values = views[0].len / 4 / dim;
     if (views[1].len != t->num_values * 8 || views[2].len % 8 || views[3].len % 8 ||
         views[4].len != t->num_grads * dim * 4 ||
-        (kind == OWN_SGD) != (t->state == NULL) ||
+        (kind == RULE_SGD) != (t->state == NULL) ||
         (t->state != NULL && views[5].len != t->num_at * state_width * 4) ||
-        (kind == OWN_ROWWISE) != (t->means != NULL) ||
+        (kind == RULE_ROWWISE) != (t->means != NULL) ||
         (t->means != NULL && views[6].len != t->num_grads * 4))
         goto mismatched;
     for (Py_ssize_t i = 0; i < t->num_at; i++) {
@@ -661,7 +661,7 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     int fused;
     if (!PyArg_ParseTuple(args, "iOddp", &rule.kind, &tables_arg, &eps, &weight_decay, &fused))
         return NULL;
-    if (rule.kind < OWN_SGD || rule.kind > OWN_ROWWISE) {
+    if (rule.kind < RULE_SGD || rule.kind > RULE_ROWWISE) {
         PyErr_SetString(PyExc_ValueError, "own_rows: no such rule");
         return NULL;
     }
@@ -1578,6 +1578,11 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
         Py_buffer view;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
             goto failed;
+        if (view.len % 8) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "pack_steps: a part is not int64 ids");
+            goto failed;
+        }
         const int64_t *ids = view.buf;
         Py_ssize_t count = view.len / 8;
         int64_t first = count ? ids[0] : 0, largest = 0;

@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -122,6 +123,12 @@ def test_all_of_a_requests_id_sets_pack_together_as_each_alone(
             else:
                 assert together is not None and torch.equal(alone, together)  # type: ignore[arg-type]
     assert calls[0] == (60 if loops == "compiled" else 0)
+    if loops == "compiled":  # a peer of the wrong shape is refused, nothing written past out
+        out = np.zeros(8, np.uint8)
+        with pytest.raises(ValueError, match="not int64"):
+            native.loops.pack_steps([np.arange(3, dtype=np.int32)], out)
+        with pytest.raises(ValueError, match="too short"):
+            native.loops.pack_steps([np.arange(0, 3000, 300)], out)
 
 
 def test_a_dense_range_costs_a_byte_an_id_and_an_int64_spread_travels_as_ids() -> None:
