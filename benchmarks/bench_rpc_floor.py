@@ -14,8 +14,9 @@ too) and its wall time, for
 
 With ``--instructions`` (needs valgrind), the caller's instructions per round trip too, counted by
 cachegrind over its whole process (every thread), as ``bench_step_instructions.py`` counts a
-trainer's step: the difference between a run of ``--calls`` more round trips and a run of
-``--calls // 10``, over the extra ones. A figure the host's other tenants do not move.
+trainer's step: the difference between a run of ``--calls // 10`` round trips more and a run of
+``--calls // 100``, over the extra ones. The host's other tenants do not move it, but TensorPipe's
+threads poll, so the RPC kinds' counts move between runs (by up to a third here).
 
     .venv/bin/python benchmarks/bench_rpc_floor.py --instructions \
         --out benchmarks/results/bench_rpc_floor.json
