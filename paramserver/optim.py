@@ -153,14 +153,6 @@ class SGD(UpdateRule):
         if c.momentum:  # each block's buffer is set up on its own (see step)
             super().step_blocks(blocks, lr)
             return
-        if _blocks_in_place("sgd", blocks, lr, 0.0, c.weight_decay, _sgd_loop_rounding()):
-            return
-        self.torch_step_blocks(blocks, lr)
-
-    def torch_step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
-        """:meth:`step_blocks` by torch.optim's SGD without momentum (the compiled loop's
-        reference)."""
-        c = self.config
         sgd(
             [b.param for b in blocks],
             [b.grad for b in blocks],
@@ -241,15 +233,6 @@ class Adagrad(UpdateRule):
 
     def step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
         c = self.config
-        if not c.adagrad_lr_decay and _blocks_in_place(
-            "adagrad", blocks, lr, c.resolved_eps, c.weight_decay, _adagrad_loop_rounding()
-        ):
-            return
-        self.torch_step_blocks(blocks, lr)
-
-    def torch_step_blocks(self, blocks: Sequence[Block], lr: float) -> None:
-        """:meth:`step_blocks` by torch.optim's fused Adagrad (the compiled loop's reference)."""
-        c = self.config
         adagrad(
             [b.param for b in blocks],
             [b.grad for b in blocks],
@@ -319,7 +302,7 @@ def _adagrad_agrees(
                         weight_decay=weight_decay, fused=fused)  # fmt: skip
     stepped = Block(weight.clone(), grads.clone(), {"sum": sums.clone()}, torch.zeros(()))
     rule = Adagrad(OptimizerConfig(name="adagrad", lr=0.1, weight_decay=weight_decay))
-    rule.torch_step_blocks([stepped], 0.1)
+    rule.step_blocks([stepped], 0.1)
     return torch.equal(looped[0], stepped.param) and torch.equal(looped[1], stepped.state["sum"])
 
 
@@ -342,7 +325,7 @@ def _sgd_loop_rounding() -> bool | None:
             rows = PulledRows(looped, torch.arange(64), torch.arange(64), {}, torch.arange(64),
                               grads, 0.1)  # fmt: skip
             _own_rows("sgd", [rows], config, fused)
-            SGD(config).torch_step_blocks([Block(stepped, grads, {}, torch.zeros(()))], 0.1)
+            SGD(config).step_blocks([Block(stepped, grads, {}, torch.zeros(()))], 0.1)
             agrees = agrees and torch.equal(looped, stepped)
         if agrees:
             return fused
@@ -454,38 +437,6 @@ class PulledRows:
     grad_ids: Tensor
     grads: Tensor
     lr: float
-
-
-def _blocks_in_place(
-    kind: str, blocks: Sequence[Block], lr: float, eps: float, decay: float, fused: bool | None
-) -> bool:
-    """Step ``blocks`` (dense values: float32, contiguous, their gradients and state shaped as
-    them) by the compiled loop (:func:`paramserver.native.step_rows`), each value as rows of
-    its last dimension, and count their steps; bitwise torch.optim's, with the rounding
-    ``fused`` the rule found (None: not found, the loops unbuilt). Returns whether it did: a
-    block the loop does not take leaves all to torch.optim."""
-    if fused is None or not native.takes_rows():  # no rounding found, or no loops built
-        return False
-    for b in blocks:
-        shape = b.param.shape
-        tensors = (b.param, b.grad, *b.state.values())
-        if not shape or not b.param.numel() or any(
-            t.dtype != torch.float32 or t.layout is not torch.strided or not t.is_contiguous()
-            or t.shape != shape or t.requires_grad
-            for t in tensors
-        ):  # fmt: skip
-            return False
-    for b in blocks:
-        width = b.param.shape[-1]
-        rows = b.param.numel() // width
-        sums = b.state.get("sum")
-        storage = (b.param.view(rows, width), None if sums is None else sums.view(rows, width))
-        native.step_rows(
-            kind, storage, [(torch.arange(rows), b.grad.view(rows, width))], lr, eps=eps,
-            weight_decay=decay, fused=fused,
-        )  # fmt: skip
-        b.step.add_(1)
-    return True
 
 
 def _own_rows(

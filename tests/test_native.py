@@ -98,54 +98,6 @@ def test_rows_stepped_in_place_are_bitwise_torch_optims(
 
 
 @compiled
-@pytest.mark.parametrize("rule_name", ["adagrad", "sgd"])
-@pytest.mark.parametrize("weight_decay", [0.0, 0.3])
-def test_dense_blocks_stepped_by_the_loop_are_bitwise_torch_optims(
-    rule_name: str, weight_decay: float, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Dense values (a bias, a weight, a 3-D value) stepped by the rule's step_blocks, which
-    the compiled loop takes, stay bitwise torch.optim's own step over three steps at changing
-    lrs, step counts included; a block the loop does not take (a 0-d value) leaves the call to
-    torch.optim."""
-    rule = optim.make_rule(OptimizerConfig(name=rule_name, lr=0.05, weight_decay=weight_decay))
-    g = torch.Generator().manual_seed(3)
-    shapes = [(16,), (7, 33), (3, 4, 5)]
-    starts = [torch.randn(shape, generator=g) for shape in shapes]
-    grads = [
-        [torch.randn(shape, generator=g) * 10.0 ** (i - 1) for shape in shapes] for i in range(3)
-    ]
-    optim._adagrad_loop_rounding(), optim._sgd_loop_rounding()  # their trials are not counted
-    stepped = counted(monkeypatch, "step_rows")
-    ends = {}
-    for mode in ("compiled", "torch"):
-        blocks = [
-            optim.Block(start.clone(), torch.zeros(()), rule.init_state(start), torch.zeros(()))
-            for start in starts
-        ]
-        for lr, step_grads in zip((0.05, 0.2, 0.01), grads, strict=True):
-            for block, grad in zip(blocks, step_grads, strict=True):
-                block.grad = grad
-            if mode == "compiled":
-                rule.step_blocks(blocks, lr)
-            else:
-                rule.torch_step_blocks(blocks, lr)  # type: ignore[attr-defined]
-        ends[mode] = blocks
-    assert stepped[0] == 3 * len(shapes)
-    for looped, reference in zip(ends["compiled"], ends["torch"], strict=True):
-        assert torch.equal(looped.param, reference.param)
-        assert torch.equal(looped.step, reference.step) and float(looped.step) == 3
-        assert looped.state.keys() == reference.state.keys()
-        assert all(torch.equal(looped.state[k], reference.state[k]) for k in looped.state)
-    assert not torch.equal(ends["torch"][1].param, starts[1]), "the test is vacuous"
-    scalar = optim.Block(
-        torch.ones(()), torch.ones(()), rule.init_state(torch.ones(())), torch.zeros(())
-    )
-    rule.step_blocks([scalar], 0.1)
-    assert stepped[0] == 3 * len(shapes)  # left to torch.optim
-    assert float(scalar.step) == 1
-
-
-@compiled
 def test_a_fused_id_map_finds_the_same_rows_with_either_loop(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
