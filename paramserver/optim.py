@@ -169,19 +169,9 @@ class SGD(UpdateRule):
 
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
         # Without momentum, the state-free step the compiled loop makes as torch's add_ does.
-        c, first = self.config, updates[0]
-        grads = [update.grads for update in updates]
-        if c.momentum or first.steps is not None or not native.takes_rows(first.weight, *grads):
+        if self.config.momentum:
             return False
-        fused = _sgd_loop_rounding()
-        if fused is None:
-            return False
-        parts = [(update.rows, update.grads) for update in updates]
-        native.step_rows(
-            "sgd", (first.weight, None), parts, lr, eps=0.0, weight_decay=c.weight_decay,
-            fused=fused,
-        )  # fmt: skip
-        return True
+        return _rows_in_place("sgd", updates, None, lr, 0.0, self.config.weight_decay)
 
     def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
         fused = None if self.config.momentum else _sgd_loop_rounding()
@@ -248,20 +238,10 @@ class Adagrad(UpdateRule):
 
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
         # torch's fused Adagrad, float32 and without lr decay (so without step counts).
-        c, first = self.config, updates[0]
-        storage = (first.weight, first.state["sum"])
-        grads = [update.grads for update in updates]
-        if c.adagrad_lr_decay or first.steps is not None or not native.takes_rows(*storage, *grads):
+        c = self.config
+        if c.adagrad_lr_decay:
             return False
-        fused = _adagrad_loop_rounding()
-        if fused is None:
-            return False
-        parts = [(update.rows, update.grads) for update in updates]
-        native.step_rows(
-            "adagrad", storage, parts, lr, eps=c.resolved_eps, weight_decay=c.weight_decay,
-            fused=fused,
-        )  # fmt: skip
-        return True
+        return _rows_in_place("adagrad", updates, "sum", lr, c.resolved_eps, c.weight_decay)
 
     def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
         fused = None if self.config.adagrad_lr_decay else _adagrad_loop_rounding()
@@ -437,6 +417,30 @@ class PulledRows:
     grad_ids: Tensor
     grads: Tensor
     lr: float
+
+
+def _rows_in_place(
+    kind: str,
+    updates: Sequence[RowUpdate],
+    slot: str | None,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+) -> bool:
+    """:meth:`UpdateRule.step_rows_in_place` by the compiled loop of rule ``kind`` (its state:
+    ``slot``, or none), where the loops take the tensors and a rounding that gives torch's
+    results was found; returns whether it stepped them."""
+    first = updates[0]
+    storage = (first.weight, None if slot is None else first.state[slot])
+    tensors = [t for t in storage if t is not None] + [update.grads for update in updates]
+    if first.steps is not None or not native.takes_rows(*tensors):
+        return False
+    fused = _adagrad_loop_rounding() if kind == "adagrad" else _sgd_loop_rounding()
+    if fused is None:
+        return False
+    parts = [(update.rows, update.grads) for update in updates]
+    native.step_rows(kind, storage, parts, lr, eps=eps, weight_decay=weight_decay, fused=fused)
+    return True
 
 
 def _own_rows(
