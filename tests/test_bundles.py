@@ -13,12 +13,26 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import ParamServerError
+from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
-from paramserver.wire.bundles import Bundle, MalformedBundle, bundled, joined_already, unbundled
+from paramserver.wire.bundles import (
+    Bundle,
+    MalformedBundle,
+    MixedBundle,
+    bundled,
+    joined_already,
+    unbundled,
+)
 from paramserver.wire.compression import Encoded, encode
 from paramserver.wire.idcodec import PackedIds, compact_ids
-from paramserver.wire.messages import PushPullReply, PushPullRequest, RowBlock, RowBlocksBundle
+from paramserver.wire.messages import (
+    PushPullReply,
+    PushPullRequest,
+    RowBlock,
+    RowBlocksBundle,
+    state_key,
+)
 from paramserver.wire.sizing import message_sizes
 from tests.helpers import MakeServer, own_ids
 
@@ -113,14 +127,14 @@ def test_an_answers_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
 
 
 def test_what_cannot_be_bundled_travels_as_it_is() -> None:
-    """Encoded values, packed ids, a single tensor, mixed dtypes: each mapping as it was."""
+    """Encoded values, packed ids, a single tensor: each mapping as it was."""
     ids = torch.tensor([3, 5, 9])
     packed = compact_ids(ids)
     assert type(packed) is PackedIds
     request = PushPullRequest(
         trainer=0,
         call=1,
-        dense_grads={"a": torch.ones(2), "b": torch.ones(2, dtype=torch.float64)},
+        dense_grads={"a": torch.ones(2), "b": encode("int8", torch.ones(2))},
         row_grads={
             "x": RowBlock(packed, torch.ones(3, 4)),
             "y": RowBlock(ids, encode("int8", torch.ones(3, 4))),
@@ -134,7 +148,55 @@ def test_what_cannot_be_bundled_travels_as_it_is() -> None:
     assert type(received.row_grads["y"].values) is Encoded
     assert received.row_grads["x"].ids.first == packed.first
     assert torch.equal(received.row_grads["x"].ids.steps, packed.steps)
-    assert_same(received.dense_grads, request.dense_grads)
+    assert torch.equal(received.dense_grads["a"], request.dense_grads["a"])
+    assert type(received.dense_grads["b"]) is Encoded
+
+
+def mixed_row_state() -> dict[str, Tensor]:
+    """A reply's row state as a server of 26 Adagrad tables sends it: float slots, int64
+    counts and bool masks, interleaved by table."""
+    g = torch.Generator().manual_seed(2)
+    state: dict[str, Tensor] = {}
+    for i in range(26):
+        rows = 3 + i % 4
+        state[state_key(f"t{i}", "sum")] = torch.rand(rows, 16, generator=g)
+        state[state_key(f"t{i}", ROW_STEPS)] = torch.randint(0, 9, (rows,), generator=g)
+        if i % 3 == 0:
+            state[state_key(f"t{i}", ROW_HELD)] = torch.rand(rows, generator=g) > 0.5
+    return state
+
+
+def test_a_mapping_of_several_dtypes_travels_as_one_tensor_per_dtype_in_its_order() -> None:
+    state = mixed_row_state()
+    reply = PushPullReply(
+        row_state=state, dense_state={"a/sum": torch.ones(3), "a/steps": torch.tensor(2)}
+    )
+    wire = reply.__getstate__()
+    assert type(wire["row_state"]) is MixedBundle and tensors_in(wire["row_state"]) == 3
+    assert type(wire["dense_state"]) is MixedBundle
+    received = through_the_wire(reply)
+    assert received.malformed() is None
+    assert_same(received.row_state, state)  # names in the order sent, not grouped by dtype
+    assert_same(received.dense_state, reply.dense_state)
+
+
+def test_every_spoiled_bundle_of_several_dtypes_is_named_not_read() -> None:
+    mixed = bundled(mixed_row_state())
+    assert type(mixed) is MixedBundle
+    names, (floats, ints, bools) = mixed.names, mixed.bundles
+    wrongs = [
+        MixedBundle(list(names), mixed.bundles),  # type: ignore[arg-type]
+        MixedBundle(names, [floats, ints, bools]),  # type: ignore[arg-type]
+        MixedBundle(names, (floats, ints, "bools")),  # type: ignore[arg-type]
+        MixedBundle(names, (floats, ints)),  # names no bundle holds
+        MixedBundle(names[:-1], mixed.bundles),  # a bundle holds a name not named
+        MixedBundle((*names, names[0]), mixed.bundles),  # a name twice
+        MixedBundle(names, (floats, ints, floats)),  # a bundle twice
+        *(MixedBundle(names, (wrong, ints, bools)) for wrong in spoiled(floats)),
+    ]
+    for wrong in wrongs:
+        found = unbundled(wrong)
+        assert type(found) is MalformedBundle and found.reason.startswith("a bundle"), wrong
 
 
 def spoiled(bundle: Bundle) -> list[Bundle]:

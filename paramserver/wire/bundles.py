@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -34,6 +34,15 @@ class Bundle:
 
 
 @dataclass(frozen=True)
+class MixedBundle:
+    """A mapping of tensors of several dtypes (a row's state: float slots, int64 counts, bool
+    masks) as it travels: one :class:`Bundle` per dtype, and the names in the mapping's order."""
+
+    names: tuple[str, ...]
+    bundles: tuple[Bundle, ...]
+
+
+@dataclass(frozen=True)
 class MalformedBundle:
     """What a received field holds where its bundle was malformed: the receiver refuses the
     message (``malformed()``), saying why."""
@@ -43,16 +52,28 @@ class MalformedBundle:
 
 def bundled(mapping: Any) -> Any:
     """A ``{name: tensor}`` mapping as it travels: a :class:`Bundle` where it holds two or more
-    plain tensors (CPU, strided, no autograd) of one dtype, else itself (encoded values and
-    packed ids travel as they are)."""
+    plain tensors (CPU, strided, no autograd) of one dtype, a :class:`MixedBundle` where they
+    are of several, else itself (encoded values and packed ids travel as they are)."""
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping
     values = list(mapping.values())
-    dtype = getattr(values[0], "dtype", None)
-    if not all(
-        type(v) is Tensor and v.dtype == dtype and v.layout is torch.strided for v in values
-    ):
+    if not all(type(v) is Tensor and v.layout is torch.strided for v in values):
         return mapping
+    dtype = values[0].dtype
+    if all(v.dtype == dtype for v in values):
+        return _one_bundle(tuple(mapping), values) or mapping
+    by_dtype: dict[torch.dtype, dict[str, Tensor]] = {}
+    for name, value in mapping.items():
+        by_dtype.setdefault(value.dtype, {})[name] = value
+    bundles = [_one_bundle(tuple(part), list(part.values())) for part in by_dtype.values()]
+    if any(bundle is None for bundle in bundles):
+        return mapping
+    return MixedBundle(tuple(mapping), tuple(cast(list[Bundle], bundles)))
+
+
+def _one_bundle(names: tuple[str, ...], values: list[Tensor]) -> Bundle | None:
+    """``values`` (plain tensors of one dtype) end to end, or None where they are not on the
+    CPU, say."""
     flat = joined_already(values)  # the views a split made: travel as what they split
     if flat is None:
         with torch.no_grad():
@@ -61,9 +82,9 @@ def bundled(mapping: Any) -> Any:
                 if _one_width(values)
                 else torch.cat([v.reshape(-1) for v in values])
             )
-    if not _plain(flat):  # not on the CPU, say: as they are
-        return mapping
-    return Bundle(tuple(mapping), tuple(tuple(value.shape) for value in values), flat)
+    if not _plain(flat):
+        return None
+    return Bundle(names, tuple(tuple(value.shape) for value in values), flat)
 
 
 def joined_already(values: list[Tensor]) -> Tensor | None:
@@ -116,9 +137,11 @@ def _plain(value: Any) -> bool:
 
 
 def unbundled(value: Any) -> Any:
-    """A :class:`Bundle`'s mapping (views of its ``flat`` tensor), a
-    :class:`MalformedBundle` saying what is wrong with a malformed one, anything else as it is.
-    Never raises: a peer's bundle is checked whole before it is read."""
+    """A :class:`Bundle`'s or :class:`MixedBundle`'s mapping (views of their ``flat``
+    tensors), a :class:`MalformedBundle` saying what is wrong with a malformed one, anything
+    else as it is. Never raises: a peer's bundle is checked whole before it is read."""
+    if type(value) is MixedBundle:
+        return _mixed_unbundled(value)
     if type(value) is not Bundle:
         return value
     problem = _bundle_problem(value)
@@ -134,6 +157,23 @@ def unbundled(value: Any) -> Any:
         views = zip(flat.split_with_sizes(numels), shapes, strict=True)
         parts = [part.view(shape) for part, shape in views]
     return dict(zip(value.names, parts, strict=True))
+
+
+def _mixed_unbundled(value: MixedBundle) -> dict[str, Tensor] | MalformedBundle:
+    names, bundles = value.names, value.bundles
+    if type(names) is not tuple or not all(type(name) is str for name in names):
+        return MalformedBundle("a bundle's names must be a tuple of strings")
+    if type(bundles) is not tuple or not all(type(bundle) is Bundle for bundle in bundles):
+        return MalformedBundle("a bundle of several dtypes must hold a tuple of bundles")
+    found: dict[str, Tensor] = {}
+    for bundle in bundles:
+        part = unbundled(bundle)
+        if type(part) is MalformedBundle:
+            return part
+        found.update(part)
+    if len(found) != len(names) or found.keys() != set(names):
+        return MalformedBundle("a bundle's names differ from those of the bundles it holds")
+    return {name: found[name] for name in names}
 
 
 def _as_rows(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> bool:
