@@ -604,34 +604,31 @@ static Py_ssize_t own_fused(const OwnTable *t, const OwnRule *r) {
     OWN_TABLE(t, r, fmaf)
 }
 
-/* One table's tuple exported into `views` (8 of them) and `t`, checked; -1 with an error set
- * (what was exported stays in views, for the caller to release). */
-static int export_own_table(PyObject *item, int kind, Py_buffer *views, OwnTable *t) {
-    PyObject *state, *means;
+/* One table's tuple exported into `views` (5 of them) and `t`, its rows that take the update
+ * `at[begin:end]` with their state from row `begin` of `state` (NULL: SGD's none), checked;
+ * -1 with an error set (what was exported stays in views, for the caller to release). */
+static int export_own_table(PyObject *item, int kind, Py_buffer *views, const int64_t *at,
+                            float *state, Py_ssize_t begin, Py_ssize_t end, OwnTable *t) {
+    PyObject *means;
     Py_ssize_t dim;
     double lr;
     if (!PyTuple_Check(item)) {
         PyErr_SetString(PyExc_TypeError, "own_rows: a table is a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(item, "w*ny*y*y*y*OOd", &views[0], &dim, &views[1], &views[2],
-                          &views[3], &views[4], &state, &means, &lr))
+    if (!PyArg_ParseTuple(item, "w*ny*y*y*Od", &views[0], &dim, &views[1], &views[2],
+                          &views[3], &means, &lr))
         return -1;
-    if (optional_buffer(state, &views[5], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
-        optional_buffer(means, &views[6], PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    *t = (OwnTable){views[0].buf, views[5].buf, views[4].buf, views[6].buf, views[1].buf,
-                    views[2].buf, views[3].buf, 0, views[2].len / 8, views[3].len / 8, dim,
-                    (float)lr};
+    if (optional_buffer(means, &views[4], PyBUF_C_CONTIGUOUS) < 0) return -1;
     Py_ssize_t state_width = kind == RULE_ADAGRAD ? dim : 1;
+    *t = (OwnTable){views[0].buf, state == NULL ? NULL : state + begin * state_width,
+                    views[3].buf, views[4].buf, views[1].buf, at + begin, views[2].buf, 0,
+                    end - begin, views[2].len / 8, dim, (float)lr};
     if (dim <= 0 || dim > PY_SSIZE_T_MAX / 8 || views[0].len % (4 * dim)) goto mismatched;
     t->num_values = views[0].len / 4 / dim;
-    if (views[1].len != t->num_values * 8 || views[2].len % 8 || views[3].len % 8 ||
-        views[4].len != t->num_grads * dim * 4 ||
-        (kind == RULE_SGD) != (t->state == NULL) ||
-        (t->state != NULL && views[5].len != t->num_at * state_width * 4) ||
-        (kind == RULE_ROWWISE) != (t->means != NULL) ||
-        (t->means != NULL && views[6].len != t->num_grads * 4))
+    if (views[1].len != t->num_values * 8 || views[2].len % 8 ||
+        views[3].len != t->num_grads * dim * 4 || (kind == RULE_ROWWISE) != (t->means != NULL) ||
+        (t->means != NULL && views[4].len != t->num_grads * 4))
         goto mismatched;
     for (Py_ssize_t i = 0; i < t->num_at; i++) {
         if (t->at[i] < 0 || t->at[i] >= t->num_values) {
@@ -646,39 +643,66 @@ mismatched:
 }
 
 static const char own_rows_doc[] =
-    "own_rows(kind, tables, eps, weight_decay, fused) -> rows updated\n"
+    "own_rows(kind, tables, at, state, spans, eps, weight_decay, fused) -> rows updated\n"
     "A trainer's own update (kind 0: SGD, 1: Adagrad, 2: row-wise Adagrad) of the rows it\n"
-    "pulled, each table (values, dim, ids, at, grad_ids, grads, state, means, lr) in place:\n"
-    "values[at[i]] (float32 rows of dim; ids their sorted ids) and state[i] take the gradient\n"
-    "of the same id among grad_ids (sorted unique; grads its rows), if any. state: None (SGD),\n"
-    "a row (Adagrad) or a value (row-wise) per place; means: row-wise's mean squared gradient\n"
-    "per gradient row, else None. `fused`: multiply-adds rounded once, as torch's on this CPU.";
+    "pulled, each table j (values, dim, ids, grad_ids, grads, means, lr) in place: the rows\n"
+    "at[b:e] of values (float32 rows of dim; ids their sorted ids), where (b, e) = spans[j],\n"
+    "and the same rows of state take the gradient of the same id among grad_ids (sorted\n"
+    "unique; grads its rows), if any. at: int64 places; state: None (SGD), a float32 row\n"
+    "(Adagrad) or value (row-wise) per place; spans: int64 pairs, one per table, within at;\n"
+    "means: row-wise's mean squared gradient per gradient row, else None. `fused`:\n"
+    "multiply-adds rounded once, as torch's on this CPU.";
 
 static PyObject *own_rows(PyObject *self, PyObject *args) {
-    PyObject *tables_arg, *result = NULL;
+    PyObject *tables_arg, *state_arg, *result = NULL;
+    Py_buffer at = {0}, state = {0}, spans = {0};
     OwnRule rule;
     double eps, weight_decay;
     int fused;
-    if (!PyArg_ParseTuple(args, "iOddp", &rule.kind, &tables_arg, &eps, &weight_decay, &fused))
+    if (!PyArg_ParseTuple(args, "iOy*Oy*ddp", &rule.kind, &tables_arg, &at, &state_arg, &spans,
+                          &eps, &weight_decay, &fused))
         return NULL;
+    PyObject *tables = NULL;
+    Py_buffer *views = NULL;
+    OwnTable *each = NULL;
+    Py_ssize_t num_tables = 0, updated = 0;
     if (rule.kind < RULE_SGD || rule.kind > RULE_ROWWISE) {
         PyErr_SetString(PyExc_ValueError, "own_rows: no such rule");
-        return NULL;
+        goto done;
     }
     rule = (OwnRule){rule.kind, weight_decay != 0.0, (float)eps, (float)weight_decay};
-    PyObject *tables = PySequence_Fast(tables_arg, "own_rows: tables must be a sequence");
-    if (tables == NULL) return NULL;
-    Py_ssize_t num_tables = PySequence_Fast_GET_SIZE(tables), updated = 0;
-    Py_buffer *views = PyMem_Calloc(8 * (num_tables ? num_tables : 1), sizeof(Py_buffer));
-    OwnTable *each = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(OwnTable));
+    if (optional_buffer(state_arg, &state, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    tables = PySequence_Fast(tables_arg, "own_rows: tables must be a sequence");
+    if (tables == NULL) goto done;
+    num_tables = PySequence_Fast_GET_SIZE(tables);
+    const int64_t *bounds = spans.buf;
+    Py_ssize_t num_at = at.len / 8;
+    if (at.len % 8 || spans.len != num_tables * 16 ||
+        (rule.kind == RULE_SGD) != (state.buf == NULL)) {
+        PyErr_SetString(PyExc_ValueError, "own_rows: arrays of mismatched sizes");
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < num_tables; j++) {
+        if (bounds[2 * j] < 0 || bounds[2 * j] > bounds[2 * j + 1] || bounds[2 * j + 1] > num_at) {
+            PyErr_SetString(PyExc_ValueError, "own_rows: a span past the places");
+            goto done;
+        }
+    }
+    views = PyMem_Calloc(5 * (num_tables ? num_tables : 1), sizeof(Py_buffer));
+    each = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(OwnTable));
     if (views == NULL || each == NULL) {
         PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t j = 0; j < num_tables; j++) {
-        if (export_own_table(PySequence_Fast_GET_ITEM(tables, j), rule.kind, views + 8 * j,
-                             &each[j]) < 0)
+        if (export_own_table(PySequence_Fast_GET_ITEM(tables, j), rule.kind, views + 5 * j,
+                             at.buf, state.buf, bounds[2 * j], bounds[2 * j + 1], &each[j]) < 0)
             goto done;
+        Py_ssize_t width = rule.kind == RULE_ADAGRAD ? each[j].dim : 1;
+        if (state.buf != NULL && state.len != num_at * width * 4) {
+            PyErr_SetString(PyExc_ValueError, "own_rows: arrays of mismatched sizes");
+            goto done;
+        }
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_tables; j++)
@@ -686,10 +710,13 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(updated);
 done:
-    for (Py_ssize_t v = 0; views != NULL && v < 8 * num_tables; v++) release(&views[v]);
+    for (Py_ssize_t v = 0; views != NULL && v < 5 * num_tables; v++) release(&views[v]);
     PyMem_Free(views);
     PyMem_Free(each);
-    Py_DECREF(tables);
+    Py_XDECREF(tables);
+    release(&at);
+    release(&state);
+    release(&spans);
     return result;
 }
 

@@ -374,23 +374,30 @@ def scatter_rows(
     loops.scatter_rows(tables, lookups, dim)
 
 
-OwnTable = tuple[
-    np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
-    np.ndarray | None, np.ndarray | None, float,
-]  # fmt: skip
-"""One table's part of :func:`own_rows`: values, dim, ids, at, grad_ids, grads, state, means,
-lr (``_native.c``'s own_rows says what each is)."""
+OwnTable = tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]
+"""One table's part of :func:`own_rows`: values, dim, ids, grad_ids, grads, means, lr
+(``_native.c``'s own_rows says what each is)."""
 
 
 def own_rows(
-    kind: str, tables: Sequence[OwnTable], *, eps: float, weight_decay: float, fused: bool
+    kind: str,
+    tables: Sequence[OwnTable],
+    at: np.ndarray,
+    state: np.ndarray | None,
+    spans: np.ndarray,
+    *,
+    eps: float,
+    weight_decay: float,
+    fused: bool,
 ) -> int:
     """A trainer's own update by rule ``kind`` (of :data:`RULE_KINDS`) of the pulled rows of
     each of ``tables`` that have state and a gradient, in place, with their state; returns
-    how many rows it updated. ``fused``: multiply-adds rounded once (else twice), as the
-    servers' update on this machine (see :mod:`paramserver.optim`)."""
+    how many rows it updated. ``at``: every table's places of those rows end to end (int64),
+    table ``j``'s from ``spans[j][0]`` to ``spans[j][1]``; ``state``: theirs, aligned with
+    ``at`` (None for SGD). ``fused``: multiply-adds rounded once (else twice), as the servers'
+    update on this machine (see :mod:`paramserver.optim`)."""
     assert loops is not None, "called where takes_rows() says the loops apply"
-    return int(loops.own_rows(RULE_KINDS[kind], tables, eps, weight_decay, fused))
+    return int(loops.own_rows(RULE_KINDS[kind], tables, at, state, spans, eps, weight_decay, fused))
 
 
 def pools_rows(rows: Tensor) -> bool:

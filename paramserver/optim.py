@@ -126,11 +126,11 @@ class UpdateRule(ABC):
         gathered and stepped)."""
         return False
 
-    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
-        """A trainer's own update of ``tables``' pulled rows and their state, in place, if
-        this rule has a compiled loop that takes them (:func:`paramserver.native.own_rows`:
-        every table in one call), bitwise as its servers' :func:`apply_rows`; returns the rows
-        updated, or None where it has none (the caller steps them by :func:`apply_rows`)."""
+    def step_pulled_rows(self, rows: PulledRows) -> int | None:
+        """A trainer's own update of pulled ``rows`` and their state, in place, if this rule
+        has a compiled loop that takes them (:func:`paramserver.native.own_rows`: every table
+        in one call), bitwise as its servers' :func:`apply_rows`; returns the rows updated,
+        or None where it has none (the caller steps them by :func:`apply_rows`)."""
         return None
 
 
@@ -173,11 +173,11 @@ class SGD(UpdateRule):
             return False
         return _rows_in_place("sgd", updates, None, lr, 0.0, self.config.weight_decay)
 
-    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+    def step_pulled_rows(self, rows: PulledRows) -> int | None:
         fused = None if self.config.momentum else _sgd_loop_rounding()
         if fused is None:
             return None
-        return _own_rows("sgd", tables, self.config, fused)
+        return _own_rows("sgd", rows, self.config, fused)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
@@ -243,11 +243,11 @@ class Adagrad(UpdateRule):
             return False
         return _rows_in_place("adagrad", updates, "sum", lr, c.resolved_eps, c.weight_decay)
 
-    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+    def step_pulled_rows(self, rows: PulledRows) -> int | None:
         fused = None if self.config.adagrad_lr_decay else _adagrad_loop_rounding()
         if fused is None:
             return None
-        return _own_rows("adagrad", tables, self.config, fused, slot="sum")
+        return _own_rows("adagrad", rows, self.config, fused, slot="sum")
 
 
 @functools.cache
@@ -302,9 +302,9 @@ def _sgd_loop_rounding() -> bool | None:
         for weight_decay in (0.0, 0.3):
             config = OptimizerConfig(name="sgd", lr=0.1, weight_decay=weight_decay)
             looped, stepped = weight.clone(), weight.clone()
-            rows = PulledRows(looped, torch.arange(64), torch.arange(64), {}, torch.arange(64),
-                              grads, 0.1)  # fmt: skip
-            _own_rows("sgd", [rows], config, fused)
+            table = PulledTable(looped, torch.arange(64), torch.arange(64), grads, 0.1)
+            rows = PulledRows([table], np.arange(64), np.array([[0, 64]]), {})
+            _own_rows("sgd", rows, config, fused)
             SGD(config).step_blocks([Block(stepped, grads, {}, torch.zeros(()))], 0.1)
             agrees = agrees and torch.equal(looped, stepped)
         if agrees:
@@ -361,13 +361,13 @@ class RowWiseAdagrad(UpdateRule):
     def needs_steps(self) -> bool:
         return False
 
-    def step_pulled_rows(self, tables: Sequence[PulledRows]) -> int | None:
+    def step_pulled_rows(self, rows: PulledRows) -> int | None:
         # The means by torch (its reduction's order), the rest by the loop, whose division
         # and square root round as torch's do; weight decay's add is left to torch.
         if self.config.weight_decay:
             return None
-        means = [t.grads.square().mean(dim=1) for t in tables]
-        return _own_rows("rowwise_adagrad", tables, self.config, False, slot="sum", means=means)
+        means = [t.grads.square().mean(dim=1) for t in rows.tables]
+        return _own_rows("rowwise_adagrad", rows, self.config, False, slot="sum", means=means)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
@@ -404,19 +404,29 @@ class RowUpdate:
 
 
 @dataclass
-class PulledRows:
+class PulledTable:
     """A table's rows a trainer pulled, to take its own update: ``values`` (every pulled row,
-    stepped in place) of sorted ``ids``; ``at``, the places of those that came with ``state``
-    (its slots aligned with ``at``, stepped in place); its step's gradients (``grads`` of the
-    sorted unique ``grad_ids``; a row whose id is not among them takes none) and ``lr``."""
+    stepped in place) of sorted ``ids``, its step's gradients (``grads`` of the sorted unique
+    ``grad_ids``; a row whose id is not among them takes none) and ``lr``."""
 
     values: Tensor
     ids: Tensor
-    at: Tensor
-    state: State
     grad_ids: Tensor
     grads: Tensor
     lr: float
+
+
+@dataclass
+class PulledRows:
+    """Tables' pulled rows that came with state, to take a trainer's own update: ``at``, their
+    places among their table's values, every table's end to end (int64), table ``j``'s from
+    ``spans[j, 0]`` to ``spans[j, 1]``; ``state``, its slots aligned with ``at`` (stepped in
+    place)."""
+
+    tables: list[PulledTable]
+    at: np.ndarray
+    spans: np.ndarray
+    state: State
 
 
 def _rows_in_place(
@@ -445,31 +455,34 @@ def _rows_in_place(
 
 def _own_rows(
     kind: str,
-    tables: Sequence[PulledRows],
+    rows: PulledRows,
     config: OptimizerConfig,
     fused: bool,
     slot: str | None = None,
     means: Sequence[Tensor] | None = None,
 ) -> int | None:
-    """:func:`paramserver.native.own_rows` of ``tables`` (state: their ``slot``; ``means``:
-    row-wise Adagrad's), or None where the loops do not take their tensors."""
-    states = [t.state.get(slot) if slot else None for t in tables]
-    slots = {slot} if slot else set()
-    if any(set(t.state) != slots for t in tables) or not native.takes_rows(
+    """:func:`paramserver.native.own_rows` of ``rows`` (state: their ``slot``; ``means``:
+    row-wise Adagrad's, per table), or None where the loops do not take their tensors."""
+    state = rows.state.get(slot) if slot else None
+    tables = rows.tables
+    if set(rows.state) != ({slot} if slot else set()) or not native.takes_rows(
         *(t.values for t in tables),
         *(t.grads for t in tables),
-        *(s for s in states if s is not None),
+        *([state] if state is not None else []),
     ):
         return None
-    parts = []
-    for at, (t, state) in enumerate(zip(tables, states, strict=True)):
-        parts.append((
-            t.values.numpy(), t.values.shape[1], _int64s(t.ids), _int64s(t.at),
-            _int64s(t.grad_ids), t.grads.numpy(), None if state is None else state.numpy(),
-            None if means is None else means[at].numpy(), t.lr,
-        ))  # fmt: skip
-    eps, decay = config.resolved_eps, config.weight_decay
-    return native.own_rows(kind, parts, eps=eps, weight_decay=decay, fused=fused)
+    parts = [
+        (
+            t.values.numpy(), t.values.shape[1], _int64s(t.ids), _int64s(t.grad_ids),
+            t.grads.numpy(), None if means is None else means[j].numpy(), t.lr,
+        )
+        for j, t in enumerate(tables)
+    ]  # fmt: skip
+    return native.own_rows(
+        kind, parts, np.ascontiguousarray(rows.at, dtype=np.int64),
+        None if state is None else state.numpy(), np.ascontiguousarray(rows.spans, dtype=np.int64),
+        eps=config.resolved_eps, weight_decay=config.weight_decay, fused=fused,
+    )  # fmt: skip
 
 
 def _int64s(ids: Tensor) -> np.ndarray:

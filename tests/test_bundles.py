@@ -152,9 +152,9 @@ def test_what_cannot_be_bundled_travels_as_it_is() -> None:
     assert type(received.dense_grads["b"]) is Encoded
 
 
-def mixed_row_state() -> dict[str, Tensor]:
-    """A reply's row state as a server of 26 Adagrad tables sends it: float slots, int64
-    counts and bool masks, interleaved by table."""
+def mixed_state() -> dict[str, Tensor]:
+    """A mapping of 26 tables' float slots, int64 counts and bool masks, interleaved by
+    table (as a row state by table would be)."""
     g = torch.Generator().manual_seed(2)
     state: dict[str, Tensor] = {}
     for i in range(26):
@@ -167,21 +167,17 @@ def mixed_row_state() -> dict[str, Tensor]:
 
 
 def test_a_mapping_of_several_dtypes_travels_as_one_tensor_per_dtype_in_its_order() -> None:
-    state = mixed_row_state()
-    reply = PushPullReply(
-        row_state=state, dense_state={"a/sum": torch.ones(3), "a/steps": torch.tensor(2)}
-    )
+    state = mixed_state()
+    reply = PushPullReply(dense_state=state)
     wire = reply.__getstate__()
-    assert type(wire["row_state"]) is MixedBundle and tensors_in(wire["row_state"]) == 3
-    assert type(wire["dense_state"]) is MixedBundle
+    assert type(wire["dense_state"]) is MixedBundle and tensors_in(wire["dense_state"]) == 3
     received = through_the_wire(reply)
     assert received.malformed() is None
-    assert_same(received.row_state, state)  # names in the order sent, not grouped by dtype
-    assert_same(received.dense_state, reply.dense_state)
+    assert_same(received.dense_state, state)  # names in the order sent, not grouped by dtype
 
 
 def test_every_spoiled_bundle_of_several_dtypes_is_named_not_read() -> None:
-    mixed = bundled(mixed_row_state())
+    mixed = bundled(mixed_state())
     assert type(mixed) is MixedBundle
     names, (floats, ints, bools) = mixed.names, mixed.bundles
     wrongs = [

@@ -110,8 +110,11 @@ def frame_of_version(version: int) -> bytes:
 
 
 def test_a_frame_of_another_version_is_refused_naming_both() -> None:
-    with pytest.raises(FrameError, match=r"version 2 .* reads version 1"):
-        frames.decode(frame_of_version(2))
+    newer, older = frames.VERSION + 1, frames.VERSION - 1
+    with pytest.raises(FrameError, match=rf"version {newer} .* reads version {frames.VERSION}"):
+        frames.decode(frame_of_version(newer))
+    with pytest.raises(FrameError, match=rf"version {older} .* reads version {frames.VERSION}"):
+        frames.decode(frame_of_version(older))  # a peer of before row state blocks
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ Adagrad, the same id map as numpy's, and a clear error for bad arguments."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -354,7 +355,7 @@ def test_own_updates_by_the_loop_are_the_servers_updates(
     config = OptimizerConfig(name=rule_name, lr=0.1, weight_decay=weight_decay)  # type: ignore[arg-type]
     rule = optim.make_rule(config)
     g = torch.Generator().manual_seed(dim)
-    tables, expected = [], []
+    tables, places, states, expected = [], [], [], []
     for lr in (0.1, 0.02):
         ids = torch.randperm(500, generator=g)[:60].sort().values
         values = torch.randn(60, dim, generator=g)
@@ -366,22 +367,28 @@ def test_own_updates_by_the_loop_are_the_servers_updates(
         grads = torch.randn(grad_ids.numel(), dim, generator=g) * 10.0 ** torch.randint(
             -3, 3, (grad_ids.numel(), 1), generator=g
         )
-        state = {slot: value[at].clone() for slot, value in held.items()}
-        tables.append(optim.PulledRows(values.clone(), ids, at, state, grad_ids, grads, lr))
+        states.append({slot: value[at].clone() for slot, value in held.items()})
+        places.append(at.numpy())
+        tables.append(optim.PulledTable(values.clone(), ids, grad_ids, grads, lr))
         before = values.clone()
         with monkeypatch.context() as torch_only:
             torch_only.setattr(native, "loops", None)
             taking = torch.searchsorted(grad_ids, ids[at[:30]])
             optim.apply_rows(rule, values, held, None, at[:30], grads[taking], lr)
         expected.append((values, {slot: value[at] for slot, value in held.items()}))
+    # Both tables' rows end to end, the second's first: spans need not follow the tables.
+    state = {slot: torch.cat([states[1][slot], states[0][slot]]) for slot in states[0]}
+    rows = optim.PulledRows(
+        tables, np.concatenate([places[1], places[0]]), np.array([[40, 80], [0, 40]]), state
+    )
     if rule_name == "rowwise_adagrad" and weight_decay:
-        assert rule.step_pulled_rows(tables) is None  # left to torch
+        assert rule.step_pulled_rows(rows) is None  # left to torch
         return
-    assert rule.step_pulled_rows(tables) == 60
-    for table, (values, state) in zip(tables, expected, strict=True):
+    assert rule.step_pulled_rows(rows) == 60
+    for j, (table, (values, expected_state)) in enumerate(zip(tables, expected, strict=True)):
         assert torch.equal(table.values, values)
-        for slot, value in state.items():
-            assert torch.equal(table.state[slot], value), slot
+        for slot, value in expected_state.items():
+            assert torch.equal(state[slot][40 * (1 - j) : 40 * (2 - j)], value), slot
     assert not torch.equal(before, expected[-1][0]), "the test is vacuous"
     assert torch.equal(before[at[30:]], expected[-1][0][at[30:]])  # no gradient: no update
 
@@ -391,9 +398,12 @@ def test_bad_own_rows_are_refused_before_anything_is_written() -> None:
     values, grads = np.zeros((4, 2), np.float32), np.ones((2, 2), np.float32)
     ids, grad_ids, sums = np.arange(4), np.array([0, 1]), np.zeros((2, 2), np.float32)
 
-    def own(at: np.ndarray, state: np.ndarray | None = sums) -> int:
-        table = (values, 2, ids, at, grad_ids, grads, state, None, 0.1)
-        return native.own_rows("adagrad", [table], eps=1e-10, weight_decay=0.0, fused=False)
+    def own(at: np.ndarray, state: np.ndarray | None = sums, spans: Any = None) -> int:
+        table = (values, 2, ids, grad_ids, grads, None, 0.1)
+        spans = np.array([[0, at.size]] if spans is None else spans, dtype=np.int64)
+        return native.own_rows(
+            "adagrad", [table], at, state, spans, eps=1e-10, weight_decay=0.0, fused=False
+        )
 
     with pytest.raises(ValueError, match="a place past the pulled rows"):
         own(np.array([0, 4]))
@@ -401,5 +411,11 @@ def test_bad_own_rows_are_refused_before_anything_is_written() -> None:
         own(np.array([0]))  # two states for one place
     with pytest.raises(ValueError, match="mismatched sizes"):
         own(np.array([0, 1]), None)  # Adagrad without its sums
+    with pytest.raises(ValueError, match="a span past the places"):
+        own(np.array([0, 1]), spans=[[1, 3]])
+    with pytest.raises(ValueError, match="a span past the places"):
+        own(np.array([0, 1]), spans=[[1, 0]])
+    with pytest.raises(ValueError, match="mismatched sizes"):
+        own(np.array([0, 1]), spans=[[0, 1], [1, 2]])  # a span for a table not given
     assert not values.any() and not sums.any()
     assert own(np.array([3, 1])) == 1 and values[1].all() and not values[3].any()

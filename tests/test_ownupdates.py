@@ -4,6 +4,8 @@ with them (``PushPullRequest.pull_state``)."""
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -16,12 +18,13 @@ from paramserver.futures import completed
 from paramserver.launch.roles import build_server
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
-from paramserver.trainer.client import InFlight, PSClient, Pulled, RowState, Traffic
+from paramserver.trainer.client import InFlight, PSClient, Pulled, Traffic
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
 from paramserver.trainer.routes import Route
+from paramserver.trainer.rowstate import RowState, RowStates, joined_state
 from paramserver.wire.compression import Encoded, error_bound, plain
-from paramserver.wire.messages import PushPullReply, PushPullRequest, state_key
+from paramserver.wire.messages import PushPullReply, PushPullRequest, RowStateBlock, state_key
 from paramserver.wire.sizing import payload_size
 from tests.factorization import RULES, Factorization, train
 from tests.helpers import MakeServer, own_ids
@@ -63,6 +66,30 @@ def test_ids_without_a_row_take_no_update() -> None:
         assert torch.equal(fresh[name], value), name
 
 
+def one_table_rows(name: str, state: RowState) -> RowStates:
+    count = state.at.numel()
+    return RowStates([name], state.at.numpy(), np.array([[0, count]]), state.parts)
+
+
+def state_by_key(reply: PushPullReply) -> dict[str, Tensor | Encoded]:
+    """An answer's row state by :func:`state_key`, each table's part of its block; a table's
+    ROW_HELD only where some of its rows is not held."""
+    by_key: dict[str, Tensor | Encoded] = {}
+    for block in reply.row_state:
+        assert block.malformed() is None
+        ends = np.cumsum(block.counts).tolist()
+        for name, count, end in zip(block.tables, block.counts, ends, strict=True):
+            for part, value in block.parts.items():
+                if type(value) is Encoded:
+                    assert len(block.tables) == 1  # an encoded part is not sliced
+                    by_key[state_key(name, part)] = value
+                else:
+                    by_key[state_key(name, part)] = value[end - count : end]
+            if block.held is not None and not block.held[end - count : end].all():
+                by_key[state_key(name, ROW_HELD)] = block.held[end - count : end]
+    return by_key
+
+
 @pytest.mark.parametrize("cached", [False, True])
 def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
     """Fixed tables, read plainly or with cache versions, and a dynamic table with an id it
@@ -80,55 +107,115 @@ def test_a_server_answers_the_state_of_the_rows_asked(cached: bool) -> None:
         shard.read(request, train=True)  # the dynamic table sees each id once: no rows yet
         request.pull_rows["users.weight"] = torch.tensor([0, 2, 5])  # 5: first seen now
         reply = shard.read(request, train=True, clock=1)
-        held = reply.row_state[state_key("users.weight", ROW_HELD)]
+        # The two tables of width 8 in one block (the bias table's are of width 1).
+        assert reply.row_state[0].tables == ("users.weight", "items.weight")
+        state = state_by_key(reply)
+        held = state[state_key("users.weight", ROW_HELD)]
         assert held.tolist() == [True, False]  # ids 0 and 5
         for name, table in shard.store.tables.items():
-            steps = reply.row_state[state_key(name, ROW_STEPS)]
+            steps = state[state_key(name, ROW_STEPS)]
             assert steps.shape == (2,) and not steps.any()  # no update yet
             for slot in table.state:
-                part = reply.row_state[state_key(name, slot)]
+                part = state[state_key(name, slot)]
                 assert part.shape == (2, table.spec.dim) and not part.any()  # Adam's zeros
         # Once updated, a fixed row's state is its own.
         items = shard.store.tables["items.weight"]
         shard.apply({}, {"items.weight": RowGrads(ids, torch.ones(3, 8))}, step=0)
-        reply = shard.read(request, train=True)
-        assert state_key("items.weight", ROW_HELD) not in reply.row_state  # every row is
+        state = state_by_key(shard.read(request, train=True))
+        assert state_key("items.weight", ROW_HELD) not in state  # every row is
         for slot, values in items.state.items():
-            got = reply.row_state[state_key("items.weight", slot)]
+            got = state[state_key("items.weight", slot)]
             assert got.any() and torch.equal(got, values[ids[asked]])
-        assert reply.row_state[state_key("items.weight", ROW_STEPS)].tolist() == [1.0, 1.0]
+        assert state[state_key("items.weight", ROW_STEPS)].tolist() == [1.0, 1.0]
     finally:
         endpoint.coordinator.close()
 
 
 def test_the_trainer_joins_the_servers_state_of_the_rows_that_take_its_update() -> None:
     """Two servers' parts of the asked rows, with their places among the caller's ids; a row
-    a server says does not take the update is left out. A part that is not one entry per
-    row asked fails the call with a ParamServerError naming it, rather than updating rows."""
+    a server says does not take the update is left out. State that is not one entry per row
+    asked, or of tables not asked, fails the call with a ParamServerError, rather than
+    updating rows."""
     ids = torch.tensor([1, 2, 3, 4])  # server 0: 2 and 4, server 1: 1 and 3
     route = Route(ids, torch.tensor([1, 3, 0, 2]), [2, 2], (ids[[1, 3]], ids[[0, 2]]))
-    in_flight = InFlight.__new__(InFlight)
-    in_flight.routes = {"t": route}
-    in_flight.state_masks = {"t": torch.tensor([True, True, False, True])}  # not 3
+    routes, masks = {"t": route}, {"t": torch.tensor([True, True, False, True])}  # not 3
     replies = [PushPullReply(), PushPullReply()]
-    replies[0].row_state = {state_key("t", "sum"): torch.tensor([[2.0], [4.0]])}
-    replies[1].row_state = {
-        state_key("t", "sum"): torch.tensor([[1.0]]),
-        state_key("t", ROW_HELD): torch.tensor([False]),
-    }
-    state = in_flight._row_state(replies)["t"]
+    replies[0].row_state = [RowStateBlock(("t",), (2,), {"sum": torch.tensor([[2.0], [4.0]])})]
+    replies[1].row_state = [
+        RowStateBlock(("t",), (1,), {"sum": torch.tensor([[1.0]])}, torch.tensor([False]))
+    ]
+    (joined,) = joined_state(replies, masks, routes)
+    assert joined.names == ["t", "t"] and joined.spans.tolist() == [[0, 2], [2, 2]]
+    state = joined.table(0)
     assert state.at.tolist() == [1, 3]  # ids 2 and 4; id 1 does not take it
     assert state.parts["sum"].flatten().tolist() == [2.0, 4.0]
-    replies[1].row_state[state_key("t", ROW_HELD)] = torch.tensor([0])  # not a mask
-    with pytest.raises(ParamServerError, match="row state 't'/'held'"):
-        in_flight._row_state(replies)
-    replies[1].row_state[state_key("t", ROW_HELD)] = torch.tensor([False])
-    replies[0].row_state[state_key("t", "sum")] = torch.zeros(1, 1)  # one row short
-    with pytest.raises(ParamServerError, match="row state 't'/'sum'"):
-        in_flight._row_state(replies)
-    replies[0].row_state = {state_key("u", "sum"): torch.zeros(2, 1)}  # not asked for
-    with pytest.raises(ParamServerError, match="row state 'u/sum' was not asked for"):
-        in_flight._row_state(replies)
+    assert joined.table(1).at.numel() == 0
+    replies[0].row_state[0] = RowStateBlock(("t",), (1,), {"sum": torch.zeros(1, 1)})
+    with pytest.raises(ParamServerError, match="not one entry per row asked of it"):
+        joined_state(replies, masks, routes)  # one row short
+    replies[0].row_state[0] = RowStateBlock(("u",), (2,), {"sum": torch.zeros(2, 1)})
+    with pytest.raises(ParamServerError, match="a table not asked for"):
+        joined_state(replies, masks, routes)
+    replies[0].row_state = []
+    with pytest.raises(ParamServerError, match="not of the tables asked, each once"):
+        joined_state(replies, masks, routes)  # a table left out
+
+
+def test_a_malformed_row_state_block_is_named_before_it_is_read() -> None:
+    good = RowStateBlock(
+        ("a", "b"), (2, 1), {"sum": torch.zeros(3, 4)}, torch.ones(3, dtype=torch.bool)
+    )
+    assert PushPullReply(row_state=[good]).malformed() is None
+    wrongs = {
+        "tables must be a tuple": RowStateBlock(["a", "b"], (2, 1), good.parts),  # type: ignore[arg-type]
+        "one count per table": RowStateBlock(("a", "b"), (3,), good.parts),
+        "counts must be sizes": RowStateBlock(("a", "b"), (2, -1), good.parts),
+        "parts must be a dict": RowStateBlock(("a", "b"), (2, 1), [torch.zeros(3, 4)]),  # type: ignore[arg-type]
+        "'sum' is not one entry per row": RowStateBlock(("a", "b"), (2, 2), good.parts),
+        "held rows are not one bool per row": RowStateBlock(
+            ("a", "b"), (2, 1), good.parts, torch.ones(3)
+        ),
+    }
+    for reason, wrong in wrongs.items():
+        problem = PushPullReply(row_state=[wrong]).malformed()
+        assert problem is not None and reason in problem, (reason, problem)
+    assert PushPullReply(row_state={"a/sum": torch.zeros(1)}).malformed() is not None  # type: ignore[arg-type]
+
+
+def test_one_servers_state_of_many_tables_is_joined_end_to_end_as_it_arrived(
+    make_server: MakeServer,
+) -> None:
+    """From one server, every table's rows are found in one pass: each table's places and
+    state as the server read them, the rows it says do not take the update left out, tables
+    of other parts in a block of their own; through the wire and back."""
+    g = torch.Generator().manual_seed(3)
+    sizes = {"a": 5, "b": 0, "c": 7, "d": 4, "s": 6}  # s: plain SGD's, no slot
+    masks = {name: torch.rand(size, generator=g) > 0.4 for name, size in sizes.items()}
+    sent: dict[str, dict[str, Tensor]] = {}
+    for name, mask in masks.items():
+        asked = int(mask.sum())
+        sent[name] = {} if name == "s" else {"sum": torch.rand(asked, 3, generator=g)}
+        if name in ("c", "s"):
+            sent[name][ROW_HELD] = torch.rand(asked, generator=g) > 0.5
+    endpoint = make_server(0, servers=1, trainers=1)
+    shard = endpoint.shard
+    shard._state_codec = lambda table: "none"  # type: ignore[method-assign]
+    reply = PushPullReply(row_state=shard._state_blocks(sent, masks))
+    assert [block.tables for block in reply.row_state] == [("a", "b", "c", "d"), ("s",)]
+    routes = {n: Route(torch.arange(k), None, [k], (torch.arange(k),)) for n, k in sizes.items()}
+    received = pickle.loads(pickle.dumps(reply))
+    assert received.malformed() is None
+    with_sums, without = joined_state([received], masks, routes)
+    assert with_sums.names == ["a", "b", "c", "d"] and without.names == ["s"]
+    assert without.parts == {}
+    for joined in (with_sums, without):
+        for j, name in enumerate(joined.names):
+            state = joined.table(j)
+            places = torch.nonzero(masks[name]).flatten()
+            taking = sent[name].get(ROW_HELD, torch.ones(places.numel(), dtype=torch.bool))
+            assert state.at.tolist() == places[taking].tolist(), name
+            if name != "s":
+                assert torch.equal(state.parts["sum"], sent[name]["sum"][taking])
 
 
 @pytest.mark.parametrize(
@@ -187,7 +274,8 @@ def test_the_update_finds_its_gradients_with_or_without_the_places_asked() -> No
     def updated(grad_ids: Tensor, known: Asked | None) -> Tensor:
         values = torch.ones(4, 2)
         pulled = Pulled(rows={"t": (following, values)})
-        pulled.row_state = {"t": RowState(torch.tensor([1, 3]), {"sum": torch.zeros(2, 2)})}
+        state = RowState(torch.tensor([1, 3]), {"sum": torch.zeros(2, 2)})
+        pulled.row_state = [one_table_rows("t", state)]
         grads = torch.arange(2.0 * grad_ids.numel()).view(-1, 2) + 1
         own.apply(pulled, {}, {"t": (grad_ids, grads)}, 0, known)
         return values
@@ -210,14 +298,14 @@ def test_a_fixed_table_of_plain_sgd_is_not_asked_and_takes_the_same_update() -> 
     assert own.to_ask(asked.masks).keys() == {"d"}
     grads = torch.arange(8.0).view(4, 2) + 1
 
-    def updated(row_state: dict[str, RowState]) -> Tensor:
+    def updated(row_state: list[RowStates]) -> Tensor:
         values = torch.ones(4, 2)
         pulled = Pulled(rows={"t": (following, values)}, row_state=row_state)
         own.apply(pulled, {}, {"t": (pending, grads)}, 0, asked)
         return values
 
-    answered = updated({"t": RowState(torch.tensor([1, 3]), {})})  # what a server would say
-    assert torch.equal(updated({}), answered)
+    answered = updated([one_table_rows("t", RowState(torch.tensor([1, 3]), {}))])  # a server's
+    assert torch.equal(updated([]), answered)
     assert answered[[0, 2]].eq(1).all() and answered[[1, 3]].ne(1).all()
 
 
@@ -240,17 +328,16 @@ def test_row_state_travels_by_the_rows_codec_where_the_rule_takes_it_lossy(
         request.pull_state = {"items.weight": torch.tensor([True, False, True])}
         reply = shard.read(request, train=True)
         for slot, held in items.state.items():
-            sent = reply.row_state[state_key("items.weight", slot)]
+            sent = state_by_key(reply)[state_key("items.weight", slot)]
             assert isinstance(sent, Encoded) == lossy, slot
             expected = held[ids[[0, 2]]]
             bound = error_bound("int8", expected) if lossy else torch.zeros_like(expected)
             assert ((plain(sent) - expected).abs() <= bound).all()
         if rule == "adam":
-            assert isinstance(reply.row_state[state_key("items.weight", ROW_STEPS)], Tensor)
+            assert isinstance(state_by_key(reply)[state_key("items.weight", ROW_STEPS)], Tensor)
         route = Route(ids, None, [3], (ids,))
-        in_flight = InFlight.__new__(InFlight)
-        in_flight.routes, in_flight.state_masks = {"items.weight": route}, request.pull_state
-        joined = in_flight._row_state([reply])["items.weight"]
+        (rows,) = joined_state([reply], request.pull_state, {"items.weight": route})
+        joined = rows.table(0)
         assert joined.at.tolist() == [0, 2] and all(
             isinstance(v, Tensor) for v in joined.parts.values()
         )

@@ -38,6 +38,7 @@ from paramserver.wire.messages import (
     BagBlock,
     PushPullReply,
     RowBlock,
+    RowStateBlock,
     ServerView,
     split_state_key,
     state_key,
@@ -177,8 +178,7 @@ class ServerShard:
         reply.rows.update(read.values)
         for name, versions in read.versions.items():
             self._leave_out_cached(reply, request, name, read.values[name], versions)
-        for name, state in read.state.items():
-            _add_state(reply.row_state, name, state)
+        reply.row_state = self._state_blocks(read.state, request.pull_state)
         rows = sum([ids.numel() for ids in pulls.values()])
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
@@ -216,22 +216,59 @@ class ServerShard:
                     part[name] = encode(codec, value)  # type: ignore[arg-type]
         self._encode_state(reply)
 
+    def _state_codec(self, table: str) -> str:
+        """The codec ``table``'s rows' state travels by: its values' where the rule's own
+        update takes it lossy (:attr:`~paramserver.optim.UpdateRule.lossy_state_ok`): a
+        prefetching trainer's own update only predicts this server's, which the server makes
+        itself from its own state."""
+        lossy = self.store.tables[table].rule.lossy_state_ok
+        return self.table_pull_codecs[table] if lossy else "none"
+
+    def _state_blocks(
+        self, state: Mapping[str, Mapping[str, Tensor]], masks: Mapping[str, Tensor]
+    ) -> list[RowStateBlock]:
+        """Each table's rows' state (its parts, and ROW_HELD where some row would not take
+        the update; the rows its mask of ``masks`` picks), the tables of alike parts and
+        codec joined in one block, in order."""
+        alike: dict[tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], str], list[str]] = {}
+        for name, of_table in state.items():
+            kinds = tuple((p, v.shape[1:], v.dtype) for p, v in of_table.items() if p != ROW_HELD)
+            alike.setdefault((kinds, self._state_codec(name)), []).append(name)
+        blocks = []
+        for (kinds, codec), names in alike.items():
+            tables = [state[name] for name in names]
+            counts = tuple(
+                int(next(iter(t.values())).shape[0]) if t else int(masks[name].sum())
+                for name, t in zip(names, tables, strict=True)
+            )
+            parts: dict[str, Tensor | Encoded] = {}
+            for part, *_ in kinds:
+                joined = (
+                    torch.cat([t[part] for t in tables]) if len(tables) > 1 else tables[0][part]
+                )
+                exact = codec == "none" or part == ROW_STEPS
+                parts[part] = joined if exact else encode(codec, joined)
+            held = None
+            if any(ROW_HELD in t for t in tables):
+                held = torch.cat(
+                    [
+                        t.get(ROW_HELD, torch.ones(n, dtype=torch.bool))
+                        for t, n in zip(tables, counts, strict=True)
+                    ]
+                )
+            blocks.append(RowStateBlock(tuple(names), counts, parts, held))
+        return blocks
+
     def _encode_state(self, reply: PushPullReply) -> None:
-        """Optimizer state travels by its values' codec where the rule's own update takes it
-        lossy (:attr:`~paramserver.optim.UpdateRule.lossy_state_ok`): a prefetching trainer's
-        own update only predicts this server's, which the server makes itself from its own
-        state. Counts and masks go exact."""
-        for states, codec_of, rules in (
-            (reply.row_state, self.table_pull_codecs.__getitem__, self.store.tables),
-            (reply.dense_state, lambda _: self.dense_pull_codec, self.store.dense),
-        ):
-            for key, value in states.items():
-                name, slot = split_state_key(key)
-                codec = codec_of(name)
-                if codec == "none" or slot in (ROW_STEPS, ROW_HELD):
-                    continue
-                if rules[name].rule.lossy_state_ok:
-                    states[key] = encode(codec, value)  # type: ignore[arg-type]
+        """The dense values' optimizer state travels by their codec where the rule's own
+        update takes it lossy (see :meth:`_state_codec`); counts go exact."""
+        codec = self.dense_pull_codec
+        if codec == "none":
+            return
+        for key, value in reply.dense_state.items():
+            name, slot = split_state_key(key)
+            if slot != ROW_STEPS and self.store.dense[name].rule.lossy_state_ok:
+                reply.dense_state[key] = encode(codec, value)  # type: ignore[arg-type]
 
     def _pool(self, name: str, block: BagBlock, reading: Reading) -> Tensor:
         """Partial sums ``[num_bags, dim]`` of this server's rows in each bag."""

@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.futures import Future
@@ -24,11 +23,12 @@ from paramserver.config import CodecsSection, GradientCodec, ValueCodec
 from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.futures import in_order, wait_all
 from paramserver.sharding import ShardPlan, merge_rows
-from paramserver.store.arena import ROW_HELD, ROW_STEPS
+from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.riders import ChiefBuffers, PooledBags
 from paramserver.trainer.routes import Route, pack_together
+from paramserver.trainer.rowstate import RowStates, joined_state
 from paramserver.transport import operations as ops
 from paramserver.transport.base import Transport
 from paramserver.transport.operations import DATA_OPERATIONS, Operation
@@ -90,15 +90,6 @@ class StepPush:
 
 
 @dataclass
-class RowState:
-    """Optimizer state of some of a pulled table's rows: ``at``, their places among its ids,
-    and ``parts``, by part (its rule's slots and ROW_STEPS), aligned with ``at``."""
-
-    at: Tensor
-    parts: dict[str, Tensor]
-
-
-@dataclass
 class Pulled:
     dense: dict[str, Tensor] = field(default_factory=dict)
     rows: RowsById = field(default_factory=dict)
@@ -106,8 +97,9 @@ class Pulled:
     call: int = -1  # the number of the call this answers (-1: a pull outside the calls)
     checkpoint_at: int = -1  # the newest checkpoint the servers announced, a call number
     dense_versions: dict[str, int] = field(default_factory=dict)  # of the dense values
-    # Asked with pull_state: per table, the state of the rows that take the pending update.
-    row_state: dict[str, RowState] = field(default_factory=dict)
+    # Asked with pull_state: the state of the rows that take the pending update, the tables
+    # whose rules keep the same parts together.
+    row_state: list[RowStates] = field(default_factory=list)
     # Asked with pull_dense_state: each dense value's state by part (its rule's slots, and
     # ROW_STEPS: its 0-d count of updates).
     dense_state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
@@ -504,7 +496,7 @@ class InFlight:
                 rows = self._with_cached_rows(name, ids, torch.cat(parts), *cached, versions)
             pulled.rows[name] = (ids, rows)
         if self.state_masks:
-            pulled.row_state = self._row_state(replies)
+            pulled.row_state = joined_state(replies, self.state_masks, self.routes)
         return pulled
 
     def _check(self, replies: list[PushPullReply]) -> None:
@@ -517,60 +509,6 @@ class InFlight:
             if problem is not None:
                 raise ParamServerError(f"server {server} sent a malformed answer: {problem}")
             self.client.kept.release(server, durable)
-
-    def _row_state(self, replies: list[PushPullReply]) -> dict[str, RowState]:
-        """Each table's state of the rows its mask picked, as the servers sent it, of those
-        that take the pending update."""
-        sent: dict[str, dict[str, dict[int, Tensor]]] = {name: {} for name in self.state_masks}
-        for server, reply in enumerate(replies):
-            for key, arrived in reply.row_state.items():
-                table, part = split_state_key(key)
-                value = plain(arrived)
-                if table not in sent or not isinstance(value, Tensor) or value.dim() == 0:
-                    raise ParamServerError(
-                        f"server {server} sent a malformed answer: row state {key!r} was not "
-                        "asked for"
-                    )
-                sent[table].setdefault(part, {})[server] = value
-        return {name: self._joined(name, sent[name], len(replies)) for name in sent}
-
-    def _joined(self, name: str, sent: dict[str, dict[int, Tensor]], servers: int) -> RowState:
-        """One table's :class:`RowState` from every server's part."""
-        mask, route = self.state_masks[name], self.routes[name]
-        if route.order is None:
-            asked = [torch.from_numpy(np.flatnonzero(mask.numpy()))]
-        else:
-            masks = route.split(mask)
-            asked = [w[m] for w, m in zip(route.order.split(route.counts), masks, strict=True)]
-        held = sent.pop(ROW_HELD, {})
-        parts: dict[str, Tensor] = {}
-        for part, by_server in [(ROW_HELD, held), *sent.items()]:
-            if (part != ROW_HELD and len(by_server) != servers) or any(
-                v.shape[0] != asked[s].numel() or (part == ROW_HELD and v.dtype != torch.bool)
-                for s, v in by_server.items()
-            ):
-                raise ParamServerError(
-                    f"a server sent a malformed answer: row state {name!r}/{part!r} is not "
-                    "one entry per row asked of each server"
-                )
-            if part == ROW_HELD:  # a server that says none holds every row asked
-                continue
-            parts[part] = by_server[0] if servers == 1 else torch.cat(list(by_server.values()))
-        at = asked[0] if servers == 1 else torch.cat(asked)
-        if held:  # only the rows that take it
-            taking = (
-                held[0]
-                if servers == 1
-                else torch.cat(
-                    [
-                        held.get(s, torch.ones(a.numel(), dtype=torch.bool))
-                        for s, a in enumerate(asked)
-                    ]
-                )
-            )
-            if not bool(taking.all()):  # a server holds every row asked, mostly
-                at, parts = at[taking], {part: v[taking] for part, v in parts.items()}
-        return RowState(at, parts)
 
     def _with_cached_rows(
         self,

@@ -30,9 +30,10 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.config import OptimSection
-from paramserver.optim import Block, PulledRows, UpdateRule, apply_rows, make_rule
+from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, apply_rows, make_rule
 from paramserver.store.arena import ROW_STEPS
-from paramserver.trainer.client import Pulled, RowState
+from paramserver.trainer.client import Pulled
+from paramserver.trainer.rowstate import RowState, RowStates, places_of
 
 
 class OwnUpdates:
@@ -121,25 +122,26 @@ class OwnUpdates:
         place), for a later step's update."""
         self._apply_dense(pulled, dense_grads, step)
         places = asked.places if asked else {}
-        row_state = {**self._known_state(pulled, row_grads), **pulled.row_state}
-        return self._apply_rows(pulled, row_state, row_grads, step, places, keep_state)
+        states = [*self._known_state(pulled, row_grads), *pulled.row_state]
+        return self._apply_rows(pulled, states, row_grads, step, places, keep_state)
 
     def _known_state(
         self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]]
-    ) -> dict[str, RowState]:
-        """The :attr:`known` tables' rows that take the update: the pulled rows among those
-        the gradients touch (every table in one search), with no state."""
-        names = [name for name in grads if name in self.known and name in pulled.rows]
+    ) -> list[RowStates]:
+        """The :attr:`known` tables' rows that take the update, where the servers did not
+        answer them: the pulled rows among those the gradients touch (every table in one
+        search), with no state."""
+        answered = {name for rows in pulled.row_state for name in rows.names}
+        names = [
+            name
+            for name in grads
+            if name in self.known and name in pulled.rows and name not in answered
+        ]
         if not names:
-            return {}
+            return []
         values = [pulled.rows[name][0].numpy() for name in names]
         _, found = _search_each(values, [grads[name][0].numpy() for name in names])
-        known, start = {}, 0
-        for name, value in zip(names, values, strict=True):
-            at = np.flatnonzero(found[start : start + value.size])
-            known[name] = RowState(torch.from_numpy(at), {})
-            start += value.size
-        return known
+        return [RowStates(names, *places_of(found, [value.size for value in values]), {})]
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
@@ -158,7 +160,7 @@ class OwnUpdates:
     def _apply_rows(
         self,
         pulled: Pulled,
-        row_state: Mapping[str, RowState],
+        states: list[RowStates],
         grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
         places: Mapping[str, tuple[Tensor, np.ndarray]],
@@ -170,11 +172,14 @@ class OwnUpdates:
         others gathered with their gradients, the tables of one rule, lr and width stepped
         together (as on a server, where they share an arena: one call, not one per table)
         and put back."""
-        updated, left = self._apply_compiled(pulled, row_state, grads, step)
+        updated, left = 0, list[tuple[str, RowState]]()
+        for rows in states:
+            stepped, left_here = self._apply_compiled(pulled, rows, grads, step)
+            updated += stepped
+            left.extend((rows.names[j], rows.table(j)) for j in left_here)
         together: dict[tuple[object, ...], list[_Taken]] = {}
         lrs: dict[tuple[object, ...], float] = {}
-        for name in left:
-            state = row_state[name]
+        for name, state in left:
             taken = _Taken.of(name, pulled, state, grads.get(name), places.get(name))
             if taken is not None:
                 rule, lr = self.table_rules[name], self.table_rules[name].lr_at(step, name)
@@ -189,30 +194,31 @@ class OwnUpdates:
     def _apply_compiled(
         self,
         pulled: Pulled,
-        row_state: Mapping[str, RowState],
+        rows: RowStates,
         grads: Mapping[str, tuple[Tensor, Tensor]],
         step: int,
-    ) -> tuple[int, list[str]]:
-        """The tables whose rule's compiled loop takes them, stepped in one call per rule;
-        returns the rows updated and the tables left to torch."""
-        by_rule: dict[int, list[tuple[str, PulledRows]]] = {}
-        lrs: dict[int, float] = {}  # alike rules have one schedule: one lr
-        for name, state in row_state.items():
+    ) -> tuple[int, list[int]]:
+        """``rows``' tables whose rule's compiled loop takes them, stepped in one call per
+        rule; returns the rows updated and the tables (their places in ``rows``) left to
+        torch."""
+        by_rule: dict[int, list[int]] = {}
+        for j, name in enumerate(rows.names):
             table_grads = grads.get(name)
-            if table_grads is None or not state.at.numel() or not table_grads[0].numel():
-                continue
-            alike = self._alike[name]
-            lr = lrs.get(alike)
-            if lr is None:
-                lr = lrs[alike] = self.table_rules[name].lr_at(step, name)
-            ids, values = pulled.rows[name]
-            rows = PulledRows(values, ids, state.at, state.parts, *table_grads, lr)
-            by_rule.setdefault(alike, []).append((name, rows))
-        updated, left = 0, list[str]()
-        for group in by_rule.values():
-            stepped = self.table_rules[group[0][0]].step_pulled_rows([rows for _, rows in group])
+            if table_grads is not None and table_grads[0].numel():
+                by_rule.setdefault(self._alike[name], []).append(j)
+        updated, left = 0, list[int]()
+        for tables in by_rule.values():
+            first = rows.names[tables[0]]
+            rule = self.table_rules[first]
+            lr = rule.lr_at(step, first)  # alike rules have one schedule: one lr
+            pulled_tables = []
+            for j in tables:
+                ids, values = pulled.rows[rows.names[j]]
+                pulled_tables.append(PulledTable(values, ids, *grads[rows.names[j]], lr))
+            spans = rows.spans if len(tables) == len(rows.names) else rows.spans[tables]
+            stepped = rule.step_pulled_rows(PulledRows(pulled_tables, rows.at, spans, rows.parts))
             if stepped is None:
-                left.extend(name for name, _ in group)
+                left.extend(tables)
             else:
                 updated += stepped
         return updated, left

@@ -110,7 +110,7 @@ class RowBlocksBundle:
 
 
 _BUNDLED_REQUEST_FIELDS = ("dense_grads", "pull_rows", "pull_versions", "pull_state")
-_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "row_state", "dense_state")
+_BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "dense_state")
 
 
 def _bundled_fields(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -217,6 +217,43 @@ def split_state_key(key: str) -> tuple[str, str]:
 
 
 @dataclass
+class RowStateBlock:
+    """The optimizer state of the rows a request's ``pull_state`` masks picked, of several
+    tables whose state has the same parts (names, widths, dtypes; a rule's slots and
+    ROW_STEPS) and travels by one codec: each table's rows end to end, in the request's order
+    of tables (``tables``, ``counts`` of rows each), in one tensor per part. ``held`` (absent
+    where every row is): which rows would take the reader's pending update (ROW_HELD)."""
+
+    tables: tuple[str, ...]
+    counts: tuple[int, ...]
+    parts: dict[str, Tensor | Encoded]
+    held: Tensor | None = None
+
+    def malformed(self) -> str | None:
+        """What is wrong with a peer's block, before anything of it is read (None:
+        nothing)."""
+        tables, counts, parts, held = self.tables, self.counts, self.parts, self.held
+        if type(tables) is not tuple or not all(type(name) is str for name in tables):
+            return "a row state block's tables must be a tuple of names"
+        if type(counts) is not tuple or len(counts) != len(tables):
+            return "a row state block must give one count per table"
+        if not all(type(count) is int and count >= 0 for count in counts):
+            return "a row state block's counts must be sizes"
+        rows = sum(counts)
+        if type(parts) is not dict or not all(type(part) is str for part in parts):
+            return "a row state block's parts must be a dict by name"
+        for part, value in parts.items():
+            shape = value.shape if type(value) in (Tensor, Encoded) else None
+            if shape is None or len(shape) == 0 or shape[0] != rows:
+                return f"a row state block's part {part!r} is not one entry per row"
+        if held is not None and (
+            type(held) is not Tensor or held.dtype != torch.bool or held.shape != (rows,)
+        ):
+            return "a row state block's held rows are not one bool per row"
+        return None
+
+
+@dataclass
 class PushPullReply:
     """A server's answer: current dense values and the requested rows, after the push applied."""
 
@@ -229,9 +266,8 @@ class PushPullReply:
     checkpoint_at: int = -1  # the newest checkpoint announced: its call (trainer.checkpointing)
     dense_versions: dict[str, int] = field(default_factory=dict)  # updates applied to each value
     # Asked by pull_state: the optimizer state of the rows its masks pick (sent or cached),
-    # keyed by state_key(table, part), in their order; the parts: a rule's slots, ROW_STEPS,
-    # ROW_HELD.
-    row_state: dict[str, Tensor | Encoded] = field(default_factory=dict)
+    # the tables of alike parts in one block each.
+    row_state: list[RowStateBlock] = field(default_factory=list)
     # Asked by pull_dense_state: each dense value's slots and its count of updates (ROW_STEPS,
     # 0-d), keyed by state_key(parameter, part).
     dense_state: dict[str, Tensor | Encoded] = field(default_factory=dict)
@@ -246,7 +282,15 @@ class PushPullReply:
         self.__dict__.update(_unbundled_fields(state, _BUNDLED_REPLY_FIELDS))
 
     def malformed(self) -> str | None:
-        """What is wrong with a bundle this answer arrived with (None: nothing)."""
+        """What is wrong with a bundle or a row state block this answer arrived with (None:
+        nothing)."""
+        blocks = self.row_state
+        if type(blocks) is not list or not all(type(b) is RowStateBlock for b in blocks):
+            return "row_state: not a list of row state blocks"
+        for block in blocks:
+            problem = block.malformed()
+            if problem is not None:
+                return f"row_state: {problem}"
         return _malformed_field(self, _BUNDLED_REPLY_FIELDS)
 
 
