@@ -18,6 +18,7 @@ from paramserver.futures import completed
 from paramserver.launch.roles import build_server
 from paramserver.server.decoded import RowGrads
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
+from paramserver.store.table import StateRead
 from paramserver.trainer.client import InFlight, PSClient, Pulled, Traffic
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.ownupdates import Asked, OwnUpdates
@@ -200,7 +201,8 @@ def test_one_servers_state_of_many_tables_is_joined_end_to_end_as_it_arrived(
     endpoint = make_server(0, servers=1, trainers=1)
     shard = endpoint.shard
     shard._state_codec = lambda table: "none"  # type: ignore[method-assign]
-    reply = PushPullReply(row_state=shard._state_blocks(sent, masks))
+    reads = [StateRead([n], [int(masks[n].sum())], parts) for n, parts in sent.items()]
+    reply = PushPullReply(row_state=shard._state_blocks(reads))
     assert [block.tables for block in reply.row_state] == [("a", "b", "c", "d"), ("s",)]
     routes = {n: Route(torch.arange(k), None, [k], (torch.arange(k),)) for n, k in sizes.items()}
     received = pickle.loads(pickle.dumps(reply))

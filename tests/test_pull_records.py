@@ -10,9 +10,11 @@ from torch import Tensor
 from paramserver.embedding import DynamicOptions
 from paramserver.optim import make_rule
 from paramserver.optimconfig import OptimizerConfig
-from paramserver.sharding import TableSpec
+from paramserver.sharding import ShardPlan, TableSpec
+from paramserver.store.arena import ROW_HELD
 from paramserver.store.dynamic import DynamicTable
-from paramserver.store.table import Reading
+from paramserver.store.store import Store
+from paramserver.store.table import ReadAsks, Reading
 
 
 def table(**options: object) -> DynamicTable:
@@ -77,3 +79,48 @@ def test_a_record_gives_each_id_its_row_at_the_read_or_its_row_now() -> None:
     t.read(ids(2), Reading(train=True, clock=5, pull=(1, 5)))  # 1 and 7 expire
     at_read = t.pulls.rows_at(ids(1, 2, 7), (0, 1), t.ids.lookup)
     assert at_read is not None and at_read.tolist() == [-1, int(handed[1]), -1]
+
+
+def test_a_read_of_tables_sharing_an_arena_answers_each_ones_state_and_held_rows() -> None:
+    """The state of several dynamic tables of one arena is read in one gather: each table's
+    rows, state and which take the pending push, as that table alone would answer them; a
+    table whose read lost a row since takes its own search, the others none."""
+    specs = [
+        TableSpec(name, 0, 4, torch.float32, dynamic=DynamicOptions(ttl_steps=2))  # type: ignore[arg-type]
+        for name in ("a", "b", "c")
+    ]
+    rule = OptimizerConfig(name="adagrad", lr=0.5)
+    store = Store(
+        0, ShardPlan([], specs, num_servers=1), {}, {}, rule, {s.name: rule for s in specs}
+    )
+    wanted = {"a": ids(1, 2, 3), "b": ids(1, 2), "c": ids(4, 5, 6)}
+    store.read(wanted, Reading(train=True, clock=1, pull=(0, 1)))
+    store.apply_rows(
+        {n: (i, torch.ones(i.numel(), 4)) for n, i in wanted.items()},
+        dict.fromkeys(wanted, 0.5),
+        clock=1,
+    )
+    store.read(
+        {"a": ids(1, 2, 3), "b": ids(2), "c": ids(4, 5, 6)},
+        Reading(train=True, clock=5, pull=(1, 5)),
+    )
+    store.read({"b": ids(1)}, Reading(train=True, clock=6, pull=(1, 6)))  # b's 1: a new row
+    masks = {
+        "a": torch.tensor([True, False, True]),
+        "b": torch.tensor([True, True]),
+        "c": torch.tensor([False, True, True]),
+    }
+    read = store.read(wanted, Reading(), ReadAsks(state_masks=masks, pending=(0, 1)))
+    (state,) = read.state
+    assert state.names == ["a", "b", "c"] and state.counts == [2, 2, 2]
+    tables = store.tables
+    assert not tables["b"].pulls.all_rows_kept((0, 1)) and tables["a"].pulls.all_rows_kept((0, 1))
+    expected_held, expected_sums = [], []
+    for name in state.names:
+        asked = wanted[name][masks[name]]
+        rows = tables[name].ids.lookup(asked)
+        expected_held.append(tables[name].rows_taking_update(asked, rows, (0, 1)))
+        expected_sums.append(tables[name].arena.state_of(rows)["sum"])
+    assert torch.equal(state.parts[ROW_HELD], torch.cat(expected_held))
+    assert state.parts[ROW_HELD].tolist() == [True, True, False, True, True, True]
+    assert torch.equal(state.parts["sum"], torch.cat(expected_sums))

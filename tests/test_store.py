@@ -172,12 +172,12 @@ def test_a_read_answers_versions_and_the_state_of_the_rows_asked() -> None:
     )
     read = store.read({"fixed": ids(0, 5), "hashed": ids(3, 7)}, Reading(), asks)
     assert set(read.values) == {"fixed", "hashed"} and not read.versions
-    assert read.state["fixed"]["sum"].shape == (1, 4) and read.state["hashed"]["sum"].shape == (
-        1,
-        4,
-    )
-    assert float(read.state["fixed"]["sum"].sum()) > 0  # row 5 took a push
-    assert float(read.state["hashed"]["sum"].sum()) > 0
+    state = {read_.names[0]: read_ for read_ in read.state}  # a fixed and a dynamic table
+    assert len(read.state) == 2 and all(len(r.names) == 1 for r in read.state)
+    for name in ("fixed", "hashed"):
+        assert state[name].counts == [1] and state[name].parts["sum"].shape == (1, 4)
+    assert float(state["fixed"].parts["sum"].sum()) > 0  # row 5 took a push
+    assert float(state["hashed"].parts["sum"].sum()) > 0
 
 
 def test_the_build_refuses_a_store_module_that_imports_the_wire(tmp_path: Path) -> None:

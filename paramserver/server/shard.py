@@ -12,9 +12,10 @@ consistency policy's Futures).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from paramserver.server.requests import RequestChecks
 from paramserver.sharding import ShardPlan
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.store.store import Store
-from paramserver.store.table import Pull, ReadAsks, Reading
+from paramserver.store.table import Pull, ReadAsks, Reading, StateRead
 from paramserver.tableinit import RowInit
 from paramserver.wire.caching import must_send
 from paramserver.wire.compression import Encoded, encode
@@ -178,7 +179,7 @@ class ServerShard:
         reply.rows.update(read.values)
         for name, versions in read.versions.items():
             self._leave_out_cached(reply, request, name, read.values[name], versions)
-        reply.row_state = self._state_blocks(read.state, request.pull_state)
+        reply.row_state = self._state_blocks(read.state)
         rows = sum([ids.numel() for ids in pulls.values()])
         for name, block in request.pool_rows.items():
             reply.pooled[name] = self._pool(name, block, reading)
@@ -224,39 +225,35 @@ class ServerShard:
         lossy = self.store.tables[table].rule.lossy_state_ok
         return self.table_pull_codecs[table] if lossy else "none"
 
-    def _state_blocks(
-        self, state: Mapping[str, Mapping[str, Tensor]], masks: Mapping[str, Tensor]
-    ) -> list[RowStateBlock]:
-        """Each table's rows' state (its parts, and ROW_HELD where some row would not take
-        the update; the rows its mask of ``masks`` picks), the tables of alike parts and
-        codec joined in one block, in order."""
-        alike: dict[tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], str], list[str]] = {}
-        for name, of_table in state.items():
-            kinds = tuple((p, v.shape[1:], v.dtype) for p, v in of_table.items() if p != ROW_HELD)
-            alike.setdefault((kinds, self._state_codec(name)), []).append(name)
+    def _state_blocks(self, reads: list[StateRead]) -> list[RowStateBlock]:
+        """The state the store read (each arena's tables together), those of alike parts
+        (names, widths, dtypes) and codec joined in one block each, in order."""
+        alike: dict[
+            tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], str], list[StateRead]
+        ] = {}
+        for read in _by_codec(reads, self._state_codec):
+            of_read = read.parts
+            kinds = tuple((p, v.shape[1:], v.dtype) for p, v in of_read.items() if p != ROW_HELD)
+            alike.setdefault((kinds, self._state_codec(read.names[0])), []).append(read)
         blocks = []
-        for (kinds, codec), names in alike.items():
-            tables = [state[name] for name in names]
-            counts = tuple(
-                int(next(iter(t.values())).shape[0]) if t else int(masks[name].sum())
-                for name, t in zip(names, tables, strict=True)
-            )
+        for (kinds, codec), group in alike.items():
             parts: dict[str, Tensor | Encoded] = {}
             for part, *_ in kinds:
-                joined = (
-                    torch.cat([t[part] for t in tables]) if len(tables) > 1 else tables[0][part]
-                )
+                values = [read.parts[part] for read in group]
+                joined = values[0] if len(values) == 1 else torch.cat(values)
                 exact = codec == "none" or part == ROW_STEPS
                 parts[part] = joined if exact else encode(codec, joined)
             held = None
-            if any(ROW_HELD in t for t in tables):
+            if any(ROW_HELD in read.parts for read in group):
                 held = torch.cat(
                     [
-                        t.get(ROW_HELD, torch.ones(n, dtype=torch.bool))
-                        for t, n in zip(tables, counts, strict=True)
+                        read.parts.get(ROW_HELD, torch.ones(sum(read.counts), dtype=torch.bool))
+                        for read in group
                     ]
                 )
-            blocks.append(RowStateBlock(tuple(names), counts, parts, held))
+            names = tuple(name for read in group for name in read.names)
+            counts = tuple(count for read in group for count in read.counts)
+            blocks.append(RowStateBlock(names, counts, parts, held))
         return blocks
 
     def _encode_state(self, reply: PushPullReply) -> None:
@@ -303,6 +300,21 @@ class ServerShard:
             ours = checksum(value)
             views[name] = ServerView(version, ours, None if ours == theirs else value)
         return views
+
+
+def _by_codec(reads: list[StateRead], codec_of: Callable[[str], str]) -> list[StateRead]:
+    """``reads``, each split where its tables' state travels by different codecs."""
+    split = []
+    for read in reads:
+        codecs = {codec_of(name) for name in read.names}
+        if len(codecs) == 1:
+            split.append(read)
+            continue
+        starts = itertools.accumulate(read.counts, initial=0)
+        for name, start, count in zip(read.names, starts, read.counts, strict=False):
+            parts = {part: value[start : start + count] for part, value in read.parts.items()}
+            split.append(StateRead([name], [count], parts))
+    return split
 
 
 def _add_state(into: dict[str, Tensor | Encoded], name: str, state: Mapping[str, Tensor]) -> None:

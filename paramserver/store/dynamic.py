@@ -65,7 +65,7 @@ from paramserver.store.growth import grown_rows
 from paramserver.store.idmap import Found, FusedIdMap, TableIds
 from paramserver.store.pulls import PullRecords
 from paramserver.store.rowinit import init_values_and_state, salt
-from paramserver.store.table import Pull, ReadAsks, Reading, RowsRead, TableUpdate
+from paramserver.store.table import Pull, ReadAsks, Reading, RowsRead, StateRead, TableUpdate
 
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
@@ -441,18 +441,41 @@ class DynamicTables:
             located = locate_together(self.tables, wanted, self.id_map, reading)
             values = values_together(self.tables, located, joined=located.joined)
             for name, found in located.items():
-                table = self.tables[name]
                 into.values[name] = values[name]
                 if name in asks.versioned:
-                    into.versions[name] = table.versions_of(found)
-                mask = asks.state_masks.get(name)
-                if mask is not None:
-                    # numpy finds the picked places in a fraction of a torch mask's time
-                    picked = torch.from_numpy(np.flatnonzero(mask.numpy()))
-                    asked, at = wanted[name].index_select(0, picked), found.index_select(0, picked)
-                    pending = asks.pending
-                    held = None if pending is None else table.rows_taking_update(asked, at, pending)
-                    into.state[name] = table.arena.state_of(at, held)
+                    into.versions[name] = self.tables[name].versions_of(found)
+            asked = {name: found for name, found in located.items() if name in asks.state_masks}
+            for names in by_arena(self.tables, asked):
+                into.state.append(self._state_read(names, wanted, located, asks))
+
+    def _state_read(
+        self, names: list[str], wanted: Mapping[str, Tensor], located: Located, asks: ReadAsks
+    ) -> StateRead:
+        """The state of the rows the masks of ``names`` (tables sharing an arena) pick, every
+        table's in one gather; which take the pending push found table by table (each keeps
+        its own reads' records)."""
+        masks = [asks.state_masks[name].numpy() for name in names]
+        # numpy finds the picked places in a fraction of a torch mask's time
+        picked = torch.from_numpy(np.flatnonzero(np.concatenate(masks)))
+        rows = located.joined if located.joined is not None and list(located) == names else None
+        if rows is None:
+            rows = torch.cat([located[name] for name in names])
+        at = rows.index_select(0, picked)
+        counts = [int(np.count_nonzero(mask)) for mask in masks]
+        arena = self.tables[names[0]].arena
+        pending = asks.pending
+        if pending is None:
+            return StateRead(names, counts, arena.state_of(at))
+        held = at >= 0
+        kept = [self.tables[name].pulls.all_rows_kept(pending) for name in names]
+        if not all(kept):  # some table's read handed out rows it has lost since
+            ids = torch.cat([wanted[name] for name in names]).index_select(0, picked)
+            starts = itertools.accumulate(counts, initial=0)
+            for name, start, count, whole in zip(names, starts, counts, kept, strict=False):
+                if not whole:
+                    part = slice(start, start + count)
+                    held[part] = self.tables[name].rows_taking_update(ids[part], at[part], pending)
+        return StateRead(names, counts, arena.state_of(at, held))
 
 
 def dynamic_tables(

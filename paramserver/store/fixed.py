@@ -20,6 +20,7 @@ from paramserver.store.table import (
     ReadAsks,
     Reading,
     RowsRead,
+    StateRead,
     TableUpdate,
     holding,
 )
@@ -178,8 +179,9 @@ class FixedTables:
             with table.lock:
                 into.values[name], into.versions[name] = table.read_versioned(ids, reading)
                 if name in asks.state_masks:
-                    asked = ids[asks.state_masks[name]]
-                    into.state[name] = table.arena.state_of(table.arena_rows(asked))
+                    asked = table.arena_rows(ids[asks.state_masks[name]])
+                    state = table.arena.state_of(asked)
+                    into.state.append(StateRead([name], [asked.numel()], state))
         plain = {n: ids for n, ids in wanted.items() if n not in versioned}
         self._read_plain(plain, asks.state_masks, into)
 
@@ -193,11 +195,14 @@ class FixedTables:
             tables = [self.tables[name] for name in names]
             arena_rows = [t.arena_rows(wanted[n]) for t, n in zip(tables, names, strict=True)]
             rows = torch.cat(arena_rows)
+            picked = zip(names, arena_rows, strict=True)
+            asked = [(n, rows_of[state_masks[n]]) for n, rows_of in picked if n in state_masks]
             with holding([table.lock for table in tables]):
                 together = take_rows(tables[0].arena.weight, rows.numpy())
-                for name, table_rows in zip(names, arena_rows, strict=True):
-                    if name in state_masks:
-                        into.state[name] = tables[0].arena.state_of(table_rows[state_masks[name]])
+                if asked:  # every table's asked rows in one call
+                    state = tables[0].arena.state_of(torch.cat([r for _, r in asked]))
+                    counts = [r.numel() for _, r in asked]
+                    into.state.append(StateRead([n for n, _ in asked], counts, state))
             counts = [wanted[name].numel() for name in names]
             into.values.update(zip(names, together.split_with_sizes(counts), strict=True))
 

@@ -52,12 +52,24 @@ class Reading:
 @dataclass
 class RowsRead:
     """What a read of several tables answers: each table's rows (in the order of its ids), and
-    where asked, each row's version and the optimizer state of the rows a mask picks (by part:
-    a rule's slots, ``ROW_STEPS``, ``ROW_HELD``)."""
+    where asked, each row's version and the optimizer state of the rows a mask picks (tables
+    that share an arena together: :class:`StateRead`)."""
 
     values: dict[str, Tensor] = field(default_factory=dict)
     versions: dict[str, Tensor] = field(default_factory=dict)
-    state: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    state: list[StateRead] = field(default_factory=list)
+
+
+@dataclass
+class StateRead:
+    """The optimizer state of the rows the masks of ``names`` (tables sharing an arena)
+    picked, ``counts`` of each, every table's end to end in ``parts``: a rule's slots,
+    ``ROW_STEPS`` where it reads them and, where some row would not take the reader's
+    pending update, ``ROW_HELD``: which would."""
+
+    names: list[str]
+    counts: list[int]
+    parts: dict[str, Tensor]
 
 
 @dataclass(frozen=True)
