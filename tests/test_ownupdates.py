@@ -384,6 +384,9 @@ def test_rows_to_ask_searches_every_table_at_once_as_table_by_table(loop_mode: s
             assert touched is pending[name]
             assert torch.equal(torch.from_numpy(places), at), name
     assert asked.masks["a"].any() and asked.masks["d"].sum() == 4
+    found = asked.masks.found  # the masks end to end, as one server's join takes them
+    assert found is not None and found.tolist() == torch.cat(list(asked.masks.values())).tolist()
+    assert asked.masks["c"].data_ptr() == found.ctypes.data + 50  # views of it: no copy
     assert OwnUpdates.rows_to_ask({}, pending).masks == {}
 
 

@@ -21,8 +21,9 @@ applied the step after next, see :mod:`paramserver.trainer.dense`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ from paramserver.config import OptimSection
 from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, apply_rows, make_rule
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled
-from paramserver.trainer.rowstate import RowState, RowStates, places_of
+from paramserver.trainer.rowstate import RowState, RowStates, StateMasks, places_of
 
 
 class OwnUpdates:
@@ -84,25 +85,18 @@ class OwnUpdates:
         """Per table of ``following`` (a prefetched step's sorted unique ids), which of its
         rows the ``pending`` step's update will touch (those it pulled): whose state to ask.
         Every table in one search (:func:`native.places_each`), its ids and the pending
-        step's joined, then split back per table."""
-        asked = Asked()
+        step's joined; the masks are views of one (:attr:`StateMasks.found`)."""
         if not following:
-            return asked
+            return Asked(StateMasks(), [], [], _NONE, [])
         names = list(following)
         touched = [pending.get(name) for name in names]
         values = [following[name].numpy() for name in names]
         others = [t.numpy() if t is not None else _NONE for t in touched]
         at, found = _search_each(values, others)
-        masks = torch.from_numpy(found)
-        start = 0
-        for name, table_touched, value, other in zip(names, touched, values, others, strict=True):
-            size = value.size
-            asked.masks[name] = masks[start : start + size]
-            if other.size:
-                assert table_touched is not None
-                asked.places[name] = (table_touched, at[start : start + size])
-            start += size
-        return asked
+        sizes = [value.size for value in values]
+        masks = StateMasks(zip(names, torch.from_numpy(found).split(sizes), strict=True))
+        masks.found = found
+        return Asked(masks, names, touched, at, sizes)
 
     @torch.no_grad()
     def apply(
@@ -226,12 +220,27 @@ class OwnUpdates:
 
 @dataclass
 class Asked:
-    """What a prefetch asks the state of: per table, a bool mask of its ids, and the ids of
-    the step whose update is pending with each asked id's place among them (so the update
-    finds its gradients without searching again)."""
+    """What a prefetch asks the state of: per table of ``names``, a bool mask of its ids
+    (``masks``), and the ids of the step whose update is pending (``touched``) with each
+    asked id's place among them (``at``, every table's end to end, ``sizes`` each), so the
+    update finds its gradients without searching again."""
 
-    masks: dict[str, Tensor] = field(default_factory=dict)
-    places: dict[str, tuple[Tensor, np.ndarray]] = field(default_factory=dict)
+    masks: StateMasks
+    names: list[str]
+    touched: list[Tensor | None]
+    at: np.ndarray
+    sizes: list[int]
+
+    @functools.cached_property
+    def places(self) -> dict[str, tuple[Tensor, np.ndarray]]:
+        """Per table the pending step touched: its ids and each of the table's ids' place
+        among them."""
+        places, start = {}, 0
+        for name, touched, size in zip(self.names, self.touched, self.sizes, strict=True):
+            if touched is not None and touched.numel():
+                places[name] = (touched, self.at[start : start + size])
+            start += size
+        return places
 
 
 @dataclass

@@ -60,6 +60,14 @@ class RowStates:
         )
 
 
+class StateMasks(dict[str, Tensor]):
+    """Per table, a bool mask of its pulled ids: the rows whose state a prefetch asks;
+    ``found``: every table's end to end in the dict's order, where they were made so (the
+    masks then views of it)."""
+
+    found: np.ndarray | None = None
+
+
 def places_of(found: np.ndarray, sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """The places of ``found``'s true entries (a bool mask of several tables' ids end to end,
     ``sizes`` of each), each among its table's ids: ``(at, spans)`` as :class:`RowStates`
@@ -109,9 +117,11 @@ def _block_rows(
             f"server {server} sent a malformed answer: row state of a table not asked for"
         )
     if servers == 1:  # every table's places in one pass
-        arrays = [masks[name].numpy() for name in names]
-        found = np.concatenate(arrays) if arrays else np.empty(0, np.bool_)
-        at, spans = places_of(found, [a.size for a in arrays])
+        found = getattr(masks, "found", None)
+        if found is None or len(names) != len(masks) or names != list(masks):
+            arrays = [masks[name].numpy() for name in names]
+            found = np.concatenate(arrays) if arrays else np.empty(0, np.bool_)
+        at, spans = places_of(found, [masks[name].numel() for name in names])
     else:
         places = [_asked_of(masks[name], routes[name])[server] for name in names]
         counts = np.array([p.size for p in places], dtype=np.int64)
