@@ -151,6 +151,10 @@ class StepCalls:
         # the RNG states from before it was drawn.
         rng = rng_state() if record_next is not None and engine.checkpoints.enabled else None
         ahead = record_next() if record_next is not None else None
+        prefetching = (
+            record_next is not None and self.prefetch and (ahead is None or ahead.ids is not None)
+        )
+        asked = self.ask(ahead, step) if prefetching else None  # found while the call is away
         pulled = self.in_flight.wait()
         self.in_flight = None
         # The pending gradients are not in the answer: applied to it once the next call,
@@ -168,8 +172,8 @@ class StepCalls:
         if record_next is not None:
             if ahead is not None:
                 engine.checkpoints.announce_if_due(pulled.call)
-            if self.prefetch and (ahead is None or ahead.ids is not None):
-                self.send(ahead, pending_of=step)
+            if prefetching:
+                self.send(ahead, asked)
         if self.own_updates is not None:
             self.own_updates.apply(pulled, *own)
         self.load(pulled, step)
@@ -184,17 +188,22 @@ class StepCalls:
             step.lookups,
         )
 
-    def send(self, following: Step | None, pending_of: Step | None = None) -> None:
-        """Start the call that pushes the pending gradients and pulls ``following``'s values;
-        ``pending_of``: the step whose gradients will be pending when it is answered (a
-        prefetch), whose own update is then applied to the rows both touch."""
-        asked, dense_state = None, False
+    def ask(self, following: Step | None, pending_of: Step) -> Asked | None:
+        """What a prefetch of ``following`` asks the state of, where own updates apply: the
+        rows the update of ``pending_of`` (the step whose gradients will be pending when it is
+        answered) touches, and the dense values'."""
         own = self.own_updates
-        if own is not None and following is not None and pending_of is not None:
-            unknown = {n: ids for n, ids in (following.ids or {}).items() if n not in own.known}
-            asked = own.rows_to_ask(unknown, pending_of.ids or {})
-            dense_state = own.asks_dense_state
+        if own is None or following is None:
+            return None
+        unknown = {n: ids for n, ids in (following.ids or {}).items() if n not in own.known}
+        return own.rows_to_ask(unknown, pending_of.ids or {})
+
+    def send(self, following: Step | None, asked: Asked | None = None) -> None:
+        """Start the call that pushes the pending gradients and pulls ``following``'s values,
+        with the state ``asked`` (:meth:`ask`: a prefetch's)."""
+        own = self.own_updates
         masks = asked.masks if asked is not None else None
+        dense_state = asked is not None and own is not None and own.asks_dense_state
         self.in_flight = self.pending.push(self.engine.client, following, masks, dense_state)
         self.in_flight_pulls, self.in_flight_asked = following, asked
 
