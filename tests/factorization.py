@@ -17,9 +17,9 @@ from benchmarks.small_models import factorization_batches as batches
 __all__ = ["NUM_STEPS", "RULES", "Factorization", "batches", "train"]
 
 
-def train(rule: str, dynamic: bool = False, **options: Any) -> dict[str, Tensor]:
+def train(rule: str, dynamic: bool = False, servers: int = 2, **options: Any) -> dict[str, Tensor]:
     config = ps.TrainConfig(
-        servers=2, trainers=1, mode="async", launcher="threads", progress=False,
+        servers=servers, trainers=1, mode="async", launcher="threads", progress=False,
         seed=3, **RULES[rule], **options,
     )  # fmt: skip
     result = ps.train(lambda: Factorization(dynamic), lambda rank, _: batches(rank), mse, config)

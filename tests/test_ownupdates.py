@@ -57,6 +57,16 @@ def test_a_prefetching_trainer_learns_as_one_that_does_not(
     assert any(not torch.equal(stale[name], value) for name, value in unfetched.items())
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_one_servers_answers_joined_in_one_pass_learn_as_without_prefetch(dynamic: bool) -> None:
+    """With one server the state is joined from the masks end to end (no route): the model
+    ends bitwise as without prefetch, fixed tables and dynamic ones (rows not held yet)."""
+    unfetched = train("adagrad", dynamic=dynamic, servers=1, prefetch=False)
+    fresh = train("adagrad", dynamic=dynamic, servers=1)
+    for name, value in unfetched.items():
+        assert torch.equal(fresh[name], value), name
+
+
 def test_ids_without_a_row_take_no_update() -> None:
     """A dynamic table admits an id at its second sighting: a row not held yet takes no
     update on the trainer (it would leave the default vector), as on its server."""
