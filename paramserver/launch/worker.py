@@ -15,8 +15,9 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import cloudpickle
 import torch
@@ -140,5 +141,22 @@ def _hand_back(run_dir: Path, result: Any) -> None:
     (run_dir / "value.pkl").write_bytes(cloudpickle.dumps(result.value))
 
 
+def run(argv: list[str]) -> NoReturn:
+    """:func:`main`, then exit by its status. A worker that fails leaves at once: its RPC
+    agent's threads still run, and the interpreter's own exit would destroy them unjoined,
+    which aborts the process (SIGABRT) or not, by a race, instead of exiting with status 1."""
+    try:
+        status = main(argv)
+    except Exception:
+        traceback.print_exc()
+        status = 1
+    if status == 0:
+        sys.exit(0)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    run(sys.argv[1:])
