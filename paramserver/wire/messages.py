@@ -18,8 +18,9 @@ Any float32 tensor of gradients or values may travel encoded (a
 and a server validates it first.
 
 On the wire (pickled, as the RPC transport sends them), each of a message's mappings of plain
-tensors of one dtype (gradients, ids, rows, versions) travels as one
-:class:`~paramserver.wire.bundles.Bundle`: TensorPipe ships every tensor as a buffer of its own,
+tensors (gradients, ids, rows, versions) travels as one
+:class:`~paramserver.wire.bundles.Bundle` per dtype, and an answer's row state as one
+:class:`RowStateBlock` per kind of state: TensorPipe ships every tensor as a buffer of its own,
 at a cost per tensor that a step with many tables would pay a hundred times. The receiver gets views
 of the bundle, after checking it whole; a malformed one leaves a
 :class:`~paramserver.wire.bundles.MalformedBundle` that ``malformed()`` reports.
