@@ -230,6 +230,27 @@ def test_one_servers_state_of_many_tables_is_joined_end_to_end_as_it_arrived(
                 assert torch.equal(state.parts["sum"], sent[name]["sum"][taking])
 
 
+def test_tables_of_one_arena_whose_state_travels_by_other_codecs_go_in_blocks_apart(
+    make_server: MakeServer,
+) -> None:
+    """One read of an arena's tables (its state end to end) where one table's state travels
+    int8 and the others' exact: that table's rows go in a block of their own, encoded; the
+    others' in one block, as read."""
+    sums = torch.rand(6, 4, generator=torch.Generator().manual_seed(4))
+    read = StateRead(["a", "b", "c"], [2, 3, 1], {"sum": sums})
+    shard = make_server(0, servers=1, trainers=1).shard
+    shard._state_codec = lambda table: "int8" if table == "b" else "none"  # type: ignore[method-assign]
+    exact, encoded = shard._state_blocks([read])
+    assert (exact.tables, exact.counts, encoded.tables) == (("a", "c"), (2, 1), ("b",))
+    assert torch.equal(exact.parts["sum"], sums[[0, 1, 5]])
+    assert type(encoded.parts["sum"]) is Encoded
+    bound = error_bound("int8", sums[2:5])
+    assert ((plain(encoded.parts["sum"]) - sums[2:5]).abs() <= bound).all()
+    shard._state_codec = lambda table: "none"  # type: ignore[method-assign]
+    (whole,) = shard._state_blocks([read])  # one codec: the read as it is, not copied
+    assert whole.tables == ("a", "b", "c") and whole.parts["sum"] is sums
+
+
 @pytest.mark.parametrize(
     ("mask", "message"),
     [

@@ -231,10 +231,10 @@ class ServerShard:
         alike: dict[
             tuple[tuple[tuple[str, torch.Size, torch.dtype], ...], str], list[StateRead]
         ] = {}
-        for read in _by_codec(reads, self._state_codec):
+        for codec, read in _by_codec(reads, self._state_codec):
             of_read = read.parts
             kinds = tuple((p, v.shape[1:], v.dtype) for p, v in of_read.items() if p != ROW_HELD)
-            alike.setdefault((kinds, self._state_codec(read.names[0])), []).append(read)
+            alike.setdefault((kinds, codec), []).append(read)
         blocks = []
         for (kinds, codec), group in alike.items():
             parts: dict[str, Tensor | Encoded] = {}
@@ -302,18 +302,21 @@ class ServerShard:
         return views
 
 
-def _by_codec(reads: list[StateRead], codec_of: Callable[[str], str]) -> list[StateRead]:
-    """``reads``, each split where its tables' state travels by different codecs."""
+def _by_codec(
+    reads: list[StateRead], codec_of: Callable[[str], str]
+) -> list[tuple[str, StateRead]]:
+    """``reads`` with the codec their state travels by, each split where its tables' codecs
+    differ."""
     split = []
     for read in reads:
-        codecs = {codec_of(name) for name in read.names}
-        if len(codecs) == 1:
-            split.append(read)
+        codecs = [codec_of(name) for name in read.names]
+        if len(set(codecs)) == 1:
+            split.append((codecs[0], read))
             continue
         starts = itertools.accumulate(read.counts, initial=0)
-        for name, start, count in zip(read.names, starts, read.counts, strict=False):
+        for name, codec, start, count in zip(read.names, codecs, starts, read.counts, strict=False):
             parts = {part: value[start : start + count] for part, value in read.parts.items()}
-            split.append(StateRead([name], [count], parts))
+            split.append((codec, StateRead([name], [count], parts)))
     return split
 
 
