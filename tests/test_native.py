@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from paramserver import native, optim
+from paramserver import native, optim, rowupdates
 from paramserver.hashing import GOLDEN_GAMMA
 from paramserver.optimconfig import OptimizerConfig
 from paramserver.store.arena import RowArena
@@ -90,7 +90,7 @@ def test_rows_stepped_in_place_are_bitwise_torch_optims(
             rows = torch.randperm(300, generator=g)[:120]
             scales = 10.0 ** torch.randint(-3, 3, (120, 1), generator=g)
             grads = torch.randn(120, dim, generator=g) * scales
-            optim.apply_rows(rule, weight, state, None, rows, grads, lr)
+            rowupdates.apply_rows(rule, weight, state, None, rows, grads, lr)
         tables[mode] = (weight, state.get("sum"))
     assert not torch.equal(tables["torch"][0], start), "the test is vacuous"
     assert torch.equal(tables["compiled"][0], tables["torch"][0])
@@ -374,7 +374,7 @@ def test_own_updates_by_the_loop_are_the_servers_updates(
         with monkeypatch.context() as torch_only:
             torch_only.setattr(native, "loops", None)
             taking = torch.searchsorted(grad_ids, ids[at[:30]])
-            optim.apply_rows(rule, values, held, None, at[:30], grads[taking], lr)
+            rowupdates.apply_rows(rule, values, held, None, at[:30], grads[taking], lr)
         expected.append((values, {slot: value[at] for slot, value in held.items()}))
     # Both tables' rows end to end, the second's first: spans need not follow the tables.
     state = {slot: torch.cat([states[1][slot], states[0][slot]]) for slot in states[0]}

@@ -8,16 +8,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from paramserver.optim import (
-    RowUpdate,
-    RowWiseAdagrad,
-    apply_rows,
-    apply_updates,
-    make_rule,
-    put_rows,
-    take_rows,
-)
+from paramserver.optim import RowUpdate, RowWiseAdagrad, make_rule
 from paramserver.optimconfig import OptimizerConfig
+from paramserver.rowupdates import apply_rows, apply_updates, put_rows, take_rows
 
 # Every test runs with the compiled loops and with numpy only (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("loop_mode")

@@ -56,7 +56,8 @@ from torch import Tensor
 
 from paramserver.embedding import DynamicOptions
 from paramserver.errors import StoreError
-from paramserver.optim import State, UpdateRule, apply_updates, take_rows
+from paramserver.optim import State, UpdateRule
+from paramserver.rowupdates import apply_updates, take_rows
 from paramserver.sharding import TableSpec
 from paramserver.store.admission import PendingIds
 from paramserver.store.arena import RowArena, by_arena, restore_rows, row_entries

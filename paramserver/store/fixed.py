@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import StoreError
-from paramserver.optim import Empty, UpdateRule, apply_updates, take_rows
+from paramserver.optim import Empty, UpdateRule
+from paramserver.rowupdates import apply_updates, take_rows
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store.arena import RowArena, by_arena, nbytes_of, restore_rows, row_entries
 from paramserver.store.changes import ChangeFeed

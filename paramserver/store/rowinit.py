@@ -15,7 +15,7 @@ from paramserver import native
 from paramserver.embedding import DynamicOptions
 from paramserver.hashing import mix64_array
 from paramserver.native import Recipe
-from paramserver.optim import put_rows
+from paramserver.rowupdates import put_rows
 from paramserver.store.arena import RowArena
 
 

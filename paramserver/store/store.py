@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 
 from paramserver.errors import StoreError
-from paramserver.optim import Block, Empty, State, UpdateRule, apply_updates, make_rule
+from paramserver.optim import Block, Empty, State, UpdateRule, make_rule
 from paramserver.optimconfig import OptimizerConfig
+from paramserver.rowupdates import apply_updates
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store.arena import ROW_STEPS
 from paramserver.store.changes import ChangeFeed

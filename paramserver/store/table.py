@@ -150,7 +150,7 @@ class TableShard(Protocol):
         values, as a sync round's sum checked by :meth:`rows_still_pulled`), at step
         ``clock`` of the table's clock, at learning rate ``lr`` (the schedule's, for the
         gradients' training step); returns the rows updated. :meth:`row_update`, the rule's
-        step (:func:`~paramserver.optim.apply_updates`) and :meth:`updated`, and the change
+        step (:func:`~paramserver.rowupdates.apply_updates`) and :meth:`updated`, and the change
         told."""
         ...
 

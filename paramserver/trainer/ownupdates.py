@@ -31,7 +31,8 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.config import OptimSection
-from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, apply_rows, make_rule
+from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, make_rule
+from paramserver.rowupdates import apply_rows
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled
 from paramserver.trainer.rowstate import RowState, RowStates, StateMasks, places_of
