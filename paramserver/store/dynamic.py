@@ -2,8 +2,9 @@
 
 It answers the calls of :class:`~paramserver.store.table.TableShard`; this module holds what
 only it does: admission (the counts of ids not admitted yet: store/admission.py), eviction, and
-the records of which row each pull handed out (store/pulls.py); and the reads of all of a
-server's dynamic tables at once (:class:`DynamicTables`, :func:`locate_together`).
+the records of which row each pull handed out (store/pulls.py); and the reads of several
+dynamic tables at once (:func:`locate_together`, :func:`values_together`: a server's are
+read together by :class:`~paramserver.store.dynamicgroup.DynamicTables`).
 
 A row is created the first time an admitted id is pulled for training, initialized by
 :func:`~paramserver.store.rowinit.init_rows` (a pure function of the table's seed and the
@@ -66,7 +67,7 @@ from paramserver.store.growth import grown_rows
 from paramserver.store.idmap import Found, FusedIdMap, TableIds
 from paramserver.store.pulls import PullRecords
 from paramserver.store.rowinit import init_values_and_state, salt
-from paramserver.store.table import Pull, ReadAsks, Reading, RowsRead, StateRead, TableUpdate
+from paramserver.store.table import Pull, Reading, TableUpdate
 
 EVICT_TO = 0.95  # capacity eviction frees down to this fraction, so it runs once per 5% growth
 
@@ -418,86 +419,6 @@ def _take_books(table: DynamicTable, meta: dict[str, Any], *, added: bool) -> No
     swept_at, fresh_version = int(meta["swept_at"]), int(meta["fresh_version"])
     table.swept_at = max(table.swept_at, swept_at) if added else swept_at
     table.fresh_version = max(table.fresh_version, fresh_version) if added else fresh_version
-
-
-class DynamicTables:
-    """A store's dynamic tables, read together: a :class:`~paramserver.store.table.TableGroup`.
-    They share one id map (so a read of all of them costs one search and one insert,
-    :func:`locate_together`) and so one lock."""
-
-    def __init__(
-        self, tables: Mapping[str, DynamicTable], id_map: FusedIdMap, lock: threading.Lock
-    ):
-        self.tables = dict(tables)
-        self.names = frozenset(tables)
-        self.id_map = id_map
-        self.lock = lock
-
-    def read(
-        self, wanted: Mapping[str, Tensor], reading: Reading, asks: ReadAsks, into: RowsRead
-    ) -> None:
-        """The rows of ``wanted``, all found (and made) together; the state of those the masks
-        pick, with which of them take the reader's ``asks.pending`` push."""
-        with self.lock:
-            located = locate_together(self.tables, wanted, self.id_map, reading)
-            values = values_together(self.tables, located, joined=located.joined)
-            for name, found in located.items():
-                into.values[name] = values[name]
-                if name in asks.versioned:
-                    into.versions[name] = self.tables[name].versions_of(found)
-            asked = {name: found for name, found in located.items() if name in asks.state_masks}
-            for names in by_arena(self.tables, asked):
-                into.state.append(self._state_read(names, wanted, located, asks))
-
-    def _state_read(
-        self, names: list[str], wanted: Mapping[str, Tensor], located: Located, asks: ReadAsks
-    ) -> StateRead:
-        """The state of the rows the masks of ``names`` (tables sharing an arena) pick, every
-        table's in one gather; which take the pending push found table by table (each keeps
-        its own reads' records)."""
-        masks = [asks.state_masks[name].numpy() for name in names]
-        # numpy finds the picked places in a fraction of a torch mask's time
-        picked = torch.from_numpy(np.flatnonzero(np.concatenate(masks)))
-        rows = located.joined if located.joined is not None and list(located) == names else None
-        if rows is None:
-            rows = torch.cat([located[name] for name in names])
-        at = rows.index_select(0, picked)
-        counts = [int(np.count_nonzero(mask)) for mask in masks]
-        arena = self.tables[names[0]].arena
-        pending = asks.pending
-        if pending is None:
-            return StateRead(names, counts, arena.state_of(at))
-        held = at >= 0
-        kept = [self.tables[name].pulls.all_rows_kept(pending) for name in names]
-        if not all(kept):  # some table's read handed out rows it has lost since
-            ids = torch.cat([wanted[name] for name in names]).index_select(0, picked)
-            starts = itertools.accumulate(counts, initial=0)
-            for name, start, count, whole in zip(names, starts, counts, kept, strict=False):
-                if not whole:
-                    part = slice(start, start + count)
-                    held[part] = self.tables[name].rows_taking_update(ids[part], at[part], pending)
-        return StateRead(names, counts, arena.state_of(at, held))
-
-
-def dynamic_tables(
-    specs: Sequence[Sequence[TableSpec]],
-    rules: Mapping[str, UpdateRule],
-    cache_lag: int | None,
-    changes: ChangeFeed,
-) -> DynamicTables:
-    """A server's dynamic tables, each of ``specs`` a kind (width, dtype, update rule) whose
-    rows share one arena, all sharing one id map (a row group per kind) and one lock."""
-    groups = [kind for kind, names in enumerate(specs) for _ in names]
-    id_map = FusedIdMap(len(groups), groups=groups)
-    spaces = itertools.count()  # each table's space in the id map, in group order
-    lock = threading.Lock()
-    tables = {}
-    for kind in specs:
-        arena = dynamic_arena(kind, rules[kind[0].name], cache_lag)
-        for spec in kind:
-            shared = SharedRows(id_map.table(next(spaces)), lock, arena, changes)
-            tables[spec.name] = DynamicTable(spec, rules[spec.name], cache_lag, shared)
-    return DynamicTables(tables, id_map, lock)
 
 
 def dynamic_arena(specs: Sequence[TableSpec], rule: UpdateRule, cache_lag: int | None) -> RowArena:

@@ -40,7 +40,7 @@ from paramserver.rowupdates import apply_updates
 from paramserver.sharding import ShardPlan, TableSpec
 from paramserver.store.arena import ROW_STEPS
 from paramserver.store.changes import ChangeFeed
-from paramserver.store.dynamic import DynamicTables, dynamic_tables
+from paramserver.store.dynamicgroup import DynamicTables, dynamic_tables
 from paramserver.store.fixed import FixedTable, FixedTables, fixed_tables
 from paramserver.store.table import (
     Pull,
