@@ -908,6 +908,7 @@ typedef struct {
     Py_ssize_t table;
     Py_buffer positions; /* int64 */
     Py_buffer rows;      /* float32, one per position; buf NULL: no gradient (scatter_rows) */
+    Py_ssize_t row_step; /* floats from one row of `rows` to the next */
 } Lookup;
 
 /* Export `tables` and the (table, positions, rows) triples of `lookups`, and check them all;
@@ -963,9 +964,30 @@ static void close_moves(Moves *m) {
     Py_XDECREF(m->lookups);
 }
 
+/* The layout of a lookup's `count` rows of `dim` floats in `view`: a flat buffer of them end to
+ * end, or a 2-D one whose rows are contiguous and any distance apart (from a buffer asked with
+ * PyBUF_STRIDES); sets *row_step, the floats from one row to the next. NULL, or what is wrong. */
+static const char *row_layout(const Py_buffer *view, Py_ssize_t dim, Py_ssize_t count,
+                              Py_ssize_t *row_step) {
+    *row_step = dim;
+    if (view->ndim <= 1 || view->strides == NULL) {
+        if (view->len % (4 * dim) || view->len / (4 * dim) != count)
+            return "a lookup's positions and rows differ in number";
+        return NULL;
+    }
+    if (view->ndim != 2 || view->itemsize != 4 || view->shape[1] != dim ||
+        (dim > 1 && view->strides[1] != 4) || view->strides[0] < 0 || view->strides[0] % 4)
+        return "a lookup's rows are not rows of contiguous floats";
+    if (view->shape[0] != count) return "a lookup's positions and rows differ in number";
+    *row_step = view->strides[0] / 4;
+    return NULL;
+}
+
 static int export_lookups(Moves *m, Py_ssize_t dim, int scatter) {
     const char *error = NULL;
-    int rows_flags = PyBUF_C_CONTIGUOUS | (scatter ? 0 : PyBUF_WRITABLE);
+    /* Gradients may be strided (a stack's backward hands out views): rows of contiguous
+     * floats, any distance apart. Outputs are written whole, so contiguous. */
+    int rows_flags = scatter ? PyBUF_STRIDES : PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE;
     Lookup *each = m->each;
     Py_buffer *table_views = m->table_views;
     Py_ssize_t num_tables = m->num_tables;
@@ -985,11 +1007,11 @@ static int export_lookups(Moves *m, Py_ssize_t dim, int scatter) {
             break;
         }
         if (optional_buffer(rows, &each[j].rows, rows_flags) < 0) return -1;
-        Py_ssize_t count = each[j].positions.len / 8, row_bytes = 4 * dim;
+        Py_ssize_t count = each[j].positions.len / 8;
         if (each[j].positions.buf == NULL || each[j].positions.len % 8 ||
             (each[j].rows.buf != NULL &&
-             (each[j].rows.len % row_bytes || each[j].rows.len / row_bytes != count))) {
-            error = "a lookup's positions and rows differ in number";
+             (error = row_layout(&each[j].rows, dim, count, &each[j].row_step)) != NULL)) {
+            if (error == NULL) error = "a lookup's positions and rows differ in number";
             break;
         }
         if (each[j].table < 0 || each[j].table >= num_tables) {
@@ -1034,9 +1056,10 @@ static PyObject *move_rows(PyObject *args, int scatter) {
         const int64_t *positions = each[j].positions.buf;
         Py_ssize_t count = each[j].positions.len / 8;
         float *table = table_views[each[j].table].buf, *rows = each[j].rows.buf;
+        Py_ssize_t row_step = each[j].row_step;
         if (rows == NULL) continue;
         for (Py_ssize_t i = 0; i < count; i++) {
-            float *row = table + positions[i] * dim, *own = rows + i * dim;
+            float *row = table + positions[i] * dim, *own = rows + i * row_step;
             if (!scatter) {
                 memcpy(own, row, row_bytes);
                 continue;
@@ -1067,7 +1090,8 @@ static const char scatter_rows_doc[] =
     "scatter_rows(tables, lookups, dim)\n"
     "Each lookup (table, positions, grads) of `lookups` adds grads[i] to row positions[i] of\n"
     "tables[table] in place, lookup by lookup and row by row (index_add_'s order); a lookup's\n"
-    "grads None adds nothing. Every table and grads float32 rows `dim` wide.";
+    "grads None adds nothing. Every table and grads float32 rows `dim` wide; a grads' rows\n"
+    "may lie apart (a 2-D strided buffer whose rows are each contiguous).";
 
 static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows(args, 1); }
 

@@ -270,6 +270,26 @@ def test_a_steps_lookups_and_their_gradients_are_index_select_and_index_adds(dim
 
 
 @compiled
+def test_scattered_gradients_may_be_strided_rows() -> None:
+    """A gradient whose rows lie apart (a stack's backward hands out such views) adds as its
+    contiguous copy does, read in place; rows that are not each contiguous are refused."""
+    g = torch.Generator().manual_seed(3)
+    stacked = torch.randn(6, 3, 4, generator=g)  # 6 rows of 3 lookups, each 4 wide
+    positions = torch.tensor([0, 2, 2, 1, 0, 2])
+    strided, copied = np.zeros((3, 4), np.float32), np.zeros((3, 4), np.float32)
+    for table, grads in ((strided, stacked[:, 1]), (copied, stacked[:, 1].contiguous())):
+        native.loops.scatter_rows([table], [(0, positions.numpy(), grads.numpy())], 4)
+    expected = torch.zeros(3, 4).index_add_(0, positions, stacked[:, 1])
+    assert torch.equal(torch.from_numpy(strided), expected)
+    assert torch.equal(torch.from_numpy(copied), expected)
+    across = stacked[:, :, 0].numpy()  # rows of 3 floats 4 apart: not contiguous rows
+    with pytest.raises(ValueError, match="not rows of contiguous floats"):
+        native.loops.scatter_rows(
+            [np.zeros((3, 3), np.float32)], [(0, positions.numpy(), across)], 3
+        )
+
+
+@compiled
 def test_bad_lookups_are_refused_before_anything_is_written() -> None:
     loops = native.loops
     tables = [np.zeros((4, 2), dtype=np.float32), np.zeros((2, 2), dtype=np.float32)]

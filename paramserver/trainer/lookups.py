@@ -168,38 +168,46 @@ class _Lookups(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
         dim = tables[0].shape[1]
-        outputs = tuple(
-            torch.empty(len(positions), dim, dtype=torch.float32) for _, positions in plan
-        )
+        positions = [(t, p.numpy()) for t, p in plan]  # for the backward too
+        outputs = tuple(torch.empty(p.size, dim, dtype=torch.float32) for _, p in positions)
         native.gather_rows(
             [t.detach().numpy() for t in tables],
-            [(t, p.numpy(), o.numpy()) for (t, p), o in zip(plan, outputs, strict=True)],
+            [(t, p, o.numpy()) for (t, p), o in zip(positions, outputs, strict=True)],
             dim,
         )
-        ctx.plan, ctx.sizes, ctx.dim = plan, [t.shape[0] for t in tables], dim
+        ctx.positions, ctx.sizes, ctx.dim = positions, [t.shape[0] for t in tables], dim
         ctx.set_materialize_grads(False)
         return outputs
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
-        plan, sizes, dim = ctx.plan, ctx.sizes, ctx.dim
-        touched = sorted({t for (t, _), grad in zip(plan, grads, strict=True) if grad is not None})
+        positions, sizes, dim = ctx.positions, ctx.sizes, ctx.dim
+        touched = sorted({t for (t, _), g in zip(positions, grads, strict=True) if g is not None})
         if not touched:
             return (None,) * (len(sizes) + 1)
         buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
         parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
         order = {t: i for i, t in enumerate(touched)}
+        # A gradient travels as it came where its rows are each contiguous (a stack's or a
+        # cat's backward hands out strided views): the compiled loop reads them in place.
         native.scatter_rows(
             [parts[t].numpy() for t in touched],
             [
-                (order[t], p.numpy(), grad.reshape(-1, dim).contiguous().numpy())
-                for (t, p), grad in zip(plan, grads, strict=True)
+                (order[t], p, _row_major(grad, dim).numpy())
+                for (t, p), grad in zip(positions, grads, strict=True)
                 if grad is not None
             ],
             dim,
         )
         return (None, *(parts.get(t) for t in range(len(sizes))))
+
+
+def _row_major(grad: Tensor, dim: int) -> Tensor:
+    """``grad`` as rows of ``dim`` each contiguous, a view where it is one already."""
+    if grad.dim() != 2:
+        grad = grad.reshape(-1, dim)
+    return grad if grad.stride(1) == 1 or dim == 1 else grad.contiguous()
 
 
 def unique_lookups(
