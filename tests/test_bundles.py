@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
@@ -308,6 +309,11 @@ def test_views_that_lie_end_to_end_travel_as_what_they_split_not_a_copy() -> Non
         copied = bundled({str(i): part for i, part in enumerate(parts)})
         assert copied.flat.data_ptr() != rows.data_ptr()
         assert_same(unbundled(copied), {str(i): part for i, part in enumerate(parts)})
+    # Two storages end to end in memory: views across them are not one storage's.
+    memory = np.zeros(8, np.float32)
+    left, right = torch.from_numpy(memory[:4]), torch.from_numpy(memory[4:])
+    assert left.untyped_storage().data_ptr() + left.untyped_storage().nbytes() == right.data_ptr()
+    assert joined_already([left, right]) is None
 
 
 def test_a_nan_in_a_bundle_that_arrived_whole_is_refused(make_server: MakeServer) -> None:

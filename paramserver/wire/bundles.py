@@ -93,16 +93,19 @@ def joined_already(values: list[Tensor]) -> Tensor | None:
     gradients a backward wrote into one buffer): that storage, shaped as :func:`bundled` joins
     them. None where they do not."""
     first = values[0]
-    storage = first.untyped_storage()
+    storage, dtype, itemsize = first.untyped_storage(), first.dtype, first.element_size()
     start = at = storage.data_ptr()
+    # Each view must start where the last ended; that the last ends at the first one's
+    # storage's end then proves every one inside that storage (an adjacent storage's views
+    # would end past it), with no storage looked up per view.
     for value in values:
-        if value.dtype != first.dtype or not value.is_contiguous():
+        if value.dtype is not dtype or not value.is_contiguous():
             return None
-        if value.numel() and (
-            value.data_ptr() != at or value.untyped_storage().data_ptr() != start
-        ):
-            return None
-        at += value.numel() * value.element_size()
+        numel = value.numel()
+        if numel:
+            if value.data_ptr() != at:
+                return None
+            at += numel * itemsize
     if at != start + storage.nbytes() or first.device.type != "cpu":
         return None
     whole = first.new_empty(0).set_(storage)
@@ -192,18 +195,27 @@ def _bundle_problem(bundle: Bundle) -> str | None:
         return "a bundle's values must be one plain tensor of 1 or more dimensions"
     if type(shapes) is not tuple or len(shapes) != len(names):
         return "a bundle must give one shape per name"
+    if not all(type(shape) is tuple for shape in shapes):
+        return "a bundle's shapes must be tuples of sizes"
+    sizes = [size for shape in shapes for size in shape]  # every shape's, checked at once
+    if not all(type(size) is int for size in sizes) or (sizes and min(sizes) < 0):
+        return "a bundle's shapes must be tuples of sizes"
+    return _size_problem(flat, shapes)
+
+
+def _size_problem(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> str | None:
+    """Whether ``shapes`` (tuples of sizes) claim exactly the values ``flat`` holds."""
+    if _as_rows(flat, shapes):  # rows of the flat tensor's width: their counts must add up
+        rows = sum(shape[0] for shape in shapes)
+        if rows > flat.shape[0]:
+            return "a bundle's shapes claim more values than it holds"
+        return "a bundle holds more values than its shapes claim" if rows < flat.shape[0] else None
     remaining = flat.numel()
     for shape in shapes:
-        if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
-            return "a bundle's shapes must be tuples of sizes"
         size = 1
         for dim in shape:
             size *= dim
             if size > remaining:  # stop early: a claim of absurd size is slow to multiply out
                 return "a bundle's shapes claim more values than it holds"
         remaining -= size
-    if remaining:
-        return "a bundle holds more values than its shapes claim"
-    if _as_rows(flat, shapes) and sum(shape[0] for shape in shapes) != flat.shape[0]:
-        return "a bundle's shapes claim other rows than it holds"
-    return None
+    return "a bundle holds more values than its shapes claim" if remaining else None
