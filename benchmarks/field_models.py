@@ -18,14 +18,15 @@ NUM_DENSE = 13
 
 
 class BagDLRM(nn.Module):
-    """Bottom MLP, one sum bag per table (ids and offsets per table), pairwise dots, top MLP."""
+    """Bottom MLP, one sum bag per table (ids and offsets per table; sparse gradients, as
+    facebookresearch/dlrm makes its bags), pairwise dots, top MLP."""
 
     def __init__(self, sizes: tuple[int, ...] = TABLE_SIZES) -> None:
         super().__init__()
         self.bottom = nn.Sequential(nn.Linear(NUM_DENSE, 64), nn.ReLU(), nn.Linear(64, DIM))
         tables = []
         for rows in np.array(sizes):  # numpy integers, as a DLRM computes its sizes
-            table = nn.EmbeddingBag(rows, DIM, mode="sum")
+            table = nn.EmbeddingBag(rows, DIM, mode="sum", sparse=True)
             bound = np.sqrt(1 / rows)
             values = np.random.uniform(-bound, bound, size=(rows, DIM)).astype(np.float32)
             table.weight.data = torch.tensor(values, requires_grad=True)

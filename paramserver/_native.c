@@ -1100,9 +1100,11 @@ static PyObject *scatter_rows(PyObject *self, PyObject *args) { return move_rows
  * added back: each bag's rows summed in the bag's order from zero (torch's order: fbgemm's
  * kernel's, which fuses a weight's product into the sum, for float32 without padding; torch's
  * own loop's, which rounds the product first, else), a mean divided by the bag's rows that are not
- * padding; backward adds each id's share of its bag's gradient straight into its row, each
- * share a multiply-add as torch's axpy makes it (its scale rounded to the rows' type first),
- * visiting the ids in the order torch's dense backward does, that of torch.sort(ids): below
+ * padding. Backward adds each id's share of its bag's gradient (its weight, or 1 / the bag's size
+ * for a mean, rounded to the rows' type) into its row in one of two ways. In order (a layer with
+ * sparse=True): id by id as given, each share's product rounded before it is added, which is
+ * torch's sparse gradient made dense. Else as torch's dense backward: each share a multiply-add
+ * as torch's axpy makes it, visiting the ids in the order of torch.sort(ids): below
  * TORCH_RADIX_SORT_FROM ids, std::sort's (torch_sort_order); from there on, torch's sort is
  * stable, and the ids' own order adds each row's terms in the same order as a stable sort
  * (only the order within a row matters: rows are added to independently). Rows float32 or
@@ -1114,6 +1116,7 @@ typedef struct {
     Py_buffer weights;   /* one per id, of the rows' type; buf NULL: none */
     Py_ssize_t padding;  /* the padding row's position, -1: none */
     int mean;
+    int in_order;        /* backward: the ids' own order, products rounded (sparse=True) */
     Py_buffer pooled;    /* bags x dim: out (pool_bags), gradients (scatter_bags; NULL: none) */
 } Bags;
 
@@ -1146,12 +1149,12 @@ static int export_bags(Moves *m, Py_ssize_t dim, int scatter, Py_ssize_t item) {
         Bags *b = &((Bags *)m->each)[j];
         if (!PyTuple_Check(item_object)) {
             PyErr_SetString(PyExc_TypeError, "a lookup is a (table, positions, starts, "
-                                             "weights, padding, mean, pooled) tuple");
+                                             "weights, padding, mean, in_order, pooled) tuple");
             return -1;
         }
-        if (!PyArg_ParseTuple(item_object, "nO&O&OnpO", &b->table, buffer_converter,
+        if (!PyArg_ParseTuple(item_object, "nO&O&OnppO", &b->table, buffer_converter,
                               &b->positions, buffer_converter, &b->starts, &weights,
-                              &b->padding, &b->mean, &pooled))
+                              &b->padding, &b->mean, &b->in_order, &pooled))
             return -1;
         if (optional_buffer(weights, &b->weights, PyBUF_C_CONTIGUOUS) < 0 ||
             optional_buffer(pooled, &b->pooled, pooled_flags) < 0)
@@ -1260,6 +1263,9 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
             const T *grad = pooled + bag_of[i] * dim;                                        \
             if (plain) {                                                                     \
                 for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                      \
+            } else if (b->in_order) { /* the product rounded first: a sparse gradient's */   \
+                T share = (T)scale[i];                                                       \
+                for (Py_ssize_t k = 0; k < dim; k++) row[k] += share * grad[k];              \
             } else {                                                                         \
                 T share = (T)scale[i];                                                       \
                 for (Py_ssize_t k = 0; k < dim; k++) row[k] = FMA(share, grad[k], row[k]);   \
@@ -1317,7 +1323,8 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
         Py_ssize_t count = each[j].positions.len / 8;
         if (count > most) most = count;
-        if (count < TORCH_RADIX_SORT_FROM && count > most_sorted) most_sorted = count;
+        if (count < TORCH_RADIX_SORT_FROM && !each[j].in_order && count > most_sorted)
+            most_sorted = count;
     }
     if (scatter && (workspace = PyMem_Malloc(most * 16 + most_sorted * 24)) == NULL) {
         PyErr_NoMemory();
@@ -1333,7 +1340,7 @@ static PyObject *move_bags(PyObject *args, int scatter) {
         if (scatter && each[j].pooled.buf == NULL) continue;
         if (scatter) {
             bag_shares(&each[j], wide, bag_of, scale);
-            int sorted = count < TORCH_RADIX_SORT_FROM;
+            int sorted = count < TORCH_RADIX_SORT_FROM && !each[j].in_order;
             if (sorted) torch_sort_order(each[j].positions.buf, count, order, pairs);
             if (wide)
                 scatter_bags_double(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
@@ -1363,20 +1370,23 @@ done:
 
 static const char pool_bags_doc[] =
     "pool_bags(tables, lookups, dim, wide)\n"
-    "Each lookup (table, positions, starts, weights, padding, mean, out) of `lookups` sums\n"
-    "the rows `positions` (int64) of tables[table] bag by bag (bag j: ids starts[j] to\n"
-    "starts[j + 1]) into out's row j, in order from zero, times each id's weight (None: 1),\n"
-    "skipping position `padding` (-1: none); a mean divides by the ids summed. Tables,\n"
-    "weights and out: float32 rows `dim` wide, float64 where `wide`.";
+    "Each lookup (table, positions, starts, weights, padding, mean, in_order, out) of\n"
+    "`lookups` sums the rows `positions` (int64) of tables[table] bag by bag (bag j: ids\n"
+    "starts[j] to starts[j + 1]) into out's row j, in order from zero, times each id's weight\n"
+    "(None: 1), skipping position `padding` (-1: none); a mean divides by the ids summed\n"
+    "(in_order: how scatter_bags adds the gradients). Tables, weights and out: float32 rows\n"
+    "`dim` wide, float64 where `wide`.";
 
 static PyObject *pool_bags(PyObject *self, PyObject *args) { return move_bags(args, 0); }
 
 static const char scatter_bags_doc[] =
     "scatter_bags(tables, lookups, dim, wide)\n"
     "pool_bags' backward: each lookup's (as pool_bags', `out` now its bags' gradients, None:\n"
-    "none) bag gradient, times each id's weight (a mean: 1 / its size) by a multiply-add,\n"
-    "added into tables[table]'s row of each id but the padding, id by id in the order of\n"
-    "torch.sort(positions) (sort_order's below TORCH_RADIX_SORT_FROM ids, else stable).";
+    "none) bag gradient, times each id's weight (a mean: 1 / its size), added into\n"
+    "tables[table]'s row of each id but the padding. Where `in_order`: id by id as given, each\n"
+    "product rounded first (torch's sparse gradient, made dense); else by a multiply-add, id by\n"
+    "id in the order of torch.sort(positions) (sort_order's below TORCH_RADIX_SORT_FROM ids,\n"
+    "else stable), as torch's dense backward.";
 
 static PyObject *scatter_bags(PyObject *self, PyObject *args) { return move_bags(args, 1); }
 

@@ -412,8 +412,11 @@ def pools_rows(rows: Tensor) -> bool:
 
 
 # One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
-# padding position or -1, mean, the bags' rows: out, or their gradients).
-BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, np.ndarray | None]
+# padding position or -1, mean, in_order (scatter_bags' order), the bags' rows: out, or their
+# gradients).
+BagArrays = tuple[
+    int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, bool, np.ndarray | None
+]
 
 
 def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
@@ -427,10 +430,12 @@ def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> N
 
 def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
     """:func:`pool_bags`' backward: each lookup's bag gradients (None: none), times the id's
-    weight (a mean: 1 / the bag's size) by a multiply-add as torch's axpy makes it, added into
-    ``tables[table]``'s row of each id that is not padding, id by id in :func:`sort_order` of
-    the lookup's positions (the order of ``torch.sort(positions).indices``, which torch's dense
-    backward visits them in, where :mod:`paramserver.trainer.bags`' check finds them equal)."""
+    weight (a mean: 1 / the bag's size), added into ``tables[table]``'s row of each id that is
+    not padding. A lookup ``in_order``: id by id as given, each product rounded first (torch's
+    sparse gradient made dense); else by a multiply-add as torch's axpy makes it, id by id in
+    :func:`sort_order` of the lookup's positions (the order of
+    ``torch.sort(positions).indices``, which torch's dense backward visits them in, where
+    :mod:`paramserver.trainer.bags`' check finds them equal)."""
     assert loops is not None, "called where pools_rows() says the loops apply"
     loops.scatter_bags(tables, lookups, dim, tables[0].dtype == np.float64)
 

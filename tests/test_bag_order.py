@@ -64,19 +64,28 @@ def lookup(
 
 @pytest.mark.parametrize("size", SIZES)
 @pytest.mark.parametrize(("mode", "weighted", "padding"), CASES)
+@pytest.mark.parametrize("sparse", [False, True])
 def test_lookups_around_the_sorts_thresholds_are_torchs(
-    size: int, mode: str, weighted: bool, padding: int | None
+    size: int, mode: str, weighted: bool, padding: int | None, sparse: bool
 ) -> None:
+    """A layer with sparse=True sorts nothing: its gradient is torch's sparse one, made dense,
+    at every size."""
     g = torch.Generator().manual_seed(size + 2 * weighted + (padding or 0))
-    assert_lookup_is_torchs(g, size, DIM, mode, weighted, padding)
+    assert_lookup_is_torchs(g, size, DIM, mode, weighted, padding, sparse)
 
 
 def assert_lookup_is_torchs(
-    g: torch.Generator, size: int, dim: int, mode: str, weighted: bool, padding: int | None
+    g: torch.Generator,
+    size: int,
+    dim: int,
+    mode: str,
+    weighted: bool,
+    padding: int | None,
+    sparse: bool = False,
 ) -> None:
     """A lookup of ``size`` ids (:func:`lookup`) of rows ``dim`` wide, by the loops, and its
-    gradients (rows' and weights') are torch's bitwise."""
-    layer = nn.EmbeddingBag(ROWS, dim, mode=mode, padding_idx=padding)
+    gradients (rows' and weights') are torch's bitwise (``sparse``: the layer's, made dense)."""
+    layer = nn.EmbeddingBag(ROWS, dim, mode=mode, padding_idx=padding, sparse=sparse)
     ids, offsets, weights = lookup(g, size, weighted, padding)
     remote, rows = remote_of(layer, torch.unique(ids))
     got, want = remote(ids, offsets, weights), layer(ids, offsets, weights)
@@ -86,7 +95,8 @@ def assert_lookup_is_torchs(
     extra = [weights] if weights is not None else []
     got_grads = torch.autograd.grad(got, [rows, *extra], grad)
     want_grads = torch.autograd.grad(want, [layer.weight, *extra], grad)
-    assert torch.equal(got_grads[0], want_grads[0][torch.unique(ids)])
+    want_rows = want_grads[0].to_dense() if sparse else want_grads[0]
+    assert torch.equal(got_grads[0], want_rows[torch.unique(ids)])
     if weights is not None:
         assert torch.equal(got_grads[1], want_grads[1])
 
@@ -155,7 +165,7 @@ def test_a_rounding_not_torchs_leaves_lookups_to_torch(
     def rounded_otherwise(tables: list[np.ndarray], lookups: list[Any], dim: int) -> None:
         pool_bags(tables, lookups, dim)
         for lookup in lookups:
-            out = lookup[6]
+            out = lookup[7]
             if lookup[3] is not None and out.dtype == np.float32 and out.size:
                 out.flat[0] = np.nextafter(out.flat[0], np.float32(np.inf))
 

@@ -5,8 +5,9 @@ forward's bag lookups of several tables made in one node.
 
 Pooled rows and gradients (rows' and weights') are torch's bitwise, several lookups of one
 table included: the loops round a weight's product as torch's kernel for the case does, add a
-row's terms in the order of torch's sort, by torch's multiply-adds, and sum the lookups'
-gradients in autograd's order. The padding row is among the pulled rows wherever a lookup has
+row's terms in the order of torch's sort, by torch's multiply-adds (a layer with sparse=True:
+in the ids' order, as torch's sparse gradient made dense), and sum the lookups' gradients in
+autograd's order. The padding row is among the pulled rows wherever a lookup has
 one (torch's full-table lookup takes another kernel than one without padding; a trainer that did
 not pull its padding row looks up as one without, the loops and torch's fallback alike).
 tests/test_bag_order.py tries lookups of more ids (around the sort's thresholds) and the check
@@ -20,10 +21,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from paramserver import native
-from paramserver.trainer.bags import _Step
+from paramserver.trainer.bags import DenseGradient, _Step
 from paramserver.trainer.lookups import StepLookups
 from tests.helpers import remote_of
 
@@ -49,14 +51,23 @@ def batch(
     return ids, torch.cat([offsets, torch.tensor([300])]) if last else offsets
 
 
+@pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)
 def test_pooled_lookups_and_gradients_are_torchs(
-    loop_mode: str, mode: str, weighted: bool, padding: int | None, last: bool, dtype: torch.dtype
+    loop_mode: str,
+    mode: str,
+    weighted: bool,
+    padding: int | None,
+    last: bool,
+    dtype: torch.dtype,
+    sparse: bool,
 ) -> None:
+    """A layer with sparse=True: its gradient as torch's sparse one, made dense."""
     g = torch.Generator().manual_seed(len(mode) + 2 * weighted + 4 * last)
     layer = nn.EmbeddingBag(
-        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype
-    )
+        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype,
+        sparse=sparse,
+    )  # fmt: skip
     ids, offsets = batch(g, last, padding)
     weights = torch.rand(300, generator=g, dtype=dtype).requires_grad_(True) if weighted else None
     remote, rows = remote_of(layer, torch.unique(ids))
@@ -67,7 +78,7 @@ def test_pooled_lookups_and_gradients_are_torchs(
     inputs = [rows] + ([weights] if weights is not None else [])
     got_grads = torch.autograd.grad(got, inputs, grad)
     want_grads = torch.autograd.grad(want, [layer.weight, *inputs[1:]], grad)
-    assert torch.equal(got_grads[0], want_grads[0][torch.unique(ids)])
+    assert torch.equal(got_grads[0], dense(want_grads[0])[torch.unique(ids)])
     if weighted:
         assert torch.equal(got_grads[1], want_grads[1])
     assert (got.grad_fn is not None) and (
@@ -122,7 +133,8 @@ def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -
 
 
 @pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)
-@pytest.mark.parametrize("joined", ["summed", "concatenated"])
+@pytest.mark.parametrize(("joined", "sparse"), [("summed", False), ("concatenated", False),
+                                                ("summed", True)])  # fmt: skip
 def test_several_lookups_of_one_table_give_torchs_gradients(
     loop_mode: str,
     mode: str,
@@ -131,14 +143,17 @@ def test_several_lookups_of_one_table_give_torchs_gradients(
     last: bool,
     dtype: torch.dtype,
     joined: str,
+    sparse: bool,
 ) -> None:
     """Four lookups of one table in one forward: each lookup's gradient is torch's, and they
     are summed as autograd sums torch's (three or more: the grouping shows in the last bits),
-    whether the outputs meet in a sum of losses or in one concatenation."""
+    whether the outputs meet in a sum of losses or in one concatenation. With sparse=True,
+    each lookup's sparse gradient made dense (:class:`DenseGradient`) before they are summed."""
     g = torch.Generator().manual_seed(11 + len(mode) + 2 * weighted + 4 * last)
     layer = nn.EmbeddingBag(
-        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype
-    )
+        ROWS, DIM, mode=mode, padding_idx=padding, include_last_offset=last, dtype=dtype,
+        sparse=sparse,
+    )  # fmt: skip
     batches = [batch(g, last, padding) for _ in range(4)]
     weights = [
         torch.rand(300, generator=g, dtype=dtype).requires_grad_(True) if weighted else None
@@ -150,7 +165,9 @@ def test_several_lookups_of_one_table_give_torchs_gradients(
     remote.step_lookups = step
     with step.forward():
         got = [remote(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
-    want = [layer(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
+    want = [
+        torchs(layer, ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)
+    ]
     scales = [torch.randn(o.shape, generator=g, dtype=dtype) for o in want]
 
     def loss(outputs: list[Tensor]) -> Tensor:
@@ -169,6 +186,24 @@ def test_several_lookups_of_one_table_give_torchs_gradients(
         assert torch.equal(got_grad, want_grad)
 
 
+def dense(grad: Tensor) -> Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def torchs(
+    layer: nn.EmbeddingBag, ids: Tensor, offsets: Tensor | None, weights: Tensor | None
+) -> Tensor:
+    """``layer``'s lookup; with sparse=True, its gradient made dense where it leaves the lookup
+    (each lookup's from zero, then summed by autograd as dense ones are)."""
+    if not layer.sparse:
+        return layer(ids, offsets, weights)
+    return F.embedding_bag(
+        ids, DenseGradient.of(layer.weight), offsets, mode=layer.mode,
+        per_sample_weights=weights, include_last_offset=layer.include_last_offset,
+        padding_idx=layer.padding_idx, sparse=True,
+    )  # fmt: skip
+
+
 def _step_of(output: Tensor) -> object:
     """The node below a pooled lookup's own."""
     assert output.grad_fn is not None
@@ -184,15 +219,16 @@ def test_bad_bags_are_refused_before_anything_is_written() -> None:
     assert loops is not None
     table = np.ones((4, 2), dtype=np.float32)
     out, out3 = np.zeros((2, 2), dtype=np.float32), np.zeros((3, 2), dtype=np.float32)
-    good = (0, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, out)
+    good = (0, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, False, out)
     bad = {
-        "cover": (0, np.array([0, 3]), np.array([1, 1, 2]), None, -1, False, out),
-        "end before": (0, np.array([0, 3]), np.array([0, 2, 1, 2]), None, -1, False, out3),
-        "past its table": (0, np.array([0, 4]), np.array([0, 1, 2]), None, -1, False, out),
+        "cover": (0, np.array([0, 3]), np.array([1, 1, 2]), None, -1, False, False, out),
+        "end before": (0, np.array([0, 3]), np.array([0, 2, 1, 2]), None, -1, False, False, out3),
+        "past its table": (0, np.array([0, 4]), np.array([0, 1, 2]), None, -1, False, False, out),
         "one weight per id": (0, np.array([0, 3]), np.array([0, 1, 2]),
-                              np.ones(1, dtype=np.float32), -1, False, out),
-        "one pooled row per bag": (0, np.array([0, 3]), np.array([0, 2]), None, -1, False, out),
-        "of no table": (1, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, out),
+                              np.ones(1, dtype=np.float32), -1, False, False, out),
+        "one pooled row per bag": (0, np.array([0, 3]), np.array([0, 2]), None, -1, False,
+                                   False, out),
+        "of no table": (1, np.array([0, 3]), np.array([0, 1, 2]), None, -1, False, False, out),
     }  # fmt: skip
     for reason, lookup in bad.items():
         with pytest.raises(ValueError, match=reason):
@@ -205,4 +241,28 @@ def test_bad_bags_are_refused_before_anything_is_written() -> None:
     with pytest.raises(ValueError, match="whole rows"):
         loops.pool_bags([np.ones(3, dtype=np.float32)], [], 2, False)
     with pytest.raises(ValueError, match="without an output"):
-        loops.pool_bags([table], [(*good[:6], None)], 2, False)
+        loops.pool_bags([table], [(*good[:7], None)], 2, False)
+
+
+def test_a_functional_lookup_with_sparse_true_takes_its_gradient_in_order(loop_mode: str) -> None:
+    """``F.embedding_bag(..., sparse=True)`` on a table's weight: its gradient is torch's
+    sparse one made dense, which the sorted order of a dense gradient is not (checked)."""
+    g = torch.Generator().manual_seed(5)
+    layer = nn.EmbeddingBag(ROWS, DIM, mode="sum")
+    ids, offsets = batch(g, last=False)
+    weights = torch.rand(300, generator=g) * 100
+    grad = torch.randn(offsets.numel(), DIM, generator=g) * 1e3
+    remote, rows = remote_of(layer, torch.unique(ids))
+    found = {}
+    for sparse in (False, True):
+        leaf = layer.weight.detach().clone().requires_grad_(True)
+        want = F.embedding_bag(
+            ids, leaf, offsets, mode="sum", per_sample_weights=weights, sparse=sparse
+        )
+        (want_grad,) = torch.autograd.grad(want, [leaf], grad)
+        got = F.embedding_bag(
+            ids, remote.weight, offsets, mode="sum", per_sample_weights=weights, sparse=sparse
+        )
+        (found[sparse],) = torch.autograd.grad(got, [rows], grad)
+        assert torch.equal(found[sparse], dense(want_grad)[torch.unique(ids)])
+    assert not torch.equal(found[False], found[True])  # the orders differ in these bits

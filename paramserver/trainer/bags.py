@@ -6,14 +6,21 @@ dispatched axpy per id, table by table (40% of a DLRM trainer's loop at batch 20
 Forward sums each bag in its ids' order from zero, as torch's kernel does, a weight's product
 rounded as torch's kernel for the case rounds it (fused into the sum by fbgemm's for float32
 without padding, rounded first by torch's own loop else): pooled rows are torch's bitwise.
-Backward adds each id's share of its bag's gradient (a multiply-add, as torch's axpy) straight
-into its row's gradient, visiting the ids in the order torch's dense backward does, that of
-``torch.sort`` of the lookup's ids: the loop computes it (:func:`paramserver.native.sort_order`:
-C++'s ``std::sort``, as torch's sort below 32768 ids; no sort from there, where torch's radix
-sort is stable), so the forward sorts nothing. Several lookups of one table each add into a
-gradient of their own from zero, summed in the order autograd adds torch's (the order their
-nodes ran in): a row's gradient, and a weight's (torch's own kernel), are torch's bitwise, so a
-trainer's state does not depend on the loops.
+Backward adds each id's share of its bag's gradient straight into its row's gradient, as torch
+makes the gradient of the layer's ``sparse`` setting:
+
+- ``sparse=True`` (as DLRMs are written): id by id in the lookup's order, each share's product
+  rounded, then added: torch's sparse gradient made dense (:class:`DenseGradient`). Nothing is
+  sorted, as one process with sparse gradients sorts nothing;
+- ``sparse=False``: a multiply-add per id, as torch's axpy, visiting the ids in the order
+  torch's dense backward does, that of ``torch.sort`` of the lookup's ids: the loop computes it
+  (:func:`paramserver.native.sort_order`: C++'s ``std::sort``, as torch's sort below 32768 ids;
+  no sort from there, where torch's radix sort is stable). That sort is most of the backward's
+  cost at large batches (``benchmarks/bench_field.py``).
+
+Several lookups of one table each add into a gradient of their own from zero, summed in the
+order autograd adds torch's (the order their nodes ran in): a row's gradient, and a weight's
+(torch's own kernel), are torch's bitwise, so a trainer's state does not depend on the loops.
 
 Those orders and roundings are torch's as built (this torch, its C++ library, this machine's
 CPU). At its first pooled lookup a process checks them once (:func:`loops_agree_with_torch`):
@@ -35,7 +42,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
@@ -61,6 +68,7 @@ class Bags(NamedTuple):
     weights: np.ndarray | None
     padding: int
     mean: bool
+    in_order: bool  # backward in the ids' order, as a sparse gradient (see the module docstring)
 
     @staticmethod
     def of(
@@ -70,6 +78,7 @@ class Bags(NamedTuple):
         mode: str,
         padding: int | None,
         include_last_offset: bool,
+        in_order: bool = False,
     ) -> Bags | None:
         """The bags of ``positions`` (the lookup's ids, found in the pulled rows, in
         ``EmbeddingBag``'s layout: 2-D, or 1-D with ``offsets``); None where the loops leave
@@ -95,6 +104,7 @@ class Bags(NamedTuple):
             flat,
             -1 if padding is None else padding,
             mode == "mean",
+            in_order,
         )
 
     @property
@@ -104,7 +114,10 @@ class Bags(NamedTuple):
     def arrays(self, table: int, pooled: Tensor | None) -> native.BagArrays:
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
         out = None if pooled is None else pooled.numpy()
-        return (table, self.positions, self.starts, self.weights, self.padding, self.mean, out)
+        return (
+            table, self.positions, self.starts, self.weights, self.padding, self.mean,
+            self.in_order, out,
+        )  # fmt: skip
 
 
 def _starts(
@@ -190,25 +203,33 @@ def _disagreement() -> str | None:
         for mode, weighted, padding in (
             ("sum", False, None), ("mean", False, 3), ("sum", True, None), ("sum", True, 3)
         ):  # fmt: skip
-            if not _lookup_agrees(generator, dtype, mode, weighted, padding):
-                return (
-                    f"a {mode} lookup of {dtype} rows (weighted: {weighted}, padding: "
-                    f"{padding}) rounds otherwise than torch's embedding_bag on this machine"
-                )
+            for sparse in (False, True):
+                if not _lookup_agrees(generator, dtype, mode, weighted, padding, sparse):
+                    return (
+                        f"a {mode} lookup of {dtype} rows (weighted: {weighted}, padding: "
+                        f"{padding}, sparse: {sparse}) rounds otherwise than torch's "
+                        "embedding_bag on this machine"
+                    )
     return None
 
 
 def _lookup_agrees(
-    generator: torch.Generator, dtype: torch.dtype, mode: str, weighted: bool, padding: int | None
+    generator: torch.Generator,
+    dtype: torch.dtype,
+    mode: str,
+    weighted: bool,
+    padding: int | None,
+    sparse: bool,
 ) -> bool:
     """Whether a small pooled lookup by the loops, and its gradients, are torch's bitwise
-    (rows 20 wide: a block of 16 columns and the rest, the loops' two ways to sum them)."""
+    (rows 20 wide: a block of 16 columns and the rest, the loops' two ways to sum them;
+    ``sparse``: the gradient of a layer with sparse=True, made dense)."""
     rows = torch.randn(20, 20, generator=generator, dtype=dtype)
     ids = torch.randint(0, 20, (200,), generator=generator)
     offsets = torch.tensor([0, 0, 3, 50, 50, 120])
     weights = torch.rand(200, generator=generator, dtype=dtype) if weighted else None
     grad = torch.randn(offsets.numel(), 20, generator=generator, dtype=dtype)
-    bags = Bags.of(ids, offsets, weights, mode, padding, include_last_offset=False)
+    bags = Bags.of(ids, offsets, weights, mode, padding, include_last_offset=False, in_order=sparse)
     assert bags is not None
     results = []
     for looped in (True, False):
@@ -217,8 +238,10 @@ def _lookup_agrees(
         if looped:
             pooled = pooled_lookup(leaf, bags, weights_leaf)
         else:
-            pooled = F.embedding_bag(ids, leaf, offsets, mode=mode, padding_idx=padding,
-                                     per_sample_weights=weights_leaf)  # fmt: skip
+            pooled = F.embedding_bag(
+                ids, DenseGradient.of(leaf) if sparse else leaf, offsets, mode=mode,
+                padding_idx=padding, per_sample_weights=weights_leaf, sparse=sparse,
+            )  # fmt: skip
         if pooled is None:
             return False
         inputs = [leaf] + ([weights_leaf] if weights_leaf is not None else [])
@@ -227,6 +250,25 @@ def _lookup_agrees(
         loss = (pooled * grad).sum()
         results.append([pooled.detach(), *torch.autograd.grad(loss, inputs)])
     return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+class DenseGradient(torch.autograd.Function):
+    """Rows as they are, whose gradient reaches them dense: where a lookup with
+    ``sparse=True`` makes it sparse, its terms are added id by id in their order
+    (``to_dense``), each lookup's from zero, as the loops add them in order."""
+
+    @staticmethod
+    def of(rows: Tensor) -> Tensor:
+        return cast(Tensor, DenseGradient.apply(rows))
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor) -> Tensor:
+        return rows.view_as(rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad.to_dense() if grad.is_sparse else grad
 
 
 class BagNode:

@@ -101,6 +101,7 @@ class LookupOptions:
     padding_idx: int | None = None
     scale_grad_by_freq: bool = False
     include_last_offset: bool = False
+    sparse: bool = False  # a bag's gradient as torch's sparse one (paramserver.trainer.bags)
 
     @property
     def plain(self) -> bool:
@@ -116,7 +117,10 @@ class LookupOptions:
             raise _max_norm_refused(table)
         padding = None if layer.padding_idx is None else int(layer.padding_idx)
         if isinstance(layer, nn.EmbeddingBag):
-            return cls(layer.mode, padding, layer.scale_grad_by_freq, layer.include_last_offset)
+            return cls(
+                layer.mode, padding, layer.scale_grad_by_freq, layer.include_last_offset,
+                layer.sparse,
+            )  # fmt: skip
         return cls(None, padding, layer.scale_grad_by_freq)
 
 
@@ -286,13 +290,14 @@ class RemoteEmbedding(nn.Module):
             return pooled
         return F.embedding_bag(
             local,
-            self.rows,
+            pooling.DenseGradient.of(self.rows) if options.sparse else self.rows,
             offsets,
             mode=options.bag_mode,
             scale_grad_by_freq=options.scale_grad_by_freq,
             per_sample_weights=per_sample_weights,
             include_last_offset=options.include_last_offset,
             padding_idx=padding,
+            sparse=options.sparse,
         )
 
     def _pool(
@@ -308,7 +313,9 @@ class RemoteEmbedding(nn.Module):
         mode = options.bag_mode
         if mode is None or options.scale_grad_by_freq or not pooling.takes(self.rows, weights):
             return None
-        bags = pooling.Bags.of(local, offsets, weights, mode, padding, options.include_last_offset)
+        bags = pooling.Bags.of(
+            local, offsets, weights, mode, padding, options.include_last_offset, options.sparse
+        )
         if bags is None:
             return None
         node = None if self.step_lookups is None else self.step_lookups.bag_node(self.rows)
@@ -504,11 +511,13 @@ def _functional_lookup(func: Any, args: Any, kwargs: dict) -> Tensor:
             if remote.num_embeddings is None:
                 raise ModelError(f"table {remote.table}: a dynamic table has no negative ids")
             padding += remote.num_embeddings
+    bag_mode = call.get("mode", default_mode)
     options = LookupOptions(
-        bag_mode=call.get("mode", default_mode),
+        bag_mode=bag_mode,
         padding_idx=padding,
         scale_grad_by_freq=bool(call["scale_grad_by_freq"]),
         include_last_offset=bool(call.get("include_last_offset", False)),
+        sparse=bag_mode is not None and bool(call["sparse"]),  # a plain lookup's: the same
     )
     return remote.lookup(
         call["input"], call.get("offsets"), call.get("per_sample_weights"), options
