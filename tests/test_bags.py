@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from paramserver import native
 from paramserver.trainer.bags import DenseGradient, _Step
 from paramserver.trainer.lookups import StepLookups
+from paramserver.wire.bundles import joined_already
 from tests.helpers import remote_of
 
 ROWS, DIM = 40, 16
@@ -130,6 +131,28 @@ def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -
         steps = {id(_step_of(o)) for o in got[:2] + got[3:]}
         assert len(steps) == 1 and _step_of(got[2]) is not _step_of(got[0])
         assert grads[0].untyped_storage().data_ptr() == grads[1].untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(native.loops is None, reason="the compiled loops are turned off")
+def test_tables_gradients_fill_one_buffer_in_the_tables_order() -> None:
+    """Whatever order autograd runs the lookups in, the tables' gradients lie end to end in
+    their own order: a push sends that buffer as it is (not joined again)."""
+    g = torch.Generator().manual_seed(6)
+    layers = {t: nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True) for t in ("a", "b", "c")}
+    ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
+    remotes, rows = {}, {}
+    for table, layer in layers.items():
+        remotes[table], rows[table] = remote_of(layer, torch.unique(ids[table]))
+        remotes[table].table = table
+    step = StepLookups(remotes)
+    for remote in remotes.values():
+        remote.step_lookups = step
+    with step.forward():
+        got = [remotes[t](ids[t], torch.arange(0, 64, 4)) for t in ("c", "a", "b")]
+    grads = torch.autograd.grad(
+        sum(o.sum() * (i + 1) for i, o in enumerate(got)), list(rows.values())
+    )
+    assert joined_already(list(grads)) is not None
 
 
 @pytest.mark.parametrize(("mode", "weighted", "padding", "last", "dtype"), CASES)

@@ -327,12 +327,17 @@ class _Step(torch.autograd.Function):
         firsts: dict[int, int] = {}  # each table's first lookup: the others add into its own
         for number, table in zip(numbers, tables, strict=True):
             firsts.setdefault(table, number)
-        sizes = [node.rows[t].shape[0] for t in tables]
+        # Each lookup's gradient from zero, in one buffer: the tables' (their first lookups')
+        # in the tables' order, so that a push sends them as the one buffer they fill
+        # (bundles.joined_already), not joined again; any other lookup's after them.
+        laid_out = [firsts[t] for t in sorted(firsts)]
+        laid_out += [n for n in numbers if firsts[node.lookups[n][0]] != n]
+        sizes = [node.rows[node.lookups[number][0]].shape[0] for number in laid_out]
         dim, dtype = node.rows[0].shape[1], node.rows[0].dtype
         buffer = torch.zeros(sum(sizes), dim, dtype=dtype).split(sizes)
-        parts = dict(zip(numbers, buffer, strict=True))  # each lookup's gradient, from zero
+        parts = dict(zip(laid_out, buffer, strict=True))
         native.scatter_bags(
-            [part.numpy() for part in buffer],
+            [parts[number].numpy() for number in numbers],
             [node.lookups[number][1].arrays(i, grads[number]) for i, number in enumerate(numbers)],
             dim,
         )
