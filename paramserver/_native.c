@@ -1247,8 +1247,30 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
             for (Py_ssize_t k = 0; k < dim && size > 0; k++) out[j * dim + k] /= (T)size;   \
         }                                                                                    \
     }                                                                                        \
-    /* `bag_of`: each id's bag, `scale`: its share (set by bag_shares); `order`: the order  \
-     * to visit the ids in (NULL: theirs). */                                                \
+    /* In order: bag by bag, each id's share (its weight, or 1 / the bag's size for a mean,  \
+     * rounded to T) times the bag's gradient rounded, then added. */                       \
+    static void scatter_in_order_##T(const Bags *b, T *grads, Py_ssize_t dim) {             \
+        const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
+        const T *pooled = b->pooled.buf, *weights = b->weights.buf;                          \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
+        for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
+            const T *grad = pooled + j * dim;                                                \
+            Py_ssize_t size = b->mean ? bag_size(b, j) : 0;                                  \
+            T share = (T)(size > 0 ? 1.0 / (double)size : 1.0);                              \
+            for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
+                if (positions[i] == b->padding) continue;                                    \
+                T *row = grads + positions[i] * dim;                                         \
+                if (weights == NULL && !b->mean) {                                           \
+                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                  \
+                } else {                                                                     \
+                    T scale = weights != NULL ? weights[i] : share;                          \
+                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += scale * grad[k];          \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    /* As torch's dense backward: `bag_of`, each id's bag, `scale`, its share (set by       \
+     * bag_shares); `order`: the order to visit the ids in (NULL: theirs). */               \
     static void scatter_bags_##T(const Bags *b, T *grads, Py_ssize_t dim,                   \
                                  const int64_t *bag_of, const double *scale,                 \
                                  const int64_t *order) {                                     \
@@ -1263,9 +1285,6 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
             const T *grad = pooled + bag_of[i] * dim;                                        \
             if (plain) {                                                                     \
                 for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                      \
-            } else if (b->in_order) { /* the product rounded first: a sparse gradient's */   \
-                T share = (T)scale[i];                                                       \
-                for (Py_ssize_t k = 0; k < dim; k++) row[k] += share * grad[k];              \
             } else {                                                                         \
                 T share = (T)scale[i];                                                       \
                 for (Py_ssize_t k = 0; k < dim; k++) row[k] = FMA(share, grad[k], row[k]);   \
@@ -1318,13 +1337,14 @@ static PyObject *move_bags(PyObject *args, int scatter) {
     Bags *each = m.each;
     Py_buffer *table_views = m.table_views;
     Py_ssize_t num_lookups = m.num_lookups;
-    /* The most ids of a lookup, and of one torch sorts by std::sort: workspace sizes. */
+    /* The most ids of a lookup added back as torch's dense backward, and of one torch sorts
+     * by std::sort: workspace sizes (one added in order needs none). */
     Py_ssize_t most = 1, most_sorted = 1;
     for (Py_ssize_t j = 0; j < num_lookups; j++) {
         Py_ssize_t count = each[j].positions.len / 8;
+        if (each[j].in_order) continue;
         if (count > most) most = count;
-        if (count < TORCH_RADIX_SORT_FROM && !each[j].in_order && count > most_sorted)
-            most_sorted = count;
+        if (count < TORCH_RADIX_SORT_FROM && count > most_sorted) most_sorted = count;
     }
     if (scatter && (workspace = PyMem_Malloc(most * 16 + most_sorted * 24)) == NULL) {
         PyErr_NoMemory();
@@ -1338,9 +1358,12 @@ static PyObject *move_bags(PyObject *args, int scatter) {
         void *table = table_views[each[j].table].buf;
         Py_ssize_t count = each[j].positions.len / 8;
         if (scatter && each[j].pooled.buf == NULL) continue;
-        if (scatter) {
+        if (scatter && each[j].in_order) {
+            if (wide) scatter_in_order_double(&each[j], table, dim);
+            else scatter_in_order_float(&each[j], table, dim);
+        } else if (scatter) {
             bag_shares(&each[j], wide, bag_of, scale);
-            int sorted = count < TORCH_RADIX_SORT_FROM && !each[j].in_order;
+            int sorted = count < TORCH_RADIX_SORT_FROM;
             if (sorted) torch_sort_order(each[j].positions.buf, count, order, pairs);
             if (wide)
                 scatter_bags_double(&each[j], table, dim, bag_of, scale, sorted ? order : NULL);
