@@ -839,6 +839,29 @@ static KeyAt *radix_sort(KeyAt *items, KeyAt *scratch, Py_ssize_t count) {
 static Py_ssize_t unique_segment(const int64_t *ids, Py_ssize_t count, KeyAt *items,
                                  int64_t *unique, int64_t *inverse) {
     if (count == 0) return 0;
+    int64_t low = ids[0], high = ids[0];
+    for (Py_ssize_t i = 1; i < count; i++) {
+        low = ids[i] < low ? ids[i] : low;
+        high = ids[i] > high ? ids[i] : high;
+    }
+    /* Ids within a span of under 8 per id (a small table's, or a batch dense in its table):
+     * a mark per id in the span, ranked in one pass over it, costs less than a sort. The
+     * marks fit in `items` (2 * count of them, 16 bytes each). */
+    uint64_t span = (uint64_t)high - (uint64_t)low;
+    if (span < 8 * (uint64_t)count) {
+        int32_t *rank = (int32_t *)items;
+        memset(rank, 0, (span + 1) * sizeof *rank);
+        for (Py_ssize_t i = 0; i < count; i++) rank[(uint64_t)ids[i] - (uint64_t)low] = 1;
+        int32_t num_unique = 0;
+        for (uint64_t v = 0; v <= span; v++) {
+            if (!rank[v]) continue;
+            unique[num_unique] = (int64_t)((uint64_t)low + v);
+            rank[v] = num_unique++;
+        }
+        for (Py_ssize_t i = 0; i < count; i++)
+            inverse[i] = rank[(uint64_t)ids[i] - (uint64_t)low];
+        return num_unique;
+    }
     for (Py_ssize_t i = 0; i < count; i++) items[i] = (KeyAt){(uint64_t)ids[i] ^ SIGN_BIT, i};
     const KeyAt *sorted = radix_sort(items, items + count, count);
     Py_ssize_t num_unique = 0;

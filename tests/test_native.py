@@ -218,7 +218,8 @@ def test_new_rows_made_by_the_loop_are_numpys(
 @compiled
 def test_each_parts_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sorted unique ids of each part and each id's index among them, as torch.unique
-    gives them: parts empty, alone, with repeats, over the whole int64 range (both ends)."""
+    gives them: parts empty, alone, with repeats, over the whole int64 range (both ends), and
+    dense ones (ranked by marks, below 8 ids' span per id) at that edge."""
     searched = counted(monkeypatch, "unique_inverse")
     g = torch.Generator().manual_seed(0)
     extremes = torch.tensor([2**63 - 1, -(2**63), 0, -1, 2**63 - 1, -(2**63), 5])
@@ -231,7 +232,12 @@ def test_each_parts_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.Monk
                 expected_unique, expected_inverse = torch.unique(part, return_inverse=True)
                 assert torch.equal(unique, expected_unique)
                 assert torch.equal(inverse, expected_inverse)
-    assert searched[0] == 2 * len(cases)
+    for span in (31, 32):  # 4 ids: marked (a span under 32), then sorted
+        part = torch.tensor([-7 + span, -7, -7 + span, -7 + span // 2])
+        ((unique, inverse),) = unique_each(part, (4,))
+        expected_unique, expected_inverse = torch.unique(part, return_inverse=True)
+        assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
+    assert searched[0] == 2 * len(cases) + 2
 
 
 @compiled
