@@ -445,3 +445,30 @@ def test_bad_own_rows_are_refused_before_anything_is_written() -> None:
         own(np.array([0, 1]), spans=[[0, 1], [1, 2]])  # a span for a table not given
     assert not values.any() and not sums.any()
     assert own(np.array([3, 1])) == 1 and values[1].all() and not values[3].any()
+
+
+@compiled
+@pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
+def test_own_rows_find_each_rows_gradient_in_any_order(order: str) -> None:
+    """Each row's gradient is found among the gradients' sorted ids (rows in ascending id
+    order, the usual case, as the search gallops on, or in any other), and a row whose id has
+    none takes no update: plain SGD against numpy."""
+    rng = np.random.default_rng(4)
+    ids = np.sort(rng.choice(10_000, 3_000, replace=False))
+    grad_ids = np.sort(rng.choice(ids, 1_000, replace=False))
+    grads = rng.standard_normal((1_000, 4)).astype(np.float32)
+    at = rng.choice(3_000, 2_000, replace=False)
+    at = {"ascending": np.sort(at), "descending": np.sort(at)[::-1].copy(), "shuffled": at}[order]
+    values = rng.standard_normal((3_000, 4)).astype(np.float32)
+    expected = values.copy()
+    for place in at:
+        found = np.searchsorted(grad_ids, ids[place])
+        if found < grad_ids.size and grad_ids[found] == ids[place]:
+            expected[place] = expected[place] + np.float32(-0.5) * grads[found]
+    table = (values, 4, ids, grad_ids, grads, None, 0.5)
+    spans = np.array([[0, at.size]], dtype=np.int64)
+    updated = native.own_rows(
+        "sgd", [table], at, None, spans, eps=0.0, weight_decay=0.0, fused=False
+    )
+    assert updated == int(np.isin(ids[at], grad_ids).sum()) > 0
+    assert np.array_equal(values, expected)
