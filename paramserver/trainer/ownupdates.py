@@ -35,7 +35,7 @@ from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, make_r
 from paramserver.rowupdates import apply_rows
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled
-from paramserver.trainer.rowstate import RowState, RowStates, StateMasks, places_of
+from paramserver.trainer.rowstate import RowState, RowStates, StateMasks
 
 
 class OwnUpdates:
@@ -123,9 +123,9 @@ class OwnUpdates:
     def _known_state(
         self, pulled: Pulled, grads: Mapping[str, tuple[Tensor, Tensor]]
     ) -> list[RowStates]:
-        """The :attr:`known` tables' rows that take the update, where the servers did not
-        answer them: the pulled rows among those the gradients touch (every table in one
-        search), with no state."""
+        """The :attr:`known` tables' rows that may take the update, where the servers did not
+        answer them: every pulled row, with no state (the update finds each one's gradient,
+        and passes over a row without one, as it finds the gradients of asked rows)."""
         answered = {name for rows in pulled.row_state for name in rows.names}
         names = [
             name
@@ -134,9 +134,10 @@ class OwnUpdates:
         ]
         if not names:
             return []
-        values = [pulled.rows[name][0].numpy() for name in names]
-        _, found = _search_each(values, [grads[name][0].numpy() for name in names])
-        return [RowStates(names, *places_of(found, [value.size for value in values]), {})]
+        sizes = np.array([pulled.rows[name][0].numel() for name in names], dtype=np.int64)
+        ends = np.cumsum(sizes)
+        at = np.arange(ends[-1], dtype=np.int64) - np.repeat(ends - sizes, sizes)
+        return [RowStates(names, at, np.stack([ends - sizes, ends], axis=1), {})]
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
