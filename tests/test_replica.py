@@ -119,9 +119,19 @@ def test_max_norm_and_tied_weights_are_refused() -> None:
 
 
 def test_out_of_range_ids_are_a_clear_error() -> None:
+    """In a record pass, and where the lookups are derived from the inputs (checked once
+    they are sorted unique), below the table and past it."""
     replica = Replica(nn.Sequential(nn.Embedding(10, 2)))
     with pytest.raises(InvalidBatchError, match=r"table 0\.weight: id 10 out of range \[0, 10\)"):
         replica.record_ids([(torch.tensor([1, 10]),)])
+    for _ in range(2):  # learns the lookups are the inputs
+        replica.record_ids([(torch.tensor([1, 9]),)])
+    for bad, ids in ((10, [3, 10, 1]), (-2, [3, -2, 1])):
+        with pytest.raises(InvalidBatchError, match=rf"id {bad} out of range \[0, 10\)"):
+            replica.record_ids([(torch.tensor(ids),)])
+        assert replica.inputs.derived
+    with pytest.raises(InvalidBatchError, match="must be int64 or int32"):
+        replica.record_ids([(torch.tensor([1.0, 2.0]),)])
 
 
 class SharedLookups(nn.Module):

@@ -342,21 +342,28 @@ class RemoteEmbedding(nn.Module):
             return self.pooled / sizes.unsqueeze(1).to(self.pooled.dtype)
         return self.pooled
 
-    def check_range(self, ids: Tensor) -> None:
-        """Raise :class:`InvalidBatchError` unless every id is a row of this table."""
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidBatchError(
-                f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
-            )
+    def check_range(self, ids: Tensor, ascending: bool = False) -> None:
+        """Raise :class:`InvalidBatchError` unless every id is a row of this table
+        (``ascending``: ``ids`` are sorted, so their ends are their least and greatest)."""
+        self.check_dtype(ids)
         if self.num_embeddings is None:  # dynamic: every id is valid
             return
         if ids.numel() == 0:
             return
-        low, high = int(ids.min()), int(ids.max())
+        if ascending:
+            low, high = int(ids[0]), int(ids[-1])
+        else:
+            low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.num_embeddings:
             bad = low if low < 0 else high
             raise InvalidBatchError(
                 f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})"
+            )
+
+    def check_dtype(self, ids: Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidBatchError(
+                f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
             )
 
     def _output_shape(
