@@ -549,7 +549,6 @@ typedef struct {
     float epsilon, decay;
 } OwnRule;
 
-/* The place of `id` among the sorted `grad_ids`, or -1. */
 /* Where `id` is among `grad_ids` (sorted, `count` of them), -1 if not there. A table's rows
  * come in ascending id order, so the search gallops on from `*from`, where the last one's
  * ended (which it moves on): all of a table's rows cost about one pass over its gradients'
