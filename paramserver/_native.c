@@ -905,7 +905,10 @@ static PyObject *unique_inverse(PyObject *self, PyObject *args) {
     for (Py_ssize_t s = 0; s < num_segments; s++) {
         Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
         if (size == -1 && PyErr_Occurred()) goto done;
-        if (size < 0 || size > total - summed) break;
+        if (size < 0 || size > total - summed) { /* refused below, as the sums differ */
+            summed = -1;
+            break;
+        }
         summed += size;
         largest = size > largest ? size : largest;
     }
@@ -1006,6 +1009,8 @@ static const char *row_layout(const Py_buffer *view, Py_ssize_t dim, Py_ssize_t 
                               Py_ssize_t *row_step) {
     *row_step = dim;
     if (view->ndim <= 1 || view->strides == NULL) {
+        if (view->itemsize != 4 || !PyBuffer_IsContiguous(view, 'C'))
+            return "a lookup's rows are not rows of contiguous floats";
         if (view->len % (4 * dim) || view->len / (4 * dim) != count)
             return "a lookup's positions and rows differ in number";
         return NULL;

@@ -4,6 +4,8 @@ Adagrad, the same id map as numpy's, and a clear error for bad arguments."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -171,7 +173,7 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
         loops.step_rows(2, weight, None, 8, np.array([1]), grads[:1], 0.1, 0.0, 0.0, True)
     assert not weight.any()  # nothing written by a refused call
     uniques = np.zeros(6, dtype=np.int64)
-    for sizes in [(5,), (7,), (-1, 7), (3, 4)]:  # not the lengths of the ids' parts
+    for sizes in [(5,), (7,), (-1, 7), (3, 4), (6, -1)]:  # not the lengths of the ids' parts
         with pytest.raises(ValueError, match="mismatched"):
             loops.unique_inverse(ids[:6], sizes, uniques, uniques.copy())
     with pytest.raises(ValueError, match="mismatched"):
@@ -213,6 +215,30 @@ def test_new_rows_made_by_the_loop_are_numpys(
     untouched[torch.from_numpy(rows)] = False
     assert bool((made.weight[untouched] == 7.0).all())
     assert bool((made.weight[torch.from_numpy(rows)].abs() <= 1.0).all())
+
+
+MARKS_AT_THE_EDGE = """
+import torch
+from paramserver.trainer.lookups import unique_each
+for span in (31, 32):  # 4 ids: 32 marks fill the workspace exactly; 33 would not fit
+    part = torch.tensor([-7 + span, -7, -7 + span, -7 + span // 2])
+    ((unique, inverse),) = unique_each(part, (4,))
+    assert torch.equal(unique, torch.unique(part))
+"""
+
+
+@compiled
+def test_the_marks_of_dense_ids_stay_inside_their_workspace() -> None:
+    """Under Python's debug allocator, which aborts the process on a write past an allocation:
+    the most marks a part of 4 ids may take (a span of 31) fit the loop's workspace."""
+    done = subprocess.run(
+        [sys.executable, "-c", MARKS_AT_THE_EDGE],
+        env={**os.environ, "PYTHONMALLOC": "debug"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @compiled
@@ -293,6 +319,12 @@ def test_scattered_gradients_may_be_strided_rows() -> None:
         native.loops.scatter_rows(
             [np.zeros((3, 3), np.float32)], [(0, positions.numpy(), across)], 3
         )
+    flat = np.arange(48, dtype=np.float32)
+    for spaced in (flat[::2], flat[23::-1]):  # one dimension, not end to end
+        with pytest.raises(ValueError, match="not rows of contiguous floats"):
+            native.loops.scatter_rows(
+                [np.zeros((3, 4), np.float32)], [(0, positions.numpy(), spaced)], 4
+            )
 
 
 @compiled

@@ -130,7 +130,7 @@ def test_out_of_range_ids_are_a_clear_error() -> None:
         with pytest.raises(InvalidBatchError, match=rf"id {bad} out of range \[0, 10\)"):
             replica.record_ids([(torch.tensor(ids),)])
         assert replica.inputs.derived
-    with pytest.raises(InvalidBatchError, match="must be int64 or int32"):
+    with pytest.raises(InvalidBatchError, match="must be int64 or int32"):  # recorded: not ids
         replica.record_ids([(torch.tensor([1.0, 2.0]),)])
 
 

@@ -345,7 +345,10 @@ class RemoteEmbedding(nn.Module):
     def check_range(self, ids: Tensor, ascending: bool = False) -> None:
         """Raise :class:`InvalidBatchError` unless every id is a row of this table
         (``ascending``: ``ids`` are sorted, so their ends are their least and greatest)."""
-        self.check_dtype(ids)
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise InvalidBatchError(
+                f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
+            )
         if self.num_embeddings is None:  # dynamic: every id is valid
             return
         if ids.numel() == 0:
@@ -358,12 +361,6 @@ class RemoteEmbedding(nn.Module):
             bad = low if low < 0 else high
             raise InvalidBatchError(
                 f"table {self.table}: id {bad} out of range [0, {self.num_embeddings})"
-            )
-
-    def check_dtype(self, ids: Tensor) -> None:
-        if ids.dtype not in (torch.int64, torch.int32):
-            raise InvalidBatchError(
-                f"table {self.table}: ids must be int64 or int32, got {ids.dtype}"
             )
 
     def _output_shape(

@@ -121,15 +121,15 @@ class Replica:
         bags: dict[str, BagBlock] = {}
         if not self.tables:  # nothing to look up: no pass (it would be a whole forward)
             return Recorded({}, {}, {})
-        unchecked = set()  # tables whose derived ids' range is checked once they are unique
+        # Tables some of whose ids were derived from the inputs (int32 or int64 tensors, the
+        # only ones discovery finds), checked once they are sorted unique: by their ends.
+        derived_tables: set[str] = set()
         for call in calls:
             derived = self.inputs.derive(call.args, call.kwargs)
             if derived is not None:  # the lookups are views of the inputs: no pass
                 for table, each in derived.items():
-                    for ids in each:
-                        self.tables[table].check_dtype(ids)
                     recorded.setdefault(table, []).extend(ids.reshape(-1) for ids in each)
-                    unchecked.add(table)
+                derived_tables.update(derived)
                 continue
             recorder = Recorder(self._lookups_per_forward)
             with self._recording(recorder), torch.no_grad(), suppress(RecordingDone):
@@ -146,7 +146,7 @@ class Replica:
                 if table not in recorder.bags:
                     recorded.setdefault(table, []).extend(each)
         unique, lookups = unique_lookups(recorded)
-        for table in unchecked:  # sorted unique ids: their ends are their range
+        for table in derived_tables:
             self.tables[table].check_range(unique[table], ascending=True)
         return Recorded(unique, bags, lookups)
 
