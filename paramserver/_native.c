@@ -572,17 +572,47 @@ static inline Py_ssize_t grad_place(const int64_t *grad_ids, Py_ssize_t count, i
     return low < count && grad_ids[low] == id ? low : -1;
 }
 
-#define OWN_TABLE(t, r, FUSE)                                                                \
+/* Which of a table's rows take a gradient: (row's place in `at`, gradient's place) pairs, in
+ * the rows' order; returns how many. Rows in ascending id order (the usual case) are matched
+ * by one merge of the two sorted lists with no branch a row (about half the rows match,
+ * unpredictably), over the rows' ids gathered first (so that no step waits on two loads);
+ * others by grad_place. `pairs` holds 3 * num_at entries: the pairs, then the ids. */
+static Py_ssize_t matched_rows(const OwnTable *t, Py_ssize_t *pairs) {
+    const int64_t *at = t->at, *grad_ids = t->grad_ids;
+    Py_ssize_t n = t->num_at, m = t->num_grads, k = 0, i = 0, j = 0;
+    int64_t *ids = (int64_t *)(pairs + 2 * n);
+    for (Py_ssize_t r = 0; r < n; r++) ids[r] = t->ids[at[r]];
+    int ascending = 1;
+    for (Py_ssize_t r = 1; r < n; r++) ascending &= ids[r] > ids[r - 1];
+    if (!ascending) {
+        for (; i < n; i++) {
+            Py_ssize_t place = grad_place(grad_ids, m, ids[i], &j);
+            pairs[2 * k] = i;
+            pairs[2 * k + 1] = place;
+            k += place >= 0;
+        }
+        return k;
+    }
+    while (i < n && j < m) { /* each step moves past the lesser id (both where they match) */
+        int64_t id = ids[i], grad_id = grad_ids[j];
+        pairs[2 * k] = i; /* kept where they match, written over where not */
+        pairs[2 * k + 1] = j;
+        k += id == grad_id;
+        i += id <= grad_id;
+        j += grad_id <= id;
+    }
+    return k;
+}
+
+#define OWN_TABLE(t, r, FUSE, pairs)                                                         \
     const Py_ssize_t dim = (t)->dim;                                                         \
     const float clr = (t)->lr, epsilon = (r)->epsilon, decay = (r)->decay;                   \
     const int decayed = (r)->decayed, kind = (r)->kind;                                      \
-    Py_ssize_t updated = 0, from = 0;                                                        \
-    for (Py_ssize_t i = 0; i < (t)->num_at; i++) {                                           \
-        Py_ssize_t j = grad_place((t)->grad_ids, (t)->num_grads, (t)->ids[(t)->at[i]], &from);\
-        if (j < 0) continue;                                                                 \
+    Py_ssize_t updated = matched_rows(t, pairs);                                             \
+    for (Py_ssize_t q = 0; q < updated; q++) {                                               \
+        Py_ssize_t i = (pairs)[2 * q], j = (pairs)[2 * q + 1];                               \
         float *param = (t)->values + (t)->at[i] * dim;                                       \
         const float *grad = (t)->grads + j * dim;                                            \
-        updated++;                                                                           \
         if (kind == RULE_ADAGRAD) {                                                          \
             float *sum = (t)->state + i * dim;                                               \
             ADAGRAD_ROW(param, sum, grad, FUSE)                                              \
@@ -598,22 +628,24 @@ static inline Py_ssize_t grad_place(const int64_t *grad_ids, Py_ssize_t count, i
     }                                                                                        \
     return updated;
 
-static Py_ssize_t own_unfused(const OwnTable *t, const OwnRule *r) {
-    OWN_TABLE(t, r, PLAIN_MULTIPLY_ADD)
+static Py_ssize_t own_unfused(const OwnTable *t, const OwnRule *r, Py_ssize_t *pairs) {
+    OWN_TABLE(t, r, PLAIN_MULTIPLY_ADD, pairs)
 }
 
 #ifdef HAVE_FMA_TARGET
 __attribute__((target("avx2,fma"))) static Py_ssize_t own_fused_hw(const OwnTable *t,
-                                                                   const OwnRule *r) {
-    OWN_TABLE(t, r, fmaf)
+                                                                   const OwnRule *r,
+                                                                   Py_ssize_t *pairs) {
+    OWN_TABLE(t, r, fmaf, pairs)
 }
 #endif
 
-static Py_ssize_t own_fused(const OwnTable *t, const OwnRule *r) {
+static Py_ssize_t own_fused(const OwnTable *t, const OwnRule *r, Py_ssize_t *pairs) {
 #ifdef HAVE_FMA_TARGET
-    if (__builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2")) return own_fused_hw(t, r);
+    if (__builtin_cpu_supports("fma") && __builtin_cpu_supports("avx2"))
+        return own_fused_hw(t, r, pairs);
 #endif
-    OWN_TABLE(t, r, fmaf)
+    OWN_TABLE(t, r, fmaf, pairs)
 }
 
 /* One table's tuple exported into `views` (5 of them) and `t`, its rows that take the update
@@ -677,6 +709,7 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     PyObject *tables = NULL;
     Py_buffer *views = NULL;
     OwnTable *each = NULL;
+    Py_ssize_t *pairs = NULL;
     Py_ssize_t num_tables = 0, updated = 0;
     if (rule.kind < RULE_SGD || rule.kind > RULE_ROWWISE) {
         PyErr_SetString(PyExc_ValueError, "own_rows: no such rule");
@@ -702,7 +735,8 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     }
     views = PyMem_Calloc(5 * (num_tables ? num_tables : 1), sizeof(Py_buffer));
     each = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(OwnTable));
-    if (views == NULL || each == NULL) {
+    pairs = PyMem_Malloc(3 * (num_at ? num_at : 1) * sizeof(Py_ssize_t)); /* any table's */
+    if (views == NULL || each == NULL || pairs == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -718,13 +752,14 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_tables; j++)
-        updated += fused ? own_fused(&each[j], &rule) : own_unfused(&each[j], &rule);
+        updated += fused ? own_fused(&each[j], &rule, pairs) : own_unfused(&each[j], &rule, pairs);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(updated);
 done:
     for (Py_ssize_t v = 0; views != NULL && v < 5 * num_tables; v++) release(&views[v]);
     PyMem_Free(views);
     PyMem_Free(each);
+    PyMem_Free(pairs);
     Py_XDECREF(tables);
     release(&at);
     release(&state);
