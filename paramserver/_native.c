@@ -1663,6 +1663,23 @@ static Py_ssize_t summed_sizes(PyObject *sizes, Py_ssize_t total) {
  * the last place. */
 static void places_segment(const int64_t *values, Py_ssize_t n, const int64_t *others,
                            Py_ssize_t m, int64_t *at, char *found) {
+    int ascending = 1;
+    for (Py_ssize_t i = 1; i < n; i++) ascending &= values[i] >= values[i - 1];
+    if (ascending && m > 0) { /* the usual case: one merge, with no branch a value */
+        Py_ssize_t i = 0, j = 0;
+        while (i < n && j < m) {
+            int behind = others[j] < values[i];
+            at[i] = j; /* kept once values[i] is not behind others[j] */
+            j += behind;
+            i += !behind;
+        }
+        for (; i < n; i++) at[i] = m;
+        for (i = 0; i < n; i++) {
+            at[i] = at[i] < m ? at[i] : m - 1;
+            found[i] = others[at[i]] == values[i];
+        }
+        return;
+    }
     Py_ssize_t low = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (i > 0 && values[i] < values[i - 1]) {

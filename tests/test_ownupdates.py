@@ -440,7 +440,11 @@ def test_the_compiled_search_finds_values_in_any_order_as_numpy_does() -> None:
     others = np.unique(rng.integers(-50, 50, 40))
     values = np.concatenate([rng.integers(-60, 60, 200), np.sort(rng.integers(-60, 60, 100))])
     at, found = np.empty(values.size, np.int64), np.empty(values.size, np.bool_)
-    native.loops.places_each(values, (values.size,), others, (others.size,), at, found)
-    expected = np.minimum(np.searchsorted(others, values), others.size - 1)
-    assert np.array_equal(at, expected)
-    assert np.array_equal(found, others[expected] == values) and found.any() and not found.all()
+    # In any order (a binary search where one goes back), and ascending with repeats and
+    # values past both ends (one merge).
+    for each in (values, np.sort(values)):
+        at, found = np.empty(each.size, np.int64), np.empty(each.size, np.bool_)
+        native.loops.places_each(each, (each.size,), others, (others.size,), at, found)
+        expected = np.minimum(np.searchsorted(others, each), others.size - 1)
+        assert np.array_equal(at, expected)
+        assert np.array_equal(found, others[expected] == each) and found.any() and not found.all()
