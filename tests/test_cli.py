@@ -18,11 +18,10 @@ from paramserver.cli import (
     CHECK_NONE_LOADS,
     CHECK_OK,
     CHECK_OLDER_LOADS,
-    build_parser,
     config_from_args,
     main,
-    switches,
 )
+from paramserver.cliargs import build_parser, switches
 from paramserver.config import TrainConfig
 from paramserver.types import Progress
 from tests.helpers import TinyRecModel, mse, tiny_batches

@@ -47,7 +47,8 @@ import pytest
 import torch
 
 from paramserver.checkpoint import load_latest
-from paramserver.cli import build_parser, main, switches
+from paramserver.cli import main
+from paramserver.cliargs import build_parser, switches
 from paramserver.config import TrainConfig, read_toml
 from tests.procs import RedisServer
 
