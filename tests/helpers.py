@@ -5,7 +5,7 @@ fixtures in tests/conftest.py; no test module imports another."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from paramserver.store.rowinit import init_rows
 from paramserver.store.store import Store
 from paramserver.store.table import Reading
 from paramserver.tableinit import RowInit
+from paramserver.trainer.lookups import StepLookups
 from paramserver.trainer.loop import TrainerOutcome, default_loop
 from paramserver.trainer.remote import RemoteEmbedding
 from paramserver.transport.local import LocalTransport
@@ -411,3 +412,19 @@ def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, 
     rows = layer.weight.detach()[pulled].clone().requires_grad_(True)
     remote.set_rows(pulled, rows)
     return remote, rows
+
+
+def remotes_of(
+    layers: Mapping[str, nn.EmbeddingBag], pulled: Mapping[str, Tensor]
+) -> tuple[dict[str, RemoteEmbedding], dict[str, Tensor], StepLookups]:
+    """``layers`` as a trainer's tables of those names, each holding its ``pulled`` rows
+    (:func:`remote_of`), whose lookups within ``step.forward()`` join one
+    :class:`StepLookups`: ``(remotes, rows, step)``."""
+    remotes, rows = {}, {}
+    for table, layer in layers.items():
+        remotes[table], rows[table] = remote_of(layer, pulled[table])
+        remotes[table].table = table
+    step = StepLookups(remotes)
+    for remote in remotes.values():
+        remote.step_lookups = step
+    return remotes, rows, step

@@ -19,8 +19,7 @@ from torch import Tensor, nn
 
 from paramserver import native
 from paramserver.trainer import bags
-from paramserver.trainer.lookups import StepLookups
-from tests.helpers import remote_of
+from tests.helpers import remote_of, remotes_of
 
 pytestmark = pytest.mark.skipif(native.loops is None, reason="the compiled loops are turned off")
 
@@ -111,9 +110,8 @@ def test_several_lookups_of_one_table_around_the_thresholds_are_torchs(
     layer = nn.EmbeddingBag(ROWS, DIM, mode=mode, padding_idx=padding)
     lookups = [lookup(g, size, weighted, padding) for size in SIZES]
     pulled = torch.unique(torch.cat([ids for ids, _, _ in lookups]))
-    remote, rows = remote_of(layer, pulled)
-    step = StepLookups({"t": remote})
-    remote.step_lookups = step
+    remotes, rows_of, step = remotes_of({"t": layer}, {"t": pulled})
+    remote, rows = remotes["t"], rows_of["t"]
     with step.forward():
         got = [remote(*each) for each in lookups]
     want = [layer(*each) for each in lookups]

@@ -26,9 +26,8 @@ from torch import Tensor, nn
 
 from paramserver import native
 from paramserver.trainer.bags import DenseGradient, _Step
-from paramserver.trainer.lookups import StepLookups
 from paramserver.wire.bundles import joined_already
-from tests.helpers import remote_of
+from tests.helpers import remote_of, remotes_of
 
 ROWS, DIM = 40, 16
 CASES = [
@@ -109,13 +108,7 @@ def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -
     }
     ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
     offsets = torch.arange(0, 64, 4)
-    remotes, rows = {}, {}
-    for table, layer in layers.items():
-        remotes[table], rows[table] = remote_of(layer, torch.unique(ids[table]))
-        remotes[table].table = table
-    step = StepLookups(remotes)
-    for remote in remotes.values():
-        remote.step_lookups = step
+    remotes, rows, step = remotes_of(layers, {t: torch.unique(i) for t, i in ids.items()})
     with step.forward():
         got = [remotes[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
     want = [layers[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
@@ -140,13 +133,7 @@ def test_tables_gradients_fill_one_buffer_in_the_tables_order() -> None:
     g = torch.Generator().manual_seed(6)
     layers = {t: nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True) for t in ("a", "b", "c")}
     ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
-    remotes, rows = {}, {}
-    for table, layer in layers.items():
-        remotes[table], rows[table] = remote_of(layer, torch.unique(ids[table]))
-        remotes[table].table = table
-    step = StepLookups(remotes)
-    for remote in remotes.values():
-        remote.step_lookups = step
+    remotes, rows, step = remotes_of(layers, {t: torch.unique(i) for t, i in ids.items()})
     with step.forward():
         got = [remotes[t](ids[t], torch.arange(0, 64, 4)) for t in ("c", "a", "b")]
     grads = torch.autograd.grad(
@@ -183,9 +170,8 @@ def test_several_lookups_of_one_table_give_torchs_gradients(
         for _ in batches
     ]
     pulled = torch.unique(torch.cat([ids for ids, _ in batches]))
-    remote, rows = remote_of(layer, pulled)
-    step = StepLookups({"t": remote})
-    remote.step_lookups = step
+    remotes, rows_of, step = remotes_of({"t": layer}, {"t": pulled})
+    remote, rows = remotes["t"], rows_of["t"]
     with step.forward():
         got = [remote(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
     want = [
