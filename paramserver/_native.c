@@ -16,7 +16,8 @@
  *   _sort_order.cpp computes with the same std::sort).
  * - sort_order: that order of some ids alone, for a check that it is torch's.
  * - pack_steps: a request's row ids of every table and server as the wire carries them (each
- *   set's first id and the steps between its ids, in the narrowest integer type), in one call.
+ *   set's first id and the steps between its ids, in the narrowest integer type), in one call;
+ *   unpack_steps: a server's unpacking of them, every set checked and unpacked in one call.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -1812,6 +1813,70 @@ failed:
     return NULL;
 }
 
+/* unpack_steps: the inverse of pack_steps on a server, with packed_problem's checks (wire/
+ * idcodec.py): every set of a request's packed ids in one call. */
+static const char unpack_steps_doc[] =
+    "unpack_steps(parts, out) -> index of the first malformed part, or -1\n"
+    "Each part is (first, code, steps): a first id within int64, its steps' type (0: uint8,\n"
+    "1: int16, 2: int32) and the steps, 1-D. Writes each part's ids, first + the running sum of\n"
+    "its steps, end to end in `out` (int64, one per step of all parts). A part is malformed\n"
+    "where a step is negative, a step after its first is 0 (ids must be unique) or an id\n"
+    "passes int64; the parts after it are not written.";
+
+static PyObject *unpack_steps(PyObject *self, PyObject *args) {
+    PyObject *parts_arg;
+    Py_buffer out_view;
+    if (!PyArg_ParseTuple(args, "Ow*", &parts_arg, &out_view)) return NULL;
+    PyObject *parts = PySequence_Fast(parts_arg, "unpack_steps: parts must be a sequence");
+    if (parts == NULL) {
+        PyBuffer_Release(&out_view);
+        return NULL;
+    }
+    Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts), at = 0, malformed = -1;
+    int64_t *out = out_view.buf;
+    Py_ssize_t capacity = out_view.len / 8;
+    for (Py_ssize_t j = 0; j < num_parts && malformed < 0; j++) {
+        long long first;
+        int code;
+        PyObject *steps_arg;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(parts, j), "LiO", &first, &code, &steps_arg))
+            goto failed;
+        Py_ssize_t width = code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : code == STEPS_I32 ? 4 : 0;
+        Py_buffer view;
+        if (width == 0) {
+            PyErr_SetString(PyExc_ValueError, "unpack_steps: unknown step type");
+            goto failed;
+        }
+        if (PyObject_GetBuffer(steps_arg, &view, PyBUF_C_CONTIGUOUS) < 0) goto failed;
+        Py_ssize_t count = view.len / width;
+        if (view.len % width || count > capacity - at) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "unpack_steps: steps and out do not match");
+            goto failed;
+        }
+        int64_t id = first, *ids = out + at;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            int64_t step = code == STEPS_U8    ? ((const uint8_t *)view.buf)[i]
+                           : code == STEPS_I16 ? ((const int16_t *)view.buf)[i]
+                                               : ((const int32_t *)view.buf)[i];
+            if (step < 0 || (i > 0 && step == 0) || __builtin_add_overflow(id, step, &id)) {
+                malformed = j;
+                break;
+            }
+            ids[i] = id;
+        }
+        PyBuffer_Release(&view);
+        at += count;
+    }
+    Py_DECREF(parts);
+    PyBuffer_Release(&out_view);
+    return PyLong_FromSsize_t(malformed);
+failed:
+    Py_DECREF(parts);
+    PyBuffer_Release(&out_view);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
@@ -1829,6 +1894,7 @@ static PyMethodDef methods[] = {
     {"all_finite", all_finite, METH_O, all_finite_doc},
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {"pack_steps", pack_steps, METH_VARARGS, pack_steps_doc},
+    {"unpack_steps", unpack_steps, METH_VARARGS, unpack_steps_doc},
     {NULL, NULL, 0, NULL},
 };
 

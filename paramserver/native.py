@@ -27,6 +27,9 @@ is what sets its speed. The operations, each a function here with the same resul
 - :func:`places_each`: a prefetching trainer finds which of each table's prefetched ids its
   pending step touched, and where (:mod:`paramserver.trainer.ownupdates`), every table in one
   call (numpy: a ``searchsorted`` and its checks per table);
+- :func:`unpack_steps`: a server unpacks a request's packed row ids, every set checked and
+  unpacked in one call (torch: a few checks and a cumulative sum per set, each with its own
+  cost);
 - :func:`unique_each`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds every
   table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
 - :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
@@ -295,6 +298,24 @@ def pack_steps(
 
 _STEP_TYPES = (np.dtype(np.uint8), np.dtype(np.int16), np.dtype(np.int32))  # pack_steps' codes
 _STEPS_NONE = 3
+
+
+Unpacked = tuple[np.ndarray, int]
+
+
+def unpack_steps(
+    parts: Sequence[tuple[int, int, np.ndarray]],
+    fallback: Callable[[Sequence[tuple[int, int, np.ndarray]]], Unpacked],
+) -> Unpacked:
+    """The inverse of :func:`pack_steps`, checked: each part, ``(first id, code of its steps'
+    type, steps)``, as its ids (``first`` plus the running sum of its steps), every part's end
+    to end (int64); and the place of the first malformed part (a negative step, a step of 0
+    after the first, an id past int64), -1 where none is (the ids from it on mean nothing).
+    Every part in one call of the loop."""
+    if loops is None:
+        return fallback(parts)
+    ids = np.empty(sum(steps.size for _, _, steps in parts), np.int64)
+    return ids, int(loops.unpack_steps(parts, ids))
 
 
 Places = Callable[

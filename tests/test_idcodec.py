@@ -28,6 +28,7 @@ from paramserver.wire.idcodec import (
     min_id_nbytes,
     num_ids,
     packed_problem,
+    unpack_all,
     unpack_ids,
 )
 from paramserver.wire.messages import PushPullRequest, RowBlock
@@ -204,6 +205,48 @@ def test_the_edges_of_int64_are_accepted() -> None:
     assert unpack_ids(bottom).tolist() == [INT64_MIN, INT64_MIN + 1]
 
 
+def test_a_requests_sets_unpack_together_as_each_alone_and_the_first_malformed_is_named(
+    loop_mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """unpack_all over several peers' sets gives what unpack_ids gives each, and where any is
+    malformed, the place of the first that packed_problem refuses: by the compiled loop (one
+    call, however many sets) and by torch."""
+    calls = [0]
+    if loop_mode == "compiled":
+        original = native.loops.unpack_steps  # type: ignore[union-attr]
+
+        def counting(*args: object) -> object:
+            calls[0] += 1
+            return original(*args)
+
+        monkeypatch.setattr(native.loops, "unpack_steps", counting)
+    rng = random.Random(31)
+    good: list[PackedIds] = []
+    for _, ids in random_id_sets(rng):
+        packed = compact_ids(torch.tensor(ids, dtype=torch.int64))
+        if type(packed) is PackedIds:
+            good.append(packed)
+    wide = compact_ids(torch.arange(0, 600, 3))  # its steps as a strided view below
+    assert type(wide) is PackedIds
+    good.append(PackedIds(wide.first, torch.stack([wide.steps, wide.steps], 1)[:, 0]))
+    good.append(PackedIds(INT64_MAX - 3, torch.tensor([1, 1, 1], dtype=torch.uint8)))
+    assert not good[-2].steps.is_contiguous()
+    bad = [packed for _, packed, _ in malformed()]
+    for round_ in range(40):
+        sets: list[object] = rng.sample(good, rng.randint(1, 8))
+        unpacked, malformed_at = unpack_all(sets)
+        assert malformed_at == -1
+        assert len(unpacked) == len(sets)
+        for ids, packed in zip(unpacked, sets, strict=True):
+            assert ids.dtype == torch.int64 and torch.equal(ids, unpack_ids(packed))  # type: ignore[arg-type]
+        spoiled = rng.sample(bad, rng.randint(1, 2))
+        for wrong in spoiled:
+            sets.insert(rng.randint(0, len(sets)), wrong)
+        first = next(j for j, packed in enumerate(sets) if packed_problem(packed) is not None)
+        assert unpack_all(sets)[1] == first, round_
+    assert calls[0] > 40 if loop_mode == "compiled" else calls[0] == 0
+
+
 # ---- a server takes packed ids like any other field ----
 
 
@@ -276,6 +319,28 @@ def test_a_malformed_packing_is_refused_whole_and_changes_nothing(
         assert "'user.weight'" in str(caught.value) and "server 0" in str(caught.value), what
     assert endpoint.shard.store.state_hash() == before
     assert endpoint.coordinator.last_call == {}  # no call was taken
+
+
+def test_of_a_requests_malformed_packings_the_first_is_named(make_server: MakeServer) -> None:
+    """Row gradients' ids are unpacked before the pulls', each field in its order: a request
+    with several malformed packings is refused naming the first of them."""
+    endpoint = make_server()
+    good = compact_ids(own_ids(endpoint, 0, 1))
+    assert type(good) is PackedIds
+    repeat = PackedIds(good.first, torch.tensor([0, 0], dtype=torch.uint8))
+    negative = PackedIds(good.first, torch.tensor([0, -2], dtype=torch.int16))
+    grads = torch.ones(2, 4)
+    cases = [
+        ({"user.weight": RowBlock(good, grads)}, {"items.weight": repeat}, "'items.weight'"),
+        ({"user.weight": RowBlock(negative, grads)}, {"items.weight": repeat}, "'user.weight'"),
+        ({}, {"items.weight": good, "user.weight": negative}, "'user.weight'"),
+    ]
+    for row_grads, pulls, named in cases:
+        request = PushPullRequest(0, 0, row_grads=row_grads, pull_rows=pulls)
+        with pytest.raises(InvalidPushError, match="malformed packed ids") as caught:
+            endpoint.handle("push_pull", (request,)).wait()
+        assert named in str(caught.value)
+    assert endpoint.coordinator.last_call == {}
 
 
 def test_packed_ids_count_unpacked_against_the_cap_before_they_are_unpacked(

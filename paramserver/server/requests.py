@@ -28,7 +28,7 @@ from paramserver.sharding import ShardPlan
 from paramserver.store.table import TableShard
 from paramserver.wire.bundles import joined_already
 from paramserver.wire.compression import Encoded, decode, validate
-from paramserver.wire.idcodec import PackedIds, num_ids, packed_problem, unpack_ids
+from paramserver.wire.idcodec import PackedIds, num_ids, packed_problem, unpack_all
 from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
 from paramserver.wire.sizing import message_nbytes, message_sizes
 
@@ -93,21 +93,28 @@ class RequestChecks:
                 block.values = self.values.decoded(name, block.values, shape)
 
     def _unpack_ids(self, request: PushPullRequest) -> None:
-        """Unpack the packed ids of row gradients and pulls, each checked first; others stay
-        as they are (plain ids, or anything else, which :meth:`validate` refuses)."""
-        for name, block in request.row_grads.items():
-            if type(block) is RowBlock:
-                block.ids = self._unpacked(name, block.ids)
-        for name, ids in request.pull_rows.items():
-            request.pull_rows[name] = self._unpacked(name, ids)
-
-    def _unpacked(self, name: str, ids: Tensor | PackedIds) -> Tensor | PackedIds:
-        if type(ids) is not PackedIds:
-            return ids
-        problem = packed_problem(ids)
-        if problem is not None:
-            raise _reject(self.server, name, f"malformed packed ids: {problem}")
-        return unpack_ids(ids)
+        """Unpack the packed ids of row gradients and pulls, all checked first (the first
+        malformed one, in that order, is refused) and unpacked together; others stay as they
+        are (plain ids, or anything else, which :meth:`validate` refuses)."""
+        blocks = [
+            (name, block)
+            for name, block in request.row_grads.items()
+            if type(block) is RowBlock and type(block.ids) is PackedIds
+        ]
+        pulls = [name for name, ids in request.pull_rows.items() if type(ids) is PackedIds]
+        sets = [block.ids for _, block in blocks] + [request.pull_rows[name] for name in pulls]
+        if not sets:
+            return
+        unpacked, malformed = unpack_all(sets)
+        if malformed >= 0:
+            names = [name for name, _ in blocks] + pulls
+            problem = packed_problem(sets[malformed])
+            raise _reject(self.server, names[malformed], f"malformed packed ids: {problem}")
+        each = iter(unpacked)
+        for _, block in blocks:
+            block.ids = next(each)
+        for name in pulls:
+            request.pull_rows[name] = next(each)
 
     def pooled_grads(self, name: str, grads: object, num_bags: int) -> Tensor:
         """The gradient of ``num_bags`` pooled sums of table ``name`` (one this server answered

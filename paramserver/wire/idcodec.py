@@ -123,6 +123,54 @@ def unpack_ids(packed: PackedIds) -> Tensor:
     return packed.steps.to(torch.int64).cumsum(0).add_(packed.first)
 
 
+def unpack_all(sets: Sequence[object]) -> tuple[list[Tensor], int]:
+    """The int64 ids each of ``sets`` (a peer's :class:`PackedIds`) stands for, views of one
+    new tensor, and the place of the first that :func:`packed_problem` refuses (-1: none; the
+    ids mean nothing then): every set checked and unpacked in one call of the compiled loop
+    (a few torch calls per set cost more than the work), else one at a time."""
+    parts = []
+    for packed in sets:
+        code = _step_code(packed)
+        if code is None:  # not made as a sender makes them: told apart one at a time
+            return [], next(j for j, each in enumerate(sets) if packed_problem(each) is not None)
+        assert type(packed) is PackedIds
+        parts.append((packed.first, code, np.ascontiguousarray(packed.steps.numpy())))
+    ids, malformed = native.unpack_steps(parts, _unpack_by_torch)
+    if malformed >= 0:
+        return [], malformed
+    return list(torch.from_numpy(ids).split([steps.size for _, _, steps in parts])), -1
+
+
+_STEP_CODES = {dtype: code for code, dtype in enumerate(STEP_DTYPES)}
+
+
+def _step_code(packed: object) -> int | None:
+    """The code of ``packed``'s steps' dtype (its place in :data:`STEP_DTYPES`), where it is a
+    :class:`PackedIds` whose first id and steps the compiled loop can take: a first id within
+    int64, 1-D steps on the CPU; else None."""
+    if type(packed) is not PackedIds:
+        return None
+    first, steps = getattr(packed, "first", None), getattr(packed, "steps", None)
+    if type(first) is not int or not _INT64_MIN <= first <= _INT64_MAX or type(steps) is not Tensor:
+        return None
+    if steps.layout != torch.strided or steps.device.type != "cpu" or steps.requires_grad:
+        return None
+    return _STEP_CODES.get(steps.dtype) if steps.dim() == 1 else None
+
+
+def _unpack_by_torch(parts: Sequence[tuple[int, int, np.ndarray]]) -> native.Unpacked:
+    """:func:`paramserver.native.unpack_steps`' result, a set at a time."""
+    ids = np.empty(sum(steps.size for _, _, steps in parts), np.int64)
+    at = 0
+    for j, (first, _, steps) in enumerate(parts):
+        packed = PackedIds(first, torch.from_numpy(steps))
+        if packed_problem(packed) is not None:
+            return ids, j
+        ids[at : at + steps.size] = unpack_ids(packed).numpy()
+        at += steps.size
+    return ids, -1
+
+
 def num_ids(ids: object) -> int:
     """How many ids a message's ids field stands for, whatever it holds: a tensor's elements,
     a :class:`PackedIds`'s steps; 0 for anything else (refused later)."""
