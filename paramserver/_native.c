@@ -17,7 +17,9 @@
  * - sort_order: that order of some ids alone, for a check that it is torch's.
  * - pack_steps: a request's row ids of every table and server as the wire carries them (each
  *   set's first id and the steps between its ids, in the narrowest integer type), in one call;
- *   unpack_steps: a server's unpacking of them, every set checked and unpacked in one call.
+ *   unpack_steps: a server's unpacking of them, every set checked and unpacked in one call;
+ *   pack_tables and unpack_tables: the same for several tables' ids as one message carries
+ *   them to one server, their steps in one buffer.
  * - all_finite, ascending_within: a server's checks of a request's gradients (no NaN or Inf)
  *   and row ids (each set rising, within its table's bounds), every table's in one call.
  * - own_rows: a trainer's own update of the rows it pulled, every table in one call, by the
@@ -1877,6 +1879,143 @@ failed:
     return NULL;
 }
 
+/* pack_tables, unpack_tables: the row ids of several tables as one message carries them to one
+ * server (wire/idcodec.py's PackedTables): per table a head (first id, code, count) and its
+ * steps (or, code 3, its int64 ids) in one byte buffer, each table's from an offset aligned to
+ * 8 after the one before's. */
+static inline Py_ssize_t steps_width(int64_t code) {
+    return code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : code == STEPS_I32 ? 4 : 8;
+}
+
+static const char pack_tables_doc[] =
+    "pack_tables(parts, heads, data) -> bytes of data used\n"
+    "Each part (1-D int64, sorted unique) packed as pack_steps packs it, its head (first id,\n"
+    "code, count) in `heads` (int64, 3 a part) and its steps, or its ids where no step type\n"
+    "holds them (code 3), in `data` from the last part's end aligned to 8. `data` holds at least\n"
+    "8 * (ids + parts) bytes.";
+
+static PyObject *pack_tables(PyObject *self, PyObject *args) {
+    PyObject *parts_arg;
+    Py_buffer heads_view, data_view;
+    if (!PyArg_ParseTuple(args, "Ow*w*", &parts_arg, &heads_view, &data_view)) return NULL;
+    PyObject *parts = PySequence_Fast(parts_arg, "pack_tables: parts must be a sequence");
+    Py_ssize_t at = 0;
+    if (parts == NULL) goto failed;
+    Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts);
+    if (heads_view.len < num_parts * 24) {
+        PyErr_SetString(PyExc_ValueError, "pack_tables: heads is too short");
+        goto failed;
+    }
+    int64_t *heads = heads_view.buf;
+    for (Py_ssize_t j = 0; j < num_parts; j++) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
+            goto failed;
+        const int64_t *ids = view.buf;
+        Py_ssize_t count = view.len / 8;
+        int64_t first = count ? ids[0] : 0, largest = 0;
+        int code = STEPS_U8, overflow = view.len % 8 != 0;
+        for (Py_ssize_t i = 1; i < count; i++) {
+            int64_t step;
+            if (__builtin_sub_overflow(ids[i], ids[i - 1], &step)) overflow = 1;
+            else if (step > largest) largest = step;
+        }
+        int64_t span;
+        if (count && (overflow || __builtin_sub_overflow(ids[count - 1], first, &span)))
+            code = STEPS_NONE;
+        else if (largest > INT32_MAX) code = STEPS_NONE;
+        else code = largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
+        Py_ssize_t width = steps_width(code), offset = (at + 7) / 8 * 8;
+        if (view.len % 8 || offset + count * width > data_view.len) {
+            PyBuffer_Release(&view);
+            PyErr_SetString(PyExc_ValueError, "pack_tables: a part is not int64 ids, or data is "
+                                              "too short");
+            goto failed;
+        }
+        char *to = (char *)data_view.buf + offset;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            int64_t step = i ? ids[i] - ids[i - 1] : 0;
+            if (code == STEPS_U8) ((uint8_t *)to)[i] = (uint8_t)step;
+            else if (code == STEPS_I16) ((int16_t *)to)[i] = (int16_t)step;
+            else if (code == STEPS_I32) ((int32_t *)to)[i] = (int32_t)step;
+            else ((int64_t *)to)[i] = ids[i];
+        }
+        heads[3 * j] = first;
+        heads[3 * j + 1] = code;
+        heads[3 * j + 2] = count;
+        at = offset + count * width;
+        PyBuffer_Release(&view);
+    }
+    Py_DECREF(parts);
+    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&data_view);
+    return PyLong_FromSsize_t(at);
+failed:
+    Py_XDECREF(parts);
+    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&data_view);
+    return NULL;
+}
+
+static const char unpack_tables_doc[] =
+    "unpack_tables(heads, data, out) -> (problem, table)\n"
+    "A peer's packed tables (see pack_tables) unpacked into `out` (int64, one per id), every\n"
+    "table's ids end to end. problem 0: none; 1: the heads do not lay their tables out in\n"
+    "`data` exactly (an unknown code, a negative count, a table past the data, data left over)\n"
+    "or their counts do not fill `out`; 2: table `table`'s steps are malformed (a negative\n"
+    "step, a step of 0 after the first, an id past int64), the tables after it not written.\n"
+    "The ids of code 3 are copied as they are (their checks are the caller's).";
+
+static PyObject *unpack_tables(PyObject *self, PyObject *args) {
+    Py_buffer heads_view, data_view, out_view;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &heads_view, &data_view, &out_view)) return NULL;
+    const int64_t *heads = heads_view.buf;
+    const char *data = data_view.buf;
+    int64_t *out = out_view.buf;
+    Py_ssize_t num_tables = heads_view.len / 24, at = 0, written = 0, capacity = out_view.len / 8;
+    int problem = heads_view.len % 24 != 0;
+    /* The layout first, whole: nothing is written for a peer's heads that do not fit. */
+    for (Py_ssize_t j = 0; j < num_tables && !problem; j++) {
+        int64_t code = heads[3 * j + 1], count = heads[3 * j + 2];
+        Py_ssize_t offset = (at + 7) / 8 * 8;
+        if (code < STEPS_U8 || code > STEPS_NONE || count < 0 || count > data_view.len ||
+            offset + count * steps_width(code) > data_view.len || count > capacity - written)
+            problem = 1;
+        else {
+            at = offset + count * steps_width(code);
+            written += count;
+        }
+    }
+    if (!problem && (at != data_view.len || written != capacity)) problem = 1;
+    Py_ssize_t table = -1;
+    at = 0;
+    for (Py_ssize_t j = 0; j < num_tables && !problem; j++) {
+        int64_t id = heads[3 * j], code = heads[3 * j + 1], count = heads[3 * j + 2];
+        Py_ssize_t offset = (at + 7) / 8 * 8;
+        const char *from = data + offset;
+        if (code == STEPS_NONE)
+            memcpy(out, from, count * 8);
+        else
+            for (int64_t i = 0; i < count; i++) {
+                int64_t step = code == STEPS_U8    ? ((const uint8_t *)from)[i]
+                               : code == STEPS_I16 ? ((const int16_t *)from)[i]
+                                                   : ((const int32_t *)from)[i];
+                if (step < 0 || (i > 0 && step == 0) || __builtin_add_overflow(id, step, &id)) {
+                    problem = 2;
+                    table = j;
+                    break;
+                }
+                out[i] = id;
+            }
+        out += count;
+        at = offset + count * steps_width(code);
+    }
+    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&data_view);
+    PyBuffer_Release(&out_view);
+    return Py_BuildValue("(in)", problem, table);
+}
+
 static PyMethodDef methods[] = {
     {"probe", probe, METH_VARARGS, probe_doc},
     {"place", place, METH_VARARGS, place_doc},
@@ -1895,6 +2034,8 @@ static PyMethodDef methods[] = {
     {"ascending_within", ascending_within, METH_VARARGS, ascending_within_doc},
     {"pack_steps", pack_steps, METH_VARARGS, pack_steps_doc},
     {"unpack_steps", unpack_steps, METH_VARARGS, unpack_steps_doc},
+    {"pack_tables", pack_tables, METH_VARARGS, pack_tables_doc},
+    {"unpack_tables", unpack_tables, METH_VARARGS, unpack_tables_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -29,7 +29,8 @@ is what sets its speed. The operations, each a function here with the same resul
   call (numpy: a ``searchsorted`` and its checks per table);
 - :func:`unpack_steps`: a server unpacks a request's packed row ids, every set checked and
   unpacked in one call (torch: a few checks and a cumulative sum per set, each with its own
-  cost);
+  cost); :func:`pack_tables` and :func:`unpack_tables` pack and unpack several tables' ids as
+  one message carries them, in one buffer (numpy and torch: a few calls per table);
 - :func:`unique_each`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds every
   table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
 - :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
@@ -316,6 +317,42 @@ def unpack_steps(
         return fallback(parts)
     ids = np.empty(sum(steps.size for _, _, steps in parts), np.int64)
     return ids, int(loops.unpack_steps(parts, ids))
+
+
+def pack_tables(
+    parts: Sequence[np.ndarray],
+    heads: np.ndarray,
+    data: np.ndarray,
+    fallback: Callable[[Sequence[np.ndarray], np.ndarray, np.ndarray], int],
+) -> int:
+    """Several tables' ids (``parts``, each 1-D int64 sorted unique) as one message carries
+    them (:class:`paramserver.wire.idcodec.PackedTables`): each one's head (first id, code of
+    its steps' type, count) in ``heads`` (int64, ``[parts, 3]``) and its steps (its ids where
+    no step type holds them: code 3) in ``data`` (uint8, at least ``8 * (ids + parts)``),
+    each from the end of the one before aligned to 8; returns the bytes of ``data`` used.
+    Every part in one call of the loop."""
+    if loops is None:
+        return fallback(parts, heads, data)
+    arrays = [np.ascontiguousarray(part, np.int64) for part in parts]
+    return int(loops.pack_tables(arrays, heads, data))
+
+
+def unpack_tables(
+    heads: np.ndarray,
+    data: np.ndarray,
+    out: np.ndarray,
+    fallback: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[int, int]],
+) -> tuple[int, int]:
+    """The inverse of :func:`pack_tables` on a peer's ``heads`` and ``data``, checked: every
+    table's ids end to end in ``out`` (int64, the heads' counts summed); returns ``(0, -1)``,
+    or ``(1, -1)`` where the heads do not lay their tables out in ``data`` exactly, or
+    ``(2, table)`` where that table's steps are malformed (a negative step, a step of 0 after
+    the first, an id past int64). The ids of a table of code 3 are copied unchecked. Every
+    table in one call of the loop."""
+    if loops is None:
+        return fallback(heads, data, out)
+    problem, table = loops.unpack_tables(heads, data, out)
+    return int(problem), int(table)
 
 
 Places = Callable[

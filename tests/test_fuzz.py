@@ -14,8 +14,8 @@ import torch
 
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.wire.compression import Encoded, encode
-from paramserver.wire.idcodec import PackedIds, compact_ids
-from paramserver.wire.messages import BagBlock, PooledGrad, PushPullRequest, RowBlock
+from paramserver.wire.idcodec import PackedIds, PackedTables, compact_ids, pack_tables
+from paramserver.wire.messages import BagBlock, PooledGrad, PushPullRequest, RowBlock, RowBlocks
 from paramserver.wire.reports import TrainerReport
 from tests.helpers import MakeServer, a_dense_name, own_ids
 
@@ -31,6 +31,8 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
     dense = a_dense_name(endpoint)
     shape = tuple(endpoint.shard.store.dense[dense].value.shape)
     junk = lambda: rng.choice(GARBAGE)  # noqa: E731
+    # Never a field left out (None) or left empty ({}): junk that no field may hold.
+    some_junk = lambda: rng.choice([g for g in GARBAGE if g is not None and type(g) is not dict])  # noqa: E731
 
     def bad_ids() -> torch.Tensor:
         return rng.choice(
@@ -67,6 +69,25 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
             ]
         )
 
+    def bad_tables(names: tuple[str, ...]) -> Any:
+        """Tables' ids packed together that are wrong whatever the rest of the request."""
+        ids = [own_ids(endpoint, 0, 1) for _ in names]
+        good = pack_tables(names, ids)
+        heads, data = good.heads.clone(), good.data.clone()
+        heads[rng.randrange(len(names)), rng.choice([1, 2])] += rng.choice([-5, 9, 2**40])
+        return rng.choice(
+            [
+                some_junk(),
+                PackedTables(names, heads, good.data),  # laid out past or short of its data
+                PackedTables(names, good.heads, data[: rng.randrange(data.numel())]),
+                PackedTables((*names, "x"), good.heads, good.data),
+                PackedTables(names, good.heads.int(), good.data),
+                PackedTables(names, good.heads, junk()),
+                pack_tables(names, [own_ids(endpoint, 1, 1) for _ in names]),  # repeated ids
+                pack_tables(names, [own_ids(endpoint, 0) + 1 for _ in names]),  # wrong server
+            ]
+        )
+
     def spoiled_grad() -> Any:
         bad = torch.ones(shape)
         bad.view(-1)[rng.randrange(bad.numel())] = rng.choice([float("nan"), float("inf")])
@@ -85,7 +106,7 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
         lambda r: setattr(r, "call", rng.choice([-5, "1", None, 2.0, 10**6])),
         lambda r: setattr(r, "grads_call", rng.choice([5, -2, "x", None])),
         lambda r: setattr(r, "final", junk()),
-        lambda r: setattr(r, rng.choice(["dense_grads", "row_grads", "pull_rows"]), junk()),
+        lambda r: setattr(r, rng.choice(["dense_grads", "row_grads", "pull_rows"]), some_junk()),
         lambda r: r.dense_grads.update({dense: spoiled_grad()}),
         lambda r: r.dense_grads.update({"no.such": torch.ones(1)}),
         lambda r: r.row_grads.update({"user.weight": RowBlock(bad_ids(), torch.ones(1, 4))}),
@@ -106,6 +127,16 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
         lambda r: r.pooled_grads.update({"items.weight": PooledGrad(0, torch.ones(2, 4))}),
         lambda r: r.pull_versions.update({"user.weight": torch.tensor([0])}),
         lambda r: setattr(r, "report", TrainerReport(5, 1, 1, 0.0, 0.0, 0, 0)),
+        lambda r: setattr(r, "packed_pulls", bad_tables(("items.weight",))),
+        lambda r: setattr(
+            r, "packed_grads", RowBlocks(bad_tables(("user.weight",)), {"user.weight": junk()})
+        ),
+        lambda r: setattr(
+            r,
+            "packed_grads",
+            RowBlocks(pack_tables(["user.weight"], [own_ids(endpoint, 0, 1)]), {"x": junk()}),
+        ),
+        lambda r: setattr(r, "packed_grads", some_junk()),
     ]
 
 
@@ -118,13 +149,24 @@ def test_a_thousand_malformed_pushes_are_refused_and_change_nothing(
     spoilers = corruptions(endpoint, rng)
     kinds: dict[str, int] = {}
     for _ in range(1200):
-        pack = rng.choice([lambda ids: ids, compact_ids])  # plain or packed, as trainers send
-        request = PushPullRequest(
-            trainer=0,
-            call=0,
-            row_grads={"user.weight": RowBlock(pack(own_ids(endpoint, 0, 1)), torch.ones(2, 4))},
-            pull_rows={"items.weight": pack(own_ids(endpoint, 0))},
-        )
+        pushed, pulled = own_ids(endpoint, 0, 1), own_ids(endpoint, 0)
+        if rng.random() < 1 / 3:  # every table's ids packed together, as trainers send them
+            request = PushPullRequest(
+                trainer=0,
+                call=0,
+                packed_grads=RowBlocks(
+                    pack_tables(["user.weight"], [pushed]), {"user.weight": torch.ones(2, 4)}
+                ),
+                packed_pulls=pack_tables(["items.weight"], [pulled]),
+            )
+        else:
+            pack = rng.choice([lambda ids: ids, compact_ids])  # plain, or packed a table at a time
+            request = PushPullRequest(
+                trainer=0,
+                call=0,
+                row_grads={"user.weight": RowBlock(pack(pushed), torch.ones(2, 4))},
+                pull_rows={"items.weight": pack(pulled)},
+            )
         for spoil in rng.sample(spoilers, rng.randint(1, 3)):
             with contextlib.suppress(AttributeError, TypeError):  # a field already junk
                 spoil(request)

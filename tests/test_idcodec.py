@@ -19,19 +19,23 @@ from torch import Tensor, nn
 
 import paramserver as ps
 from paramserver import native
-from paramserver.errors import InvalidPushError
+from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.wire.idcodec import (
     STEP_DTYPES,
     PackedIds,
+    PackedTables,
+    TablesProblem,
     compact_all,
     compact_ids,
     min_id_nbytes,
     num_ids,
+    pack_tables,
     packed_problem,
     unpack_all,
     unpack_ids,
+    unpack_tables,
 )
-from paramserver.wire.messages import PushPullRequest, RowBlock
+from paramserver.wire.messages import PushPullRequest, RowBlock, RowBlocks
 from paramserver.wire.sizing import clone_message, message_sizes
 from tests.helpers import MakeServer, own_ids
 
@@ -247,33 +251,195 @@ def test_a_requests_sets_unpack_together_as_each_alone_and_the_first_malformed_i
     assert calls[0] > 40 if loop_mode == "compiled" else calls[0] == 0
 
 
+def test_tables_packed_together_unpack_to_their_ids_and_pack_as_each_alone(loop_mode: str) -> None:
+    """pack_tables lays every table's ids out as compact_ids packs each (the same first id,
+    step type and steps, or the int64 ids where no step type holds them), and unpack_tables
+    gives them back: by the compiled loop and by numpy."""
+    rng = random.Random(32)
+    sets = [torch.tensor(ids, dtype=torch.int64) for _, ids in random_id_sets(rng)]
+    for round_ in range(60):
+        parts = rng.sample(sets, rng.randint(0, 7))
+        names = [f"t{j}" for j in range(len(parts))]
+        packed = pack_tables(names, parts)
+        assert packed.names == tuple(names) and packed.heads.shape == (len(parts), 3)
+        for (first, code, count), part in zip(packed.heads.tolist(), parts, strict=True):
+            alone = compact_ids(part)
+            assert count == part.numel()
+            if type(alone) is PackedIds:
+                assert (first, STEP_DTYPES[code]) == (alone.first, alone.steps.dtype), round_
+            else:
+                assert code == len(STEP_DTYPES)  # no step type holds them: the ids travel
+        wire = pickle.loads(pickle.dumps(clone_message(packed)))
+        unpacked = unpack_tables(wire)
+        assert type(unpacked) is dict and list(unpacked) == names
+        for ids, part in zip(unpacked.values(), parts, strict=True):
+            assert ids.dtype == torch.int64 and torch.equal(ids, part), round_
+
+
+def spoiled_tables() -> list[tuple[str, object, str | None, str]]:
+    """(what, a peer's packed tables, the table named or None, the reason named)."""
+    good = pack_tables(["a", "b"], [torch.tensor([3, 9, 10]), torch.arange(100, 90_000, 300)])
+    heads, data = good.heads, good.data
+
+    def with_heads(change: tuple[int, int, int]) -> PackedTables:
+        spoiled = heads.clone()
+        spoiled[change[0], change[1]] += change[2]
+        return PackedTables(good.names, spoiled, data)
+
+    def with_step(table: int, at: int, step: int, first: int | None = None) -> PackedTables:
+        spoiled_heads, spoiled = heads.clone(), data.clone()
+        start, code = (0, 0) if table == 0 else (8, 1)  # a: uint8 steps, b: int16 from byte 8
+        dtype = STEP_DTYPES[code]
+        assert int(spoiled_heads[table, 1]) == code
+        spoiled[start:].view(dtype)[at] = step  # type: ignore[index]
+        if first is not None:
+            spoiled_heads[table, 0] = first
+        return PackedTables(good.names, spoiled_heads, spoiled)
+
+    laid_out = "lay its tables out"
+    return [
+        ("not packed tables", {"a": torch.arange(3)}, None, "expected PackedTables"),
+        ("names not a tuple", PackedTables(["a", "b"], heads, data), None, "names"),  # type: ignore[arg-type]
+        ("a name twice", PackedTables(("a", "a"), heads, data), None, "twice"),
+        ("heads of floats", PackedTables(good.names, heads.double(), data), None, "heads"),
+        ("a head short", PackedTables(good.names, heads[:, :2], data), None, "heads"),
+        ("a table's head missing", PackedTables(good.names, heads[:1], data), None, "heads"),
+        ("data of int16", PackedTables(good.names, heads, data.view(torch.int16)), None, "data"),
+        ("data a list", PackedTables(good.names, heads, list(data)), None, "data"),  # type: ignore[arg-type]
+        ("a negative count", with_heads((0, 2, -4)), None, "counts"),
+        ("a count past the data", with_heads((1, 2, 10**12)), None, "counts"),
+        ("one id more", with_heads((1, 2, 1)), None, laid_out),
+        ("one id fewer", with_heads((1, 2, -1)), None, laid_out),
+        ("an unknown code", with_heads((0, 1, 7)), None, laid_out),
+        ("a negative code", with_heads((1, 1, -1)), None, laid_out),
+        ("a wider code", with_heads((1, 1, 1)), None, laid_out),
+        (
+            "data left over",
+            PackedTables(good.names, heads, torch.cat([data, data[:8]])),
+            None,
+            laid_out,
+        ),
+        ("data cut short", PackedTables(good.names, heads, data[:-1]), None, laid_out),
+        ("a repeated id", with_step(0, 1, 0), "a", "unique"),
+        ("a negative step", with_step(1, 2, -2), "b", "negative"),
+        ("ids past int64", with_step(0, 2, 200, first=INT64_MAX - 100), "a", "past int64"),
+    ]
+
+
+def test_every_spoiled_packing_of_tables_is_named_not_unpacked(loop_mode: str) -> None:
+    for what, packed, table, reason in spoiled_tables():
+        found = unpack_tables(packed)
+        assert type(found) is TablesProblem, what
+        assert found.table == table and reason in found.reason, (what, found)
+
+
 # ---- a server takes packed ids like any other field ----
 
 
 def test_a_server_applies_and_answers_packed_ids_as_it_does_plain_ones(
     make_server: MakeServer,
 ) -> None:
-    plain, packed = make_server(servers=2), make_server(servers=2)
-    ids, items = own_ids(plain, 0, 3, 19), own_ids(plain, 0, 3, 14)  # 40 and 30 rows
+    """Plain ids, ids packed a table at a time, and every table's packed together (as a
+    trainer sends them): the same answers, the same state."""
+    endpoints = [make_server(servers=2) for _ in range(3)]
+    ids, items = own_ids(endpoints[0], 0, 3, 19), own_ids(endpoints[0], 0, 3, 14)
     grads = torch.arange(12.0).view(3, 4)
-    answers = []
-    for endpoint, pack in ((plain, lambda t: t), (packed, compact_ids)):
-        wire = pack(ids)
-        assert type(wire) is (Tensor if endpoint is plain else PackedIds)
-        request = PushPullRequest(
+
+    def request_of(kind: str, **fields: Any) -> PushPullRequest:
+        pulled = {"items.weight": items}
+        if kind == "together":
+            return PushPullRequest(
+                0,
+                0,
+                packed_grads=RowBlocks(
+                    pack_tables(["user.weight", "items.weight"], [ids, items[:0]]),
+                    {"user.weight": grads, "items.weight": torch.zeros(0, 4)},
+                ),
+                packed_pulls=pack_tables(list(pulled), list(pulled.values())),
+                **fields,
+            )
+        pack = compact_ids if kind == "each" else (lambda t: t)
+        return PushPullRequest(
             0,
             0,
-            row_grads={"user.weight": RowBlock(wire, grads)},
-            pull_rows={"items.weight": pack(items)},
+            row_grads={"user.weight": RowBlock(pack(ids), grads)},
+            pull_rows={name: pack(t) for name, t in pulled.items()},
+            **fields,
         )
-        answers.append(endpoint.handle("push_pull", (request,)).wait())
-        repeat = PushPullRequest(0, 0, pull_rows={"items.weight": compact_ids(items)})
-        again = endpoint.handle("push_pull", (repeat,)).wait()  # a repeat: its reads only
+
+    answers = []
+    for endpoint, kind in zip(endpoints, ["plain", "each", "together"], strict=True):
+        answers.append(endpoint.handle("push_pull", (request_of(kind),)).wait())
+        again = endpoint.handle("push_pull", (request_of(kind),)).wait()  # a repeat: reads only
         assert torch.equal(again.rows["items.weight"], answers[-1].rows["items.weight"])
-        read = PushPullRequest(0, 0, pull_dense=False, pull_rows={"user.weight": wire})
-        assert endpoint.handle("pull", (read,)).wait().rows["user.weight"].shape == (3, 4)
-    assert torch.equal(answers[0].rows["items.weight"], answers[1].rows["items.weight"])
-    assert plain.shard.store.state_hash() == packed.shard.store.state_hash()
+        read = request_of(kind, pull_dense=False)
+        read.drop_gradients()
+        assert endpoint.handle("pull", (read,)).wait().rows["items.weight"].shape == (3, 4)
+    for answer in answers[1:]:
+        assert torch.equal(answers[0].rows["items.weight"], answer.rows["items.weight"])
+    hashes = {endpoint.shard.store.state_hash() for endpoint in endpoints}
+    assert len(hashes) == 1
+    assert endpoints[0].shard.stats.pushes == 1
+
+
+def test_a_malformed_packing_of_tables_is_refused_whole_and_changes_nothing(
+    make_server: MakeServer,
+) -> None:
+    endpoint = make_server()
+    before = endpoint.shard.store.state_hash()
+    mine = own_ids(endpoint, 0, 1)
+    good = pack_tables(["user.weight"], [mine])
+    grads = {"user.weight": torch.ones(2, 4)}
+    cases: list[tuple[str, PushPullRequest, type[Exception], str]] = []
+    for what, packed, table, reason in spoiled_tables():
+        expected = InvalidPushError if table is not None else ParamServerError
+        if type(packed) is not PackedTables:  # refused with the request's header
+            reason = "packed ids of another kind"
+        for field in ("packed_pulls", "packed_grads"):
+            value: Any = packed
+            if field == "packed_grads" and type(packed) is PackedTables:
+                names = packed.names if type(packed.names) is tuple else ("a", "b")
+                value = RowBlocks(packed, {name: torch.ones(0, 4) for name in set(names)})
+            cases.append((what, PushPullRequest(0, 0, **{field: value}), expected, reason))
+    both = PushPullRequest(0, 0, packed_pulls=good, pull_rows={"user.weight": mine})
+    cases.append(("a table sent both ways", both, InvalidPushError, "packed together and alone"))
+    other = RowBlocks(good, {"items.weight": torch.ones(2, 4)})
+    cases.append(
+        (
+            "values of another table",
+            PushPullRequest(0, 0, packed_grads=other),
+            ParamServerError,
+            "other tables",
+        )
+    )
+    junk = PushPullRequest(0, 0, packed_grads=good)  # type: ignore[arg-type]
+    cases.append(("packed ids of another kind", junk, ParamServerError, "another kind"))
+    wrong = RowBlocks(pack_tables(["user.weight"], [mine + 1]), grads)  # another server's rows
+    cases.append(
+        (
+            "another server's rows",
+            PushPullRequest(0, 0, packed_grads=wrong),
+            InvalidPushError,
+            "wrong server",
+        )
+    )
+    for what, request, expected, reason in cases:
+        with pytest.raises(expected) as caught:
+            endpoint.handle("push_pull", (request,)).wait()
+        assert reason in str(caught.value), (what, caught.value)
+    assert endpoint.shard.store.state_hash() == before
+    assert endpoint.coordinator.last_call == {}  # no call was taken
+
+
+def test_tables_packed_together_are_refused_before_they_unpack_past_the_cap(
+    make_server: MakeServer,
+) -> None:
+    endpoint = make_server(servers=1, trainers=1, max_message_mb=1 / 4096)  # 256 bytes
+    many = pack_tables(["items.weight"], [torch.arange(40)])  # 40 bytes, 320 once unpacked
+    request = PushPullRequest(0, 0, pull_dense=False, packed_pulls=many)
+    with pytest.raises(InvalidPushError, match="may unpack past the cap of 256 bytes"):
+        endpoint.handle("pull", (request,)).wait()
+    assert request.packed_pulls is many and request.pull_rows == {}  # refused, not unpacked
 
 
 def spoiled_packings(endpoint: Any) -> list[tuple[str, PackedIds, str]]:

@@ -9,7 +9,8 @@ at no tensor.
 from __future__ import annotations
 
 from paramserver.errors import ParamServerError
-from paramserver.wire.messages import PushPullRequest
+from paramserver.wire.idcodec import PackedTables
+from paramserver.wire.messages import PushPullRequest, RowBlocks
 from paramserver.wire.reports import TrainerReport
 
 # The request's fields that map parameter or table names to their parts.
@@ -50,6 +51,16 @@ def check_header(request: object, server: int, num_trainers: int) -> None:
             raise ParamServerError(
                 f"server {server}: malformed request: {name} must map names to values"
             )
+    pulls, grads = request.packed_pulls, request.packed_grads
+    if (pulls is not None and type(pulls) is not PackedTables) or (
+        grads is not None
+        and not (
+            type(grads) is RowBlocks
+            and type(grads.values) is dict
+            and all(type(k) is str for k in grads.values)
+        )
+    ):
+        raise ParamServerError(f"server {server}: malformed request: packed ids of another kind")
     report = request.report
     if report is not None and not (
         type(report) is TrainerReport

@@ -2,7 +2,8 @@
 :class:`~paramserver.server.decoded.DecodedRequest`, or refused having changed nothing.
 
 The steps, in order: the header (field types, the trainer); a departed trainer's call is
-refused before its contents are looked at; the size against the cap; a repeat's gradients,
+refused before its contents are looked at; ids packed together turned into ids per table; the
+size against the cap; a repeat's gradients,
 already applied, are dropped; ids unpacked and gradients decoded; gradients of pooled sums
 turned into row gradients, from the bags this trainer pulled; the contents validated whole.
 """
@@ -55,7 +56,8 @@ class Intake:
             departure = self.liveness.departure(request.trainer)
         if departure is not None:  # before its contents are looked at
             raise departure
-        received = self.checks.check_size(request, self.max_message_bytes)
+        packing = self.checks.expand(request, self.max_message_bytes)
+        received = self.checks.check_size(request, self.max_message_bytes) + packing
         if repeat:
             request.drop_gradients()  # already applied: only the reads are answered
         self.checks.decode_request(request)
@@ -68,6 +70,7 @@ class Intake:
     def pull(self, request: PushPullRequest) -> DecodedRequest:
         """A read-only ``request`` checked whole and decoded; raises ParamServerError."""
         self.checks.check_header(request, self.num_trainers)
+        self.checks.expand(request, self.max_message_bytes)
         if request.has_grads or request.final or request.buffers:
             raise ParamServerError(
                 f"server {self.server}: a pull must carry no gradients or buffers; use push_pull"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Protocol, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 import torch
@@ -22,13 +22,21 @@ from torch import Tensor
 
 from paramserver import native
 from paramserver.config import GRADIENT_CODECS, VALUE_CODECS
-from paramserver.errors import InvalidPushError
+from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.server.header import check_header
 from paramserver.sharding import ShardPlan
 from paramserver.store.table import TableShard
 from paramserver.wire.bundles import joined_already
 from paramserver.wire.compression import Encoded, decode, validate
-from paramserver.wire.idcodec import PackedIds, num_ids, packed_problem, unpack_all
+from paramserver.wire.idcodec import (
+    PackedIds,
+    PackedTables,
+    TablesProblem,
+    num_ids,
+    packed_problem,
+    unpack_all,
+    unpack_tables,
+)
 from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
 from paramserver.wire.sizing import message_nbytes, message_sizes
 
@@ -64,6 +72,63 @@ class RequestChecks:
         """Reject a request whose fields are not of the types the protocol defines (first of
         all: the other checks read them), from a trainer outside ``num_trainers``."""
         check_header(request, self.server, num_trainers)
+
+    def expand(self, request: PushPullRequest, max_bytes: int) -> int:
+        """Turn a trainer's ids packed together (``packed_pulls``, ``packed_grads``) into the
+        mappings per table of ``pull_rows`` and ``row_grads``, which any peer may send
+        instead, before anything reads them (after the header's check); a table whose row
+        gradients have no ids is left out. Raise :class:`InvalidPushError` where they are
+        malformed (naming the table, where one is at fault), name a table the mappings do
+        too, or would take over ``max_bytes`` once unpacked (at most 8 bytes of ids per
+        byte packed). Returns what the packed fields weighed on the wire less what their ids
+        weigh unpacked (so that :meth:`check_size` counts the bytes as sent)."""
+        weighed = 0
+        pulls, blocks = request.packed_pulls, request.packed_grads
+        if pulls is not None:
+            ids, weighed = self._unpacked_tables("packed_pulls", pulls, max_bytes)
+            self._join(request.pull_rows, ids)
+            request.packed_pulls = None
+        if blocks is not None:
+            ids, difference = self._unpacked_tables("packed_grads", blocks.ids, max_bytes)
+            weighed += difference
+            values = blocks.values
+            if values.keys() != ids.keys():
+                raise ParamServerError(
+                    f"server {self.server}: malformed request: packed_grads' values name "
+                    "other tables than their ids"
+                )
+            rows = {name: RowBlock(i, values[name]) for name, i in ids.items() if i.numel()}
+            self._join(request.row_grads, rows)
+            request.packed_grads = None
+        return weighed
+
+    def _join(self, mapping: dict[str, Any], unpacked: dict[str, Any]) -> None:
+        twice = mapping.keys() & unpacked.keys()
+        if twice:
+            raise _reject(self.server, min(twice), "sent both packed together and alone")
+        mapping.update(unpacked)
+
+    def _unpacked_tables(
+        self, field: str, packed: PackedTables, max_bytes: int
+    ) -> tuple[dict[str, Tensor], int]:
+        data = getattr(packed, "data", None)
+        if type(data) is Tensor and 8 * data.numel() > max_bytes:
+            raise _reject(
+                self.server,
+                None,
+                f"{field}: packed ids of {data.numel()} bytes may unpack past the cap of "
+                f"{max_bytes} bytes (--max-message-mb)",
+            )
+        found = unpack_tables(packed)
+        if type(found) is TablesProblem:
+            if found.table is None:
+                raise ParamServerError(
+                    f"server {self.server}: malformed request: {field}: {found.reason}"
+                )
+            raise _reject(self.server, found.table, f"malformed packed ids: {found.reason}")
+        assert type(found) is dict and type(data) is Tensor
+        wire = packed.heads.numel() * 8 + data.numel()
+        return found, wire - 8 * sum(ids.numel() for ids in found.values())
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before

@@ -27,7 +27,7 @@ from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.riders import ChiefBuffers, PooledBags
-from paramserver.trainer.routes import Route, pack_together
+from paramserver.trainer.routes import Route, packed_by_server
 from paramserver.trainer.rowstate import RowStates, joined_state
 from paramserver.transport import operations as ops
 from paramserver.transport.base import Transport
@@ -36,11 +36,13 @@ from paramserver.transport.profiled import ProfiledTransport
 from paramserver.transport.stub import ServerStub
 from paramserver.wire.caching import rows_sent
 from paramserver.wire.compression import Encoded, ErrorFeedback, encode, plain
+from paramserver.wire.idcodec import PackedTables
 from paramserver.wire.messages import (
     BagBlock,
     PushPullReply,
     PushPullRequest,
     RowBlock,
+    RowBlocks,
     split_state_key,
 )
 from paramserver.wire.reports import TrainerReport
@@ -154,9 +156,10 @@ class PSClient:
         self.paused_s = 0.0  # time spent waiting for restarted servers
         self.traffic = Traffic()
         self.pooled = PooledBags(plan)
-        # The routes of the last calls' pulls, by call number: the gradients of those rows
-        # go to the same servers.
+        # The routes of the last calls' pulls, by call number, and their ids as each server
+        # got them: the gradients of those rows go to the same servers, with the same ids.
         self._routes: dict[int, dict[str, Route]] = {}
+        self._packed: dict[int, list[PackedTables]] = {}
         self.buffers: ChiefBuffers | None = None  # the chief's, once it sends them
 
     def send_buffers(self, buffers: Mapping[str, Tensor]) -> None:
@@ -266,6 +269,22 @@ class PSClient:
         self, requests: list[PushPullRequest], row_grads: RowsById, grads_call: int
     ) -> None:
         routed = self._routes.get(grads_call, {})
+        packed = self._packed.get(grads_call)
+        if (
+            packed is not None
+            and row_grads.keys() == routed.keys()
+            and all(routed[name].ids is ids for name, (ids, _) in row_grads.items())
+        ):  # the rows the call pulled, every one: their ids go as that call sent them
+            parts = {name: routed[name].split(row_grads[name][1]) for name in routed}
+            for server, request in enumerate(requests):
+                values = {
+                    name: self._encode_rows(name, each[server])
+                    if each[server].numel()
+                    else each[server]
+                    for name, each in parts.items()
+                }
+                request.packed_grads = RowBlocks(packed[server], values)
+            return
         for name, (ids, grads) in row_grads.items():
             route = routed.get(name)
             if route is None or route.ids is not ids:  # rows added since: route them anew
@@ -334,13 +353,14 @@ class PSClient:
         message."""
         routes = {name: Route.of(self.plan, name, ids) for name, ids in pull_ids.items()}
         state_masks = state_masks or {}
-        pack_together(routes.values())
+        # Every server gets its part of each table, empty or not: the answers are reassembled
+        # in order.
+        packed = packed_by_server(routes, self.plan.num_servers) if routes else []
+        for request, tables in zip(requests, packed, strict=False):
+            request.packed_pulls = tables
         cached_versions = {}
         for name, ids in pull_ids.items():
-            # Every server gets its part, empty or not: the answers are reassembled in order.
             route = routes[name]
-            for server, part in enumerate(route.packed):
-                requests[server].pull_rows[name] = part
             if name in state_masks:
                 for server, part in enumerate(route.split(state_masks[name])):
                     requests[server].pull_state[name] = part
@@ -351,9 +371,9 @@ class PSClient:
                 for server, part in enumerate(route.split(versions)):
                     requests[server].pull_versions[name] = part
         if call >= 0:  # a numbered call's pull: its rows' gradients follow
-            self._routes[call] = routes
+            self._routes[call], self._packed[call] = routes, packed
             for old in [c for c in self._routes if c <= call - ROUTED_CALLS_KEPT]:
-                del self._routes[old]
+                del self._routes[old], self._packed[old]
         futures = self._send(op, requests, preceding, report)
         return InFlight(
             self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions,

@@ -3,7 +3,7 @@ gradients (:class:`Route`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from paramserver.sharding import ShardPlan
-from paramserver.wire.idcodec import PackedIds, compact_all
+from paramserver.wire.idcodec import PackedIds, PackedTables, compact_all, pack_tables
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,10 @@ class Route:
 
     @cached_property
     def packed(self) -> tuple[Tensor | PackedIds, ...]:
-        """Each server's ids compacted for the wire (:func:`compact_ids`), once for the pull
-        and the push of its rows' gradients. Only for sorted unique ids. A call's routes are
-        packed together (:func:`pack_together`)."""
+        """Each server's ids compacted for the wire (:func:`compact_ids`), for a push of the
+        gradients of rows routed anew (a call's pull packs every table's ids together, and
+        its rows' gradients go with those: :func:`packed_by_server`). Only for sorted unique
+        ids."""
         return tuple(compact_all(self.parts))
 
     def split(self, values: Tensor) -> tuple[Tensor, ...]:
@@ -63,10 +64,11 @@ class Route:
         return aligned
 
 
-def pack_together(routes: Iterable[Route]) -> None:
-    """Fill :attr:`Route.packed` of every route not packed yet, all in one :func:`compact_all`
-    (a table at a time costs several torch calls each)."""
-    todo = [route for route in routes if "packed" not in route.__dict__]
-    packed = iter(compact_all([part for route in todo for part in route.parts]))
-    for route in todo:
-        route.__dict__["packed"] = tuple(next(packed) for _ in route.parts)
+def packed_by_server(routes: Mapping[str, Route], num_servers: int) -> list[PackedTables]:
+    """Each server's part of every table's ids, packed together (:func:`pack_tables`: one
+    compiled call a server, however many tables)."""
+    names = list(routes)
+    return [
+        pack_tables(names, [route.parts[server] for route in routes.values()])
+        for server in range(num_servers)
+    ]

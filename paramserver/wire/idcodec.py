@@ -171,6 +171,148 @@ def _unpack_by_torch(parts: Sequence[tuple[int, int, np.ndarray]]) -> native.Unp
     return ids, -1
 
 
+@dataclass(frozen=True, eq=False)
+class PackedTables:
+    """The sorted unique ids of several tables, ``names``, as one message carries them to one
+    server: per table a row of ``heads`` (int64, ``[tables, 3]``): its first id, the code of
+    its steps' type (its place in :data:`STEP_DTYPES`; :data:`IDS_CODE`: no step type holds
+    them, and its int64 ids travel instead) and its count of ids; and in ``data`` (uint8) its
+    steps, as :class:`PackedIds` holds them (or its ids), each table's from the end of the one
+    before aligned to 8. Two tensors however many tables: made in one call
+    (:func:`pack_tables`), and a receiver unpacks and checks them in one
+    (:func:`unpack_tables`)."""
+
+    names: tuple[str, ...]
+    heads: Tensor
+    data: Tensor
+
+
+IDS_CODE = len(STEP_DTYPES)  # a table's ids travel as int64 ids, not steps
+_CODE_WIDTHS = np.array([dtype.itemsize for dtype in STEP_DTYPES] + [8], np.int64)
+
+
+def pack_tables(names: Sequence[str], parts: Sequence[Tensor]) -> PackedTables:
+    """``parts`` (1-D int64 ids, each sorted unique: table ``names[j]``'s) as one message
+    carries them (see :class:`PackedTables`): every table in one call of the compiled loop,
+    else in a few numpy operations over them all."""
+    arrays = [part.numpy() for part in parts]
+    heads = np.empty((len(arrays), 3), np.int64)
+    data = np.empty(8 * (sum(array.size for array in arrays) + len(arrays)), np.uint8)
+    used = native.pack_tables(arrays, heads, data, _pack_tables_by_numpy)
+    return PackedTables(tuple(names), torch.from_numpy(heads), torch.from_numpy(data[:used]))
+
+
+def _pack_tables_by_numpy(parts: Sequence[np.ndarray], heads: np.ndarray, data: np.ndarray) -> int:
+    """:func:`paramserver.native.pack_tables`' result, by numpy."""
+    at = 0
+    for j, (part, (first, dtype, steps)) in enumerate(
+        zip(parts, _pack_by_numpy(parts), strict=True)
+    ):
+        code = IDS_CODE if dtype is None else _STEP_CODES[_TORCH_OF[dtype]]
+        offset = -(-at // 8) * 8
+        payload = np.ascontiguousarray(part if dtype is None else steps).view(np.uint8)
+        data[offset : offset + payload.size] = payload
+        heads[j] = (first, code, part.size)
+        at = offset + payload.size
+    return at
+
+
+@dataclass(frozen=True)
+class TablesProblem:
+    """Why a peer's :class:`PackedTables` was refused: its ``table`` (None: the whole set,
+    laid out wrong) and the ``reason``."""
+
+    table: str | None
+    reason: str
+
+
+def unpack_tables(packed: object) -> dict[str, Tensor] | TablesProblem:
+    """The int64 ids of each table of a peer's :class:`PackedTables`, views of one new
+    tensor, by name; or what is wrong with it (each set's steps checked as
+    :func:`packed_problem` checks a :class:`PackedIds`; ids that travel as ids are the
+    caller's to check, as plain ids are). Never raises; at most 8 bytes of ids per byte of
+    ``data`` are made (each id takes a byte or more of it)."""
+    if type(packed) is not PackedTables:
+        return TablesProblem(None, f"expected PackedTables, got {type(packed).__name__}")
+    names, heads, data = packed.names, packed.heads, packed.data
+    if type(names) is not tuple or not all(type(name) is str for name in names):
+        return TablesProblem(None, "its names must be a tuple of strings")
+    if len(set(names)) != len(names):
+        return TablesProblem(None, "it names a table twice")
+    for tensor, dtype, shape in ((heads, torch.int64, (len(names), 3)), (data, torch.uint8, None)):
+        if (
+            type(tensor) is not Tensor
+            or tensor.dtype != dtype
+            or tensor.layout != torch.strided
+            or tensor.device.type != "cpu"
+            or tensor.requires_grad
+            or not tensor.is_contiguous()
+            or (tuple(tensor.shape) != shape if shape else tensor.dim() != 1)
+        ):
+            return TablesProblem(None, "its heads must be int64 [tables, 3], its data uint8 1-D")
+    counts = heads[:, 2].numpy()
+    if (counts < 0).any() or (counts > data.numel()).any() or counts.sum() > data.numel():
+        return TablesProblem(None, "its counts are not counts of the ids its data holds")
+    ids = np.empty(int(counts.sum()), np.int64)
+    problem, table = native.unpack_tables(heads.numpy(), data.numpy(), ids, _unpack_tables_by_torch)
+    if problem == 1:
+        return TablesProblem(None, "its heads do not lay its tables out in its data exactly")
+    if problem == 2:
+        return TablesProblem(names[table], str(packed_problem(_table_packed(packed, table))))
+    return dict(zip(names, torch.from_numpy(ids).split(counts.tolist()), strict=True))
+
+
+def _offsets(heads: np.ndarray) -> np.ndarray:
+    """Where each table's steps start in a :class:`PackedTables`' data, and the end of the
+    last: its heads' layout (codes known), in bytes."""
+    offsets = np.zeros(len(heads) + 1, np.int64)
+    at = 0
+    for j, (_, code, count) in enumerate(heads.tolist()):
+        offsets[j] = -(-at // 8) * 8
+        at = int(offsets[j]) + count * int(_CODE_WIDTHS[code])
+    offsets[-1] = at
+    return offsets
+
+
+def _table_packed(packed: PackedTables, table: int) -> PackedIds:
+    """Table ``table`` of well laid out ``packed`` (codes of steps) as :class:`PackedIds`."""
+    heads = packed.heads.numpy()
+    first, code, count = (int(x) for x in heads[table])
+    start = int(_offsets(heads)[table])
+    dtype = STEP_DTYPES[code]
+    steps = packed.data[start : start + count * dtype.itemsize].view(dtype)
+    return PackedIds(first, steps)
+
+
+def _unpack_tables_by_torch(
+    heads: np.ndarray, data: np.ndarray, out: np.ndarray
+) -> tuple[int, int]:
+    """:func:`paramserver.native.unpack_tables`' result, a table at a time."""
+    codes = heads[:, 1]
+    if ((codes < 0) | (codes > IDS_CODE)).any():
+        return 1, -1
+    offsets = _offsets(heads)
+    if int(offsets[-1]) != data.size or int(heads[:, 2].sum()) != out.size:
+        return 1, -1
+    at = 0
+    for j, (first, code, count) in enumerate(heads.tolist()):
+        start = int(offsets[j])
+        raw = data[start : start + count * int(_CODE_WIDTHS[code])]
+        if code == IDS_CODE:
+            out[at : at + count] = raw.view(np.int64)
+        else:
+            packed = PackedIds(first, torch.from_numpy(raw.view(_NUMPY_STEPS[code])))
+            if packed_problem(packed) is not None:
+                return 2, j
+            out[at : at + count] = unpack_ids(packed).numpy()
+        at += count
+    return 0, -1
+
+
+_TORCH_OF = {np.dtype(str(dtype).removeprefix("torch.")): dtype for dtype in STEP_DTYPES}
+_NUMPY_STEPS = list(_TORCH_OF)
+
+
 def num_ids(ids: object) -> int:
     """How many ids a message's ids field stands for, whatever it holds: a tensor's elements,
     a :class:`PackedIds`'s steps; 0 for anything else (refused later)."""

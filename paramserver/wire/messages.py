@@ -44,7 +44,7 @@ from torch import Tensor
 
 from paramserver.wire.bundles import Bundle, MalformedBundle, bundled, unbundled
 from paramserver.wire.compression import Encoded
-from paramserver.wire.idcodec import PackedIds
+from paramserver.wire.idcodec import PackedIds, PackedTables
 from paramserver.wire.reports import TrainerReport
 
 
@@ -56,6 +56,26 @@ class RowBlock:
 
     ids: Tensor | PackedIds
     values: Tensor | Encoded
+
+
+@dataclass
+class RowBlocks:
+    """Rows of several tables as a trainer sends them to one server: their ids packed
+    together (``ids``) and per table of ``ids.names`` its values (``[count, dim]``, in the
+    order of its ids; a table of no ids is ignored). A server turns them into a
+    :class:`RowBlock` per table with rows before it reads them
+    (:meth:`paramserver.server.requests.RequestChecks.expand`)."""
+
+    ids: PackedTables
+    values: dict[str, Tensor | Encoded]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"ids": self.ids, "values": bundled(self.values)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if type(state) is not dict:
+            raise TypeError(f"row blocks' state must be a dict, got {type(state).__name__}")
+        self.__dict__.update({**state, "values": unbundled(state.get("values"))})
 
 
 @dataclass
@@ -172,17 +192,24 @@ class PushPullRequest:
     # The chief trainer's buffers placed on this server that changed since its last push (all
     # of them on its final push): set as part of applying the call (ShardPlan.buffers).
     buffers: dict[str, Tensor] = field(default_factory=dict)
+    # A trainer's pulls and row gradients of every table to this server, their ids packed
+    # together (two tensors, not two objects a table): a server turns them into pull_rows and
+    # row_grads before anything reads those (RequestChecks.expand); a peer may send either.
+    packed_pulls: PackedTables | None = None
+    packed_grads: RowBlocks | None = None
 
     def drop_gradients(self) -> None:
         """Keep only the reads (a duplicate, or a push too late for its round)."""
         self.buffers.clear()
         self.dense_grads.clear()
         self.row_grads.clear()
+        self.packed_grads = None
         self.pooled_grads.clear()
 
     @property
     def has_grads(self) -> bool:
-        return bool(self.dense_grads) or bool(self.row_grads) or bool(self.pooled_grads)
+        packed = self.packed_grads is not None and bool(self.packed_grads.values)
+        return bool(self.dense_grads) or bool(self.row_grads) or packed or bool(self.pooled_grads)
 
     # On the wire, each mapping of tensors travels as one bundle (see Bundle).
     def __getstate__(self) -> dict[str, Any]:
@@ -203,6 +230,10 @@ class PushPullRequest:
 
     def malformed(self) -> str | None:
         """What is wrong with a bundle this request arrived with (None: nothing)."""
+        blocks = self.__dict__.get("packed_grads")
+        values: object = getattr(blocks, "values", None)
+        if type(blocks) is RowBlocks and type(values) is MalformedBundle:
+            return f"packed_grads: {values.reason}"
         return _malformed_field(self, (*_BUNDLED_REQUEST_FIELDS, "row_grads"))
 
 
