@@ -27,7 +27,7 @@ from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.cache import RowCache
 from paramserver.trainer.kept import KeptCalls
 from paramserver.trainer.riders import ChiefBuffers, PooledBags
-from paramserver.trainer.routes import Route, packed_by_server
+from paramserver.trainer.routes import CallRoutes, Route
 from paramserver.trainer.rowstate import RowStates, joined_state
 from paramserver.transport import operations as ops
 from paramserver.transport.base import Transport
@@ -36,13 +36,11 @@ from paramserver.transport.profiled import ProfiledTransport
 from paramserver.transport.stub import ServerStub
 from paramserver.wire.caching import rows_sent
 from paramserver.wire.compression import Encoded, ErrorFeedback, encode, plain
-from paramserver.wire.idcodec import PackedTables
 from paramserver.wire.messages import (
     BagBlock,
     PushPullReply,
     PushPullRequest,
     RowBlock,
-    RowBlocks,
     split_state_key,
 )
 from paramserver.wire.reports import TrainerReport
@@ -158,8 +156,7 @@ class PSClient:
         self.pooled = PooledBags(plan)
         # The routes of the last calls' pulls, by call number, and their ids as each server
         # got them: the gradients of those rows go to the same servers, with the same ids.
-        self._routes: dict[int, dict[str, Route]] = {}
-        self._packed: dict[int, list[PackedTables]] = {}
+        self._routes: dict[int, CallRoutes] = {}
         self.buffers: ChiefBuffers | None = None  # the chief's, once it sends them
 
     def send_buffers(self, buffers: Mapping[str, Tensor]) -> None:
@@ -268,23 +265,13 @@ class PSClient:
     def _add_row_grads(
         self, requests: list[PushPullRequest], row_grads: RowsById, grads_call: int
     ) -> None:
-        routed = self._routes.get(grads_call, {})
-        packed = self._packed.get(grads_call)
-        if (
-            packed is not None
-            and row_grads.keys() == routed.keys()
-            and all(routed[name].ids is ids for name, (ids, _) in row_grads.items())
-        ):  # the rows the call pulled, every one: their ids go as that call sent them
-            parts = {name: routed[name].split(row_grads[name][1]) for name in routed}
-            for server, request in enumerate(requests):
-                values = {
-                    name: self._encode_rows(name, each[server])
-                    if each[server].numel()
-                    else each[server]
-                    for name, each in parts.items()
-                }
-                request.packed_grads = RowBlocks(packed[server], values)
+        pulled = self._routes.get(grads_call)
+        blocks = pulled.grads_by_server(row_grads, self._encode_rows) if pulled else None
+        if blocks is not None:  # the rows the call pulled, every one: ids as it sent them
+            for request, each in zip(requests, blocks, strict=True):
+                request.packed_grads = each
             return
+        routed = pulled.routes if pulled else {}
         for name, (ids, grads) in row_grads.items():
             route = routed.get(name)
             if route is None or route.ids is not ids:  # rows added since: route them anew
@@ -351,12 +338,9 @@ class PSClient:
         """Send ``requests`` (one per server), asking each for its part of ``pull_ids``;
         ``preceding``: calls (a request per server each) that go before them in the same
         message."""
-        routes = {name: Route.of(self.plan, name, ids) for name, ids in pull_ids.items()}
-        state_masks = state_masks or {}
-        # Every server gets its part of each table, empty or not: the answers are reassembled
-        # in order.
-        packed = packed_by_server(routes, self.plan.num_servers) if routes else []
-        for request, tables in zip(requests, packed, strict=False):
+        pulled = CallRoutes.of(self.plan, pull_ids)
+        routes, state_masks = pulled.routes, state_masks or {}
+        for request, tables in zip(requests, pulled.packed, strict=False):
             request.packed_pulls = tables
         cached_versions = {}
         for name, ids in pull_ids.items():
@@ -371,9 +355,9 @@ class PSClient:
                 for server, part in enumerate(route.split(versions)):
                     requests[server].pull_versions[name] = part
         if call >= 0:  # a numbered call's pull: its rows' gradients follow
-            self._routes[call], self._packed[call] = routes, packed
+            self._routes[call] = pulled
             for old in [c for c in self._routes if c <= call - ROUTED_CALLS_KEPT]:
-                del self._routes[old], self._packed[old]
+                del self._routes[old]
         futures = self._send(op, requests, preceding, report)
         return InFlight(
             self, futures, pull_ids, routes, call, pooled_shapes or {}, cached_versions,

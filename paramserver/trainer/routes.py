@@ -3,7 +3,7 @@ gradients (:class:`Route`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -11,7 +11,11 @@ import torch
 from torch import Tensor
 
 from paramserver.sharding import ShardPlan
+from paramserver.wire.compression import Encoded
 from paramserver.wire.idcodec import PackedIds, PackedTables, compact_all, pack_tables
+from paramserver.wire.messages import RowBlocks
+
+Encode = Callable[[str, Tensor], Tensor | Encoded]
 
 
 @dataclass(frozen=True)
@@ -64,11 +68,42 @@ class Route:
         return aligned
 
 
-def packed_by_server(routes: Mapping[str, Route], num_servers: int) -> list[PackedTables]:
-    """Each server's part of every table's ids, packed together (:func:`pack_tables`: one
-    compiled call a server, however many tables)."""
-    names = list(routes)
-    return [
-        pack_tables(names, [route.parts[server] for route in routes.values()])
-        for server in range(num_servers)
-    ]
+@dataclass(frozen=True)
+class CallRoutes:
+    """A call's pull as it went: each table's :class:`Route`, and every server's part of
+    their ids packed together (``packed``: one compiled call a server, however many tables;
+    every server gets its part of each table, empty or not). The gradients of those rows go
+    with the same ids (:meth:`grads_by_server`)."""
+
+    routes: dict[str, Route]
+    packed: list[PackedTables]
+
+    @classmethod
+    def of(cls, plan: ShardPlan, pull_ids: Mapping[str, Tensor]) -> CallRoutes:
+        routes = {name: Route.of(plan, name, ids) for name, ids in pull_ids.items()}
+        if not routes:
+            return cls(routes, [])
+        names, servers = list(routes), range(plan.num_servers)
+        packed = [pack_tables(names, [r.parts[s] for r in routes.values()]) for s in servers]
+        return cls(routes, packed)
+
+    def grads_by_server(
+        self, row_grads: Mapping[str, tuple[Tensor, Tensor]], encode: Encode
+    ) -> list[RowBlocks] | None:
+        """Each server's part of ``row_grads`` (per table: ids and their gradients) with the
+        ids as this pull sent them, its values encoded by ``encode(table, values)`` (an
+        empty part as it is); None unless they are the gradients of every row it routed (its
+        very ids tensors)."""
+        routes = self.routes
+        if not self.packed or row_grads.keys() != routes.keys():
+            return None
+        if not all(routes[name].ids is ids for name, (ids, _) in row_grads.items()):
+            return None
+        parts = {name: routes[name].split(row_grads[name][1]) for name in routes}
+        return [
+            RowBlocks(
+                packed,
+                {n: encode(n, p[s]) if p[s].numel() else p[s] for n, p in parts.items()},
+            )
+            for s, packed in enumerate(self.packed)
+        ]
