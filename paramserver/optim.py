@@ -152,6 +152,10 @@ class SGD(UpdateRule):
         if c.momentum:  # each block's buffer is set up on its own (see step)
             super().step_blocks(blocks, lr)
             return
+        if not blocks:
+            return
+        # One foreach call over the blocks: on the CPU it runs the per-tensor add_ the single
+        # tensor path runs, so the result is the same bitwise, without a Python call a block.
         sgd(
             [b.param for b in blocks],
             [b.grad for b in blocks],
@@ -162,9 +166,9 @@ class SGD(UpdateRule):
             dampening=c.dampening,
             nesterov=c.nesterov,
             maximize=False,
+            foreach=True,
         )
-        for b in blocks:
-            b.step.add_(1)
+        torch._foreach_add_([b.step for b in blocks], 1)
 
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
         # Without momentum, the state-free step the compiled loop makes as torch's add_ does.

@@ -143,11 +143,12 @@ class OwnUpdates:
         """One step of the dense rule over every pulled value with state (the servers step
         each one's at once, at one lr)."""
         blocks = []
+        unread = torch.zeros(()) if self.dense_rule.stateless else None  # none asked: none read
         for name, grad in grads.items():
             state = dict(pulled.dense_state.get(name, {}))
             count = state.pop(ROW_STEPS, None)
-            if count is None and self.dense_rule.stateless:  # none asked: none read
-                count = torch.zeros(())
+            if count is None:
+                count = unread
             if count is not None and name in pulled.dense:
                 blocks.append(Block(pulled.dense[name], grad, state, count))
         if blocks:
