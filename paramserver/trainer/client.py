@@ -488,9 +488,9 @@ class InFlight:
                 if name in reply.pooled:
                     pooled += plain(reply.pooled[name])
             pulled.pooled[name] = pooled
+        traffic.row_bytes_received += sum(payload_nbytes(r.rows) for r in replies)
         for name, ids in self.pull_ids.items():
             route = self.routes[name]
-            traffic.row_bytes_received += sum(payload_nbytes(r.rows[name]) for r in replies)
             parts = [plain(reply.rows[name]) for reply in replies]
             cached = self.cached_versions.get(name)
             if cached is None:
