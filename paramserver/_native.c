@@ -584,7 +584,9 @@ static Py_ssize_t matched_rows(const OwnTable *t, Py_ssize_t *pairs) {
     const int64_t *at = t->at, *grad_ids = t->grad_ids;
     Py_ssize_t n = t->num_at, m = t->num_grads, k = 0, i = 0, j = 0;
     int64_t *ids = (int64_t *)(pairs + 2 * n);
-    for (Py_ssize_t r = 0; r < n; r++) ids[r] = t->ids[at[r]];
+    if (at == NULL) ids = (int64_t *)t->ids; /* every row, in order */
+    else
+        for (Py_ssize_t r = 0; r < n; r++) ids[r] = t->ids[at[r]];
     int ascending = 1;
     for (Py_ssize_t r = 1; r < n; r++) ascending &= ids[r] > ids[r - 1];
     if (!ascending) {
@@ -614,7 +616,7 @@ static Py_ssize_t matched_rows(const OwnTable *t, Py_ssize_t *pairs) {
     Py_ssize_t updated = matched_rows(t, pairs);                                             \
     for (Py_ssize_t q = 0; q < updated; q++) {                                               \
         Py_ssize_t i = (pairs)[2 * q], j = (pairs)[2 * q + 1];                               \
-        float *param = (t)->values + (t)->at[i] * dim;                                       \
+        float *param = (t)->values + ((t)->at != NULL ? (t)->at[i] : i) * dim;              \
         const float *grad = (t)->grads + j * dim;                                            \
         if (kind == RULE_ADAGRAD) {                                                          \
             float *sum = (t)->state + i * dim;                                               \
@@ -669,15 +671,16 @@ static int export_own_table(PyObject *item, int kind, Py_buffer *views, const in
     if (optional_buffer(means, &views[4], PyBUF_C_CONTIGUOUS) < 0) return -1;
     Py_ssize_t state_width = kind == RULE_ADAGRAD ? dim : 1;
     *t = (OwnTable){views[0].buf, state == NULL ? NULL : state + begin * state_width,
-                    views[3].buf, views[4].buf, views[1].buf, at + begin, views[2].buf, 0,
-                    end - begin, views[2].len / 8, dim, (float)lr};
+                    views[3].buf, views[4].buf, views[1].buf, at == NULL ? NULL : at + begin,
+                    views[2].buf, 0, end - begin, views[2].len / 8, dim, (float)lr};
     if (dim <= 0 || dim > PY_SSIZE_T_MAX / 8 || views[0].len % (4 * dim)) goto mismatched;
     t->num_values = views[0].len / 4 / dim;
+    if (at == NULL) t->num_at = t->num_values; /* every row, in order */
     if (views[1].len != t->num_values * 8 || views[2].len % 8 ||
         views[3].len != t->num_grads * dim * 4 || (kind == RULE_ROWWISE) != (t->means != NULL) ||
         (t->means != NULL && views[4].len != t->num_grads * 4))
         goto mismatched;
-    for (Py_ssize_t i = 0; i < t->num_at; i++) {
+    for (Py_ssize_t i = 0; t->at != NULL && i < t->num_at; i++) {
         if (t->at[i] < 0 || t->at[i] >= t->num_values) {
             PyErr_SetString(PyExc_ValueError, "own_rows: a place past the pulled rows");
             return -1;
@@ -693,7 +696,8 @@ static const char own_rows_doc[] =
     "own_rows(kind, tables, at, state, spans, eps, weight_decay, fused) -> rows updated\n"
     "A trainer's own update (kind 0: SGD, 1: Adagrad, 2: row-wise Adagrad) of the rows it\n"
     "pulled, each table j (values, dim, ids, grad_ids, grads, means, lr) in place: the rows\n"
-    "at[b:e] of values (float32 rows of dim; ids their sorted ids), where (b, e) = spans[j],\n"
+    "at[b:e] of values (float32 rows of dim; ids their sorted ids), where (b, e) = spans[j]\n"
+    "(at and spans None: every row of values, in order; SGD's, which reads no state),\n"
     "and the same rows of state take the gradient of the same id among grad_ids (sorted\n"
     "unique; grads its rows), if any. at: int64 places; state: None (SGD), a float32 row\n"
     "(Adagrad) or value (row-wise) per place; spans: int64 pairs, one per table, within at;\n"
@@ -701,13 +705,13 @@ static const char own_rows_doc[] =
     "multiply-adds rounded once, as torch's on this CPU.";
 
 static PyObject *own_rows(PyObject *self, PyObject *args) {
-    PyObject *tables_arg, *state_arg, *result = NULL;
+    PyObject *tables_arg, *at_arg, *state_arg, *spans_arg, *result = NULL;
     Py_buffer at = {0}, state = {0}, spans = {0};
     OwnRule rule;
     double eps, weight_decay;
     int fused;
-    if (!PyArg_ParseTuple(args, "iOy*Oy*ddp", &rule.kind, &tables_arg, &at, &state_arg, &spans,
-                          &eps, &weight_decay, &fused))
+    if (!PyArg_ParseTuple(args, "iOOOOddp", &rule.kind, &tables_arg, &at_arg, &state_arg,
+                          &spans_arg, &eps, &weight_decay, &fused))
         return NULL;
     PyObject *tables = NULL;
     Py_buffer *views = NULL;
@@ -719,18 +723,23 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
         goto done;
     }
     rule = (OwnRule){rule.kind, weight_decay != 0.0, (float)eps, (float)weight_decay};
-    if (optional_buffer(state_arg, &state, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) goto done;
+    if (optional_buffer(state_arg, &state, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0 ||
+        optional_buffer(at_arg, &at, PyBUF_C_CONTIGUOUS) < 0 ||
+        optional_buffer(spans_arg, &spans, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
     tables = PySequence_Fast(tables_arg, "own_rows: tables must be a sequence");
     if (tables == NULL) goto done;
     num_tables = PySequence_Fast_GET_SIZE(tables);
     const int64_t *bounds = spans.buf;
     Py_ssize_t num_at = at.len / 8;
-    if (at.len % 8 || spans.len != num_tables * 16 ||
+    int every_row = at.buf == NULL; /* every pulled row of each table, in order: SGD's */
+    if (every_row != (spans.buf == NULL) || (every_row && state.buf != NULL) || at.len % 8 ||
+        (!every_row && spans.len != num_tables * 16) ||
         (rule.kind == RULE_SGD) != (state.buf == NULL)) {
         PyErr_SetString(PyExc_ValueError, "own_rows: arrays of mismatched sizes");
         goto done;
     }
-    for (Py_ssize_t j = 0; j < num_tables; j++) {
+    for (Py_ssize_t j = 0; !every_row && j < num_tables; j++) {
         if (bounds[2 * j] < 0 || bounds[2 * j] > bounds[2 * j + 1] || bounds[2 * j + 1] > num_at) {
             PyErr_SetString(PyExc_ValueError, "own_rows: a span past the places");
             goto done;
@@ -738,20 +747,27 @@ static PyObject *own_rows(PyObject *self, PyObject *args) {
     }
     views = PyMem_Calloc(5 * (num_tables ? num_tables : 1), sizeof(Py_buffer));
     each = PyMem_Calloc(num_tables ? num_tables : 1, sizeof(OwnTable));
-    pairs = PyMem_Malloc(3 * (num_at ? num_at : 1) * sizeof(Py_ssize_t)); /* any table's */
-    if (views == NULL || each == NULL || pairs == NULL) {
+    if (views == NULL || each == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    Py_ssize_t most = num_at;
     for (Py_ssize_t j = 0; j < num_tables; j++) {
+        Py_ssize_t begin = every_row ? 0 : bounds[2 * j], end = every_row ? 0 : bounds[2 * j + 1];
         if (export_own_table(PySequence_Fast_GET_ITEM(tables, j), rule.kind, views + 5 * j,
-                             at.buf, state.buf, bounds[2 * j], bounds[2 * j + 1], &each[j]) < 0)
+                             at.buf, state.buf, begin, end, &each[j]) < 0)
             goto done;
+        if (each[j].num_at > most) most = each[j].num_at;
         Py_ssize_t width = rule.kind == RULE_ADAGRAD ? each[j].dim : 1;
         if (state.buf != NULL && state.len != num_at * width * 4) {
             PyErr_SetString(PyExc_ValueError, "own_rows: arrays of mismatched sizes");
             goto done;
         }
+    }
+    pairs = PyMem_Malloc(3 * (most ? most : 1) * sizeof(Py_ssize_t)); /* any table's */
+    if (pairs == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t j = 0; j < num_tables; j++)

@@ -440,9 +440,9 @@ OwnTable = tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray
 def own_rows(
     kind: str,
     tables: Sequence[OwnTable],
-    at: np.ndarray,
+    at: np.ndarray | None,
     state: np.ndarray | None,
-    spans: np.ndarray,
+    spans: np.ndarray | None,
     *,
     eps: float,
     weight_decay: float,
@@ -451,9 +451,10 @@ def own_rows(
     """A trainer's own update by rule ``kind`` (of :data:`RULE_KINDS`) of the pulled rows of
     each of ``tables`` that have state and a gradient, in place, with their state; returns
     how many rows it updated. ``at``: every table's places of those rows end to end (int64),
-    table ``j``'s from ``spans[j][0]`` to ``spans[j][1]``; ``state``: theirs, aligned with
-    ``at`` (None for SGD). ``fused``: multiply-adds rounded once (else twice), as the servers'
-    update on this machine (see :mod:`paramserver.optim`)."""
+    table ``j``'s from ``spans[j][0]`` to ``spans[j][1]`` (both None: every pulled row, in
+    order, for SGD); ``state``: theirs, aligned with ``at`` (None for SGD). ``fused``:
+    multiply-adds rounded once (else twice), as the servers' update on this machine (see
+    :mod:`paramserver.optim`)."""
     assert loops is not None, "called where takes_rows() says the loops apply"
     return int(loops.own_rows(RULE_KINDS[kind], tables, at, state, spans, eps, weight_decay, fused))
 

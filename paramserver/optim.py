@@ -424,11 +424,11 @@ class PulledRows:
     """Tables' pulled rows that came with state, to take a trainer's own update: ``at``, their
     places among their table's values, every table's end to end (int64), table ``j``'s from
     ``spans[j, 0]`` to ``spans[j, 1]``; ``state``, its slots aligned with ``at`` (stepped in
-    place)."""
+    place). ``at`` and ``spans`` None: every row of each table, in order, with no state."""
 
     tables: list[PulledTable]
-    at: np.ndarray
-    spans: np.ndarray
+    at: np.ndarray | None
+    spans: np.ndarray | None
     state: State
 
 
@@ -481,9 +481,12 @@ def _own_rows(
         )
         for j, t in enumerate(tables)
     ]  # fmt: skip
+    at, spans = (
+        (None, None) if rows.at is None or rows.spans is None
+        else (np.ascontiguousarray(rows.at, np.int64), np.ascontiguousarray(rows.spans, np.int64))
+    )  # fmt: skip
     return native.own_rows(
-        kind, parts, np.ascontiguousarray(rows.at, dtype=np.int64),
-        None if state is None else state.numpy(), np.ascontiguousarray(rows.spans, dtype=np.int64),
+        kind, parts, at, None if state is None else state.numpy(), spans,
         eps=config.resolved_eps, weight_decay=config.weight_decay, fused=fused,
     )  # fmt: skip
 

@@ -480,6 +480,38 @@ def test_bad_own_rows_are_refused_before_anything_is_written() -> None:
 
 
 @compiled
+def test_own_rows_of_every_row_step_each_table_as_its_places_in_order_do() -> None:
+    """at and spans None (plain SGD's known tables): every pulled row of each table, as the
+    places of all its rows in order step them; refused with state or with spans alone."""
+    rng = np.random.default_rng(5)
+    tables, counts = [], [300, 0, 50]
+    for count in counts:
+        ids = np.sort(rng.choice(1_000, count, replace=False))
+        grad_ids = np.sort(rng.choice(1_000, 200, replace=False))
+        grads = rng.standard_normal((200, 4)).astype(np.float32)
+        values = rng.standard_normal((count, 4)).astype(np.float32)
+        tables.append((values, 4, ids, grad_ids, grads, None, 0.5))
+    copies = [(v.copy(), *rest) for v, *rest in tables]
+    ends = np.cumsum(counts)
+    at = np.concatenate([np.arange(n) for n in counts])
+    spans = np.stack([ends - np.array(counts), ends], axis=1)
+    by_places = native.own_rows(
+        "sgd", copies, at, None, spans, eps=0.0, weight_decay=0.0, fused=True
+    )
+    every = native.own_rows("sgd", tables, None, None, None, eps=0.0, weight_decay=0.0, fused=True)
+    assert every == by_places > 0
+    for (values, *_), (expected, *_) in zip(tables, copies, strict=True):
+        assert np.array_equal(values, expected)
+    sums = np.zeros((sum(counts), 4), np.float32)
+    with pytest.raises(ValueError, match="mismatched sizes"):  # a rule with state needs places
+        native.own_rows(
+            "adagrad", tables, None, sums, None, eps=1e-10, weight_decay=0.0, fused=True
+        )
+    with pytest.raises(ValueError, match="mismatched sizes"):
+        native.own_rows("sgd", tables, None, None, spans, eps=0.0, weight_decay=0.0, fused=True)
+
+
+@compiled
 @pytest.mark.parametrize("order", ["ascending", "descending", "shuffled"])
 def test_own_rows_find_each_rows_gradient_in_any_order(order: str) -> None:
     """Each row's gradient is found among the gradients' sorted ids (rows in ascending id

@@ -134,10 +134,7 @@ class OwnUpdates:
         ]
         if not names:
             return []
-        sizes = np.array([pulled.rows[name][0].numel() for name in names], dtype=np.int64)
-        ends = np.cumsum(sizes)
-        at = np.arange(ends[-1], dtype=np.int64) - np.repeat(ends - sizes, sizes)
-        return [RowStates(names, at, np.stack([ends - sizes, ends], axis=1), {})]
+        return [RowStates.every_row(names, [pulled.rows[name][0].numel() for name in names])]
 
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
@@ -212,7 +209,9 @@ class OwnUpdates:
             for j in tables:
                 ids, values = pulled.rows[rows.names[j]]
                 pulled_tables.append(PulledTable(values, ids, *grads[rows.names[j]], lr))
-            spans = rows.spans if len(tables) == len(rows.names) else rows.spans[tables]
+            spans = rows.spans
+            if spans is not None and len(tables) != len(rows.names):
+                spans = spans[tables]
             stepped = rule.step_pulled_rows(PulledRows(pulled_tables, rows.at, spans, rows.parts))
             if stepped is None:
                 left.extend(tables)

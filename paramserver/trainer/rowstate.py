@@ -36,26 +36,40 @@ class RowStates:
     ``spans[j, 0]`` to ``spans[j, 1]``."""
 
     names: list[str]
-    at: np.ndarray
-    spans: np.ndarray
+    at: np.ndarray | None
+    spans: np.ndarray | None
     parts: dict[str, Tensor]
+    # at and spans None: every pulled row of each table, in order, with no state (a rule that
+    # reads none); counts: then how many rows each table pulled.
+    counts: list[int] | None = None
+
+    @classmethod
+    def every_row(cls, names: list[str], counts: list[int]) -> RowStates:
+        """Every pulled row of tables ``names`` (``counts`` of them each), with no state."""
+        return cls(names, None, None, {}, counts)
 
     def table(self, j: int) -> RowState:
         """Table ``j``'s rows, as views (what is stepped in them is stepped here)."""
+        if self.at is None or self.spans is None:
+            assert self.counts is not None
+            return RowState(torch.arange(self.counts[j]), {})
         begin, end = (int(x) for x in self.spans[j])
         at = torch.from_numpy(self.at[begin:end])
         return RowState(at, {part: value[begin:end] for part, value in self.parts.items()})
 
     @classmethod
     def joined(cls, each: Sequence[RowStates]) -> RowStates:
-        """The rows of ``each`` (of alike parts) after one another."""
-        offsets = np.cumsum([0] + [rows.at.size for rows in each[:-1]])
+        """The rows of ``each`` (of alike parts, each with its places) after one another."""
+        ats, spans = [], []
+        for rows in each:
+            assert rows.at is not None and rows.spans is not None
+            ats.append(rows.at)
+            spans.append(rows.spans)
+        offsets = np.cumsum([0] + [at.size for at in ats[:-1]])
         return cls(
             [name for rows in each for name in rows.names],
-            np.concatenate([rows.at for rows in each]),
-            np.concatenate(
-                [rows.spans + offset for rows, offset in zip(each, offsets, strict=True)]
-            ),
+            np.concatenate(ats),
+            np.concatenate([span + offset for span, offset in zip(spans, offsets, strict=True)]),
             {part: torch.cat([rows.parts[part] for rows in each]) for part in each[0].parts},
         )
 
