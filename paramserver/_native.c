@@ -1757,6 +1757,22 @@ done:
  * between its ids, in the narrowest of uint8, int16 and int32 that holds its largest step. */
 enum { STEPS_U8 = 0, STEPS_I16 = 1, STEPS_I32 = 2, STEPS_NONE = 3 };
 
+/* The code of the narrowest type that holds every step between `ids` (sorted unique), or
+ * STEPS_NONE where none does, or their span passes int64 (the ids travel as they are). */
+static int step_code(const int64_t *ids, Py_ssize_t count) {
+    int64_t first = count ? ids[0] : 0, largest = 0, span;
+    int overflow = 0;
+    for (Py_ssize_t i = 1; i < count; i++) {
+        int64_t step;
+        if (__builtin_sub_overflow(ids[i], ids[i - 1], &step)) overflow = 1;
+        else if (step > largest) largest = step;
+    }
+    if (count && (overflow || __builtin_sub_overflow(ids[count - 1], first, &span)))
+        return STEPS_NONE;
+    if (largest > INT32_MAX) return STEPS_NONE;
+    return largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
+}
+
 static const char pack_steps_doc[] =
     "pack_steps(parts, out) -> ((first, code, offset), ...)\n"
     "For each part (1-D int64, sorted unique): its first id, the code of its steps' type (0:\n"
@@ -1786,18 +1802,8 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
         }
         const int64_t *ids = view.buf;
         Py_ssize_t count = view.len / 8;
-        int64_t first = count ? ids[0] : 0, largest = 0;
-        int code = STEPS_U8, overflow = 0;
-        for (Py_ssize_t i = 1; i < count; i++) {
-            int64_t step;
-            if (__builtin_sub_overflow(ids[i], ids[i - 1], &step)) overflow = 1;
-            else if (step > largest) largest = step;
-        }
-        int64_t span;
-        if (count && (overflow || __builtin_sub_overflow(ids[count - 1], first, &span)))
-            code = STEPS_NONE; /* a span past int64: the ids themselves */
-        else if (largest > INT32_MAX) code = STEPS_NONE;
-        else code = largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
+        int64_t first = count ? ids[0] : 0;
+        int code = step_code(ids, count);
         Py_ssize_t offset = 0;
         if (count && code != STEPS_NONE) {
             Py_ssize_t width = code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : 4;
@@ -1929,18 +1935,8 @@ static PyObject *pack_tables(PyObject *self, PyObject *args) {
             goto failed;
         const int64_t *ids = view.buf;
         Py_ssize_t count = view.len / 8;
-        int64_t first = count ? ids[0] : 0, largest = 0;
-        int code = STEPS_U8, overflow = view.len % 8 != 0;
-        for (Py_ssize_t i = 1; i < count; i++) {
-            int64_t step;
-            if (__builtin_sub_overflow(ids[i], ids[i - 1], &step)) overflow = 1;
-            else if (step > largest) largest = step;
-        }
-        int64_t span;
-        if (count && (overflow || __builtin_sub_overflow(ids[count - 1], first, &span)))
-            code = STEPS_NONE;
-        else if (largest > INT32_MAX) code = STEPS_NONE;
-        else code = largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
+        int64_t first = count ? ids[0] : 0;
+        int code = step_code(ids, count);
         Py_ssize_t width = steps_width(code), offset = (at + 7) / 8 * 8;
         if (view.len % 8 || offset + count * width > data_view.len) {
             PyBuffer_Release(&view);

@@ -9,11 +9,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
 import paramserver as ps
+from paramserver import native
 from paramserver.checkpoint import Part, checkpoint_dir, commit, load_latest, write_part
 from paramserver.embedding import DynamicOptions
 from paramserver.launch.roles import build_server
@@ -428,3 +430,17 @@ def remotes_of(
     for remote in remotes.values():
         remote.step_lookups = step
     return remotes, rows, step
+
+
+def counted(monkeypatch: pytest.MonkeyPatch, loop: str) -> list[int]:
+    """Count the calls of the compiled ``loop`` (a one-item list), so a test comparing the
+    loops with numpy cannot pass without them."""
+    calls = [0]
+    original = getattr(native.loops, loop)
+
+    def counting(*args: object) -> object:
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(native.loops, loop, counting)
+    return calls

@@ -37,7 +37,7 @@ from paramserver.wire.idcodec import (
 )
 from paramserver.wire.messages import PushPullRequest, RowBlock, RowBlocks
 from paramserver.wire.sizing import clone_message, message_sizes
-from tests.helpers import MakeServer, own_ids
+from tests.helpers import MakeServer, counted, own_ids
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -106,13 +106,7 @@ def test_all_of_a_requests_id_sets_pack_together_as_each_alone(
     elif native.loops is None:
         pytest.skip("the compiled loops are not built")
     else:
-        original = native.loops.pack_steps
-
-        def counting(*args: object) -> object:
-            calls[0] += 1
-            return original(*args)
-
-        monkeypatch.setattr(native.loops, "pack_steps", counting)
+        calls = counted(monkeypatch, "pack_steps")
     rng = random.Random(30)
     sets = [torch.tensor(ids, dtype=torch.int64) for _, ids in random_id_sets(rng)]
     for bound in (255, 256, 2**15 - 1, 2**15, 2**31 - 1, 2**31):
@@ -215,15 +209,7 @@ def test_a_requests_sets_unpack_together_as_each_alone_and_the_first_malformed_i
     """unpack_all over several peers' sets gives what unpack_ids gives each, and where any is
     malformed, the place of the first that packed_problem refuses: by the compiled loop (one
     call, however many sets) and by torch."""
-    calls = [0]
-    if loop_mode == "compiled":
-        original = native.loops.unpack_steps  # type: ignore[union-attr]
-
-        def counting(*args: object) -> object:
-            calls[0] += 1
-            return original(*args)
-
-        monkeypatch.setattr(native.loops, "unpack_steps", counting)
+    calls = counted(monkeypatch, "unpack_steps") if loop_mode == "compiled" else [0]
     rng = random.Random(31)
     good: list[PackedIds] = []
     for _, ids in random_id_sets(rng):

@@ -19,22 +19,9 @@ from paramserver.store.arena import RowArena
 from paramserver.store.idmap import FusedIdMap
 from paramserver.store.rowinit import init_values_and_state
 from paramserver.trainer.lookups import unique_each
+from tests.helpers import counted
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
-
-
-def counted(monkeypatch: pytest.MonkeyPatch, loop: str) -> list[int]:
-    """Count the calls of the compiled ``loop`` (a one-item list), so a test comparing the
-    loops with numpy cannot pass without them."""
-    calls = [0]
-    original = getattr(native.loops, loop)
-
-    def counting(*args: object) -> object:
-        calls[0] += 1
-        return original(*args)
-
-    monkeypatch.setattr(native.loops, loop, counting)
-    return calls
 
 
 def test_the_install_built_the_compiled_loops() -> None:

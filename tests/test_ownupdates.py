@@ -28,7 +28,7 @@ from paramserver.wire.compression import Encoded, error_bound, plain
 from paramserver.wire.messages import PushPullReply, PushPullRequest, RowStateBlock, state_key
 from paramserver.wire.sizing import payload_size
 from tests.factorization import RULES, Factorization, train
-from tests.helpers import MakeServer, own_ids
+from tests.helpers import MakeServer, counted, own_ids
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
@@ -39,15 +39,7 @@ def test_a_prefetching_trainer_learns_as_one_that_does_not(
     prefetch, so the model ends the same; without its own updates it would not (the test
     can fail). Either way: by the compiled loop (SGD, Adagrad, row-wise Adagrad) or torch."""
     unfetched = train(rule, prefetch=False)
-    looped = [0]
-    if loop_mode == "compiled":
-        original = native.loops.own_rows  # type: ignore[union-attr]
-
-        def counting(*args: object) -> object:
-            looped[0] += 1
-            return original(*args)
-
-        monkeypatch.setattr(native.loops, "own_rows", counting)
+    looped = counted(monkeypatch, "own_rows") if loop_mode == "compiled" else [0]
     fresh = train(rule)
     compiled = loop_mode == "compiled" and rule in ("sgd", "adagrad", "rowwise_adagrad")
     assert (looped[0] > 0) == compiled

@@ -13,6 +13,7 @@ from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import plan_of
 from paramserver.trainer.replica import Call, MissingRows, Replica
 from paramserver.wire.bundles import joined_already
+from tests.helpers import counted
 
 
 def run_remote(module: nn.Module, *inputs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -291,14 +292,7 @@ def test_a_steps_lookups_made_in_one_node_are_the_modules(
     state = module.state_dict()
     expected = module(inputs)
     (expected * upstream).sum().backward()
-    gathers = [0]
-    gather_rows = native.loops.gather_rows
-
-    def counting(*args: object) -> None:
-        gathers[0] += 1
-        gather_rows(*args)
-
-    monkeypatch.setattr(native.loops, "gather_rows", counting)
+    gathers = counted(monkeypatch, "gather_rows")
     output, joined = _train_step(copy.deepcopy(module), inputs, upstream)
     assert gathers[0] == 4  # two widths, in the forward that missed rows and in its rerun
     monkeypatch.setattr(native, "loops", None)

@@ -24,6 +24,15 @@ repeated or unsorted id, an id past int64), and :func:`unpack_ids` is safe on an
 What the unpacked ids must be (in a table's range, routed to this server) is the receiver's to
 check, as for plain ids. Unpacked, ``n`` ids take ``8 n`` bytes: :func:`num_ids` lets a server
 count them against its size cap before it unpacks anything.
+
+A trainer sends the ids of every table of a call to one server packed together, as a
+:class:`PackedTables`: each table's first id, step type and count in one int64 tensor of heads,
+and every table's steps (or int64 ids) in one byte tensor. A per-table object costs more to
+make, pickle and check than its few hundred bytes of steps; these two tensors are made in one
+compiled call (:func:`pack_tables`), and a server unpacks and checks all of them in one
+(:func:`unpack_tables`, which never raises on a peer's: it says what is wrong and with which
+table). A peer's ids packed a table at a time are checked and unpacked together too
+(:func:`unpack_all`).
 """
 
 from __future__ import annotations
