@@ -1902,46 +1902,50 @@ failed:
 }
 
 /* pack_tables, unpack_tables: the row ids of several tables as one message carries them to one
- * server (wire/idcodec.py's PackedTables): per table a head (first id, code, count) and its
- * steps (or, code 3, its int64 ids) in one byte buffer, each table's from an offset aligned to
- * 8 after the one before's. */
+ * server (wire/idcodec.py's PackedTables): per table its first id (`firsts`), its count of
+ * ids and the code of its steps' type in one int32 (`sizes`: count * 4 + code), and its steps
+ * (or, code 3, its int64 ids) in one byte buffer, each table's from an offset aligned to 8
+ * after the one before's. */
+#define MOST_TABLE_IDS ((int64_t)1 << 29) /* a count that fits sizes beside its code */
+
 static inline Py_ssize_t steps_width(int64_t code) {
     return code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : code == STEPS_I32 ? 4 : 8;
 }
 
 static const char pack_tables_doc[] =
-    "pack_tables(parts, heads, data) -> bytes of data used\n"
-    "Each part (1-D int64, sorted unique) packed as pack_steps packs it, its head (first id,\n"
-    "code, count) in `heads` (int64, 3 a part) and its steps, or its ids where no step type\n"
-    "holds them (code 3), in `data` from the last part's end aligned to 8. `data` holds at least\n"
-    "8 * (ids + parts) bytes.";
+    "pack_tables(parts, firsts, sizes, data) -> bytes of data used\n"
+    "Each part (1-D int64, sorted unique, under 2^29 ids) packed as pack_steps packs it: its\n"
+    "first id in `firsts` (int64), its count * 4 + the code of its steps' type in `sizes`\n"
+    "(int32; code 3: no step type holds them, and its ids travel), its steps or ids in `data`\n"
+    "from the last part's end aligned to 8. `data` holds at least 8 * (ids + parts) bytes.";
 
 static PyObject *pack_tables(PyObject *self, PyObject *args) {
     PyObject *parts_arg;
-    Py_buffer heads_view, data_view;
-    if (!PyArg_ParseTuple(args, "Ow*w*", &parts_arg, &heads_view, &data_view)) return NULL;
+    Py_buffer firsts_view, sizes_view, data_view;
+    if (!PyArg_ParseTuple(args, "Ow*w*w*", &parts_arg, &firsts_view, &sizes_view, &data_view))
+        return NULL;
     PyObject *parts = PySequence_Fast(parts_arg, "pack_tables: parts must be a sequence");
     Py_ssize_t at = 0;
     if (parts == NULL) goto failed;
     Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts);
-    if (heads_view.len < num_parts * 24) {
-        PyErr_SetString(PyExc_ValueError, "pack_tables: heads is too short");
+    if (firsts_view.len < num_parts * 8 || sizes_view.len < num_parts * 4) {
+        PyErr_SetString(PyExc_ValueError, "pack_tables: firsts or sizes is too short");
         goto failed;
     }
-    int64_t *heads = heads_view.buf;
+    int64_t *firsts = firsts_view.buf;
+    int32_t *sizes = sizes_view.buf;
     for (Py_ssize_t j = 0; j < num_parts; j++) {
         Py_buffer view;
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
             goto failed;
         const int64_t *ids = view.buf;
         Py_ssize_t count = view.len / 8;
-        int64_t first = count ? ids[0] : 0;
         int code = step_code(ids, count);
         Py_ssize_t width = steps_width(code), offset = (at + 7) / 8 * 8;
-        if (view.len % 8 || offset + count * width > data_view.len) {
+        if (view.len % 8 || count >= MOST_TABLE_IDS || offset + count * width > data_view.len) {
             PyBuffer_Release(&view);
-            PyErr_SetString(PyExc_ValueError, "pack_tables: a part is not int64 ids, or data is "
-                                              "too short");
+            PyErr_SetString(PyExc_ValueError, "pack_tables: a part is not int64 ids, has 2^29 "
+                                              "or more, or data is too short");
             goto failed;
         }
         char *to = (char *)data_view.buf + offset;
@@ -1952,46 +1956,49 @@ static PyObject *pack_tables(PyObject *self, PyObject *args) {
             else if (code == STEPS_I32) ((int32_t *)to)[i] = (int32_t)step;
             else ((int64_t *)to)[i] = ids[i];
         }
-        heads[3 * j] = first;
-        heads[3 * j + 1] = code;
-        heads[3 * j + 2] = count;
+        firsts[j] = count ? ids[0] : 0;
+        sizes[j] = (int32_t)(count * 4 + code);
         at = offset + count * width;
         PyBuffer_Release(&view);
     }
     Py_DECREF(parts);
-    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&firsts_view);
+    PyBuffer_Release(&sizes_view);
     PyBuffer_Release(&data_view);
     return PyLong_FromSsize_t(at);
 failed:
     Py_XDECREF(parts);
-    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&firsts_view);
+    PyBuffer_Release(&sizes_view);
     PyBuffer_Release(&data_view);
     return NULL;
 }
 
 static const char unpack_tables_doc[] =
-    "unpack_tables(heads, data, out) -> (problem, table)\n"
+    "unpack_tables(firsts, sizes, data, out) -> (problem, table)\n"
     "A peer's packed tables (see pack_tables) unpacked into `out` (int64, one per id), every\n"
-    "table's ids end to end. problem 0: none; 1: the heads do not lay their tables out in\n"
-    "`data` exactly (an unknown code, a negative count, a table past the data, data left over)\n"
-    "or their counts do not fill `out`; 2: table `table`'s steps are malformed (a negative\n"
-    "step, a step of 0 after the first, an id past int64), the tables after it not written.\n"
-    "The ids of code 3 are copied as they are (their checks are the caller's).";
+    "table's ids end to end. problem 0: none; 1: the sizes do not lay their tables out in\n"
+    "`data` exactly (a negative size, a table past the data, data left over), or their counts\n"
+    "do not fill `out`, or firsts and sizes differ in length; 2: table `table`'s steps are\n"
+    "malformed (a negative step, a step of 0 after the first, an id past int64), the tables\n"
+    "after it not written. The ids of code 3 are copied as they are (the caller checks them).";
 
 static PyObject *unpack_tables(PyObject *self, PyObject *args) {
-    Py_buffer heads_view, data_view, out_view;
-    if (!PyArg_ParseTuple(args, "y*y*w*", &heads_view, &data_view, &out_view)) return NULL;
-    const int64_t *heads = heads_view.buf;
+    Py_buffer firsts_view, sizes_view, data_view, out_view;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &firsts_view, &sizes_view, &data_view, &out_view))
+        return NULL;
+    const int64_t *firsts = firsts_view.buf;
+    const int32_t *sizes = sizes_view.buf;
     const char *data = data_view.buf;
     int64_t *out = out_view.buf;
-    Py_ssize_t num_tables = heads_view.len / 24, at = 0, written = 0, capacity = out_view.len / 8;
-    int problem = heads_view.len % 24 != 0;
-    /* The layout first, whole: nothing is written for a peer's heads that do not fit. */
+    Py_ssize_t num_tables = sizes_view.len / 4, at = 0, written = 0, capacity = out_view.len / 8;
+    int problem = sizes_view.len % 4 != 0 || firsts_view.len != num_tables * 8;
+    /* The layout first, whole: nothing is written for a peer's sizes that do not fit. */
     for (Py_ssize_t j = 0; j < num_tables && !problem; j++) {
-        int64_t code = heads[3 * j + 1], count = heads[3 * j + 2];
+        int64_t code = sizes[j] & 3, count = sizes[j] >> 2;
         Py_ssize_t offset = (at + 7) / 8 * 8;
-        if (code < STEPS_U8 || code > STEPS_NONE || count < 0 || count > data_view.len ||
-            offset + count * steps_width(code) > data_view.len || count > capacity - written)
+        if (sizes[j] < 0 || offset + count * steps_width(code) > data_view.len ||
+            count > capacity - written)
             problem = 1;
         else {
             at = offset + count * steps_width(code);
@@ -2002,7 +2009,7 @@ static PyObject *unpack_tables(PyObject *self, PyObject *args) {
     Py_ssize_t table = -1;
     at = 0;
     for (Py_ssize_t j = 0; j < num_tables && !problem; j++) {
-        int64_t id = heads[3 * j], code = heads[3 * j + 1], count = heads[3 * j + 2];
+        int64_t id = firsts[j], code = sizes[j] & 3, count = sizes[j] >> 2;
         Py_ssize_t offset = (at + 7) / 8 * 8;
         const char *from = data + offset;
         if (code == STEPS_NONE)
@@ -2022,7 +2029,8 @@ static PyObject *unpack_tables(PyObject *self, PyObject *args) {
         out += count;
         at = offset + count * steps_width(code);
     }
-    PyBuffer_Release(&heads_view);
+    PyBuffer_Release(&firsts_view);
+    PyBuffer_Release(&sizes_view);
     PyBuffer_Release(&data_view);
     PyBuffer_Release(&out_view);
     return Py_BuildValue("(in)", problem, table);

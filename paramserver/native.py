@@ -321,37 +321,39 @@ def unpack_steps(
 
 def pack_tables(
     parts: Sequence[np.ndarray],
-    heads: np.ndarray,
+    firsts: np.ndarray,
+    sizes: np.ndarray,
     data: np.ndarray,
-    fallback: Callable[[Sequence[np.ndarray], np.ndarray, np.ndarray], int],
+    fallback: Callable[[Sequence[np.ndarray], np.ndarray, np.ndarray, np.ndarray], int],
 ) -> int:
-    """Several tables' ids (``parts``, each 1-D int64 sorted unique) as one message carries
-    them (:class:`paramserver.wire.idcodec.PackedTables`): each one's head (first id, code of
-    its steps' type, count) in ``heads`` (int64, ``[parts, 3]``) and its steps (its ids where
-    no step type holds them: code 3) in ``data`` (uint8, at least ``8 * (ids + parts)``),
-    each from the end of the one before aligned to 8; returns the bytes of ``data`` used.
-    Every part in one call of the loop."""
+    """Several tables' ids (``parts``, each 1-D int64 sorted unique, under 2^29 of them) as
+    one message carries them (:class:`paramserver.wire.idcodec.PackedTables`): each one's first
+    id in ``firsts`` (int64), its count times 4 plus the code of its steps' type in ``sizes``
+    (int32; code 3: no step type holds them, and its ids travel), its steps or ids in ``data``
+    (uint8, at least ``8 * (ids + parts)``), each from the end of the one before aligned to 8;
+    returns the bytes of ``data`` used. Every part in one call of the loop."""
     if loops is None:
-        return fallback(parts, heads, data)
+        return fallback(parts, firsts, sizes, data)
     arrays = [np.ascontiguousarray(part, np.int64) for part in parts]
-    return int(loops.pack_tables(arrays, heads, data))
+    return int(loops.pack_tables(arrays, firsts, sizes, data))
 
 
 def unpack_tables(
-    heads: np.ndarray,
+    firsts: np.ndarray,
+    sizes: np.ndarray,
     data: np.ndarray,
     out: np.ndarray,
-    fallback: Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[int, int]],
+    fallback: Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, int]],
 ) -> tuple[int, int]:
-    """The inverse of :func:`pack_tables` on a peer's ``heads`` and ``data``, checked: every
-    table's ids end to end in ``out`` (int64, the heads' counts summed); returns ``(0, -1)``,
-    or ``(1, -1)`` where the heads do not lay their tables out in ``data`` exactly, or
-    ``(2, table)`` where that table's steps are malformed (a negative step, a step of 0 after
-    the first, an id past int64). The ids of a table of code 3 are copied unchecked. Every
-    table in one call of the loop."""
+    """The inverse of :func:`pack_tables` on a peer's ``firsts``, ``sizes`` and ``data``,
+    checked: every table's ids end to end in ``out`` (int64, the counts summed); returns
+    ``(0, -1)``, or ``(1, -1)`` where the sizes do not lay their tables out in ``data``
+    exactly, or ``(2, table)`` where that table's steps are malformed (a negative step, a step
+    of 0 after the first, an id past int64). The ids of a table of code 3 are copied
+    unchecked. Every table in one call of the loop."""
     if loops is None:
-        return fallback(heads, data, out)
-    problem, table = loops.unpack_tables(heads, data, out)
+        return fallback(firsts, sizes, data, out)
+    problem, table = loops.unpack_tables(firsts, sizes, data, out)
     return int(problem), int(table)
 
 

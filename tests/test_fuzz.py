@@ -73,16 +73,16 @@ def corruptions(endpoint: Any, rng: random.Random) -> list[Callable[[PushPullReq
         """Tables' ids packed together that are wrong whatever the rest of the request."""
         ids = [own_ids(endpoint, 0, 1) for _ in names]
         good = pack_tables(names, ids)
-        heads, data = good.heads.clone(), good.data.clone()
-        heads[rng.randrange(len(names)), rng.choice([1, 2])] += rng.choice([-5, 9, 2**40])
+        sizes, data = good.sizes.clone(), good.data.clone()
+        sizes[rng.randrange(len(names))] += rng.choice([-8, 1, 2, 36, 2**29])
         return rng.choice(
             [
                 some_junk(),
-                PackedTables(names, heads, good.data),  # laid out past or short of its data
-                PackedTables(names, good.heads, data[: rng.randrange(data.numel())]),
-                PackedTables((*names, "x"), good.heads, good.data),
-                PackedTables(names, good.heads.int(), good.data),
-                PackedTables(names, good.heads, junk()),
+                PackedTables(names, good.firsts, sizes, good.data),  # laid out past its data
+                PackedTables(names, good.firsts, good.sizes, data[: rng.randrange(data.numel())]),
+                PackedTables((*names, "x"), good.firsts, good.sizes, good.data),
+                PackedTables(names, good.firsts, good.sizes.long(), good.data),
+                PackedTables(names, good.firsts, good.sizes, junk()),
                 pack_tables(names, [own_ids(endpoint, 1, 1) for _ in names]),  # repeated ids
                 pack_tables(names, [own_ids(endpoint, 0) + 1 for _ in names]),  # wrong server
             ]

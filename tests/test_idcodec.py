@@ -247,10 +247,11 @@ def test_tables_packed_together_unpack_to_their_ids_and_pack_as_each_alone(loop_
         parts = rng.sample(sets, rng.randint(0, 7))
         names = [f"t{j}" for j in range(len(parts))]
         packed = pack_tables(names, parts)
-        assert packed.names == tuple(names) and packed.heads.shape == (len(parts), 3)
-        for (first, code, count), part in zip(packed.heads.tolist(), parts, strict=True):
-            alone = compact_ids(part)
-            assert count == part.numel()
+        assert packed.names == tuple(names) and packed.sizes.dtype == torch.int32
+        heads = zip(packed.firsts.tolist(), packed.sizes.tolist(), strict=True)
+        for (first, size), part in zip(heads, parts, strict=True):
+            alone, code = compact_ids(part), size & 3
+            assert size >> 2 == part.numel()
             if type(alone) is PackedIds:
                 assert (first, STEP_DTYPES[code]) == (alone.first, alone.steps.dtype), round_
             else:
@@ -265,47 +266,48 @@ def test_tables_packed_together_unpack_to_their_ids_and_pack_as_each_alone(loop_
 def spoiled_tables() -> list[tuple[str, object, str | None, str]]:
     """(what, a peer's packed tables, the table named or None, the reason named)."""
     good = pack_tables(["a", "b"], [torch.tensor([3, 9, 10]), torch.arange(100, 90_000, 300)])
-    heads, data = good.heads, good.data
+    names, firsts, sizes, data = good.names, good.firsts, good.sizes, good.data
 
-    def with_heads(change: tuple[int, int, int]) -> PackedTables:
-        spoiled = heads.clone()
-        spoiled[change[0], change[1]] += change[2]
-        return PackedTables(good.names, spoiled, data)
+    def with_size(table: int, change: int) -> PackedTables:
+        spoiled = sizes.clone()
+        spoiled[table] += change
+        return PackedTables(names, firsts, spoiled, data)
 
     def with_step(table: int, at: int, step: int, first: int | None = None) -> PackedTables:
-        spoiled_heads, spoiled = heads.clone(), data.clone()
+        spoiled_firsts, spoiled = firsts.clone(), data.clone()
         start, code = (0, 0) if table == 0 else (8, 1)  # a: uint8 steps, b: int16 from byte 8
         dtype = STEP_DTYPES[code]
-        assert int(spoiled_heads[table, 1]) == code
+        assert int(sizes[table]) & 3 == code
         spoiled[start:].view(dtype)[at] = step  # type: ignore[index]
         if first is not None:
-            spoiled_heads[table, 0] = first
-        return PackedTables(good.names, spoiled_heads, spoiled)
+            spoiled_firsts[table] = first
+        return PackedTables(names, spoiled_firsts, sizes, spoiled)
 
-    laid_out = "lay its tables out"
+    laid_out, kinds = "lay its tables out", "must be int64 and int32"
     return [
         ("not packed tables", {"a": torch.arange(3)}, None, "expected PackedTables"),
-        ("names not a tuple", PackedTables(["a", "b"], heads, data), None, "names"),  # type: ignore[arg-type]
-        ("a name twice", PackedTables(("a", "a"), heads, data), None, "twice"),
-        ("heads of floats", PackedTables(good.names, heads.double(), data), None, "heads"),
-        ("a head short", PackedTables(good.names, heads[:, :2], data), None, "heads"),
-        ("a table's head missing", PackedTables(good.names, heads[:1], data), None, "heads"),
-        ("data of int16", PackedTables(good.names, heads, data.view(torch.int16)), None, "data"),
-        ("data a list", PackedTables(good.names, heads, list(data)), None, "data"),  # type: ignore[arg-type]
-        ("a negative count", with_heads((0, 2, -4)), None, "counts"),
-        ("a count past the data", with_heads((1, 2, 10**12)), None, "counts"),
-        ("one id more", with_heads((1, 2, 1)), None, laid_out),
-        ("one id fewer", with_heads((1, 2, -1)), None, laid_out),
-        ("an unknown code", with_heads((0, 1, 7)), None, laid_out),
-        ("a negative code", with_heads((1, 1, -1)), None, laid_out),
-        ("a wider code", with_heads((1, 1, 1)), None, laid_out),
+        ("names not a tuple", PackedTables(["a", "b"], firsts, sizes, data), None, "names"),  # type: ignore[arg-type]
+        ("a name twice", PackedTables(("a", "a"), firsts, sizes, data), None, "twice"),
+        ("firsts of floats", PackedTables(names, firsts.double(), sizes, data), None, kinds),
+        ("sizes of int64", PackedTables(names, firsts, sizes.long(), data), None, kinds),
+        ("a first missing", PackedTables(names, firsts[:1], sizes, data), None, kinds),
+        ("a size missing", PackedTables(names, firsts, sizes[:1], data), None, kinds),
+        ("sizes of 2-D", PackedTables(names, firsts, sizes.view(1, 2), data), None, kinds),
+        ("data of int16", PackedTables(names, firsts, sizes, data.view(torch.int16)), None, "data"),
+        ("data a list", PackedTables(names, firsts, sizes, list(data)), None, "data"),  # type: ignore[arg-type]
+        ("a negative count", with_size(0, -16), None, "counts"),
+        ("a count past the data", with_size(1, 4 * 10**8), None, "counts"),
+        ("one id more", with_size(1, 4), None, laid_out),
+        ("one id fewer", with_size(1, -4), None, laid_out),
+        ("a wider code", with_size(1, 1), None, laid_out),
+        ("ids, not steps", with_size(1, 2), None, laid_out),
         (
             "data left over",
-            PackedTables(good.names, heads, torch.cat([data, data[:8]])),
+            PackedTables(names, firsts, sizes, torch.cat([data, data[:8]])),
             None,
             laid_out,
         ),
-        ("data cut short", PackedTables(good.names, heads, data[:-1]), None, laid_out),
+        ("data cut short", PackedTables(names, firsts, sizes, data[:-1]), None, laid_out),
         ("a repeated id", with_step(0, 1, 0), "a", "unique"),
         ("a negative step", with_step(1, 2, -2), "b", "negative"),
         ("ids past int64", with_step(0, 2, 200, first=INT64_MAX - 100), "a", "past int64"),

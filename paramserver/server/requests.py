@@ -127,7 +127,7 @@ class RequestChecks:
                 )
             raise _reject(self.server, found.table, f"malformed packed ids: {found.reason}")
         assert type(found) is dict and type(data) is Tensor
-        wire = packed.heads.numel() * 8 + data.numel()
+        wire = packed.firsts.numel() * 8 + packed.sizes.numel() * 4 + data.numel()
         return found, wire - 8 * sum(ids.numel() for ids in found.values())
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:

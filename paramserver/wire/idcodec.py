@@ -26,13 +26,13 @@ check, as for plain ids. Unpacked, ``n`` ids take ``8 n`` bytes: :func:`num_ids`
 count them against its size cap before it unpacks anything.
 
 A trainer sends the ids of every table of a call to one server packed together, as a
-:class:`PackedTables`: each table's first id, step type and count in one int64 tensor of heads,
-and every table's steps (or int64 ids) in one byte tensor. A per-table object costs more to
-make, pickle and check than its few hundred bytes of steps; these two tensors are made in one
-compiled call (:func:`pack_tables`), and a server unpacks and checks all of them in one
-(:func:`unpack_tables`, which never raises on a peer's: it says what is wrong and with which
-table). A peer's ids packed a table at a time are checked and unpacked together too
-(:func:`unpack_all`).
+:class:`PackedTables`: each table's first id in one int64 tensor, its count and step type in
+one int32 tensor, and every table's steps (or int64 ids) in one byte tensor. A per-table object
+costs more to make, pickle and check than its few hundred bytes of steps; these three tensors
+are made in one compiled call (:func:`pack_tables`), and a server unpacks and checks all of
+them in one (:func:`unpack_tables`, which never raises on a peer's: it says what is wrong and
+with which table). A peer's ids packed a table at a time are checked and unpacked together
+too (:func:`unpack_all`).
 """
 
 from __future__ import annotations
@@ -183,16 +183,17 @@ def _unpack_by_torch(parts: Sequence[tuple[int, int, np.ndarray]]) -> native.Unp
 @dataclass(frozen=True, eq=False)
 class PackedTables:
     """The sorted unique ids of several tables, ``names``, as one message carries them to one
-    server: per table a row of ``heads`` (int64, ``[tables, 3]``): its first id, the code of
-    its steps' type (its place in :data:`STEP_DTYPES`; :data:`IDS_CODE`: no step type holds
-    them, and its int64 ids travel instead) and its count of ids; and in ``data`` (uint8) its
-    steps, as :class:`PackedIds` holds them (or its ids), each table's from the end of the one
-    before aligned to 8. Two tensors however many tables: made in one call
-    (:func:`pack_tables`), and a receiver unpacks and checks them in one
-    (:func:`unpack_tables`)."""
+    server: per table its first id (``firsts``, int64), its count of ids times 4 plus the code
+    of its steps' type (``sizes``, int32; the code is its place in :data:`STEP_DTYPES`, or
+    :data:`IDS_CODE`: no step type holds them, and its int64 ids travel instead), and in
+    ``data`` (uint8) its steps, as :class:`PackedIds` holds them (or its ids), each table's
+    from the end of the one before aligned to 8. Three tensors however many tables, 12 bytes a
+    table beside its steps: made in one call (:func:`pack_tables`), and a receiver unpacks and
+    checks them in one (:func:`unpack_tables`)."""
 
     names: tuple[str, ...]
-    heads: Tensor
+    firsts: Tensor
+    sizes: Tensor
     data: Tensor
 
 
@@ -205,23 +206,32 @@ def pack_tables(names: Sequence[str], parts: Sequence[Tensor]) -> PackedTables:
     carries them (see :class:`PackedTables`): every table in one call of the compiled loop,
     else in a few numpy operations over them all."""
     arrays = [part.numpy() for part in parts]
-    heads = np.empty((len(arrays), 3), np.int64)
+    firsts, sizes = np.empty(len(arrays), np.int64), np.empty(len(arrays), np.int32)
     data = np.empty(8 * (sum(array.size for array in arrays) + len(arrays)), np.uint8)
-    used = native.pack_tables(arrays, heads, data, _pack_tables_by_numpy)
-    return PackedTables(tuple(names), torch.from_numpy(heads), torch.from_numpy(data[:used]))
+    used = native.pack_tables(arrays, firsts, sizes, data, _pack_tables_by_numpy)
+    return PackedTables(
+        tuple(names),
+        torch.from_numpy(firsts),
+        torch.from_numpy(sizes),
+        torch.from_numpy(data[:used]),
+    )
 
 
-def _pack_tables_by_numpy(parts: Sequence[np.ndarray], heads: np.ndarray, data: np.ndarray) -> int:
+def _pack_tables_by_numpy(
+    parts: Sequence[np.ndarray], firsts: np.ndarray, sizes: np.ndarray, data: np.ndarray
+) -> int:
     """:func:`paramserver.native.pack_tables`' result, by numpy."""
     at = 0
     for j, (part, (first, dtype, steps)) in enumerate(
         zip(parts, _pack_by_numpy(parts), strict=True)
     ):
+        if part.size >= 2**29:
+            raise ValueError("pack_tables: a part of 2^29 ids or more")
         code = IDS_CODE if dtype is None else _STEP_CODES[_TORCH_OF[dtype]]
         offset = -(-at // 8) * 8
         payload = np.ascontiguousarray(part if dtype is None else steps).view(np.uint8)
         data[offset : offset + payload.size] = payload
-        heads[j] = (first, code, part.size)
+        firsts[j], sizes[j] = first, part.size * 4 + code
         at = offset + payload.size
     return at
 
@@ -243,69 +253,73 @@ def unpack_tables(packed: object) -> dict[str, Tensor] | TablesProblem:
     ``data`` are made (each id takes a byte or more of it)."""
     if type(packed) is not PackedTables:
         return TablesProblem(None, f"expected PackedTables, got {type(packed).__name__}")
-    names, heads, data = packed.names, packed.heads, packed.data
+    names, firsts, sizes, data = packed.names, packed.firsts, packed.sizes, packed.data
     if type(names) is not tuple or not all(type(name) is str for name in names):
         return TablesProblem(None, "its names must be a tuple of strings")
     if len(set(names)) != len(names):
         return TablesProblem(None, "it names a table twice")
-    for tensor, dtype, shape in ((heads, torch.int64, (len(names), 3)), (data, torch.uint8, None)):
+    expected = ((firsts, torch.int64, len(names)), (sizes, torch.int32, len(names)))
+    for tensor, dtype, length in (*expected, (data, torch.uint8, None)):
         if (
             type(tensor) is not Tensor
             or tensor.dtype != dtype
             or tensor.layout != torch.strided
             or tensor.device.type != "cpu"
             or tensor.requires_grad
+            or tensor.dim() != 1
             or not tensor.is_contiguous()
-            or (tuple(tensor.shape) != shape if shape else tensor.dim() != 1)
+            or (length is not None and tensor.numel() != length)
         ):
-            return TablesProblem(None, "its heads must be int64 [tables, 3], its data uint8 1-D")
-    counts = heads[:, 2].numpy()
-    if (counts < 0).any() or (counts > data.numel()).any() or counts.sum() > data.numel():
+            return TablesProblem(
+                None, "its firsts and sizes must be int64 and int32, one a table, its data uint8"
+            )
+    counts = sizes.numpy().astype(np.int64) >> 2
+    if (counts < 0).any() or counts.sum() > data.numel():
         return TablesProblem(None, "its counts are not counts of the ids its data holds")
     ids = np.empty(int(counts.sum()), np.int64)
-    problem, table = native.unpack_tables(heads.numpy(), data.numpy(), ids, _unpack_tables_by_torch)
+    problem, table = native.unpack_tables(
+        firsts.numpy(), sizes.numpy(), data.numpy(), ids, _unpack_tables_by_torch
+    )
     if problem == 1:
-        return TablesProblem(None, "its heads do not lay its tables out in its data exactly")
+        return TablesProblem(None, "its sizes do not lay its tables out in its data exactly")
     if problem == 2:
         return TablesProblem(names[table], str(packed_problem(_table_packed(packed, table))))
     return dict(zip(names, torch.from_numpy(ids).split(counts.tolist()), strict=True))
 
 
-def _offsets(heads: np.ndarray) -> np.ndarray:
+def _offsets(sizes: np.ndarray) -> np.ndarray:
     """Where each table's steps start in a :class:`PackedTables`' data, and the end of the
-    last: its heads' layout (codes known), in bytes."""
-    offsets = np.zeros(len(heads) + 1, np.int64)
+    last (in bytes), from its sizes (not negative)."""
+    offsets = np.zeros(len(sizes) + 1, np.int64)
     at = 0
-    for j, (_, code, count) in enumerate(heads.tolist()):
+    for j, size in enumerate(sizes.tolist()):
         offsets[j] = -(-at // 8) * 8
-        at = int(offsets[j]) + count * int(_CODE_WIDTHS[code])
+        at = int(offsets[j]) + (size >> 2) * int(_CODE_WIDTHS[size & 3])
     offsets[-1] = at
     return offsets
 
 
 def _table_packed(packed: PackedTables, table: int) -> PackedIds:
-    """Table ``table`` of well laid out ``packed`` (codes of steps) as :class:`PackedIds`."""
-    heads = packed.heads.numpy()
-    first, code, count = (int(x) for x in heads[table])
-    start = int(_offsets(heads)[table])
-    dtype = STEP_DTYPES[code]
+    """Table ``table`` of well laid out ``packed`` (of steps) as :class:`PackedIds`."""
+    sizes = packed.sizes.numpy()
+    count, dtype = int(sizes[table]) >> 2, STEP_DTYPES[int(sizes[table]) & 3]
+    start = int(_offsets(sizes)[table])
     steps = packed.data[start : start + count * dtype.itemsize].view(dtype)
-    return PackedIds(first, steps)
+    return PackedIds(int(packed.firsts[table]), steps)
 
 
 def _unpack_tables_by_torch(
-    heads: np.ndarray, data: np.ndarray, out: np.ndarray
+    firsts: np.ndarray, sizes: np.ndarray, data: np.ndarray, out: np.ndarray
 ) -> tuple[int, int]:
     """:func:`paramserver.native.unpack_tables`' result, a table at a time."""
-    codes = heads[:, 1]
-    if ((codes < 0) | (codes > IDS_CODE)).any():
+    if (sizes < 0).any() or firsts.size != sizes.size:
         return 1, -1
-    offsets = _offsets(heads)
-    if int(offsets[-1]) != data.size or int(heads[:, 2].sum()) != out.size:
+    offsets = _offsets(sizes)
+    if int(offsets[-1]) != data.size or int((sizes.astype(np.int64) >> 2).sum()) != out.size:
         return 1, -1
     at = 0
-    for j, (first, code, count) in enumerate(heads.tolist()):
-        start = int(offsets[j])
+    for j, (first, size) in enumerate(zip(firsts.tolist(), sizes.tolist(), strict=True)):
+        count, code, start = size >> 2, size & 3, int(offsets[j])
         raw = data[start : start + count * int(_CODE_WIDTHS[code])]
         if code == IDS_CODE:
             out[at : at + count] = raw.view(np.int64)
