@@ -355,6 +355,9 @@ def test_a_server_applies_and_answers_packed_ids_as_it_does_plain_ones(
             **fields,
         )
 
+    assert request_of("together").has_grads
+    empty = RowBlocks(pack_tables(["user.weight"], [ids[:0]]), {"user.weight": grads[:0]})
+    assert not PushPullRequest(0, 0, packed_grads=empty).has_grads  # no table has rows
     answers = []
     for endpoint, kind in zip(endpoints, ["plain", "each", "together"], strict=True):
         answers.append(endpoint.handle("push_pull", (request_of(kind),)).wait())

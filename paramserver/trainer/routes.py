@@ -42,7 +42,7 @@ class Route:
     def packed(self) -> tuple[Tensor | PackedIds, ...]:
         """Each server's ids compacted for the wire (:func:`compact_ids`), for a push of the
         gradients of rows routed anew (a call's pull packs every table's ids together, and
-        its rows' gradients go with those: :func:`packed_by_server`). Only for sorted unique
+        its rows' gradients go with those: :class:`CallRoutes`). Only for sorted unique
         ids."""
         return tuple(compact_all(self.parts))
 

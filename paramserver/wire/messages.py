@@ -10,8 +10,9 @@ step count); a checkpoint's *step* is the call number at which it was saved.
 Row ids on the wire are *global* row ids of a table; each server owns the rows the routing rule
 gives it (see :mod:`paramserver.sharding`). The sorted unique ids of a push's rows and of a pull
 travel compactly, as a plain int64 tensor or a :class:`~paramserver.wire.idcodec.PackedIds` (see
-:mod:`paramserver.wire.idcodec`); a server validates and unpacks them before anything else of the
-request is decoded.
+:mod:`paramserver.wire.idcodec`), or, as trainers send them, every table's packed together
+(:class:`~paramserver.wire.idcodec.PackedTables`, in ``packed_pulls`` and ``packed_grads``); a
+server validates and unpacks them before anything else of the request is decoded.
 
 Any float32 tensor of gradients or values may travel encoded (a
 :class:`~paramserver.wire.compression.Encoded`, per the job's codecs); the receiver decodes it,
@@ -193,7 +194,7 @@ class PushPullRequest:
     # of them on its final push): set as part of applying the call (ShardPlan.buffers).
     buffers: dict[str, Tensor] = field(default_factory=dict)
     # A trainer's pulls and row gradients of every table to this server, their ids packed
-    # together (two tensors, not two objects a table): a server turns them into pull_rows and
+    # together (three tensors, not objects a table): a server turns them into pull_rows and
     # row_grads before anything reads those (RequestChecks.expand); a peer may send either.
     packed_pulls: PackedTables | None = None
     packed_grads: RowBlocks | None = None
@@ -208,7 +209,8 @@ class PushPullRequest:
 
     @property
     def has_grads(self) -> bool:
-        packed = self.packed_grads is not None and bool(self.packed_grads.values)
+        blocks = self.packed_grads  # a table's size is its count of ids times 4, and more
+        packed = blocks is not None and bool((blocks.ids.sizes >= 4).any())
         return bool(self.dense_grads) or bool(self.row_grads) or packed or bool(self.pooled_grads)
 
     # On the wire, each mapping of tensors travels as one bundle (see Bundle).
