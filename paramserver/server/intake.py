@@ -3,9 +3,9 @@
 
 The steps, in order: the header (field types, the trainer); a departed trainer's call is
 refused before its contents are looked at; ids packed together turned into ids per table; the
-size against the cap; a repeat's gradients,
-already applied, are dropped; ids unpacked and gradients decoded; gradients of pooled sums
-turned into row gradients, from the bags this trainer pulled; the contents validated whole.
+size against the cap; a repeat's gradients, already applied, are dropped; ids unpacked and
+gradients decoded; gradients of pooled sums turned into row gradients, from the bags this
+trainer pulled; the contents validated whole.
 """
 
 from __future__ import annotations

@@ -77,11 +77,12 @@ class RequestChecks:
         """Turn a trainer's ids packed together (``packed_pulls``, ``packed_grads``) into the
         mappings per table of ``pull_rows`` and ``row_grads``, which any peer may send
         instead, before anything reads them (after the header's check); a table whose row
-        gradients have no ids is left out. Raise :class:`InvalidPushError` where they are
-        malformed (naming the table, where one is at fault), name a table the mappings do
-        too, or would take over ``max_bytes`` once unpacked (at most 8 bytes of ids per
-        byte packed). Returns what the packed fields weighed on the wire less what their ids
-        weigh unpacked (so that :meth:`check_size` counts the bytes as sent)."""
+        gradients have no ids is left out. Raise :class:`InvalidPushError` where a table's
+        ids are malformed (naming it), where they name a table the mappings do too, or where
+        they would take over ``max_bytes`` once unpacked (at most 8 bytes of ids per byte
+        packed); ParamServerError where the packing as a whole is. Returns what the packed
+        fields weighed on the wire less what their ids weigh unpacked (so that
+        :meth:`check_size` counts the bytes as sent)."""
         weighed = 0
         pulls, blocks = request.packed_pulls, request.packed_grads
         if pulls is not None:
