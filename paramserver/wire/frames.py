@@ -41,7 +41,7 @@ from torch import Tensor
 from paramserver.errors import ParamServerError
 
 MAGIC = b"PSFR"
-VERSION = 2  # 2: an answer's row state travels in RowStateBlocks
+VERSION = 3  # 2: an answer's row state in RowStateBlocks; 3: a trainer's ids in PackedTables
 _HEADER = struct.Struct("<4sHHIIQ")
 _ALIGN = 8
 LARGE_BYTES = 16 * 1024  # a tensor this large or larger travels beside the frame
