@@ -16,14 +16,14 @@ import math
 from collections.abc import Mapping
 from typing import Any, Protocol, TypeGuard
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from paramserver import native
 from paramserver.config import GRADIENT_CODECS, VALUE_CODECS
-from paramserver.errors import InvalidPushError, ParamServerError
+from paramserver.errors import ParamServerError
 from paramserver.server.header import check_header
+from paramserver.server.idchecks import IdChecks, reject
 from paramserver.sharding import ShardPlan
 from paramserver.store.table import TableShard
 from paramserver.wire.bundles import joined_already
@@ -106,7 +106,7 @@ class RequestChecks:
     def _join(self, mapping: dict[str, Any], unpacked: dict[str, Any]) -> None:
         twice = mapping.keys() & unpacked.keys()
         if twice:
-            raise _reject(self.server, min(twice), "sent both packed together and alone")
+            raise reject(self.server, min(twice), "sent both packed together and alone")
         mapping.update(unpacked)
 
     def _unpacked_tables(
@@ -114,7 +114,7 @@ class RequestChecks:
     ) -> tuple[dict[str, Tensor], int]:
         data = getattr(packed, "data", None)
         if type(data) is Tensor and 8 * data.numel() > max_bytes:
-            raise _reject(
+            raise reject(
                 self.server,
                 None,
                 f"{field}: packed ids of {data.numel()} bytes may unpack past the cap of "
@@ -126,7 +126,7 @@ class RequestChecks:
                 raise ParamServerError(
                     f"server {self.server}: malformed request: {field}: {found.reason}"
                 )
-            raise _reject(self.server, found.table, f"malformed packed ids: {found.reason}")
+            raise reject(self.server, found.table, f"malformed packed ids: {found.reason}")
         assert type(found) is dict and type(data) is Tensor
         wire = packed.firsts.numel() * 8 + packed.sizes.numel() * 4 + data.numel()
         return found, wire - 8 * sum(ids.numel() for ids in found.values())
@@ -175,7 +175,7 @@ class RequestChecks:
         if malformed >= 0:
             names = [name for name, _ in blocks] + pulls
             problem = packed_problem(sets[malformed])
-            raise _reject(self.server, names[malformed], f"malformed packed ids: {problem}")
+            raise reject(self.server, names[malformed], f"malformed packed ids: {problem}")
         each = iter(unpacked)
         for _, block in blocks:
             block.ids = next(each)
@@ -208,21 +208,21 @@ class RequestChecks:
         be what it is)."""
         for name, value in request.buffers.items():
             if request.trainer != 0:
-                raise _reject(
+                raise reject(
                     self.server, name, f"trainer {request.trainer} sent a buffer: only the "
                     "chief trainer (0) sets buffers"
                 )  # fmt: skip
             if self.plan.buffer_server.get(name) != self.server:
                 where = self.plan.buffer_server.get(name)
                 reason = "unknown buffer" if where is None else f"buffer lives on server {where}"
-                raise _reject(self.server, name, reason)
+                raise reject(self.server, name, reason)
             held = self.dense[name].value
             if not isinstance(value, Tensor) or value.layout != torch.strided:
-                raise _reject(self.server, name, "a buffer must be a plain dense tensor")
+                raise reject(self.server, name, "a buffer must be a plain dense tensor")
             if value.device.type != "cpu" or value.requires_grad:
-                raise _reject(self.server, name, "a buffer must be a CPU tensor without autograd")
+                raise reject(self.server, name, "a buffer must be a CPU tensor without autograd")
             if value.dtype != held.dtype or value.shape != held.shape:
-                raise _reject(
+                raise reject(
                     self.server, name, f"buffer of {value.dtype} {tuple(value.shape)} != the "
                     f"model's {held.dtype} {tuple(held.shape)}"
                 )  # fmt: skip
@@ -233,14 +233,14 @@ class RequestChecks:
         for name, grad in request.dense_grads.items():
             slot = self.dense.get(name)
             if slot is None or name in self.plan.buffers:
-                raise _reject(self.server, name, self.ids.not_here(name))
+                raise reject(self.server, name, self.ids.not_here(name))
             grads[name] = self.values.tensor(
                 name, grad, slot.value.shape, slot.value.dtype, finite=False
             )
         for name, block in request.row_grads.items():
             table = self.ids.table(name)
             if type(block) is not RowBlock:
-                raise _reject(self.server, name, "malformed row gradients: expected a RowBlock")
+                raise reject(self.server, name, "malformed row gradients: expected a RowBlock")
             if not ids_valid:
                 self.ids.check(name, table, block.ids, sorted_unique=True)
             shape = (num_ids(block.ids), table.spec.dim)
@@ -258,19 +258,17 @@ class RequestChecks:
         for name, cached in request.pull_versions.items():
             pulled = request.pull_rows.get(name)
             if pulled is None or self.cache_lag is None:
-                raise _reject(
-                    self.server, name, "cached versions without a pull, or caching is off"
-                )
+                raise reject(self.server, name, "cached versions without a pull, or caching is off")
             if not _one_per_id(cached, torch.int64, pulled) or (
                 cached.numel() and int(cached.min()) < -1
             ):
-                raise _reject(self.server, name, "cached versions must be int64 >= -1, one per id")
+                raise reject(self.server, name, "cached versions must be int64 >= -1, one per id")
         for name, mask in request.pull_state.items():
             pulled = request.pull_rows.get(name)
             if pulled is None:
-                raise _reject(self.server, name, "row state asked without a pull")
+                raise reject(self.server, name, "row state asked without a pull")
             if not _one_per_id(mask, torch.bool, pulled):
-                raise _reject(
+                raise reject(
                     self.server,
                     name,
                     "the rows whose state to answer must be a bool mask, one per id",
@@ -280,9 +278,9 @@ class RequestChecks:
 
     def _check_bags(self, name: str, table: TableShard, block: object) -> None:
         if type(block) is not BagBlock or type(block.num_bags) is not int:
-            raise _reject(self.server, name, "malformed bags: expected a BagBlock")
+            raise reject(self.server, name, "malformed bags: expected a BagBlock")
         if block.num_bags < 0:  # its size is capped with the answer's (check_size)
-            raise _reject(self.server, name, f"negative num_bags {block.num_bags}")
+            raise reject(self.server, name, f"negative num_bags {block.num_bags}")
         self.ids.check(name, table, block.ids, sorted_unique=False)
         count = block.ids.numel()
         bags = block.bags
@@ -293,9 +291,9 @@ class RequestChecks:
             or bags.layout != torch.strided
             or bags.device.type != "cpu"
         ):
-            raise _reject(self.server, name, "bag indices must be int64, one per id")
+            raise reject(self.server, name, "bag indices must be int64, one per id")
         if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
-            raise _reject(self.server, name, f"bag index outside [0, {block.num_bags})")
+            raise reject(self.server, name, f"bag index outside [0, {block.num_bags})")
         if block.weights is not None:
             self.values.tensor(name, block.weights, (count,), table.weight.dtype)
 
@@ -322,7 +320,7 @@ class SizeCap:
         """
         held, sent = message_sizes(request)
         if held > max_bytes:
-            raise _reject(
+            raise reject(
                 self.server,
                 _largest(self._request_nbytes(request)),
                 f"a call holding {held} bytes once decoded exceeds the cap of {max_bytes} "
@@ -331,7 +329,7 @@ class SizeCap:
         answer = self._answer_nbytes(request)
         read = sum(answer.values())
         if read > max_bytes:
-            raise _reject(
+            raise reject(
                 self.server,
                 _largest(answer),
                 f"an answer reading {read} bytes of rows exceeds the cap of {max_bytes} bytes "
@@ -381,83 +379,6 @@ class SizeCap:
         return sizes
 
 
-class IdChecks:
-    """The checks of the row ids a request names, against server ``server``'s ``tables``:
-    plain int64 ids, within the table, routed to this server, sorted and unique; thread-safe."""
-
-    def __init__(self, server: int, plan: ShardPlan, tables: Mapping[str, TableShard]):
-        self.server = server
-        self.plan = plan
-        self.tables = tables
-
-    def table(self, name: str) -> TableShard:
-        """The table ``name``, or the refusal of a request naming one this server lacks."""
-        table = self.tables.get(name)
-        if table is None:
-            raise _reject(self.server, name, self.not_here(name))
-        return table
-
-    def not_here(self, name: str) -> str:
-        """Why this server holds no parameter ``name``."""
-        if name in self.plan.dense_server:
-            return f"unknown here: dense parameter lives on server {self.plan.dense_server[name]}"
-        if name in self.plan.dense:
-            return "unknown here: the trainers keep dense parameters (--dense-sync allreduce)"
-        if name in self.plan.buffers:
-            return "a buffer: set by the chief trainer's pushes, never by gradients"
-        return "unknown parameter or table name"
-
-    def all_valid(self, request: PushPullRequest) -> bool:
-        """Whether every set of ids ``request`` pushes or pulls rows of is valid (what
-        :meth:`check` checks of sorted unique ids), looked at together
-        (:func:`_ascending_within`; not a few calls per table: a request names dozens). False
-        also where anything about them is malformed: then each is checked on its own, in
-        order, and the first refused is named."""
-        blocks = request.row_grads.values()
-        sets = [*(getattr(block, "ids", None) for block in blocks), *request.pull_rows.values()]
-        names = [*request.row_grads, *request.pull_rows]
-        tables = [self.tables.get(name) for name in names]
-        arrays, bounds = [], []
-        for ids, table in zip(sets, tables, strict=True):
-            if table is None or not _plain_ids(ids):
-                return False
-            assert isinstance(ids, Tensor)
-            arrays.append(ids.numpy())
-            bounds.append(table.id_bounds)
-        if not _ascending_within(arrays, bounds):
-            return False
-        if self.plan.num_servers == 1:
-            return True
-        return all(
-            not bool((self.plan.server_of_rows(name, ids) != self.server).any())
-            for name, ids in zip(names, sets, strict=True)
-            if isinstance(ids, Tensor) and ids.numel()
-        )
-
-    def check(self, name: str, table: TableShard, ids: object, *, sorted_unique: bool) -> None:
-        """Refuse ``ids`` of table ``name`` unless they are plain, in its range and on this
-        server (and, with ``sorted_unique``, sorted and unique)."""
-        if not _plain_ids(ids):
-            raise _reject(self.server, name, "row ids must be a 1-D int64 CPU tensor")
-        assert isinstance(ids, Tensor)
-        if ids.numel() == 0:
-            return
-        values = ids.numpy()  # numpy: a few hundred ids cost less there than in torch
-        ordered = values.size < 2 or bool((values[1:] > values[:-1]).all())
-        # The ends of sorted ids are their extremes.
-        ends = (values[0], values[-1]) if ordered else (values.min(), values.max())
-        (low, high), least, greatest = table.id_bounds, int(ends[0]), int(ends[1])
-        if least < low or greatest > high:
-            bad = least if least < low else greatest
-            raise _reject(self.server, name, f"row id {bad} out of range [{low}, {high + 1})")
-        if self.plan.num_servers > 1 and bool(
-            (self.plan.server_of_rows(name, ids) != self.server).any()
-        ):
-            raise _reject(self.server, name, "row ids routed to the wrong server")
-        if sorted_unique and not ordered:
-            raise _reject(self.server, name, "row ids must be sorted and unique")
-
-
 class ValueChecks:
     """The checks of the values a request carries, for server ``server`` holding the ``dense``
     parameters named: each a plain CPU tensor of the expected shape and dtype, without NaN or
@@ -473,7 +394,7 @@ class ValueChecks:
         codecs = GRADIENT_CODECS if name in self.dense else VALUE_CODECS
         problem = validate(encoded, shape, codecs)
         if problem is not None:
-            raise _reject(self.server, name, f"malformed encoding: {problem}")
+            raise reject(self.server, name, f"malformed encoding: {problem}")
         return decode(encoded)
 
     def tensor(
@@ -488,15 +409,15 @@ class ValueChecks:
         """``value``, refused unless it is a plain CPU tensor of ``shape`` and ``dtype`` that
         (``finite``; else the caller checks it) holds no NaN or Inf."""
         if not isinstance(value, Tensor):
-            raise _reject(self.server, name, f"expected a tensor, got {type(value).__name__}")
+            raise reject(self.server, name, f"expected a tensor, got {type(value).__name__}")
         if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
-            raise _reject(self.server, name, "expected a plain dense CPU tensor without autograd")
+            raise reject(self.server, name, "expected a plain dense CPU tensor without autograd")
         if value.dtype != dtype:
-            raise _reject(
+            raise reject(
                 self.server, name, f"gradient dtype {value.dtype} != parameter dtype {dtype}"
             )
         if tuple(value.shape) != tuple(shape):
-            raise _reject(
+            raise reject(
                 self.server,
                 name,
                 f"gradient shape {tuple(value.shape)} != expected {tuple(shape)}",
@@ -513,11 +434,7 @@ class ValueChecks:
             return
         for name, tensor in tensors.items():
             if not math.isfinite(float(tensor.sum())) and not bool(tensor.isfinite().all()):
-                raise _reject(self.server, name, "gradient contains NaN or Inf")
-
-
-def _reject(server: int, param: str | None, reason: str) -> InvalidPushError:
-    return InvalidPushError(reason, param=param, server=server)
+                raise reject(self.server, name, "gradient contains NaN or Inf")
 
 
 def _one_per_id(values: object, dtype: torch.dtype, ids: Tensor | PackedIds) -> TypeGuard[Tensor]:
@@ -529,39 +446,6 @@ def _one_per_id(values: object, dtype: torch.dtype, ids: Tensor | PackedIds) -> 
         and values.layout == torch.strided
         and values.device.type == "cpu"
     )
-
-
-def _plain_ids(ids: object) -> bool:
-    """Whether ``ids`` are row ids as a request must carry them: a 1-D int64 CPU tensor."""
-    return (
-        isinstance(ids, Tensor)
-        and ids.dtype == torch.int64
-        and ids.dim() == 1
-        and ids.layout == torch.strided
-        and ids.device.type == "cpu"
-    )
-
-
-def _ascending_within(arrays: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
-    """Whether each of ``arrays`` (int64 ids) rises strictly and lies within its ``bounds``
-    (low, high: both included): in one compiled call (:func:`paramserver.native.ascending_within`),
-    else by :func:`_ascending_within_joined`."""
-    return native.ascending_within(arrays, bounds, _ascending_within_joined)
-
-
-def _ascending_within_joined(arrays: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
-    """:func:`_ascending_within` by numpy: the arrays joined and compared in a few array
-    operations (not a few per array: a request has dozens)."""
-    sizes = np.array([array.size for array in arrays], dtype=np.int64)
-    ends = np.cumsum(sizes)
-    values = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
-    rising = values[1:] > values[:-1]
-    between = ends[:-1] - 1  # where one array meets the next: no order between them
-    rising[between[(between >= 0) & (between < rising.size)]] = True
-    filled = sizes > 0
-    lows, highs = np.array(bounds, dtype=np.int64).reshape(-1, 2)[filled].T
-    firsts, lasts = values[(ends - sizes)[filled]], values[ends[filled] - 1]
-    return bool(rising.all() and (firsts >= lows).all() and (lasts <= highs).all())
 
 
 def _largest(sizes: dict[str, int]) -> str | None:
