@@ -1773,6 +1773,17 @@ static int step_code(const int64_t *ids, Py_ssize_t count) {
     return largest <= UINT8_MAX ? STEPS_U8 : largest <= INT16_MAX ? STEPS_I16 : STEPS_I32;
 }
 
+/* `ids`' steps (steps[0] = 0) written to `to` in the type of `code`; STEPS_NONE: the ids. */
+static void write_steps(char *to, const int64_t *ids, Py_ssize_t count, int code) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        int64_t step = i ? ids[i] - ids[i - 1] : 0;
+        if (code == STEPS_U8) ((uint8_t *)to)[i] = (uint8_t)step;
+        else if (code == STEPS_I16) ((int16_t *)to)[i] = (int16_t)step;
+        else if (code == STEPS_I32) ((int32_t *)to)[i] = (int32_t)step;
+        else ((int64_t *)to)[i] = ids[i];
+    }
+}
+
 static const char pack_steps_doc[] =
     "pack_steps(parts, out) -> ((first, code, offset), ...)\n"
     "For each part (1-D int64, sorted unique): its first id, the code of its steps' type (0:\n"
@@ -1813,13 +1824,7 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
                 PyErr_SetString(PyExc_ValueError, "pack_steps: out is too short");
                 goto failed;
             }
-            char *to = (char *)out_view.buf + offset;
-            for (Py_ssize_t i = 0; i < count; i++) {
-                int64_t step = i ? ids[i] - ids[i - 1] : 0;
-                if (code == STEPS_U8) ((uint8_t *)to)[i] = (uint8_t)step;
-                else if (code == STEPS_I16) ((int16_t *)to)[i] = (int16_t)step;
-                else ((int32_t *)to)[i] = (int32_t)step;
-            }
+            write_steps((char *)out_view.buf + offset, ids, count, code);
             at = offset + count * width;
         }
         PyBuffer_Release(&view);
@@ -1948,14 +1953,7 @@ static PyObject *pack_tables(PyObject *self, PyObject *args) {
                                               "or more, or data is too short");
             goto failed;
         }
-        char *to = (char *)data_view.buf + offset;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            int64_t step = i ? ids[i] - ids[i - 1] : 0;
-            if (code == STEPS_U8) ((uint8_t *)to)[i] = (uint8_t)step;
-            else if (code == STEPS_I16) ((int16_t *)to)[i] = (int16_t)step;
-            else if (code == STEPS_I32) ((int32_t *)to)[i] = (int32_t)step;
-            else ((int64_t *)to)[i] = ids[i];
-        }
+        write_steps((char *)data_view.buf + offset, ids, count, code);
         firsts[j] = count ? ids[0] : 0;
         sizes[j] = (int32_t)(count * 4 + code);
         at = offset + count * width;
