@@ -16,7 +16,10 @@ that leaves lookups to torch where its sort or rounding differs from the loops'.
 
 from __future__ import annotations
 
+import copy
+import gc
 import itertools
+import weakref
 
 import numpy as np
 import pytest
@@ -26,6 +29,7 @@ from torch import Tensor, nn
 
 from paramserver import native
 from paramserver.trainer.bags import DenseGradient, _Step
+from paramserver.trainer.replica import Call, Replica
 from paramserver.wire.bundles import joined_already
 from tests.helpers import remote_of, remotes_of
 
@@ -275,3 +279,100 @@ def test_a_functional_lookup_with_sparse_true_takes_its_gradient_in_order(loop_m
         (found[sparse],) = torch.autograd.grad(got, [rows], grad)
         assert torch.equal(found[sparse], dense(want_grad)[torch.unique(ids)])
     assert not torch.equal(found[False], found[True])  # the orders differ in these bits
+
+
+class ListBags(nn.Module):
+    """Bags of four tables (two of another width), ids and offsets each an input of its
+    own in lists, as facebookresearch's DLRM takes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kinds = [(DIM, "sum", True), (DIM, "mean", False), (8, "sum", True), (8, "mean", True)]
+        self.tables = nn.ModuleList(
+            nn.EmbeddingBag(ROWS, width, mode=mode, sparse=sparse) for width, mode, sparse in kinds
+        )
+
+    def forward(self, ids: list[Tensor], offsets: list[Tensor]) -> list[Tensor]:
+        return [table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)]
+
+
+def list_bags_call(seed: int) -> Call:
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(0, ROWS, (90,), generator=g) for _ in range(4)]
+    offsets = [torch.tensor([0, 0, 7, 30, 31, 60]) for _ in range(4)]
+    return Call(([*ids], offsets))
+
+
+def loaded(replica: Replica, model: nn.Module, call: Call) -> None:
+    """Record ``call`` and load the rows it looks up from ``model``'s tables."""
+    recorded = replica.record([call])
+    weights = {f"tables.{t}.weight": layer.weight for t, layer in enumerate(model.tables)}
+    rows = {t: (ids, weights[t].detach()[ids].clone()) for t, ids in recorded.ids.items()}
+    replica.load({}, rows, lookups=recorded.lookups)
+
+
+def test_a_forwards_bag_lookups_are_pooled_ahead_in_one_node(loop_mode: str) -> None:
+    """Once a record pass has shown that each table's bags read its own inputs, a forward
+    pools every table's bags at its first lookup, one node per width: outputs and gradients
+    are torch's bitwise, and the step's nodes are freed as soon as it is done with."""
+    model = ListBags()
+    replica = Replica(copy.deepcopy(model))
+    for seed in range(3):
+        call = list_bags_call(seed)
+        loaded(replica, model, call)
+        got = replica.forward_fetching(call, fetch=_no_fetch)
+        want = model(*call.args)
+        for got_out, want_out in zip(got, want, strict=True):
+            assert torch.equal(got_out, want_out)
+        loss = sum((o * (i + 1)).sum() for i, o in enumerate(got))
+        leaves = [replica.tables[f"tables.{t}.weight"].rows for t in range(4)]
+        grads = torch.autograd.grad(loss, leaves)
+        model.zero_grad()
+        sum((o * (i + 1)).sum() for i, o in enumerate(want)).backward()
+        for t, (grad, layer) in enumerate(zip(grads, model.tables, strict=True)):
+            ids = replica.tables[f"tables.{t}.weight"].ids
+            assert torch.equal(grad, dense(layer.weight.grad)[ids])
+    if loop_mode != "compiled":
+        return
+    # All four tables pooled ahead: one node per width.
+    assert {type(o.grad_fn).__name__ for o in got} == {"_LookupsBackward"}
+    assert got[0].grad_fn is got[1].grad_fn and got[2].grad_fn is got[3].grad_fn
+    assert got[0].grad_fn is not got[2].grad_fn
+    node = weakref.ref(_step_of(got[0]))  # nothing holds a step's node but its graph
+    gc.disable()
+    try:
+        del got, loss
+        assert node() is None
+    finally:
+        gc.enable()
+
+
+def test_bags_pooled_ahead_give_way_to_what_the_forward_looks_up(loop_mode: str) -> None:
+    """A lookup whose bags are not those pooled ahead (its offsets changed in place after the
+    forward's first lookup, or a copy) is made on its own, torch's bitwise, and its table's
+    bags are no longer pooled ahead."""
+    model = ListBags()
+    replica = Replica(copy.deepcopy(model))
+    tables = replica.model.tables
+
+    def changing(ids: list[Tensor], offsets: list[Tensor]) -> list[Tensor]:
+        first = tables[0](ids[0], offsets[0])  # every table's bags pooled ahead
+        offsets[1][2] = 9
+        offsets[3] = offsets[3].clone()
+        return [first, *(tables[t](ids[t], offsets[t]) for t in (1, 2, 3))]
+
+    call = list_bags_call(5)
+    loaded(replica, model, call)
+    replica._forward = changing
+    got = replica.forward_fetching(call, fetch=_no_fetch)
+    want = model(*call.args)  # of the offsets as changed
+    for got_out, want_out in zip(got, want, strict=True):
+        assert torch.equal(got_out, want_out)
+    if loop_mode == "compiled":
+        names = [type(o.grad_fn).__name__ for o in got]
+        assert names == ["_LookupsBackward", "_LookupBackward"] * 2
+        assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight", "tables.2.weight"]
+
+
+def _no_fetch(ids: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    raise AssertionError(f"rows of {sorted(ids)} were not pulled")

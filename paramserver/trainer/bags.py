@@ -30,7 +30,8 @@ anything differs, every pooled lookup is torch's, and the log says why, once.
 
 The lookups of one forward join one node (:class:`BagNode`), as a step's plain lookups do
 (:class:`~paramserver.trainer.lookups.StepLookups`): each lookup pools its bags in its own small
-node, whose backward only hands its bags' gradients (and its weights') over; the step's node,
+node, or several unweighted lookups pooled ahead share one (:meth:`BagNode.pool_all`), whose
+backward only hands their bags' gradients (and weights') over; the step's node,
 below every lookup's (they all read its one empty output, so autograd runs it after them),
 adds them all into the rows' gradients in one call, each table's a view of one buffer. A lookup
 the loops do not take (rows neither float32 nor float64, max bags, ``scale_grad_by_freq``, bags
@@ -281,7 +282,12 @@ class BagNode:
         self.tables = {id(r): t for t, r in enumerate(rows)}  # each rows' number, by identity
         self.lookups: list[tuple[int, Bags]] = []
         self.grads: dict[int, Tensor] = {}  # each lookup's bag gradients, set by backward
-        self.token = _Step.apply(self, *rows)
+        self.token: Tensor | None = _Step.apply(self, *rows)
+
+    def close(self) -> None:
+        """No more lookups join: the node lets go of its token, whose node holds it (a cycle
+        that would leave the step's arrays to Python's cycle collector, and its time)."""
+        self.token = None
 
     def pool(self, table: int, bags: Bags, weights: Tensor | None) -> Tensor | None:
         """``bags`` of ``self.rows[table]`` pooled (None: the bags are not sound, torch is to
@@ -293,15 +299,26 @@ class BagNode:
         self.lookups.append((table, bags))
         return pooled
 
+    def pool_all(self, lookups: list[tuple[int, Bags]]) -> tuple[Tensor, ...] | None:
+        """Several unweighted lookups (``(table, bags)``) pooled in one node and one call of
+        the loops, each its own output; None where some bags are not sound (nothing pooled)."""
+        try:
+            return cast(tuple[Tensor, ...], _Lookups.apply(self, lookups, self.token))
+        except ValueError:
+            return None
+
 
 def pooled_lookup(
     rows: Tensor, bags: Bags, weights: Tensor | None, node: BagNode | None = None
 ) -> Tensor | None:
     """``bags`` of ``rows`` pooled, joining ``node`` (a step's node holding ``rows``) where
     given, else in a node of their own; None where torch is to pool them."""
-    if node is None:
-        node = BagNode([rows])
-    return node.pool(node.tables[id(rows)], bags, weights)
+    if node is not None:
+        return node.pool(node.tables[id(rows)], bags, weights)
+    node = BagNode([rows])
+    pooled = node.pool(0, bags, weights)
+    node.close()
+    return pooled
 
 
 class _Step(torch.autograd.Function):
@@ -379,6 +396,38 @@ class _Lookup(torch.autograd.Function):
             weights_grad = _weights_grad(node.rows[table].detach(), bags, grad)
             weights_grad = weights_grad.view(ctx.weights_shape)
         return None, None, None, token, weights_grad
+
+
+class _Lookups(torch.autograd.Function):
+    """Several unweighted pooled lookups' node (:meth:`BagNode.pool_all`): one call of the
+    loops forward; backward hands each lookup's bag gradients to the :class:`BagNode`, as
+    :class:`_Lookup` does for one."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, node: BagNode, lookups: list[tuple[int, Bags]], token: Tensor
+    ) -> tuple[Tensor, ...]:
+        arrays, rows = node.arrays, node.rows
+        dim = arrays[0].shape[1]
+        outputs = tuple(torch.empty(b.num_bags, dim, dtype=rows[t].dtype) for t, b in lookups)
+        native.pool_bags(
+            arrays, [b.arrays(t, o) for (t, b), o in zip(lookups, outputs, strict=True)], dim
+        )
+        ctx.node, ctx.first = node, len(node.lookups)
+        node.lookups.extend(lookups)
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        node: BagNode = ctx.node
+        token = None
+        for number, grad in enumerate(grads, ctx.first):
+            if grad is not None:
+                node.grads[number] = grad.contiguous()
+                token = torch.empty(0, dtype=grad.dtype)
+        return None, None, token
 
 
 def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:

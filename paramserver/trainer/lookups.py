@@ -1,7 +1,7 @@
 """What a step looks up, and looking it up fast: a record pass's :class:`Recorder` and what it
 finds (:class:`Recorded`: each table's sorted unique ids, and each lookup's positions in them);
 and :class:`StepLookups`, which makes a forward's recorded lookups of every table in one autograd
-node. The compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call
+node, and pools ahead the bags of every table whose one bag lookup reads the call's inputs. The compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call
 and the node's gather and scatter; without them, torch does the same work, table by table.
 """
 
@@ -18,7 +18,8 @@ from torch.autograd.function import once_differentiable
 
 from paramserver import native
 from paramserver.errors import ModelError
-from paramserver.trainer.bags import BagNode
+from paramserver.trainer.bags import BagNode, Bags, loops_agree_with_torch
+from paramserver.trainer.discovery import Derivation, call_tensors, derivation_of
 from paramserver.wire.messages import BagBlock
 
 
@@ -53,10 +54,22 @@ class Recorder:
         self.ids: dict[str, list[Tensor]] = {}
         self.bags: dict[str, BagBlock] = {}
         self.in_order: list[tuple[str, Tensor]] = []  # each lookup's table and ids, as given
+        # Each lookup's ids, offsets and options where the trainer pools its bags unweighted
+        # (None: any other lookup), for StepLookups.learn_bags.
+        self.pooling: dict[str, list[tuple[Tensor, Tensor, Any] | None]] = {}
         # The lookups still expected of each table (None: unknown, the first pass).
         self.missing = None if expected is None else {t: n for t, n in expected.items() if n}
 
-    def add(self, table: str, ids: Tensor, bags: BagBlock | None = None) -> None:
+    def add(
+        self,
+        table: str,
+        ids: Tensor,
+        bags: BagBlock | None = None,
+        pooling: tuple[Tensor, Any] | None = None,
+    ) -> None:
+        """A lookup of ``ids``; ``bags``: its bags, which the servers pool; ``pooling``: its
+        offsets and options, where the trainer pools its bags, unweighted."""
+        self.pooling.setdefault(table, []).append(None if pooling is None else (ids, *pooling))
         if bags is not None:
             if table in self.bags:
                 raise ModelError(
@@ -86,6 +99,68 @@ class LookupTable(Protocol):
     lookups: list[tuple[Tensor, Tensor]]  # the recorded lookups of those rows' ids
     joins_step_lookups: bool  # plain lookups: no bags, padding row or scaling by frequency
 
+    def recorded_lookup(self, flat: Tensor) -> int | None: ...
+
+    def local_padding(self, padding_idx: int | None) -> int | None: ...
+
+
+class BagOptions(Protocol):
+    """What :class:`StepLookups` reads of a bag lookup's options (a ``LookupOptions``)."""
+
+    @property
+    def bag_mode(self) -> str | None: ...
+
+    @property
+    def padding_idx(self) -> int | None: ...
+
+    @property
+    def include_last_offset(self) -> bool: ...
+
+    @property
+    def sparse(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class BagPlan:
+    """How a table's one bag lookup a forward reads the call's inputs: its ids and offsets,
+    each a view of an input (:class:`~paramserver.trainer.discovery.Derivation`)."""
+
+    ids: Derivation
+    offsets: Derivation
+    options: BagOptions
+
+
+class _Pooled(NamedTuple):
+    """A lookup :class:`StepLookups` pooled ahead: its output, and what it was made of (the
+    ids and offsets it read, their versions then, and its options)."""
+
+    output: Tensor
+    ids: Tensor
+    offsets: Tensor
+    versions: tuple[int, int]
+    options: BagOptions
+
+    def made_for(self, ids: Tensor, offsets: Tensor | None, options: BagOptions) -> bool:
+        """Whether a lookup of ``ids`` and ``offsets`` with ``options`` is this one: the same
+        views of the same inputs, unchanged since (an in-place change bumps a version)."""
+        return (
+            offsets is not None
+            and _same_view(ids, self.ids)
+            and _same_view(offsets, self.offsets)
+            and (ids._version, offsets._version) == self.versions
+            and (options is self.options or options == self.options)
+        )
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    return a is b or (
+        type(a) is Tensor
+        and a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
 
 class StepLookups:
     """A forward's lookups of the rows pulled for its step, every table's made in one autograd
@@ -106,16 +181,97 @@ class StepLookups:
         self._active = False
         self._outputs: dict[str, tuple[Tensor, ...]] | None = None
         self._bag_nodes: dict[tuple[int, torch.dtype], BagNode] = {}
+        self._bag_plans: dict[str, BagPlan] = {}  # see learn_bags
+        self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        self._pooled: dict[str, _Pooled] | None = None
 
     @contextmanager
-    def forward(self) -> Iterator[None]:
-        """Within: the lookups of one forward (its tables' leaves are those of now)."""
+    def forward(
+        self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Iterator[None]:
+        """Within: the lookups of one forward (its tables' leaves are those of now), called
+        with ``args`` and ``kwargs`` (where its bag lookups are read, :meth:`pooled`)."""
         self._active, self._outputs = True, None
+        self._inputs, self._pooled = (args, kwargs or {}), None
         try:
             yield
         finally:
             self._active, self._outputs = False, None
+            self._inputs, self._pooled = None, None
+            for node in self._bag_nodes.values():
+                node.close()
             self._bag_nodes = {}
+
+    def learn_bags(self, args: tuple[Any, ...], kwargs: dict[str, Any], recorder: Recorder) -> None:
+        """Learn from a record pass of a call with these arguments which tables' bags a
+        forward can pool ahead, all in one node (:meth:`pooled`): a table looked up once, by
+        a bag lookup the trainer pools unweighted, whose ids and offsets are views of inputs."""
+        inputs = call_tensors(args, kwargs)
+        plans: dict[str, BagPlan] = {}
+        for table, each in recorder.pooling.items():
+            pooling = each[0] if len(each) == 1 else None
+            if pooling is None:
+                continue
+            ids, offsets, options = pooling
+            from_ids = derivation_of(table, ids, inputs)
+            from_offsets = derivation_of(table, offsets, inputs)
+            if from_ids is not None and from_offsets is not None:
+                plans[table] = BagPlan(from_ids, from_offsets, options)
+        self._bag_plans = plans
+
+    def pooled(
+        self, table: str, ids: Tensor, offsets: Tensor | None, options: BagOptions
+    ) -> Tensor | None:
+        """The pooled bags of a bag lookup (unweighted) of ``table``, made ahead with those of
+        every other table :meth:`learn_bags` learned, in one node, at the forward's first such
+        lookup; None where this lookup is not the one made ahead (the table is then looked up
+        on its own from now on)."""
+        if not self._active or table not in self._bag_plans:
+            return None
+        if self._pooled is None:
+            self._pooled = self._pool_all()
+        made = self._pooled.pop(table, None)
+        if made is not None and made.made_for(ids, offsets, options):
+            return made.output
+        del self._bag_plans[table]
+        return None
+
+    def _pool_all(self) -> dict[str, _Pooled]:
+        """Every planned table's bag lookup of this forward's inputs, one node per width and
+        type of rows: those whose ids are a recorded lookup's, and which the loops take."""
+        assert self._inputs is not None
+        if not loops_agree_with_torch():
+            return {}
+        inputs = call_tensors(*self._inputs)
+        by_node: dict[BagNode, list[tuple[str, Tensor, Tensor, BagOptions, Bags]]] = {}
+        for table, plan in self._bag_plans.items():
+            remote, options = self._tables[table], plan.options
+            ids, offsets = plan.ids.ids_of(inputs), plan.offsets.ids_of(inputs)
+            if ids is None or offsets is None or ids.dim() != 1 or options.bag_mode is None:
+                continue
+            node = self.bag_node(remote.rows) if native.pools_rows(remote.rows) else None
+            if node is None:
+                continue
+            recorded = remote.recorded_lookup(ids.to(torch.int64))
+            if recorded is None:
+                continue
+            bags = Bags.of(
+                remote.lookups[recorded][1], offsets, None, options.bag_mode,
+                remote.local_padding(options.padding_idx), options.include_last_offset,
+                options.sparse,
+            )  # fmt: skip
+            if bags is not None:
+                by_node.setdefault(node, []).append((table, ids, offsets, options, bags))
+        made: dict[str, _Pooled] = {}
+        for node, lookups in by_node.items():
+            numbered = [(node.tables[id(self._tables[t].rows)], bags) for t, *_, bags in lookups]
+            outputs = node.pool_all(numbered)
+            if outputs is None:  # bags that are not sound: each lookup is made (refused) alone
+                continue
+            for (table, ids, offsets, options, _), output in zip(lookups, outputs, strict=True):
+                versions = (ids._version, offsets._version)
+                made[table] = _Pooled(output, ids, offsets, versions, options)
+        return made
 
     def bag_node(self, rows: Tensor) -> BagNode | None:
         """The node this forward's pooled lookups of ``rows`` (a table's leaf, which

@@ -246,17 +246,23 @@ class RemoteEmbedding(nn.Module):
         """The rows of ``input``'s ids, as a lookup with ``options`` gives them."""
         if self.recorder is not None:
             self.check_range(input)
-            bags = None
+            bags = pooling_of = None
             if self.server_pooled:
                 self._check_pooled(options)
                 bags = self.bags_of(input, offsets, per_sample_weights)
-            self.recorder.add(self.table, input, bags)
+            elif options.bag_mode and offsets is not None and per_sample_weights is None:
+                pooling_of = (offsets, options)
+            self.recorder.add(self.table, input, bags, pooling_of)
             shape = self._output_shape(input, offsets, options)
             return torch.zeros(shape, dtype=self.rows.dtype)
         if self.server_pooled:
             return self._pooled_output(input, options)
+        if options.bag_mode is not None and per_sample_weights is None and self.step_lookups:
+            pooled = self.step_lookups.pooled(self.table, input, offsets, options)
+            if pooled is not None:
+                return pooled
         ids = input.to(torch.int64)
-        recorded = self._recorded_lookup(ids.reshape(-1))
+        recorded = self.recorded_lookup(ids.reshape(-1))
         if recorded is None:
             self.unmatched += 1
         plain = options.plain
@@ -280,7 +286,7 @@ class RemoteEmbedding(nn.Module):
         options: LookupOptions,
     ) -> Tensor:
         """A lookup that is not plain, of the pulled rows at positions ``local``."""
-        padding = self._local_padding(options.padding_idx)
+        padding = self.local_padding(options.padding_idx)
         if options.bag_mode is None:
             return F.embedding(
                 local, self.rows, padding_idx=padding, scale_grad_by_freq=options.scale_grad_by_freq
@@ -375,7 +381,7 @@ class RemoteEmbedding(nn.Module):
         bags = offsets.numel() - (1 if options.include_last_offset else 0)
         return (bags, self.embedding_dim)
 
-    def _recorded_lookup(self, flat: Tensor) -> int | None:
+    def recorded_lookup(self, flat: Tensor) -> int | None:
         """Which of :attr:`lookups` is of exactly the ids ``flat`` (int64), if any."""
         for index, (recorded, _) in enumerate(self.lookups):
             if recorded.shape == flat.shape and torch.equal(recorded, flat):
@@ -398,7 +404,7 @@ class RemoteEmbedding(nn.Module):
             raise MissingRows(self.table, torch.unique(ids[~found]))
         return positions
 
-    def _local_padding(self, padding_idx: int | None) -> int | None:
+    def local_padding(self, padding_idx: int | None) -> int | None:
         if padding_idx is None or self.ids.numel() == 0:
             return None
         position = int(torch.searchsorted(self.ids, torch.tensor(padding_idx)))

@@ -141,6 +141,7 @@ class Replica:
             if recorder.bags:  # pooled bags need offsets and weights: always recorded
                 self.inputs.unknowable = True
             self.inputs.learn(call.args, call.kwargs, recorder.in_order)
+            self._step_lookups.learn_bags(call.args, call.kwargs, recorder)
             bags.update(recorder.bags)
             for table, each in recorder.ids.items():
                 if table not in recorder.bags:
@@ -236,7 +237,7 @@ class Replica:
         try:
             while True:
                 try:
-                    with self._step_lookups.forward():
+                    with self._step_lookups.forward(call.args, call.kwargs):
                         return self._forward(*call.args, **call.kwargs)
                 except MissingRows as missing:
                     ids = missing.ids
