@@ -1,8 +1,9 @@
 """What a step looks up, and looking it up fast: a record pass's :class:`Recorder` and what it
 finds (:class:`Recorded`: each table's sorted unique ids, and each lookup's positions in them);
 and :class:`StepLookups`, which makes a forward's recorded lookups of every table in one autograd
-node, and pools ahead the bags of every table whose one bag lookup reads the call's inputs. The compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call
-and the node's gather and scatter; without them, torch does the same work, table by table.
+node, and pools ahead the bags of every table whose one bag lookup reads the call's inputs. The
+compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call and the
+node's gather and scatter; without them, torch does the same work, table by table.
 """
 
 from __future__ import annotations
