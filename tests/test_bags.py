@@ -374,5 +374,22 @@ def test_bags_pooled_ahead_give_way_to_what_the_forward_looks_up(loop_mode: str)
         assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight", "tables.2.weight"]
 
 
+def test_bags_pooled_ahead_and_not_looked_up_are_not_pooled_again(loop_mode: str) -> None:
+    """A table whose bags a forward pooled ahead but never looked up (the record pass saw a
+    lookup the forward does not make) is not pooled ahead at the next forward."""
+    model = ListBags()
+    replica = Replica(copy.deepcopy(model))
+    tables = replica.model.tables
+    call = list_bags_call(7)
+    loaded(replica, model, call)
+    replica._forward = lambda ids, offsets: [tables[t](ids[t], offsets[t]) for t in (0, 1, 2)]
+    got = replica.forward_fetching(call, fetch=_no_fetch)
+    for t, output in enumerate(got):
+        assert torch.equal(output, model.tables[t](*(part[t] for part in call.args)))
+    if loop_mode == "compiled":
+        planned = sorted(replica._step_lookups._bag_plans)
+        assert planned == [f"tables.{t}.weight" for t in (0, 1, 2)]
+
+
 def _no_fetch(ids: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     raise AssertionError(f"rows of {sorted(ids)} were not pulled")
