@@ -196,7 +196,7 @@ class StepLookups:
         self._inputs, self._pooled = (args, kwargs or {}), None
         try:
             yield
-            for table in self._pooled or ():  # pooled ahead, never looked up: not again
+            for table in self._pooled or {}:  # pooled ahead, never looked up: not again
                 del self._bag_plans[table]
         finally:
             self._active, self._outputs = False, None
