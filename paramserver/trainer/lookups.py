@@ -196,8 +196,8 @@ class StepLookups:
         self._inputs, self._pooled = (args, kwargs or {}), None
         try:
             yield
-            for table in self._pooled or {}:  # pooled ahead, never looked up: not again
-                del self._bag_plans[table]
+            for table in self._pooled if self._pooled is not None else ():
+                del self._bag_plans[table]  # pooled ahead, never looked up: not again
         finally:
             self._active, self._outputs = False, None
             self._inputs, self._pooled = None, None
