@@ -196,14 +196,18 @@ class StepLookups:
         self._inputs, self._pooled = (args, kwargs or {}), None
         try:
             yield
-            for table in self._pooled if self._pooled is not None else ():
-                del self._bag_plans[table]  # pooled ahead, never looked up: not again
+            self._forget_unused()
         finally:
             self._active, self._outputs = False, None
             self._inputs, self._pooled = None, None
             for node in self._bag_nodes.values():
                 node.close()
             self._bag_nodes = {}
+
+    def _forget_unused(self) -> None:
+        """Tables the forward pooled ahead but never looked up are not pooled ahead again."""
+        for table in self._pooled or {}:
+            del self._bag_plans[table]
 
     def learn_bags(self, args: tuple[Any, ...], kwargs: dict[str, Any], recorder: Recorder) -> None:
         """Learn from a record pass of a call with these arguments which tables' bags a
