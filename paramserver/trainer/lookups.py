@@ -57,7 +57,7 @@ class Recorder:
         self.in_order: list[tuple[str, Tensor]] = []  # each lookup's table and ids, as given
         # Each lookup's ids, offsets and options where the trainer pools its bags unweighted
         # (None: any other lookup), for StepLookups.learn_bags.
-        self.pooling: dict[str, list[tuple[Tensor, Tensor, Any] | None]] = {}
+        self.pooling: dict[str, list[tuple[Tensor, Tensor, BagOptions] | None]] = {}
         # The lookups still expected of each table (None: unknown, the first pass).
         self.missing = None if expected is None else {t: n for t, n in expected.items() if n}
 
@@ -66,7 +66,7 @@ class Recorder:
         table: str,
         ids: Tensor,
         bags: BagBlock | None = None,
-        pooling: tuple[Tensor, Any] | None = None,
+        pooling: tuple[Tensor, BagOptions] | None = None,
     ) -> None:
         """A lookup of ``ids``; ``bags``: its bags, which the servers pool; ``pooling``: its
         offsets and options, where the trainer pools its bags, unweighted."""
