@@ -391,5 +391,40 @@ def test_bags_pooled_ahead_and_not_looked_up_are_not_pooled_again(loop_mode: str
         assert planned == [f"tables.{t}.weight" for t in (0, 1, 2)]
 
 
+class ScaledBags(nn.Module):
+    """Two tables' bags read from the inputs, one scaling its gradient by frequency."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(
+            [nn.EmbeddingBag(ROWS, DIM), nn.EmbeddingBag(ROWS, DIM, scale_grad_by_freq=True)]
+        )
+
+    def forward(self, ids: list[Tensor], offsets: list[Tensor]) -> list[Tensor]:
+        return [table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)]
+
+
+def test_bags_scaled_by_frequency_are_not_pooled_ahead(loop_mode: str) -> None:
+    """A bag lookup whose gradient is scaled by its ids' frequency is torch's to make, its
+    gradient torch's bitwise; the other table's bags are pooled ahead."""
+    model = ScaledBags()
+    replica = Replica(copy.deepcopy(model))
+    g = torch.Generator().manual_seed(8)
+    call = Call(([torch.randint(0, ROWS, (90,), generator=g) for _ in range(2)],
+                 [torch.tensor([0, 0, 7, 30, 31, 60]) for _ in range(2)]))  # fmt: skip
+    loaded(replica, model, call)
+    got = replica.forward_fetching(call, fetch=_no_fetch)
+    want = model(*call.args)
+    leaves = [replica.tables[f"tables.{t}.weight"].rows for t in range(2)]
+    grads = torch.autograd.grad(sum(o.sum() for o in got), leaves)
+    sum(o.sum() for o in want).backward()
+    for t in range(2):
+        ids = replica.tables[f"tables.{t}.weight"].ids
+        assert torch.equal(got[t], want[t])
+        assert torch.equal(grads[t], model.tables[t].weight.grad[ids])
+    if loop_mode == "compiled":
+        assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight"]
+
+
 def _no_fetch(ids: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     raise AssertionError(f"rows of {sorted(ids)} were not pulled")

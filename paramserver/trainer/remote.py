@@ -250,15 +250,20 @@ class RemoteEmbedding(nn.Module):
             if self.server_pooled:
                 self._check_pooled(options)
                 bags = self.bags_of(input, offsets, per_sample_weights)
-            elif options.bag_mode and offsets is not None and per_sample_weights is None:
+            elif offsets is not None and self._pools_ahead(options, per_sample_weights):
                 pooling_of = (offsets, options)
             self.recorder.add(self.table, input, bags, pooling_of)
             shape = self._output_shape(input, offsets, options)
             return torch.zeros(shape, dtype=self.rows.dtype)
         if self.server_pooled:
             return self._pooled_output(input, options)
-        if options.bag_mode is not None and per_sample_weights is None and self.step_lookups:
-            pooled = self.step_lookups.pooled(self.table, input, offsets, options)
+        step = self.step_lookups
+        if (
+            step is not None
+            and offsets is not None
+            and self._pools_ahead(options, per_sample_weights)
+        ):
+            pooled = step.pooled(self.table, input, offsets, options)
             if pooled is not None:
                 return pooled
         ids = input.to(torch.int64)
@@ -277,6 +282,17 @@ class RemoteEmbedding(nn.Module):
             rows = self.rows.index_select(0, local.reshape(-1))
             return rows.view(*local.shape, self.embedding_dim)
         return self._layer_lookup(local, offsets, per_sample_weights, options)
+
+    @staticmethod
+    def _pools_ahead(options: LookupOptions, weights: Tensor | None) -> bool:
+        """Whether a lookup of bags given by offsets, with these options and weights, may be
+        pooled ahead with the forward's others (:meth:`StepLookups.pooled`): sum or mean bags,
+        unweighted, not scaled by frequency."""
+        return (
+            options.bag_mode in ("sum", "mean")
+            and not options.scale_grad_by_freq
+            and weights is None
+        )
 
     def _layer_lookup(
         self,
