@@ -372,6 +372,8 @@ def test_bags_pooled_ahead_give_way_to_what_the_forward_looks_up(loop_mode: str)
         names = [type(o.grad_fn).__name__ for o in got]
         assert names == ["_LookupsBackward", "_LookupBackward"] * 2
         assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight", "tables.2.weight"]
+        loaded(replica, model, list_bags_call(6))  # a record pass: it does not plan them again
+        assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight", "tables.2.weight"]
 
 
 def test_bags_pooled_ahead_and_not_looked_up_are_not_pooled_again(loop_mode: str) -> None:

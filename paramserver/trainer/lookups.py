@@ -183,6 +183,7 @@ class StepLookups:
         self._outputs: dict[str, tuple[Tensor, ...]] | None = None
         self._bag_nodes: dict[tuple[int, torch.dtype], BagNode] = {}
         self._bag_plans: dict[str, BagPlan] = {}  # see learn_bags
+        self._not_ahead: set[str] = set()  # tables a forward looked up otherwise: never again
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._pooled: dict[str, _Pooled] | None = None
 
@@ -207,7 +208,12 @@ class StepLookups:
     def _forget_unused(self) -> None:
         """Tables the forward pooled ahead but never looked up are not pooled ahead again."""
         for table in self._pooled or {}:
-            del self._bag_plans[table]
+            self._give_up(table)
+
+    def _give_up(self, table: str) -> None:
+        """Pool ``table``'s bags ahead no more, whatever later record passes show."""
+        del self._bag_plans[table]
+        self._not_ahead.add(table)
 
     def learn_bags(self, args: tuple[Any, ...], kwargs: dict[str, Any], recorder: Recorder) -> None:
         """Learn from a record pass of a call with these arguments which tables' bags a
@@ -217,7 +223,7 @@ class StepLookups:
         plans: dict[str, BagPlan] = {}
         for table, each in recorder.pooling.items():
             pooling = each[0] if len(each) == 1 else None
-            if pooling is None:
+            if pooling is None or table in self._not_ahead:
                 continue
             ids, offsets, options = pooling
             from_ids = derivation_of(table, ids, inputs)
@@ -240,7 +246,7 @@ class StepLookups:
         made = self._pooled.pop(table, None)
         if made is not None and made.made_for(ids, offsets, options):
             return made.output
-        del self._bag_plans[table]
+        self._give_up(table)
         return None
 
     def _pool_all(self) -> dict[str, _Pooled]:
