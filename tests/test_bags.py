@@ -296,11 +296,11 @@ class ListBags(nn.Module):
         return [table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)]
 
 
-def list_bags_call(seed: int) -> Call:
+def list_bags_call(seed: int, tables: int = 4) -> Call:
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, ROWS, (90,), generator=g) for _ in range(4)]
-    offsets = [torch.tensor([0, 0, 7, 30, 31, 60]) for _ in range(4)]
-    return Call(([*ids], offsets))
+    ids = [torch.randint(0, ROWS, (90,), generator=g) for _ in range(tables)]
+    offsets = [torch.tensor([0, 0, 7, 30, 31, 60]) for _ in range(tables)]
+    return Call((ids, offsets))
 
 
 def loaded(replica: Replica, model: nn.Module, call: Call) -> None:
@@ -393,17 +393,14 @@ def test_bags_pooled_ahead_and_not_looked_up_are_not_pooled_again(loop_mode: str
         assert planned == [f"tables.{t}.weight" for t in (0, 1, 2)]
 
 
-class ScaledBags(nn.Module):
+class ScaledBags(ListBags):
     """Two tables' bags read from the inputs, one scaling its gradient by frequency."""
 
     def __init__(self) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.tables = nn.ModuleList(
             [nn.EmbeddingBag(ROWS, DIM), nn.EmbeddingBag(ROWS, DIM, scale_grad_by_freq=True)]
         )
-
-    def forward(self, ids: list[Tensor], offsets: list[Tensor]) -> list[Tensor]:
-        return [table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)]
 
 
 def test_bags_scaled_by_frequency_are_not_pooled_ahead(loop_mode: str) -> None:
@@ -411,9 +408,7 @@ def test_bags_scaled_by_frequency_are_not_pooled_ahead(loop_mode: str) -> None:
     gradient torch's bitwise; the other table's bags are pooled ahead."""
     model = ScaledBags()
     replica = Replica(copy.deepcopy(model))
-    g = torch.Generator().manual_seed(8)
-    call = Call(([torch.randint(0, ROWS, (90,), generator=g) for _ in range(2)],
-                 [torch.tensor([0, 0, 7, 30, 31, 60]) for _ in range(2)]))  # fmt: skip
+    call = list_bags_call(8, tables=2)
     loaded(replica, model, call)
     got = replica.forward_fetching(call, fetch=_no_fetch)
     want = model(*call.args)
