@@ -199,6 +199,16 @@ class PackedTables:
 
 IDS_CODE = len(STEP_DTYPES)  # a table's ids travel as int64 ids, not steps
 _CODE_WIDTHS = np.array([dtype.itemsize for dtype in STEP_DTYPES] + [8], np.int64)
+_CODE_BITS = 2  # a table's size is its count of ids shifted past its code
+
+
+def table_counts(sizes: np.ndarray) -> np.ndarray:
+    """Each table's count of ids, from the ``sizes`` of a :class:`PackedTables` (int64)."""
+    return sizes.astype(np.int64) >> _CODE_BITS
+
+
+def _count_and_code(size: int) -> tuple[int, int]:
+    return size >> _CODE_BITS, size & (1 << _CODE_BITS) - 1
 
 
 def pack_tables(names: Sequence[str], parts: Sequence[Tensor]) -> PackedTables:
@@ -231,7 +241,7 @@ def _pack_tables_by_numpy(
         offset = -(-at // 8) * 8
         payload = np.ascontiguousarray(part if dtype is None else steps).view(np.uint8)
         data[offset : offset + payload.size] = payload
-        firsts[j], sizes[j] = first, part.size * 4 + code
+        firsts[j], sizes[j] = first, (part.size << _CODE_BITS) + code
         at = offset + payload.size
     return at
 
@@ -273,7 +283,7 @@ def unpack_tables(packed: object) -> dict[str, Tensor] | TablesProblem:
             return TablesProblem(
                 None, "its firsts and sizes must be int64 and int32, one a table, its data uint8"
             )
-    counts = sizes.numpy().astype(np.int64) >> 2
+    counts = table_counts(sizes.numpy())
     if (counts < 0).any() or counts.sum() > data.numel():
         return TablesProblem(None, "its counts are not counts of the ids its data holds")
     ids = np.empty(int(counts.sum()), np.int64)
@@ -293,8 +303,9 @@ def _offsets(sizes: np.ndarray) -> np.ndarray:
     offsets = np.zeros(len(sizes) + 1, np.int64)
     at = 0
     for j, size in enumerate(sizes.tolist()):
+        count, code = _count_and_code(size)
         offsets[j] = -(-at // 8) * 8
-        at = int(offsets[j]) + (size >> 2) * int(_CODE_WIDTHS[size & 3])
+        at = int(offsets[j]) + count * int(_CODE_WIDTHS[code])
     offsets[-1] = at
     return offsets
 
@@ -302,8 +313,8 @@ def _offsets(sizes: np.ndarray) -> np.ndarray:
 def _table_packed(packed: PackedTables, table: int) -> PackedIds:
     """Table ``table`` of well laid out ``packed`` (of steps) as :class:`PackedIds`."""
     sizes = packed.sizes.numpy()
-    count, dtype = int(sizes[table]) >> 2, STEP_DTYPES[int(sizes[table]) & 3]
-    start = int(_offsets(sizes)[table])
+    count, code = _count_and_code(int(sizes[table]))
+    dtype, start = STEP_DTYPES[code], int(_offsets(sizes)[table])
     steps = packed.data[start : start + count * dtype.itemsize].view(dtype)
     return PackedIds(int(packed.firsts[table]), steps)
 
@@ -315,11 +326,11 @@ def _unpack_tables_by_torch(
     if (sizes < 0).any() or firsts.size != sizes.size:
         return 1, -1
     offsets = _offsets(sizes)
-    if int(offsets[-1]) != data.size or int((sizes.astype(np.int64) >> 2).sum()) != out.size:
+    if int(offsets[-1]) != data.size or int(table_counts(sizes).sum()) != out.size:
         return 1, -1
     at = 0
     for j, (first, size) in enumerate(zip(firsts.tolist(), sizes.tolist(), strict=True)):
-        count, code, start = size >> 2, size & 3, int(offsets[j])
+        (count, code), start = _count_and_code(size), int(offsets[j])
         raw = data[start : start + count * int(_CODE_WIDTHS[code])]
         if code == IDS_CODE:
             out[at : at + count] = raw.view(np.int64)

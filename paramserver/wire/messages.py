@@ -45,7 +45,7 @@ from torch import Tensor
 
 from paramserver.wire.bundles import Bundle, MalformedBundle, bundled, unbundled
 from paramserver.wire.compression import Encoded
-from paramserver.wire.idcodec import PackedIds, PackedTables
+from paramserver.wire.idcodec import PackedIds, PackedTables, table_counts
 from paramserver.wire.reports import TrainerReport
 
 
@@ -209,8 +209,8 @@ class PushPullRequest:
 
     @property
     def has_grads(self) -> bool:
-        blocks = self.packed_grads  # a table's size is its count of ids times 4, and more
-        packed = blocks is not None and bool((blocks.ids.sizes >= 4).any())
+        blocks = self.packed_grads
+        packed = blocks is not None and bool(table_counts(blocks.ids.sizes.numpy()).any())
         return bool(self.dense_grads) or bool(self.row_grads) or packed or bool(self.pooled_grads)
 
     # On the wire, each mapping of tensors travels as one bundle (see Bundle).
