@@ -38,7 +38,7 @@ from paramserver.wire.idcodec import (
     unpack_tables,
 )
 from paramserver.wire.messages import BagBlock, PushPullRequest, RowBlock
-from paramserver.wire.sizing import message_nbytes, message_sizes
+from paramserver.wire.sizing import message_nbytes, message_sizes, payload_nbytes
 
 
 class HasValue(Protocol):
@@ -128,8 +128,7 @@ class RequestChecks:
                 )
             raise reject(self.server, found.table, f"malformed packed ids: {found.reason}")
         assert type(found) is dict and type(data) is Tensor
-        wire = packed.firsts.numel() * 8 + packed.sizes.numel() * 4 + data.numel()
-        return found, wire - 8 * sum(ids.numel() for ids in found.values())
+        return found, payload_nbytes(packed) - 8 * sum(ids.numel() for ids in found.values())
 
     def check_size(self, request: PushPullRequest, max_bytes: int) -> int:
         """Refuse a call that would make this server hold over ``max_bytes`` for it, before
