@@ -1757,6 +1757,11 @@ done:
  * between its ids, in the narrowest of uint8, int16 and int32 that holds its largest step. */
 enum { STEPS_U8 = 0, STEPS_I16 = 1, STEPS_I32 = 2, STEPS_NONE = 3 };
 
+/* The bytes a step of type `code` takes (STEPS_NONE: an int64 id). */
+static inline Py_ssize_t steps_width(int64_t code) {
+    return code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : code == STEPS_I32 ? 4 : 8;
+}
+
 /* The code of the narrowest type that holds every step between `ids` (sorted unique), or
  * STEPS_NONE where none does, or their span passes int64 (the ids travel as they are). */
 static int step_code(const int64_t *ids, Py_ssize_t count) {
@@ -1817,7 +1822,7 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
         int code = step_code(ids, count);
         Py_ssize_t offset = 0;
         if (count && code != STEPS_NONE) {
-            Py_ssize_t width = code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : 4;
+            Py_ssize_t width = steps_width(code);
             offset = (at + 7) / 8 * 8;
             if (offset + count * width > out_view.len) {
                 PyBuffer_Release(&view);
@@ -1912,10 +1917,6 @@ failed:
  * (or, code 3, its int64 ids) in one byte buffer, each table's from an offset aligned to 8
  * after the one before's. */
 #define MOST_TABLE_IDS ((int64_t)1 << 29) /* a count that fits sizes beside its code */
-
-static inline Py_ssize_t steps_width(int64_t code) {
-    return code == STEPS_U8 ? 1 : code == STEPS_I16 ? 2 : code == STEPS_I32 ? 4 : 8;
-}
 
 static const char pack_tables_doc[] =
     "pack_tables(parts, firsts, sizes, data) -> bytes of data used\n"
