@@ -422,12 +422,11 @@ class _Lookups(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         node: BagNode = ctx.node
-        token = None
+        dtype = None  # of the gradients handed over: the token's (none: no token)
         for number, grad in enumerate(grads, ctx.first):
             if grad is not None:
-                node.grads[number] = grad.contiguous()
-                token = torch.empty(0, dtype=grad.dtype)
-        return None, None, token
+                node.grads[number], dtype = grad.contiguous(), grad.dtype
+        return None, None, None if dtype is None else torch.empty(0, dtype=dtype)
 
 
 def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:

@@ -141,12 +141,11 @@ class _Pooled(NamedTuple):
     versions: tuple[int, int]
     options: BagOptions
 
-    def made_for(self, ids: Tensor, offsets: Tensor | None, options: BagOptions) -> bool:
+    def made_for(self, ids: Tensor, offsets: Tensor, options: BagOptions) -> bool:
         """Whether a lookup of ``ids`` and ``offsets`` with ``options`` is this one: the same
         views of the same inputs, unchanged since (an in-place change bumps a version)."""
         return (
-            offsets is not None
-            and _same_view(ids, self.ids)
+            _same_view(ids, self.ids)
             and _same_view(offsets, self.offsets)
             and (ids._version, offsets._version) == self.versions
             and (options is self.options or options == self.options)
@@ -233,7 +232,7 @@ class StepLookups:
         self._bag_plans = plans
 
     def pooled(
-        self, table: str, ids: Tensor, offsets: Tensor | None, options: BagOptions
+        self, table: str, ids: Tensor, offsets: Tensor, options: BagOptions
     ) -> Tensor | None:
         """The pooled bags of a bag lookup (unweighted) of ``table``, made ahead with those of
         every other table :meth:`learn_bags` learned, in one node, at the forward's first such
