@@ -49,6 +49,7 @@ def test_every_boolean_field_is_a_switch_with_a_no_form() -> None:
     assert set(booleans) == {
         "prefetch",
         "prefetch_own_updates",
+        "data_sockets",
         "resume",
         "gather_model",
         "progress",

@@ -35,7 +35,8 @@ TIMEOUT_ERROR = (
 
 
 def answered_with(monkeypatch: pytest.MonkeyPatch, future: Future) -> RpcTransport:
-    """An RpcTransport whose every call gets ``future`` from the RPC layer."""
+    """An RpcTransport whose every call over RPC (control calls: data calls take a socket,
+    tests/test_sockets.py) gets ``future`` from the RPC layer."""
     monkeypatch.setattr(rpc, "rpc_async", lambda *args, **kwargs: future)
     return RpcTransport(num_servers=2, timeout_s=60.0)
 
@@ -45,10 +46,10 @@ def test_a_broken_connection_is_a_server_lost_error_naming_the_server(
 ) -> None:
     transport = answered_with(monkeypatch, failed(RuntimeError(EOF_ERROR)))
     with pytest.raises(ServerLostError) as caught:
-        transport.call(1, "push_pull", object()).wait()
+        transport.call(1, "stats").wait()
     assert caught.value.server == 1
     message = str(caught.value)
-    assert message.startswith("server 1 was lost: push_pull failed with EOF: end of file"), message
+    assert message.startswith("server 1 was lost: stats failed with EOF: end of file"), message
     assert "tensorpipe" not in message
 
 
@@ -56,21 +57,21 @@ def test_a_call_past_its_timeout_is_a_server_lost_error_naming_the_server(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     transport = answered_with(monkeypatch, failed(RuntimeError(TIMEOUT_ERROR)))
-    with pytest.raises(ServerLostError, match=r"^server 0 did not answer pull within 0.5 s"):
-        transport.call(0, "pull", object(), timeout_s=0.5).wait()
+    with pytest.raises(ServerLostError, match=r"^server 0 did not answer stats within 0.5 s"):
+        transport.call(0, "stats", timeout_s=0.5).wait()
 
 
 def test_errors_from_the_server_keep_their_type(monkeypatch: pytest.MonkeyPatch) -> None:
     rejected = InvalidPushError("NaN in gradient", param="mlp.0.weight", server=1)
     transport = answered_with(monkeypatch, completed(rejected))
     with pytest.raises(InvalidPushError, match="server 1: parameter 'mlp.0.weight': NaN"):
-        transport.call(1, "push_pull", object()).wait()
+        transport.call(1, "dense_check", {}).wait()
     # Re-raised by the RPC layer from the server's side (it could not unpickle the call, say):
     # the server is alive, so this is no ServerLostError.
     remote = RuntimeError("On WorkerInfo(id=1, name=server1):\nRuntimeError('unpickling')")
     transport = answered_with(monkeypatch, failed(remote))
     with pytest.raises(RuntimeError, match="On WorkerInfo") as caught:
-        transport.call(1, "pull", object()).wait()
+        transport.call(1, "stats").wait()
     assert not isinstance(caught.value, ServerLostError)
 
 

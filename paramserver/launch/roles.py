@@ -38,6 +38,7 @@ from paramserver.server.shard import ServerShard
 from paramserver.store.snapshot import model_signature, restore_store
 from paramserver.trainer.loop import TrainerOutcome, run_trainer
 from paramserver.transport.group import CollectiveGroup, TrainerGroup
+from paramserver.transport.sockets import listening_host
 from paramserver.types import LoopFn, ModelFn, Progress
 
 if TYPE_CHECKING:
@@ -310,7 +311,12 @@ def _join(
     endpoint = None
     if rank < config.servers:
         endpoint = build_server(rank, config, model_fn, recovering=generation > 0)
-        rpc_transport.expose(endpoint)
+        data_host = listening_host(loopback_only) if config.data_sockets else None
+        # A socket's limit only guards against nonsense: the coordinator refuses a call over
+        # --max-message-mb with a message naming it.
+        rpc_transport.expose(
+            endpoint, data_host=data_host, max_data_bytes=2 * config.max_message_bytes + 2**20
+        )
     if generation > 0 and restarts is not None:  # restored: the others join it now
         restarts.announce(generation, joining=True)
     rpc_transport.start(

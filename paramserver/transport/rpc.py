@@ -31,6 +31,7 @@ import re
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -44,12 +45,17 @@ from torch.futures import Future
 from paramserver.errors import ConfigError, ParamServerError, ServerLostError
 from paramserver.files import write_atomic
 from paramserver.transport.base import Endpoint, Transport
+from paramserver.transport.operations import DATA_OPERATIONS
+from paramserver.transport.sockets import FrameConnection, FrameListener
 from paramserver.wire import frames
 from paramserver.wire.frames import FrameError
 
 log = logging.getLogger(__name__)
 
 _ENDPOINT: Endpoint | None = None
+_LISTENER: FrameListener | None = None  # where the endpoint takes data calls, if it does
+_TRANSPORTS: weakref.WeakSet[RpcTransport] = weakref.WeakSet()  # closed by stop()
+_DATA_OPS = frozenset(op.name for op in DATA_OPERATIONS)
 _JOINED: dict[str, Any] = {}  # the arguments of the last start(), for a rejoin
 _WORLD: _Restarts | None = None  # set by watch_restarts()
 RESTART_POLL_S = 0.1
@@ -91,6 +97,11 @@ def _serve(frame: bytearray, large: list[Tensor]) -> Future:
 
     handled.add_done_callback(framed)
     return answer
+
+
+def _data_address() -> tuple[str, int] | None:
+    """Where this process takes data calls over a socket (None: over RPC only)."""
+    return None if _LISTENER is None else _LISTENER.address
 
 
 def start(
@@ -155,11 +166,20 @@ def leave_lost_world() -> None:
     rpc.api._all_gather_sequence_id_to_states.clear()
 
 
-def expose(endpoint: Endpoint | None) -> None:
-    """Serve ``endpoint`` to peers. Call before :func:`start`: peers may call as soon as the
-    RPC world is up."""
-    global _ENDPOINT
+def expose(
+    endpoint: Endpoint | None, *, data_host: str | None = None, max_data_bytes: int = 0
+) -> None:
+    """Serve ``endpoint`` to peers; with ``data_host``, also take data calls on a socket
+    there (:mod:`paramserver.transport.sockets`), closing a connection that sends a message
+    over ``max_data_bytes``. Call before :func:`start`: peers may call as soon as the RPC
+    world is up. ``expose(None)`` stops serving."""
+    global _ENDPOINT, _LISTENER
+    if _LISTENER is not None:
+        _LISTENER.close()
+        _LISTENER = None
     _ENDPOINT = endpoint
+    if endpoint is not None and data_host is not None:
+        _LISTENER = FrameListener(endpoint, data_host, max_data_bytes)
 
 
 def stop(graceful: bool = True) -> None:
@@ -169,6 +189,8 @@ def stop(graceful: bool = True) -> None:
     if _WORLD is not None:
         _WORLD.close()
         _WORLD = None
+    for transport in list(_TRANSPORTS):
+        transport.close()
     rpc.shutdown(graceful=graceful)
 
 
@@ -407,12 +429,56 @@ class _Restarts:
 
 
 class RpcTransport(Transport):
-    """Calls servers over RPC; ``timeout_s`` bounds each call (0 means no timeout)."""
+    """Calls servers over RPC; ``timeout_s`` bounds each call (0 means no timeout). Data
+    calls go over a socket to each server that listens for them
+    (:mod:`paramserver.transport.sockets`), connected at the first one; over RPC to the
+    others."""
 
     def __init__(self, num_servers: int, timeout_s: float):
         self.num_servers = num_servers
         self.timeout_s = timeout_s
         self._names = [server_name(i) for i in range(num_servers)]
+        # Per server: the RPC world its address was asked in, and the connection (None: it
+        # takes data calls over RPC).
+        self._connections: dict[int, tuple[int, FrameConnection | None]] = {}
+        self._connecting = threading.Lock()
+        _TRANSPORTS.add(self)
+
+    def close(self) -> None:
+        """Close the data connections (calls under way on them fail as lost)."""
+        with self._connecting:
+            connections, self._connections = self._connections, {}
+        for _, connection in connections.values():
+            if connection is not None:
+                connection.close()
+
+    def _connection(self, server: int, timeout: float) -> FrameConnection | None:
+        """The data connection to ``server``: kept while it works; asked for anew where it
+        broke, or where the server may have been restarted since its address was asked (a
+        new RPC world). Raises RuntimeError (RPC's) or OSError where that fails."""
+        world = generation()
+        with self._connecting:
+            known = self._connections.get(server)
+            if known is not None:
+                asked_in, connection = known
+                if connection is None and asked_in == world:
+                    return None
+                if connection is not None and connection.broken is None:
+                    if asked_in == world:
+                        return connection
+                    if self._address(server, timeout) == connection.address:
+                        self._connections[server] = (world, connection)
+                        return connection
+                if connection is not None:
+                    connection.close()
+            address = self._address(server, timeout)
+            connection = None if address is None else FrameConnection(address, timeout)
+            self._connections[server] = (world, connection)
+            return connection
+
+    def _address(self, server: int, timeout: float) -> tuple[str, int] | None:
+        address = rpc.rpc_sync(self._names[server], _data_address, timeout=timeout)
+        return None if address is None else (str(address[0]), int(address[1]))
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Future:
         """The server's answer, its own error as it raised it, or :class:`ServerLostError`
@@ -421,6 +487,20 @@ class RpcTransport(Transport):
         timeout = self.timeout_s if timeout_s is None else timeout_s
         sent_in = generation()
         answer: Future = Future()
+        if op in _DATA_OPS:
+            try:
+                connection = self._connection(server, timeout)
+            except (RuntimeError, OSError) as error:
+                failed = error if isinstance(error, RuntimeError) else RuntimeError(str(error))
+                answer.set_exception(_transit_error(failed, server, op, timeout, sent_in))
+                return answer
+            if connection is not None:
+
+                def lost(cause: str, timed_out: bool) -> BaseException:
+                    why = "RPC ran for more than set timeout" if timed_out else cause
+                    return _transit_error(RuntimeError(why), server, op, timeout, sent_in)
+
+                return connection.call(op, args, timeout, lost)
         try:
             framed = frames.encode((op, args))
             sent = rpc.rpc_async(self._names[server], _serve, args=framed, timeout=timeout)

@@ -1,0 +1,333 @@
+"""A step's data calls over sockets of their own: frames written straight to a TCP connection.
+
+A round trip over torch RPC costs its caller about 240 us of CPU carrying nothing, and its
+answers are decoded on TensorPipe's threads, which take the GIL from the trainer's loop
+(``benchmarks/bench_rpc_floor.py``). The calls that move a step's data are a job's hottest path,
+so they travel here instead (``--data-sockets``, on by default): one connection per trainer
+and server; each call a small header, the call's frame (:mod:`paramserver.wire.frames`) and its
+large tensors' bytes, written with one ``sendmsg``; each answer likewise, matched to its call by
+number. Control calls stay on RPC, which also tells a trainer where a server listens
+(:mod:`paramserver.transport.rpc`).
+
+A server listens (:class:`FrameListener`) where its RPC agent does (loopback in local jobs;
+see :func:`listening_host`), with a thread per connection that reads calls and hands them to
+the endpoint; an answer is written by whichever thread completes its future, under the
+connection's lock. A trainer's :class:`FrameConnection` writes calls from the calling thread
+and reads answers on a thread of its own, where their futures complete.
+
+Failures read as over RPC: a connection that breaks fails every call under way with the
+caller's error for a lost server; a call not answered within its timeout fails alike, and its
+late answer is dropped. A server's own error travels pickled whole and is raised as it is. A
+message the server cannot read (a header out of bounds, a damaged frame) closes the connection,
+and the server goes on serving the others.
+
+A message, little-endian::
+
+    call number u64 | kind u8 (call, answer, error) | large tensors u16 | frame bytes u64
+    | per large tensor: dtype code u8, dimensions u8, sizes i64 each
+    | the frame | the large tensors' bytes, in order
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import pickle
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.futures import Future
+
+from paramserver.transport.base import Endpoint
+from paramserver.wire import frames
+from paramserver.wire.frames import FrameError
+
+log = logging.getLogger(__name__)
+
+_HEAD = struct.Struct("<QBHQ")
+_LARGE = struct.Struct("<BB")
+_CALL, _ANSWER, _ERROR = 0, 1, 2
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_MAX_DIMS = 8
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+DEADLINE_POLL_S = 0.1  # how often a connection looks for calls past their timeout
+
+# What a call fails with where its answer cannot come: ``lost(cause, timed_out)``.
+Lost = Callable[[str, bool], BaseException]
+
+
+class ConnectionLost(ConnectionError):
+    """A connection that broke, was closed, or carried what cannot be read."""
+
+
+def listening_host(loopback_only: bool) -> str:
+    """Where a server listens for data calls: loopback in a local job; else the address of
+    ``TP_SOCKET_IFNAME``'s interface, where TensorPipe listens too, or, without it, the
+    address this host reaches ``MASTER_ADDR`` from (its hostname's where neither is set)."""
+    if loopback_only:
+        return "127.0.0.1"
+    interface = os.environ.get("TP_SOCKET_IFNAME")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        if interface:
+            packed = struct.pack("256s", interface.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, packed)[20:24])
+        master = os.environ.get("MASTER_ADDR")
+        if master:
+            probe.connect((master, 1))  # a datagram socket's connect sends nothing
+            return str(probe.getsockname()[0])
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _send(sock: socket.socket, number: int, kind: int, frame: bytes | bytearray,
+          large: list[Tensor]) -> None:  # fmt: skip
+    head = bytearray(_HEAD.pack(number, kind, len(large), len(frame)))
+    for tensor in large:
+        head += _LARGE.pack(_DTYPE_CODES[tensor.dtype], tensor.dim())
+        head += struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+    buffers = [memoryview(head), memoryview(frame)]
+    buffers += [_bytes_of(t) for t in large if t.numel()]
+    while buffers:
+        sent = sock.sendmsg(buffers)
+        while buffers and sent >= buffers[0].nbytes:  # a signal may cut a write short
+            sent -= buffers.pop(0).nbytes
+        if buffers:
+            buffers[0] = buffers[0][sent:]
+
+
+def _bytes_of(tensor: Tensor) -> memoryview:
+    """A contiguous tensor's bytes, in place."""
+    return memoryview(tensor.view(-1).view(torch.uint8).numpy().data)
+
+
+def _read_exactly(sock: socket.socket, into: memoryview) -> None:
+    at = 0
+    while at < into.nbytes:
+        got = sock.recv_into(into[at:])
+        if got == 0:
+            raise ConnectionLost("the peer closed the connection")
+        at += got
+
+
+def _read(sock: socket.socket, nbytes: int) -> bytearray:
+    data = bytearray(nbytes)
+    _read_exactly(sock, memoryview(data))
+    return data
+
+
+def _receive(sock: socket.socket, max_bytes: int) -> tuple[int, int, bytearray, list[Tensor]]:
+    """The next message: its number, kind, frame and large tensors. A message claiming more
+    than ``max_bytes`` in all, or tensors of no known form, raises :class:`ConnectionLost`."""
+    number, kind, num_large, frame_bytes = _HEAD.unpack(_read(sock, _HEAD.size))
+    total = frame_bytes
+    large: list[Tensor] = []
+    for _ in range(num_large):
+        code, dims = _LARGE.unpack(_read(sock, _LARGE.size))
+        if code >= len(_DTYPES) or dims > _MAX_DIMS:
+            raise ConnectionLost(f"a tensor of dtype code {code} and {dims} dimensions")
+        shape = struct.unpack(f"<{dims}q", _read(sock, 8 * dims))
+        numel = 1
+        for size in shape:
+            numel *= size
+        if min(shape, default=0) < 0 or numel > max_bytes:
+            raise ConnectionLost(f"a tensor of shape {shape}")
+        total += numel * _DTYPES[code].itemsize
+        large.append(torch.empty(shape, dtype=_DTYPES[code]))
+    if total > max_bytes:
+        raise ConnectionLost(f"a message of {total} bytes, over the limit of {max_bytes}")
+    frame = _read(sock, frame_bytes)
+    for tensor in large:
+        if tensor.numel():
+            _read_exactly(sock, _bytes_of(tensor))
+    return number, kind, frame, large
+
+
+def _close(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # not connected (any more)
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+class FrameListener:
+    """A server's listening socket, handing the calls of every connection to ``endpoint``;
+    :attr:`address` is where trainers connect. A message over ``max_bytes`` closes its
+    connection."""
+
+    def __init__(self, endpoint: Endpoint, host: str, max_bytes: int):
+        self.endpoint, self.max_bytes = endpoint, max_bytes
+        self._sock = socket.create_server((host, 0))
+        self.address: tuple[str, int] = self._sock.getsockname()[:2]
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name="frames-accept", daemon=True).start()
+
+    def close(self) -> None:
+        """Stop listening and close every connection."""
+        with self._lock:
+            self._closed = True
+            connections, self._connections = self._connections, set()
+        self._sock.close()
+        for conn in connections:
+            _close(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                if self._closed:
+                    _close(conn)
+                    return
+                self._connections.add(conn)
+            threading.Thread(
+                target=self._serve, args=(conn,), name="frames-serve", daemon=True
+            ).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        writing = threading.Lock()
+        try:
+            while True:
+                number, kind, frame, large = _receive(conn, self.max_bytes)
+                if kind != _CALL:
+                    raise ConnectionLost(f"a message of kind {kind} where a call was due")
+                self._handle(conn, writing, number, frame, large)
+        except (OSError, ConnectionLost) as error:
+            log.debug("a data connection ended: %s", error)
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            _close(conn)
+
+    def _handle(self, conn: socket.socket, writing: threading.Lock, number: int,
+                frame: bytearray, large: list[Tensor]) -> None:  # fmt: skip
+        def answer(done: Future) -> None:
+            try:
+                message = frames.encode(done.value())
+            except BaseException as error:  # the server's own error, or one encoding
+                _answer(conn, writing, number, _ERROR, _pickled(error))
+                return
+            _answer(conn, writing, number, _ANSWER, *message)
+
+        try:
+            op, args = frames.decode(frame, large)
+        except FrameError as error:
+            _answer(conn, writing, number, _ERROR, _pickled(error))
+            return
+        self.endpoint.handle(op, args).add_done_callback(answer)
+
+
+def _pickled(error: BaseException) -> bytes:
+    try:
+        return pickle.dumps(error)
+    except Exception:  # an error that does not pickle arrives as its type's name and text
+        return pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
+
+
+def _answer(conn: socket.socket, writing: threading.Lock, number: int, kind: int,
+            frame: bytes | bytearray, large: list[Tensor] | None = None) -> None:  # fmt: skip
+    try:
+        with writing:
+            _send(conn, number, kind, frame, large or [])
+    except OSError as error:  # the trainer is gone: its calls fail on its side
+        log.debug("an answer could not be written: %s", error)
+
+
+class FrameConnection:
+    """A trainer's connection to one server. :meth:`call` is safe from any thread; a call's
+    future completes on the connection's reader thread. Connecting waits ``connect_timeout_s``
+    at most (0: no limit)."""
+
+    def __init__(self, address: tuple[str, int], connect_timeout_s: float):
+        self.address = address
+        self._sock = socket.create_connection(address, timeout=connect_timeout_s or None)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future, float, Lost]] = {}
+        self._next = 0
+        self.broken: BaseException | None = None  # why the connection is no longer usable
+        for run, name in ((self._read_answers, "frames-read"), (self._watch, "frames-watch")):
+            threading.Thread(target=run, name=name, daemon=True).start()
+
+    def call(self, op: str, args: tuple[Any, ...], timeout_s: float, lost: Lost) -> Future:
+        """The answer to ``op(*args)``: its value, the server's own error, or ``lost``'s
+        where the connection broke or no answer came within ``timeout_s`` (0: no limit)."""
+        answer: Future = Future()
+        frame, large = frames.encode((op, args))
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+        with self._lock:
+            broken = self.broken
+            if broken is None:
+                number = self._next
+                self._next += 1
+                self._pending[number] = (answer, deadline, lost)
+                try:
+                    _send(self._sock, number, _CALL, frame, large)
+                except OSError as error:
+                    broken = ConnectionLost(f"writing a call failed: {error}")
+        if broken is not None:
+            self._break(broken)
+            if not answer.done():
+                answer.set_exception(lost(str(broken), False))
+        return answer
+
+    def close(self) -> None:
+        """Close the connection; calls under way fail as lost."""
+        self._break(ConnectionLost("the connection was closed"))
+
+    def _break(self, cause: BaseException) -> None:
+        """Mark the connection broken and fail every call under way (outside the lock: their
+        callbacks may call again)."""
+        with self._lock:
+            if self.broken is None:
+                self.broken = cause
+                _close(self._sock)
+            pending, self._pending = self._pending, {}
+        for answer, _, lost in pending.values():
+            answer.set_exception(lost(str(self.broken), False))
+
+    def _read_answers(self) -> None:
+        try:
+            while True:
+                number, kind, frame, large = _receive(self._sock, 1 << 62)
+                with self._lock:
+                    waiting = self._pending.pop(number, None)
+                if waiting is None:
+                    continue  # its timeout passed: it failed already
+                answer = waiting[0]
+                try:
+                    value = pickle.loads(frame) if kind == _ERROR else frames.decode(frame, large)
+                except (FrameError, pickle.UnpicklingError) as error:
+                    answer.set_exception(error)
+                    continue
+                if kind == _ERROR:
+                    answer.set_exception(value)
+                else:
+                    answer.set_result(value)
+        except (OSError, ConnectionLost) as error:
+            self._break(error)
+
+    def _watch(self) -> None:
+        while self.broken is None:
+            time.sleep(DEADLINE_POLL_S)
+            now = time.monotonic()
+            with self._lock:
+                late = [n for n, (_, deadline, _) in self._pending.items() if deadline < now]
+                expired = [self._pending.pop(n) for n in late]
+            for answer, _, lost in expired:
+                answer.set_exception(lost("no answer in time", True))

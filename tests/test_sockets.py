@@ -1,0 +1,235 @@
+"""A step's data calls over sockets of their own (paramserver.transport.sockets), as a trainer's
+RpcTransport makes them: answers arrive equal and matched to their calls in any order, a
+server's error keeps its type, a broken connection or a call past its timeout is a
+ServerLostError naming the server, the next call connects again, and a peer's nonsense closes
+only its own connection. A whole job gives the same model with the sockets as without."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.futures import Future
+
+import paramserver as ps
+from paramserver.errors import InvalidPushError, ServerLostError
+from paramserver.futures import completed, failed
+from paramserver.transport import sockets
+from paramserver.transport.rpc import RpcTransport
+from paramserver.transport.sockets import FrameListener
+from paramserver.wire import frames
+from paramserver.wire.frames import FrameError
+from tests.helpers import TinyRecModel, mse, tiny_batches
+
+MAX_BYTES = 1 << 24
+
+
+class Echo:
+    """Answers each call with its ``(op, args)``; a call whose first argument is "hold" waits
+    until :meth:`release`, which answers the held calls last first."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Future, Any]] = []
+        self.calls = 0
+
+    def handle(self, op: object, args: Any) -> Future:
+        self.calls += 1
+        if args and isinstance(args[0], str) and args[0] == "hold":
+            answer: Future = Future()
+            self.held.append((answer, (op, args)))
+            return answer
+        if args and isinstance(args[0], Exception):
+            return failed(args[0])
+        return completed((op, args))
+
+    def release(self) -> None:
+        for answer, value in reversed(self.held):
+            answer.set_result(value)
+        self.held.clear()
+
+
+@pytest.fixture
+def listener() -> Iterator[FrameListener]:
+    served = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
+    yield served
+    served.close()
+
+
+def transport_to(monkeypatch: pytest.MonkeyPatch, *listeners: FrameListener) -> RpcTransport:
+    """A trainer's transport whose servers listen at ``listeners`` (what RPC would tell it)."""
+    return transport_to_any(monkeypatch, list(listeners))
+
+
+def transport_to_any(
+    monkeypatch: pytest.MonkeyPatch, listeners: list[FrameListener]
+) -> RpcTransport:
+    """As :func:`transport_to`, where ``listeners`` may change."""
+    transport = RpcTransport(num_servers=len(listeners), timeout_s=60.0)
+    monkeypatch.setattr(transport, "_address", lambda server, timeout: listeners[server].address)
+    return transport
+
+
+def wait_until(condition: Any, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_answers_arrive_equal_and_each_to_its_call(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    values = {
+        "small": torch.arange(7),
+        "large": torch.randn(300, 64),  # beside the frame
+        "bf16": torch.randn(5000, dtype=torch.bfloat16),
+        "bool": torch.rand(20000) > 0.5,
+        "empty": torch.zeros(0, 16),
+        "other": [1, "two", None],
+    }
+    op, args = transport.call(0, "push_pull", values).wait()
+    assert op == "push_pull"
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            assert args[0][name].dtype == value.dtype and torch.equal(args[0][name], value)
+        else:
+            assert args[0][name] == value
+    # Answered in the reverse order of their calls, each still reaches its own.
+    held = [transport.call(0, "pull", "hold", torch.full((5000,), i)) for i in range(5)]
+    endpoint = listener.endpoint
+    assert isinstance(endpoint, Echo)
+    wait_until(lambda: len(endpoint.held) == 5)
+    endpoint.release()
+    for i, future in enumerate(held):
+        assert torch.equal(future.wait()[1][1], torch.full((5000,), i))
+    transport.close()
+
+
+def test_a_servers_error_arrives_as_itself(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    refused = InvalidPushError("NaN in gradient", param="mlp.0.weight", server=0)
+    with pytest.raises(InvalidPushError, match="^server 0: parameter 'mlp.0.weight': NaN"):
+        transport.call(0, "push_pull", refused).wait()
+    transport.close()
+
+
+def test_a_broken_connection_is_a_lost_server_and_the_next_call_connects_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
+    second = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
+    servers = [second, first]
+    transport = transport_to_any(monkeypatch, servers)
+    under_way = transport.call(1, "push_pull", "hold")
+    wait_until(lambda: first.endpoint.held)  # type: ignore[attr-defined]
+    first.close()  # as a server that died
+    with pytest.raises(ServerLostError, match="^server 1 was lost: push_pull failed") as caught:
+        under_way.wait()
+    assert caught.value.server == 1
+    servers[1] = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)  # restarted elsewhere
+    try:
+        assert transport.call(1, "push_pull", 7).wait() == ("push_pull", (7,))
+        assert transport.call(0, "pull", 8).wait() == ("pull", (8,))
+    finally:
+        transport.close()
+        servers[1].close()
+        second.close()
+
+
+def test_a_call_past_its_timeout_is_a_lost_server_and_its_late_answer_is_dropped(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    late = transport.call(0, "push_pull", "hold", timeout_s=0.3)
+    with pytest.raises(ServerLostError, match=r"^server 0 did not answer push_pull within 0.3 s"):
+        late.wait()
+    listener.endpoint.release()  # type: ignore[attr-defined]
+    assert transport.call(0, "push_pull", 1).wait() == ("push_pull", (1,))
+    transport.close()
+
+
+def raw_message(number: int, frame: bytes, frame_bytes: int | None = None) -> bytes:
+    """A call as the module docstring lays it out, written here from the layout."""
+    claimed = len(frame) if frame_bytes is None else frame_bytes
+    return struct.pack("<QBHQ", number, 0, 0, claimed) + frame
+
+
+def test_a_frame_of_another_version_is_refused_to_its_caller(listener: FrameListener) -> None:
+    frame = bytearray(frames.encode(("push_pull", ()))[0])
+    struct.pack_into("<H", frame, 4, frames.VERSION + 1)
+    with socket.create_connection(listener.address) as peer:
+        peer.sendall(raw_message(3, bytes(frame)))
+        head = peer.recv(struct.calcsize("<QBHQ"), socket.MSG_WAITALL)
+        number, kind, _, size = struct.unpack("<QBHQ", head)
+        error = __import__("pickle").loads(peer.recv(size, socket.MSG_WAITALL))
+    assert (number, kind) == (3, 2) and isinstance(error, FrameError)
+    assert f"version {frames.VERSION + 1}" in str(error)
+
+
+def test_nonsense_closes_only_its_own_connection(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    assert transport.call(0, "push_pull", 1).wait() == ("push_pull", (1,))
+    # A frame claimed over the limit (the server would otherwise wait for it), then a header
+    # of no known form.
+    for junk in (raw_message(0, b"", frame_bytes=MAX_BYTES + 1), b"\xff" * 64):
+        with socket.create_connection(listener.address) as peer:
+            peer.sendall(junk)
+            peer.settimeout(5)
+            assert peer.recv(1) == b""  # closed by the server at once
+    assert transport.call(0, "push_pull", 2).wait() == ("push_pull", (2,))
+    assert listener.endpoint.calls == 2  # type: ignore[attr-defined]
+    transport.close()
+
+
+def test_a_listener_in_a_local_job_is_on_loopback() -> None:
+    assert sockets.listening_host(loopback_only=True) == "127.0.0.1"
+
+
+@pytest.mark.system
+@pytest.mark.timeout(180)
+def test_a_job_ends_with_the_same_model_with_or_without_data_sockets() -> None:
+    def data(trainer: int, num_trainers: int) -> Iterator[Any]:
+        return tiny_batches(trainer, num_batches=20)
+
+    def trained(data_sockets: bool) -> dict[str, torch.Tensor]:
+        config = ps.TrainConfig(
+            servers=2, trainers=2, mode="sync", launcher="processes", progress=False,
+            data_sockets=data_sockets,
+        )  # fmt: skip
+        result = ps.train(TinyRecModel, data, mse, config)
+        assert result.summary["steps"] == 20 * 2
+        return result.model.state_dict()
+
+    with_sockets, without = trained(True), trained(False)
+    assert with_sockets.keys() == without.keys()
+    for name, value in with_sockets.items():
+        assert torch.equal(value, without[name]), name
+
+
+def test_calls_from_many_threads_each_get_their_answer(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    answers: dict[int, Any] = {}
+
+    def caller(index: int) -> None:
+        answers[index] = [transport.call(0, "pull", index, k).wait() for k in range(20)]
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert answers == {i: [("pull", (i, k)) for k in range(20)] for i in range(4)}
+    transport.close()
