@@ -157,10 +157,13 @@ def test_a_call_past_its_timeout_is_a_lost_server_and_its_late_answer_is_dropped
     transport.close()
 
 
-def raw_message(number: int, frame: bytes, frame_bytes: int | None = None) -> bytes:
-    """A call as the module docstring lays it out, written here from the layout."""
-    claimed = len(frame) if frame_bytes is None else frame_bytes
-    return struct.pack("<QBHQ", number, 0, 0, claimed) + frame
+HEAD = "<QBHQQ"  # as the module docstring lays a message out
+
+
+def raw_message(number: int, frame: bytes, body_bytes: int | None = None) -> bytes:
+    """A call with no large tensors, written here from the documented layout."""
+    claimed = len(frame) if body_bytes is None else body_bytes
+    return struct.pack(HEAD, number, 0, 0, len(frame), claimed) + frame
 
 
 def test_a_frame_of_another_version_is_refused_to_its_caller(listener: FrameListener) -> None:
@@ -168,8 +171,8 @@ def test_a_frame_of_another_version_is_refused_to_its_caller(listener: FrameList
     struct.pack_into("<H", frame, 4, frames.VERSION + 1)
     with socket.create_connection(listener.address) as peer:
         peer.sendall(raw_message(3, bytes(frame)))
-        head = peer.recv(struct.calcsize("<QBHQ"), socket.MSG_WAITALL)
-        number, kind, _, size = struct.unpack("<QBHQ", head)
+        head = peer.recv(struct.calcsize(HEAD), socket.MSG_WAITALL)
+        number, kind, _, size, _ = struct.unpack(HEAD, head)
         error = __import__("pickle").loads(peer.recv(size, socket.MSG_WAITALL))
     assert (number, kind) == (3, 2) and isinstance(error, FrameError)
     assert f"version {frames.VERSION + 1}" in str(error)
@@ -182,7 +185,7 @@ def test_nonsense_closes_only_its_own_connection(
     assert transport.call(0, "push_pull", 1).wait() == ("push_pull", (1,))
     # A frame claimed over the limit (the server would otherwise wait for it), then a header
     # of no known form.
-    for junk in (raw_message(0, b"", frame_bytes=MAX_BYTES + 1), b"\xff" * 64):
+    for junk in (raw_message(0, b"", body_bytes=MAX_BYTES + 1), b"\xff" * 64):
         with socket.create_connection(listener.address) as peer:
             peer.sendall(junk)
             peer.settimeout(5)

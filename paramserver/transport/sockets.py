@@ -24,8 +24,13 @@ and the server goes on serving the others.
 A message, little-endian::
 
     call number u64 | kind u8 (call, answer, error) | large tensors u16 | frame bytes u64
+    | bytes after this header u64
     | per large tensor: dtype code u8, dimensions u8, sizes i64 each
-    | the frame | the large tensors' bytes, in order
+    | the frame, from an offset aligned to 8
+    | the large tensors' bytes, in order, each from an offset aligned to 8
+
+A receiver reads a message in two calls (its header, then the rest into one buffer, whose
+views its large tensors are), so a trainer's reader thread takes the GIL once per answer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import pickle
 import socket
@@ -52,7 +58,7 @@ from paramserver.wire.frames import FrameError
 
 log = logging.getLogger(__name__)
 
-_HEAD = struct.Struct("<QBHQ")
+_HEAD = struct.Struct("<QBHQQ")
 _LARGE = struct.Struct("<BB")
 _CALL, _ANSWER, _ERROR = 0, 1, 2
 _DTYPES = (
@@ -61,6 +67,8 @@ _DTYPES = (
 )  # fmt: skip
 _DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 8
+_ALIGN = 8  # each large tensor starts at a multiple of this in its message
+_PADDING = memoryview(bytes(_ALIGN))
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 DEADLINE_POLL_S = 0.1  # how often a connection looks for calls past their timeout
 
@@ -92,12 +100,19 @@ def listening_host(loopback_only: bool) -> str:
 
 def _send(sock: socket.socket, number: int, kind: int, frame: bytes | bytearray,
           large: list[Tensor]) -> None:  # fmt: skip
-    head = bytearray(_HEAD.pack(number, kind, len(large), len(frame)))
+    described = bytearray()
     for tensor in large:
-        head += _LARGE.pack(_DTYPE_CODES[tensor.dtype], tensor.dim())
-        head += struct.pack(f"<{tensor.dim()}q", *tensor.shape)
-    buffers = [memoryview(head), memoryview(frame)]
-    buffers += [_bytes_of(t) for t in large if t.numel()]
+        described += _LARGE.pack(_DTYPE_CODES[tensor.dtype], tensor.dim())
+        described += struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+    described += bytes(_aligned(len(described)) - len(described))  # the frame starts aligned
+    buffers: list[memoryview] = [memoryview(described), memoryview(frame)]
+    at = len(described) + len(frame)
+    for tensor in large:
+        if tensor.numel():
+            buffers += [_PADDING[: _aligned(at) - at], _bytes_of(tensor)]
+            at = _aligned(at) + buffers[-1].nbytes
+    head = _HEAD.pack(number, kind, len(large), len(frame), at)
+    buffers.insert(0, memoryview(head))
     while buffers:
         sent = sock.sendmsg(buffers)
         while buffers and sent >= buffers[0].nbytes:  # a signal may cut a write short
@@ -106,50 +121,59 @@ def _send(sock: socket.socket, number: int, kind: int, frame: bytes | bytearray,
             buffers[0] = buffers[0][sent:]
 
 
+def _aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
 def _bytes_of(tensor: Tensor) -> memoryview:
     """A contiguous tensor's bytes, in place."""
     return memoryview(tensor.view(-1).view(torch.uint8).numpy().data)
 
 
-def _read_exactly(sock: socket.socket, into: memoryview) -> None:
-    at = 0
-    while at < into.nbytes:
-        got = sock.recv_into(into[at:])
+def _read(sock: socket.socket, nbytes: int) -> bytearray:
+    data = bytearray(nbytes)
+    view, at = memoryview(data), 0
+    while at < nbytes:  # in one call where it all came (MSG_WAITALL), as it almost always has
+        got = sock.recv_into(view[at:], nbytes - at, socket.MSG_WAITALL)
         if got == 0:
             raise ConnectionLost("the peer closed the connection")
         at += got
-
-
-def _read(sock: socket.socket, nbytes: int) -> bytearray:
-    data = bytearray(nbytes)
-    _read_exactly(sock, memoryview(data))
     return data
 
 
-def _receive(sock: socket.socket, max_bytes: int) -> tuple[int, int, bytearray, list[Tensor]]:
-    """The next message: its number, kind, frame and large tensors. A message claiming more
-    than ``max_bytes`` in all, or tensors of no known form, raises :class:`ConnectionLost`."""
-    number, kind, num_large, frame_bytes = _HEAD.unpack(_read(sock, _HEAD.size))
-    total = frame_bytes
-    large: list[Tensor] = []
-    for _ in range(num_large):
-        code, dims = _LARGE.unpack(_read(sock, _LARGE.size))
-        if code >= len(_DTYPES) or dims > _MAX_DIMS:
-            raise ConnectionLost(f"a tensor of dtype code {code} and {dims} dimensions")
-        shape = struct.unpack(f"<{dims}q", _read(sock, 8 * dims))
-        numel = 1
-        for size in shape:
-            numel *= size
-        if min(shape, default=0) < 0 or numel > max_bytes:
-            raise ConnectionLost(f"a tensor of shape {shape}")
-        total += numel * _DTYPES[code].itemsize
-        large.append(torch.empty(shape, dtype=_DTYPES[code]))
-    if total > max_bytes:
-        raise ConnectionLost(f"a message of {total} bytes, over the limit of {max_bytes}")
-    frame = _read(sock, frame_bytes)
-    for tensor in large:
-        if tensor.numel():
-            _read_exactly(sock, _bytes_of(tensor))
+def _receive(sock: socket.socket, max_bytes: int) -> tuple[int, int, memoryview, list[Tensor]]:
+    """The next message: its number, kind, frame and large tensors (views of the message,
+    which the receiver owns). A message over ``max_bytes``, or one whose parts do not add up
+    to it, raises :class:`ConnectionLost`."""
+    number, kind, num_large, frame_bytes, body_bytes = _HEAD.unpack(_read(sock, _HEAD.size))
+    if body_bytes > max_bytes:
+        raise ConnectionLost(f"a message of {body_bytes} bytes, over the limit of {max_bytes}")
+    body = _read(sock, body_bytes)
+    view, at = memoryview(body), 0
+    shapes: list[tuple[torch.dtype, tuple[int, ...]]] = []
+    try:
+        for _ in range(num_large):
+            code, dims = _LARGE.unpack_from(body, at)
+            if code >= len(_DTYPES) or dims > _MAX_DIMS:
+                raise ConnectionLost(f"a tensor of dtype code {code} and {dims} dimensions")
+            shapes.append((_DTYPES[code], struct.unpack_from(f"<{dims}q", body, at + 2)))
+            at += 2 + 8 * dims
+        at = _aligned(at)
+        frame = view[at : at + frame_bytes]
+        at += frame_bytes
+        large = []
+        for dtype, shape in shapes:
+            numel = math.prod(shape)
+            if numel == 0:
+                large.append(torch.empty(shape, dtype=dtype))
+                continue
+            at = _aligned(at)
+            large.append(torch.frombuffer(body, dtype=dtype, count=numel, offset=at).view(shape))
+            at += numel * dtype.itemsize
+    except (struct.error, ValueError, RuntimeError) as error:
+        raise ConnectionLost(f"a message whose parts do not fit it: {error}") from error
+    if at != body_bytes or frame.nbytes != frame_bytes:
+        raise ConnectionLost("a message whose parts do not add up to its size")
     return number, kind, frame, large
 
 
@@ -214,7 +238,7 @@ class FrameListener:
             _close(conn)
 
     def _handle(self, conn: socket.socket, writing: threading.Lock, number: int,
-                frame: bytearray, large: list[Tensor]) -> None:  # fmt: skip
+                frame: memoryview, large: list[Tensor]) -> None:  # fmt: skip
         def answer(done: Future) -> None:
             try:
                 message = frames.encode(done.value())

@@ -181,13 +181,13 @@ def _large_tensor(index: int) -> Tensor:
 def _checked_header(frame: object, large: object) -> tuple[memoryview, int, int]:
     """A frame's view, its count of small tensors and where its structure ends, once its
     header and large tensors are checked (:class:`FrameError` saying what is wrong)."""
-    if type(frame) is not bytearray and type(frame) is not bytes:
+    if not isinstance(frame, bytearray | bytes | memoryview):
         raise FrameError(f"a frame is a bytearray, not {type(frame).__name__}")
     if not isinstance(large, list | tuple) or not all(
         type(t) is Tensor and _plain(t) for t in large
     ):
         raise FrameError("a frame's large tensors must be a list of plain CPU tensors")
-    view = memoryview(frame)
+    view = memoryview(frame).cast("B")
     if view.nbytes < _HEADER.size:
         raise FrameError(f"a frame of {view.nbytes} bytes is shorter than its header")
     magic, version, _, num_small, num_large, structure_bytes = _HEADER.unpack_from(view)
@@ -206,13 +206,16 @@ def _checked_header(frame: object, large: object) -> tuple[memoryview, int, int]
     return view, num_small, structure_end
 
 
-def decode(frame: bytearray | bytes, large: list[Tensor] | tuple[Tensor, ...] = ()) -> Any:
+def decode(
+    frame: bytearray | bytes | memoryview, large: list[Tensor] | tuple[Tensor, ...] = ()
+) -> Any:
     """The message of :func:`encode`'s ``(frame, large)``; :class:`FrameError` where the frame
     is of another version or damaged."""
     view, num_small, structure_end = _checked_header(frame, large)
     data_start = min(_aligned(structure_end), view.nbytes)
-    # A bytearray is the receiver's (the RPC layer made it): its data is read in place.
-    owned = frame if type(frame) is bytearray else bytearray(frame)
+    # A bytearray, or a writable view of one, is the receiver's (the RPC layer or a socket's
+    # reader made it): its data is read in place.
+    owned = view if not view.readonly else bytearray(view)
     data = np.frombuffer(owned, np.uint8)[data_start:]
     reading = _READING
     if reading.data is not None:
