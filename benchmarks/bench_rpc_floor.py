@@ -9,8 +9,9 @@ too) and its wall time, for
 - ``rpc_tensors``: carrying a small step's tensors as they are (ids, rows, two dense values);
 - ``rpc_frame``: carrying the same as one frame of bytes (``paramserver.wire.frames``, as the RPC
   transport sends every call);
-- ``socket_frame``: the same frame over a plain loopback TCP socket (length-prefixed), what a
-  transport of paramserver's own would pay.
+- ``data_socket``: the same call over the socket paramserver's data calls take
+  (:mod:`paramserver.transport.sockets`: a frame and a header each way, answers read on the
+  connection's own thread).
 
 With ``--instructions`` (needs valgrind), the caller's instructions per round trip too, counted by
 cachegrind over its whole process (every thread), as ``bench_step_instructions.py`` counts a
@@ -30,10 +31,10 @@ import os
 import re
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,10 +43,11 @@ import torch
 import torch.distributed.rpc as rpc
 from report import machine, save
 from systems import run_isolated
+from torch.futures import Future
 
+from paramserver.futures import completed
+from paramserver.transport.sockets import FrameConnection, FrameListener
 from paramserver.wire import frames
-
-_LENGTH = struct.Struct("<Q")
 
 
 def echo(message: Any) -> Any:
@@ -107,13 +109,13 @@ def rpc_rank(rank: int, port: int, calls: int) -> dict[str, Any]:
     return figures
 
 
-COUNTED_KINDS = ("rpc_empty", "rpc_tensors", "rpc_frame", "socket_frame")
+COUNTED_KINDS = ("rpc_empty", "rpc_tensors", "rpc_frame", "data_socket")
 
 
 def counted_rank(rank: int, port: int, kind: str, calls: int) -> dict[str, Any]:
     """``calls`` round trips of ``kind`` (rank 0 runs under valgrind: see ``--instructions``;
     the socket's too)."""
-    if kind == "socket_frame":
+    if kind == "data_socket":
         return socket_rank(rank, port, calls, warm_up=False)
     _init_rpc(rank, port)
     if rank == 0:
@@ -162,46 +164,54 @@ def instructions_per_round_trip(calls: int) -> dict[str, float]:
     }
 
 
-def _receive(connection: socket.socket) -> bytes:
-    head = connection.recv(_LENGTH.size, socket.MSG_WAITALL)
-    if not head:
-        return b""
-    return connection.recv(_LENGTH.unpack(head)[0], socket.MSG_WAITALL)
+class _EchoEndpoint:
+    """Answers every call with its arguments, until a ``stop`` call."""
+
+    def __init__(self) -> None:
+        self.stopped = threading.Event()
+
+    def handle(self, op: object, args: object) -> Future:
+        if op == "stop":
+            self.stopped.set()
+        return completed(args)
 
 
 def socket_rank(rank: int, port: int, calls: int, warm_up: bool = True) -> dict[str, Any]:
+    """``data_socket``: rank 1 serves a :class:`~paramserver.transport.sockets.FrameListener`,
+    rank 0 calls it through a ``FrameConnection``, as a trainer's data calls go."""
     torch.set_num_threads(1)
     if rank == 1:
-        with socket.create_server(("127.0.0.1", port)) as server:
-            connection, _ = server.accept()
-            with connection:
-                while frame := _receive(connection):
-                    connection.sendall(_LENGTH.pack(len(frame)) + frame)
+        endpoint = _EchoEndpoint()
+        listener = FrameListener(endpoint, "127.0.0.1", 1 << 30, port=port)
+        endpoint.stopped.wait(timeout=600)
+        listener.close()
         return {}
     deadline = time.monotonic() + 30
     while True:
         try:
-            connection = socket.create_connection(("127.0.0.1", port))
+            connection = FrameConnection(("127.0.0.1", port), 30.0)
             break
         except ConnectionRefusedError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tensors = step_message()
 
-    def round_trip() -> None:
-        frame, large = frames.encode(tensors)
-        assert not large  # a small step's tensors all travel in the frame
-        connection.sendall(_LENGTH.pack(len(frame)) + frame)
-        frames.decode(bytearray(_receive(connection)))
+    def lost(cause: str, timed_out: bool) -> BaseException:
+        return RuntimeError(cause)
 
-    with connection:
+    def round_trip() -> None:
+        connection.call("echo", tensors, 60.0, lost).wait()
+
+    try:
         if not warm_up:  # counted: exactly ``calls`` round trips
             for _ in range(calls):
                 round_trip()
             return {}
-        return {"socket_frame": timed(round_trip, calls)}
+        return {"data_socket": timed(round_trip, calls)}
+    finally:
+        connection.call("stop", (), 60.0, lost).wait()
+        connection.close()
 
 
 def free_port() -> int:

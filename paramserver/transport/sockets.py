@@ -184,13 +184,13 @@ def _close(sock: socket.socket) -> None:
 
 
 class FrameListener:
-    """A server's listening socket, handing the calls of every connection to ``endpoint``;
-    :attr:`address` is where trainers connect. A message over ``max_bytes`` closes its
-    connection."""
+    """A server's listening socket (on ``port``; 0: any free one), handing the calls of every
+    connection to ``endpoint``; :attr:`address` is where trainers connect. A message over
+    ``max_bytes`` closes its connection."""
 
-    def __init__(self, endpoint: Endpoint, host: str, max_bytes: int):
+    def __init__(self, endpoint: Endpoint, host: str, max_bytes: int, port: int = 0):
         self.endpoint, self.max_bytes = endpoint, max_bytes
-        self._sock = socket.create_server((host, 0))
+        self._sock = socket.create_server((host, port))
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
