@@ -236,3 +236,24 @@ def test_calls_from_many_threads_each_get_their_answer(
         thread.join(timeout=30)
     assert answers == {i: [("pull", (i, k)) for k in range(20)] for i in range(4)}
     transport.close()
+
+
+def test_large_calls_are_written_in_order_and_never_block_the_caller(
+    monkeypatch: pytest.MonkeyPatch, listener: FrameListener
+) -> None:
+    transport = transport_to(monkeypatch, listener)
+    sizes = [3 << 20, 10, 1 << 20, 7, 5 << 20, 3]  # large (the writer's) and small, mixed
+    calls = [transport.call(0, "push_pull", torch.full((n // 4 + 1,), float(n))) for n in sizes]
+    for n, call in zip(sizes, calls, strict=True):
+        assert torch.equal(call.wait()[1][0], torch.full((n // 4 + 1,), float(n)))
+    transport.close()
+    # A server that reads nothing: a call far larger than the socket's buffers still returns
+    # at once, and fails as lost when the connection is closed.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        connection = sockets.FrameConnection(silent.getsockname()[:2], 10.0)
+        started = time.monotonic()
+        stuck = connection.call("push_pull", (torch.zeros(16 << 20),), 0, lambda c, t: OSError(c))
+        assert time.monotonic() - started < 5 and not stuck.done()
+        connection.close()
+        with pytest.raises(OSError, match="closed"):
+            stuck.wait()
