@@ -1347,25 +1347,40 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
             for (Py_ssize_t k = 0; k < dim && size > 0; k++) out[j * dim + k] /= (T)size;   \
         }                                                                                    \
     }                                                                                        \
+    /* row += grad, or += scale * grad (the product rounded first), `dim` wide: a block of   \
+     * constant length at a time, which the compiler vectorizes (each element's operations  \
+     * unchanged). */                                                                       \
+    static inline void add_row_##T(T *restrict row, const T *restrict grad, Py_ssize_t dim,  \
+                                   int scaled, T scale) {                                    \
+        Py_ssize_t k = 0;                                                                    \
+        if (!scaled) {                                                                       \
+            for (; k + POOL_BLOCK <= dim; k += POOL_BLOCK)                                   \
+                for (Py_ssize_t c = 0; c < POOL_BLOCK; c++) row[k + c] += grad[k + c];       \
+            for (; k < dim; k++) row[k] += grad[k];                                          \
+            return;                                                                          \
+        }                                                                                    \
+        for (; k + POOL_BLOCK <= dim; k += POOL_BLOCK)                                       \
+            for (Py_ssize_t c = 0; c < POOL_BLOCK; c++) row[k + c] += scale * grad[k + c];   \
+        for (; k < dim; k++) row[k] += scale * grad[k];                                      \
+    }                                                                                        \
     /* In order: bag by bag, each id's share (its weight, or 1 / the bag's size for a mean,  \
-     * rounded to T) times the bag's gradient rounded, then added. */                       \
+     * rounded to T) times the bag's gradient rounded, then added. Rows are scattered over   \
+     * the table's gradients: each asked for POOL_PREFETCH ids ahead, as pool_bags does. */  \
     static void scatter_in_order_##T(const Bags *b, T *grads, Py_ssize_t dim) {             \
         const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
         const T *pooled = b->pooled.buf, *weights = b->weights.buf;                          \
-        Py_ssize_t num_bags = b->starts.len / 8 - 1;                                         \
+        Py_ssize_t num_bags = b->starts.len / 8 - 1, count = b->positions.len / 8;           \
+        int scaled = weights != NULL || b->mean;                                             \
         for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
             const T *grad = pooled + j * dim;                                                \
             Py_ssize_t size = b->mean ? bag_size(b, j) : 0;                                  \
             T share = (T)(size > 0 ? 1.0 / (double)size : 1.0);                              \
             for (int64_t i = starts[j]; i < starts[j + 1]; i++) {                            \
+                if (i + POOL_PREFETCH < count)                                               \
+                    __builtin_prefetch(grads + positions[i + POOL_PREFETCH] * dim, 1);       \
                 if (positions[i] == b->padding) continue;                                    \
-                T *row = grads + positions[i] * dim;                                         \
-                if (weights == NULL && !b->mean) {                                           \
-                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += grad[k];                  \
-                } else {                                                                     \
-                    T scale = weights != NULL ? weights[i] : share;                          \
-                    for (Py_ssize_t k = 0; k < dim; k++) row[k] += scale * grad[k];          \
-                }                                                                            \
+                add_row_##T(grads + positions[i] * dim, grad, dim, scaled,                   \
+                            weights != NULL ? weights[i] : share);                           \
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
