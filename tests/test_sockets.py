@@ -195,8 +195,13 @@ def test_nonsense_closes_only_its_own_connection(
     transport.close()
 
 
-def test_a_listener_in_a_local_job_is_on_loopback() -> None:
-    assert sockets.listening_host(loopback_only=True) == "127.0.0.1"
+def test_a_server_listens_where_its_rpc_agent_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert sockets.listening_host(loopback_only=True) == "127.0.0.1"  # a local job
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "lo")  # torchrun's, an interface named
+    assert sockets.listening_host(loopback_only=False) == "127.0.0.1"
+    monkeypatch.delenv("TP_SOCKET_IFNAME")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # none named: the way to the master
+    assert sockets.listening_host(loopback_only=False) == "127.0.0.1"
 
 
 @pytest.mark.system

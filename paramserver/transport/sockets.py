@@ -72,9 +72,8 @@ _ALIGN = 8  # each large tensor starts at a multiple of this in its message
 _PADDING = memoryview(bytes(_ALIGN))
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 DEADLINE_POLL_S = 0.1  # how often a connection looks for calls past their timeout
-# A call this large is written by the connection's writer thread, whose copy into the kernel
-# (about 0.1 ms a MB) then runs beside the caller, as TensorPipe's does; a smaller one costs
-# less written at once than handed over.
+# A message this large is written by its connection's writer thread (see _Outbox); a smaller
+# one costs less written at once than handed over.
 WRITE_AHEAD_BYTES = 256 * 1024
 
 # What a call fails with where its answer cannot come: ``lost(cause, timed_out)``.
@@ -197,6 +196,58 @@ def _close(sock: socket.socket) -> None:
     sock.close()
 
 
+class _Outbox:
+    """Writes a connection's messages in order without blocking the sender: a small one at
+    once where the socket takes it whole; a large one (whose copy into the kernel, about
+    0.1 ms a MB, then runs beside the sender, as TensorPipe's writes do), and what the socket
+    did not take of a small one, by a writer thread of its own, behind which later messages
+    queue. ``failed(error)`` hears of a write that failed, on the writer thread."""
+
+    def __init__(self, sock: socket.socket, failed: Callable[[OSError], None], name: str):
+        self._sock, self._failed = sock, failed
+        self._lock = threading.Lock()
+        self._queued = threading.Condition(self._lock)
+        self._unwritten: collections.deque[list[memoryview]] = collections.deque()
+        self._closed = False
+        threading.Thread(target=self._write_queued, name=name, daemon=True).start()
+
+    def put(self, buffers: list[memoryview]) -> None:
+        """Write ``buffers`` after every message put before; raises OSError where the socket
+        failed, or :class:`ConnectionLost` once closed."""
+        with self._lock:
+            if self._closed:
+                raise ConnectionLost("the connection was closed")
+            if not self._unwritten and sum(b.nbytes for b in buffers) < WRITE_AHEAD_BYTES:
+                buffers = _write(self._sock, buffers, socket.MSG_DONTWAIT)
+            if buffers:
+                self._unwritten.append(buffers)
+                self._queued.notify()
+
+    def close(self) -> None:
+        """Drop what is unwritten and stop the writer (the socket is the owner's to close)."""
+        with self._lock:
+            self._closed = True
+            self._unwritten.clear()
+            self._queued.notify()
+
+    def _write_queued(self) -> None:
+        while True:
+            with self._lock:
+                while not self._unwritten and not self._closed:
+                    self._queued.wait()
+                if self._closed:
+                    return
+                buffers = self._unwritten[0]
+            try:
+                _write(self._sock, buffers)
+            except OSError as error:
+                self._failed(error)
+                return
+            with self._lock:
+                if self._unwritten:  # (close() may have emptied it)
+                    self._unwritten.popleft()  # only now: later messages queue behind it
+
+
 class FrameListener:
     """A server's listening socket (on ``port``; 0: any free one), handing the calls of every
     connection to ``endpoint``; :attr:`address` is where trainers connect. A message over
@@ -237,34 +288,37 @@ class FrameListener:
             ).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        writing = threading.Lock()
+        # Answers go out on the connection's own writer: a trainer that stops reading holds
+        # up no other connection's thread, which may complete its answer (a sync round).
+        outbox = _Outbox(conn, lambda error: _close(conn), "frames-answer")
         try:
             while True:
                 number, kind, frame, large = _receive(conn, self.max_bytes)
                 if kind != _CALL:
                     raise ConnectionLost(f"a message of kind {kind} where a call was due")
-                self._handle(conn, writing, number, frame, large)
+                self._handle(outbox, number, frame, large)
         except (OSError, ConnectionLost) as error:
             log.debug("a data connection ended: %s", error)
         finally:
             with self._lock:
                 self._connections.discard(conn)
+            outbox.close()
             _close(conn)
 
-    def _handle(self, conn: socket.socket, writing: threading.Lock, number: int,
-                frame: memoryview, large: list[Tensor]) -> None:  # fmt: skip
+    def _handle(self, outbox: _Outbox, number: int, frame: memoryview,
+                large: list[Tensor]) -> None:  # fmt: skip
         def answer(done: Future) -> None:
             try:
                 message = frames.encode(done.value())
             except BaseException as error:  # the server's own error, or one encoding
-                _answer(conn, writing, number, _ERROR, _pickled(error))
+                _answer(outbox, number, _ERROR, _pickled(error))
                 return
-            _answer(conn, writing, number, _ANSWER, *message)
+            _answer(outbox, number, _ANSWER, *message)
 
         try:
             op, args = frames.decode(frame, large)
         except FrameError as error:
-            _answer(conn, writing, number, _ERROR, _pickled(error))
+            _answer(outbox, number, _ERROR, _pickled(error))
             return
         self.endpoint.handle(op, args).add_done_callback(answer)
 
@@ -276,12 +330,11 @@ def _pickled(error: BaseException) -> bytes:
         return pickle.dumps(RuntimeError(f"{type(error).__name__}: {error}"))
 
 
-def _answer(conn: socket.socket, writing: threading.Lock, number: int, kind: int,
-            frame: bytes | bytearray, large: list[Tensor] | None = None) -> None:  # fmt: skip
+def _answer(outbox: _Outbox, number: int, kind: int, frame: bytes | bytearray,
+            large: list[Tensor] | None = None) -> None:  # fmt: skip
     try:
-        with writing:
-            _write(conn, _message(number, kind, frame, large or []))
-    except OSError as error:  # the trainer is gone: its calls fail on its side
+        outbox.put(_message(number, kind, frame, large or []))
+    except (OSError, ConnectionLost) as error:  # the trainer is gone: its calls fail there
         log.debug("an answer could not be written: %s", error)
 
 
@@ -299,23 +352,16 @@ class FrameConnection:
         self._pending: dict[int, tuple[Future, float, Lost]] = {}
         self._next = 0
         self.broken: BaseException | None = None  # why the connection is no longer usable
-        # What the writer thread has still to write, in order; while it writes, calls queue.
-        self._unwritten: collections.deque[list[memoryview]] = collections.deque()
-        self._writing = threading.Condition(self._lock)
-        threads = (
-            (self._read_answers, "frames-read"), (self._write_rest, "frames-write"),
-            (self._watch, "frames-watch"),
-        )  # fmt: skip
-        for run, name in threads:
+        self._outbox = _Outbox(self._sock, self._write_failed, "frames-write")
+        for run, name in ((self._read_answers, "frames-read"), (self._watch, "frames-watch")):
             threading.Thread(target=run, name=name, daemon=True).start()
 
     def call(self, op: str, args: tuple[Any, ...], timeout_s: float, lost: Lost) -> Future:
         """The answer to ``op(*args)``: its value, the server's own error, or ``lost``'s
         where the connection broke or no answer came within ``timeout_s`` (0: no limit).
 
-        Never blocks on the socket: a large call, and what the socket does not take at once
-        of a small one, the connection's writer thread writes (so ``args``' large tensors
-        must stay unchanged until the answer comes, as over RPC)."""
+        Never blocks on the socket (see :class:`_Outbox`), so ``args``' large tensors must
+        stay unchanged until the answer comes, as over RPC."""
         answer: Future = Future()
         frame, large = frames.encode((op, args))
         deadline = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
@@ -325,16 +371,10 @@ class FrameConnection:
                 number = self._next
                 self._next += 1
                 self._pending[number] = (answer, deadline, lost)
-                buffers = _message(number, _CALL, frame, large)
                 try:
-                    if not self._unwritten and sum(b.nbytes for b in buffers) < WRITE_AHEAD_BYTES:
-                        buffers = _write(self._sock, buffers, socket.MSG_DONTWAIT)
-                except OSError as error:
+                    self._outbox.put(_message(number, _CALL, frame, large))
+                except (OSError, ConnectionLost) as error:
                     broken = ConnectionLost(f"writing a call failed: {error}")
-                else:
-                    if buffers:
-                        self._unwritten.append(buffers)
-                        self._writing.notify()
         if broken is not None:
             self._break(broken)
             if not answer.done():
@@ -352,29 +392,13 @@ class FrameConnection:
             if self.broken is None:
                 self.broken = cause
                 _close(self._sock)
-                self._unwritten.clear()
-                self._writing.notify()
+                self._outbox.close()
             pending, self._pending = self._pending, {}
         for answer, _, lost in pending.values():
             answer.set_exception(lost(str(self.broken), False))
 
-    def _write_rest(self) -> None:
-        """Write, in order, what calls left unwritten (the writer thread)."""
-        while True:
-            with self._writing:
-                while not self._unwritten and self.broken is None:
-                    self._writing.wait()
-                if self.broken is not None:
-                    return
-                buffers = self._unwritten[0]
-            try:
-                _write(self._sock, buffers)
-            except OSError as error:
-                self._break(ConnectionLost(f"writing a call failed: {error}"))
-                return
-            with self._lock:
-                if self._unwritten:  # (a broken connection emptied it)
-                    self._unwritten.popleft()  # only now: calls queue behind it until written
+    def _write_failed(self, error: OSError) -> None:
+        self._break(ConnectionLost(f"writing a call failed: {error}"))
 
     def _read_answers(self) -> None:
         try:
