@@ -262,3 +262,36 @@ def test_large_calls_are_written_in_order_and_never_block_the_caller(
         connection.close()
         with pytest.raises(OSError, match="closed"):
             stuck.wait()
+
+
+class Round:
+    """A sync round's shape: ``hold`` calls wait; a ``release`` call answers them all (on the
+    releasing call's thread), then itself."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Future, Any]] = []
+
+    def handle(self, op: object, args: Any) -> Future:
+        if op == "hold":
+            answer: Future = Future()
+            self.held.append((answer, args))
+            return answer
+        for answer, value in self.held:
+            answer.set_result(value)
+        return completed("released")
+
+
+def test_a_trainer_that_stops_reading_holds_up_no_other_connection() -> None:
+    listener = FrameListener(Round(), "127.0.0.1", 1 << 28)
+    try:
+        with socket.create_connection(listener.address) as silent:
+            # Its held call's answer (64 MB) is more than the sockets' buffers take.
+            frame, large = frames.encode(("hold", (torch.zeros(16 << 20),)))
+            sockets._write(silent, sockets._message(0, 0, frame, large))
+            wait_until(lambda: listener.endpoint.held)  # type: ignore[attr-defined]
+            other = sockets.FrameConnection(listener.address, 10.0)
+            answer = other.call("release", (), 10.0, lambda c, t: OSError(c))
+            assert answer.wait() == "released"
+            other.close()
+    finally:
+        listener.close()
