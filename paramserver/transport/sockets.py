@@ -11,9 +11,10 @@ number. Control calls stay on RPC, which also tells a trainer where a server lis
 
 A server listens (:class:`FrameListener`) where its RPC agent does (loopback in local jobs;
 see :func:`listening_host`), with a thread per connection that reads calls and hands them to
-the endpoint; an answer is written by whichever thread completes its future, under the
-connection's lock. A trainer's :class:`FrameConnection` writes calls from the calling thread
-and reads answers on a thread of its own, where their futures complete.
+the endpoint. A trainer's :class:`FrameConnection` reads answers on a thread of its own, where
+their futures complete. Each side writes through the connection's :class:`_Outbox`, which
+never blocks the writing thread: a trainer's loop, or a server's thread completing a sync
+round's answers to every trainer.
 
 Failures read as over RPC: a connection that breaks fails every call under way with the
 caller's error for a lost server; a call not answered within its timeout fails alike, and its
