@@ -20,6 +20,7 @@ from torch.futures import Future
 import paramserver as ps
 from paramserver.errors import InvalidPushError, ServerLostError
 from paramserver.futures import completed, failed
+from paramserver.transport import rpc as rpc_transport
 from paramserver.transport import sockets
 from paramserver.transport.rpc import RpcTransport
 from paramserver.transport.sockets import FrameListener
@@ -295,3 +296,36 @@ def test_a_trainer_that_stops_reading_holds_up_no_other_connection() -> None:
             other.close()
     finally:
         listener.close()
+
+
+def test_a_server_that_cannot_be_reached_is_a_lost_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        address = closed.getsockname()[:2]
+    transport = RpcTransport(num_servers=1, timeout_s=60.0)
+    monkeypatch.setattr(transport, "_address", lambda server, timeout: address)
+    with pytest.raises(ServerLostError, match="^server 0 was lost: pull failed with .*refused"):
+        transport.call(0, "pull", 1).wait()
+
+
+def test_a_new_world_asks_the_address_again_and_keeps_a_connection_where_it_did_not_change(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
+    restarted = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
+    servers, world = [first], [0]
+    monkeypatch.setattr(rpc_transport, "generation", lambda: world[0])
+    transport = transport_to_any(monkeypatch, servers)
+    try:
+        transport.call(0, "pull", 1).wait()
+        kept = transport._connections[0][1]
+        world[0] = 1  # a member was restarted: this server kept its address
+        transport.call(0, "pull", 2).wait()
+        assert transport._connections[0][1] is kept and kept is not None
+        servers[0], world[0] = restarted, 2  # this server was restarted elsewhere
+        assert transport.call(0, "pull", 3).wait() == ("pull", (3,))
+        assert kept.broken is not None  # the old connection was closed
+        assert [listener.endpoint.calls for listener in (first, restarted)] == [2, 1]  # type: ignore[attr-defined]
+    finally:
+        transport.close()
+        first.close()
+        restarted.close()

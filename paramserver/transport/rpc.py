@@ -453,26 +453,21 @@ class RpcTransport(Transport):
                 connection.close()
 
     def _connection(self, server: int, timeout: float) -> FrameConnection | None:
-        """The data connection to ``server``: kept while it works; asked for anew where it
-        broke, or where the server may have been restarted since its address was asked (a
-        new RPC world). Raises RuntimeError (RPC's) or OSError where that fails."""
+        """The data connection to ``server``: kept while it works; its address asked again
+        in a new RPC world (the server may have been restarted elsewhere), and connected
+        anew where it changed or the connection broke. Raises RuntimeError (RPC's) or
+        OSError where that fails."""
         world = generation()
         with self._connecting:
-            known = self._connections.get(server)
-            if known is not None:
-                asked_in, connection = known
-                if connection is None and asked_in == world:
-                    return None
-                if connection is not None and connection.broken is None:
-                    if asked_in == world:
-                        return connection
-                    if self._address(server, timeout) == connection.address:
-                        self._connections[server] = (world, connection)
-                        return connection
+            asked_in, connection = self._connections.get(server, (None, None))
+            broken = connection is not None and connection.broken is not None
+            if asked_in == world and not broken:
+                return connection
+            address = self._address(server, timeout)
+            if connection is None or broken or connection.address != address:
                 if connection is not None:
                     connection.close()
-            address = self._address(server, timeout)
-            connection = None if address is None else FrameConnection(address, timeout)
+                connection = None if address is None else FrameConnection(address, timeout)
             self._connections[server] = (world, connection)
             return connection
 
@@ -490,17 +485,20 @@ class RpcTransport(Transport):
         if op in _DATA_OPS:
             try:
                 connection = self._connection(server, timeout)
-            except (RuntimeError, OSError) as error:
-                failed = error if isinstance(error, RuntimeError) else RuntimeError(str(error))
-                answer.set_exception(_transit_error(failed, server, op, timeout, sent_in))
+            except RuntimeError as error:
+                answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
+                return answer
+            except OSError as error:  # connecting failed
+                timed_out = isinstance(error, TimeoutError)
+                lost = _lost_server(server, op, timeout, sent_in, str(error), timed_out)
+                answer.set_exception(lost)
                 return answer
             if connection is not None:
 
-                def lost(cause: str, timed_out: bool) -> BaseException:
-                    why = "RPC ran for more than set timeout" if timed_out else cause
-                    return _transit_error(RuntimeError(why), server, op, timeout, sent_in)
+                def lost_on_socket(cause: str, timed_out: bool) -> BaseException:
+                    return _lost_server(server, op, timeout, sent_in, cause, timed_out)
 
-                return connection.call(op, args, timeout, lost)
+                return connection.call(op, args, timeout, lost_on_socket)
         try:
             framed = frames.encode((op, args))
             sent = rpc.rpc_async(self._names[server], _serve, args=framed, timeout=timeout)
@@ -557,10 +555,19 @@ def _transit_error(
         return error
     first_line = message.splitlines()[0] if message else ""
     cause = _ORIGIN.sub("", _RPC_ERROR_CODE.sub("", first_line)).strip() or "no message"
-    if "timeout" in cause or "timed out" in cause:
+    timed_out = "timeout" in cause or "timed out" in cause
+    lost = _lost_server(server, op, timeout_s, sent_in, cause, timed_out)
+    lost.__cause__ = error
+    return lost
+
+
+def _lost_server(
+    server: int, op: str, timeout_s: float, sent_in: int, cause: str, timed_out: bool
+) -> ServerLostError:
+    """What a caller sees for a call to ``server`` sent in world ``sent_in`` that ended with
+    no answer, over RPC or a data socket: it timed out, or failed with ``cause``."""
+    if timed_out:
         what = f"did not answer {op} within {timeout_s:g} s (it froze, was cut off or is stuck)"
     else:
         what = f"was lost: {op} failed with {cause} (its process died or its connection broke)"
-    lost = ServerLostError(f"server {server} {what}", server=server, generation=sent_in)
-    lost.__cause__ = error
-    return lost
+    return ServerLostError(f"server {server} {what}", server=server, generation=sent_in)
