@@ -6,6 +6,7 @@ only its own connection. A whole job gives the same model with the sockets as wi
 
 from __future__ import annotations
 
+import pickle
 import socket
 import struct
 import threading
@@ -174,7 +175,7 @@ def test_a_frame_of_another_version_is_refused_to_its_caller(listener: FrameList
         peer.sendall(raw_message(3, bytes(frame)))
         head = peer.recv(struct.calcsize(HEAD), socket.MSG_WAITALL)
         number, kind, _, size, _ = struct.unpack(HEAD, head)
-        error = __import__("pickle").loads(peer.recv(size, socket.MSG_WAITALL))
+        error = pickle.loads(peer.recv(size, socket.MSG_WAITALL))
     assert (number, kind) == (3, 2) and isinstance(error, FrameError)
     assert f"version {frames.VERSION + 1}" in str(error)
 
