@@ -19,7 +19,7 @@ import torch
 from torch.futures import Future
 
 import paramserver as ps
-from paramserver.errors import InvalidPushError, ServerLostError
+from paramserver.errors import ConfigError, InvalidPushError, ServerLostError
 from paramserver.futures import completed, failed
 from paramserver.transport import rpc as rpc_transport
 from paramserver.transport import sockets
@@ -204,6 +204,9 @@ def test_a_server_listens_where_its_rpc_agent_does(monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("TP_SOCKET_IFNAME")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # none named: the way to the master
     assert sockets.listening_host(loopback_only=False) == "127.0.0.1"
+    monkeypatch.setenv("TP_SOCKET_IFNAME", "nosuch0")
+    with pytest.raises(ConfigError, match="TP_SOCKET_IFNAME=nosuch0 names no interface"):
+        sockets.listening_host(loopback_only=False)
 
 
 @pytest.mark.system

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 from torch.futures import Future
 
+from paramserver.errors import ConfigError
 from paramserver.transport.base import Endpoint
 from paramserver.wire import frames
 from paramserver.wire.frames import FrameError
@@ -95,7 +96,14 @@ def listening_host(loopback_only: bool) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         if interface:
             packed = struct.pack("256s", interface.encode()[:15])
-            return socket.inet_ntoa(fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, packed)[20:24])
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR, packed)
+            except OSError as error:
+                raise ConfigError(
+                    f"TP_SOCKET_IFNAME={interface} names no interface with an IPv4 address "
+                    f"here ({error.strerror}): name the interface of the hosts' network"
+                ) from error
+            return socket.inet_ntoa(answer[20:24])
         master = os.environ.get("MASTER_ADDR")
         if master:
             probe.connect((master, 1))  # a datagram socket's connect sends nothing
