@@ -28,6 +28,7 @@ from paramserver.transport.sockets import FrameListener
 from paramserver.wire import frames
 from paramserver.wire.frames import FrameError
 from tests.helpers import TinyRecModel, mse, tiny_batches
+from tests.procs import wait_until
 
 MAX_BYTES = 1 << 24
 
@@ -77,13 +78,6 @@ def transport_to_any(
     return transport
 
 
-def wait_until(condition: Any, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_answers_arrive_equal_and_each_to_its_call(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
@@ -107,7 +101,7 @@ def test_answers_arrive_equal_and_each_to_its_call(
     held = [transport.call(0, "pull", "hold", torch.full((5000,), i)) for i in range(5)]
     endpoint = listener.endpoint
     assert isinstance(endpoint, Echo)
-    wait_until(lambda: len(endpoint.held) == 5)
+    wait_until(lambda: len(endpoint.held) == 5, 10, "five held calls")
     endpoint.release()
     for i, future in enumerate(held):
         assert torch.equal(future.wait()[1][1], torch.full((5000,), i))
@@ -132,7 +126,7 @@ def test_a_broken_connection_is_a_lost_server_and_the_next_call_connects_again(
     servers = [second, first]
     transport = transport_to_any(monkeypatch, servers)
     under_way = transport.call(1, "push_pull", "hold")
-    wait_until(lambda: first.endpoint.held)  # type: ignore[attr-defined]
+    wait_until(lambda: first.endpoint.held, 10, "the held call")  # type: ignore[attr-defined]
     first.close()  # as a server that died
     with pytest.raises(ServerLostError, match="^server 1 was lost: push_pull failed") as caught:
         under_way.wait()
@@ -293,7 +287,7 @@ def test_a_trainer_that_stops_reading_holds_up_no_other_connection() -> None:
             # Its held call's answer (64 MB) is more than the sockets' buffers take.
             frame, large = frames.encode(("hold", (torch.zeros(16 << 20),)))
             sockets._write(silent, sockets._message(0, 0, frame, large))
-            wait_until(lambda: listener.endpoint.held)  # type: ignore[attr-defined]
+            wait_until(lambda: listener.endpoint.held, 10, "the held call")  # type: ignore[attr-defined]
             other = sockets.FrameConnection(listener.address, 10.0)
             answer = other.call("release", (), 10.0, lambda c, t: OSError(c))
             assert answer.wait() == "released"
