@@ -1347,18 +1347,12 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
             for (Py_ssize_t k = 0; k < dim && size > 0; k++) out[j * dim + k] /= (T)size;   \
         }                                                                                    \
     }                                                                                        \
-    /* row += grad, or += scale * grad (the product rounded first), `dim` wide: a block of   \
-     * constant length at a time, which the compiler vectorizes (each element's operations  \
-     * unchanged). */                                                                       \
+    /* row += scale * grad (the product rounded first; a scale of 1 adds grad exactly), `dim` \
+     * wide: a block of constant length at a time, which the compiler vectorizes (each       \
+     * element's operations unchanged). */                                                  \
     static inline void add_row_##T(T *restrict row, const T *restrict grad, Py_ssize_t dim,  \
-                                   int scaled, T scale) {                                    \
+                                   T scale) {                                                \
         Py_ssize_t k = 0;                                                                    \
-        if (!scaled) {                                                                       \
-            for (; k + POOL_BLOCK <= dim; k += POOL_BLOCK)                                   \
-                for (Py_ssize_t c = 0; c < POOL_BLOCK; c++) row[k + c] += grad[k + c];       \
-            for (; k < dim; k++) row[k] += grad[k];                                          \
-            return;                                                                          \
-        }                                                                                    \
         for (; k + POOL_BLOCK <= dim; k += POOL_BLOCK)                                       \
             for (Py_ssize_t c = 0; c < POOL_BLOCK; c++) row[k + c] += scale * grad[k + c];   \
         for (; k < dim; k++) row[k] += scale * grad[k];                                      \
@@ -1370,7 +1364,6 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
         const int64_t *positions = b->positions.buf, *starts = b->starts.buf;                \
         const T *pooled = b->pooled.buf, *weights = b->weights.buf;                          \
         Py_ssize_t num_bags = b->starts.len / 8 - 1, count = b->positions.len / 8;           \
-        int scaled = weights != NULL || b->mean;                                             \
         for (Py_ssize_t j = 0; j < num_bags; j++) {                                          \
             const T *grad = pooled + j * dim;                                                \
             Py_ssize_t size = b->mean ? bag_size(b, j) : 0;                                  \
@@ -1379,7 +1372,7 @@ static inline Py_ssize_t bag_size(const Bags *b, Py_ssize_t j) {
                 if (i + POOL_PREFETCH < count)                                               \
                     __builtin_prefetch(grads + positions[i + POOL_PREFETCH] * dim, 1);       \
                 if (positions[i] == b->padding) continue;                                    \
-                add_row_##T(grads + positions[i] * dim, grad, dim, scaled,                   \
+                add_row_##T(grads + positions[i] * dim, grad, dim,                           \
                             weights != NULL ? weights[i] : share);                           \
             }                                                                                \
         }                                                                                    \
