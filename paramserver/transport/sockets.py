@@ -64,11 +64,7 @@ log = logging.getLogger(__name__)
 _HEAD = struct.Struct("<QBHQQ")
 _LARGE = struct.Struct("<BB")
 _CALL, _ANSWER, _ERROR = 0, 1, 2
-_DTYPES = (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-)  # fmt: skip
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(frames.DTYPES)}  # a large tensor's dtype
 _MAX_DIMS = 8
 _ALIGN = 8  # each large tensor starts at a multiple of this in its message
 _PADDING = memoryview(bytes(_ALIGN))
@@ -176,9 +172,9 @@ def _receive(sock: socket.socket, max_bytes: int) -> tuple[int, int, memoryview,
     try:
         for _ in range(num_large):
             code, dims = _LARGE.unpack_from(body, at)
-            if code >= len(_DTYPES) or dims > _MAX_DIMS:
+            if code >= len(frames.DTYPES) or dims > _MAX_DIMS:
                 raise ConnectionLost(f"a tensor of dtype code {code} and {dims} dimensions")
-            shapes.append((_DTYPES[code], struct.unpack_from(f"<{dims}q", body, at + 2)))
+            shapes.append((frames.DTYPES[code], struct.unpack_from(f"<{dims}q", body, at + 2)))
             at += 2 + 8 * dims
         at = _aligned(at)
         frame = view[at : at + frame_bytes]

@@ -46,14 +46,13 @@ _HEADER = struct.Struct("<4sHHIIQ")
 _ALIGN = 8
 LARGE_BYTES = 16 * 1024  # a tensor this large or larger travels beside the frame
 
-# The dtypes a frame carries as data (any other tensor travels pickled in the structure).
-_DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float32, torch.float64, torch.float16, torch.bfloat16,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}  # fmt: skip
+# The dtypes a frame carries as data (any other tensor travels pickled in the structure), in
+# an order a peer may number them by (a data socket's large tensors: transport/sockets.py).
+DTYPES: tuple[torch.dtype, ...] = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+)  # fmt: skip
+_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in DTYPES}
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 # Each one's numpy type, as a frame's data is read (bfloat16's bits as int16: numpy has none).
 _NUMPY_DTYPES = {
