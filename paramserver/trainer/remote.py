@@ -244,26 +244,24 @@ class RemoteEmbedding(nn.Module):
         options: LookupOptions,
     ) -> Tensor:
         """The rows of ``input``'s ids, as a lookup with ``options`` gives them."""
+        # Bags the trainer pools that may be pooled ahead (StepLookups.pooled): the offsets.
+        ahead = None
+        if not self.server_pooled and _pools_ahead(offsets, options, per_sample_weights):
+            ahead = offsets
         if self.recorder is not None:
             self.check_range(input)
-            bags = pooling_of = None
+            bags = None
             if self.server_pooled:
                 self._check_pooled(options)
                 bags = self.bags_of(input, offsets, per_sample_weights)
-            elif offsets is not None and self._pools_ahead(options, per_sample_weights):
-                pooling_of = (offsets, options)
+            pooling_of = None if ahead is None else (ahead, options)
             self.recorder.add(self.table, input, bags, pooling_of)
             shape = self._output_shape(input, offsets, options)
             return torch.zeros(shape, dtype=self.rows.dtype)
         if self.server_pooled:
             return self._pooled_output(input, options)
-        step = self.step_lookups
-        if (
-            step is not None
-            and offsets is not None
-            and self._pools_ahead(options, per_sample_weights)
-        ):
-            pooled = step.pooled(self.table, input, offsets, options)
+        if ahead is not None and self.step_lookups is not None:
+            pooled = self.step_lookups.pooled(self.table, input, ahead, options)
             if pooled is not None:
                 return pooled
         ids = input.to(torch.int64)
@@ -282,17 +280,6 @@ class RemoteEmbedding(nn.Module):
             rows = self.rows.index_select(0, local.reshape(-1))
             return rows.view(*local.shape, self.embedding_dim)
         return self._layer_lookup(local, offsets, per_sample_weights, options)
-
-    @staticmethod
-    def _pools_ahead(options: LookupOptions, weights: Tensor | None) -> bool:
-        """Whether a lookup of bags given by offsets, with these options and weights, may be
-        pooled ahead with the forward's others (:meth:`StepLookups.pooled`): sum or mean bags,
-        unweighted, not scaled by frequency."""
-        return (
-            options.bag_mode in ("sum", "mean")
-            and not options.scale_grad_by_freq
-            and weights is None
-        )
 
     def _layer_lookup(
         self,
@@ -547,4 +534,16 @@ def _functional_lookup(func: Any, args: Any, kwargs: dict) -> Tensor:
     )
     return remote.lookup(
         call["input"], call.get("offsets"), call.get("per_sample_weights"), options
+    )
+
+
+def _pools_ahead(offsets: Tensor | None, options: LookupOptions, weights: Tensor | None) -> bool:
+    """Whether a lookup with these offsets, options and weights may be pooled ahead with the
+    forward's others (:meth:`StepLookups.pooled`): sum or mean bags given by offsets,
+    unweighted, not scaled by frequency."""
+    return (
+        offsets is not None
+        and options.bag_mode in ("sum", "mean")
+        and not options.scale_grad_by_freq
+        and weights is None
     )
