@@ -64,15 +64,9 @@ def listener() -> Iterator[FrameListener]:
     served.close()
 
 
-def transport_to(monkeypatch: pytest.MonkeyPatch, *listeners: FrameListener) -> RpcTransport:
-    """A trainer's transport whose servers listen at ``listeners`` (what RPC would tell it)."""
-    return transport_to_any(monkeypatch, list(listeners))
-
-
-def transport_to_any(
-    monkeypatch: pytest.MonkeyPatch, listeners: list[FrameListener]
-) -> RpcTransport:
-    """As :func:`transport_to`, where ``listeners`` may change."""
+def transport_to(monkeypatch: pytest.MonkeyPatch, listeners: list[FrameListener]) -> RpcTransport:
+    """A trainer's transport whose servers listen at ``listeners`` (what RPC would tell it;
+    the list may change, as a restarted server's address does)."""
     transport = RpcTransport(num_servers=len(listeners), timeout_s=60.0)
     monkeypatch.setattr(transport, "_address", lambda server, timeout: listeners[server].address)
     return transport
@@ -81,7 +75,7 @@ def transport_to_any(
 def test_answers_arrive_equal_and_each_to_its_call(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     values = {
         "small": torch.arange(7),
         "large": torch.randn(300, 64),  # beside the frame
@@ -111,7 +105,7 @@ def test_answers_arrive_equal_and_each_to_its_call(
 def test_a_servers_error_arrives_as_itself(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     refused = InvalidPushError("NaN in gradient", param="mlp.0.weight", server=0)
     with pytest.raises(InvalidPushError, match="^server 0: parameter 'mlp.0.weight': NaN"):
         transport.call(0, "push_pull", refused).wait()
@@ -124,7 +118,7 @@ def test_a_broken_connection_is_a_lost_server_and_the_next_call_connects_again(
     first = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
     second = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
     servers = [second, first]
-    transport = transport_to_any(monkeypatch, servers)
+    transport = transport_to(monkeypatch, servers)
     under_way = transport.call(1, "push_pull", "hold")
     wait_until(lambda: first.endpoint.held, 10, "the held call")  # type: ignore[attr-defined]
     first.close()  # as a server that died
@@ -144,7 +138,7 @@ def test_a_broken_connection_is_a_lost_server_and_the_next_call_connects_again(
 def test_a_call_past_its_timeout_is_a_lost_server_and_its_late_answer_is_dropped(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     late = transport.call(0, "push_pull", "hold", timeout_s=0.3)
     with pytest.raises(ServerLostError, match=r"^server 0 did not answer push_pull within 0.3 s"):
         late.wait()
@@ -177,7 +171,7 @@ def test_a_frame_of_another_version_is_refused_to_its_caller(listener: FrameList
 def test_nonsense_closes_only_its_own_connection(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     assert transport.call(0, "push_pull", 1).wait() == ("push_pull", (1,))
     # A frame claimed over the limit (the server would otherwise wait for it), then a header
     # of no known form.
@@ -227,7 +221,7 @@ def test_a_job_ends_with_the_same_model_with_or_without_data_sockets() -> None:
 def test_calls_from_many_threads_each_get_their_answer(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     answers: dict[int, Any] = {}
 
     def caller(index: int) -> None:
@@ -245,7 +239,7 @@ def test_calls_from_many_threads_each_get_their_answer(
 def test_large_calls_are_written_in_order_and_never_block_the_caller(
     monkeypatch: pytest.MonkeyPatch, listener: FrameListener
 ) -> None:
-    transport = transport_to(monkeypatch, listener)
+    transport = transport_to(monkeypatch, [listener])
     sizes = [3 << 20, 10, 1 << 20, 7, 5 << 20, 3]  # large (the writer's) and small, mixed
     calls = [transport.call(0, "push_pull", torch.full((n // 4 + 1,), float(n))) for n in sizes]
     for n, call in zip(sizes, calls, strict=True):
@@ -312,7 +306,7 @@ def test_a_new_world_asks_the_address_again_and_keeps_a_connection_where_it_did_
     restarted = FrameListener(Echo(), "127.0.0.1", MAX_BYTES)
     servers, world = [first], [0]
     monkeypatch.setattr(rpc_transport, "generation", lambda: world[0])
-    transport = transport_to_any(monkeypatch, servers)
+    transport = transport_to(monkeypatch, servers)
     try:
         transport.call(0, "pull", 1).wait()
         kept = transport._connections[0][1]
