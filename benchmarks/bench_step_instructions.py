@@ -70,13 +70,13 @@ def plain_worker(workload: str, steps: int) -> None:
         loss_fn(output, target).backward()
 
 
-def _environment(tree: Path) -> dict[str, str]:
+def environment(tree: Path) -> dict[str, str]:
     # One thread per pool: an idle BLAS or OpenMP worker spins, and its spinning counts.
     single = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), "1")
     return {**os.environ, **single, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0"}
 
 
-def _valgrind(out_file: Path) -> list[str]:
+def valgrind_command(out_file: Path) -> list[str]:
     fixed_layout = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
     return [
         *fixed_layout, "valgrind", "--tool=cachegrind", "--cache-sim=no",
@@ -84,7 +84,7 @@ def _valgrind(out_file: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _counted(out_file: Path) -> int:
+def counted(out_file: Path) -> int:
     found = _COUNT.search(out_file.read_text())
     if found is None:
         raise SystemExit(f"no instruction count in {out_file}")
@@ -99,18 +99,18 @@ def trainer_instructions(tree: Path, workload: str, steps: int) -> int:
         wrapper = Path(work) / "python"
         # The worker's arguments are "-m paramserver.launch.worker SPEC RANK": rank 1 is the
         # trainer of a job of one server.
-        counted = " ".join(_valgrind(out_file))
+        counting = " ".join(valgrind_command(out_file))
         wrapper.write_text(
             "#!/bin/sh\n"
-            f'if [ "$4" = "1" ]; then exec {counted} {sys.executable} "$@"; fi\n'
+            f'if [ "$4" = "1" ]; then exec {counting} {sys.executable} "$@"; fi\n'
             f'exec {sys.executable} "$@"\n'
         )
         wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
         command = [sys.executable, str(script), "--job-worker", workload, str(steps), str(wrapper)]
-        done = subprocess.run(command, cwd=tree, env=_environment(tree), capture_output=True)
+        done = subprocess.run(command, cwd=tree, env=environment(tree), capture_output=True)
         if done.returncode != 0 or not out_file.exists():
             raise SystemExit(f"the job in {tree} failed:\n{done.stderr.decode()[-3000:]}")
-        return _counted(out_file)
+        return counted(out_file)
 
 
 def plain_instructions(tree: Path, workload: str, steps: int) -> int:
@@ -119,11 +119,14 @@ def plain_instructions(tree: Path, workload: str, steps: int) -> int:
         out_file = Path(work) / "plain.cachegrind"
         command = [sys.executable, str(script), "--plain-worker", workload, str(steps)]
         done = subprocess.run(
-            [*_valgrind(out_file), *command], cwd=tree, env=_environment(tree), capture_output=True
+            [*valgrind_command(out_file), *command],
+            cwd=tree,
+            env=environment(tree),
+            capture_output=True,
         )
         if done.returncode != 0:
             raise SystemExit(f"the plain run in {tree} failed:\n{done.stderr.decode()[-3000:]}")
-        return _counted(out_file)
+        return counted(out_file)
 
 
 def per_step(count: Any, tree: Path, workload: str, base: int, extra: int) -> float:
