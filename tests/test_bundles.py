@@ -1,6 +1,7 @@
-"""Messages on the wire: each mapping of tensors travels as one bundle (paramserver.wire.bundles'
-Bundle), arrives equal, and a spoiled bundle is refused with a typed error that changes
-nothing, on a server and on a trainer."""
+"""Messages on the wire: each mapping of tensors of 16 KB or more travels as one bundle
+(paramserver.wire.bundles' Bundle), arrives equal, and a spoiled bundle is refused with a typed
+error that changes nothing, on a server and on a trainer. The tests of the bundles' own workings
+bundle every mapping, whatever its size (``every_mapping_bundled``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from paramserver.errors import ParamServerError
 from paramserver.store.arena import ROW_HELD, ROW_STEPS
 from paramserver.trainer.client import PSClient
 from paramserver.transport.local import LocalTransport
+from paramserver.wire import bundles, frames
 from paramserver.wire.bundles import (
     Bundle,
     MalformedBundle,
@@ -36,6 +38,31 @@ from paramserver.wire.messages import (
 )
 from paramserver.wire.sizing import message_sizes
 from tests.helpers import MakeServer, own_ids
+
+BUNDLED_FROM = bundles.BUNDLED_FROM
+
+
+@pytest.fixture(autouse=True)
+def every_mapping_bundled(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bundles, "BUNDLED_FROM", 0)
+
+
+def test_a_mapping_under_16_kb_travels_in_the_frame_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A frame copies small tensors into its data anyway: a bundle of them would copy them
+    twice. From the size a tensor travels beside the frame, a mapping is one bundle."""
+    monkeypatch.setattr(bundles, "BUNDLED_FROM", BUNDLED_FROM)
+    assert BUNDLED_FROM == frames.LARGE_BYTES
+    small = {"a": torch.randn(4, 16), "b": torch.randn(2, 16)}
+    large = {name: value.repeat(64, 1) for name, value in small.items()}  # 24 KB
+    assert bundled(small) is small
+    assert type(bundled(large)) is Bundle
+    for rows in (small, large):
+        reply = PushPullReply(rows=rows)
+        received = frames.decode(*frames.encode(reply))
+        assert received.malformed() is None
+        assert_same(received.rows, rows)
 
 
 def tensors_in(item: Any) -> int:

@@ -4,7 +4,9 @@ its tensors end to end in one, and arrives as views of it (:func:`bundled`, :fun
 TensorPipe ships every tensor as a buffer of its own, at tens of microseconds each way whatever
 its size: a step of a model with many tables moves a few tensors per table, and one copy into a
 bundle costs far less (``benchmarks/bench_wire.py``). :mod:`paramserver.wire.messages` bundles its
-messages' mappings when they are pickled.
+messages' mappings when they are pickled, those of :data:`BUNDLED_FROM` bytes or more: a frame
+(:mod:`paramserver.wire.frames`) copies smaller tensors into its own data anyway, each once, where
+a bundle would copy them twice and cost its own Python each way.
 
 A peer's bundle is checked whole before anything of it is read: :func:`unbundled` never raises,
 and gives a :class:`MalformedBundle` saying what is wrong with a malformed one.
@@ -19,6 +21,10 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor
+
+# A mapping's tensors in all below this travel as they are, inside the frame: its
+# frames.LARGE_BYTES, the size from which a tensor travels beside a frame, as its own buffer.
+BUNDLED_FROM = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -52,12 +58,15 @@ class MalformedBundle:
 
 def bundled(mapping: Any) -> Any:
     """A ``{name: tensor}`` mapping as it travels: a :class:`Bundle` where it holds two or more
-    plain tensors (CPU, strided, no autograd) of one dtype, a :class:`MixedBundle` where they
-    are of several, else itself (encoded values and packed ids travel as they are)."""
+    plain tensors (CPU, strided, no autograd) of one dtype, of :data:`BUNDLED_FROM` bytes or
+    more in all, a :class:`MixedBundle` where they are of several, else itself (smaller
+    mappings, encoded values and packed ids travel as they are)."""
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping
     values = list(mapping.values())
     if not all(type(v) is Tensor and v.layout is torch.strided for v in values):
+        return mapping
+    if sum(v.numel() * v.element_size() for v in values) < BUNDLED_FROM:
         return mapping
     dtype = values[0].dtype
     if all(v.dtype == dtype for v in values):
