@@ -149,20 +149,22 @@ def _plain(optimize: bool) -> Callable[[Batches], Step]:
 
 
 def _with_bare_server(run: Callable[[_BareTrainer], Any]) -> Any:
+    """``run`` of a trainer connected to a bare server of its own (a process it started; it
+    ends once the trainer's connection closes, else is killed)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = str(listener.getsockname()[1])
         server = subprocess.Popen([sys.executable, __file__, "--serve", port])
-        listener.settimeout(60.0)
-        sock, _ = listener.accept()
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return run(_BareTrainer(sock))
-    finally:
-        sock.close()
         try:
-            server.wait(timeout=30.0)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            listener.settimeout(60.0)
+            sock, _ = listener.accept()
+            with sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                return run(_BareTrainer(sock))
+        finally:
+            try:
+                server.wait(timeout=30.0)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
 
 def _stepped(kind: str, steps: int, timed: bool) -> dict[str, float]:
