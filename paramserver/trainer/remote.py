@@ -362,8 +362,9 @@ class RemoteEmbedding(nn.Module):
             return
         if ids.numel() == 0:
             return
-        if ascending:
-            low, high = int(ids[0]), int(ids[-1])
+        if ascending:  # numpy reads the ends for a fraction of torch's two indexings
+            ends = ids.numpy()
+            low, high = int(ends[0]), int(ends[-1])
         else:
             low, high = int(ids.min()), int(ids.max())
         if low < 0 or high >= self.num_embeddings:
