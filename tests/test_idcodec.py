@@ -295,6 +295,8 @@ def spoiled_tables() -> list[tuple[str, object, str | None, str]]:
         ("sizes of 2-D", PackedTables(names, firsts, sizes.view(1, 2), data), None, kinds),
         ("data of int16", PackedTables(names, firsts, sizes, data.view(torch.int16)), None, "data"),
         ("data a list", PackedTables(names, firsts, sizes, list(data)), None, "data"),  # type: ignore[arg-type]
+        ("data strided", PackedTables(names, firsts, sizes, data.repeat(2)[::2]), None, "data"),
+        ("sizes strided", PackedTables(names, firsts, sizes.repeat(2)[::2], data), None, kinds),
         ("a negative count", with_size(0, -16), None, "counts"),
         ("a count past the data", with_size(1, 4 * 10**8), None, "counts"),
         ("one id more", with_size(1, 4), None, laid_out),

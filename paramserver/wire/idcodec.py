@@ -263,38 +263,51 @@ def unpack_tables(packed: object) -> dict[str, Tensor] | TablesProblem:
     ``data`` are made (each id takes a byte or more of it)."""
     if type(packed) is not PackedTables:
         return TablesProblem(None, f"expected PackedTables, got {type(packed).__name__}")
-    names, firsts, sizes, data = packed.names, packed.firsts, packed.sizes, packed.data
+    names = packed.names
     if type(names) is not tuple or not all(type(name) is str for name in names):
         return TablesProblem(None, "its names must be a tuple of strings")
     if len(set(names)) != len(names):
         return TablesProblem(None, "it names a table twice")
-    expected = ((firsts, torch.int64, len(names)), (sizes, torch.int32, len(names)))
-    for tensor, dtype, length in (*expected, (data, torch.uint8, None)):
-        if (
-            type(tensor) is not Tensor
-            or tensor.dtype != dtype
-            or tensor.layout != torch.strided
-            or tensor.device.type != "cpu"
-            or tensor.requires_grad
-            or tensor.dim() != 1
-            or not tensor.is_contiguous()
-            or (length is not None and tensor.numel() != length)
-        ):
-            return TablesProblem(
-                None, "its firsts and sizes must be int64 and int32, one a table, its data uint8"
-            )
-    counts = table_counts(sizes.numpy())
-    if (counts < 0).any() or counts.sum() > data.numel():
+    firsts = _flat_array(packed.firsts, np.int64, len(names))
+    sizes = _flat_array(packed.sizes, np.int32, len(names))
+    data = _flat_array(packed.data, np.uint8, None)
+    if firsts is None or sizes is None or data is None:
+        return TablesProblem(
+            None, "its firsts and sizes must be int64 and int32, one a table, its data uint8"
+        )
+    counts = table_counts(sizes)
+    total = int(counts.sum())
+    if (counts.size and counts.min() < 0) or total > data.size:
         return TablesProblem(None, "its counts are not counts of the ids its data holds")
-    ids = np.empty(int(counts.sum()), np.int64)
-    problem, table = native.unpack_tables(
-        firsts.numpy(), sizes.numpy(), data.numpy(), ids, _unpack_tables_by_torch
-    )
+    ids = np.empty(total, np.int64)
+    problem, table = native.unpack_tables(firsts, sizes, data, ids, _unpack_tables_by_torch)
     if problem == 1:
         return TablesProblem(None, "its sizes do not lay its tables out in its data exactly")
     if problem == 2:
         return TablesProblem(names[table], str(packed_problem(_table_packed(packed, table))))
-    return dict(zip(names, torch.from_numpy(ids).split(counts.tolist()), strict=True))
+    parts = torch.from_numpy(ids).split_with_sizes(counts.tolist())  # (not split: its wrapper)
+    return dict(zip(names, parts, strict=True))
+
+
+def _flat_array(tensor: object, dtype: type, length: int | None) -> np.ndarray | None:
+    """A peer's ``tensor`` as numpy reads it, where it is a plain 1-D contiguous CPU tensor of
+    ``dtype`` (and ``length`` elements, where given); else None. (numpy reads a tensor's
+    attributes for a fraction of torch's cost, and ``numpy()`` itself refuses one that needs a
+    gradient, is not on the CPU or is not strided.)"""
+    if type(tensor) is not Tensor:
+        return None
+    try:
+        array = tensor.numpy()
+    except (RuntimeError, TypeError):
+        return None
+    if (
+        array.dtype != dtype
+        or array.ndim != 1
+        or not array.flags.c_contiguous
+        or (length is not None and array.size != length)
+    ):
+        return None
+    return array
 
 
 def _offsets(sizes: np.ndarray) -> np.ndarray:
