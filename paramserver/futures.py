@@ -54,7 +54,7 @@ def wait_all(futures: Sequence[Future], alarm: Future | None) -> list[object]:
 
     The alarm is polled (every ALARM_POLL_S) rather than given a callback: a callback per
     wait would pile up on the job-long alarm future."""
-    if alarm is None:
+    if alarm is None or all(f.done() for f in futures):  # (prefetched answers often are)
         return [f.wait() for f in futures]
     done = threading.Event()
     torch.futures.collect_all(list(futures)).add_done_callback(lambda _: done.set())

@@ -12,7 +12,7 @@ from torch.futures import Future
 
 import paramserver as ps
 from paramserver.errors import ServerLostError, TrainerDepartedError
-from paramserver.futures import wait_all
+from paramserver.futures import completed, wait_all
 from paramserver.server.endpoint import ServerEndpoint
 from paramserver.trainer.heartbeat import Heartbeats
 from paramserver.wire.messages import PushPullRequest, RowBlock
@@ -216,3 +216,13 @@ def test_sync_job_with_a_straggler_and_a_deadline_finishes_with_short_rounds() -
     assert server["short_rounds"] > 0 and server["late_pushes"] > 0
     assert result.summary["trainer_steps"] == [12, 12]
     assert set(result.summary["staleness"]) == {0}
+
+
+def test_a_wait_on_answers_already_in_returns_them_and_one_under_way_watches_the_alarm() -> None:
+    """Answers already in are returned at once (a prefetched step's usually are), even beside
+    an alarm gone off: they are whole. One still under way watches the alarm."""
+    alarm: Future = Future()
+    alarm.set_exception(ServerLostError("server 0 is gone", server=0))
+    assert wait_all([completed(1), completed(2)], alarm) == [1, 2]
+    with pytest.raises(ServerLostError, match="server 0 is gone"):
+        wait_all([completed(1), Future()], alarm)
