@@ -68,6 +68,7 @@ def plain_worker(workload: str, steps: int) -> None:
     for inputs, target in work.batches(0, 1):
         output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
         loss_fn(output, target).backward()
+        model.zero_grad()  # left to add up, sparse gradients grow by every step's, and so cost
 
 
 def environment(tree: Path) -> dict[str, str]:
