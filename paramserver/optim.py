@@ -156,18 +156,22 @@ class SGD(UpdateRule):
             return
         # One foreach call over the blocks: on the CPU it runs the per-tensor add_ the single
         # tensor path runs, so the result is the same bitwise, without a Python call a block.
-        sgd(
-            [b.param for b in blocks],
-            [b.grad for b in blocks],
-            [None] * len(blocks),
-            weight_decay=c.weight_decay,
-            momentum=0.0,
-            lr=lr,
-            dampening=c.dampening,
-            nesterov=c.nesterov,
-            maximize=False,
-            foreach=True,
-        )
+        params, grads = [b.param for b in blocks], [b.grad for b in blocks]
+        if not c.weight_decay:  # what torch.optim's sgd comes down to then, without its checks
+            torch._foreach_add_(params, grads, alpha=-lr)
+        else:
+            sgd(
+                params,
+                grads,
+                [None] * len(blocks),
+                weight_decay=c.weight_decay,
+                momentum=0.0,
+                lr=lr,
+                dampening=c.dampening,
+                nesterov=c.nesterov,
+                maximize=False,
+                foreach=True,
+            )
         torch._foreach_add_([b.step for b in blocks], 1)
 
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
