@@ -22,9 +22,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-# A mapping's tensors in all below this travel as they are, inside the frame: its
-# frames.LARGE_BYTES, the size from which a tensor travels beside a frame, as its own buffer.
-BUNDLED_FROM = 16 * 1024
+from paramserver.wire.frames import LARGE_BYTES
+
+# A mapping's tensors in all below this travel as they are, inside the frame: the size from
+# which a tensor travels beside a frame, as its own buffer.
+BUNDLED_FROM = LARGE_BYTES
 
 
 @dataclass(frozen=True)
