@@ -44,6 +44,7 @@ from torch.futures import Future
 
 from paramserver.errors import ConfigError, ParamServerError, ServerLostError
 from paramserver.files import write_atomic
+from paramserver.futures import failed
 from paramserver.transport.base import Endpoint, Transport
 from paramserver.transport.operations import DATA_OPERATIONS
 from paramserver.transport.sockets import FrameConnection, FrameListener
@@ -481,18 +482,14 @@ class RpcTransport(Transport):
         the timeout)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         sent_in = generation()
-        answer: Future = Future()
         if op in _DATA_OPS:
             try:
                 connection = self._connection(server, timeout)
             except RuntimeError as error:
-                answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
-                return answer
+                return failed(_transit_error(error, server, op, timeout, sent_in))
             except OSError as error:  # connecting failed
                 timed_out = isinstance(error, TimeoutError)
-                lost = _lost_server(server, op, timeout, sent_in, str(error), timed_out)
-                answer.set_exception(lost)
-                return answer
+                return failed(_lost_server(server, op, timeout, sent_in, str(error), timed_out))
             if connection is not None:
 
                 def lost_on_socket(cause: str, timed_out: bool) -> BaseException:
@@ -503,8 +500,8 @@ class RpcTransport(Transport):
             framed = frames.encode((op, args))
             sent = rpc.rpc_async(self._names[server], _serve, args=framed, timeout=timeout)
         except RuntimeError as error:  # between worlds (a restart): no agent to send with
-            answer.set_exception(_transit_error(error, server, op, timeout, sent_in))
-            return answer
+            return failed(_transit_error(error, server, op, timeout, sent_in))
+        answer: Future = Future()
 
         def settle(done: Future) -> None:
             try:
