@@ -167,9 +167,9 @@ def _with_bare_server(run: Callable[[_BareTrainer], Any]) -> Any:
                 server.kill()
 
 
-def _stepped(kind: str, steps: int, timed: bool) -> dict[str, float]:
-    """``kind``'s ``steps`` steps in this process; ``timed``: the process CPU per step over
-    the last nine tenths (the first warm up)."""
+def _stepped(kind: str, steps: int) -> dict[str, float]:
+    """``kind``'s ``steps`` steps in this process: the process CPU per step over the last nine
+    tenths (the first warm up)."""
     torch.set_num_threads(1)
     batches = _batches(steps + 1)
 
@@ -181,7 +181,7 @@ def _stepped(kind: str, steps: int, timed: bool) -> dict[str, float]:
         cpu = time.process_time()
         for i in range(warm, steps):
             step(i)
-        return {"cpu_per_step_s": (time.process_time() - cpu) / (steps - warm)} if timed else {}
+        return {"cpu_per_step_s": (time.process_time() - cpu) / (steps - warm)}
 
     if kind == "bare_ps":
         return _with_bare_server(lambda trainer: run(trainer.train))
@@ -221,7 +221,7 @@ def main() -> None:
         _server(args.serve)
         return
     if args.worker:
-        _stepped(args.worker[0], int(args.worker[1]), timed=False)
+        _stepped(args.worker[0], int(args.worker[1]))
         return
     cpu: dict[str, list[float]] = {kind: [] for kind in (*KINDS, "paramserver")}
     for repeat in range(args.repeats):  # alternate which runs first
@@ -231,7 +231,7 @@ def main() -> None:
                 workload = Workload("tiny", BATCH, args.steps)
                 result = run_isolated(trainer_loop_cpu, [(workload,)], args.timeout)[0]
             else:
-                result = run_isolated(_stepped, [(kind, args.steps, True)], args.timeout)[0]
+                result = run_isolated(_stepped, [(kind, args.steps)], args.timeout)[0]
             cpu[kind].append(1e6 * result["cpu_per_step_s"])
     medians = {kind: statistics.median(figures) for kind, figures in cpu.items()}
     base = medians["plain_forward_backward"]
