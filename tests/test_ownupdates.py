@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 import paramserver as ps
-from paramserver import native
+from paramserver import native, optim
 from paramserver.errors import InvalidPushError, ParamServerError
 from paramserver.futures import completed
 from paramserver.launch.roles import build_server
@@ -41,7 +41,11 @@ def test_a_prefetching_trainer_learns_as_one_that_does_not(
     unfetched = train(rule, prefetch=False)
     looped = counted(monkeypatch, "own_rows") if loop_mode == "compiled" else [0]
     fresh = train(rule)
-    compiled = loop_mode == "compiled" and rule in ("sgd", "adagrad", "rowwise_adagrad")
+    # Row-wise Adagrad's loop takes sqrtf for torch's square root: where they differ, torch.
+    looped_rules = ("sgd", "adagrad") + (
+        ("rowwise_adagrad",) if optim._torch_sqrt_rounds_exactly() else ()
+    )
+    compiled = loop_mode == "compiled" and rule in looped_rules
     assert (looped[0] > 0) == compiled
     stale = train(rule, prefetch_own_updates=False)
     for name, value in unfetched.items():
