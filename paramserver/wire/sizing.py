@@ -65,6 +65,14 @@ def _payload_nbytes(message: Any) -> tuple[int, int]:
         return 0, 0
     sent = uncompressed = 0
     for part in parts:
+        part_type = type(part)
+        if part_type in _LEAVES or (part_type is dict and not part):  # most parts: no call
+            continue
+        if part_type is Tensor:
+            nbytes = part.numel() * part.element_size()
+            sent += nbytes
+            uncompressed += nbytes
+            continue
         part_sent, part_uncompressed = _payload_nbytes(part)
         sent += part_sent
         uncompressed += part_uncompressed
@@ -115,8 +123,9 @@ def message_sizes(message: Any) -> MessageSizes:
             held += nbytes
             sent += nbytes
         elif kind is _Kind.DICT:
-            pending += item.keys()
-            pending += item.values()
+            part_held, part_sent = _mapping_sizes(item, seen, pending)
+            held += part_held
+            sent += part_sent
         elif kind is _Kind.DATACLASS:
             pending += [getattr(item, name, None) for name in _field_names(cls)]
         elif kind is _Kind.TEXT:
@@ -132,6 +141,25 @@ def message_sizes(message: Any) -> MessageSizes:
         elif kind is _Kind.COLLECTION:
             pending.extend(item)
     return MessageSizes(held, sent)
+
+
+def _mapping_sizes(mapping: dict, seen: set[int], pending: list[Any]) -> tuple[int, int]:
+    """:func:`message_sizes` of a mapping's plain names and tensors (most of a message),
+    counted here, not walked one by one; its other keys and values are left in ``pending``."""
+    held = sent = 0
+    for part in (*mapping.keys(), *mapping.values()):
+        part_type = type(part)
+        if part_type is not str and part_type is not Tensor:
+            pending.append(part)
+        elif id(part) not in seen:
+            seen.add(id(part))
+            if part_type is str:
+                held += len(part)
+            else:
+                nbytes = part.numel() * part.element_size()
+                held += nbytes
+                sent += nbytes
+    return held, sent
 
 
 class _Kind(enum.Enum):
