@@ -528,7 +528,7 @@ def test_own_rows_find_each_rows_gradient_in_any_order(order: str) -> None:
 def test_torch_sqrt_is_called_exact_only_where_it_is() -> None:
     """The row-wise own update's loop takes ``sqrtf``'s rounding for torch's only where the
     check finds them equal: then they agree on values the check never saw, else some differ."""
-    values = torch.rand(1 << 16, generator=torch.Generator().manual_seed(7)) * 100.0
+    values = torch.rand(1 << 20, generator=torch.Generator().manual_seed(7)) * 100.0
     agree = torch.equal(values.sqrt(), torch.from_numpy(np.sqrt(values.numpy())))
     assert optim._torch_sqrt_rounds_exactly() == agree
 
