@@ -404,38 +404,14 @@ def step_rows(
     fused Adagrad, float32, no lr decay) of ``weight[rows]`` (and ``sums[rows]``, Adagrad's;
     None for SGD) in place with ``grads``, for each (rows, grads) of ``parts`` (``storage``:
     weight and sums, which :func:`takes_rows`); ``fused``: multiply-adds rounded once (else
-    twice). One call for all where the parts' gradients lie end to end in one buffer (a
-    trainer's rows of several tables, as they arrive), else one call a part: joining them would
-    be a copy as long as the loop's work. Each row is stepped on its own, so either way gives
-    the same result."""
+    twice). One call a part, not one for all, which would join the parts' gradients first: a
+    copy as long as the loop's work."""
     assert loops is not None, "called where takes_rows() says the loops apply"
     weight, sums = (None if t is None else t.numpy() for t in storage)
     assert weight is not None
-    joined = _end_to_end([grads for _, grads in parts]) if len(parts) > 1 else None
-    if joined is not None:
-        every_row = np.concatenate([rows.numpy() for rows, _ in parts])
-        parts = [(torch.from_numpy(every_row), joined)]
     for rows, grads in parts:
         loops.step_rows(RULE_KINDS[kind], weight, sums, weight.shape[1], rows.contiguous().numpy(),
                         grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
-
-
-def _end_to_end(tensors: Sequence[Tensor]) -> Tensor | None:
-    """The rows of ``tensors`` (contiguous, of one width and dtype) as one tensor, where each
-    starts at the byte where the one before it ends, in a storage they share; None where they
-    do not."""
-    first = tensors[0]
-    at = first.data_ptr()
-    for tensor in tensors:
-        if tensor.data_ptr() != at or not tensor.is_contiguous():
-            return None
-        at += tensor.numel() * tensor.element_size()
-    storage = first.untyped_storage()
-    if at > storage.data_ptr() + storage.nbytes():  # the first starts in it: the last ends in it
-        return None
-    start, count = first.storage_offset(), (at - first.data_ptr()) // first.element_size()
-    whole = first.new_empty(0).set_(storage)
-    return whole[start : start + count].view(-1, *first.shape[1:])
 
 
 def gather_rows(

@@ -531,27 +531,3 @@ def test_torch_sqrt_is_called_exact_only_where_it_is() -> None:
     values = torch.rand(1 << 20, generator=torch.Generator().manual_seed(7)) * 100.0
     agree = torch.equal(values.sqrt(), torch.from_numpy(np.sqrt(values.numpy())))
     assert optim._torch_sqrt_rounds_exactly() == agree
-
-
-@compiled
-@pytest.mark.parametrize("adjacent", [True, False])
-def test_tables_with_gradients_end_to_end_step_in_one_call(
-    adjacent: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tables of one arena whose gradients lie end to end in one buffer (as a request's rows
-    arrive) are stepped in one call of the loop, others one call a table; either way each row
-    ends as one table at a time leaves it."""
-    g = torch.Generator().manual_seed(3)
-    weight = torch.randn(50, 8, generator=g)
-    buffer = torch.randn(13, 8, generator=g)
-    grads = [buffer[:5], buffer[5:12]] if adjacent else [buffer[:5], buffer[6:13]]
-    parts = [(torch.tensor([1, 4, 9, 20, 33]), grads[0]), (torch.arange(40, 47), grads[1])]
-    start, expected = weight.clone(), weight.clone()
-    for rows, part in parts:
-        native.step_rows("sgd", (expected, None), [(rows, part)], 0.1, eps=0.0, weight_decay=0.0,
-                         fused=True)  # fmt: skip
-    stepped = counted(monkeypatch, "step_rows")
-    native.step_rows("sgd", (weight, None), parts, 0.1, eps=0.0, weight_decay=0.0, fused=True)
-    assert stepped[0] == (1 if adjacent else 2)
-    assert torch.equal(weight, expected)
-    assert not torch.equal(weight, start), "the test is vacuous"
