@@ -294,13 +294,30 @@ def _adagrad_agrees(
 
 
 @functools.cache
-def _torch_sqrt_rounds_exactly() -> bool:
-    """Whether torch's float32 square root rounds as IEEE's does (the loops' ``sqrtf``) on this
-    machine, over a spread of a million positive float32s: not where its kernel approximates
-    (torch's AVX-512 one is off by an ulp for about one in six)."""
-    spread = np.random.default_rng(0).integers(1, 0x7F800000, 1 << 20, dtype=np.uint32)
-    values = spread.view(np.float32)
-    return bool(np.array_equal(torch.from_numpy(values).sqrt().numpy(), np.sqrt(values)))
+def _rowwise_loop_agrees() -> bool:
+    """Whether row-wise Adagrad's compiled own update (``sqrtf`` and a division, each rounded
+    once) steps rows bitwise as the rule's torch step does on this machine: not where torch's
+    square root approximates (AVX-512's is off by an ulp for about one value in six). Found
+    by trying it, as :func:`_sgd_loop_rounding` finds SGD's; False where the loops are not
+    built."""
+    if native.loops is None:
+        return False
+    rows = 256
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(rows, 33, generator=generator)
+    sums = torch.rand(rows, 1, generator=generator) * 2.0
+    grads = torch.randn(rows, 33, generator=generator) * 10.0 ** torch.randint(
+        -3, 3, (rows, 1), generator=generator
+    )
+    config = OptimizerConfig(name="rowwise_adagrad", lr=0.1)
+    looped, looped_sums = weight.clone(), sums.clone()
+    table = PulledTable(looped, torch.arange(rows), torch.arange(rows), grads, 0.1)
+    pulled = PulledRows([table], np.arange(rows), np.array([[0, rows]]), {"sum": looped_sums})
+    means = [grads.square().mean(dim=1)]
+    _own_rows("rowwise_adagrad", pulled, config, False, slot="sum", means=means)
+    stepped = Block(weight.clone(), grads, {"sum": sums.clone()}, torch.zeros(()))
+    RowWiseAdagrad(config).step_blocks([stepped], 0.1)
+    return torch.equal(looped, stepped.param) and torch.equal(looped_sums, stepped.state["sum"])
 
 
 @functools.cache
@@ -379,9 +396,9 @@ class RowWiseAdagrad(UpdateRule):
         return False
 
     def step_pulled_rows(self, rows: PulledRows) -> int | None:
-        # The means by torch (its reduction's order), the rest by the loop, whose division
+        # The means by torch (its reduction's order), the rest by the loop where its division
         # and square root round as torch's do; weight decay's add is left to torch.
-        if self.config.weight_decay or not _torch_sqrt_rounds_exactly():
+        if self.config.weight_decay or not _rowwise_loop_agrees():
             return None
         means = [t.grads.square().mean(dim=1) for t in rows.tables]
         return _own_rows("rowwise_adagrad", rows, self.config, False, slot="sum", means=means)

@@ -41,9 +41,9 @@ def test_a_prefetching_trainer_learns_as_one_that_does_not(
     unfetched = train(rule, prefetch=False)
     looped = counted(monkeypatch, "own_rows") if loop_mode == "compiled" else [0]
     fresh = train(rule)
-    # Row-wise Adagrad's loop takes sqrtf for torch's square root: where they differ, torch.
+    # Row-wise Adagrad's loop where it rounds as torch does (not on AVX-512): else torch.
     looped_rules = ("sgd", "adagrad") + (
-        ("rowwise_adagrad",) if optim._torch_sqrt_rounds_exactly() else ()
+        ("rowwise_adagrad",) if optim._rowwise_loop_agrees() else ()
     )
     compiled = loop_mode == "compiled" and rule in looped_rules
     assert (looped[0] > 0) == compiled
