@@ -302,22 +302,11 @@ def _rowwise_loop_agrees() -> bool:
     built."""
     if native.loops is None:
         return False
-    rows = 256
     generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(rows, 33, generator=generator)
-    sums = torch.rand(rows, 1, generator=generator) * 2.0
-    grads = torch.randn(rows, 33, generator=generator) * 10.0 ** torch.randint(
-        -3, 3, (rows, 1), generator=generator
-    )
+    weight, grads = _trial_rows(256, generator)
+    sums = torch.rand(256, 1, generator=generator) * 2.0
     config = OptimizerConfig(name="rowwise_adagrad", lr=0.1)
-    looped, looped_sums = weight.clone(), sums.clone()
-    table = PulledTable(looped, torch.arange(rows), torch.arange(rows), grads, 0.1)
-    pulled = PulledRows([table], np.arange(rows), np.array([[0, rows]]), {"sum": looped_sums})
-    means = [grads.square().mean(dim=1)]
-    _own_rows("rowwise_adagrad", pulled, config, False, slot="sum", means=means)
-    stepped = Block(weight.clone(), grads, {"sum": sums.clone()}, torch.zeros(()))
-    RowWiseAdagrad(config).step_blocks([stepped], 0.1)
-    return torch.equal(looped, stepped.param) and torch.equal(looped_sums, stepped.state["sum"])
+    return _own_update_agrees(config, weight, grads, {"sum": sums}, False)
 
 
 @functools.cache
@@ -326,24 +315,39 @@ def _sgd_loop_rounding() -> bool | None:
     with an alpha, which may round as the fused Adagrad kernel does not)."""
     if native.loops is None:
         return None
-    generator = torch.Generator().manual_seed(1)
-    weight = torch.randn(64, 33, generator=generator)
-    grads = torch.randn(64, 33, generator=generator) * 10.0 ** torch.randint(
-        -3, 3, (64, 1), generator=generator
-    )
+    weight, grads = _trial_rows(64, torch.Generator().manual_seed(1))
     for fused in (True, False):
-        agrees = True
-        for weight_decay in (0.0, 0.3):
-            config = OptimizerConfig(name="sgd", lr=0.1, weight_decay=weight_decay)
-            looped, stepped = weight.clone(), weight.clone()
-            table = PulledTable(looped, torch.arange(64), torch.arange(64), grads, 0.1)
-            rows = PulledRows([table], np.arange(64), np.array([[0, 64]]), {})
-            _own_rows("sgd", rows, config, fused)
-            SGD(config).step_blocks([Block(stepped, grads, {}, torch.zeros(()))], 0.1)
-            agrees = agrees and torch.equal(looped, stepped)
-        if agrees:
+        configs = [OptimizerConfig(name="sgd", lr=0.1, weight_decay=d) for d in (0.0, 0.3)]
+        if all(_own_update_agrees(config, weight, grads, {}, fused) for config in configs):
             return fused
     return None
+
+
+def _trial_rows(rows: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Rows of 33 values and their gradients, of magnitudes from 1e-3 to 1e2, to try a loop on."""
+    weight = torch.randn(rows, 33, generator=generator)
+    grads = torch.randn(rows, 33, generator=generator)
+    return weight, grads * 10.0 ** torch.randint(-3, 3, (rows, 1), generator=generator)
+
+
+def _own_update_agrees(
+    config: OptimizerConfig, weight: Tensor, grads: Tensor, state: State, fused: bool
+) -> bool:
+    """Whether the compiled own update of rule ``config`` steps ``weight`` (every row with its
+    gradient; its one state slot, if any, in ``state``) bitwise as the rule's torch step."""
+    rows = weight.shape[0]
+    looped_weight, looped_state = weight.clone(), {k: v.clone() for k, v in state.items()}
+    table = PulledTable(looped_weight, torch.arange(rows), torch.arange(rows), grads, config.lr)
+    pulled = PulledRows([table], np.arange(rows), np.array([[0, rows]]), looped_state)
+    means = [grads.square().mean(dim=1)] if config.name == "rowwise_adagrad" else None
+    _own_rows(config.name, pulled, config, fused, slot=next(iter(state), None), means=means)
+    stepped = Block(
+        weight.clone(), grads, {k: v.clone() for k, v in state.items()}, torch.zeros(())
+    )
+    make_rule(config).step_blocks([stepped], config.lr)
+    return torch.equal(looped_weight, stepped.param) and all(
+        torch.equal(looped_state[slot], stepped.state[slot]) for slot in state
+    )
 
 
 class Adam(UpdateRule):
