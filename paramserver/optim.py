@@ -117,6 +117,13 @@ class UpdateRule(ABC):
         for block in blocks:
             self.step(block.param, block.grad, block.state, block.step, lr)
 
+    def step_stateless(self, params: Sequence[Tensor], grads: Sequence[Tensor], lr: float) -> None:
+        """:meth:`step_blocks` of ``params`` with ``grads``, for a :attr:`stateless` rule,
+        whose blocks have no state and whose step counts nobody reads (a trainer's own
+        update of its dense values)."""
+        unread = torch.zeros(())
+        self.step_blocks([Block(p, g, {}, unread) for p, g in zip(params, grads, strict=True)], lr)
+
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
         """Apply ``updates`` (of disjoint rows in one storage) there, each row read and written
         once, if this rule has a compiled loop for them (:mod:`paramserver.native`), with
@@ -154,16 +161,23 @@ class SGD(UpdateRule):
             return
         if not blocks:
             return
-        # One foreach call over the blocks: on the CPU it runs the per-tensor add_ the single
-        # tensor path runs, so the result is the same bitwise, without a Python call a block.
-        params, grads = [b.param for b in blocks], [b.grad for b in blocks]
+        self.step_stateless([b.param for b in blocks], [b.grad for b in blocks], lr)
+        torch._foreach_add_([b.step for b in blocks], 1)
+
+    def step_stateless(self, params: Sequence[Tensor], grads: Sequence[Tensor], lr: float) -> None:
+        c = self.config
+        if c.momentum or not params:  # momentum keeps state: the blocks' own steps
+            super().step_stateless(params, grads, lr)
+            return
+        # One foreach call over the tensors: on the CPU it runs the per-tensor add_ the single
+        # tensor path runs, so the result is the same bitwise, without a Python call a tensor.
         if not c.weight_decay:  # what torch.optim's sgd comes down to then, without its checks
-            torch._foreach_add_(params, grads, alpha=-lr)
+            torch._foreach_add_(list(params), list(grads), alpha=-lr)
         else:
             sgd(
-                params,
-                grads,
-                [None] * len(blocks),
+                list(params),
+                list(grads),
+                [None] * len(params),
                 weight_decay=c.weight_decay,
                 momentum=0.0,
                 lr=lr,
@@ -172,7 +186,6 @@ class SGD(UpdateRule):
                 maximize=False,
                 foreach=True,
             )
-        torch._foreach_add_([b.step for b in blocks], 1)
 
     def step_rows_in_place(self, updates: Sequence[RowUpdate], lr: float) -> bool:
         # Without momentum, the state-free step the compiled loop makes as torch's add_ does.

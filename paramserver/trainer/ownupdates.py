@@ -139,17 +139,21 @@ class OwnUpdates:
     def _apply_dense(self, pulled: Pulled, grads: Mapping[str, Tensor], step: int) -> None:
         """One step of the dense rule over every pulled value with state (the servers step
         each one's at once, at one lr)."""
+        rule = self.dense_rule
+        if rule.stateless:  # no state asked, none read: the values and gradients alone
+            names = [name for name in grads if name in pulled.dense]
+            if names:
+                values, lr = [pulled.dense[n] for n in names], rule.lr_at(step, "dense")
+                rule.step_stateless(values, [grads[n] for n in names], lr)
+            return
         blocks = []
-        unread = torch.zeros(()) if self.dense_rule.stateless else None  # none asked: none read
         for name, grad in grads.items():
             state = dict(pulled.dense_state.get(name, {}))
             count = state.pop(ROW_STEPS, None)
-            if count is None:
-                count = unread
             if count is not None and name in pulled.dense:
                 blocks.append(Block(pulled.dense[name], grad, state, count))
         if blocks:
-            self.dense_rule.step_blocks(blocks, self.dense_rule.lr_at(step, "dense"))
+            rule.step_blocks(blocks, rule.lr_at(step, "dense"))
 
     def _apply_rows(
         self,
