@@ -274,6 +274,27 @@ def unknown_parameter(ctx: ps.TrainContext) -> None:
         ctx.step()
 
 
+def parameter_replaced_later(ctx: ps.TrainContext) -> None:
+    """After steps that found the model's parameters the servers', one is replaced."""
+    for step, batch in enumerate(ctx.batches(two_task_batches(0))):
+        if step == 3:
+            ctx.model.click.bias = nn.Parameter(torch.zeros(1))
+        two_task_loss(ctx.model, batch).backward()
+        ctx.step()
+
+
+def module_added_later(ctx: ps.TrainContext) -> None:
+    """After steps that found the model's parameters the servers', a module is added."""
+    for step, batch in enumerate(ctx.batches(two_task_batches(0))):
+        if step == 3:
+            ctx.model.extra = nn.Linear(2, 1)
+        loss = two_task_loss(ctx.model, batch)
+        if step >= 3:
+            loss = loss + ctx.model.extra(torch.ones(1, 2)).sum()
+        loss.backward()
+        ctx.step()
+
+
 def forward_after_step(ctx: ps.TrainContext) -> None:
     for batch in ctx.batches(two_task_batches(0)):
         two_task_loss(ctx.model, batch).backward()
@@ -292,6 +313,8 @@ def next_batch_without_step(ctx: ps.TrainContext) -> None:
         (step_without_backward, "no gradients: call loss.backward"),
         (step_twice, "second ctx.step"),
         (unknown_parameter, r"\['extra.weight', 'extra.bias'\].*servers do not know"),
+        (parameter_replaced_later, r"\['click.bias'\].*servers do not know"),
+        (module_added_later, r"\['extra.weight', 'extra.bias'\].*servers do not know"),
         (next_batch_without_step, "without calling ctx.step"),
         (forward_after_step, "a training forward after ctx.step"),
     ],

@@ -65,6 +65,23 @@ Fetch = Callable[[dict[str, Tensor]], dict[str, tuple[Tensor, Tensor]]]
 """Reads rows: per table, sorted unique ids -> ``(ids, rows)``."""
 
 
+class _Registrations:
+    """How many parameters and modules any module in this process has registered: while the
+    count stands, no model's set of parameters has changed (a parameter is added or replaced
+    by registering it, a submodule by registering it), so a check of a model's parameters
+    need not walk them again."""
+
+    count = 0
+
+    @classmethod
+    def seen(cls, *_: Any) -> None:
+        cls.count += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_Registrations.seen)
+nn.modules.module.register_module_module_registration_hook(_Registrations.seen)
+
+
 class Replica:
     """The trainer's model with remote tables, and the moves of one step: record ids, load
     pulled values, run forward, collect gradients."""
@@ -75,6 +92,8 @@ class Replica:
         for name in server_pooling:
             self.tables[name].pool_on_servers()
         self.dense = dict(model.named_parameters())
+        # The registrations counted when the model's parameters were found to be these.
+        self._dense_as_of: int | None = _Registrations.count
         self._modules = list(model.modules())
         self._lookups_per_forward: dict[str, int] | None = None
         self._forward = model.forward  # the model's own, whatever route_forward installs
@@ -300,12 +319,19 @@ class Replica:
 
     def unknown_parameters_with_grad(self) -> list[str]:
         """Parameters of the model with a gradient that are not the ones it was built with
-        (added or replaced since): the servers do not know them."""
-        return [
-            name
+        (added or replaced since): the servers do not know them. Walks the model's
+        parameters only after a registration anywhere in the process since they were last
+        found to be the ones it was built with."""
+        if self._dense_as_of == _Registrations.count:
+            return []
+        count = _Registrations.count
+        unknown = [
+            (name, param)
             for name, param in self.model.named_parameters()
-            if param.grad is not None and self.dense.get(name) is not param
+            if self.dense.get(name) is not param
         ]
+        self._dense_as_of = None if unknown else count
+        return [name for name, param in unknown if param.grad is not None]
 
     def grad_tensors(self) -> list[Tensor]:
         """Every tensor holding a gradient of this step (for clipping by global norm)."""
