@@ -107,7 +107,7 @@ def plain_ids(ids: object) -> bool:
         and ids.dtype == torch.int64
         and ids.dim() == 1
         and ids.layout == torch.strided
-        and ids.device.type == "cpu"
+        and ids.is_cpu
     )
 
 

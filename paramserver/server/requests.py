@@ -218,7 +218,7 @@ class RequestChecks:
             held = self.dense[name].value
             if not isinstance(value, Tensor) or value.layout != torch.strided:
                 raise reject(self.server, name, "a buffer must be a plain dense tensor")
-            if value.device.type != "cpu" or value.requires_grad:
+            if not value.is_cpu or value.requires_grad:
                 raise reject(self.server, name, "a buffer must be a CPU tensor without autograd")
             if value.dtype != held.dtype or value.shape != held.shape:
                 raise reject(
@@ -288,7 +288,7 @@ class RequestChecks:
             or bags.dtype != torch.int64
             or tuple(bags.shape) != (count,)
             or bags.layout != torch.strided
-            or bags.device.type != "cpu"
+            or not bags.is_cpu
         ):
             raise reject(self.server, name, "bag indices must be int64, one per id")
         if count and (int(bags.min()) < 0 or int(bags.max()) >= block.num_bags):
@@ -409,7 +409,7 @@ class ValueChecks:
         (``finite``; else the caller checks it) holds no NaN or Inf."""
         if not isinstance(value, Tensor):
             raise reject(self.server, name, f"expected a tensor, got {type(value).__name__}")
-        if value.layout != torch.strided or value.device.type != "cpu" or value.requires_grad:
+        if value.layout != torch.strided or not value.is_cpu or value.requires_grad:
             raise reject(self.server, name, "expected a plain dense CPU tensor without autograd")
         if value.dtype != dtype:
             raise reject(
@@ -443,7 +443,7 @@ def _one_per_id(values: object, dtype: torch.dtype, ids: Tensor | PackedIds) -> 
         and values.dtype == dtype
         and tuple(values.shape) == (num_ids(ids),)
         and values.layout == torch.strided
-        and values.device.type == "cpu"
+        and values.is_cpu
     )
 
 

@@ -153,7 +153,7 @@ def _rows_of(tensor: Tensor | None, start: int, end: int) -> Tensor | None:
 
 
 def nbytes_of(*tensors: Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 def row_entries(

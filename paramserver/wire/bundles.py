@@ -68,7 +68,7 @@ def bundled(mapping: Any) -> Any:
     values = list(mapping.values())
     if not all(type(v) is Tensor and v.layout is torch.strided for v in values):
         return mapping
-    if sum(v.numel() * v.element_size() for v in values) < BUNDLED_FROM:
+    if sum(v.nbytes for v in values) < BUNDLED_FROM:
         return mapping
     dtype = values[0].dtype
     if all(v.dtype == dtype for v in values):
@@ -117,7 +117,7 @@ def joined_already(values: list[Tensor]) -> Tensor | None:
             if value.data_ptr() != at:
                 return None
             at += numel * itemsize
-    if at != start + storage.nbytes() or first.device.type != "cpu":
+    if at != start + storage.nbytes() or not first.is_cpu:
         return None
     whole = first.new_empty(0).set_(storage)
     if _one_width(values):

@@ -365,7 +365,7 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
 def _plain_tensor_problem(t: object) -> str | None:
     if type(t) is not Tensor:
         return f"payload must hold plain tensors, got {type(t).__name__}"
-    if t.layout != torch.strided or t.device.type != "cpu" or t.requires_grad or t.is_nested:
+    if t.layout != torch.strided or not t.is_cpu or t.requires_grad or t.is_nested:
         return "payload tensors must be dense CPU tensors without autograd"
     return None
 

@@ -72,7 +72,7 @@ def _aligned(offset: int) -> int:
 def _plain(value: Tensor) -> bool:
     return (
         value.dtype in _DTYPE_NAMES
-        and value.device.type == "cpu"
+        and value.is_cpu
         and value.layout is torch.strided
         and not value.requires_grad
         and not value.is_conj()
@@ -91,7 +91,7 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is not Tensor or not _plain(obj):
             return NotImplemented
-        nbytes = obj.numel() * obj.element_size()
+        nbytes = obj.nbytes
         if nbytes >= LARGE_BYTES:
             whole = obj.is_contiguous() and obj.untyped_storage().nbytes() == nbytes
             self.large.append(obj if whole else obj.contiguous().clone())
@@ -113,7 +113,7 @@ def encode(message: Any) -> tuple[bytearray, list[Tensor]]:
     starts: list[int] = []
     for tensor in small:
         starts.append(at)
-        at = _aligned(at + tensor.numel() * tensor.element_size())
+        at = _aligned(at + tensor.nbytes)
     frame = bytearray(at)
     view = memoryview(frame)
     view[: len(head)] = head

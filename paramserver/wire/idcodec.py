@@ -162,7 +162,7 @@ def _step_code(packed: object) -> int | None:
     first, steps = getattr(packed, "first", None), getattr(packed, "steps", None)
     if type(first) is not int or not _INT64_MIN <= first <= _INT64_MAX or type(steps) is not Tensor:
         return None
-    if steps.layout != torch.strided or steps.device.type != "cpu" or steps.requires_grad:
+    if steps.layout != torch.strided or not steps.is_cpu or steps.requires_grad:
         return None
     return _STEP_CODES.get(steps.dtype) if steps.dim() == 1 else None
 
@@ -379,7 +379,7 @@ def packed_problem(packed: object) -> str | None:
     if (
         type(steps) is not Tensor
         or steps.layout != torch.strided
-        or steps.device.type != "cpu"
+        or not steps.is_cpu
         or steps.requires_grad
         or steps.dim() != 1
     ):
