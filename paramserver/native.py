@@ -267,7 +267,7 @@ def unique_each(
     return [
         (part[:count], positions)
         for part, positions, count in zip(
-            unique.split(sizes), inverse.split(sizes), counts, strict=True
+            unique.split_with_sizes(sizes), inverse.split_with_sizes(sizes), counts, strict=True
         )
     ]
 

@@ -351,7 +351,7 @@ class _Step(torch.autograd.Function):
         laid_out += [n for n in numbers if firsts[node.lookups[n][0]] != n]
         sizes = [node.rows[node.lookups[number][0]].shape[0] for number in laid_out]
         dim, dtype = node.rows[0].shape[1], node.rows[0].dtype
-        buffer = torch.zeros(sum(sizes), dim, dtype=dtype).split(sizes)
+        buffer = torch.zeros(sum(sizes), dim, dtype=dtype).split_with_sizes(sizes)
         parts = dict(zip(laid_out, buffer, strict=True))
         native.scatter_bags(
             [parts[number].numpy() for number in numbers],

@@ -355,7 +355,8 @@ class _Lookups(torch.autograd.Function):
         if not touched:
             return (None,) * (len(sizes) + 1)
         buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
-        parts = dict(zip(touched, buffer.split([sizes[t] for t in touched]), strict=True))
+        split = buffer.split_with_sizes([sizes[t] for t in touched])
+        parts = dict(zip(touched, split, strict=True))
         order = {t: i for i, t in enumerate(touched)}
         # A gradient travels as it came where its rows are each contiguous (a stack's or a
         # cat's backward hands out strided views): the compiled loop reads them in place.
@@ -391,14 +392,15 @@ def unique_lookups(
     sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
     found = unique_each(joined, sizes)
     for (table, each), looked_up, (ids, positions) in zip(
-        recorded.items(), joined.split(sizes), found, strict=True
+        recorded.items(), joined.split_with_sizes(sizes), found, strict=True
     ):
         unique[table] = ids
-        if len(each) == 1:  # one lookup (most models): no split (a slow Python wrapper)
+        if len(each) == 1:  # one lookup (most models): no split
             pairs = [(looked_up, positions)]
         else:
             parts = [e.numel() for e in each]
-            pairs = list(zip(looked_up.split(parts), positions.split(parts), strict=True))
+            split = looked_up.split_with_sizes(parts), positions.split_with_sizes(parts)
+            pairs = list(zip(*split, strict=True))
         lookups[table] = RecordedLookups(ids, pairs)
     return unique, lookups
 

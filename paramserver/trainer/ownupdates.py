@@ -95,7 +95,7 @@ class OwnUpdates:
         others = [t.numpy() if t is not None else _NONE for t in touched]
         at, found = _search_each(values, others)
         sizes = [value.size for value in values]
-        masks = StateMasks(zip(names, torch.from_numpy(found).split(sizes), strict=True))
+        masks = StateMasks(zip(names, torch.from_numpy(found).split_with_sizes(sizes), strict=True))
         masks.found = found
         return Asked(masks, names, touched, at, sizes)
 
@@ -314,12 +314,12 @@ def _step_together(rule: UpdateRule, group: list[_Taken], lr: float, keep_state:
     steps = parts.pop(ROW_STEPS, None)
     apply_rows(rule, values, parts, steps, torch.arange(values.shape[0]), grads, lr)
     counts = [t.rows.numel() for t in group]
-    for taken, stepped in zip(group, values.split(counts), strict=True):
+    for taken, stepped in zip(group, values.split_with_sizes(counts), strict=True):
         taken.values.index_copy_(0, taken.rows, stepped)
     if keep_state:
         stepped_state = parts if steps is None else {**parts, ROW_STEPS: steps}
         for part, value in stepped_state.items():
-            for taken, stepped in zip(group, value.split(counts), strict=True):
+            for taken, stepped in zip(group, value.split_with_sizes(counts), strict=True):
                 taken.keep(part, stepped)
 
 

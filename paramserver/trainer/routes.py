@@ -36,7 +36,7 @@ class Route:
         if plan.num_servers == 1:  # nothing to split: spare the ops (they add up per table)
             return cls(ids, None, [ids.numel()], (ids,))
         order, counts = plan.split_by_server(table, ids)
-        return cls(ids, order, counts, ids[order].split(counts))
+        return cls(ids, order, counts, ids[order].split_with_sizes(counts))
 
     @cached_property
     def packed(self) -> tuple[Tensor | PackedIds, ...]:
@@ -50,7 +50,7 @@ class Route:
         """``values`` (aligned with ``ids``) as every server's part, in server order."""
         if self.order is None:
             return (values,)
-        return values[self.order].split(self.counts)
+        return values[self.order].split_with_sizes(self.counts)
 
     def by_server(self, *aligned: Tensor) -> list[tuple[int, list[Tensor]]]:
         """Each server's non-empty part of the ids and of the tensors aligned with them, as

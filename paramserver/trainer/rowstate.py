@@ -160,5 +160,5 @@ def _asked_of(mask: Tensor, route: Route) -> list[np.ndarray]:
     """The places among a table's ids of the rows ``mask`` picked that each server holds, in
     the order that server answers."""
     assert route.order is not None
-    split = route.order.split(route.counts)
+    split = route.order.split_with_sizes(route.counts)
     return [order[part].numpy() for order, part in zip(split, route.split(mask), strict=True)]

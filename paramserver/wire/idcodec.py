@@ -147,7 +147,7 @@ def unpack_all(sets: Sequence[object]) -> tuple[list[Tensor], int]:
     ids, malformed = native.unpack_steps(parts, _unpack_by_torch)
     if malformed >= 0:
         return [], malformed
-    return list(torch.from_numpy(ids).split([steps.size for _, _, steps in parts])), -1
+    return list(torch.from_numpy(ids).split_with_sizes([steps.size for _, _, steps in parts])), -1
 
 
 _STEP_CODES = {dtype: code for code, dtype in enumerate(STEP_DTYPES)}
