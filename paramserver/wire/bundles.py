@@ -14,8 +14,9 @@ and gives a :class:`MalformedBundle` saying what is wrong with a malformed one.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -66,12 +67,17 @@ def bundled(mapping: Any) -> Any:
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping
     values = list(mapping.values())
-    if not all(type(v) is Tensor and v.layout is torch.strided for v in values):
+    if type(values[0]) is not Tensor:
         return mapping
-    if sum(v.nbytes for v in values) < BUNDLED_FROM:
+    dtype, nbytes, one_dtype = values[0].dtype, 0, True
+    for value in values:  # one pass: a message's mappings are walked each call
+        if type(value) is not Tensor or value.layout is not torch.strided:
+            return mapping
+        nbytes += value.nbytes
+        one_dtype = one_dtype and value.dtype is dtype
+    if nbytes < BUNDLED_FROM:
         return mapping
-    dtype = values[0].dtype
-    if all(v.dtype == dtype for v in values):
+    if one_dtype:
         return _one_bundle(tuple(mapping), values) or mapping
     by_dtype: dict[torch.dtype, dict[str, Tensor]] = {}
     for name, value in mapping.items():
@@ -175,9 +181,9 @@ def unbundled(value: Any) -> Any:
 
 def _mixed_unbundled(value: MixedBundle) -> dict[str, Tensor] | MalformedBundle:
     names, bundles = value.names, value.bundles
-    if type(names) is not tuple or not all(type(name) is str for name in names):
+    if type(names) is not tuple or not _all_of(str, names):
         return MalformedBundle("a bundle's names must be a tuple of strings")
-    if type(bundles) is not tuple or not all(type(bundle) is Bundle for bundle in bundles):
+    if type(bundles) is not tuple or not _all_of(Bundle, bundles):
         return MalformedBundle("a bundle of several dtypes must hold a tuple of bundles")
     found: dict[str, Tensor] = {}
     for bundle in bundles:
@@ -198,7 +204,7 @@ def _as_rows(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> bool:
 
 def _bundle_problem(bundle: Bundle) -> str | None:
     names, shapes, flat = bundle.names, bundle.shapes, bundle.flat
-    if type(names) is not tuple or not all(type(name) is str for name in names):
+    if type(names) is not tuple or not _all_of(str, names):
         return "a bundle's names must be a tuple of strings"
     if len(set(names)) != len(names):
         return "a bundle names a tensor twice"
@@ -206,12 +212,18 @@ def _bundle_problem(bundle: Bundle) -> str | None:
         return "a bundle's values must be one plain tensor of 1 or more dimensions"
     if type(shapes) is not tuple or len(shapes) != len(names):
         return "a bundle must give one shape per name"
-    if not all(type(shape) is tuple for shape in shapes):
+    if not _all_of(tuple, shapes):
         return "a bundle's shapes must be tuples of sizes"
-    sizes = [size for shape in shapes for size in shape]  # every shape's, checked at once
-    if not all(type(size) is int for size in sizes) or (sizes and min(sizes) < 0):
+    sizes = list(itertools.chain.from_iterable(shapes))  # every shape's, checked at once
+    if not _all_of(int, sizes) or (sizes and min(sizes) < 0):
         return "a bundle's shapes must be tuples of sizes"
     return _size_problem(flat, shapes)
+
+
+def _all_of(kind: type, items: Iterable[object]) -> bool:
+    """Whether every one of ``items`` is exactly a ``kind`` (the walk in C: a peer's bundles
+    are checked on every call)."""
+    return set(map(type, items)) <= {kind}
 
 
 def _size_problem(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> str | None:
