@@ -37,6 +37,8 @@ def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
         "scalar": torch.tensor(2.5),
         "empty": torch.zeros(0, 16),
         "strided": torch.randn(4, 6)[:, 1::2],
+        "offset": torch.arange(20)[5:9],  # a view from within its storage
+        "expanded": torch.tensor([1.0, 2.0]).expand(3, 2),  # strides of 0
         "large": torch.randn(300, 64),
         "large_view": torch.randn(600, 64)[100:400],
         "other": [1, "two", None, (3.0,)],

@@ -28,6 +28,7 @@ the large ones.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import pickle
 import struct
@@ -118,12 +119,25 @@ def encode(message: Any) -> tuple[bytearray, list[Tensor]]:
     view = memoryview(frame)
     view[: len(head)] = head
     view[len(head) : len(head) + structure.tell()] = structure.getbuffer()
-    for tensor, start in zip(small, starts, strict=True):
-        if tensor.numel():
-            plain = tensor if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16)
-            data = plain.contiguous().numpy().reshape(-1).view(np.uint8)
-            view[start : start + data.nbytes] = data.data
+    if small:
+        _copy_into(frame, small, starts)
     return frame, large
+
+
+def _copy_into(frame: bytearray, small: list[Tensor], starts: list[int]) -> None:
+    """Each of the ``small`` tensors' bytes (plain CPU tensors: their elements as they are in
+    memory) into ``frame`` from its start, by address: a numpy view of each would cost four
+    of torch's and numpy's calls, each thousands of instructions."""
+    window = ctypes.c_char.from_buffer(frame)  # holds the frame's buffer while it is written
+    try:
+        base = ctypes.addressof(window)
+        for tensor, start in zip(small, starts, strict=True):
+            nbytes = tensor.nbytes
+            if nbytes:
+                source = tensor if tensor.is_contiguous() else tensor.contiguous()
+                ctypes.memmove(base + start, source.data_ptr(), nbytes)
+    finally:
+        del window
 
 
 class _Reading(threading.local):
