@@ -139,6 +139,11 @@ class UpdateRule(ABC):
         do)."""
         return None
 
+    def _own_loop(self, rows: PulledRows, fused: bool) -> int | None:
+        """:meth:`step_pulled_rows` by the compiled loop with rounding ``fused``, unchecked
+        (what the trials of a loop's rounding run; None: the loop does not take the rows)."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled own update")
+
 
 class SGD(UpdateRule):
     slots = ("momentum_buffer",)
@@ -195,8 +200,9 @@ class SGD(UpdateRule):
 
     def step_pulled_rows(self, rows: PulledRows) -> int | None:
         fused = None if self.config.momentum else _sgd_loop_rounding()
-        if fused is None:
-            return None
+        return None if fused is None else self._own_loop(rows, fused)
+
+    def _own_loop(self, rows: PulledRows, fused: bool) -> int | None:
         return _own_rows("sgd", rows, self.config, fused)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
@@ -265,8 +271,9 @@ class Adagrad(UpdateRule):
 
     def step_pulled_rows(self, rows: PulledRows) -> int | None:
         fused = None if self.config.adagrad_lr_decay else _adagrad_loop_rounding()
-        if fused is None:
-            return None
+        return None if fused is None else self._own_loop(rows, fused)
+
+    def _own_loop(self, rows: PulledRows, fused: bool) -> int | None:
         return _own_rows("adagrad", rows, self.config, fused, slot="sum")
 
 
@@ -279,10 +286,8 @@ def _adagrad_loop_rounding() -> bool | None:
     if native.loops is None:
         return None
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(64, 33, generator=generator)
+    weight, grads = _trial_rows(64, generator)
     sums = torch.rand(64, 33, generator=generator)
-    scales = 10.0 ** torch.randint(-3, 3, (64, 1), generator=generator)
-    grads = torch.randn(64, 33, generator=generator) * scales
     for fused in (True, False):
         if all(
             _adagrad_agrees((weight, sums, grads), weight_decay, fused)
@@ -348,18 +353,14 @@ def _own_update_agrees(
 ) -> bool:
     """Whether the compiled own update of rule ``config`` steps ``weight`` (every row with its
     gradient; its one state slot, if any, in ``state``) bitwise as the rule's torch step."""
-    rows = weight.shape[0]
+    rows, rule = weight.shape[0], make_rule(config)
     looped_weight, looped_state = weight.clone(), {k: v.clone() for k, v in state.items()}
     table = PulledTable(looped_weight, torch.arange(rows), torch.arange(rows), grads, config.lr)
-    pulled = PulledRows([table], np.arange(rows), np.array([[0, rows]]), looped_state)
-    means = [grads.square().mean(dim=1)] if config.name == "rowwise_adagrad" else None
-    _own_rows(config.name, pulled, config, fused, slot=next(iter(state), None), means=means)
-    stepped = Block(
-        weight.clone(), grads, {k: v.clone() for k, v in state.items()}, torch.zeros(())
-    )
-    make_rule(config).step_blocks([stepped], config.lr)
-    return torch.equal(looped_weight, stepped.param) and all(
-        torch.equal(looped_state[slot], stepped.state[slot]) for slot in state
+    rule._own_loop(PulledRows([table], np.arange(rows), np.array([[0, rows]]), looped_state), fused)
+    stepped_weight, stepped_state = weight.clone(), {k: v.clone() for k, v in state.items()}
+    rule.step_blocks([Block(stepped_weight, grads, stepped_state, torch.zeros(()))], config.lr)
+    return torch.equal(looped_weight, stepped_weight) and all(
+        torch.equal(looped_state[slot], stepped_state[slot]) for slot in state
     )
 
 
@@ -417,8 +418,11 @@ class RowWiseAdagrad(UpdateRule):
         # and square root round as torch's do; weight decay's add is left to torch.
         if self.config.weight_decay or not _rowwise_loop_agrees():
             return None
+        return self._own_loop(rows, False)
+
+    def _own_loop(self, rows: PulledRows, fused: bool) -> int | None:
         means = [t.grads.square().mean(dim=1) for t in rows.tables]
-        return _own_rows("rowwise_adagrad", rows, self.config, False, slot="sum", means=means)
+        return _own_rows("rowwise_adagrad", rows, self.config, fused, slot="sum", means=means)
 
     def step(self, param: Tensor, grad: Tensor, state: State, step: Tensor, lr: float) -> None:
         c = self.config
