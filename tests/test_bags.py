@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from paramserver import native
-from paramserver.trainer.bags import Bags, DenseGradient, _Step, loops_agree_with_torch
+from paramserver.trainer.bags import DenseGradient, _Step
 from paramserver.trainer.replica import Call, Replica
 from paramserver.wire.bundles import joined_already
 from tests.helpers import remote_of, remotes_of
@@ -421,111 +421,6 @@ def test_bags_scaled_by_frequency_are_not_pooled_ahead(loop_mode: str) -> None:
         assert torch.equal(grads[t], model.tables[t].weight.grad[ids])
     if loop_mode == "compiled":
         assert sorted(replica._step_lookups._bag_plans) == ["tables.0.weight"]
-
-
-class EdgeBags(nn.Module):
-    """Three tables whose bags end in a last offset or hold a padding row, and one whose ids
-    are int32 and offsets int32: what a forward's bags prepared as they were recorded must
-    pool as torch does."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tables = nn.ModuleList(
-            [
-                nn.EmbeddingBag(ROWS, DIM, mode="sum", include_last_offset=True),
-                nn.EmbeddingBag(ROWS, DIM, mode="mean", padding_idx=4),
-                nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=6, sparse=True),
-                nn.EmbeddingBag(ROWS, DIM, mode="mean", include_last_offset=True, sparse=True),
-            ]
-        )
-
-    def forward(self, ids: list[Tensor], offsets: list[Tensor]) -> list[Tensor]:
-        return [table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)]
-
-
-def edge_bags_call(seed: int) -> Call:
-    g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, ROWS, (90,), generator=g) for _ in range(4)]
-    ids[1][::9], ids[2][::7] = 4, 6
-    ids[3] = ids[3].to(torch.int32)
-    offsets = [
-        torch.tensor([0, 0, 7, 30, 31, 60, 90]),
-        torch.tensor([0, 0, 7, 30, 31, 60]),
-        torch.tensor([0, 3, 3, 89]),
-        torch.tensor([0, 1, 45, 90], dtype=torch.int32),
-    ]
-    return Call((ids, offsets))
-
-
-def _prepared(replica: Replica) -> list[str]:
-    """The tables whose rows hold bags prepared ahead as their lookups were recorded."""
-    return [name for name, remote in replica.tables.items() if remote.ahead is not None]
-
-
-def test_bags_prepared_as_recorded_are_pooled_in_one_call(
-    loop_mode: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Bags pooled ahead are prepared as the step's lookups are recorded (last offsets, padding
-    rows, int32 ids and offsets, sparse and dense gradients): the forward prepares none of them
-    again, and its outputs and gradients are torch's bitwise."""
-    model = EdgeBags()
-    replica = Replica(copy.deepcopy(model))
-    made_at_forward = []
-    loops_agree_with_torch()  # its own checks make bags
-    of = Bags.of
-    monkeypatch.setattr(Bags, "of", lambda *a: made_at_forward.append(a) or of(*a))
-    for seed in range(3):
-        call = edge_bags_call(seed)
-        loaded(replica, model, call)
-        if loop_mode == "compiled":
-            assert _prepared(replica) == [f"tables.{t}.weight" for t in range(4)]
-        got = replica.forward_fetching(call, fetch=_no_fetch)
-        want = model(*call.args)
-        for got_out, want_out in zip(got, want, strict=True):
-            assert torch.equal(got_out, want_out)
-        leaves = [replica.tables[f"tables.{t}.weight"].rows for t in range(4)]
-        grads = torch.autograd.grad(sum((o * (i + 1)).sum() for i, o in enumerate(got)), leaves)
-        model.zero_grad()
-        sum((o * (i + 1)).sum() for i, o in enumerate(want)).backward()
-        for t, (grad, layer) in enumerate(zip(grads, model.tables, strict=True)):
-            ids = replica.tables[f"tables.{t}.weight"].ids
-            assert torch.equal(grad, dense(layer.weight.grad)[ids])
-    if loop_mode == "compiled":
-        assert not made_at_forward
-        assert {type(o.grad_fn).__name__ for o in got} == {"_LookupsBackward"}
-
-
-@pytest.mark.parametrize("change", ["ids in place", "offsets unseen by torch", "other rows"])
-def test_bags_prepared_as_recorded_give_way_to_what_changed_since(
-    loop_mode: str, change: str
-) -> None:
-    """Bags prepared as a step's lookups were recorded are not pooled where the forward's
-    inputs changed since (in place, or behind torch's back: no version bumped), or where a
-    table's rows were loaded for other ids (all its rows): the forward's bags are then
-    torch's, bitwise."""
-    model = ListBags()
-    replica = Replica(copy.deepcopy(model))
-    loaded(replica, model, list_bags_call(9))
-    call = list_bags_call(10)
-    loaded(replica, model, call)
-    ids, offsets = call.args
-    alone = None  # the table then looked up alone
-    if change == "ids in place":
-        ids[2][5] = ids[2][ids[2] != ids[2][5]][0]  # a row that was pulled: nothing fetched
-        alone = 2
-    elif change == "offsets unseen by torch":
-        offsets[1].numpy()[2] = 9
-    else:
-        every_row = model.tables[3].weight.detach().clone().requires_grad_(True)
-        replica.tables["tables.3.weight"].set_rows(torch.arange(ROWS), every_row)
-        alone = 3
-    got = replica.forward_fetching(call, fetch=_no_fetch)
-    want = model(*call.args)
-    for got_out, want_out in zip(got, want, strict=True):
-        assert torch.equal(got_out, want_out)
-    if loop_mode == "compiled":
-        nodes = [type(o.grad_fn).__name__ for o in got]
-        assert nodes == ["_LookupBackward" if t == alone else "_LookupsBackward" for t in range(4)]
 
 
 def _no_fetch(ids: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:

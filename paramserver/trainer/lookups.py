@@ -1,10 +1,9 @@
 """What a step looks up, and looking it up fast: a record pass's :class:`Recorder` and what it
 finds (:class:`Recorded`: each table's sorted unique ids, and each lookup's positions in them);
 and :class:`StepLookups`, which makes a forward's recorded lookups of every table in one autograd
-node, and pools ahead the bags of every table whose one bag lookup reads the call's inputs,
-prepared as the step's lookups are recorded (:class:`BagsAhead`). The compiled loops
-(:mod:`paramserver.native`) do the unique ids of all tables in one call and the node's gather
-and scatter; without them, torch does the same work, table by table.
+node, and pools ahead the bags of every table whose one bag lookup reads the call's inputs. The
+compiled loops (:mod:`paramserver.native`) do the unique ids of all tables in one call and the
+node's gather and scatter; without them, torch does the same work, table by table.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -22,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from paramserver import native
 from paramserver.errors import ModelError
 from paramserver.trainer.bags import BagNode, Bags, loops_agree_with_torch
-from paramserver.trainer.discovery import Derivation, Path, call_tensors, derivation_of
+from paramserver.trainer.discovery import Derivation, call_tensors, derivation_of
 from paramserver.wire.messages import BagBlock
 
 
@@ -30,27 +28,10 @@ from paramserver.wire.messages import BagBlock
 class RecordedLookups:
     """One table's lookups in a record pass: the sorted unique ids they touch, and each lookup's
     ids (a flat int64 copy) with their positions in those. A forward making the same lookup on the
-    rows pulled for these ids takes its positions from here instead of searching for them.
-    ``ahead``: the step's bags prepared for pooling ahead, this table's among them."""
+    rows pulled for these ids takes its positions from here instead of searching for them."""
 
     ids: Tensor
     each: list[tuple[Tensor, Tensor]]
-    ahead: BagsAhead | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class BagsAhead:
-    """A call's bag lookups to pool ahead (:meth:`StepLookups.pooled`), prepared as its lookups
-    were recorded: each table's bags in its recorded rows (``bags``, in ``tables``' order), and
-    the ids and offsets they were made of, every table's joined in one copy. A forward pools
-    them in one call once its inputs still hold exactly those ids and offsets: one check of
-    them all, not a search and a preparation a table."""
-
-    tables: tuple[str, ...]
-    rows_of: tuple[Tensor, ...]  # each table's recorded unique ids: the rows its bags index
-    ids: Tensor
-    offsets: Tensor
-    bags: tuple[Bags, ...]
 
 
 class Recorded(NamedTuple):
@@ -115,12 +96,9 @@ class LookupTable(Protocol):
 
     table: str
     embedding_dim: int
-    ids: Tensor  # the pulled rows' ids, sorted unique
     rows: Tensor  # the pulled rows: a leaf that requires grad
     lookups: list[tuple[Tensor, Tensor]]  # the recorded lookups of those rows' ids
     joins_step_lookups: bool  # plain lookups: no bags, padding row or scaling by frequency
-
-    ahead: BagsAhead | None  # the step's bags prepared ahead, where this table's are
 
     def recorded_lookup(self, flat: Tensor) -> int | None: ...
 
@@ -253,70 +231,6 @@ class StepLookups:
                 plans[table] = BagPlan(from_ids, from_offsets, options)
         self._bag_plans = plans
 
-    def plan_ahead(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], lookups: dict[str, RecordedLookups]
-    ) -> None:
-        """Prepare the bags a forward called with these arguments pools ahead, from its
-        recorded ``lookups`` (each planned table's one lookup): every table's positions and
-        bag starts at once, the tables' :class:`RecordedLookups` then holding them
-        (:class:`BagsAhead`). A table whose derived ids are not its recorded ones, or whose
-        layout the loops leave to torch, is left to the forward to prepare (:meth:`pooled`)."""
-        if not self._bag_plans or not loops_agree_with_torch():
-            return
-        inputs = call_tensors(args, kwargs)
-        tables: list[str] = []
-        ids: list[Tensor] = []
-        offsets: list[Tensor] = []
-        for table, plan in self._bag_plans.items():
-            recorded = lookups.get(table)
-            if recorded is None or len(recorded.each) != 1 or plan.options.bag_mode is None:
-                continue
-            looked_up, given = plan.ids.ids_of(inputs), plan.offsets.ids_of(inputs)
-            if (
-                looked_up is None
-                or given is None
-                or looked_up.dim() != 1
-                or given.dim() != 1
-                or given.dtype not in (torch.int32, torch.int64)
-                or (plan.options.include_last_offset and given.numel() == 0)
-            ):
-                continue
-            tables.append(table)
-            ids.append(looked_up)
-            offsets.append(given)
-        if not tables:
-            return
-        each = [lookups[table].each[0] for table in tables]
-        copied_ids = torch.cat([recorded_ids for recorded_ids, _ in each])
-        if not torch.equal(torch.cat(ids), copied_ids):  # derived otherwise than recorded
-            return
-        copied_offsets = torch.cat(offsets)
-        positions = torch.cat([positions for _, positions in each]).numpy()
-        options = [self._bag_plans[table].options for table in tables]
-        counts = [looked_up.numel() for looked_up in ids]
-        starts = _joined_starts(copied_offsets.numpy(), offsets, counts, options)
-        bags, at = [], 0
-        for table, count, table_starts, table_options in zip(
-            tables, counts, starts, options, strict=True
-        ):
-            padding = local_position(lookups[table].ids, table_options.padding_idx)
-            bags.append(
-                Bags(
-                    positions[at : at + count],
-                    table_starts,
-                    None,
-                    -1 if padding is None else padding,
-                    table_options.bag_mode == "mean",
-                    table_options.sparse,
-                )
-            )
-            at += count
-        rows_of = tuple(lookups[table].ids for table in tables)
-        ahead = BagsAhead(tuple(tables), rows_of, copied_ids, copied_offsets, tuple(bags))
-        for table in tables:
-            recorded = lookups[table]
-            lookups[table] = RecordedLookups(recorded.ids, recorded.each, ahead)
-
     def pooled(
         self, table: str, ids: Tensor, offsets: Tensor, options: BagOptions
     ) -> Tensor | None:
@@ -336,18 +250,13 @@ class StepLookups:
 
     def _pool_all(self) -> dict[str, _Pooled]:
         """Every planned table's bag lookup of this forward's inputs, one node per width and
-        type of rows: those whose ids are a recorded lookup's, and which the loops take; the
-        tables whose bags were prepared as they were recorded (:meth:`plan_ahead`) in one
-        call, where the inputs still hold what they were prepared from."""
+        type of rows: those whose ids are a recorded lookup's, and which the loops take."""
         assert self._inputs is not None
         if not loops_agree_with_torch():
             return {}
         inputs = call_tensors(*self._inputs)
-        made = self._pool_prepared(inputs)
         by_node: dict[BagNode, list[tuple[str, Tensor, Tensor, BagOptions, Bags]]] = {}
         for table, plan in self._bag_plans.items():
-            if table in made:
-                continue
             remote, options = self._tables[table], plan.options
             ids, offsets = plan.ids.ids_of(inputs), plan.offsets.ids_of(inputs)
             if ids is None or offsets is None or ids.dim() != 1 or options.bag_mode is None:
@@ -365,6 +274,7 @@ class StepLookups:
             )  # fmt: skip
             if bags is not None:
                 by_node.setdefault(node, []).append((table, ids, offsets, options, bags))
+        made: dict[str, _Pooled] = {}
         for node, lookups in by_node.items():
             numbered = [(node.tables[id(self._tables[t].rows)], bags) for t, *_, bags in lookups]
             outputs = node.pool_all(numbered)
@@ -373,52 +283,6 @@ class StepLookups:
             for (table, ids, offsets, options, _), output in zip(lookups, outputs, strict=True):
                 versions = (ids._version, offsets._version)
                 made[table] = _Pooled(output, ids, offsets, versions, options)
-        return made
-
-    def _pool_prepared(self, inputs: dict[Path, Tensor]) -> dict[str, _Pooled]:
-        """The bag lookups :meth:`plan_ahead` prepared for this forward, pooled in one call
-        a node (a width and type of rows), where every one of their tables holds the rows they
-        were prepared for and the inputs still hold exactly the ids and offsets they were
-        prepared from (empty where not)."""
-        plans, tables = self._bag_plans, self._tables
-        first = next(iter(plans), None)
-        ahead = None if first is None else tables[first].ahead
-        if ahead is None:
-            return {}
-        ids: list[Tensor] = []
-        offsets: list[Tensor] = []
-        by_node: dict[BagNode, list[tuple[int, Bags]]] = {}
-        nodes: list[BagNode] = []
-        for table, rows_of, bags in zip(ahead.tables, ahead.rows_of, ahead.bags, strict=True):
-            remote, plan = tables[table], plans.get(table)
-            rows = remote.rows
-            node = self.bag_node(rows) if native.pools_rows(rows) else None
-            if remote.ids is not rows_of or plan is None or node is None:
-                return {}
-            looked_up, given = plan.ids.ids_of(inputs), plan.offsets.ids_of(inputs)
-            if looked_up is None or given is None or looked_up.dim() != 1 or given.dim() != 1:
-                return {}
-            ids.append(looked_up)
-            offsets.append(given)
-            by_node.setdefault(node, []).append((node.tables[id(rows)], bags))
-            nodes.append(node)
-        if not (
-            torch.equal(torch.cat(ids), ahead.ids)
-            and torch.equal(torch.cat(offsets), ahead.offsets)
-        ):
-            return {}
-        pooled: dict[BagNode, Iterator[Tensor]] = {}
-        for node, numbered in by_node.items():
-            outputs = node.pool_all(numbered)
-            if outputs is None:  # bags that are not sound: each lookup is made (refused) alone
-                return {}
-            pooled[node] = iter(outputs)
-        made: dict[str, _Pooled] = {}
-        for table, looked_up, given, node in zip(ahead.tables, ids, offsets, nodes, strict=True):
-            versions = (looked_up._version, given._version)
-            made[table] = _Pooled(
-                next(pooled[node]), looked_up, given, versions, plans[table].options
-            )
         return made
 
     def bag_node(self, rows: Tensor) -> BagNode | None:
@@ -513,37 +377,6 @@ def _row_major(grad: Tensor, dim: int) -> Tensor:
     if grad.dim() != 2:
         grad = grad.reshape(-1, dim)
     return grad if grad.stride(1) == 1 or dim == 1 else grad.contiguous()
-
-
-def _joined_starts(
-    given: np.ndarray, offsets: list[Tensor], counts: list[int], options: list[BagOptions]
-) -> list[np.ndarray]:
-    """Each lookup's bag starts with the end after its last bag (int64, as :class:`Bags`
-    holds them), from ``given``, every lookup's ``offsets`` joined, and their ``counts`` of
-    ids: its offsets with its count after them, where they do not end with it already
-    (numpy's ``insert`` and ``split`` are Python, costing more than these few slices)."""
-    starts, at = [], 0
-    for each, count, lookup in zip(offsets, counts, options, strict=True):
-        size = each.numel()
-        if lookup.include_last_offset:
-            starts.append(given[at : at + size].astype(np.int64))
-        else:
-            table_starts = np.empty(size + 1, np.int64)
-            table_starts[:size] = given[at : at + size]
-            table_starts[size] = count
-            starts.append(table_starts)
-        at += size
-    return starts
-
-
-def local_position(ids: Tensor, id: int | None) -> int | None:
-    """Where ``id`` is among ``ids`` (sorted unique), if it is there (None: not, or no id)."""
-    if id is None or ids.numel() == 0:
-        return None
-    position = int(torch.searchsorted(ids, torch.tensor(id)))
-    if position < ids.numel() and int(ids[position]) == id:
-        return position
-    return None
 
 
 def unique_lookups(

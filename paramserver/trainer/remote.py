@@ -34,13 +34,7 @@ from paramserver.embedding import DynamicEmbedding
 from paramserver.errors import InvalidBatchError, ModelError
 from paramserver.modelplan import SERVED, Embedding, find_embeddings, table_size
 from paramserver.trainer import bags as pooling
-from paramserver.trainer.lookups import (
-    BagsAhead,
-    RecordedLookups,
-    Recorder,
-    StepLookups,
-    local_position,
-)
+from paramserver.trainer.lookups import RecordedLookups, Recorder, StepLookups
 from paramserver.wire.messages import BagBlock
 
 
@@ -153,7 +147,6 @@ class RemoteEmbedding(nn.Module):
         self.ids = torch.empty(0, dtype=torch.int64)
         self.rows = torch.empty(0, self.embedding_dim)
         self.lookups: list[tuple[Tensor, Tensor]] = []  # see set_rows
-        self.ahead: BagsAhead | None = None  # see set_rows
         self.recorder: Recorder | None = None
         self.server_pooled = False
         self.pooled = torch.empty(0, self.embedding_dim)  # sums of this step's bags (a leaf)
@@ -171,7 +164,7 @@ class RemoteEmbedding(nn.Module):
     # Set for every step and record pass: plain attributes, so nn.Module.__setattr__'s search
     # for a parameter, buffer or submodule of the name (microseconds, per table) is skipped.
     _PER_STEP = frozenset(
-        {"ids", "rows", "lookups", "ahead", "recorder", "pooled", "pooled_bags", "unmatched"}
+        {"ids", "rows", "lookups", "recorder", "pooled", "pooled_bags", "unmatched"}
     )
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -234,11 +227,9 @@ class RemoteEmbedding(nn.Module):
     def set_rows(self, ids: Tensor, rows: Tensor, lookups: RecordedLookups | None = None) -> None:
         """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call;
         ``lookups``, recorded for these very ids, spare the lookups it holds a search."""
-        recorded = lookups if lookups is not None and lookups.ids is ids else None
         self.ids = ids
         self.rows = rows
-        self.lookups = recorded.each if recorded is not None else []
-        self.ahead = recorded.ahead if recorded is not None else None
+        self.lookups = lookups.each if lookups is not None and lookups.ids is ids else []
 
     def forward(
         self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None
@@ -418,7 +409,12 @@ class RemoteEmbedding(nn.Module):
         return positions
 
     def local_padding(self, padding_idx: int | None) -> int | None:
-        return local_position(self.ids, padding_idx)
+        if padding_idx is None or self.ids.numel() == 0:
+            return None
+        position = int(torch.searchsorted(self.ids, torch.tensor(padding_idx)))
+        if position < self.ids.numel() and int(self.ids[position]) == padding_idx:
+            return position
+        return None
 
 
 class TableView(nn.Module):

@@ -168,8 +168,6 @@ class Replica:
         unique, lookups = unique_lookups(recorded)
         for table in derived_tables:
             self.tables[table].check_range(unique[table], ascending=True)
-        if len(calls) == 1:  # one forward a step: the bags it pools ahead prepared here
-            self._step_lookups.plan_ahead(calls[0].args, calls[0].kwargs, lookups)
         return Recorded(unique, bags, lookups)
 
     @contextmanager
@@ -276,7 +274,7 @@ class Replica:
         up are read with ``fetch`` (every table as rows, pooled on the servers or not), and
         the step's rows, pooled sums and their gradients are left as they were."""
         saved = [
-            (r, r.ids, r.rows, r.lookups, r.ahead, r.pooled, r.pooled_bags, r.server_pooled)
+            (r, r.ids, r.rows, r.lookups, r.pooled, r.pooled_bags, r.server_pooled)
             for r in self.tables.values()
         ]
         try:
@@ -286,13 +284,9 @@ class Replica:
             self._load_rows(fetch(recorded.ids), recorded.lookups)
             return self.forward_fetching(call, fetch)
         finally:
-            for remote, ids, rows, lookups, ahead, pooled, bags, server_pooled in saved:
-                remote.ids, remote.rows, remote.lookups, remote.ahead = ids, rows, lookups, ahead
-                remote.pooled, remote.pooled_bags, remote.server_pooled = (
-                    pooled,
-                    bags,
-                    server_pooled,
-                )
+            for remote, ids, rows, lookups, pooled, bags, server_pooled in saved:
+                remote.ids, remote.rows, remote.lookups, remote.pooled = ids, rows, lookups, pooled
+                remote.pooled_bags, remote.server_pooled = bags, server_pooled
 
     def gradients(self) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, Tensor]]]:
         """Dense gradients (parameters without a gradient are left out) and, per table, the
