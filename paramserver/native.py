@@ -480,6 +480,22 @@ BagArrays = tuple[
 ]
 
 
+def zeroed_parts(
+    sizes: Sequence[int], dim: int, dtype: torch.dtype
+) -> tuple[tuple[Tensor, ...], list[np.ndarray]]:
+    """Parts of ``sizes`` rows of ``dim`` zeros, end to end in one buffer, for the gradients
+    :func:`scatter_rows` and :func:`scatter_bags` add into: each part as a tensor (a view of
+    the buffer) and as the loops' array (a slice of one numpy view of it: a tensor's
+    ``numpy()`` costs several numpy slices)."""
+    whole = torch.zeros(sum(sizes), dim, dtype=dtype)
+    array, end = whole.numpy(), 0
+    arrays = []
+    for size in sizes:
+        arrays.append(array[end : end + size])
+        end += size
+    return whole.split_with_sizes(list(sizes)), arrays
+
+
 def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
     """Sum each lookup's bags of rows of its table into its ``out`` (a mean: divided by the
     ids not padding), each bag in its ids' order from zero as torch's ``embedding_bag`` does;

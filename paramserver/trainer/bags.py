@@ -41,7 +41,6 @@ not covering the ids in order) is torch's ``embedding_bag``, as is every lookup 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 from typing import Any, NamedTuple, cast
@@ -352,14 +351,11 @@ class _Step(torch.autograd.Function):
         laid_out += [n for n in numbers if firsts[node.lookups[n][0]] != n]
         sizes = [node.rows[node.lookups[number][0]].shape[0] for number in laid_out]
         dim, dtype = node.rows[0].shape[1], node.rows[0].dtype
-        whole = torch.zeros(sum(sizes), dim, dtype=dtype)
-        parts = dict(zip(laid_out, whole.split_with_sizes(sizes), strict=True))
-        # The loops' arrays sliced from one (a tensor's numpy() costs three numpy slices).
-        array, ends = whole.numpy(), list(itertools.accumulate(sizes))
-        slices = zip(laid_out, sizes, ends, strict=True)
-        arrays = {number: array[end - size : end] for number, size, end in slices}
+        views, arrays = native.zeroed_parts(sizes, dim, dtype)
+        parts = dict(zip(laid_out, views, strict=True))
+        into = dict(zip(laid_out, arrays, strict=True))
         native.scatter_bags(
-            [arrays[number] for number in numbers],
+            [into[number] for number in numbers],
             [node.lookups[number][1].arrays(i, grads[number]) for i, number in enumerate(numbers)],
             dim,
         )

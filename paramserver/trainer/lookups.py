@@ -354,14 +354,13 @@ class _Lookups(torch.autograd.Function):
         touched = sorted({t for (t, _), g in zip(positions, grads, strict=True) if g is not None})
         if not touched:
             return (None,) * (len(sizes) + 1)
-        buffer = torch.zeros(sum(sizes[t] for t in touched), dim, dtype=torch.float32)
-        split = buffer.split_with_sizes([sizes[t] for t in touched])
-        parts = dict(zip(touched, split, strict=True))
+        views, arrays = native.zeroed_parts([sizes[t] for t in touched], dim, torch.float32)
+        parts = dict(zip(touched, views, strict=True))
         order = {t: i for i, t in enumerate(touched)}
         # A gradient travels as it came where its rows are each contiguous (a stack's or a
         # cat's backward hands out strided views): the compiled loop reads them in place.
         native.scatter_rows(
-            [parts[t].numpy() for t in touched],
+            arrays,
             [
                 (order[t], p, _row_major(grad, dim).numpy())
                 for (t, p), grad in zip(positions, grads, strict=True)
