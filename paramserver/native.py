@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
@@ -76,9 +77,18 @@ def _load() -> ModuleType | None:
     if os.environ.get("PARAMSERVER_NATIVE", "1") == "0":
         return None
     try:
-        return importlib.import_module("paramserver._native")
+        module = importlib.import_module("paramserver._native")
     except ImportError:
         return None
+    built_with = getattr(module, "TORCH_VERSION", torch.__version__)
+    if built_with != torch.__version__:  # linked to another torch's libraries: not safe to call
+        warnings.warn(
+            f"paramserver's compiled loops were built with torch {built_with}, not this "
+            f"{torch.__version__}: they are off (reinstall paramserver to build them again)",
+            stacklevel=2,
+        )
+        return None
+    return module
 
 
 loops: ModuleType | None = _load()
@@ -103,10 +113,18 @@ def _contiguous(array: np.ndarray | None) -> np.ndarray | None:
 # ---- capabilities: where a caller's algorithm differs with the loops ----
 
 
+def takes_tensors() -> bool:
+    """Whether the loops are built and take torch tensors as they are (built with torch's
+    headers: setup.py). The trainer's loops and a server's row updates are called with the
+    step's tensors, a ``numpy()`` of each costing as much as their Python: they run where this
+    holds, and the same work is left to torch where it does not."""
+    return loops is not None and bool(loops.TAKES_TENSORS)
+
+
 def takes_rows(*tensors: Tensor) -> bool:
-    """Whether the loops are built and take these tensors as tables of rows: float32, 2-D and
-    contiguous (what they index as plain arrays)."""
-    return loops is not None and all(
+    """Whether the loops are built, take tensors and take these as tables of rows: float32,
+    2-D and contiguous (what they index as plain arrays)."""
+    return takes_tensors() and all(
         t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in tensors
     )
 
@@ -259,11 +277,12 @@ def unique_each(
     fallback: Callable[[Tensor, tuple[int, ...]], list[tuple[Tensor, Tensor]]],
 ) -> list[tuple[Tensor, Tensor]]:
     """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
-    given ``sizes``: every part in one call of the loop."""
-    if loops is None:
+    given ``sizes``: every part in one call of the loop (where it takes tensors)."""
+    if not takes_tensors():
         return fallback(ids, sizes)
     unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
-    counts = loops.unique_inverse(ids.numpy(), sizes, unique.numpy(), inverse.numpy())
+    assert loops is not None
+    counts = loops.unique_inverse(ids, sizes, unique, inverse)
     return [
         (part[:count], positions)
         for part, positions, count in zip(
@@ -407,16 +426,18 @@ def step_rows(
     twice). One call a part, not one for all, which would join the parts' gradients first: a
     copy as long as the loop's work."""
     assert loops is not None, "called where takes_rows() says the loops apply"
-    weight, sums = (None if t is None else t.numpy() for t in storage)
-    assert weight is not None
+    weight, sums = storage
     for rows, grads in parts:
-        loops.step_rows(RULE_KINDS[kind], weight, sums, weight.shape[1], rows.contiguous().numpy(),
-                        grads.numpy(), lr, eps, weight_decay, fused)  # fmt: skip
+        loops.step_rows(RULE_KINDS[kind], weight, sums, weight.shape[1], int64s(rows), grads,
+                        lr, eps, weight_decay, fused)  # fmt: skip
 
 
-def gather_rows(
-    tables: list[np.ndarray], lookups: list[tuple[int, np.ndarray, np.ndarray]], dim: int
-) -> None:
+def int64s(ids: Tensor) -> Tensor:
+    """``ids`` as the loops read ids: contiguous int64 (a view where they are)."""
+    return ids.to(torch.int64).contiguous()
+
+
+def gather_rows(tables: list[Tensor], lookups: list[tuple[int, Tensor, Tensor]], dim: int) -> None:
     """Copy each lookup's rows, ``tables[table][positions]``, into its output, for each
     (table, positions, output) of ``lookups`` (the tables and outputs float32 rows of
     ``dim``, which :func:`takes_rows`)."""
@@ -424,9 +445,7 @@ def gather_rows(
     loops.gather_rows(tables, lookups, dim)
 
 
-def scatter_rows(
-    tables: list[np.ndarray], lookups: list[tuple[int, np.ndarray, np.ndarray]], dim: int
-) -> None:
+def scatter_rows(tables: list[Tensor], lookups: list[tuple[int, Tensor, Tensor]], dim: int) -> None:
     """Add each lookup's gradient rows into ``tables[table]`` at its positions, lookup by
     lookup and row by row (``index_add_``'s order), for each (table, positions, gradients)
     of ``lookups``."""
@@ -434,7 +453,7 @@ def scatter_rows(
     loops.scatter_rows(tables, lookups, dim)
 
 
-OwnTable = tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None, float]
+OwnTable = tuple[Tensor, int, Tensor, Tensor, Tensor, Tensor | None, float]
 """One table's part of :func:`own_rows`: values, dim, ids, grad_ids, grads, means, lr
 (``_native.c``'s own_rows says what each is)."""
 
@@ -443,7 +462,7 @@ def own_rows(
     kind: str,
     tables: Sequence[OwnTable],
     at: np.ndarray | None,
-    state: np.ndarray | None,
+    state: Tensor | None,
     spans: np.ndarray | None,
     *,
     eps: float,
@@ -465,7 +484,7 @@ def pools_rows(rows: Tensor) -> bool:
     """Whether the loops are built and pool bags of ``rows`` (:func:`pool_bags`): float32 or
     float64, 2-D and contiguous."""
     return (
-        loops is not None
+        takes_tensors()
         and rows.dtype in (torch.float32, torch.float64)
         and rows.dim() == 2
         and rows.is_contiguous()
@@ -475,37 +494,26 @@ def pools_rows(rows: Tensor) -> bool:
 # One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
 # padding position or -1, mean, in_order (scatter_bags' order), the bags' rows: out, or their
 # gradients).
-BagArrays = tuple[
-    int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, bool, np.ndarray | None
-]
+BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, bool, Tensor | None]
 
 
-def zeroed_parts(
-    sizes: Sequence[int], dim: int, dtype: torch.dtype
-) -> tuple[tuple[Tensor, ...], list[np.ndarray]]:
-    """Parts of ``sizes`` rows of ``dim`` zeros, end to end in one buffer, for the gradients
-    :func:`scatter_rows` and :func:`scatter_bags` add into: each part as a tensor (a view of
-    the buffer) and as the loops' array (a slice of one numpy view of it: a tensor's
-    ``numpy()`` costs several numpy slices)."""
-    whole = torch.zeros(sum(sizes), dim, dtype=dtype)
-    array, end = whole.numpy(), 0
-    arrays = []
-    for size in sizes:
-        arrays.append(array[end : end + size])
-        end += size
-    return whole.split_with_sizes(list(sizes)), arrays
+def zeroed_parts(sizes: Sequence[int], dim: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """Parts of ``sizes`` rows of ``dim`` zeros, views of one buffer end to end, for the
+    gradients :func:`scatter_rows` and :func:`scatter_bags` add into (a push then sends them
+    without joining them again)."""
+    return torch.zeros(sum(sizes), dim, dtype=dtype).split_with_sizes(list(sizes))
 
 
-def pool_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+def pool_bags(tables: list[Tensor], lookups: list[BagArrays], dim: int) -> None:
     """Sum each lookup's bags of rows of its table into its ``out`` (a mean: divided by the
     ids not padding), each bag in its ids' order from zero as torch's ``embedding_bag`` does;
     the tables and outputs rows of ``dim`` of one float type, which :func:`pools_rows`. Raises
     ValueError (nothing written) for bags that do not cover their ids in order from 0."""
     assert loops is not None, "called where pools_rows() says the loops apply"
-    loops.pool_bags(tables, lookups, dim, tables[0].dtype == np.float64)
+    loops.pool_bags(tables, lookups, dim, tables[0].dtype == torch.float64)
 
 
-def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -> None:
+def scatter_bags(tables: list[Tensor], lookups: list[BagArrays], dim: int) -> None:
     """:func:`pool_bags`' backward: each lookup's bag gradients (None: none), times the id's
     weight (a mean: 1 / the bag's size), added into ``tables[table]``'s row of each id that is
     not padding. A lookup ``in_order``: id by id as given, each product rounded first (torch's
@@ -514,7 +522,7 @@ def scatter_bags(tables: list[np.ndarray], lookups: list[BagArrays], dim: int) -
     ``torch.sort(positions).indices``, which torch's dense backward visits them in, where
     :mod:`paramserver.trainer.bags`' check finds them equal)."""
     assert loops is not None, "called where pools_rows() says the loops apply"
-    loops.scatter_bags(tables, lookups, dim, tables[0].dtype == np.float64)
+    loops.scatter_bags(tables, lookups, dim, tables[0].dtype == torch.float64)
 
 
 def sort_order(keys: np.ndarray) -> np.ndarray:

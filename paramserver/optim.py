@@ -528,8 +528,8 @@ def _own_rows(
         return None
     parts = [
         (
-            t.values.numpy(), t.values.shape[1], _int64s(t.ids), _int64s(t.grad_ids),
-            t.grads.numpy(), None if means is None else means[j].numpy(), t.lr,
+            t.values, t.values.shape[1], native.int64s(t.ids), native.int64s(t.grad_ids), t.grads,
+            None if means is None else means[j], t.lr,
         )
         for j, t in enumerate(tables)
     ]  # fmt: skip
@@ -538,10 +538,6 @@ def _own_rows(
         else (np.ascontiguousarray(rows.at, np.int64), np.ascontiguousarray(rows.spans, np.int64))
     )  # fmt: skip
     return native.own_rows(
-        kind, parts, at, None if state is None else state.numpy(), spans,
+        kind, parts, at, state, spans,
         eps=config.resolved_eps, weight_decay=config.weight_decay, fused=fused,
     )  # fmt: skip
-
-
-def _int64s(ids: Tensor) -> np.ndarray:
-    return np.ascontiguousarray(ids.numpy(), dtype=np.int64)

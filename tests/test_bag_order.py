@@ -160,12 +160,12 @@ def test_a_rounding_not_torchs_leaves_lookups_to_torch(
     """As where the loops' float32 weighted bags rounded otherwise than torch's kernel."""
     pool_bags = native.pool_bags
 
-    def rounded_otherwise(tables: list[np.ndarray], lookups: list[Any], dim: int) -> None:
+    def rounded_otherwise(tables: list[Tensor], lookups: list[Any], dim: int) -> None:
         pool_bags(tables, lookups, dim)
         for lookup in lookups:
-            out = lookup[7]
-            if lookup[3] is not None and out.dtype == np.float32 and out.size:
-                out.flat[0] = np.nextafter(out.flat[0], np.float32(np.inf))
+            out = lookup[7].view(-1)
+            if lookup[3] is not None and out.dtype == torch.float32 and out.numel():
+                out[0] = torch.nextafter(out[0], torch.tensor(torch.inf))
 
     monkeypatch.setattr(native, "pool_bags", rounded_otherwise)
     assert_left_to_torch(caplog, "a sum lookup of torch.float32 rows (weighted: True")

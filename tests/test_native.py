@@ -30,6 +30,9 @@ def test_the_install_built_the_compiled_loops() -> None:
         pytest.skip("turned off by PARAMSERVER_NATIVE=0")
     assert native.loops is not None
     assert optim._adagrad_loop_rounding() is not None  # one rounding gives torch's results
+    # Built beside torch (the Makefile's install): the trainer's loops take its tensors, and
+    # without that its lookups, bags and own updates would all be left to torch.
+    assert native.takes_tensors() and torch.__version__ == native.loops.TORCH_VERSION
 
 
 def test_without_the_loops_paramserver_runs_on_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,6 +48,59 @@ def test_without_the_loops_paramserver_runs_on_numpy(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(native.importlib, "import_module", not_built)
     assert native._load() is None
+
+
+def test_loops_built_with_another_torch_are_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loops linked to another torch release's libraries would read its tensors by another
+    layout: they are turned off, saying so, as if not built."""
+
+    class OtherTorchs:
+        TAKES_TENSORS, TORCH_VERSION = 1, "2.8.0+cpu"
+
+    monkeypatch.setattr(native.importlib, "import_module", lambda name: OtherTorchs)
+    with pytest.warns(UserWarning, match=r"built with torch 2\.8\.0\+cpu, not this"):
+        assert native._load() is None
+    monkeypatch.setattr(OtherTorchs, "TORCH_VERSION", torch.__version__)
+    assert native._load() is OtherTorchs
+
+
+@compiled
+def test_the_loops_read_and_write_tensors_as_they_are() -> None:
+    """A tensor goes to a loop as it is (a Parameter, one that requires grad and a view into
+    a larger storage too): the loop reads and writes its memory, as numpy's view of it."""
+    assert native.loops is not None and native.takes_tensors()
+    table = torch.nn.Parameter(torch.arange(24, dtype=torch.float32).view(6, 4))
+    positions = torch.tensor([5, 0, 5, 2])
+    whole = torch.full((7, 4), -1.0)
+    out = whole[2:6]  # a view at an offset of its storage
+    native.loops.gather_rows([table], [(0, positions, out)], 4)
+    assert torch.equal(out, table.detach()[positions]) and (whole[:2] == -1).all()
+    grads = torch.zeros(6, 4)
+    native.loops.scatter_rows([grads], [(0, positions, torch.ones(4, 4))], 4)
+    assert grads[:, 0].tolist() == [1.0, 0.0, 1.0, 0.0, 0.0, 2.0]
+
+
+@compiled
+@pytest.mark.parametrize(
+    ("tensor", "why"),
+    [
+        (torch.zeros(6, 8)[:, ::2], "not contiguous"),
+        (torch.zeros(6, 4, dtype=torch.complex64), "no buffer format"),
+        (torch.zeros(6, 4, device="meta"), "not a strided CPU tensor"),
+        (torch.zeros(6, 4).to_sparse(), "not a strided CPU tensor"),
+        (torch.zeros(6, 4, dtype=torch.complex64).conj(), "conjugated"),
+    ],
+)
+def test_a_tensor_the_loops_cannot_read_is_refused_with_a_type_error(
+    tensor: torch.Tensor, why: str
+) -> None:
+    """Refused before anything is read or written, saying why, as a buffer of the wrong
+    layout is; the output stays as it was."""
+    assert native.loops is not None and native.takes_tensors()
+    out = torch.full((2, 4), 7.0)
+    with pytest.raises(TypeError, match=why):
+        native.loops.gather_rows([tensor], [(0, torch.tensor([0, 1]), out)], 4)
+    assert (out == 7.0).all()
 
 
 @compiled
@@ -152,7 +208,7 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
         loops.step_rows(1, weight, weight.copy(), 8, np.array([1, 4]), grads, 0.1, 1e-10, 0.0, True)
     with pytest.raises(ValueError, match="mismatched"):
         loops.step_rows(1, weight, weight.copy(), 8, np.array([1]), grads, 0.1, 1e-10, 0.0, True)
-    with pytest.raises(TypeError, match="bytes-like"):  # not contiguous
+    with pytest.raises(TypeError, match="contiguous buffer"):  # not contiguous
         loops.step_rows(1, weight[:, ::2], weight, 4, np.array([1]), grads, 0.1, 1e-10, 0, True)
     with pytest.raises(ValueError, match="mismatched"):  # SGD takes no sums
         loops.step_rows(0, weight, weight.copy(), 8, np.array([1]), grads[:1], 0.1, 0.0, 0.0, True)

@@ -114,10 +114,9 @@ class Bags(NamedTuple):
 
     def arrays(self, table: int, pooled: Tensor | None) -> native.BagArrays:
         """This lookup as :func:`paramserver.native.pool_bags` takes it."""
-        out = None if pooled is None else pooled.numpy()
         return (
             table, self.positions, self.starts, self.weights, self.padding, self.mean,
-            self.in_order, out,
+            self.in_order, pooled,
         )  # fmt: skip
 
 
@@ -278,7 +277,6 @@ class BagNode:
 
     def __init__(self, rows: list[Tensor]):
         self.rows = rows
-        self.arrays = [r.detach().numpy() for r in rows]  # the rows as the loops read them
         self.tables = {id(r): t for t, r in enumerate(rows)}  # each rows' number, by identity
         self.lookups: list[tuple[int, Bags]] = []
         self.grads: dict[int, Tensor] = {}  # each lookup's bag gradients, set by backward
@@ -351,11 +349,9 @@ class _Step(torch.autograd.Function):
         laid_out += [n for n in numbers if firsts[node.lookups[n][0]] != n]
         sizes = [node.rows[node.lookups[number][0]].shape[0] for number in laid_out]
         dim, dtype = node.rows[0].shape[1], node.rows[0].dtype
-        views, arrays = native.zeroed_parts(sizes, dim, dtype)
-        parts = dict(zip(laid_out, views, strict=True))
-        into = dict(zip(laid_out, arrays, strict=True))
+        parts = dict(zip(laid_out, native.zeroed_parts(sizes, dim, dtype), strict=True))
         native.scatter_bags(
-            [into[number] for number in numbers],
+            [parts[number] for number in numbers],
             [node.lookups[number][1].arrays(i, grads[number]) for i, number in enumerate(numbers)],
             dim,
         )
@@ -374,8 +370,8 @@ class _Lookup(torch.autograd.Function):
     def forward(
         ctx: Any, node: BagNode, table: int, bags: Bags, token: Tensor, weights: Tensor | None
     ) -> Tensor:
-        rows = node.arrays[table]
-        pooled = torch.empty(bags.num_bags, rows.shape[1], dtype=node.rows[table].dtype)
+        rows = node.rows[table]
+        pooled = torch.empty(bags.num_bags, rows.shape[1], dtype=rows.dtype)
         native.pool_bags([rows], [bags.arrays(0, pooled)], rows.shape[1])
         ctx.node, ctx.number = node, len(node.lookups)
         ctx.weights_shape = None if weights is None else weights.shape
@@ -408,11 +404,11 @@ class _Lookups(torch.autograd.Function):
     def forward(
         ctx: Any, node: BagNode, lookups: list[tuple[int, Bags]], token: Tensor
     ) -> tuple[Tensor, ...]:
-        arrays, rows = node.arrays, node.rows
-        dim = arrays[0].shape[1]
+        rows = node.rows
+        dim = rows[0].shape[1]
         outputs = tuple(torch.empty(b.num_bags, dim, dtype=rows[t].dtype) for t, b in lookups)
         native.pool_bags(
-            arrays, [b.arrays(t, o) for (t, b), o in zip(lookups, outputs, strict=True)], dim
+            rows, [b.arrays(t, o) for (t, b), o in zip(lookups, outputs, strict=True)], dim
         )
         ctx.node, ctx.first = node, len(node.lookups)
         node.lookups.extend(lookups)

@@ -336,14 +336,11 @@ class _Lookups(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: list[tuple[int, Tensor]], *tables: Tensor) -> tuple[Tensor, ...]:
         dim = tables[0].shape[1]
-        positions = [(t, p.numpy()) for t, p in plan]  # for the backward too
-        outputs = tuple(torch.empty(p.size, dim, dtype=torch.float32) for _, p in positions)
+        outputs = tuple(torch.empty(p.numel(), dim, dtype=torch.float32) for _, p in plan)
         native.gather_rows(
-            [t.detach().numpy() for t in tables],
-            [(t, p, o.numpy()) for (t, p), o in zip(positions, outputs, strict=True)],
-            dim,
+            list(tables), [(t, p, o) for (t, p), o in zip(plan, outputs, strict=True)], dim
         )
-        ctx.positions, ctx.sizes, ctx.dim = positions, [t.shape[0] for t in tables], dim
+        ctx.positions, ctx.sizes, ctx.dim = plan, [t.shape[0] for t in tables], dim
         ctx.set_materialize_grads(False)
         return outputs
 
@@ -354,15 +351,15 @@ class _Lookups(torch.autograd.Function):
         touched = sorted({t for (t, _), g in zip(positions, grads, strict=True) if g is not None})
         if not touched:
             return (None,) * (len(sizes) + 1)
-        views, arrays = native.zeroed_parts([sizes[t] for t in touched], dim, torch.float32)
+        views = native.zeroed_parts([sizes[t] for t in touched], dim, torch.float32)
         parts = dict(zip(touched, views, strict=True))
         order = {t: i for i, t in enumerate(touched)}
         # A gradient travels as it came where its rows are each contiguous (a stack's or a
         # cat's backward hands out strided views): the compiled loop reads them in place.
         native.scatter_rows(
-            arrays,
+            list(views),
             [
-                (order[t], p, _row_major(grad, dim).numpy())
+                (order[t], p, _row_major(grad, dim))
                 for (t, p), grad in zip(positions, grads, strict=True)
                 if grad is not None
             ],
