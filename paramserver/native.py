@@ -220,14 +220,19 @@ def rehash(
 
 
 def ascending_within(
-    arrays: list[np.ndarray],
+    arrays: Sequence[np.ndarray] | Sequence[Tensor],
     bounds: list[tuple[int, int]],
     fallback: Callable[[list[np.ndarray], list[tuple[int, int]]], bool],
 ) -> bool:
-    """Whether each of ``arrays`` (int64 ids) rises strictly and lies within its ``bounds``
-    (low, high: both included)."""
-    if loops is None:
-        return fallback(arrays, bounds)
+    """Whether each of ``arrays`` (int64 ids, numpy's or tensors) rises strictly and lies
+    within its ``bounds`` (low, high: both included)."""
+    if loops is None or not takes_tensors():
+        numpys = [a.numpy() if isinstance(a, Tensor) else a for a in arrays]
+        return (
+            fallback(numpys, bounds)
+            if loops is None
+            else bool(loops.ascending_within(numpys, bounds))
+        )
     return bool(loops.ascending_within(arrays, bounds))
 
 
@@ -237,14 +242,12 @@ def all_finite(tensors: list[Tensor], fallback: Callable[[list[Tensor]], bool]) 
     if loops is None:
         return fallback(tensors)
     plain = [t.dtype == torch.float32 and t.is_contiguous() for t in tensors]
+    fitting = [t for t, fits in zip(tensors, plain, strict=True) if fits]
     try:
-        arrays = [t.numpy() for t, fits in zip(tensors, plain, strict=True) if fits]
-    except RuntimeError:  # a tensor numpy cannot view (a negative bit): all to the fallback
-        arrays = []
-        plain = [False] * len(tensors)
-    if not loops.all_finite(arrays):
-        return False
-    return fallback([t for t, fits in zip(tensors, plain, strict=True) if not fits])
+        finite = loops.all_finite(fitting if takes_tensors() else [t.numpy() for t in fitting])
+    except (RuntimeError, TypeError):  # one the loop cannot read (a negative bit): all to fallback
+        return fallback(tensors)
+    return finite and fallback([t for t, fits in zip(tensors, plain, strict=True) if not fits])
 
 
 def init_rows(
@@ -339,7 +342,7 @@ def unpack_steps(
 
 
 def pack_tables(
-    parts: Sequence[np.ndarray],
+    parts: Sequence[Tensor],
     firsts: np.ndarray,
     sizes: np.ndarray,
     data: np.ndarray,
@@ -350,11 +353,12 @@ def pack_tables(
     id in ``firsts`` (int64), its count times 4 plus the code of its steps' type in ``sizes``
     (int32; code 3: no step type holds them, and its ids travel), its steps or ids in ``data``
     (uint8, at least ``8 * (ids + parts)``), each from the end of the one before aligned to 8;
-    returns the bytes of ``data`` used. Every part in one call of the loop."""
-    if loops is None:
-        return fallback(parts, firsts, sizes, data)
-    arrays = [np.ascontiguousarray(part, np.int64) for part in parts]
-    return int(loops.pack_tables(arrays, firsts, sizes, data))
+    returns the bytes of ``data`` used. Every part in one call of the loop (where it takes
+    tensors; the fallback takes numpy arrays)."""
+    if not takes_tensors():
+        return fallback([int64s(part).numpy() for part in parts], firsts, sizes, data)
+    assert loops is not None
+    return int(loops.pack_tables([int64s(part) for part in parts], firsts, sizes, data))
 
 
 def unpack_tables(
@@ -494,7 +498,7 @@ def pools_rows(rows: Tensor) -> bool:
 # One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,
 # padding position or -1, mean, in_order (scatter_bags' order), the bags' rows: out, or their
 # gradients).
-BagArrays = tuple[int, np.ndarray, np.ndarray, np.ndarray | None, int, bool, bool, Tensor | None]
+BagArrays = tuple[int, Tensor, np.ndarray, Tensor | None, int, bool, bool, Tensor | None]
 
 
 def zeroed_parts(sizes: Sequence[int], dim: int, dtype: torch.dtype) -> tuple[Tensor, ...]:

@@ -59,14 +59,14 @@ log = logging.getLogger(__name__)
 class Bags(NamedTuple):
     """One pooled lookup in a table's pulled rows: each id's row (``positions``), where each
     bag starts (``starts``, with the end after the last bag), each id's weight (None: 1), the
-    padding row's position (-1: none), and whether bags are means. numpy arrays (int64, and
+    padding row's position (-1: none), and whether bags are means: contiguous, int64 (and
     the rows' type for weights), as the loops take them, in a tuple: a lookup's Python costs
     about what torch's whole ``embedding_bag`` does at batch 128, so it makes no tensor and
-    no object it need not."""
+    no object it need not (the starts, a numpy array, are made without one)."""
 
-    positions: np.ndarray
+    positions: Tensor
     starts: np.ndarray
-    weights: np.ndarray | None
+    weights: Tensor | None
     padding: int
     mean: bool
     in_order: bool  # backward in the ids' order, as a sparse gradient (see the module docstring)
@@ -95,12 +95,9 @@ class Bags(NamedTuple):
         if weights is not None:
             if weights.shape != positions.shape:
                 return None
-            flat = weights.detach().reshape(-1).contiguous().numpy()
-        flat_positions = positions.numpy().reshape(-1)
-        if not flat_positions.flags.c_contiguous:
-            flat_positions = np.ascontiguousarray(flat_positions)
+            flat = weights.detach().reshape(-1).contiguous()
         return Bags(
-            flat_positions,
+            positions.reshape(-1).contiguous(),
             starts,
             flat,
             -1 if padding is None else padding,
@@ -429,7 +426,7 @@ class _Lookups(torch.autograd.Function):
 def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:
     """Each id's weight's gradient: its row dotted with its bag's gradient (0 for padding), by
     torch's own kernel (its dot's order is its BLAS's)."""
-    positions, starts = torch.from_numpy(bags.positions), torch.from_numpy(bags.starts)
+    positions, starts = bags.positions, torch.from_numpy(bags.starts)
     sizes = starts.diff()
     bag_of = torch.repeat_interleave(torch.arange(sizes.numel()), sizes)
     return torch.ops.aten._embedding_bag_per_sample_weights_backward(

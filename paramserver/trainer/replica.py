@@ -27,11 +27,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from paramserver import native
 from paramserver.errors import ModelError
 from paramserver.trainer.discovery import InputLookups
 from paramserver.trainer.lookups import (
@@ -166,9 +168,19 @@ class Replica:
                 if table not in recorder.bags:
                     recorded.setdefault(table, []).extend(each)
         unique, lookups = unique_lookups(recorded)
-        for table in derived_tables:
-            self.tables[table].check_range(unique[table], ascending=True)
+        self._check_ranges(unique, derived_tables)
         return Recorded(unique, bags, lookups)
+
+    def _check_ranges(self, unique: dict[str, Tensor], tables: set[str]) -> None:
+        """Raise :class:`InvalidBatchError` unless each of ``tables``' sorted unique ids are
+        its rows: all tables in one compiled call, the error (naming the table and the id)
+        from a look at each where one is not."""
+        bounded = [t for t in tables if self.tables[t].num_embeddings is not None]
+        ids = [unique[t] for t in bounded]
+        bounds = [(0, cast(int, self.tables[t].num_embeddings) - 1) for t in bounded]
+        if not native.ascending_within(ids, bounds, _ends_within):
+            for table in bounded:
+                self.tables[table].check_range(unique[table], ascending=True)
 
     @contextmanager
     def _recording(self, recorder: Recorder) -> Iterator[None]:
@@ -338,3 +350,11 @@ class Replica:
         leaves: list[Tensor] = [p for p in self.dense.values() if p.grad is not None]
         leaves += [r.rows for r in self.tables.values() if r.rows.grad is not None]
         return leaves
+
+
+def _ends_within(ids: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
+    """Whether each of ``ids`` (sorted) lies within its ``bounds``: by its ends."""
+    return all(
+        not part.size or (low <= part[0] and part[-1] <= high)
+        for part, (low, high) in zip(ids, bounds, strict=True)
+    )

@@ -215,10 +215,9 @@ def pack_tables(names: Sequence[str], parts: Sequence[Tensor]) -> PackedTables:
     """``parts`` (1-D int64 ids, each sorted unique: table ``names[j]``'s) as one message
     carries them (see :class:`PackedTables`): every table in one call of the compiled loop,
     else in a few numpy operations over them all."""
-    arrays = [part.numpy() for part in parts]
-    firsts, sizes = np.empty(len(arrays), np.int64), np.empty(len(arrays), np.int32)
-    data = np.empty(8 * (sum(array.size for array in arrays) + len(arrays)), np.uint8)
-    used = native.pack_tables(arrays, firsts, sizes, data, _pack_tables_by_numpy)
+    firsts, sizes = np.empty(len(parts), np.int64), np.empty(len(parts), np.int32)
+    data = np.empty(8 * (sum(part.numel() for part in parts) + len(parts)), np.uint8)
+    used = native.pack_tables(parts, firsts, sizes, data, _pack_tables_by_numpy)
     return PackedTables(
         tuple(names),
         torch.from_numpy(firsts),
