@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# The install also compiles paramserver/_native.c, _sort_order.cpp and _tensor_buffer.cpp
+# The install also compiles paramserver/_native.c, _sort_order.cpp and _tensors.cpp
 # (setup.py), so a change to them reinstalls. torch goes in first and the package is built
 # beside it (no build isolation): its loops then take torch tensors (setup.py says why).
 NATIVE_SOURCES := $(wildcard paramserver/_native.c paramserver/_*.cpp paramserver/_*.h)

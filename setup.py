@@ -5,7 +5,7 @@ without a C and a C++ compiler the install still succeeds, and the same operatio
 whose order among equal keys is the one torch's sort gives; the extension links as C++.
 
 Where torch is importable as the extension builds (``pip install --no-build-isolation``, as the
-Makefile installs), the loops also take torch tensors as they are (``_tensor_buffer.cpp``, built
+Makefile installs), the loops also take torch tensors as they are (``_tensors.cpp``, built
 with torch's headers and linked to its libraries): ``Tensor.numpy()`` costs thousands of
 instructions a call, which a step pays for each of its tables' tensors. Built so, the module
 loads only beside the torch release it was built with (native.py checks)."""
@@ -22,7 +22,7 @@ def _with_torch() -> dict[str, list]:
         return {}
     version = torch.__version__
     return {
-        "sources": ["paramserver/_tensor_buffer.cpp"],
+        "sources": ["paramserver/_tensors.cpp"],
         "include_dirs": cpp_extension.include_paths(),
         "library_dirs": cpp_extension.library_paths(),
         "runtime_library_dirs": cpp_extension.library_paths(),
@@ -41,7 +41,7 @@ setup(
                 "paramserver/_sort_order.cpp",
                 *torch_parts.get("sources", []),
             ],
-            depends=["paramserver/_sort_order.h", "paramserver/_tensor_buffer.h"],
+            depends=["paramserver/_sort_order.h", "paramserver/_tensors.h"],
             include_dirs=torch_parts.get("include_dirs", []),
             library_dirs=torch_parts.get("library_dirs", []),
             runtime_library_dirs=torch_parts.get("runtime_library_dirs", []),

@@ -34,7 +34,7 @@
  * The loops run without the GIL (other threads, a server's RPC threads, go on meanwhile): the
  * arrays stay exported to them until they return, and their owners' locks keep other writers
  * out. Arrays arrive through the buffer protocol, or as torch tensors where the module was
- * built with torch's headers (_tensor_buffer.cpp: PARAMSERVER_TENSORS, which the module names
+ * built with torch's headers (_tensors.cpp: PARAMSERVER_TENSORS, which the module names
  * TAKES_TENSORS), contiguous (else a TypeError or BufferError); their sizes are checked here,
  * and every index read from the map or given is checked before it is followed, so a bad call
  * raises ValueError instead of reading or writing out of bounds.
@@ -51,7 +51,7 @@
 
 #include "_sort_order.h"
 #ifdef PARAMSERVER_TENSORS
-#include "_tensor_buffer.h"
+#include "_tensors.h"
 #endif
 
 #define EMPTY_SLOT (-1)
@@ -2117,6 +2117,27 @@ static PyMethodDef methods[] = {
     {"unpack_steps", unpack_steps, METH_VARARGS, unpack_steps_doc},
     {"pack_tables", pack_tables, METH_VARARGS, pack_tables_doc},
     {"unpack_tables", unpack_tables, METH_VARARGS, unpack_tables_doc},
+#ifdef PARAMSERVER_TENSORS
+    {"frame_tensor", (PyCFunction)(void (*)(void))frame_tensor, METH_FASTCALL,
+     "frame_tensor(small, large, small_fn, large_fn, large_bytes, obj)\n"
+     "A frame pickler's reducer_override (paramserver/wire/frames.py): a plain tensor's\n"
+     "reduction, the tensor put in `small` or (of large_bytes or more) in `large`; else\n"
+     "NotImplemented."},
+    {"small_data_end", small_data_end, METH_VARARGS,
+     "small_data_end(small, at) -> where the small tensors' data laid out from `at` ends\n"
+     "(each from an offset aligned to 8, and the end too)."},
+    {"copy_small_data", copy_small_data, METH_VARARGS,
+     "copy_small_data(frame, small, at) -> end\n"
+     "The small tensors' bytes copied into the writable buffer `frame` as small_data_end\n"
+     "lays them out from `at`."},
+    {"joined_tensors", joined_tensors, METH_O,
+     "joined_tensors(values) -> the tensor `values` make up end to end, or None\n"
+     "(paramserver/wire/bundles.py's joined_already)."},
+    {"frame_small_tensor", frame_small_tensor, METH_VARARGS,
+     "frame_small_tensor(data, at, dtype_name, shape) -> (tensor, end), or why not (a str)\n"
+     "A frame's small tensor (paramserver/wire/frames.py): a writable view of the buffer\n"
+     "`data` from `at` aligned to 8, which it keeps; where its data ends."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 

@@ -317,7 +317,7 @@ def test_a_spoiled_answer_is_a_typed_error_for_the_trainer(make_server: MakeServ
         call.wait()
 
 
-def test_views_that_lie_end_to_end_travel_as_what_they_split_not_a_copy() -> None:
+def test_views_that_lie_end_to_end_travel_as_what_they_split_not_a_copy(loop_mode: str) -> None:
     """Rows a server read in one piece, or a bundle's own views: no second copy. Views that
     leave a gap, come out of order or are not views travel as a copy."""
     rows = torch.randn(10, 4)
@@ -341,6 +341,16 @@ def test_views_that_lie_end_to_end_travel_as_what_they_split_not_a_copy() -> Non
     left, right = torch.from_numpy(memory[:4]), torch.from_numpy(memory[4:])
     assert left.untyped_storage().data_ptr() + left.untyped_storage().nbytes() == right.data_ptr()
     assert joined_already([left, right]) is None
+    # Views of other widths join flat; one that starts past its storage's start, or of
+    # another dtype, does not join.
+    whole = torch.arange(6.0)
+    joined = joined_already([whole[:2].view(1, 2), whole[2:]])
+    assert joined is not None and joined.shape == (6,) and joined.data_ptr() == whole.data_ptr()
+    joined = joined_already(list(rows.view(-1).split([16, 24])))
+    assert joined is not None and joined.shape == (40,)
+    assert joined_already([rows[1:]]) is None
+    assert joined_already([rows]).shape == (10, 4)  # type: ignore[union-attr]
+    assert joined_already([a, c.view(torch.int32)]) is None
 
 
 def test_a_nan_in_a_bundle_that_arrived_whole_is_refused(make_server: MakeServer) -> None:

@@ -5,6 +5,7 @@ error, by the decoder, by a server's RPC entry and by a trainer's transport."""
 
 from __future__ import annotations
 
+import gc
 import pickle
 import struct
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 import torch.distributed.rpc as torch_rpc
 from torch.futures import Future
 
+from paramserver import native
 from paramserver.errors import TrainerDepartedError
 from paramserver.futures import failed
 from paramserver.transport import rpc as rpc_transport
@@ -26,12 +28,16 @@ def roundtrip(message: Any) -> Any:
     return frames.decode(*frames.encode(message))
 
 
-def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
-    message = {
+def every_dtype_and_shape() -> dict[str, Any]:
+    return {
         "f32": torch.randn(3, 4),
         "f64": torch.randn(5, dtype=torch.float64),
+        "f16": torch.randn(3, dtype=torch.float16),
         "bf16": torch.randn(2, 2, dtype=torch.bfloat16),
         "i64": torch.arange(7),
+        "i32": torch.arange(5, dtype=torch.int32),
+        "i16": torch.arange(3, dtype=torch.int16),
+        "u8": torch.arange(9, dtype=torch.uint8),
         "i8": torch.tensor([-3, 4], dtype=torch.int8),
         "bool": torch.tensor([True, False, True]),
         "scalar": torch.tensor(2.5),
@@ -42,7 +48,12 @@ def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
         "large": torch.randn(300, 64),
         "large_view": torch.randn(600, 64)[100:400],
         "other": [1, "two", None, (3.0,)],
+        "complex": torch.randn(2, dtype=torch.complex64),  # no dtype a frame carries: pickled
     }
+
+
+def test_a_message_arrives_equal_with_every_dtype_and_shape(loop_mode: str) -> None:
+    message = every_dtype_and_shape()
     arrived = roundtrip(message)
     assert arrived.keys() == message.keys()
     for name, value in message.items():
@@ -50,6 +61,32 @@ def test_a_message_arrives_equal_with_every_dtype_and_shape() -> None:
             assert arrived[name].dtype == value.dtype and torch.equal(arrived[name], value), name
         else:
             assert arrived[name] == value
+
+
+def test_the_compiled_loops_encode_the_frame_pythons_encoding_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loops' reducer and copies (where they take tensors) make the frame the frame's own
+    Python makes: the same data, the same large tensors beside it, the same message read back
+    (the structures may differ in which equal strings the pickle writes once)."""
+    if not native.takes_tensors():
+        pytest.skip("the compiled loops do not take tensors here")
+    message = every_dtype_and_shape()
+    compiled_frame, compiled_large = frames.encode(message)
+    compiled = frames.decode(compiled_frame, compiled_large)
+    monkeypatch.setattr(native, "loops", None)
+    frame, large = frames.encode(message)
+    data = frames._HEADER.size + frames._HEADER.unpack_from(frame)[-1]
+    compiled_data = frames._HEADER.size + frames._HEADER.unpack_from(compiled_frame)[-1]
+    assert compiled_frame[frames._aligned(compiled_data) :] == frame[frames._aligned(data) :]
+    assert len(compiled_large) == len(large) == 2
+    assert all(torch.equal(a, b) for a, b in zip(compiled_large, large, strict=True))
+    assert compiled_large[0] is message["large"]  # a whole tensor travels as it is
+    for name, value in frames.decode(frame, large).items():
+        if isinstance(value, torch.Tensor):
+            assert compiled[name].dtype == value.dtype and torch.equal(compiled[name], value)
+        else:
+            assert compiled[name] == value
 
 
 def test_a_request_and_reply_arrive_equal() -> None:
@@ -67,20 +104,22 @@ def test_a_request_and_reply_arrive_equal() -> None:
     assert torch.equal(back.rows["t"], rows) and back.checkpoint_at == 4
 
 
-def test_small_tensors_travel_in_the_frame_and_large_ones_beside_it() -> None:
+def test_small_tensors_travel_in_the_frame_and_large_ones_beside_it(loop_mode: str) -> None:
     small, large = torch.zeros(100), torch.zeros(frames.LARGE_BYTES // 4)
     frame, beside = frames.encode({"small": small, "large": large})
     assert len(frame) < 1_000 and len(beside) == 1 and beside[0] is large
 
 
-def test_only_a_views_own_elements_travel() -> None:
+def test_only_a_views_own_elements_travel(loop_mode: str) -> None:
     big = torch.zeros(1_000_000)
     frame, beside = frames.encode([big[:10], big[:100_000]])
     assert len(frame) < 1_000
     assert beside[0].untyped_storage().nbytes() == 400_000
 
 
-def test_decoded_tensors_are_writable_views_of_the_frame_and_the_senders_are_untouched() -> None:
+def test_decoded_tensors_are_writable_views_of_the_frame_and_the_senders_are_untouched(
+    loop_mode: str,
+) -> None:
     sent = [torch.zeros(3), torch.ones(2, dtype=torch.int64)]
     frame, large = frames.encode(sent)
     first, second = frames.decode(frame, large)
@@ -91,9 +130,12 @@ def test_decoded_tensors_are_writable_views_of_the_frame_and_the_senders_are_unt
     copied = frames.decode(bytes(frame), large)[0]  # bytes are read from a copy
     copied += 1
     assert torch.equal(frames.decode(frame, large)[0], torch.ones(3))
+    kept = frames.decode(frames.encode([torch.arange(5.0)])[0])[0]  # its frame dropped
+    gc.collect()
+    assert torch.equal(kept, torch.arange(5.0))
 
 
-def test_tensors_that_are_not_plain_data_travel_pickled() -> None:
+def test_tensors_that_are_not_plain_data_travel_pickled(loop_mode: str) -> None:
     weight = torch.nn.Parameter(torch.randn(3))
     arrived = roundtrip({"weight": weight})["weight"]
     assert isinstance(arrived, torch.nn.Parameter) and torch.equal(arrived, weight)
@@ -156,7 +198,7 @@ def test_large_tensors_that_do_not_match_the_frame_are_refused() -> None:
 class _Forged:
     """Pickles as a reference to frame data of ``shape`` (what a hostile peer could send)."""
 
-    def __init__(self, dtype: str, shape: Any):
+    def __init__(self, dtype: Any, shape: Any):
         self.dtype, self.shape = dtype, shape
 
     def __reduce__(self) -> Any:
@@ -168,10 +210,21 @@ class _Forged:
     [
         (_Forged("float32", (1 << 40, 1 << 40)), "claim more data than it holds"),
         (_Forged("complex64", (1,)), "unknown dtype"),
+        (_Forged("float32", (1 << 62, 1 << 62, 1 << 62)), "claim more data than it holds"),
+        (_Forged("int64", (3,)), "claim more data than it holds"),  # 24 bytes of 16
+        (_Forged("complex64", (1,)), "unknown dtype"),
+        (_Forged(7, (1,)), "unknown dtype"),
         (_Forged("float32", (-1,)), "not a tuple of sizes"),
+        (_Forged("float32", [1]), "not a tuple of sizes"),
+        (_Forged("float32", (True,)), "not a tuple of sizes"),
+        (_Forged("float32", ("1",)), "not a tuple of sizes"),
+        (_Forged("float32", (1 << 70,)), "claim more data than it holds"),
+        (_Forged("float32", (-(1 << 70),)), "not a tuple of sizes"),
     ],
 )
-def test_a_forged_tensor_reference_is_refused(forged: _Forged, reason: str) -> None:
+def test_a_forged_tensor_reference_is_refused(
+    forged: _Forged, reason: str, loop_mode: str
+) -> None:
     structure = pickle.dumps([forged])
     frame = struct.pack("<4sHHIIQ", frames.MAGIC, frames.VERSION, 0, 1, 0, len(structure))
     with pytest.raises(FrameError, match=reason):

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from paramserver import native
 from paramserver.errors import ParamServerError
 
 MAGIC = b"PSFR"
@@ -85,9 +86,16 @@ class _Pickler(pickle.Pickler):
     """Pickles a message's structure; its plain tensors become references."""
 
     def __init__(self, file: io.BytesIO):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.small: list[Tensor] = []
         self.large: list[Tensor] = []
+        # The loops' reducer where they take tensors (a Python call and a dozen of torch's
+        # per tensor less); the pickler reads it as it is made, so it is set before.
+        reducer = native.frame_reducer(
+            self.small, self.large, _small_tensor, _large_tensor, LARGE_BYTES
+        )
+        if reducer is not None:
+            self.reducer_override = reducer  # type: ignore[method-assign,assignment]
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
 
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is not Tensor or not _plain(obj):
@@ -110,32 +118,35 @@ def encode(message: Any) -> tuple[bytearray, list[Tensor]]:
     pickler.dump(message)
     small, large = pickler.small, pickler.large
     head = _HEADER.pack(MAGIC, VERSION, 0, len(small), len(large), structure.tell())
-    at = _aligned(len(head) + structure.tell())
-    starts: list[int] = []
-    for tensor in small:
-        starts.append(at)
-        at = _aligned(at + tensor.nbytes)
-    frame = bytearray(at)
+    data_start = _aligned(len(head) + structure.tell())
+    frame = bytearray(native.small_data_end(small, data_start, _small_data_end))
     view = memoryview(frame)
     view[: len(head)] = head
     view[len(head) : len(head) + structure.tell()] = structure.getbuffer()
     if small:
-        _copy_into(frame, small, starts)
+        native.copy_small_data(frame, small, data_start, _copy_into)
     return frame, large
 
 
-def _copy_into(frame: bytearray, small: list[Tensor], starts: list[int]) -> None:
+def _small_data_end(small: list[Tensor], at: int) -> int:
+    for tensor in small:
+        at = _aligned(_aligned(at) + tensor.nbytes)
+    return at
+
+
+def _copy_into(frame: bytearray, small: list[Tensor], at: int) -> None:
     """Each of the ``small`` tensors' bytes (plain CPU tensors: their elements as they are in
-    memory) into ``frame`` from its start, by address: a numpy view of each would cost four
-    of torch's and numpy's calls, each thousands of instructions."""
+    memory) into ``frame``, laid out from ``at``, by address: a numpy view of each would cost
+    four of torch's and numpy's calls, each thousands of instructions."""
     window = ctypes.c_char.from_buffer(frame)  # holds the frame's buffer while it is written
     try:
         base = ctypes.addressof(window)
-        for tensor, start in zip(small, starts, strict=True):
-            nbytes = tensor.nbytes
+        for tensor in small:
+            nbytes, at = tensor.nbytes, _aligned(at)
             if nbytes:
                 source = tensor if tensor.is_contiguous() else tensor.contiguous()
-                ctypes.memmove(base + start, source.data_ptr(), nbytes)
+                ctypes.memmove(base + at, source.data_ptr(), nbytes)
+            at += nbytes
     finally:
         del window
 
@@ -154,16 +165,31 @@ _READING = _Reading()
 
 
 def _small_tensor(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
-    """A small tensor of the frame being decoded (see :func:`decode`): its next data."""
-    data = _READING.data
+    """A small tensor of the frame being decoded (see :func:`decode`): its next data, made
+    by the compiled loops where they take tensors (else :func:`_small_tensor_by_numpy`)."""
+    reading = _READING
+    data = reading.data
     if data is None:
         raise FrameError("a frame's tensor outside a frame")
+    made = native.frame_small_tensor(data, reading.at, dtype_name, shape, _small_tensor_by_numpy)
+    if isinstance(made, str):
+        if made == "unknown dtype":
+            raise FrameError(f"a frame's tensor of an unknown dtype {dtype_name!r}")
+        raise FrameError(made)
+    tensor, reading.at = made
+    reading.count += 1
+    return tensor
+
+
+def _small_tensor_by_numpy(
+    data: np.ndarray, at: int, dtype_name: object, shape: object
+) -> tuple[Tensor, int] | str:
     dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
-        raise FrameError(f"a frame's tensor of an unknown dtype {dtype_name!r}")
+        return "unknown dtype"
     if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
-        raise FrameError("a frame's tensor shape is not a tuple of sizes")
-    start = _aligned(_READING.at)
+        return "a frame's tensor shape is not a tuple of sizes"
+    start = _aligned(at)
     numel = 1
     for size in shape:
         numel *= size
@@ -171,14 +197,13 @@ def _small_tensor(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
             break
     end = start + numel * dtype.itemsize
     if end > data.size:
-        raise FrameError("a frame's tensors claim more data than it holds")
-    _READING.at, _READING.count = end, _READING.count + 1
+        return "a frame's tensors claim more data than it holds"
     if numel == 0:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype), end
     # A numpy array over the frame's bytes, then a tensor of it: a fraction of the cost of
     # torch's slicing and views.
     tensor = torch.from_numpy(np.ndarray(shape, _NUMPY_DTYPES[dtype], data, start))
-    return tensor if dtype is not torch.bfloat16 else tensor.view(torch.bfloat16)
+    return (tensor if dtype is not torch.bfloat16 else tensor.view(torch.bfloat16)), end
 
 
 def _large_tensor(index: int) -> Tensor:

@@ -1,0 +1,356 @@
+/* A torch tensor's memory as a Py_buffer (see _tensors.h). Compiled only where torch's
+ * headers are there to build with (setup.py); the view holds a reference to the tensor, and
+ * its shape and strides (in bytes) in one block of its own, freed at release. */
+#include <Python.h>
+/* torch's headers use C++20's bit-field initializers, which g++ takes in C++17 with a warning. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wc++20-extensions"
+#include <torch/csrc/autograd/python_variable.h>
+#pragma GCC diagnostic pop
+
+#include "_tensors.h"
+
+namespace {
+
+/* The buffer format of a dtype (struct module's codes, as numpy gives them), or nullptr. */
+const char *format_of(c10::ScalarType type) {
+    switch (type) {
+        case c10::ScalarType::Float: return "f";
+        case c10::ScalarType::Double: return "d";
+        case c10::ScalarType::Half: return "e";
+        case c10::ScalarType::Long: return "q";
+        case c10::ScalarType::Int: return "i";
+        case c10::ScalarType::Short: return "h";
+        case c10::ScalarType::Char: return "b";
+        case c10::ScalarType::Byte: return "B";
+        case c10::ScalarType::Bool: return "?";
+        default: return nullptr;
+    }
+}
+
+/* Whether `object` is a tensor: by its type's MRO alone (THPVariable_Check may run Python's
+ * isinstance, which must not run where an exception is pending, as at a failed call's
+ * release). */
+bool is_tensor(PyObject *object) {
+    return THPVariableClass != nullptr &&
+           PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject *>(THPVariableClass));
+}
+
+int refuse(const char *why) {
+    PyErr_Format(PyExc_TypeError, "a tensor the compiled loops cannot read: %s", why);
+    return -1;
+}
+
+}  // namespace
+
+extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
+    if (!is_tensor(object)) return 0;
+    const at::Tensor &tensor = THPVariable_Unpack(object);
+    if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != c10::kStrided)
+        return refuse("not a strided CPU tensor");
+    if (tensor.is_conj() || tensor.is_neg()) return refuse("a lazily conjugated or negated view");
+    const char *format = format_of(tensor.scalar_type());
+    if (format == nullptr) return refuse("a dtype with no buffer format");
+    const Py_ssize_t ndim = tensor.dim(), itemsize = tensor.element_size();
+    /* Any layout only where strides are asked and no contiguity (PyBUF_C_CONTIGUOUS and the
+     * like include PyBUF_STRIDES's bits): a tensor's view is then its strides as they are. */
+    const int contiguity = PyBUF_C_CONTIGUOUS | PyBUF_F_CONTIGUOUS | PyBUF_ANY_CONTIGUOUS;
+    const bool any_layout = (flags & PyBUF_STRIDES) == PyBUF_STRIDES &&
+                            (flags & contiguity & ~PyBUF_STRIDES) == 0;
+    if (!any_layout && !tensor.is_contiguous()) return refuse("not contiguous");
+    auto *block = static_cast<Py_ssize_t *>(PyMem_Malloc(sizeof(Py_ssize_t) * (2 * ndim + 1)));
+    if (block == nullptr) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    const auto sizes = tensor.sizes(), strides = tensor.strides();
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        block[d] = sizes[d];
+        block[ndim + d] = strides[d] * itemsize;
+    }
+    void *data = tensor.data_ptr();
+    static char empty;
+    view->buf = data != nullptr ? data : &empty;
+    view->obj = Py_NewRef(object);
+    view->len = tensor.numel() * itemsize;
+    view->itemsize = itemsize;
+    view->readonly = 0;
+    view->ndim = static_cast<int>(ndim);
+    view->format = const_cast<char *>(format);
+    view->shape = block;
+    view->strides = block + ndim;
+    view->suboffsets = nullptr;
+    view->internal = block;
+    return 1;
+}
+
+extern "C" int tensor_buffer_release(Py_buffer *view) {
+    if (view->obj == nullptr || !is_tensor(view->obj)) return 0;
+    PyMem_Free(view->internal);
+    view->internal = nullptr;
+    Py_CLEAR(view->obj);
+    return 1;
+}
+
+/* ---- a frame's tensors (paramserver/wire/frames.py and bundles.py) ---- */
+
+namespace {
+
+/* A frame's name of a dtype it carries as data (frames.DTYPES), or nullptr. */
+const char *frame_dtype_name(c10::ScalarType type) {
+    switch (type) {
+        case c10::ScalarType::Float: return "float32";
+        case c10::ScalarType::Double: return "float64";
+        case c10::ScalarType::Half: return "float16";
+        case c10::ScalarType::BFloat16: return "bfloat16";
+        case c10::ScalarType::Long: return "int64";
+        case c10::ScalarType::Int: return "int32";
+        case c10::ScalarType::Short: return "int16";
+        case c10::ScalarType::Char: return "int8";
+        case c10::ScalarType::Byte: return "uint8";
+        case c10::ScalarType::Bool: return "bool";
+        default: return nullptr;
+    }
+}
+
+/* The name as one str object a dtype, as frames' own names are: the pickle then writes each
+ * once a frame, as it does theirs (borrowed; nullptr with an error set where none is made). */
+PyObject *interned_dtype_name(c10::ScalarType type) {
+    static PyObject *names[static_cast<int>(c10::ScalarType::NumOptions)];
+    PyObject *&name = names[static_cast<int>(type)];
+    if (name == nullptr) name = PyUnicode_InternFromString(frame_dtype_name(type));
+    return name;
+}
+
+/* Whether a frame carries `tensor` as data (frames._plain). */
+bool frame_plain(const at::Tensor &tensor) {
+    return frame_dtype_name(tensor.scalar_type()) != nullptr && tensor.device().is_cpu() &&
+           tensor.layout() == c10::kStrided && !tensor.requires_grad() && !tensor.is_conj() &&
+           !tensor.is_neg();
+}
+
+constexpr Py_ssize_t kAlign = 8; /* each small tensor's data starts at a multiple (frames._ALIGN) */
+
+Py_ssize_t aligned(Py_ssize_t offset) { return (offset + kAlign - 1) / kAlign * kAlign; }
+
+PyObject *shape_of(const at::Tensor &tensor) {
+    const auto sizes = tensor.sizes();
+    PyObject *shape = PyTuple_New(static_cast<Py_ssize_t>(sizes.size()));
+    for (size_t d = 0; shape != nullptr && d < sizes.size(); d++) {
+        PyObject *size = PyLong_FromLongLong(sizes[d]);
+        if (size == nullptr) Py_CLEAR(shape);
+        else PyTuple_SET_ITEM(shape, static_cast<Py_ssize_t>(d), size);
+    }
+    return shape;
+}
+
+/* Runs `body`, turning a C++ exception (torch's included) into a Python RuntimeError. */
+template <typename Body>
+PyObject *guarded(Body body) {
+    try {
+        return body();
+    } catch (const std::exception &error) {
+        PyErr_SetString(PyExc_RuntimeError, error.what());
+        return nullptr;
+    }
+}
+
+}  // namespace
+
+extern "C" PyObject *frame_tensor(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || !PyList_Check(args[0]) || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "frame_tensor(small, large, small_fn, large_fn, large_bytes, obj)");
+        return nullptr;
+    }
+    PyObject *small = args[0], *large = args[1], *object = args[5];
+    if (!is_tensor(object)) Py_RETURN_NOTIMPLEMENTED;
+    const Py_ssize_t large_bytes = PyLong_AsSsize_t(args[4]);
+    if (large_bytes == -1 && PyErr_Occurred()) return nullptr;
+    return guarded([&]() -> PyObject * {
+        const at::Tensor &tensor = THPVariable_Unpack(object);
+        if (!frame_plain(tensor)) Py_RETURN_NOTIMPLEMENTED;
+        const Py_ssize_t nbytes = static_cast<Py_ssize_t>(tensor.nbytes());
+        if (nbytes >= large_bytes) {
+            /* Each large tensor its own storage exactly, so no more than its elements travel. */
+            const bool whole = tensor.is_contiguous() &&
+                               static_cast<Py_ssize_t>(tensor.storage().nbytes()) == nbytes;
+            PyObject *travels =
+                whole ? Py_NewRef(object) : THPVariable_Wrap(tensor.contiguous().clone());
+            if (travels == nullptr) return nullptr;
+            const int failed = PyList_Append(large, travels);
+            Py_DECREF(travels);
+            if (failed) return nullptr;
+            return Py_BuildValue("O(n)", args[3], PyList_GET_SIZE(large) - 1);
+        }
+        if (PyList_Append(small, object)) return nullptr;
+        PyObject *name = interned_dtype_name(tensor.scalar_type());
+        PyObject *shape = name != nullptr ? shape_of(tensor) : nullptr;
+        if (shape == nullptr) return nullptr;
+        return Py_BuildValue("O(ON)", args[2], name, shape);
+    });
+}
+
+extern "C" PyObject *small_data_end(PyObject *self, PyObject *args) {
+    PyObject *small;
+    Py_ssize_t at;
+    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &small, &at)) return nullptr;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(small); i++) {
+        PyObject *item = PyList_GET_ITEM(small, i);
+        if (!is_tensor(item)) {
+            PyErr_SetString(PyExc_TypeError, "small_data_end: a list of tensors is required");
+            return nullptr;
+        }
+        at = aligned(aligned(at) + static_cast<Py_ssize_t>(THPVariable_Unpack(item).nbytes()));
+    }
+    return PyLong_FromSsize_t(at);
+}
+
+extern "C" PyObject *copy_small_data(PyObject *self, PyObject *args) {
+    PyObject *frame_object, *small;
+    Py_ssize_t at;
+    if (!PyArg_ParseTuple(args, "OO!n", &frame_object, &PyList_Type, &small, &at)) return nullptr;
+    Py_buffer frame;
+    if (PyObject_GetBuffer(frame_object, &frame, PyBUF_WRITABLE) < 0) return nullptr;
+    PyObject *result = guarded([&]() -> PyObject * {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(small); i++) {
+            PyObject *item = PyList_GET_ITEM(small, i);
+            if (!is_tensor(item)) {
+                PyErr_SetString(PyExc_TypeError, "copy_small_data: a list of tensors is required");
+                return nullptr;
+            }
+            const at::Tensor &tensor = THPVariable_Unpack(item);
+            const Py_ssize_t nbytes = static_cast<Py_ssize_t>(tensor.nbytes());
+            at = aligned(at);
+            if (at + nbytes > frame.len) {
+                PyErr_SetString(PyExc_ValueError, "copy_small_data: the frame is too short");
+                return nullptr;
+            }
+            if (nbytes == 0) continue;
+            /* a view's elements in order, as its bytes travel */
+            const at::Tensor contiguous = tensor.contiguous();
+            memcpy(static_cast<char *>(frame.buf) + at, contiguous.data_ptr(), nbytes);
+            at += nbytes;
+        }
+        return PyLong_FromSsize_t(aligned(at));
+    });
+    PyBuffer_Release(&frame);
+    return result;
+}
+
+extern "C" PyObject *joined_tensors(PyObject *self, PyObject *arg) {
+    PyObject *items = PySequence_Fast(arg, "joined_tensors: a sequence of tensors is required");
+    if (items == nullptr) return nullptr;
+    PyObject *result = guarded([&]() -> PyObject * {
+        const Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
+        PyObject **objects = PySequence_Fast_ITEMS(items);
+        if (count == 0 || !is_tensor(objects[0])) Py_RETURN_NONE;
+        const at::Tensor &first = THPVariable_Unpack(objects[0]);
+        if (!first.device().is_cpu() || first.layout() != c10::kStrided) Py_RETURN_NONE;
+        const c10::Storage &storage = first.storage();
+        const char *start = static_cast<const char *>(storage.data());
+        const char *at = start;
+        const c10::ScalarType type = first.scalar_type();
+        const int64_t itemsize = static_cast<int64_t>(first.element_size());
+        const int64_t dims = first.dim();
+        bool one_width = dims > 0;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (!is_tensor(objects[i])) Py_RETURN_NONE;
+            const at::Tensor &value = THPVariable_Unpack(objects[i]);
+            if (value.scalar_type() != type || !value.is_contiguous()) Py_RETURN_NONE;
+            /* Each view must start where the last ended; that the last ends at the first one's
+             * storage's end then proves every one inside that storage. */
+            const int64_t numel = value.numel();
+            if (numel) {
+                if (static_cast<const char *>(value.data_ptr()) != at) Py_RETURN_NONE;
+                at += numel * itemsize;
+            }
+            if (one_width && (value.dim() != dims || (dims > 1 && value.sizes().slice(1) !=
+                                                                       first.sizes().slice(1))))
+                one_width = false;
+        }
+        if (at != start + storage.nbytes()) Py_RETURN_NONE;
+        at::Tensor whole = at::empty({0}, first.options().requires_grad(false)).set_(storage);
+        if (one_width) {
+            std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+            shape[0] = -1;
+            whole = whole.view(shape);
+        }
+        return THPVariable_Wrap(whole);
+    });
+    Py_DECREF(items);
+    return result;
+}
+
+namespace {
+
+/* The dtype a frame names `name` (frames.DTYPES' names), or Undefined. */
+c10::ScalarType frame_dtype_of(PyObject *name) {
+    static const c10::ScalarType types[] = {
+        c10::ScalarType::Float, c10::ScalarType::Double, c10::ScalarType::Half,
+        c10::ScalarType::BFloat16, c10::ScalarType::Long, c10::ScalarType::Int,
+        c10::ScalarType::Short, c10::ScalarType::Char, c10::ScalarType::Byte,
+        c10::ScalarType::Bool};
+    if (!PyUnicode_Check(name)) return c10::ScalarType::Undefined;
+    for (c10::ScalarType type : types)
+        if (PyUnicode_CompareWithASCIIString(name, frame_dtype_name(type)) == 0) return type;
+    return c10::ScalarType::Undefined;
+}
+
+}  // namespace
+
+extern "C" PyObject *frame_small_tensor(PyObject *self, PyObject *args) {
+    PyObject *data_object, *name, *shape_object;
+    Py_ssize_t at;
+    if (!PyArg_ParseTuple(args, "OnOO", &data_object, &at, &name, &shape_object)) return nullptr;
+    const c10::ScalarType type = frame_dtype_of(name);
+    if (type == c10::ScalarType::Undefined) return PyUnicode_FromString("unknown dtype");
+    if (!PyTuple_Check(shape_object))
+        return PyUnicode_FromString("a frame's tensor shape is not a tuple of sizes");
+    Py_buffer data;
+    if (PyObject_GetBuffer(data_object, &data, PyBUF_WRITABLE) < 0) return nullptr;
+    PyObject *result = guarded([&]() -> PyObject * {
+        const Py_ssize_t dims = PyTuple_GET_SIZE(shape_object);
+        std::vector<int64_t> shape(static_cast<size_t>(dims));
+        const int64_t itemsize = static_cast<int64_t>(c10::elementSize(type));
+        const Py_ssize_t start = aligned(at);
+        int64_t numel = 1;
+        for (Py_ssize_t d = 0; d < dims; d++) {
+            PyObject *size = PyTuple_GET_ITEM(shape_object, d);
+            int overflow = 0;
+            const long long value =
+                PyLong_CheckExact(size) ? PyLong_AsLongLongAndOverflow(size, &overflow) : -1;
+            if (overflow > 0)
+                return PyUnicode_FromString("a frame's tensors claim more data than it holds");
+            if (value < 0 || overflow < 0)
+                return PyUnicode_FromString("a frame's tensor shape is not a tuple of sizes");
+            shape[static_cast<size_t>(d)] = value;
+            /* stop early: an absurd claim overflows before it is found too long */
+            if (numel <= data.len) numel *= value;
+        }
+        if (numel > data.len || start + numel * itemsize > data.len)
+            return PyUnicode_FromString("a frame's tensors claim more data than it holds");
+        const Py_ssize_t end = start + static_cast<Py_ssize_t>(numel * itemsize);
+        const auto options = at::TensorOptions().dtype(type);
+        at::Tensor tensor;
+        if (numel == 0) {
+            tensor = at::empty(shape, options);
+        } else {
+            /* A view of the frame's data, which the tensor keeps (torch.from_numpy's way). */
+            PyObject *owner = Py_NewRef(data_object);
+            tensor = at::from_blob(
+                static_cast<char *>(data.buf) + start, shape,
+                [owner](void *) {
+                    PyGILState_STATE state = PyGILState_Ensure();
+                    Py_DECREF(owner);
+                    PyGILState_Release(state);
+                },
+                options);
+        }
+        PyObject *made = THPVariable_Wrap(std::move(tensor));
+        if (made == nullptr) return nullptr;
+        return Py_BuildValue("Nn", made, end);
+    });
+    PyBuffer_Release(&data);
+    return result;
+}

@@ -1,0 +1,37 @@
+/* _tensors.cpp's functions, for _native.c (C) and itself (C++): a torch tensor's memory as
+ * a Py_buffer, so the loops take the tensors a trainer and a server hold as they
+ * are (Tensor.numpy() costs thousands of instructions a call; this, tens). */
+#ifndef PARAMSERVER_TENSORS_H
+#define PARAMSERVER_TENSORS_H
+
+#include <Python.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Where `object` is a torch tensor: fills `view` as PyObject_GetBuffer would with `flags`
+ * (CPU, strided, of a dtype with a buffer format; contiguous unless `flags` ask for strides;
+ * writable whatever they ask: a tensor's memory always is) and returns 1, or sets TypeError
+ * and returns -1. Returns 0, touching nothing, where `object` is not a tensor. */
+__attribute__((visibility("hidden"))) int tensor_buffer(PyObject *object, Py_buffer *view,
+                                                        int flags);
+
+/* Releases a view tensor_buffer filled and returns 1; returns 0 for any other view. */
+__attribute__((visibility("hidden"))) int tensor_buffer_release(Py_buffer *view);
+
+/* A frame's tensors (paramserver/wire/frames.py; native.py says what each does). */
+__attribute__((visibility("hidden"))) PyObject *frame_tensor(PyObject *self,
+                                                             PyObject *const *args,
+                                                             Py_ssize_t nargs);
+__attribute__((visibility("hidden"))) PyObject *small_data_end(PyObject *self, PyObject *args);
+__attribute__((visibility("hidden"))) PyObject *copy_small_data(PyObject *self, PyObject *args);
+__attribute__((visibility("hidden"))) PyObject *joined_tensors(PyObject *self, PyObject *arg);
+__attribute__((visibility("hidden"))) PyObject *frame_small_tensor(PyObject *self,
+                                                                   PyObject *args);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
