@@ -222,9 +222,7 @@ class _Forged:
         (_Forged("float32", (-(1 << 70),)), "not a tuple of sizes"),
     ],
 )
-def test_a_forged_tensor_reference_is_refused(
-    forged: _Forged, reason: str, loop_mode: str
-) -> None:
+def test_a_forged_tensor_reference_is_refused(forged: _Forged, reason: str, loop_mode: str) -> None:
     structure = pickle.dumps([forged])
     frame = struct.pack("<4sHHIIQ", frames.MAGIC, frames.VERSION, 0, 1, 0, len(structure))
     with pytest.raises(FrameError, match=reason):

@@ -91,15 +91,16 @@ class Bags(NamedTuple):
         starts = _starts(positions, offsets, include_last_offset)
         if starts is None:
             return None
-        flat = None
+        flat_weights = None
         if weights is not None:
             if weights.shape != positions.shape:
                 return None
-            flat = weights.detach().reshape(-1).contiguous()
+            flat_weights = weights.detach().reshape(-1).contiguous()
+        flat = positions if positions.dim() == 1 else positions.reshape(-1)
         return Bags(
-            positions.reshape(-1).contiguous(),
+            flat if flat.is_contiguous() else flat.contiguous(),
             starts,
-            flat,
+            flat_weights,
             -1 if padding is None else padding,
             mode == "mean",
             in_order,

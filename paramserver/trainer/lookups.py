@@ -264,7 +264,7 @@ class StepLookups:
             node = self.bag_node(remote.rows) if native.pools_rows(remote.rows) else None
             if node is None:
                 continue
-            recorded = remote.recorded_lookup(ids.to(torch.int64))
+            recorded = remote.recorded_lookup(native.int64s(ids))
             if recorded is None:
                 continue
             bags = Bags.of(

@@ -236,9 +236,8 @@ class Replica:
         self, rows: dict[str, tuple[Tensor, Tensor]], lookups: dict[str, RecordedLookups]
     ) -> None:
         for name, remote in self.tables.items():
-            ids, values = rows.get(
-                name, (torch.empty(0, dtype=torch.int64), torch.empty(0, remote.embedding_dim))
-            )
+            pulled = rows.get(name)  # a table not looked up this step gets no rows
+            ids, values = pulled if pulled is not None else _no_rows(remote.embedding_dim)
             remote.set_rows(ids, values.requires_grad_(True), lookups.get(name))
 
     def add_rows(self, table: str, ids: Tensor, values: Tensor) -> None:
@@ -358,3 +357,7 @@ def _ends_within(ids: list[np.ndarray], bounds: list[tuple[int, int]]) -> bool:
         not part.size or (low <= part[0] and part[-1] <= high)
         for part, (low, high) in zip(ids, bounds, strict=True)
     )
+
+
+def _no_rows(dim: int) -> tuple[Tensor, Tensor]:
+    return torch.empty(0, dtype=torch.int64), torch.empty(0, dim)
