@@ -2137,6 +2137,9 @@ static PyMethodDef methods[] = {
      "frame_small_tensor(data, at, dtype_name, shape) -> (tensor, end), or why not (a str)\n"
      "A frame's small tensor (paramserver/wire/frames.py): a writable view of the buffer\n"
      "`data` from `at` aligned to 8, which it keeps; where its data ends."},
+    {"are_rows", are_rows, METH_VARARGS,
+     "are_rows(tensors, float64_too) -> whether every one of the tuple `tensors` is a\n"
+     "table of rows the loops index: a 2-D contiguous CPU tensor of float32 (or float64)."},
 #endif
     {NULL, NULL, 0, NULL},
 };

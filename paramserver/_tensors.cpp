@@ -354,3 +354,21 @@ extern "C" PyObject *frame_small_tensor(PyObject *self, PyObject *args) {
     PyBuffer_Release(&data);
     return result;
 }
+
+extern "C" PyObject *are_rows(PyObject *self, PyObject *args) {
+    PyObject *tensors;
+    int float64_too;
+    if (!PyArg_ParseTuple(args, "O!p", &PyTuple_Type, &tensors, &float64_too)) return nullptr;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); i++) {
+        PyObject *item = PyTuple_GET_ITEM(tensors, i);
+        if (!is_tensor(item)) Py_RETURN_FALSE;
+        const at::Tensor &tensor = THPVariable_Unpack(item);
+        const c10::ScalarType type = tensor.scalar_type();
+        const bool typed = type == c10::ScalarType::Float ||
+                           (float64_too && type == c10::ScalarType::Double);
+        if (!typed || tensor.dim() != 2 || !tensor.device().is_cpu() ||
+            tensor.layout() != c10::kStrided || !tensor.is_contiguous())
+            Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
+}

@@ -29,6 +29,7 @@ __attribute__((visibility("hidden"))) PyObject *copy_small_data(PyObject *self, 
 __attribute__((visibility("hidden"))) PyObject *joined_tensors(PyObject *self, PyObject *arg);
 __attribute__((visibility("hidden"))) PyObject *frame_small_tensor(PyObject *self,
                                                                    PyObject *args);
+__attribute__((visibility("hidden"))) PyObject *are_rows(PyObject *self, PyObject *args);
 
 #ifdef __cplusplus
 }

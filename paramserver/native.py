@@ -126,9 +126,7 @@ def takes_tensors() -> bool:
 def takes_rows(*tensors: Tensor) -> bool:
     """Whether the loops are built, take tensors and take these as tables of rows: float32,
     2-D and contiguous (what they index as plain arrays)."""
-    return takes_tensors() and all(
-        t.dtype == torch.float32 and t.dim() == 2 and t.is_contiguous() for t in tensors
-    )
+    return takes_tensors() and bool(loops.are_rows(tensors, False))  # type: ignore[union-attr]
 
 
 def placing_is_cheap() -> bool:
@@ -561,12 +559,7 @@ def own_rows(
 def pools_rows(rows: Tensor) -> bool:
     """Whether the loops are built and pool bags of ``rows`` (:func:`pool_bags`): float32 or
     float64, 2-D and contiguous."""
-    return (
-        takes_tensors()
-        and rows.dtype in (torch.float32, torch.float64)
-        and rows.dim() == 2
-        and rows.is_contiguous()
-    )
+    return takes_tensors() and bool(loops.are_rows((rows,), True))  # type: ignore[union-attr]
 
 
 # One pooled lookup for pool_bags and scatter_bags: (table, positions, starts, weights or None,

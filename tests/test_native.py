@@ -81,6 +81,23 @@ def test_the_loops_read_and_write_tensors_as_they_are() -> None:
 
 
 @compiled
+def test_tables_of_rows_the_loops_index_are_told_apart() -> None:
+    """takes_rows (float32) and pools_rows (float32 or float64): 2-D, contiguous, on the CPU,
+    every one of them; anything else goes to torch."""
+    rows = torch.zeros(5, 4)
+    assert native.takes_rows(rows, torch.nn.Parameter(torch.ones(2, 4)), rows[1:3])
+    assert native.takes_rows()  # nothing to refuse
+    refused = [
+        rows.double(), rows.view(-1), rows[:, :2], rows.t(), rows.half(), rows.long(),
+        torch.zeros(5, 4, device="meta"), rows.to_sparse(),
+    ]  # fmt: skip
+    for tensor in refused:
+        assert not native.takes_rows(rows, tensor), tensor.dtype
+    assert native.pools_rows(rows) and native.pools_rows(rows.double())
+    assert not native.pools_rows(rows.half()) and not native.pools_rows(rows[:, ::2])
+
+
+@compiled
 @pytest.mark.parametrize(
     ("tensor", "why"),
     [

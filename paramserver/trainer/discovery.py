@@ -54,18 +54,17 @@ def call_tensors(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[Path, Tens
     found: dict[Path, Tensor] = {}
     items: list[tuple[Path, Any]] = [(("arg", i), a) for i, a in enumerate(args)]
     items += [(("kwarg", k), v) for k, v in kwargs.items()]
-    for path, value in items:
+    for path, value in items:  # the ids test inline: a call per input adds up each step
         if isinstance(value, list | tuple):
             for j, part in enumerate(value):
-                if _is_ids(part):
+                if isinstance(part, Tensor) and part.dtype in _ID_DTYPES:
                     found[(*path, j)] = part
-        elif _is_ids(value):
+        elif isinstance(value, Tensor) and value.dtype in _ID_DTYPES:
             found[path] = value
     return found
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.dtype in (torch.int64, torch.int32)
+_ID_DTYPES = (torch.int64, torch.int32)
 
 
 def derivation_of(table: str, ids: Tensor, inputs: dict[Path, Tensor]) -> Derivation | None:

@@ -227,9 +227,9 @@ class RemoteEmbedding(nn.Module):
     def set_rows(self, ids: Tensor, rows: Tensor, lookups: RecordedLookups | None = None) -> None:
         """Use ``rows`` (one per sorted unique id in ``ids``) for lookups until the next call;
         ``lookups``, recorded for these very ids, spare the lookups it holds a search."""
-        self.ids = ids
-        self.rows = rows
-        self.lookups = lookups.each if lookups is not None and lookups.ids is ids else []
+        attributes = self.__dict__  # plain attributes (see _PER_STEP), set without a call each
+        attributes["ids"], attributes["rows"] = ids, rows
+        attributes["lookups"] = lookups.each if lookups is not None and lookups.ids is ids else []
 
     def forward(
         self, input: Tensor, offsets: Tensor | None = None, per_sample_weights: Tensor | None = None

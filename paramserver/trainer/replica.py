@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -175,9 +175,13 @@ class Replica:
         """Raise :class:`InvalidBatchError` unless each of ``tables``' sorted unique ids are
         its rows: all tables in one compiled call, the error (naming the table and the id)
         from a look at each where one is not."""
-        bounded = [t for t in tables if self.tables[t].num_embeddings is not None]
-        ids = [unique[t] for t in bounded]
-        bounds = [(0, cast(int, self.tables[t].num_embeddings) - 1) for t in bounded]
+        bounded, ids, bounds = [], [], []
+        for table in tables:
+            rows = self.tables[table].num_embeddings
+            if rows is not None:  # dynamic: every id is valid
+                bounded.append(table)
+                ids.append(unique[table])
+                bounds.append((0, rows - 1))
         if not native.ascending_within(ids, bounds, _ends_within):
             for table in bounded:
                 self.tables[table].check_range(unique[table], ascending=True)
