@@ -488,10 +488,12 @@ class InFlight:
                 if name in reply.pooled:
                     pooled += plain(reply.pooled[name])
             pulled.pooled[name] = pooled
-        traffic.row_bytes_received += sum(payload_nbytes(r.rows) for r in replies)
+        row_bytes = 0
         for name, ids in self.pull_ids.items():
             route = self.routes[name]
-            parts = [plain(reply.rows[name]) for reply in replies]
+            as_sent = [reply.rows[name] for reply in replies]
+            row_bytes += sum(p.nbytes if type(p) is Tensor else payload_nbytes(p) for p in as_sent)
+            parts = [plain(part) for part in as_sent]
             cached = self.cached_versions.get(name)
             if cached is None:
                 rows = route.in_caller_order(parts)
@@ -499,6 +501,7 @@ class InFlight:
                 versions = route.in_caller_order([reply.row_versions[name] for reply in replies])
                 rows = self._with_cached_rows(name, ids, torch.cat(parts), *cached, versions)
             pulled.rows[name] = (ids, rows)
+        traffic.row_bytes_received += row_bytes
         if self.state_masks:
             pulled.row_state = joined_state(replies, self.state_masks, self.routes)
         return pulled
