@@ -2,6 +2,9 @@
  * headers are there to build with (setup.py); the view holds a reference to the tensor, and
  * its shape and strides (in bytes) in one block of its own, freed at release. */
 #include <Python.h>
+
+#include <algorithm>
+#include <vector>
 /* torch's headers use C++20's bit-field initializers, which g++ takes in C++17 with a warning. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wc++20-extensions"
@@ -314,22 +317,28 @@ extern "C" PyObject *frame_small_tensor(PyObject *self, PyObject *args) {
         std::vector<int64_t> shape(static_cast<size_t>(dims));
         const int64_t itemsize = static_cast<int64_t>(c10::elementSize(type));
         const Py_ssize_t start = aligned(at);
-        int64_t numel = 1;
+        const char *too_much = "a frame's tensors claim more data than it holds";
+        bool absurd = false; /* a size past int64: more than any frame holds */
         for (Py_ssize_t d = 0; d < dims; d++) {
             PyObject *size = PyTuple_GET_ITEM(shape_object, d);
             int overflow = 0;
             const long long value =
                 PyLong_CheckExact(size) ? PyLong_AsLongLongAndOverflow(size, &overflow) : -1;
-            if (overflow > 0)
-                return PyUnicode_FromString("a frame's tensors claim more data than it holds");
-            if (value < 0 || overflow < 0)
+            if ((value < 0 && overflow <= 0) || overflow < 0)
                 return PyUnicode_FromString("a frame's tensor shape is not a tuple of sizes");
+            absurd = absurd || overflow > 0;
             shape[static_cast<size_t>(d)] = value;
-            /* stop early: an absurd claim overflows before it is found too long */
-            if (numel <= data.len) numel *= value;
         }
-        if (numel > data.len || start + numel * itemsize > data.len)
-            return PyUnicode_FromString("a frame's tensors claim more data than it holds");
+        if (absurd) return PyUnicode_FromString(too_much);
+        /* Multiplied out as far as it stays within the data (frames._small_tensor_by_numpy
+         * stops there too), so no product overflows; a size of 0 holds none whatever the rest. */
+        int64_t numel = std::find(shape.begin(), shape.end(), 0) != shape.end() ? 0 : 1;
+        for (int64_t size : shape) {
+            if (numel == 0) break;
+            if (numel > data.len / size) return PyUnicode_FromString(too_much);
+            numel *= size;
+        }
+        if (start + numel * itemsize > data.len) return PyUnicode_FromString(too_much);
         const Py_ssize_t end = start + static_cast<Py_ssize_t>(numel * itemsize);
         const auto options = at::TensorOptions().dtype(type);
         at::Tensor tensor;

@@ -104,6 +104,13 @@ def test_a_request_and_reply_arrive_equal() -> None:
     assert torch.equal(back.rows["t"], rows) and back.checkpoint_at == 4
 
 
+def test_a_frame_of_empty_tensors_alone_holds_no_data(loop_mode: str) -> None:
+    message = [torch.zeros(0, dtype=torch.int64), torch.zeros(3, 0), torch.zeros(0, 1 << 40)]
+    arrived = roundtrip(message)
+    assert [t.shape for t in arrived] == [(0,), (3, 0), (0, 1 << 40)]
+    assert all(a.dtype == m.dtype for a, m in zip(arrived, message, strict=True))
+
+
 def test_small_tensors_travel_in_the_frame_and_large_ones_beside_it(loop_mode: str) -> None:
     small, large = torch.zeros(100), torch.zeros(frames.LARGE_BYTES // 4)
     frame, beside = frames.encode({"small": small, "large": large})

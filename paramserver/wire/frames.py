@@ -190,7 +190,7 @@ def _small_tensor_by_numpy(
     if type(shape) is not tuple or not all(type(d) is int and d >= 0 for d in shape):
         return "a frame's tensor shape is not a tuple of sizes"
     start = _aligned(at)
-    numel = 1
+    numel = 0 if 0 in shape else 1  # a size of 0 holds nothing, whatever the others claim
     for size in shape:
         numel *= size
         if numel > data.size:  # stop early: an absurd claim is slow to multiply out
