@@ -1,6 +1,8 @@
-/* A torch tensor's memory as a Py_buffer (see _tensors.h). Compiled only where torch's
- * headers are there to build with (setup.py); the view holds a reference to the tensor, and
- * its shape and strides (in bytes) in one block of its own, freed at release. */
+/* What the compiled loops do with torch tensors (see _tensors.h): a tensor's memory as a
+ * Py_buffer (the view holds a reference to the tensor, and its shape and strides, in bytes,
+ * in one block of its own, freed at release), and a frame's tensors. Compiled only where
+ * torch's headers are there to build with (setup.py). No C++ exception leaves a function
+ * here: torch's become Python errors. */
 #include <Python.h>
 
 #include <algorithm>
@@ -44,10 +46,7 @@ int refuse(const char *why) {
     return -1;
 }
 
-}  // namespace
-
-extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
-    if (!is_tensor(object)) return 0;
+int fill_buffer(PyObject *object, Py_buffer *view, int flags) {
     const at::Tensor &tensor = THPVariable_Unpack(object);
     if (!tensor.defined() || !tensor.device().is_cpu() || tensor.layout() != c10::kStrided)
         return refuse("not a strided CPU tensor");
@@ -61,6 +60,7 @@ extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
     const bool any_layout = (flags & PyBUF_STRIDES) == PyBUF_STRIDES &&
                             (flags & contiguity & ~PyBUF_STRIDES) == 0;
     if (!any_layout && !tensor.is_contiguous()) return refuse("not contiguous");
+    void *data = tensor.data_ptr();  /* before the block: nothing to free where it throws */
     auto *block = static_cast<Py_ssize_t *>(PyMem_Malloc(sizeof(Py_ssize_t) * (2 * ndim + 1)));
     if (block == nullptr) {
         PyErr_NoMemory();
@@ -71,7 +71,6 @@ extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
         block[d] = sizes[d];
         block[ndim + d] = strides[d] * itemsize;
     }
-    void *data = tensor.data_ptr();
     static char empty;
     view->buf = data != nullptr ? data : &empty;
     view->obj = Py_NewRef(object);
@@ -85,6 +84,17 @@ extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
     view->suboffsets = nullptr;
     view->internal = block;
     return 1;
+}
+
+}  // namespace
+
+extern "C" int tensor_buffer(PyObject *object, Py_buffer *view, int flags) {
+    if (!is_tensor(object)) return 0;
+    try {
+        return fill_buffer(object, view, flags);
+    } catch (const std::exception &error) { /* a tensor of no memory (a subclass's), say */
+        return refuse(error.what());
+    }
 }
 
 extern "C" int tensor_buffer_release(Py_buffer *view) {
@@ -179,7 +189,8 @@ extern "C" PyObject *frame_tensor(PyObject *self, PyObject *const *args, Py_ssiz
             const bool whole = tensor.is_contiguous() &&
                                static_cast<Py_ssize_t>(tensor.storage().nbytes()) == nbytes;
             PyObject *travels =
-                whole ? Py_NewRef(object) : THPVariable_Wrap(tensor.contiguous().clone());
+                whole ? Py_NewRef(object)
+                      : THPVariable_Wrap(tensor.clone(at::MemoryFormat::Contiguous));
             if (travels == nullptr) return nullptr;
             const int failed = PyList_Append(large, travels);
             Py_DECREF(travels);
