@@ -40,6 +40,13 @@ is what sets its speed. The operations, each a function here with the same resul
   the backward adding each row's terms in the order torch's does (:func:`sort_order`; torch: a
   sort of the ids and a dispatched axpy per id, lookup by lookup).
 
+Built beside torch (``setup.py``; the Makefile's install), the loops take torch tensors as they
+are: ``_tensors.cpp`` reads a tensor's memory in C++, where a ``numpy()`` of it costs thousands of
+instructions, which a step would pay for each of its tables' tensors (:func:`takes_tensors`); and
+a frame's tensors (:mod:`paramserver.wire.frames`) are reduced, copied and made there too. The
+trainer's loops run only where they take tensors; built without torch, the loops take numpy
+arrays, as a server's id map and checks hand them.
+
 A caller calls the operation and never asks whether the loops are built. Where both paths give
 one result, the caller hands in its own path as ``fallback``, which the operation calls with
 the same arguments where there is no loop or the loop does not take the arrays given. The
