@@ -2123,13 +2123,11 @@ static PyMethodDef methods[] = {
      "A frame pickler's reducer_override (paramserver/wire/frames.py): a plain tensor's\n"
      "reduction, the tensor put in `small` or (of large_bytes or more) in `large`; else\n"
      "NotImplemented."},
-    {"small_data_end", small_data_end, METH_VARARGS,
-     "small_data_end(small, at) -> where the small tensors' data laid out from `at` ends\n"
-     "(each from an offset aligned to 8, and the end too)."},
-    {"copy_small_data", copy_small_data, METH_VARARGS,
-     "copy_small_data(frame, small, at) -> end\n"
-     "The small tensors' bytes copied into the writable buffer `frame` as small_data_end\n"
-     "lays them out from `at`."},
+    {"small_data", small_data, METH_VARARGS,
+     "small_data(frame, small, at) -> end\n"
+     "The small tensors' bytes laid out from `at`, each from an offset aligned to 8 (their\n"
+     "elements in order), copied into the writable buffer `frame` (None: only measured);\n"
+     "where they end, aligned too."},
     {"joined_tensors", joined_tensors, METH_O,
      "joined_tensors(values) -> the tensor `values` make up end to end, or None\n"
      "(paramserver/wire/bundles.py's joined_already)."},

@@ -205,50 +205,37 @@ extern "C" PyObject *frame_tensor(PyObject *self, PyObject *const *args, Py_ssiz
     });
 }
 
-extern "C" PyObject *small_data_end(PyObject *self, PyObject *args) {
-    PyObject *small;
-    Py_ssize_t at;
-    if (!PyArg_ParseTuple(args, "O!n", &PyList_Type, &small, &at)) return nullptr;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(small); i++) {
-        PyObject *item = PyList_GET_ITEM(small, i);
-        if (!is_tensor(item)) {
-            PyErr_SetString(PyExc_TypeError, "small_data_end: a list of tensors is required");
-            return nullptr;
-        }
-        at = aligned(aligned(at) + static_cast<Py_ssize_t>(THPVariable_Unpack(item).nbytes()));
-    }
-    return PyLong_FromSsize_t(at);
-}
-
-extern "C" PyObject *copy_small_data(PyObject *self, PyObject *args) {
+extern "C" PyObject *small_data(PyObject *self, PyObject *args) {
     PyObject *frame_object, *small;
     Py_ssize_t at;
     if (!PyArg_ParseTuple(args, "OO!n", &frame_object, &PyList_Type, &small, &at)) return nullptr;
-    Py_buffer frame;
-    if (PyObject_GetBuffer(frame_object, &frame, PyBUF_WRITABLE) < 0) return nullptr;
+    Py_buffer frame = {};  /* None: measured only */
+    if (frame_object != Py_None && PyObject_GetBuffer(frame_object, &frame, PyBUF_WRITABLE) < 0)
+        return nullptr;
     PyObject *result = guarded([&]() -> PyObject * {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(small); i++) {
             PyObject *item = PyList_GET_ITEM(small, i);
             if (!is_tensor(item)) {
-                PyErr_SetString(PyExc_TypeError, "copy_small_data: a list of tensors is required");
+                PyErr_SetString(PyExc_TypeError, "small_data: a list of tensors is required");
                 return nullptr;
             }
             const at::Tensor &tensor = THPVariable_Unpack(item);
             const Py_ssize_t nbytes = static_cast<Py_ssize_t>(tensor.nbytes());
             at = aligned(at);
-            if (at + nbytes > frame.len) {
-                PyErr_SetString(PyExc_ValueError, "copy_small_data: the frame is too short");
-                return nullptr;
+            if (frame.obj != nullptr && nbytes) {
+                if (at + nbytes > frame.len) {
+                    PyErr_SetString(PyExc_ValueError, "small_data: the frame is too short");
+                    return nullptr;
+                }
+                /* a view's elements in order, as its bytes travel */
+                const at::Tensor contiguous = tensor.contiguous();
+                memcpy(static_cast<char *>(frame.buf) + at, contiguous.data_ptr(), nbytes);
             }
-            if (nbytes == 0) continue;
-            /* a view's elements in order, as its bytes travel */
-            const at::Tensor contiguous = tensor.contiguous();
-            memcpy(static_cast<char *>(frame.buf) + at, contiguous.data_ptr(), nbytes);
             at += nbytes;
         }
         return PyLong_FromSsize_t(aligned(at));
     });
-    PyBuffer_Release(&frame);
+    if (frame.obj != nullptr) PyBuffer_Release(&frame);
     return result;
 }
 

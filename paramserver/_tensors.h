@@ -24,8 +24,7 @@ __attribute__((visibility("hidden"))) int tensor_buffer_release(Py_buffer *view)
 __attribute__((visibility("hidden"))) PyObject *frame_tensor(PyObject *self,
                                                              PyObject *const *args,
                                                              Py_ssize_t nargs);
-__attribute__((visibility("hidden"))) PyObject *small_data_end(PyObject *self, PyObject *args);
-__attribute__((visibility("hidden"))) PyObject *copy_small_data(PyObject *self, PyObject *args);
+__attribute__((visibility("hidden"))) PyObject *small_data(PyObject *self, PyObject *args);
 __attribute__((visibility("hidden"))) PyObject *joined_tensors(PyObject *self, PyObject *arg);
 __attribute__((visibility("hidden"))) PyObject *frame_small_tensor(PyObject *self,
                                                                    PyObject *args);

@@ -43,7 +43,8 @@ is what sets its speed. The operations, each a function here with the same resul
 Built beside torch (``setup.py``; the Makefile's install), the loops take torch tensors as they
 are: ``_tensors.cpp`` reads a tensor's memory in C++, where a ``numpy()`` of it costs thousands of
 instructions, which a step would pay for each of its tables' tensors (:func:`takes_tensors`); and
-a frame's tensors (:mod:`paramserver.wire.frames`) are reduced, copied and made there too. The
+a frame's tensors (:mod:`paramserver.wire.frames`) are reduced, copied and made there too
+(:mod:`paramserver.native_frames` chooses for those, as this module does for the rest). The
 trainer's loops run only where they take tensors; built without torch, the loops take numpy
 arrays, as a server's id map and checks hand them.
 
@@ -69,13 +70,11 @@ out). A test takes the numpy paths by setting :data:`loops` to None (tests/conft
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, cast
 
 import numpy as np
 import torch
@@ -233,13 +232,12 @@ def ascending_within(
 ) -> bool:
     """Whether each of ``arrays`` (int64 ids, numpy's or tensors) rises strictly and lies
     within its ``bounds`` (low, high: both included)."""
-    if loops is None or not takes_tensors():
-        numpys = [a.numpy() if isinstance(a, Tensor) else a for a in arrays]
-        return (
-            fallback(numpys, bounds)
-            if loops is None
-            else bool(loops.ascending_within(numpys, bounds))
-        )
+    if not takes_tensors():  # numpy's arrays only, the loops' or the fallback's
+        numpys = [a if isinstance(a, np.ndarray) else a.numpy() for a in arrays]
+        if loops is None:
+            return fallback(numpys, bounds)
+        return bool(loops.ascending_within(numpys, bounds))
+    assert loops is not None
     return bool(loops.ascending_within(arrays, bounds))
 
 
@@ -411,75 +409,6 @@ def places_each(
         np.ascontiguousarray(others, np.int64), other_sizes, at, found,
     )  # fmt: skip
     return at, found
-
-
-def joined_tensors(
-    values: list[Tensor], fallback: Callable[[list[Tensor]], Tensor | None]
-) -> Tensor | None:
-    """The tensor ``values`` make up end to end and in order, where they fill one storage
-    whole (see :func:`paramserver.wire.bundles.joined_already`), else None: their pointers and
-    sizes read in one call of the loops."""
-    if not takes_tensors():
-        return fallback(values)
-    assert loops is not None
-    return cast(Tensor | None, loops.joined_tensors(values))
-
-
-def frame_reducer(
-    small: list[Tensor], large: list[Tensor], small_fn: object, large_fn: object, large_bytes: int
-) -> Callable[[object], Any] | None:
-    """A frame pickler's ``reducer_override`` (:mod:`paramserver.wire.frames`) in one call of
-    the loops: a plain tensor's reduction, ``(small_fn, (dtype name, shape))`` once it is put in
-    ``small`` or ``(large_fn, (index,))`` once it (or a copy of a view's elements) is put in
-    ``large`` (from ``large_bytes``); anything else NotImplemented. None where the loops do not
-    take tensors (the frame's own Python does it)."""
-    if not takes_tensors():
-        return None
-    assert loops is not None
-    return functools.partial(loops.frame_tensor, small, large, small_fn, large_fn, large_bytes)
-
-
-def small_data_end(
-    small: list[Tensor], at: int, fallback: Callable[[list[Tensor], int], int]
-) -> int:
-    """Where the ``small`` tensors' bytes end, laid out from ``at``, each from an offset
-    aligned to 8, the end aligned too."""
-    if not takes_tensors():
-        return fallback(small, at)
-    assert loops is not None
-    return int(loops.small_data_end(small, at))
-
-
-def copy_small_data(
-    frame: bytearray,
-    small: list[Tensor],
-    at: int,
-    fallback: Callable[[bytearray, list[Tensor], int], None],
-) -> None:
-    """The ``small`` tensors' bytes (their elements in order) into ``frame`` as
-    :func:`small_data_end` lays them out from ``at``."""
-    if not takes_tensors():
-        fallback(frame, small, at)
-        return
-    assert loops is not None
-    loops.copy_small_data(frame, small, at)
-
-
-def frame_small_tensor(
-    data: np.ndarray,
-    at: int,
-    dtype_name: object,
-    shape: object,
-    fallback: Callable[[np.ndarray, int, object, object], tuple[Tensor, int] | str],
-) -> tuple[Tensor, int] | str:
-    """A frame's small tensor (:mod:`paramserver.wire.frames`): a writable view of ``data``
-    (uint8) from ``at`` aligned to 8, of the dtype a frame names ``dtype_name`` and of
-    ``shape``, and where its data ends; or why there is none (``"unknown dtype"``, or what is
-    wrong with the shape or the claim)."""
-    if not takes_tensors():
-        return fallback(data, at, dtype_name, shape)
-    assert loops is not None
-    return cast(tuple[Tensor, int] | str, loops.frame_small_tensor(data, at, dtype_name, shape))
 
 
 # ---- loops without a fallback: called once a capability says they apply ----

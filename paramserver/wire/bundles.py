@@ -23,7 +23,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from paramserver import native
+from paramserver import native_frames
 from paramserver.wire.frames import LARGE_BYTES
 
 # A mapping's tensors in all below this travel as they are, inside the frame: the size from
@@ -110,7 +110,7 @@ def joined_already(values: list[Tensor]) -> Tensor | None:
     storage whole (a split's views, as :func:`unbundled` makes them or rows read in one piece;
     gradients a backward wrote into one buffer): that storage, shaped as :func:`bundled` joins
     them. None where they do not. One call of the compiled loops, else :func:`_joined_by_torch`."""
-    return native.joined_tensors(values, _joined_by_torch)
+    return native_frames.joined_tensors(values, _joined_by_torch)
 
 
 def _joined_by_torch(values: list[Tensor]) -> Tensor | None:

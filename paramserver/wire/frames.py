@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from paramserver import native
+from paramserver import native_frames
 from paramserver.errors import ParamServerError
 
 MAGIC = b"PSFR"
@@ -90,7 +90,7 @@ class _Pickler(pickle.Pickler):
         self.large: list[Tensor] = []
         # The loops' reducer where they take tensors (a Python call and a dozen of torch's
         # per tensor less); the pickler reads it as it is made, so it is set before.
-        reducer = native.frame_reducer(
+        reducer = native_frames.frame_reducer(
             self.small, self.large, _small_tensor, _large_tensor, LARGE_BYTES
         )
         if reducer is not None:
@@ -119,36 +119,32 @@ def encode(message: Any) -> tuple[bytearray, list[Tensor]]:
     small, large = pickler.small, pickler.large
     head = _HEADER.pack(MAGIC, VERSION, 0, len(small), len(large), structure.tell())
     data_start = _aligned(len(head) + structure.tell())
-    frame = bytearray(native.small_data_end(small, data_start, _small_data_end))
+    frame = bytearray(native_frames.small_data(None, small, data_start, _small_data))
     view = memoryview(frame)
     view[: len(head)] = head
     view[len(head) : len(head) + structure.tell()] = structure.getbuffer()
     if small:
-        native.copy_small_data(frame, small, data_start, _copy_into)
+        native_frames.small_data(frame, small, data_start, _small_data)
     return frame, large
 
 
-def _small_data_end(small: list[Tensor], at: int) -> int:
-    for tensor in small:
-        at = _aligned(_aligned(at) + tensor.nbytes)
-    return at
-
-
-def _copy_into(frame: bytearray, small: list[Tensor], at: int) -> None:
+def _small_data(frame: bytearray | None, small: list[Tensor], at: int) -> int:
     """Each of the ``small`` tensors' bytes (plain CPU tensors: their elements as they are in
-    memory) into ``frame``, laid out from ``at``, by address: a numpy view of each would cost
-    four of torch's and numpy's calls, each thousands of instructions."""
-    window = ctypes.c_char.from_buffer(frame)  # holds the frame's buffer while it is written
+    memory) laid out from ``at``, into ``frame`` (None: only measured) by address: a numpy
+    view of each would cost four of torch's and numpy's calls, each thousands of
+    instructions. Returns where they end."""
+    window = ctypes.c_char.from_buffer(frame) if frame is not None else None  # held meanwhile
     try:
-        base = ctypes.addressof(window)
+        base = ctypes.addressof(window) if window is not None else 0
         for tensor in small:
             nbytes, at = tensor.nbytes, _aligned(at)
-            if nbytes:
+            if nbytes and window is not None:
                 source = tensor if tensor.is_contiguous() else tensor.contiguous()
                 ctypes.memmove(base + at, source.data_ptr(), nbytes)
             at += nbytes
     finally:
         del window
+    return _aligned(at)
 
 
 class _Reading(threading.local):
@@ -171,7 +167,7 @@ def _small_tensor(dtype_name: str, shape: tuple[int, ...]) -> Tensor:
     data = reading.data
     if data is None:
         raise FrameError("a frame's tensor outside a frame")
-    made = native.frame_small_tensor(data, reading.at, dtype_name, shape, _small_tensor_by_numpy)
+    made = native_frames.small_tensor(data, reading.at, dtype_name, shape, _small_tensor_by_numpy)
     if isinstance(made, str):
         if made == "unknown dtype":
             raise FrameError(f"a frame's tensor of an unknown dtype {dtype_name!r}")
