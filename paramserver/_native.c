@@ -2138,6 +2138,12 @@ static PyMethodDef methods[] = {
     {"are_rows", are_rows, METH_VARARGS,
      "are_rows(tensors, float64_too) -> whether every one of the tuple `tensors` is a\n"
      "table of rows the loops index: a 2-D contiguous CPU tensor of float32 (or float64)."},
+    {"payload_sizes", (PyCFunction)(void (*)(void))payload_sizes, METH_FASTCALL,
+     "payload_sizes(special, field_names, mapping, message) -> (sent, uncompressed), or None\n"
+     "A message's tensor data (paramserver/wire/sizing.py's payload_size): its tensors'\n"
+     "bytes, walking dicts, lists, tuples, dataclasses (their fields by `field_names`) and\n"
+     "other instances of `mapping`; an object whose type `special` holds counted by its\n"
+     "function. None where a count passes int64."},
 #endif
     {NULL, NULL, 0, NULL},
 };

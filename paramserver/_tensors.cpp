@@ -379,3 +379,134 @@ extern "C" PyObject *are_rows(PyObject *self, PyObject *args) {
     }
     Py_RETURN_TRUE;
 }
+
+/* ---- a message's tensor data, as sent and uncompressed (paramserver/wire/sizing.py) ---- */
+
+namespace {
+
+/* What payload_sizes needs besides the message: types it hands to a function of their own,
+ * the function naming a dataclass's fields, and collections.abc.Mapping. */
+struct SizesWalk {
+    PyObject *special;      /* {type: function(object) -> (sent, uncompressed)} */
+    PyObject *field_names;  /* function(dataclass type) -> tuple of field names */
+    PyObject *mapping;      /* collections.abc.Mapping */
+    long long sent = 0, uncompressed = 0;
+    bool overflowed = false; /* a count past int64: the caller counts in Python instead */
+
+    void add(long long more_sent, long long more_uncompressed) {
+        overflowed |= __builtin_add_overflow(sent, more_sent, &sent) ||
+                      __builtin_add_overflow(uncompressed, more_uncompressed, &uncompressed);
+    }
+
+    /* Adds `object`'s sizes; -1 with an error set where it cannot be walked. */
+    int walk(PyObject *object) {
+        PyTypeObject *type = Py_TYPE(object);
+        if (object == Py_None || type == &PyLong_Type || type == &PyFloat_Type ||
+            type == &PyBool_Type || type == &PyUnicode_Type || type == &PyBytes_Type)
+            return 0;
+        if (is_tensor(object)) {
+            const long long nbytes = static_cast<long long>(THPVariable_Unpack(object).nbytes());
+            add(nbytes, nbytes);
+            return 0;
+        }
+        PyObject *function = PyDict_GetItemWithError(special, reinterpret_cast<PyObject *>(type));
+        if (function != nullptr) return add_special(function, object);
+        if (PyErr_Occurred()) return -1;
+        if (Py_EnterRecursiveCall(" while measuring a message")) return -1;
+        const int walked = walk_parts(object, type);
+        Py_LeaveRecursiveCall();
+        return walked;
+    }
+
+    int add_special(PyObject *function, PyObject *object) {
+        PyObject *sizes = PyObject_CallOneArg(function, object);
+        if (sizes == nullptr) return -1;
+        long long more_sent = 0, more_uncompressed = 0;
+        const bool read = PyTuple_Check(sizes) && PyTuple_GET_SIZE(sizes) == 2 &&
+                          read_count(PyTuple_GET_ITEM(sizes, 0), &more_sent) &&
+                          read_count(PyTuple_GET_ITEM(sizes, 1), &more_uncompressed);
+        Py_DECREF(sizes);
+        if (PyErr_Occurred()) return -1;
+        if (!read) {
+            PyErr_SetString(PyExc_TypeError, "payload_sizes: a size function returned no pair");
+            return -1;
+        }
+        add(more_sent, more_uncompressed);
+        return 0;
+    }
+
+    /* Reads a count into `count`; one past int64 marks the walk overflowed. */
+    bool read_count(PyObject *value, long long *count) {
+        int past = 0;
+        *count = PyLong_Check(value) ? PyLong_AsLongLongAndOverflow(value, &past) : -1;
+        overflowed |= past != 0;
+        return PyLong_Check(value) && !(*count == -1 && PyErr_Occurred());
+    }
+
+    int walk_parts(PyObject *object, PyTypeObject *type) {
+        if (PyDict_Check(object)) {
+            PyObject *key, *value;
+            Py_ssize_t at = 0;
+            while (PyDict_Next(object, &at, &key, &value))
+                if (walk(value) < 0) return -1;
+            return 0;
+        }
+        if (PyList_Check(object) || PyTuple_Check(object)) {
+            /* a list's items held while walked: a size function may change the list */
+            PyObject *items = PySequence_Fast(object, "");
+            if (items == nullptr) return -1;
+            int walked = 0;
+            for (Py_ssize_t i = 0; walked == 0 && i < PySequence_Fast_GET_SIZE(items); i++)
+                walked = walk(PySequence_Fast_GET_ITEM(items, i));
+            Py_DECREF(items);
+            return walked;
+        }
+        static PyObject *dataclass_fields = PyUnicode_InternFromString("__dataclass_fields__");
+        if (dataclass_fields == nullptr) return -1;
+        /* dataclasses.is_dataclass of an instance: its type has the attribute */
+        if (!PyType_Check(object) && _PyType_Lookup(type, dataclass_fields) != nullptr)
+            return walk_fields(object, type);
+        const int is_mapping = PyObject_IsInstance(object, mapping);
+        if (is_mapping <= 0) return is_mapping;
+        PyObject *values = PyMapping_Values(object);
+        if (values == nullptr) return -1;
+        const int walked = walk(values);
+        Py_DECREF(values);
+        return walked;
+    }
+
+    int walk_fields(PyObject *object, PyTypeObject *type) {
+        PyObject *names = PyObject_CallOneArg(field_names, reinterpret_cast<PyObject *>(type));
+        if (names == nullptr) return -1;
+        if (!PyTuple_Check(names)) {
+            Py_DECREF(names);
+            PyErr_SetString(PyExc_TypeError, "payload_sizes: field names must be a tuple");
+            return -1;
+        }
+        int walked = 0;
+        for (Py_ssize_t i = 0; walked == 0 && i < PyTuple_GET_SIZE(names); i++) {
+            PyObject *value = PyObject_GetAttr(object, PyTuple_GET_ITEM(names, i));
+            walked = value == nullptr ? -1 : walk(value);
+            Py_XDECREF(value);
+        }
+        Py_DECREF(names);
+        return walked;
+    }
+};
+
+}  // namespace
+
+extern "C" PyObject *payload_sizes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "payload_sizes(special, field_names, mapping, message)");
+        return nullptr;
+    }
+    SizesWalk sizes{args[0], args[1], args[2]};
+    PyObject *result = guarded([&]() -> PyObject * {
+        if (sizes.walk(args[3]) < 0) return nullptr;
+        if (sizes.overflowed) Py_RETURN_NONE;
+        return Py_BuildValue("LL", sizes.sent, sizes.uncompressed);
+    });
+    return result;
+}

@@ -29,6 +29,10 @@ __attribute__((visibility("hidden"))) PyObject *joined_tensors(PyObject *self, P
 __attribute__((visibility("hidden"))) PyObject *frame_small_tensor(PyObject *self,
                                                                    PyObject *args);
 __attribute__((visibility("hidden"))) PyObject *are_rows(PyObject *self, PyObject *args);
+/* A message's tensor data (paramserver/wire/sizing.py's payload_size). */
+__attribute__((visibility("hidden"))) PyObject *payload_sizes(PyObject *self,
+                                                              PyObject *const *args,
+                                                              Py_ssize_t nargs);
 
 #ifdef __cplusplus
 }

@@ -1,14 +1,15 @@
-"""A frame's tensors by the compiled loops, where they take tensors (:mod:`paramserver.native`
-says when; built beside torch, ``_tensors.cpp``), else by the frame's own Python, which each
-caller hands in: :mod:`paramserver.wire.frames` (a tensor's reduction, the small tensors' data,
-a decoded small tensor) and :mod:`paramserver.wire.bundles` (views that lie end to end). In
-Python each costs a dozen of torch's calls per tensor, thousands of instructions; in C++ tens.
-Both paths give the same frames (the tests run both)."""
+"""A message's tensors by the compiled loops, where they take tensors (:mod:`paramserver.native`
+says when; built beside torch, ``_tensors.cpp``), else by the caller's own Python, which it
+hands in: :mod:`paramserver.wire.frames` (a tensor's reduction, the small tensors' data, a
+decoded small tensor), :mod:`paramserver.wire.bundles` (views that lie end to end) and
+:mod:`paramserver.wire.sizing` (a message's tensor data, walked). In Python each costs a dozen
+of torch's or the interpreter's calls per tensor, thousands of instructions; in C++ tens. Both
+paths give the same results (the tests run both)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -71,3 +72,19 @@ def small_tensor(
         return fallback(data, at, dtype_name, shape)
     made = native.loops.frame_small_tensor(data, at, dtype_name, shape)  # type: ignore[union-attr]
     return cast(tuple[Tensor, int] | str, made)
+
+
+def payload_sizes(
+    message: object,
+    special: dict[type, Callable[[Any], tuple[int, int]]],
+    field_names: Callable[[type], tuple[str, ...]],
+    fallback: Callable[[object], tuple[int, int]],
+) -> tuple[int, int]:
+    """A message's tensor data as sent and uncompressed, walked through its dicts, lists,
+    tuples, dataclasses (their fields by ``field_names``) and other mappings, in one call of
+    the loops: a tensor by its bytes, an object whose type ``special`` holds by its function.
+    ``fallback`` where a count passes int64 (a peer's claim) or the loops take no tensors."""
+    if not native.takes_tensors():
+        return fallback(message)
+    sizes = native.loops.payload_sizes(special, field_names, Mapping, message)  # type: ignore[union-attr]
+    return fallback(message) if sizes is None else cast(tuple[int, int], sizes)

@@ -183,3 +183,38 @@ def test_message_nbytes_walks_subclasses_as_their_base_types() -> None:
     message = OrderedDict(w=weights, p=pair(torch.ones(5), "xy"), s=Sub(torch.arange(3), None))
     assert message_nbytes(message) == len("wps") + 40 + 20 + 2 + 24
     assert message_nbytes([RowBlock, Sub, torch.Tensor]) == 0  # classes hold nothing
+
+
+def test_payload_size_counts_tensor_data_as_sent_and_uncompressed(loop_mode: str) -> None:
+    """What a call's figures count (bytes sent, and what they would be uncompressed): every
+    tensor's data, walked through whatever holds it, an encoded tensor by its payload and the
+    float32 tensor it stands for, packed ids as packed. The loops walk as Python does."""
+    from collections import OrderedDict, namedtuple
+    from types import MappingProxyType
+
+    from paramserver.wire.idcodec import compact_ids
+    from paramserver.wire.sizing import PayloadSize, payload_nbytes, payload_size
+
+    pair = namedtuple("pair", "a b")
+    int8 = encode("int8", torch.ones(10, 4))  # 40 int8 values and 10 bfloat16 scales
+    packed = compact_ids(torch.arange(0, 30, 3))  # 10 uint8 steps and the first id
+    message = OrderedDict(
+        rows=RowBlock(torch.arange(3), torch.nn.Parameter(torch.ones(3, 2))),
+        view=torch.zeros(100)[10:20],  # a view counts its own elements
+        nested=[pair(int8, "text"), (packed, None, 7, 2.5, b"raw")],
+        mapping=MappingProxyType({"half": torch.ones(4, dtype=torch.float16)}),
+        classes=[RowBlock, torch.Tensor],  # a class is not an instance
+    )
+    assert payload_size(message) == PayloadSize(
+        24 + 24 + 40 + 60 + 18 + 8, 24 + 24 + 40 + 160 + 18 + 8
+    )
+    assert payload_nbytes(message) == 174
+    assert payload_size({}) == PayloadSize(0, 0)
+    # A count past int64 (a peer's claim) is counted exactly all the same.
+    huge = Encoded("topk", (10**12,) * 3, (torch.zeros(1, dtype=torch.int32), torch.ones(1)))
+    assert payload_size([huge, torch.ones(1)]) == PayloadSize(12, 4 * 10**36 + 4)
+    deep: list[Any] = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(RecursionError):
+        payload_size(deep)

@@ -8,12 +8,13 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from paramserver import native_frames
 from paramserver.wire.compression import Encoded
 from paramserver.wire.idcodec import FIRST_NBYTES, PackedIds, num_ids
 
@@ -32,47 +33,56 @@ _LEAVES = frozenset({int, float, bool, str, bytes, type(None)})  # hold no tenso
 
 def payload_size(message: Any) -> PayloadSize:
     """Bytes of tensor data in a message, as sent and uncompressed, in one walk (dataclasses,
-    mappings and sequences are walked).
+    mappings and sequences are walked; by the compiled loops where they take tensors).
 
     This is what dominates the wire: TensorPipe ships tensor storage as separate buffers; the
     pickled skeleton around them is a few hundred bytes per call and is not counted.
     """
-    return PayloadSize(*_payload_nbytes(message))
+    return PayloadSize(*_sizes(message))
 
 
 def payload_nbytes(message: Any) -> int:
     """:attr:`PayloadSize.nbytes` of a message: its tensor data as sent."""
-    return _payload_nbytes(message)[0]
+    return _sizes(message)[0]
+
+
+def _encoded_sizes(encoded: Encoded) -> tuple[int, int]:
+    return _payload_nbytes(encoded.tensors)[0], math.prod(encoded.shape) * 4
+
+
+def _packed_sizes(packed: PackedIds) -> tuple[int, int]:
+    return packed.nbytes, packed.nbytes
+
+
+# Counted as a whole, by type: an encoded tensor by its payload and the float32 tensor it
+# stands for; packed ids as they travel (packing is the wire format, not a codec).
+_SPECIAL: dict[type, Callable[[Any], tuple[int, int]]] = {
+    Encoded: _encoded_sizes,
+    PackedIds: _packed_sizes,
+}
 
 
 def _payload_nbytes(message: Any) -> tuple[int, int]:
+    """:func:`payload_size` in Python: where the loops do not take tensors, or a count
+    passes int64."""
     if type(message) in _LEAVES:  # most fields: settled before the checks below
         return 0, 0
     if isinstance(message, Tensor):
         nbytes = message.numel() * message.element_size()
         return nbytes, nbytes
-    if isinstance(message, Encoded):
-        return _payload_nbytes(message.tensors)[0], math.prod(message.shape) * 4
-    if isinstance(message, PackedIds):
-        return message.nbytes, message.nbytes
-    if type(message) is dict or isinstance(message, Mapping):  # the ABC's check costs more
-        parts: Any = message.values()
-    elif isinstance(message, list | tuple):
-        parts = message
+    special = _SPECIAL.get(type(message))
+    if special is not None:
+        return special(message)
+    if isinstance(message, dict | list | tuple):
+        parts: Any = message.values() if isinstance(message, dict) else message
     elif dataclasses.is_dataclass(message) and not isinstance(message, type):
         parts = [getattr(message, name) for name in _field_names(type(message))]
+    elif isinstance(message, Mapping):
+        parts = message.values()
     else:
         return 0, 0
     sent = uncompressed = 0
     for part in parts:
-        part_type = type(part)
-        if part_type in _LEAVES or (part_type is dict and not part):  # most parts: no call
-            continue
-        if part_type is Tensor:
-            nbytes = part.numel() * part.element_size()
-            sent += nbytes
-            uncompressed += nbytes
-            continue
         part_sent, part_uncompressed = _payload_nbytes(part)
         sent += part_sent
         uncompressed += part_uncompressed
@@ -228,6 +238,10 @@ def _field_names(cls: type) -> tuple[str, ...]:
     """The fields of a dataclass (``dataclasses.fields`` rebuilds them at every call: slow
     for walks over every message)."""
     return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _sizes(message: Any) -> tuple[int, int]:
+    return native_frames.payload_sizes(message, _SPECIAL, _field_names, _payload_nbytes)
 
 
 def clone_message(message: Any) -> Any:
