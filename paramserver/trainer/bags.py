@@ -49,9 +49,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from paramserver import native
+from paramserver.trainer.gradmode import differentiable_once
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +264,7 @@ class DenseGradient(torch.autograd.Function):
         return rows.view_as(rows)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         return grad.to_dense() if grad.is_sparse else grad
 
@@ -328,7 +328,7 @@ class _Step(torch.autograd.Function):
         return torch.empty(0, dtype=rows[0].dtype)
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx: Any, _: Tensor | None) -> tuple[Tensor | None, ...]:
         node: BagNode = ctx.node
         grads, node.grads = node.grads, {}
@@ -377,7 +377,7 @@ class _Lookup(torch.autograd.Function):
         return pooled
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx: Any, grad: Tensor | None) -> tuple[Tensor | None, ...]:
         node: BagNode = ctx.node
         table, bags = node.lookups[ctx.number]
@@ -414,7 +414,7 @@ class _Lookups(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         node: BagNode = ctx.node
         dtype = None  # of the gradients handed over: the token's (none: no token)

@@ -15,12 +15,12 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from paramserver import native
 from paramserver.errors import ModelError
 from paramserver.trainer.bags import BagNode, Bags, loops_agree_with_torch
 from paramserver.trainer.discovery import Derivation, call_tensors, derivation_of
+from paramserver.trainer.gradmode import differentiable_once
 from paramserver.wire.messages import BagBlock
 
 
@@ -345,7 +345,7 @@ class _Lookups(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    @once_differentiable
+    @differentiable_once
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         positions, sizes, dim = ctx.positions, ctx.sizes, ctx.dim
         touched = sorted({t for (t, _), g in zip(positions, grads, strict=True) if g is not None})

@@ -35,6 +35,7 @@ from paramserver.optim import Block, PulledRows, PulledTable, UpdateRule, make_r
 from paramserver.rowupdates import apply_rows
 from paramserver.store.arena import ROW_STEPS
 from paramserver.trainer.client import Pulled
+from paramserver.trainer.gradmode import without_grad
 from paramserver.trainer.rowstate import RowState, RowStates, StateMasks
 
 
@@ -99,7 +100,7 @@ class OwnUpdates:
         masks.found = found
         return Asked(masks, names, touched, at, sizes)
 
-    @torch.no_grad()
+    @without_grad
     def apply(
         self,
         pulled: Pulled,

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from paramserver import native
 from paramserver.errors import ModelError
 from paramserver.trainer.discovery import InputLookups
+from paramserver.trainer.gradmode import without_grad
 from paramserver.trainer.lookups import (
     Recorded,
     RecordedLookups,
@@ -210,6 +211,7 @@ class Replica:
 
     # ---- the step ----
 
+    @without_grad
     def load(
         self,
         dense: dict[str, Tensor],
@@ -229,9 +231,8 @@ class Replica:
                 continue
             sums, remote.pooled_bags = pooled[name]
             remote.pooled = sums.requires_grad_(True)
-        with torch.no_grad():
-            for name, value in dense.items():
-                self.dense[name].copy_(value)
+        for name, value in dense.items():
+            self.dense[name].copy_(value)
         for param in self.dense.values():
             param.grad = None
         self._load_rows(rows, lookups or {})
