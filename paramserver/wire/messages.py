@@ -138,7 +138,9 @@ _BUNDLED_REPLY_FIELDS = ("dense", "rows", "pooled", "row_versions", "dense_state
 def _bundled_fields(state: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     state = dict(state)
     for name in names:
-        state[name] = bundled(state.get(name))
+        value = state.get(name)
+        if type(value) is dict and len(value) > 1:  # what bundled() leaves as it is, asked here
+            state[name] = bundled(value)
     return state
 
 
