@@ -6,8 +6,9 @@
  * - place: put new ids in the first free slot of their probe sequences, in order.
  * - rehash: rebuild an id map's slot array in a larger (or cleaned) one, one pass over the old.
  * - init_rows: a dynamic table's new rows, values and optimizer state, each row written once.
- * - unique_inverse: the sorted unique ids of each of several batches of ids, and where each id
- *   is among them, as torch.unique(ids, return_inverse=True) gives them: one radix sort each.
+ * - unique_ids: the sorted unique ids of a batch of ids, and where each id is among them, as
+ *   torch.unique(ids, return_inverse=True) gives them: one radix sort (or a pass of marks);
+ *   _tensors.cpp's unique_lookups calls it for each table of a trainer's record pass.
  * - gather_rows, scatter_rows: a trainer's lookups of a step in the rows pulled for each table,
  *   and their gradients added back, every table and lookup in one call.
  * - pool_bags, scatter_bags: the same for a trainer's pooled lookups (EmbeddingBag's sum and
@@ -996,60 +997,15 @@ static Py_ssize_t unique_segment(const int64_t *ids, Py_ssize_t count, KeyAt *it
     return num_unique;
 }
 
-static const char unique_inverse_doc[] =
-    "unique_inverse(ids, sizes, unique_out, inverse_out) -> counts\n"
-    "For each segment of `ids` (int64; `sizes`, a tuple, their lengths in order), what\n"
-    "torch.unique(segment, return_inverse=True) gives: its sorted unique ids into unique_out\n"
-    "from the segment's start (counts: how many), and each id's index among them into\n"
-    "inverse_out (both int64, as long as ids).";
+/* unique_segment for _tensors.cpp's unique_lookups, with a workspace of
+ * unique_workspace_bytes(largest segment). */
+Py_ssize_t unique_ids(const int64_t *ids, Py_ssize_t count, void *workspace, int64_t *unique,
+                      int64_t *inverse) {
+    return unique_segment(ids, count, workspace, unique, inverse);
+}
 
-static PyObject *unique_inverse(PyObject *self, PyObject *args) {
-    Py_buffer ids_view, unique_view, inverse_view;
-    PyObject *sizes;
-    if (!PyArg_ParseTuple(args, "O&O!O&O&", readable, &ids_view, &PyTuple_Type, &sizes, writable,
-                          &unique_view, writable, &inverse_view))
-        return NULL;
-    PyObject *counts = NULL;
-    KeyAt *items = NULL;
-    Py_ssize_t total = ids_view.len / 8, num_segments = PyTuple_GET_SIZE(sizes), largest = 0;
-    Py_ssize_t summed = 0;
-    for (Py_ssize_t s = 0; s < num_segments; s++) {
-        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
-        if (size == -1 && PyErr_Occurred()) goto done;
-        if (size < 0 || size > total - summed) { /* refused below, as the sums differ */
-            summed = -1;
-            break;
-        }
-        summed += size;
-        largest = size > largest ? size : largest;
-    }
-    if (ids_view.len % 8 || summed != total || unique_view.len != ids_view.len ||
-        inverse_view.len != ids_view.len) {
-        PyErr_SetString(PyExc_ValueError, "unique_inverse: arrays of mismatched sizes");
-        goto done;
-    }
-    items = PyMem_Malloc(2 * (size_t)(largest ? largest : 1) * sizeof(KeyAt));
-    counts = PyTuple_New(num_segments);
-    if (items == NULL || counts == NULL) {
-        if (items == NULL) PyErr_NoMemory();
-        Py_CLEAR(counts);
-        goto done;
-    }
-    Py_ssize_t start = 0;
-    for (Py_ssize_t s = 0; s < num_segments; s++) {
-        Py_ssize_t size = PyLong_AsSsize_t(PyTuple_GET_ITEM(sizes, s));
-        Py_ssize_t count = unique_segment((const int64_t *)ids_view.buf + start, size, items,
-                                          (int64_t *)unique_view.buf + start,
-                                          (int64_t *)inverse_view.buf + start);
-        PyTuple_SET_ITEM(counts, s, PyLong_FromSsize_t(count));
-        start += size;
-    }
-done:
-    PyMem_Free(items);
-    release_buffer(&ids_view);
-    release_buffer(&unique_view);
-    release_buffer(&inverse_view);
-    return counts;
+size_t unique_workspace_bytes(Py_ssize_t largest) {
+    return 2 * (size_t)(largest > 0 ? largest : 1) * sizeof(KeyAt);
 }
 
 /* gather_rows and scatter_rows: the lookups of a trainer's step, all tables in one call. */
@@ -2104,7 +2060,6 @@ static PyMethodDef methods[] = {
     {"step_rows", step_rows, METH_VARARGS, step_rows_doc},
     {"own_rows", own_rows, METH_VARARGS, own_rows_doc},
     {"init_rows", init_rows, METH_VARARGS, init_rows_doc},
-    {"unique_inverse", unique_inverse, METH_VARARGS, unique_inverse_doc},
     {"places_each", places_each, METH_VARARGS, places_each_doc},
     {"gather_rows", gather_rows, METH_VARARGS, gather_rows_doc},
     {"scatter_rows", scatter_rows, METH_VARARGS, scatter_rows_doc},
@@ -2138,6 +2093,12 @@ static PyMethodDef methods[] = {
     {"are_rows", are_rows, METH_VARARGS,
      "are_rows(tensors, float64_too) -> whether every one of the tuple `tensors` is a\n"
      "table of rows the loops index: a 2-D contiguous CPU tensor of float32 (or float64)."},
+    {"unique_lookups", unique_lookups, METH_O,
+     "unique_lookups(groups) -> [(unique, [(ids, positions), ...]), ...], or None\n"
+     "For each table's list of lookups' ids (1-D int32 or int64 CPU tensors) of `groups`:\n"
+     "its sorted unique ids and, per lookup, its ids copied as int64 and each one's index\n"
+     "among them, as torch.unique(torch.cat(lookups), return_inverse=True) gives them, all\n"
+     "views of one new buffer. None where an id tensor is of another kind."},
     {"payload_sizes", (PyCFunction)(void (*)(void))payload_sizes, METH_FASTCALL,
      "payload_sizes(special, field_names, mapping, message) -> (sent, uncompressed), or None\n"
      "A message's tensor data (paramserver/wire/sizing.py's payload_size): its tensors'\n"

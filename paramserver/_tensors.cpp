@@ -510,3 +510,93 @@ extern "C" PyObject *payload_sizes(PyObject *self, PyObject *const *args, Py_ssi
     });
     return result;
 }
+
+/* ---- a record pass's unique ids (paramserver/trainer/lookups.py) ---- */
+
+namespace {
+
+/* Whether unique_lookups reads `tensor` as a lookup's ids. */
+bool lookup_ids(const at::Tensor &tensor) {
+    const auto type = tensor.scalar_type();
+    return tensor.defined() && tensor.dim() == 1 && tensor.device().is_cpu() &&
+           tensor.layout() == c10::kStrided &&
+           (type == c10::ScalarType::Long || type == c10::ScalarType::Int);
+}
+
+/* A new tuple of `first` and `second` (stolen); nullptr where either is. */
+PyObject *pair(PyObject *first, PyObject *second) {
+    PyObject *made = first != nullptr && second != nullptr ? PyTuple_Pack(2, first, second)
+                                                           : nullptr;
+    Py_XDECREF(first);
+    Py_XDECREF(second);
+    return made;
+}
+
+}  // namespace
+
+extern "C" PyObject *unique_lookups(PyObject *self, PyObject *groups) {
+    if (!PyList_Check(groups)) {
+        PyErr_SetString(PyExc_TypeError, "unique_lookups: a list of lists of tensors is required");
+        return nullptr;
+    }
+    const Py_ssize_t num_tables = PyList_GET_SIZE(groups);
+    Py_ssize_t total = 0, largest = 0;
+    for (Py_ssize_t t = 0; t < num_tables; t++) {
+        PyObject *lookups = PyList_GET_ITEM(groups, t);
+        if (!PyList_Check(lookups)) {
+            PyErr_SetString(PyExc_TypeError, "unique_lookups: a list of lists of tensors is required");
+            return nullptr;
+        }
+        Py_ssize_t size = 0;
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(lookups); i++) {
+            PyObject *item = PyList_GET_ITEM(lookups, i);
+            if (!is_tensor(item) || !lookup_ids(THPVariable_Unpack(item))) Py_RETURN_NONE;
+            size += THPVariable_Unpack(item).numel();
+        }
+        total += size;
+        largest = std::max(largest, size);
+    }
+    return guarded([&]() -> PyObject * {
+        /* joined ids, then unique ids, then positions: each table's from where its ids start */
+        const at::Tensor buffer = at::empty({3 * total}, at::kLong);
+        int64_t *joined = buffer.data_ptr<int64_t>(), *unique = joined + total,
+                *inverse = unique + total;
+        std::vector<char> workspace(unique_workspace_bytes(largest));
+        PyObject *found = PyList_New(num_tables);
+        Py_ssize_t start = 0;
+        for (Py_ssize_t t = 0; found != nullptr && t < num_tables; t++) {
+            PyObject *lookups = PyList_GET_ITEM(groups, t);
+            const Py_ssize_t count = PyList_GET_SIZE(lookups);
+            Py_ssize_t at = start;
+            for (Py_ssize_t i = 0; i < count; i++) {
+                const at::Tensor &ids = THPVariable_Unpack(PyList_GET_ITEM(lookups, i));
+                const Py_ssize_t n = ids.numel();
+                if (n == 0) continue;
+                if (ids.scalar_type() == c10::ScalarType::Long && ids.is_contiguous())
+                    memcpy(joined + at, ids.data_ptr<int64_t>(), n * sizeof(int64_t));
+                else
+                    buffer.narrow(0, at, n).copy_(ids);
+                at += n;
+            }
+            const Py_ssize_t num_unique = unique_ids(joined + start, at - start, workspace.data(),
+                                                     unique + start, inverse + start);
+            PyObject *each = PyList_New(count);
+            at = start;
+            for (Py_ssize_t i = 0; each != nullptr && i < count; i++) {
+                const Py_ssize_t n = THPVariable_Unpack(PyList_GET_ITEM(lookups, i)).numel();
+                PyObject *made = pair(THPVariable_Wrap(buffer.narrow(0, at, n)),
+                                      THPVariable_Wrap(buffer.narrow(0, 2 * total + at, n)));
+                if (made == nullptr) Py_CLEAR(each);
+                else PyList_SET_ITEM(each, i, made);
+                at += n;
+            }
+            PyObject *table =
+                each != nullptr ? pair(THPVariable_Wrap(buffer.narrow(0, total + start, num_unique)), each)
+                                : nullptr;
+            if (table == nullptr) Py_CLEAR(found);
+            else PyList_SET_ITEM(found, t, table);
+            start = at;
+        }
+        return found;
+    });
+}

@@ -5,6 +5,7 @@
 #define PARAMSERVER_TENSORS_H
 
 #include <Python.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,6 +30,18 @@ __attribute__((visibility("hidden"))) PyObject *joined_tensors(PyObject *self, P
 __attribute__((visibility("hidden"))) PyObject *frame_small_tensor(PyObject *self,
                                                                    PyObject *args);
 __attribute__((visibility("hidden"))) PyObject *are_rows(PyObject *self, PyObject *args);
+/* A record pass's lookups: each table's unique ids and each lookup's positions among them
+ * (paramserver/native.py's unique_lookups). */
+__attribute__((visibility("hidden"))) PyObject *unique_lookups(PyObject *self, PyObject *groups);
+
+/* _native.c's, for unique_lookups: one segment's sorted unique ids and each id's index
+ * among them (returns how many are unique), with a workspace of unique_workspace_bytes of the
+ * largest segment. */
+__attribute__((visibility("hidden"))) Py_ssize_t unique_ids(const int64_t *ids, Py_ssize_t count,
+                                                            void *workspace, int64_t *unique,
+                                                            int64_t *inverse);
+__attribute__((visibility("hidden"))) size_t unique_workspace_bytes(Py_ssize_t largest);
+
 /* A message's tensor data (paramserver/wire/sizing.py's payload_size). */
 __attribute__((visibility("hidden"))) PyObject *payload_sizes(PyObject *self,
                                                               PyObject *const *args,

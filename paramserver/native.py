@@ -31,8 +31,9 @@ is what sets its speed. The operations, each a function here with the same resul
   unpacked in one call (torch: a few checks and a cumulative sum per set, each with its own
   cost); :func:`pack_tables` and :func:`unpack_tables` pack and unpack several tables' ids as
   one message carries them, in one buffer (numpy and torch: a few calls per table);
-- :func:`unique_each`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds every
-  table's unique ids in one call (torch: a ``torch.unique`` per table, each with its own cost);
+- :func:`unique_lookups`: a trainer's record pass (:mod:`paramserver.trainer.lookups`) finds
+  every table's unique ids and each lookup's positions among them in one call (torch: a
+  ``torch.unique`` per table and a split per lookup, each with its own cost);
 - :func:`gather_rows` and :func:`scatter_rows`: a trainer's forward makes its step's lookups of
   every table in one call, and its backward adds their gradients in one (torch: an
   ``index_select`` and an ``index_add_`` per lookup);
@@ -279,24 +280,19 @@ def init_rows(
     )  # fmt: skip
 
 
-def unique_each(
-    ids: Tensor,
-    sizes: tuple[int, ...],
-    fallback: Callable[[Tensor, tuple[int, ...]], list[tuple[Tensor, Tensor]]],
-) -> list[tuple[Tensor, Tensor]]:
-    """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
-    given ``sizes``: every part in one call of the loop (where it takes tensors)."""
+def unique_lookups(
+    groups: list[list[Tensor]],
+    fallback: Callable[[list[list[Tensor]]], list[tuple[Tensor, list[tuple[Tensor, Tensor]]]]],
+) -> list[tuple[Tensor, list[tuple[Tensor, Tensor]]]]:
+    """For each table's lookups' ids (``groups``: 1-D integer tensors), its sorted unique ids
+    and, per lookup, its ids as int64 and each one's index among them: what
+    ``torch.unique(torch.cat(lookups), return_inverse=True)`` gives, all tables in one call of
+    the loops (where they take these tensors: int32 or int64 on the CPU), else ``fallback``."""
     if not takes_tensors():
-        return fallback(ids, sizes)
-    unique, inverse = torch.empty_like(ids), torch.empty_like(ids)
-    assert loops is not None
-    counts = loops.unique_inverse(ids, sizes, unique, inverse)
-    return [
-        (part[:count], positions)
-        for part, positions, count in zip(
-            unique.split_with_sizes(sizes), inverse.split_with_sizes(sizes), counts, strict=True
-        )
-    ]
+        return fallback(groups)
+    found: list[tuple[Tensor, list[tuple[Tensor, Tensor]]]] | None
+    found = loops.unique_lookups(groups)  # type: ignore[union-attr]
+    return fallback(groups) if found is None else found
 
 
 Packed = list[tuple[int, np.dtype | None, np.ndarray]]

@@ -84,7 +84,8 @@ def payload_sizes(
     tuples, dataclasses (their fields by ``field_names``) and other mappings, in one call of
     the loops: a tensor by its bytes, an object whose type ``special`` holds by its function.
     ``fallback`` where a count passes int64 (a peer's claim) or the loops take no tensors."""
-    if not native.takes_tensors():
+    loops = native.loops  # (takes_tensors(), asked without a call: every message is measured)
+    if loops is None or not loops.TAKES_TENSORS:
         return fallback(message)
-    sizes = native.loops.payload_sizes(special, field_names, Mapping, message)  # type: ignore[union-attr]
-    return fallback(message) if sizes is None else cast(tuple[int, int], sizes)
+    sizes: tuple[int, int] | None = loops.payload_sizes(special, field_names, Mapping, message)
+    return fallback(message) if sizes is None else sizes

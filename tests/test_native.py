@@ -19,7 +19,7 @@ from paramserver.optimconfig import OptimizerConfig
 from paramserver.store.arena import RowArena
 from paramserver.store.idmap import FusedIdMap
 from paramserver.store.rowinit import init_values_and_state
-from paramserver.trainer.lookups import unique_each
+from paramserver.trainer.lookups import unique_lookups
 from tests.helpers import counted
 
 compiled = pytest.mark.skipif(native.loops is None, reason="the compiled loops are off")
@@ -137,13 +137,14 @@ def test_bad_arguments_raise_instead_of_reading_past_an_array() -> None:
     with pytest.raises(ValueError, match="no such rule"):
         loops.step_rows(2, weight, None, 8, np.array([1]), grads[:1], 0.1, 0.0, 0.0, True)
     assert not weight.any()  # nothing written by a refused call
-    uniques = np.zeros(6, dtype=np.int64)
-    for sizes in [(5,), (7,), (-1, 7), (3, 4), (6, -1)]:  # not the lengths of the ids' parts
-        with pytest.raises(ValueError, match="mismatched"):
-            loops.unique_inverse(ids[:6], sizes, uniques, uniques.copy())
-    with pytest.raises(ValueError, match="mismatched"):
-        loops.unique_inverse(ids[:6], (6,), uniques[:5], uniques.copy())
-    assert not uniques.any()
+    if native.takes_tensors():
+        for groups in [(torch.arange(3),), [torch.arange(3)], [[torch.arange(3)], (7,)]]:
+            with pytest.raises(TypeError, match="list of lists of tensors"):
+                loops.unique_lookups(groups)
+        # ids it does not read (left to torch): of other types, not 1-D, not tensors
+        for ids in [torch.arange(3, dtype=torch.int16), torch.ones(3), torch.ones(2, 2).long(),
+                    np.arange(3)]:  # fmt: skip
+            assert loops.unique_lookups([[torch.arange(4)], [ids]]) is None
 
 
 @compiled
@@ -184,11 +185,11 @@ def test_new_rows_made_by_the_loop_are_numpys(
 
 MARKS_AT_THE_EDGE = """
 import torch
-from paramserver.trainer.lookups import unique_each
+from paramserver.trainer.lookups import unique_lookups
 for span in (31, 32):  # 4 ids: 32 marks fill the workspace exactly; 33 would not fit
     part = torch.tensor([-7 + span, -7, -7 + span, -7 + span // 2])
-    ((unique, inverse),) = unique_each(part, (4,))
-    assert torch.equal(unique, torch.unique(part))
+    unique, _ = unique_lookups({"t": [part]})
+    assert torch.equal(unique["t"], torch.unique(part))
 """
 
 
@@ -206,29 +207,62 @@ def test_the_marks_of_dense_ids_stay_inside_their_workspace() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+def _expected_lookups(lookups: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """torch's unique ids of a table's lookups, and each lookup's positions among them."""
+    joined = torch.cat([ids.long() for ids in lookups]) if lookups else torch.zeros(0).long()
+    unique, inverse = torch.unique(joined, return_inverse=True)
+    return unique, list(inverse.split([ids.numel() for ids in lookups]))
+
+
 @compiled
-def test_each_parts_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sorted unique ids of each part and each id's index among them, as torch.unique
-    gives them: parts empty, alone, with repeats, over the whole int64 range (both ends), and
-    dense ones (ranked by marks, below 8 ids' span per id) at that edge."""
-    searched = counted(monkeypatch, "unique_inverse")
+def test_each_tables_unique_ids_from_the_loop_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sorted unique ids of each table's lookups and each id's index among them, as
+    torch.unique gives them, and each lookup's ids as int64: tables of no lookups, of empty
+    ones, alone, with repeats, over the whole int64 range (both ends), dense ones (ranked by
+    marks, below 8 ids' span per id) at that edge, int32 ids, strided views."""
+    if not native.takes_tensors():
+        pytest.skip("the loops do not take tensors here")
+    searched = counted(monkeypatch, "unique_lookups")
     g = torch.Generator().manual_seed(0)
     extremes = torch.tensor([2**63 - 1, -(2**63), 0, -1, 2**63 - 1, -(2**63), 5])
-    cases = [((0,), 3), ((1,), 3), ((5, 0, 7), 3), ((512,) * 26, 2**62), ((2048, 3), 1000)]
-    for sizes, spread in cases:
-        drawn = torch.randint(-spread, spread, (sum(sizes),), generator=g)
-        for ids, parts in ((drawn, sizes), (torch.cat([extremes, drawn]), (7, *sizes))):
-            found = unique_each(ids, parts)
-            for (unique, inverse), part in zip(found, ids.split(parts), strict=True):
-                expected_unique, expected_inverse = torch.unique(part, return_inverse=True)
-                assert torch.equal(unique, expected_unique)
-                assert torch.equal(inverse, expected_inverse)
+    recorded = {
+        "none": [],
+        "empty": [torch.zeros(0, dtype=torch.int64)],
+        "small": [torch.randint(-3, 3, (1,), generator=g)],
+        "repeats": [torch.randint(-3, 3, (5,), generator=g), torch.tensor([0, 3, 3, 1, 0, 2, 3])],
+        "extremes": [extremes, torch.randint(-(2**62), 2**62, (512,), generator=g)],
+        "dense": [torch.randint(-1000, 1000, (2048,), generator=g), torch.arange(3)],
+        "int32": [torch.randint(0, 50, (40,), generator=g, dtype=torch.int32)],
+        "strided": [torch.randint(0, 9, (6, 2), generator=g)[:, 1], torch.tensor([4, 4])],
+    }
     for span in (31, 32):  # 4 ids: marked (a span under 32), then sorted
-        part = torch.tensor([-7 + span, -7, -7 + span, -7 + span // 2])
-        ((unique, inverse),) = unique_each(part, (4,))
-        expected_unique, expected_inverse = torch.unique(part, return_inverse=True)
-        assert torch.equal(unique, expected_unique) and torch.equal(inverse, expected_inverse)
-    assert searched[0] == 2 * len(cases) + 2
+        recorded[f"span {span}"] = [torch.tensor([-7 + span, -7, -7 + span, -7 + span // 2])]
+    unique, lookups = unique_lookups(recorded)
+    assert searched[0] == 1
+    assert list(unique) == list(lookups) == list(recorded)
+    for table, each in recorded.items():
+        expected_unique, expected_positions = _expected_lookups(each)
+        assert torch.equal(unique[table], expected_unique), table
+        assert lookups[table].ids is unique[table]
+        assert len(lookups[table].each) == len(each)
+        for (ids, positions), given, expected in zip(
+            lookups[table].each, each, expected_positions, strict=True
+        ):
+            assert ids.dtype == torch.int64 and torch.equal(ids, given.long()), table
+            assert torch.equal(positions, expected), table
+    recorded["int32"][0][0] = 10**6  # the lookups' ids are a copy: the batch may change
+    assert int(lookups["int32"].each[0][0][0]) != 10**6
+
+
+def test_unique_ids_of_ids_the_loops_do_not_read_are_torchs() -> None:
+    """Lookups of ids the loops do not read (int16 here) are left to torch, with the same
+    results; so are all where the loops are off."""
+    recorded = {"a": [torch.tensor([3, 1, 3], dtype=torch.int16)], "b": [torch.tensor([9, 2])]}
+    unique, lookups = unique_lookups(recorded)
+    assert torch.equal(unique["a"], torch.tensor([1, 3]))
+    assert torch.equal(unique["b"], torch.tensor([2, 9]))
+    ((ids, positions),) = lookups["a"].each
+    assert ids.dtype == torch.int64 and torch.equal(positions, torch.tensor([1, 0, 1]))
 
 
 @compiled

@@ -21,13 +21,21 @@ class CallProfile:
 
     def sent(self, op: str, nbytes: int) -> None:
         with self._lock:
-            self.ops.setdefault(op, CallStats()).sent_bytes += nbytes
+            self._stats(op).sent_bytes += nbytes
 
     def answered(self, op: str, seconds: float, nbytes: int) -> None:
         with self._lock:
-            stats = self.ops.setdefault(op, CallStats())
+            stats = self._stats(op)
             stats.add(seconds)
             stats.received_bytes += nbytes
+
+    def _stats(self, op: str) -> CallStats:
+        """``op``'s record, made at its first call (not a new one at every call, as
+        ``setdefault``'s default would be)."""
+        stats = self.ops.get(op)
+        if stats is None:
+            stats = self.ops[op] = CallStats()
+        return stats
 
     def bytes_of(self, *ops: str) -> tuple[int, int]:
         """Bytes sent and received so far by calls of ``ops``."""

@@ -209,16 +209,18 @@ class PSClient:
         (``Pulled.dense_state``). ``earlier``: steps pushed before this one, each by a call of
         its own, in the same message to each server (``push_pulls``).
         """
-        preceding = [self._numbered_push(push) for push in earlier]
+        preceding = [self._numbered_push(push) for push in earlier] if earlier else []
         requests = self._numbered(
             dense_grads, row_grads, pull_dense=pull_dense, final=final, report=report,
             grads_call=grads_call, grads_step=grads_step,
-            pull_dense_state=pull_dense and pull_dense_state, publish=self._publish_due(),
+            pull_dense_state=pull_dense and pull_dense_state,
+            publish=self.publish_every is not None and self._publish_due(),
         )  # fmt: skip
-        self.pooled.add_grads(requests, pooled_grads or {}, self._encode_rows)
+        if pooled_grads:
+            self.pooled.add_grads(requests, pooled_grads, self._encode_rows)
         if self.buffers is not None:
             self.buffers.add_changed(requests, final)
-        pooled_shapes = self.pooled.add_bags(requests, pool_bags or {})
+        pooled_shapes = self.pooled.add_bags(requests, pool_bags) if pool_bags else {}
         return self._start(
             ops.PUSH_PULL, requests, pull_ids, report, requests[0].call, pooled_shapes,
             cached=True, state_masks=pull_state or {}, preceding=preceding,
@@ -374,12 +376,17 @@ class PSClient:
         """One message per server: its request, after its part of the ``preceding`` calls
         (then the message is a ``push_pulls`` call)."""
         # Each request is measured once: for the traffic, the report and the call profile.
-        messages = [
-            [*(calls[server] for calls in preceding), r] for server, r in enumerate(requests)
-        ]
-        sizes = [[payload_size(r) for r in message] for message in messages]
-        self.traffic.uncompressed_sent += sum(s.uncompressed_nbytes for each in sizes for s in each)
-        nbytes = [sum(size.nbytes for size in each) for each in sizes]
+        messages: list[list[PushPullRequest]] = []
+        nbytes: list[int] = []
+        for server, request in enumerate(requests):
+            message = [*(calls[server] for calls in preceding), request] if preceding else [request]
+            sent = 0
+            for part in message:
+                size = payload_size(part)
+                sent += size.nbytes
+                self.traffic.uncompressed_sent += size.uncompressed_nbytes
+            messages.append(message)
+            nbytes.append(sent)
         if report is not None:
             self._fill_report(report, sum(nbytes))
         if op is ops.PUSH_PULL:

@@ -386,16 +386,25 @@ class TrainContext:
 
 def _batch_size(batch: Any) -> int:
     """The first dimension of the first tensor in ``batch`` (1 for a batch without one)."""
-    return next(_sizes(batch), 1)
+    size = _first_size(batch)
+    return 1 if size is None else size
 
 
-def _sizes(item: Any) -> Iterator[int]:
+def _first_size(item: Any) -> int | None:
     if isinstance(item, Tensor):
-        yield int(item.shape[0]) if item.dim() else 1
-    elif isinstance(item, Call):
-        yield from _sizes((item.args, item.kwargs))
+        return int(item.shape[0]) if item.dim() else 1
+    if isinstance(item, Call):
+        parts: Iterable[Any] = (item.args, item.kwargs)
     elif isinstance(item, dict):
-        yield from _sizes(list(item.values()))
+        parts = item.values()
     elif isinstance(item, tuple | list):
-        for part in item:
-            yield from _sizes(part)
+        parts = item
+    else:
+        return None
+    for part in parts:
+        if type(part) is Tensor:  # most batches' first part: no call
+            return int(part.shape[0]) if part.dim() else 1
+        size = _first_size(part)
+        if size is not None:
+            return size
+    return None

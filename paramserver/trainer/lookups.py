@@ -384,29 +384,22 @@ def unique_lookups(
     lookups: dict[str, RecordedLookups] = {}
     if not recorded:
         return unique, lookups
-    joined = torch.cat([ids for each in recorded.values() for ids in each]).to(torch.int64)
-    sizes = tuple(sum(ids.numel() for ids in each) for each in recorded.values())
-    found = unique_each(joined, sizes)
-    for (table, each), looked_up, (ids, positions) in zip(
-        recorded.items(), joined.split_with_sizes(sizes), found, strict=True
-    ):
+    found = native.unique_lookups(list(recorded.values()), _unique_lookups_by_torch)
+    for table, (ids, pairs) in zip(recorded, found, strict=True):
         unique[table] = ids
-        if len(each) == 1:  # one lookup (most models): no split
-            pairs = [(looked_up, positions)]
-        else:
-            parts = [e.numel() for e in each]
-            split = looked_up.split_with_sizes(parts), positions.split_with_sizes(parts)
-            pairs = list(zip(*split, strict=True))
         lookups[table] = RecordedLookups(ids, pairs)
     return unique, lookups
 
 
-def unique_each(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
-    """``torch.unique(part, return_inverse=True)`` of each part of ``ids`` (1-D int64) of the
-    given ``sizes``: the compiled loop does all parts in one call where it is built
-    (:func:`paramserver.native.unique_each`), else :func:`_unique_each_by_torch`."""
-    return native.unique_each(ids, sizes, _unique_each_by_torch)
-
-
-def _unique_each_by_torch(ids: Tensor, sizes: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
-    return [torch.unique(part, return_inverse=True) for part in ids.split(sizes)]
+def _unique_lookups_by_torch(
+    groups: list[list[Tensor]],
+) -> list[tuple[Tensor, list[tuple[Tensor, Tensor]]]]:
+    joined = torch.cat([ids.reshape(-1) for each in groups for ids in each]).to(torch.int64)
+    sizes = [sum(ids.numel() for ids in each) for each in groups]
+    found = []
+    for each, looked_up in zip(groups, joined.split_with_sizes(sizes), strict=True):
+        ids, positions = torch.unique(looked_up, return_inverse=True)
+        parts = [e.numel() for e in each]
+        split = looked_up.split_with_sizes(parts), positions.split_with_sizes(parts)
+        found.append((ids, list(zip(*split, strict=True))))
+    return found

@@ -331,7 +331,13 @@ class Replica:
 
     def has_gradients(self) -> bool:
         """Whether a backward has left a gradient on any parameter, row or pooled sum."""
-        return bool(self.grad_tensors()) or bool(self.pooled_gradients())
+        for param in self.dense.values():
+            if param.grad is not None:
+                return True
+        for remote in self.tables.values():
+            if remote.rows.grad is not None:
+                return True
+        return bool(self.pooled_gradients())
 
     def unknown_parameters_with_grad(self) -> list[str]:
         """Parameters of the model with a gradient that are not the ones it was built with

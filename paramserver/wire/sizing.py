@@ -38,12 +38,14 @@ def payload_size(message: Any) -> PayloadSize:
     This is what dominates the wire: TensorPipe ships tensor storage as separate buffers; the
     pickled skeleton around them is a few hundred bytes per call and is not counted.
     """
-    return PayloadSize(*_sizes(message))
+    return PayloadSize(
+        *native_frames.payload_sizes(message, _SPECIAL, _field_names, _payload_nbytes)
+    )
 
 
 def payload_nbytes(message: Any) -> int:
     """:attr:`PayloadSize.nbytes` of a message: its tensor data as sent."""
-    return _sizes(message)[0]
+    return native_frames.payload_sizes(message, _SPECIAL, _field_names, _payload_nbytes)[0]
 
 
 def _encoded_sizes(encoded: Encoded) -> tuple[int, int]:
@@ -238,10 +240,6 @@ def _field_names(cls: type) -> tuple[str, ...]:
     """The fields of a dataclass (``dataclasses.fields`` rebuilds them at every call: slow
     for walks over every message)."""
     return tuple(f.name for f in dataclasses.fields(cls))
-
-
-def _sizes(message: Any) -> tuple[int, int]:
-    return native_frames.payload_sizes(message, _SPECIAL, _field_names, _payload_nbytes)
 
 
 def clone_message(message: Any) -> Any:
