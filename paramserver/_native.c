@@ -2099,6 +2099,9 @@ static PyMethodDef methods[] = {
      "its sorted unique ids and, per lookup, its ids copied as int64 and each one's index\n"
      "among them, as torch.unique(torch.cat(lookups), return_inverse=True) gives them, all\n"
      "views of one new buffer. None where an id tensor is of another kind."},
+    {"unbundled_views", (PyCFunction)(void (*)(void))unbundled_views, METH_FASTCALL,
+     "unbundled_views(names, shapes, flat) -> {name: view of flat}, or what is wrong (a str)\n"
+     "A peer's bundle (paramserver/wire/bundles.py) checked whole, then its views."},
     {"payload_sizes", (PyCFunction)(void (*)(void))payload_sizes, METH_FASTCALL,
      "payload_sizes(special, field_names, mapping, message) -> (sent, uncompressed), or None\n"
      "A message's tensor data (paramserver/wire/sizing.py's payload_size): its tensors'\n"

@@ -600,3 +600,128 @@ extern "C" PyObject *unique_lookups(PyObject *self, PyObject *groups) {
         return found;
     });
 }
+
+/* ---- a bundle's views (paramserver/wire/bundles.py's unbundled) ---- */
+
+namespace {
+
+constexpr const char *kNames = "a bundle's names must be a tuple of strings";
+constexpr const char *kTwice = "a bundle names a tensor twice";
+constexpr const char *kFlat = "a bundle's values must be one plain tensor of 1 or more dimensions";
+constexpr const char *kOneShape = "a bundle must give one shape per name";
+constexpr const char *kSizes = "a bundle's shapes must be tuples of sizes";
+constexpr const char *kClaimsMore = "a bundle's shapes claim more values than it holds";
+constexpr const char *kHoldsMore = "a bundle holds more values than its shapes claim";
+
+/* A size of a peer's shape, once bundle_problem found it an int64 (a tensor's sizes are). */
+int64_t claimed_size(PyObject *size) { return static_cast<int64_t>(PyLong_AsLongLong(size)); }
+
+/* Whether every one of `items` (a tuple) is exactly of `type`. */
+bool all_of(PyObject *items, PyTypeObject *type) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++)
+        if (Py_TYPE(PyTuple_GET_ITEM(items, i)) != type) return false;
+    return true;
+}
+
+/* Whether every shape (of int64 sizes) is the rows of `flat` (bundles._as_rows): one or more
+ * sizes, all but the first those of flat's rows. */
+bool as_rows(const at::Tensor &flat, PyObject *shapes) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shapes); i++) {
+        PyObject *shape = PyTuple_GET_ITEM(shapes, i);
+        const Py_ssize_t dims = PyTuple_GET_SIZE(shape);
+        if (dims == 0 || dims != flat.dim()) return false;
+        for (Py_ssize_t d = 1; d < dims; d++)
+            if (claimed_size(PyTuple_GET_ITEM(shape, d)) != flat.size(d)) return false;
+    }
+    return true;
+}
+
+/* What is wrong with a bundle (bundles._bundle_problem's words), or nullptr. Its shapes are
+ * multiplied out as that does, stopping once a claim passes what the flat tensor holds. */
+const char *bundle_problem(PyObject *names, PyObject *shapes, PyObject *flat_object) {
+    if (!PyTuple_CheckExact(names) || !all_of(names, &PyUnicode_Type)) return kNames;
+    PyObject *distinct = PySet_New(names);
+    if (distinct == nullptr) return nullptr; /* an error set: the caller sees it */
+    const bool twice = PySet_GET_SIZE(distinct) != PyTuple_GET_SIZE(names);
+    Py_DECREF(distinct);
+    if (twice) return kTwice;
+    if (THPVariableClass == nullptr ||
+        Py_TYPE(flat_object) != reinterpret_cast<PyTypeObject *>(THPVariableClass))
+        return kFlat;
+    const at::Tensor &flat = THPVariable_Unpack(flat_object);
+    if (flat.dim() == 0 || !flat.device().is_cpu() || flat.layout() != c10::kStrided ||
+        flat.requires_grad() || flat.is_quantized())
+        return kFlat;
+    if (!PyTuple_CheckExact(shapes) || PyTuple_GET_SIZE(shapes) != PyTuple_GET_SIZE(names))
+        return kOneShape;
+    if (!all_of(shapes, &PyTuple_Type)) return kSizes;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shapes); i++) {
+        PyObject *shape = PyTuple_GET_ITEM(shapes, i);
+        if (!all_of(shape, &PyLong_Type)) return kSizes;
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
+            int past = 0;
+            const long long size = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(shape, d), &past);
+            if (past != 0 || size < 0) return kSizes; /* (bundles._LARGEST_SIZE) */
+        }
+    }
+    if (as_rows(flat, shapes)) {
+        int64_t rows = 0;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shapes); i++) {
+            const int64_t count = claimed_size(PyTuple_GET_ITEM(PyTuple_GET_ITEM(shapes, i), 0));
+            if (__builtin_add_overflow(rows, count, &rows)) return kClaimsMore;
+        }
+        if (rows > flat.size(0)) return kClaimsMore;
+        return rows < flat.size(0) ? kHoldsMore : nullptr;
+    }
+    int64_t remaining = flat.numel();
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(shapes); i++) {
+        PyObject *shape = PyTuple_GET_ITEM(shapes, i);
+        int64_t size = 1;
+        for (Py_ssize_t d = 0; d < PyTuple_GET_SIZE(shape); d++) {
+            const int64_t dim = claimed_size(PyTuple_GET_ITEM(shape, d));
+            /* a product past int64 claims more than any tensor holds */
+            if (__builtin_mul_overflow(size, dim, &size)) return kClaimsMore;
+            if (size > remaining) return kClaimsMore;
+        }
+        remaining -= size;
+    }
+    return remaining ? kHoldsMore : nullptr;
+}
+
+}  // namespace
+
+extern "C" PyObject *unbundled_views(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "unbundled_views(names, shapes, flat)");
+        return nullptr;
+    }
+    PyObject *names = args[0], *shapes = args[1];
+    return guarded([&]() -> PyObject * {
+        const char *problem = bundle_problem(names, shapes, args[2]);
+        if (problem != nullptr) return PyUnicode_FromString(problem);
+        if (PyErr_Occurred()) return nullptr;
+        const at::Tensor &given = THPVariable_Unpack(args[2]);
+        const bool rows = as_rows(given, shapes);
+        const at::Tensor flat = rows ? given : given.reshape({-1});
+        PyObject *views = PyDict_New();
+        int64_t at = 0;
+        for (Py_ssize_t i = 0; views != nullptr && i < PyTuple_GET_SIZE(shapes); i++) {
+            PyObject *shape = PyTuple_GET_ITEM(shapes, i);
+            std::vector<int64_t> sizes(PyTuple_GET_SIZE(shape));
+            int64_t numel = 1;
+            for (size_t d = 0; d < sizes.size(); d++) {
+                sizes[d] = claimed_size(PyTuple_GET_ITEM(shape, d));
+                numel *= sizes[d]; /* checked above: within what flat holds */
+            }
+            const int64_t length = rows ? sizes[0] : numel;
+            at::Tensor part = flat.narrow(0, at, length);
+            if (!rows) part = part.view(sizes);
+            at += length;
+            PyObject *view = THPVariable_Wrap(std::move(part));
+            if (view == nullptr || PyDict_SetItem(views, PyTuple_GET_ITEM(names, i), view) < 0)
+                Py_CLEAR(views);
+            Py_XDECREF(view);
+        }
+        return views;
+    });
+}

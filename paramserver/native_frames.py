@@ -74,6 +74,22 @@ def small_tensor(
     return cast(tuple[Tensor, int] | str, made)
 
 
+def unbundled_views(
+    names: object,
+    shapes: object,
+    flat: object,
+    fallback: Callable[[Any, Any, Any], dict[str, Tensor] | str],
+) -> dict[str, Tensor] | str:
+    """A peer's bundle (its ``names``, ``shapes`` and ``flat`` tensor) checked whole, then its
+    views by name; or what is wrong with it, in :mod:`paramserver.wire.bundles`' words. Never
+    raises."""
+    loops = native.loops
+    if loops is None or not loops.TAKES_TENSORS:
+        return fallback(names, shapes, flat)
+    views: dict[str, Tensor] | str = loops.unbundled_views(names, shapes, flat)
+    return views
+
+
 def payload_sizes(
     message: object,
     special: dict[type, Callable[[Any], tuple[int, int]]],

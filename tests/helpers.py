@@ -4,6 +4,7 @@ fixtures in tests/conftest.py; no test module imports another."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -416,11 +417,23 @@ def remote_of(layer: nn.EmbeddingBag, pulled: Tensor) -> tuple[RemoteEmbedding, 
     return remote, rows
 
 
+@contextlib.contextmanager
+def one_forward(step: StepLookups) -> Iterator[None]:
+    """Within: one forward's lookups of ``step`` (a trainer's forward begins and ends them)."""
+    step.begin()
+    try:
+        yield
+    except BaseException:
+        step.end(completed=False)
+        raise
+    step.end(completed=True)
+
+
 def remotes_of(
     layers: Mapping[str, nn.EmbeddingBag], pulled: Mapping[str, Tensor]
 ) -> tuple[dict[str, RemoteEmbedding], dict[str, Tensor], StepLookups]:
     """``layers`` as a trainer's tables of those names, each holding its ``pulled`` rows
-    (:func:`remote_of`), whose lookups within ``step.forward()`` join one
+    (:func:`remote_of`), whose lookups within ``one_forward(step)`` join one
     :class:`StepLookups`: ``(remotes, rows, step)``."""
     remotes, rows = {}, {}
     for table, layer in layers.items():

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from paramserver import native
 from paramserver.trainer import bags
-from tests.helpers import remote_of, remotes_of
+from tests.helpers import one_forward, remote_of, remotes_of
 
 pytestmark = pytest.mark.skipif(native.loops is None, reason="the compiled loops are turned off")
 
@@ -112,7 +112,7 @@ def test_several_lookups_of_one_table_around_the_thresholds_are_torchs(
     pulled = torch.unique(torch.cat([ids for ids, _, _ in lookups]))
     remotes, rows_of, step = remotes_of({"t": layer}, {"t": pulled})
     remote, rows = remotes["t"], rows_of["t"]
-    with step.forward():
+    with one_forward(step):
         got = [remote(*each) for each in lookups]
     want = [layer(*each) for each in lookups]
     scales = [torch.randn(o.shape, generator=g) for o in want]

@@ -31,7 +31,7 @@ from paramserver import native
 from paramserver.trainer.bags import DenseGradient, _Step
 from paramserver.trainer.replica import Call, Replica
 from paramserver.wire.bundles import joined_already
-from tests.helpers import remote_of, remotes_of
+from tests.helpers import one_forward, remote_of, remotes_of
 
 ROWS, DIM = 40, 16
 CASES = [
@@ -113,7 +113,7 @@ def test_a_forwards_bag_lookups_of_several_tables_are_one_node(loop_mode: str) -
     ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
     offsets = torch.arange(0, 64, 4)
     remotes, rows, step = remotes_of(layers, {t: torch.unique(i) for t, i in ids.items()})
-    with step.forward():
+    with one_forward(step):
         got = [remotes[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
     want = [layers[t](ids[t], offsets) for t in ("a", "b", "c", "a")]
     loss = sum((o.double() * (i + 1)).sum() for i, o in enumerate(got))
@@ -138,7 +138,7 @@ def test_tables_gradients_fill_one_buffer_in_the_tables_order() -> None:
     layers = {t: nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=True) for t in ("a", "b", "c")}
     ids = {t: torch.randint(0, ROWS, (64,), generator=g) for t in layers}
     remotes, rows, step = remotes_of(layers, {t: torch.unique(i) for t, i in ids.items()})
-    with step.forward():
+    with one_forward(step):
         got = [remotes[t](ids[t], torch.arange(0, 64, 4)) for t in ("c", "a", "b")]
     grads = torch.autograd.grad(
         sum(o.sum() * (i + 1) for i, o in enumerate(got)), list(rows.values())
@@ -176,7 +176,7 @@ def test_several_lookups_of_one_table_give_torchs_gradients(
     pulled = torch.unique(torch.cat([ids for ids, _ in batches]))
     remotes, rows_of, step = remotes_of({"t": layer}, {"t": pulled})
     remote, rows = remotes["t"], rows_of["t"]
-    with step.forward():
+    with one_forward(step):
         got = [remote(ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)]
     want = [
         torchs(layer, ids, offsets, w) for (ids, offsets), w in zip(batches, weights, strict=True)

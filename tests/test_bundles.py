@@ -6,6 +6,7 @@ bundle every mapping, whatever its size (``every_mapping_bundled``)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from typing import Any
 
@@ -204,7 +205,7 @@ def test_a_mapping_of_several_dtypes_travels_as_one_tensor_per_dtype_in_its_orde
     assert_same(received.dense_state, state)  # names in the order sent, not grouped by dtype
 
 
-def test_every_spoiled_bundle_of_several_dtypes_is_named_not_read() -> None:
+def test_every_spoiled_bundle_of_several_dtypes_is_named_not_read(loop_mode: str) -> None:
     mixed = bundled(mixed_state())
     assert type(mixed) is MixedBundle
     names, (floats, ints, bools) = mixed.names, mixed.bundles
@@ -243,15 +244,49 @@ def spoiled(bundle: Bundle) -> list[Bundle]:
         Bundle(names, shapes, flat[:-1]),  # holds fewer values than claimed
         Bundle(names, shapes, torch.cat([flat, flat[:1]])),  # holds more
         empty_rows,  # no values either way, but other rows than claimed
+        Bundle(names, ((True, *first[1:]), *rest), flat),  # a bool is not a size
+        Bundle(names, ((-(10**30), *first[1:]), *rest), flat),
+        Bundle(names, shapes, flat.double().requires_grad_(True)),  # not plain
     ]
 
 
-def test_every_spoiled_bundle_is_named_not_read() -> None:
-    bundle = criteo_like_request().__getstate__()["row_grads"].values
-    assert type(bundle) is Bundle and bundle.flat.dim() == 2
-    for wrong in spoiled(bundle):
+def spoiled_flattened(bundle: Bundle) -> list[Bundle]:
+    """Bundles of tensors of several shapes (flattened on the wire) wrong in each way."""
+    names, shapes, flat = bundle.names, bundle.shapes, bundle.flat
+    first, *rest = shapes
+    return [
+        Bundle(names, ((*first, 10**30), *rest), flat),  # claims absurdly many
+        Bundle(names, ((10**30, 0), *rest), flat),  # no tensor has a size past int64
+        Bundle(names, ((0, 10**30), *rest), flat[: flat.numel() - math.prod(first)]),
+        Bundle(names, ((2**62, 0), *rest), flat),  # claims more before its 0: refused as it comes
+        Bundle(names, ((0, 2**62), *rest), flat[math.prod(first) :]),  # fine: no values
+        Bundle(names, ((2**62, 2**62, 4), *rest), flat),  # past int64 once multiplied
+        Bundle(names, shapes, flat[:-1]),
+        Bundle(names, shapes, torch.cat([flat, flat[:1]])),
+    ]
+
+
+def test_every_spoiled_bundle_is_named_not_read(loop_mode: str) -> None:
+    """A peer's bundle wrong in any way is refused whole, in the same words whether the
+    compiled loops or Python check it."""
+    from paramserver.wire.bundles import _views
+
+    rows = criteo_like_request().__getstate__()["row_grads"].values
+    assert type(rows) is Bundle and rows.flat.dim() == 2
+    flattened = bundled({"a": torch.ones(3000, 2), "b": torch.ones(7), "c": torch.ones(4, 5, 6)})
+    assert type(flattened) is Bundle and flattened.flat.dim() == 1
+    fine = 0
+    for wrong in [*spoiled(rows), *spoiled_flattened(flattened)]:
         found = unbundled(wrong)
-        assert type(found) is MalformedBundle and found.reason.startswith("a bundle")
+        python = _views(wrong.names, wrong.shapes, wrong.flat)
+        if type(python) is dict:  # (the one fine case: a 0 before a large size)
+            fine += 1
+            assert type(found) is dict and found.keys() == python.keys()
+            assert all(torch.equal(found[k], python[k]) for k in python)
+            continue
+        assert type(found) is MalformedBundle and found.reason == python, wrong
+        assert found.reason.startswith("a bundle")
+    assert fine == 1
 
 
 def request_of(state: dict[str, Any]) -> PushPullRequest:

@@ -8,8 +8,7 @@ node's gather and scatter; without them, torch does the same work, table by tabl
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -186,28 +185,25 @@ class StepLookups:
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._pooled: dict[str, _Pooled] | None = None
 
-    @contextmanager
-    def forward(
-        self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Iterator[None]:
-        """Within: the lookups of one forward (its tables' leaves are those of now), called
-        with ``args`` and ``kwargs`` (where its bag lookups are read, :meth:`pooled`)."""
+    def begin(self, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> None:
+        """The lookups of one forward from now until :meth:`end` (its tables' leaves are those
+        of now), called with ``args`` and ``kwargs`` (where its bag lookups are read,
+        :meth:`pooled`). (Two calls, not a context manager: a generator's costs a step six
+        Python calls.)"""
         self._active, self._outputs = True, None
         self._inputs, self._pooled = (args, kwargs or {}), None
-        try:
-            yield
-            self._forget_unused()
-        finally:
-            self._active, self._outputs = False, None
-            self._inputs, self._pooled = None, None
-            for node in self._bag_nodes.values():
-                node.close()
-            self._bag_nodes = {}
 
-    def _forget_unused(self) -> None:
-        """Tables the forward pooled ahead but never looked up are not pooled ahead again."""
-        for table in self._pooled or {}:
-            self._give_up(table)
+    def end(self, completed: bool) -> None:
+        """The forward :meth:`begin` began is over; where it ``completed``, the tables it pooled
+        ahead but never looked up are not pooled ahead again."""
+        if completed:
+            for table in self._pooled or {}:
+                self._give_up(table)
+        self._active, self._outputs = False, None
+        self._inputs, self._pooled = None, None
+        for node in self._bag_nodes.values():
+            node.close()
+        self._bag_nodes = {}
 
     def _give_up(self, table: str) -> None:
         """Pool ``table``'s bags ahead no more, whatever later record passes show."""

@@ -270,20 +270,31 @@ class Replica:
         derived = self.inputs.derived
         unmatched = self._unmatched() if derived else 0
         try:
+            lookups = self._step_lookups
             while True:
+                lookups.begin(call.args, call.kwargs)
                 try:
-                    with self._step_lookups.forward(call.args, call.kwargs):
-                        return self._forward(*call.args, **call.kwargs)
+                    output = self._forward(*call.args, **call.kwargs)
                 except MissingRows as missing:
+                    lookups.end(completed=False)
                     ids = missing.ids
                     self.tables[missing.table].check_range(ids)
                     self.add_rows(missing.table, *fetch({missing.table: ids})[missing.table])
+                    continue
+                except BaseException:
+                    lookups.end(completed=False)
+                    raise
+                lookups.end(completed=True)
+                return output
         finally:
             if derived and self._unmatched() != unmatched:  # not what was derived
                 self.inputs.missed()
 
     def _unmatched(self) -> int:
-        return sum(remote.unmatched for remote in self.tables.values())
+        count = 0
+        for remote in self.tables.values():  # (a loop: twice a step, a generator's calls)
+            count += remote.unmatched
+        return count
 
     def look(self, call: Call, fetch: Fetch) -> Any:
         """The model's own forward on ``call`` as a read outside the step: the rows it looks

@@ -169,10 +169,16 @@ def unbundled(value: Any) -> Any:
         return _mixed_unbundled(value)
     if type(value) is not Bundle:
         return value
-    problem = _bundle_problem(value)
+    views = native_frames.unbundled_views(value.names, value.shapes, value.flat, _views)
+    return MalformedBundle(views) if type(views) is str else views
+
+
+def _views(names: Any, shapes: Any, flat: Any) -> dict[str, Tensor] | str:
+    """A bundle's views by name, or what is wrong with it: in Python, where the loops do not
+    take tensors."""
+    problem = _bundle_problem(names, shapes, flat)
     if problem is not None:
-        return MalformedBundle(problem)
-    flat, shapes = value.flat, value.shapes
+        return problem
     parts: Sequence[Tensor] = ()
     if _as_rows(flat, shapes):
         parts = flat.split_with_sizes([shape[0] for shape in shapes]) if shapes else ()
@@ -181,7 +187,7 @@ def unbundled(value: Any) -> Any:
         numels = [math.prod(shape) for shape in shapes]
         views = zip(flat.split_with_sizes(numels), shapes, strict=True)
         parts = [part.view(shape) for part, shape in views]
-    return dict(zip(value.names, parts, strict=True))
+    return dict(zip(names, parts, strict=True))
 
 
 def _mixed_unbundled(value: MixedBundle) -> dict[str, Tensor] | MalformedBundle:
@@ -207,8 +213,7 @@ def _as_rows(flat: Tensor, shapes: tuple[tuple[int, ...], ...]) -> bool:
     return flat.dim() > 0 and all(len(shape) and shape[1:] == width for shape in shapes)
 
 
-def _bundle_problem(bundle: Bundle) -> str | None:
-    names, shapes, flat = bundle.names, bundle.shapes, bundle.flat
+def _bundle_problem(names: Any, shapes: Any, flat: Any) -> str | None:
     if type(names) is not tuple or not _all_of(str, names):
         return "a bundle's names must be a tuple of strings"
     if len(set(names)) != len(names):
@@ -220,9 +225,12 @@ def _bundle_problem(bundle: Bundle) -> str | None:
     if not _all_of(tuple, shapes):
         return "a bundle's shapes must be tuples of sizes"
     sizes = list(itertools.chain.from_iterable(shapes))  # every shape's, checked at once
-    if not _all_of(int, sizes) or (sizes and min(sizes) < 0):
+    if not _all_of(int, sizes) or (sizes and (min(sizes) < 0 or max(sizes) > _LARGEST_SIZE)):
         return "a bundle's shapes must be tuples of sizes"
     return _size_problem(flat, shapes)
+
+
+_LARGEST_SIZE = 2**63 - 1  # a tensor's sizes are int64s: even one of no elements has no larger
 
 
 def _all_of(kind: type, items: Iterable[object]) -> bool:
