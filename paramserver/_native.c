@@ -2099,6 +2099,12 @@ static PyMethodDef methods[] = {
      "its sorted unique ids and, per lookup, its ids copied as int64 and each one's index\n"
      "among them, as torch.unique(torch.cat(lookups), return_inverse=True) gives them, all\n"
      "views of one new buffer. None where an id tensor is of another kind."},
+    {"bundle_values", (PyCFunction)(void (*)(void))bundle_values, METH_FASTCALL,
+     "bundle_values(values, threshold) -> (shapes, flat), True, or None\n"
+     "A mapping's values (a non-empty list) as one bundle (paramserver/wire/bundles.py):\n"
+     "each one's shape and them end to end (the storage they fill already, else a copy);\n"
+     "True where they are plain tensors of several dtypes, of threshold bytes or more in\n"
+     "all; None where they are not all plain strided tensors, or fewer bytes."},
     {"unbundled_views", (PyCFunction)(void (*)(void))unbundled_views, METH_FASTCALL,
      "unbundled_views(names, shapes, flat) -> {name: view of flat}, or what is wrong (a str)\n"
      "A peer's bundle (paramserver/wire/bundles.py) checked whole, then its views."},

@@ -41,6 +41,15 @@ bool is_tensor(PyObject *object) {
            PyObject_TypeCheck(object, reinterpret_cast<PyTypeObject *>(THPVariableClass));
 }
 
+/* A new tuple of `first` and `second` (stolen); nullptr where either is. */
+PyObject *pair(PyObject *first, PyObject *second) {
+    PyObject *made = first != nullptr && second != nullptr ? PyTuple_Pack(2, first, second)
+                                                           : nullptr;
+    Py_XDECREF(first);
+    Py_XDECREF(second);
+    return made;
+}
+
 int refuse(const char *why) {
     PyErr_Format(PyExc_TypeError, "a tensor the compiled loops cannot read: %s", why);
     return -1;
@@ -239,48 +248,118 @@ extern "C" PyObject *small_data(PyObject *self, PyObject *args) {
     return result;
 }
 
+namespace {
+
+/* Whether the tensors' shapes are equal past the first dimension, of one or more (bundles'
+ * _one_width). */
+bool one_width(PyObject *const *objects, Py_ssize_t count) {
+    const at::Tensor &first = THPVariable_Unpack(objects[0]);
+    const int64_t dims = first.dim();
+    if (dims == 0) return false;
+    for (Py_ssize_t i = 1; i < count; i++) {
+        const at::Tensor &value = THPVariable_Unpack(objects[i]);
+        if (value.dim() != dims || (dims > 1 && value.sizes().slice(1) != first.sizes().slice(1)))
+            return false;
+    }
+    return true;
+}
+
+/* The tensor `objects` (count of them, one or more) make up end to end and in order, where
+ * they fill one storage whole (bundles.joined_already), shaped as a bundle joins them; an
+ * undefined tensor where they do not. */
+at::Tensor joined_of(PyObject *const *objects, Py_ssize_t count) {
+    if (!is_tensor(objects[0])) return {};
+    const at::Tensor &first = THPVariable_Unpack(objects[0]);
+    if (!first.device().is_cpu() || first.layout() != c10::kStrided) return {};
+    const c10::Storage &storage = first.storage();
+    const char *start = static_cast<const char *>(storage.data());
+    const char *at = start;
+    const c10::ScalarType type = first.scalar_type();
+    const int64_t itemsize = static_cast<int64_t>(first.element_size());
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!is_tensor(objects[i])) return {};
+        const at::Tensor &value = THPVariable_Unpack(objects[i]);
+        if (value.scalar_type() != type || !value.is_contiguous()) return {};
+        /* Each view must start where the last ended; that the last ends at the first one's
+         * storage's end then proves every one inside that storage. */
+        const int64_t numel = value.numel();
+        if (numel) {
+            if (static_cast<const char *>(value.data_ptr()) != at) return {};
+            at += numel * itemsize;
+        }
+    }
+    if (at != start + storage.nbytes()) return {};
+    at::Tensor whole = at::empty({0}, first.options().requires_grad(false)).set_(storage);
+    if (one_width(objects, count)) {
+        std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
+        shape[0] = -1;
+        whole = whole.view(shape);
+    }
+    return whole;
+}
+
+}  // namespace
+
 extern "C" PyObject *joined_tensors(PyObject *self, PyObject *arg) {
     PyObject *items = PySequence_Fast(arg, "joined_tensors: a sequence of tensors is required");
     if (items == nullptr) return nullptr;
     PyObject *result = guarded([&]() -> PyObject * {
         const Py_ssize_t count = PySequence_Fast_GET_SIZE(items);
-        PyObject **objects = PySequence_Fast_ITEMS(items);
-        if (count == 0 || !is_tensor(objects[0])) Py_RETURN_NONE;
-        const at::Tensor &first = THPVariable_Unpack(objects[0]);
-        if (!first.device().is_cpu() || first.layout() != c10::kStrided) Py_RETURN_NONE;
-        const c10::Storage &storage = first.storage();
-        const char *start = static_cast<const char *>(storage.data());
-        const char *at = start;
-        const c10::ScalarType type = first.scalar_type();
-        const int64_t itemsize = static_cast<int64_t>(first.element_size());
-        const int64_t dims = first.dim();
-        bool one_width = dims > 0;
-        for (Py_ssize_t i = 0; i < count; i++) {
-            if (!is_tensor(objects[i])) Py_RETURN_NONE;
-            const at::Tensor &value = THPVariable_Unpack(objects[i]);
-            if (value.scalar_type() != type || !value.is_contiguous()) Py_RETURN_NONE;
-            /* Each view must start where the last ended; that the last ends at the first one's
-             * storage's end then proves every one inside that storage. */
-            const int64_t numel = value.numel();
-            if (numel) {
-                if (static_cast<const char *>(value.data_ptr()) != at) Py_RETURN_NONE;
-                at += numel * itemsize;
-            }
-            if (one_width && (value.dim() != dims || (dims > 1 && value.sizes().slice(1) !=
-                                                                       first.sizes().slice(1))))
-                one_width = false;
-        }
-        if (at != start + storage.nbytes()) Py_RETURN_NONE;
-        at::Tensor whole = at::empty({0}, first.options().requires_grad(false)).set_(storage);
-        if (one_width) {
-            std::vector<int64_t> shape(first.sizes().begin(), first.sizes().end());
-            shape[0] = -1;
-            whole = whole.view(shape);
-        }
-        return THPVariable_Wrap(whole);
+        if (count == 0) Py_RETURN_NONE;
+        at::Tensor whole = joined_of(PySequence_Fast_ITEMS(items), count);
+        if (!whole.defined()) Py_RETURN_NONE;
+        return THPVariable_Wrap(std::move(whole));
     });
     Py_DECREF(items);
     return result;
+}
+
+extern "C" PyObject *bundle_values(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyList_Check(args[0]) || PyList_GET_SIZE(args[0]) == 0) {
+        PyErr_SetString(PyExc_TypeError, "bundle_values(values, threshold): a list of values");
+        return nullptr;
+    }
+    PyObject *const *objects = PySequence_Fast_ITEMS(args[0]);
+    const Py_ssize_t count = PyList_GET_SIZE(args[0]);
+    const long long threshold = PyLong_AsLongLong(args[1]);
+    if (threshold == -1 && PyErr_Occurred()) return nullptr;
+    return guarded([&]() -> PyObject * {
+        PyTypeObject *tensor_type = reinterpret_cast<PyTypeObject *>(THPVariableClass);
+        long long nbytes = 0;
+        bool one_dtype = true;
+        for (Py_ssize_t i = 0; i < count; i++) {
+            if (tensor_type == nullptr || Py_TYPE(objects[i]) != tensor_type) Py_RETURN_NONE;
+            const at::Tensor &value = THPVariable_Unpack(objects[i]);
+            if (value.layout() != c10::kStrided) Py_RETURN_NONE;
+            nbytes += static_cast<long long>(value.nbytes());
+            one_dtype &= value.scalar_type() == THPVariable_Unpack(objects[0]).scalar_type();
+        }
+        if (nbytes < threshold) Py_RETURN_NONE;
+        if (!one_dtype) Py_RETURN_TRUE;
+        at::Tensor flat = joined_of(objects, count);
+        if (!flat.defined()) {
+            c10::AutoGradMode no_grad(false);
+            const bool rows = one_width(objects, count);
+            std::vector<at::Tensor> parts;
+            parts.reserve(count);
+            for (Py_ssize_t i = 0; i < count; i++) {
+                const at::Tensor &value = THPVariable_Unpack(objects[i]);
+                parts.push_back(rows ? value : value.reshape({-1}));
+            }
+            flat = at::cat(parts);
+        }
+        if (!flat.device().is_cpu() || flat.layout() != c10::kStrided || flat.requires_grad() ||
+            flat.is_quantized())
+            Py_RETURN_NONE;
+        PyObject *shapes = PyTuple_New(count);
+        for (Py_ssize_t i = 0; shapes != nullptr && i < count; i++) {
+            PyObject *shape = shape_of(THPVariable_Unpack(objects[i]));
+            if (shape == nullptr) Py_CLEAR(shapes);
+            else PyTuple_SET_ITEM(shapes, i, shape);
+        }
+        PyObject *wrapped = shapes != nullptr ? THPVariable_Wrap(std::move(flat)) : nullptr;
+        return pair(shapes, wrapped);
+    });
 }
 
 namespace {
@@ -521,15 +600,6 @@ bool lookup_ids(const at::Tensor &tensor) {
     return tensor.defined() && tensor.dim() == 1 && tensor.device().is_cpu() &&
            tensor.layout() == c10::kStrided &&
            (type == c10::ScalarType::Long || type == c10::ScalarType::Int);
-}
-
-/* A new tuple of `first` and `second` (stolen); nullptr where either is. */
-PyObject *pair(PyObject *first, PyObject *second) {
-    PyObject *made = first != nullptr && second != nullptr ? PyTuple_Pack(2, first, second)
-                                                           : nullptr;
-    Py_XDECREF(first);
-    Py_XDECREF(second);
-    return made;
 }
 
 }  // namespace

@@ -42,6 +42,11 @@ __attribute__((visibility("hidden"))) Py_ssize_t unique_ids(const int64_t *ids, 
                                                             int64_t *inverse);
 __attribute__((visibility("hidden"))) size_t unique_workspace_bytes(Py_ssize_t largest);
 
+/* A mapping's values as one bundle's shapes and flat tensor (paramserver/wire/bundles.py). */
+__attribute__((visibility("hidden"))) PyObject *bundle_values(PyObject *self,
+                                                              PyObject *const *args,
+                                                              Py_ssize_t nargs);
+
 /* A bundle's views by name, or what is wrong with it (paramserver/wire/bundles.py). */
 __attribute__((visibility("hidden"))) PyObject *unbundled_views(PyObject *self,
                                                                 PyObject *const *args,

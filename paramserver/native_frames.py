@@ -74,6 +74,22 @@ def small_tensor(
     return cast(tuple[Tensor, int] | str, made)
 
 
+def bundle_values(
+    values: list[Any],
+    threshold: int,
+    fallback: Callable[[list[Any], int], tuple[Any, Tensor] | bool | None],
+) -> tuple[Any, Tensor] | bool | None:
+    """A mapping's ``values`` (one or more) as one bundle, in one call of the loops: each
+    one's shape and them end to end (the storage they fill already, else a copy), as
+    ``(shapes, flat)``; True where they are plain tensors of several dtypes, of ``threshold``
+    bytes or more in all (a bundle each); None where they travel as they are."""
+    loops = native.loops
+    if loops is None or not loops.TAKES_TENSORS:
+        return fallback(values, threshold)
+    made: tuple[Any, Tensor] | bool | None = loops.bundle_values(values, threshold)
+    return made
+
+
 def unbundled_views(
     names: object,
     shapes: object,

@@ -49,7 +49,7 @@ def every_mapping_bundled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_mapping_under_16_kb_travels_in_the_frame_as_it_is(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, loop_mode: str
 ) -> None:
     """A frame copies small tensors into its data anyway: a bundle of them would copy them
     twice. From the size a tensor travels beside the frame, a mapping is one bundle."""
@@ -126,7 +126,7 @@ def through_the_wire(message: Any) -> Any:
     return pickle.loads(pickle.dumps(message))
 
 
-def test_a_requests_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
+def test_a_requests_mappings_travel_as_a_few_tensors_and_arrive_equal(loop_mode: str) -> None:
     request = criteo_like_request()
     wire = request.__getstate__()
     assert type(wire["dense_grads"]) is Bundle and wire["dense_grads"].flat.dim() == 1
@@ -140,7 +140,7 @@ def test_a_requests_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
     assert message_sizes(received) == message_sizes(request)
 
 
-def test_an_answers_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
+def test_an_answers_mappings_travel_as_a_few_tensors_and_arrive_equal(loop_mode: str) -> None:
     g = torch.Generator().manual_seed(1)
     reply = PushPullReply(
         dense={"a": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)},
@@ -155,7 +155,7 @@ def test_an_answers_mappings_travel_as_a_few_tensors_and_arrive_equal() -> None:
     assert received.malformed() is None
 
 
-def test_what_cannot_be_bundled_travels_as_it_is() -> None:
+def test_what_cannot_be_bundled_travels_as_it_is(loop_mode: str) -> None:
     """Encoded values, packed ids, a single tensor: each mapping as it was."""
     ids = torch.tensor([3, 5, 9])
     packed = compact_ids(ids)
@@ -195,7 +195,9 @@ def mixed_state() -> dict[str, Tensor]:
     return state
 
 
-def test_a_mapping_of_several_dtypes_travels_as_one_tensor_per_dtype_in_its_order() -> None:
+def test_a_mapping_of_several_dtypes_travels_as_one_tensor_per_dtype_in_its_order(
+    loop_mode: str,
+) -> None:
     state = mixed_state()
     reply = PushPullReply(dense_state=state)
     wire = reply.__getstate__()

@@ -18,7 +18,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,31 +67,46 @@ def bundled(mapping: Any) -> Any:
     mappings, encoded values and packed ids travel as they are)."""
     if type(mapping) is not dict or len(mapping) < 2:
         return mapping
-    values = list(mapping.values())
-    if type(values[0]) is not Tensor:
+    made = native_frames.bundle_values(list(mapping.values()), BUNDLED_FROM, _bundle_values)
+    if made is None:
         return mapping
-    dtype, nbytes, one_dtype = values[0].dtype, 0, True
-    for value in values:  # one pass: a message's mappings are walked each call
-        if type(value) is not Tensor or value.layout is not torch.strided:
-            return mapping
-        nbytes += value.nbytes
-        one_dtype = one_dtype and value.dtype is dtype
-    if nbytes < BUNDLED_FROM:
-        return mapping
-    if one_dtype:
-        return _one_bundle(tuple(mapping), values) or mapping
+    if type(made) is not tuple:  # True: of several dtypes
+        return _mixed_bundle(mapping) or mapping
+    shapes, flat = made
+    return Bundle(tuple(mapping), shapes, flat)
+
+
+def _mixed_bundle(mapping: dict[str, Tensor]) -> MixedBundle | None:
+    """A mapping of plain tensors of several dtypes as one bundle of each, or None where one
+    is not on the CPU, say."""
     by_dtype: dict[torch.dtype, dict[str, Tensor]] = {}
     for name, value in mapping.items():
         by_dtype.setdefault(value.dtype, {})[name] = value
-    bundles = [_one_bundle(tuple(part), list(part.values())) for part in by_dtype.values()]
-    if any(bundle is None for bundle in bundles):
-        return mapping
-    return MixedBundle(tuple(mapping), tuple(cast(list[Bundle], bundles)))
+    bundles = []
+    for part in by_dtype.values():
+        made = native_frames.bundle_values(list(part.values()), 0, _bundle_values)
+        if type(made) is not tuple:
+            return None
+        shapes, flat = made
+        bundles.append(Bundle(tuple(part), shapes, flat))
+    return MixedBundle(tuple(mapping), tuple(bundles))
 
 
-def _one_bundle(names: tuple[str, ...], values: list[Tensor]) -> Bundle | None:
-    """``values`` (plain tensors of one dtype) end to end, or None where they are not on the
-    CPU, say."""
+def _bundle_values(values: list[Any], threshold: int) -> tuple[Any, Tensor] | bool | None:
+    """:func:`paramserver.native_frames.bundle_values` in Python: ``values`` (a mapping's,
+    one or more) as one bundle's shapes and flat tensor; True where they are plain tensors of
+    several dtypes, of ``threshold`` bytes or more in all; None where not all are plain
+    strided tensors, or they hold fewer bytes, or they are not on the CPU, say."""
+    dtype, nbytes, one_dtype = getattr(values[0], "dtype", None), 0, True
+    for value in values:  # one pass: a message's mappings are walked each call
+        if type(value) is not Tensor or value.layout is not torch.strided:
+            return None
+        nbytes += value.nbytes
+        one_dtype = one_dtype and value.dtype is dtype
+    if nbytes < threshold:
+        return None
+    if not one_dtype:
+        return True
     flat = joined_already(values)  # the views a split made: travel as what they split
     if flat is None:
         with torch.no_grad():
@@ -102,7 +117,7 @@ def _one_bundle(names: tuple[str, ...], values: list[Tensor]) -> Bundle | None:
             )
     if not _plain(flat):
         return None
-    return Bundle(names, tuple(tuple(value.shape) for value in values), flat)
+    return tuple(tuple(value.shape) for value in values), flat
 
 
 def joined_already(values: list[Tensor]) -> Tensor | None:
