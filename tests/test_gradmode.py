@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from paramserver.trainer.gradmode import differentiable_once, without_grad
+from paramserver.trainer.gradmode import applier, differentiable_once, without_grad
 
 
 def test_without_grad_turns_grad_off_for_the_call_and_back_whatever_it_does() -> None:
@@ -54,3 +54,17 @@ def test_differentiable_once_gives_the_gradient_and_refuses_a_second_differentia
     assert torch.equal(first, torch.tensor([3.0, 12.0]))
     with pytest.raises(RuntimeError, match="once_differentiable"):
         first.sum().backward()
+
+
+def test_applier_applies_the_function_as_apply_does() -> None:
+    """The bare call gives what ``Function.apply`` gives, a graph included; under a functorch
+    transform it is ``apply`` itself, which refuses these Functions (no setup_context)."""
+    apply = applier(_Cube)
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = apply(x)
+    assert torch.equal(y, _Cube.apply(x)) and type(y.grad_fn) is type(_Cube.apply(x).grad_fn)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.tensor([3.0, 12.0]))
+    for function in (_Cube.apply, apply):
+        with pytest.raises(RuntimeError, match="setup_context"):
+            torch.func.grad(lambda t, f=function: f(t).sum())(torch.tensor([1.0]))

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from paramserver import native
-from paramserver.trainer.gradmode import differentiable_once
+from paramserver.trainer.gradmode import applier, differentiable_once
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,7 @@ class BagNode:
         self.tables = {id(r): t for t, r in enumerate(rows)}  # each rows' number, by identity
         self.lookups: list[tuple[int, Bags]] = []
         self.grads: dict[int, Tensor] = {}  # each lookup's bag gradients, set by backward
-        self.token: Tensor | None = _Step.apply(self, *rows)
+        self.token: Tensor | None = _apply_step(self, *rows)
 
     def close(self) -> None:
         """No more lookups join: the node lets go of its token, whose node holds it (a cycle
@@ -289,7 +289,7 @@ class BagNode:
         """``bags`` of ``self.rows[table]`` pooled (None: the bags are not sound, torch is to
         say why); ``weights``: the lookup's per-sample weights, as given."""
         try:
-            pooled = _Lookup.apply(self, table, bags, self.token, weights)
+            pooled = _apply_lookup(self, table, bags, self.token, weights)
         except ValueError:
             return None
         self.lookups.append((table, bags))
@@ -299,7 +299,7 @@ class BagNode:
         """Several unweighted lookups (``(table, bags)``) pooled in one node and one call of
         the loops, each its own output; None where some bags are not sound (nothing pooled)."""
         try:
-            return cast(tuple[Tensor, ...], _Lookups.apply(self, lookups, self.token))
+            return cast(tuple[Tensor, ...], _apply_lookups(self, lookups, self.token))
         except ValueError:
             return None
 
@@ -433,3 +433,6 @@ def _weights_grad(rows: Tensor, bags: Bags, grad: Tensor) -> Tensor:
     return torch.ops.aten._embedding_bag_per_sample_weights_backward(
         grad, rows, positions, starts[:-1], bag_of, 0, bags.padding
     )
+
+
+_apply_step, _apply_lookup, _apply_lookups = (applier(f) for f in (_Step, _Lookup, _Lookups))

@@ -1,7 +1,9 @@
-"""Grad mode turned off around a step's calls for one C call each: ``torch.no_grad()`` costs a
-dozen Python calls each time it is entered (as a decorator it makes a new context manager per
-call), and ``once_differentiable`` enters it again in every backward, which already runs with
-grad off. A trainer's step enters several."""
+"""Autograd's Python around a step's calls, for a C call or two each: grad mode turned off
+(``torch.no_grad()`` costs a dozen Python calls each time it is entered, as a decorator making
+a new context manager per call, and ``once_differentiable`` enters it again in every backward,
+which already runs with grad off), and an autograd Function applied (``Function.apply``'s
+preamble costs a call per argument, for functorch's wrappers). A trainer's step does each
+several times."""
 
 from __future__ import annotations
 
@@ -30,6 +32,25 @@ def without_grad(function: Callable[P, R]) -> Callable[P, R]:
             torch._C._set_grad_enabled(True)
 
     return run
+
+
+_APPLY = torch._C._FunctionBase.__dict__.get("apply")  # what Function.apply ends by calling
+
+
+def applier(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply``, for arguments the trainer made itself (no functorch wrapper among
+    them, which its preamble unwraps): the C call alone where no functorch transform is active
+    (under one, ``function.apply`` says what it says: these Functions do not support them)."""
+    if _APPLY is None:
+        return function.apply
+    bare = _APPLY.__get__(None, function)
+
+    def apply(*args: Any) -> Any:
+        if torch._C._are_functorch_transforms_active():
+            return function.apply(*args)
+        return bare(*args)
+
+    return apply
 
 
 def differentiable_once(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -19,7 +19,7 @@ from paramserver import native
 from paramserver.errors import ModelError
 from paramserver.trainer.bags import BagNode, Bags, loops_agree_with_torch
 from paramserver.trainer.discovery import Derivation, call_tensors, derivation_of
-from paramserver.trainer.gradmode import differentiable_once
+from paramserver.trainer.gradmode import applier, differentiable_once
 from paramserver.wire.messages import BagBlock
 
 
@@ -180,6 +180,8 @@ class StepLookups:
         self._active = False
         self._outputs: dict[str, tuple[Tensor, ...]] | None = None
         self._bag_nodes: dict[tuple[int, torch.dtype], BagNode] = {}
+        # A forward's tables' rows that the loops pool, by width and type (see bag_node).
+        self._bag_groups: dict[tuple[int, torch.dtype], list[Tensor]] | None = None
         self._bag_plans: dict[str, BagPlan] = {}  # see learn_bags
         self._not_ahead: set[str] = set()  # tables a forward looked up otherwise: never again
         self._inputs: tuple[tuple[Any, ...], dict[str, Any]] | None = None
@@ -203,7 +205,7 @@ class StepLookups:
         self._inputs, self._pooled = None, None
         for node in self._bag_nodes.values():
             node.close()
-        self._bag_nodes = {}
+        self._bag_nodes, self._bag_groups = {}, None
 
     def _give_up(self, table: str) -> None:
         """Pool ``table``'s bags ahead no more, whatever later record passes show."""
@@ -257,7 +259,7 @@ class StepLookups:
             ids, offsets = plan.ids.ids_of(inputs), plan.offsets.ids_of(inputs)
             if ids is None or offsets is None or ids.dim() != 1 or options.bag_mode is None:
                 continue
-            node = self.bag_node(remote.rows) if native.pools_rows(remote.rows) else None
+            node = self.bag_node(remote.rows)
             if node is None:
                 continue
             recorded = remote.recorded_lookup(native.int64s(ids))
@@ -282,21 +284,27 @@ class StepLookups:
         return made
 
     def bag_node(self, rows: Tensor) -> BagNode | None:
-        """The node this forward's pooled lookups of ``rows`` (a table's leaf, which
-        :func:`paramserver.native.pools_rows`) join, with those of every table of its width and
-        type (:mod:`paramserver.trainer.bags`); None outside a forward."""
+        """The node this forward's pooled lookups of ``rows`` (a table's leaf) join, with those
+        of every table of its width and type (:mod:`paramserver.trainer.bags`); None outside a
+        forward, or where the loops do not pool ``rows`` (:func:`paramserver.native.pools_rows`:
+        asked once a forward for every table)."""
         if not self._active:
             return None
+        groups = self._bag_groups
+        if groups is None:
+            groups = self._bag_groups = {}
+            for remote in self._tables.values():
+                if native.pools_rows(remote.rows):
+                    key = (remote.rows.shape[1], remote.rows.dtype)
+                    groups.setdefault(key, []).append(remote.rows)
         key = (rows.shape[1], rows.dtype)
         node = self._bag_nodes.get(key)
         if node is None:
-            group = [
-                r.rows
-                for r in self._tables.values()
-                if (r.rows.shape[1], r.rows.dtype) == key and native.pools_rows(r.rows)
-            ]
+            group = groups.get(key)
+            if group is None:
+                return None
             node = self._bag_nodes[key] = BagNode(group)
-        return node
+        return node if id(rows) in node.tables else None
 
     def output(self, table: str, lookup: int) -> Tensor | None:
         """The rows of ``table``'s recorded lookup ``lookup`` (None: not held here)."""
@@ -316,7 +324,7 @@ class StepLookups:
         gathered: dict[str, tuple[Tensor, ...]] = {}
         for remotes in by_dim.values():
             plan = [(t, positions) for t, r in enumerate(remotes) for _, positions in r.lookups]
-            outputs = iter(_Lookups.apply(plan, *(r.rows for r in remotes)))
+            outputs = iter(_apply_lookups(plan, *(r.rows for r in remotes)))
             for remote in remotes:
                 gathered[remote.table] = tuple(next(outputs) for _ in remote.lookups)
         return gathered
@@ -362,6 +370,9 @@ class _Lookups(torch.autograd.Function):
             dim,
         )
         return (None, *(parts.get(t) for t in range(len(sizes))))
+
+
+_apply_lookups = applier(_Lookups)
 
 
 def _row_major(grad: Tensor, dim: int) -> Tensor:
