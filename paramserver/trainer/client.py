@@ -213,11 +213,9 @@ class PSClient:
         requests = self._numbered(
             dense_grads, row_grads, pull_dense=pull_dense, final=final, report=report,
             grads_call=grads_call, grads_step=grads_step,
-            pull_dense_state=pull_dense and pull_dense_state,
-            publish=self.publish_every is not None and self._publish_due(),
+            pull_dense_state=pull_dense and pull_dense_state, publish=self._publish_due(),
         )  # fmt: skip
-        if pooled_grads:
-            self.pooled.add_grads(requests, pooled_grads, self._encode_rows)
+        self.pooled.add_grads(requests, pooled_grads or {}, self._encode_rows)
         if self.buffers is not None:
             self.buffers.add_changed(requests, final)
         pooled_shapes = self.pooled.add_bags(requests, pool_bags) if pool_bags else {}
@@ -375,18 +373,7 @@ class PSClient:
     ) -> list[Future[Any]]:
         """One message per server: its request, after its part of the ``preceding`` calls
         (then the message is a ``push_pulls`` call)."""
-        # Each request is measured once: for the traffic, the report and the call profile.
-        messages: list[list[PushPullRequest]] = []
-        nbytes: list[int] = []
-        for server, request in enumerate(requests):
-            message = [*(calls[server] for calls in preceding), request] if preceding else [request]
-            sent = 0
-            for part in message:
-                size = payload_size(part)
-                sent += size.nbytes
-                self.traffic.uncompressed_sent += size.uncompressed_nbytes
-            messages.append(message)
-            nbytes.append(sent)
+        messages, nbytes = _measured(requests, preceding, self.traffic)
         if report is not None:
             self._fill_report(report, sum(nbytes))
         if op is ops.PUSH_PULL:
@@ -412,6 +399,27 @@ class PSClient:
         report.cache_hits = sum(c.hits for c in self.caches.values())
         report.cache_lookups = sum(c.lookups for c in self.caches.values())
         report.resent_calls, report.paused_s = self.kept.resent, self.paused_s
+
+
+def _measured(
+    requests: list[PushPullRequest],
+    preceding: Sequence[list[PushPullRequest]],
+    traffic: Traffic,
+) -> tuple[list[list[PushPullRequest]], list[int]]:
+    """Each server's message (its part of the ``preceding`` calls, then its request) and its
+    bytes as sent; ``traffic`` counts them uncompressed. Each request is measured once: for
+    the traffic, the report and the call profile."""
+    messages: list[list[PushPullRequest]] = []
+    nbytes: list[int] = []
+    for server, request in enumerate(requests):
+        message = [*(calls[server] for calls in preceding), request] if preceding else [request]
+        messages.append(message)
+        nbytes.append(0)
+        for part in message:
+            size = payload_size(part)
+            nbytes[-1] += size.nbytes
+            traffic.uncompressed_sent += size.uncompressed_nbytes
+    return messages, nbytes
 
 
 class InFlight:
