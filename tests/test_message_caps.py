@@ -192,7 +192,7 @@ def test_payload_size_counts_tensor_data_as_sent_and_uncompressed(loop_mode: str
     from collections import OrderedDict, namedtuple
     from types import MappingProxyType
 
-    from paramserver.wire.idcodec import compact_ids
+    from paramserver.wire.idcodec import PackedIds, compact_ids
     from paramserver.wire.sizing import PayloadSize, payload_nbytes, payload_size
 
     pair = namedtuple("pair", "a b")
@@ -210,9 +210,13 @@ def test_payload_size_counts_tensor_data_as_sent_and_uncompressed(loop_mode: str
     )
     assert payload_nbytes(message) == 174
     assert payload_size({}) == PayloadSize(0, 0)
-    # A count past int64 (a peer's claim) is counted exactly all the same.
+    # A claim of absurd size counts 2^62 bytes; two of them pass int64, counted all the same.
     huge = Encoded("topk", (10**12,) * 3, (torch.zeros(1, dtype=torch.int32), torch.ones(1)))
-    assert payload_size([huge, torch.ones(1)]) == PayloadSize(12, 4 * 10**36 + 4)
+    assert payload_size([huge, torch.ones(1)]) == PayloadSize(12, 2**62 + 4)
+    assert payload_size([huge, huge, torch.ones(1)]) == PayloadSize(20, 2**63 + 4)
+    # A peer's malformed encoded tensor or packed ids is measured, not a failure.
+    forged = [Encoded("int8", 5, None), Encoded("int8", ("x",), ()), PackedIds(3, "steps")]  # type: ignore[arg-type]
+    assert payload_size(forged) == PayloadSize(8, 8)
     deep: list[Any] = []
     for _ in range(100_000):
         deep = [deep]

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.futures import Future
 
 import paramserver as ps
 from paramserver.cli import main
@@ -116,6 +117,28 @@ class FailingTransport(Transport):
 
     def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
         return failed(ConfigError("refused"))
+
+
+class DeepAnswerTransport(Transport):
+    """Answers every call with a list nested past Python's recursion limit (a peer may)."""
+
+    num_servers = 1
+
+    def call(self, server: int, op: str, *args: Any, timeout_s: float | None = None) -> Any:
+        deep: list[Any] = []
+        for _ in range(100_000):
+            deep = [deep]
+        answered: Future = Future()
+        answered.set_result(deep)
+        return answered
+
+
+@pytest.mark.timeout(30, method="thread")  # before the fix, the wait never ended
+def test_an_answer_that_cannot_be_measured_fails_its_call_not_hangs_it() -> None:
+    profiled = ProfiledTransport(DeepAnswerTransport())
+    with pytest.raises(ParamServerError, match="server 0 sent a malformed answer to pull"):
+        profiled.call(0, "pull", 1).wait()
+    assert profiled.profile.ops["pull"].calls == 1
 
 
 def test_profiled_transport_counts_each_operation_and_keeps_error_types() -> None:

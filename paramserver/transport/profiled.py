@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
-from paramserver.errors import ServerLostError
+from paramserver.errors import ParamServerError, ServerLostError
 from paramserver.observe.calls import CallProfile
 from paramserver.transport.base import Transport
 from paramserver.wire.sizing import payload_nbytes, payload_size
@@ -110,10 +110,17 @@ class ProfiledTransport(Transport):
             except BaseException as error:  # passed on with its type kept (as ``chain`` does)
                 self.profile.answered(name, seconds, 0)
                 result.set_exception(error)
-            else:
+                return
+            try:
                 size = payload_size(value)
-                self.profile.answered(name, seconds, size.nbytes)
-                result.set_result((value, size) if sized else value)
+            except Exception as error:  # a peer's answer nested past recursion's limit, say
+                self.profile.answered(name, seconds, 0)
+                result.set_exception(
+                    ParamServerError(f"server {server} sent a malformed answer to {op}: {error!r}")
+                )
+                return
+            self.profile.answered(name, seconds, size.nbytes)
+            result.set_result((value, size) if sized else value)
 
         answer.add_done_callback(record)
         return result

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -49,11 +48,17 @@ def payload_nbytes(message: Any) -> int:
 
 
 def _encoded_sizes(encoded: Encoded) -> tuple[int, int]:
-    return _payload_nbytes(encoded.tensors)[0], math.prod(encoded.shape) * 4
+    """An encoded tensor's payload, and the float32 tensor its shape claims (a peer's
+    malformed claim: 0, an absurd one: at most 2^62)."""
+    payload = _payload_nbytes(getattr(encoded, "tensors", None))[0]
+    return payload, _claimed_nbytes(getattr(encoded, "shape", None))
 
 
 def _packed_sizes(packed: PackedIds) -> tuple[int, int]:
-    return packed.nbytes, packed.nbytes
+    """Packed ids as they travel: their steps and the first id (a peer's steps that are not
+    a tensor: none)."""
+    nbytes = FIRST_NBYTES + _payload_nbytes(getattr(packed, "steps", None))[0]
+    return nbytes, nbytes
 
 
 # Counted as a whole, by type: an encoded tensor by its payload and the float32 tensor it
