@@ -526,8 +526,12 @@ struct SizesWalk {
         if (PyDict_Check(object)) {
             PyObject *key, *value;
             Py_ssize_t at = 0;
-            while (PyDict_Next(object, &at, &key, &value))
-                if (walk(value) < 0) return -1;
+            while (PyDict_Next(object, &at, &key, &value)) {
+                Py_INCREF(value); /* held while walked: a size function may change the dict */
+                const int walked = walk(value);
+                Py_DECREF(value);
+                if (walked < 0) return -1;
+            }
             return 0;
         }
         if (PyList_Check(object) || PyTuple_Check(object)) {
