@@ -83,11 +83,9 @@ def bundle_values(
     one's shape and them end to end (the storage they fill already, else a copy), as
     ``(shapes, flat)``; True where they are plain tensors of several dtypes, of ``threshold``
     bytes or more in all (a bundle each); None where they travel as they are."""
-    loops = native.loops
-    if loops is None or not loops.TAKES_TENSORS:
+    if not native.takes_tensors():
         return fallback(values, threshold)
-    made: tuple[Any, Tensor] | bool | None = loops.bundle_values(values, threshold)
-    return made
+    return cast(tuple[Any, Tensor] | bool | None, native.loops.bundle_values(values, threshold))  # type: ignore[union-attr]
 
 
 def unbundled_views(
@@ -99,11 +97,9 @@ def unbundled_views(
     """A peer's bundle (its ``names``, ``shapes`` and ``flat`` tensor) checked whole, then its
     views by name; or what is wrong with it, in :mod:`paramserver.wire.bundles`' words. Never
     raises."""
-    loops = native.loops
-    if loops is None or not loops.TAKES_TENSORS:
+    if not native.takes_tensors():
         return fallback(names, shapes, flat)
-    views: dict[str, Tensor] | str = loops.unbundled_views(names, shapes, flat)
-    return views
+    return cast(dict[str, Tensor] | str, native.loops.unbundled_views(names, shapes, flat))  # type: ignore[union-attr]
 
 
 def payload_sizes(
@@ -116,8 +112,7 @@ def payload_sizes(
     tuples, dataclasses (their fields by ``field_names``) and other mappings, in one call of
     the loops: a tensor by its bytes, an object whose type ``special`` holds by its function.
     ``fallback`` where a count passes int64 (a peer's claim) or the loops take no tensors."""
-    loops = native.loops  # (takes_tensors(), asked without a call: every message is measured)
-    if loops is None or not loops.TAKES_TENSORS:
+    if not native.takes_tensors():
         return fallback(message)
-    sizes: tuple[int, int] | None = loops.payload_sizes(special, field_names, Mapping, message)
-    return fallback(message) if sizes is None else sizes
+    sizes = native.loops.payload_sizes(special, field_names, Mapping, message)  # type: ignore[union-attr]
+    return fallback(message) if sizes is None else cast(tuple[int, int], sizes)
